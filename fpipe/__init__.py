@@ -1,0 +1,20 @@
+"""fpipe: pipeline-parallel training in PyTorch as a functional transform.
+
+``step = fpipe.pipeline(loss_fn, stages, schedule)`` turns pure stage functions
+``stage(params_i, x) -> y`` and a schedule (plain data, see ``fpipe.schedules``) into
+``loss, grads = step(params, batch)``.
+"""
+
+from . import schedules as schedules
+from ._api import Step as Step
+from ._api import pipeline as pipeline
+from ._errors import PipelineError as PipelineError
+from ._functionalize import functionalize as functionalize
+
+__all__ = [
+    "PipelineError",
+    "Step",
+    "functionalize",
+    "pipeline",
+    "schedules",
+]

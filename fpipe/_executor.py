@@ -1,0 +1,144 @@
+"""The executor: an interpreter that runs a program's actions against stages and a transport.
+
+One loop, one dispatch on the action kind. Where a stage's input comes from and where its output
+goes is the transport's business: the local transport is a mailbox in this process, the
+distributed one sends over torch.distributed. The executor knows nothing of any schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ._errors import PipelineError
+from ._pytree import PyTree
+from ._stage import Grads, Pullback, StageRun
+from .schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+
+
+class Transport(Protocol):
+    """Moves activations forward (stage ``s`` to ``s+1``) and cotangents back (``s`` to ``s-1``)."""
+
+    def send_activation(self, stage: int, microbatch: int, value: PyTree) -> None: ...
+
+    def recv_activation(self, stage: int, microbatch: int) -> PyTree: ...
+
+    def send_cotangent(self, stage: int, microbatch: int, value: Grads) -> None: ...
+
+    def recv_cotangent(self, stage: int, microbatch: int) -> Grads: ...
+
+
+class LocalTransport:
+    """All stages in one process: a send is a dictionary entry that the matching receive pops."""
+
+    def __init__(self) -> None:
+        self._activations: dict[tuple[int, int], PyTree] = {}
+        self._cotangents: dict[tuple[int, int], Grads] = {}
+
+    def send_activation(self, stage: int, microbatch: int, value: PyTree) -> None:
+        self._activations[stage + 1, microbatch] = value
+
+    def recv_activation(self, stage: int, microbatch: int) -> PyTree:
+        return self._activations.pop((stage, microbatch))
+
+    def send_cotangent(self, stage: int, microbatch: int, value: Grads) -> None:
+        self._cotangents[stage - 1, microbatch] = value
+
+    def recv_cotangent(self, stage: int, microbatch: int) -> Grads:
+        return self._cotangents.pop((stage, microbatch))
+
+
+class Executor:
+    """Runs actions for the stages this process holds; collects losses and aux of the last stage."""
+
+    def __init__(
+        self,
+        stages: Mapping[int, StageRun],
+        num_stages: int,
+        loss_fn: Callable[[Any, Any], Any],
+        *,
+        has_aux: bool,
+        microbatches: Sequence[PyTree] | None,
+        weights: Sequence[float],
+        transport: Transport,
+    ) -> None:
+        self.stages = stages
+        self.last = num_stages - 1
+        self.loss_fn = loss_fn
+        self.has_aux = has_aux
+        self.microbatches = microbatches
+        self.weights = weights
+        self.transport = transport
+        self.losses: dict[int, torch.Tensor] = {}
+        self.auxes: dict[int, Any] = {}
+        self._pullbacks: dict[tuple[int, int], Pullback] = {}
+        self._pending_weight: dict[tuple[int, int], Grads] = {}
+        self._handlers: dict[str, Callable[[Action], None]] = {
+            FORWARD: self._forward,
+            BACKWARD: self._backward,
+            BACKWARD_INPUT: self._backward_input,
+            BACKWARD_WEIGHT: self._backward_weight,
+        }
+
+    def run(self, order: Sequence[tuple[int, Action]]) -> None:
+        """Interpret ``(rank, action)`` pairs in order; failures become ``PipelineError``."""
+        handlers = self._handlers
+        for rank, action in order:
+            try:
+                handlers[action.kind](action)
+            except PipelineError:
+                raise
+            except Exception as error:
+                raise PipelineError(rank, action, error) from error
+
+    @property
+    def live_pullbacks(self) -> int:
+        """How many forwards' saved activations are alive now."""
+        return len(self._pullbacks)
+
+    def _microbatch(self, i: int) -> PyTree:
+        assert self.microbatches is not None, "the batch is needed on the first and last stages"
+        return self.microbatches[i]
+
+    def _forward(self, action: Action) -> None:
+        s, i = action.stage, action.microbatch
+        stage = self.stages[s]
+        x = self._microbatch(i) if s == 0 else self.transport.recv_activation(s, i)
+        if s == self.last:
+            loss, aux, pullback = stage.forward_loss(
+                x, self._microbatch(i), self.loss_fn, has_aux=self.has_aux, differentiate_input=s > 0
+            )
+            self.losses[i] = loss
+            self.auxes[i] = aux
+        else:
+            y, pullback = stage.forward(x, differentiate_input=s > 0)
+            self.transport.send_activation(s, i, y)
+        self._pullbacks[s, i] = pullback
+
+    def _output_cotangents(self, s: int, i: int) -> Grads:
+        if s == self.last:
+            loss = self.losses[i]
+            return [torch.full((), self.weights[i], dtype=loss.dtype, device=loss.device)]
+        return self.transport.recv_cotangent(s, i)
+
+    def _backward(self, action: Action) -> None:
+        s, i = action.stage, action.microbatch
+        cotangents = self._output_cotangents(s, i)
+        input_cotangents = self.stages[s].backward(self._pullbacks.pop((s, i)), cotangents, i)
+        if s > 0 and input_cotangents is not None:
+            self.transport.send_cotangent(s, i, input_cotangents)
+
+    def _backward_input(self, action: Action) -> None:
+        s, i = action.stage, action.microbatch
+        cotangents = self._output_cotangents(s, i)
+        self._pending_weight[s, i] = cotangents
+        input_cotangents = self.stages[s].backward(self._pullbacks[s, i], cotangents, i, part="input")
+        if s > 0 and input_cotangents is not None:
+            self.transport.send_cotangent(s, i, input_cotangents)
+
+    def _backward_weight(self, action: Action) -> None:
+        s, i = action.stage, action.microbatch
+        cotangents = self._pending_weight.pop((s, i))
+        self.stages[s].backward(self._pullbacks.pop((s, i)), cotangents, i, part="weight")

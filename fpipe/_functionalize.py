@@ -1,0 +1,42 @@
+"""``fpipe.functionalize``: an ``nn.Module`` as a pure function of its parameter pytree."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+
+def functionalize(module: nn.Module, /) -> tuple[Callable[..., Any], dict[str, torch.Tensor]]:
+    """Split ``module`` into a pure function and its trainable parameters.
+
+    Returns ``(fn, params)`` where ``params`` maps each trainable parameter's name (as in
+    ``module.named_parameters()``, tied parameters once) to a detached alias of it, and
+    ``fn(params, *args, **kwargs)`` calls ``module.forward(*args, **kwargs)`` with those
+    parameters through ``torch.func.functional_call``.
+
+    Buffers (e.g. BatchNorm running statistics) and parameters with ``requires_grad=False`` are
+    not in ``params``: ``fn`` reads them from the module at each call, as the module itself
+    would, so they follow ``module.to(...)``, ``module.train()``/``eval()`` and ``load_state_dict``.
+
+    Example:
+        >>> fn, params = fpipe.functionalize(torch.nn.Linear(4, 2))
+        >>> sorted(params)
+        ['bias', 'weight']
+        >>> fn(params, torch.randn(3, 4)).shape
+        torch.Size([3, 2])
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fpipe.functionalize: expected an nn.Module (got: {type(module).__name__}).")
+    params = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
+
+    def fn(params: dict[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:
+        state: dict[str, torch.Tensor] = {name: p for name, p in module.named_parameters() if not p.requires_grad}
+        state.update(module.named_buffers())
+        state.update(params)
+        return functional_call(module, state, args, kwargs)
+
+    return fn, params

@@ -1,0 +1,109 @@
+"""Splitting a batch pytree into microbatches, and gathering per-microbatch results back.
+
+Each tensor leaf is split along its batch dimension (``batch_dims``: an int for every leaf, or a
+prefix pytree of ints and ``None``; ``None`` passes the leaf whole to every microbatch, e.g. a RoPE
+table). Non-tensor leaves always pass whole. ``torch.tensor_split`` gives sizes that differ by at
+most one, larger first: 10 examples in 4 microbatches are 3, 3, 2, 2. Pieces are views of the
+detached input, so no user tensor is copied, mutated or made part of a graph.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from ._pytree import PyTree, broadcast_prefix, flatten, leaves_with_paths, unflatten
+
+
+def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[list[PyTree], list[int]]:
+    """Split ``batch`` into ``num_microbatches`` pytrees of the same structure, and their sizes.
+
+    Raises:
+        ValueError: if ``batch_dims`` is not a prefix of ``batch``, a dim is out of range, the
+            split leaves disagree on the batch size (listed by size and key path), or the batch
+            is smaller than ``num_microbatches``.
+    """
+    paths, leaves, spec = leaves_with_paths(batch)
+    try:
+        dims = broadcast_prefix(batch_dims, batch)
+    except ValueError as error:
+        raise ValueError(
+            f"fpipe.pipeline: batch_dims does not match the batch structure ({error}). Give one int "
+            "(or None) for the whole batch, or a prefix pytree of the batch with an int or None per subtree."
+        ) from None
+    by_size: dict[int, list[str]] = defaultdict(list)
+    split_dims: list[int | None] = []
+    for path, leaf, dim in zip(paths, leaves, dims):
+        if dim is None or not isinstance(leaf, torch.Tensor):
+            split_dims.append(None)
+            continue
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -leaf.dim() <= dim < leaf.dim():
+            raise ValueError(
+                f"fpipe.pipeline: cannot split batch leaf {path} of shape {tuple(leaf.shape)} along "
+                f"dim {dim!r}. Give a dim in range for it in batch_dims, or None to pass it whole."
+            )
+        split_dims.append(dim % leaf.dim())
+        by_size[leaf.shape[dim]].append(path)
+    if not by_size:
+        if num_microbatches == 1:
+            return [batch], [1]
+        raise ValueError(
+            f"fpipe.pipeline: no tensor leaf of the batch is split, so it cannot be cut into "
+            f"{num_microbatches} microbatches (batch_dims: {batch_dims!r}). "
+            "Give a batch dim for at least one tensor leaf."
+        )
+    if len(by_size) > 1:
+        listing = "; ".join(f"size {n}: {', '.join(ps)}" for n, ps in sorted(by_size.items()))
+        raise ValueError(
+            f"fpipe.pipeline: batch leaves disagree on the batch size along their batch_dims ({listing}). "
+            "Make them agree, or set batch_dims to None for leaves that are not batched."
+        )
+    ((size, sized_paths),) = by_size.items()
+    if size < num_microbatches:
+        raise ValueError(
+            f"fpipe.pipeline: a batch of {size} cannot be split into {num_microbatches} microbatches "
+            f"(leaves: {', '.join(sized_paths)}). Use a batch of at least {num_microbatches} or fewer microbatches."
+        )
+    pieces: list[Any] = [
+        torch.tensor_split(leaf.detach(), num_microbatches, dim=d) if d is not None else None
+        for leaf, d in zip(leaves, split_dims)
+    ]
+    microbatches = [
+        unflatten(spec, [leaf if part is None else part[i] for leaf, part in zip(leaves, pieces)])
+        for i in range(num_microbatches)
+    ]
+    first = next(k for k, d in enumerate(split_dims) if d is not None)
+    sizes = [pieces[first][i].shape[split_dims[first]] for i in range(num_microbatches)]
+    return microbatches, sizes
+
+
+def stack(trees: list[PyTree]) -> PyTree:
+    """Gather per-microbatch pytrees into one: tensor leaves stacked on a new leading dim, others in tuples.
+
+    Raises:
+        ValueError: if the pytrees differ in structure or a tensor leaf changes shape.
+    """
+    flat = [flatten(tree) for tree in trees]
+    spec = flat[0][1]
+    for i, (_, other) in enumerate(flat):
+        if other != spec:
+            raise ValueError(
+                f"fpipe.pipeline: the aux returned by loss_fn for microbatch {i} has structure {other}, "
+                f"but microbatch 0 returned {spec}. Return the same structure for every microbatch."
+            )
+    columns = list(zip(*(leaves for leaves, _ in flat)))
+    out: list[Any] = []
+    for column in columns:
+        if all(isinstance(x, torch.Tensor) for x in column):
+            if len({tuple(x.shape) for x in column}) > 1:
+                raise ValueError(
+                    "fpipe.pipeline: an aux tensor changes shape across microbatches "
+                    f"({[tuple(x.shape) for x in column]}); aux tensors are stacked, so return shapes "
+                    "that do not depend on the microbatch size (e.g. a sum or a mean)."
+                )
+            out.append(torch.stack([x.detach() for x in column]))
+        else:
+            out.append(tuple(column))
+    return unflatten(spec, out)

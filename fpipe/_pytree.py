@@ -1,0 +1,59 @@
+"""The one door to optree: every flatten in fpipe goes through here, with the same options.
+
+``None`` is a leaf (``none_is_leaf=True``): a ``None`` in a batch travels as a non-tensor leaf,
+and a ``None`` in a ``batch_dims`` prefix means "do not split". Registrations made in optree's
+default namespace (and optree's built-in types) are honoured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+
+PyTree = Any
+TreeSpec = optree.PyTreeSpec
+
+_OPTIONS: dict[str, Any] = {"none_is_leaf": True}
+
+
+def flatten(tree: PyTree) -> tuple[list[Any], TreeSpec]:
+    """Leaves (in optree's order) and the structure of ``tree``."""
+    return optree.tree_flatten(tree, **_OPTIONS)
+
+
+def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
+    """Inverse of ``flatten``."""
+    return optree.tree_unflatten(spec, leaves)
+
+
+def leaves_with_paths(tree: PyTree) -> tuple[list[str], list[Any], TreeSpec]:
+    """Like ``flatten``, plus each leaf's key path as a string such as ``['tokens'][0]``."""
+    paths, leaves, spec = optree.tree_flatten_with_path(tree, **_OPTIONS)
+    return [keystr(p) for p in paths], leaves, spec
+
+
+def keystr(path: Sequence[Any]) -> str:
+    """A key path tuple as ``['h'][0]``; the root is ``<root>``."""
+    return "".join(f"[{k!r}]" for k in path) or "<root>"
+
+
+def broadcast_prefix(prefix: PyTree, tree: PyTree) -> list[Any]:
+    """The leaves of ``prefix`` repeated over the leaves of ``tree`` that each one covers.
+
+    Raises ``ValueError`` naming the mismatch if ``prefix`` is not a prefix of ``tree``.
+    """
+    return optree.broadcast_prefix(prefix, tree, **_OPTIONS)
+
+
+def is_differentiable(leaf: Any) -> bool:
+    """Floating and complex tensors get gradients; everything else passes through untouched."""
+    return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+
+
+def map_tensors(fn: Any, tree: PyTree) -> PyTree:
+    """Apply ``fn`` to every tensor leaf of ``tree``; other leaves are kept as they are."""
+    leaves, spec = flatten(tree)
+    return unflatten(spec, [fn(x) if isinstance(x, torch.Tensor) else x for x in leaves])

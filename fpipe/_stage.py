@@ -1,0 +1,193 @@
+"""A stage within one step: its forward, which saves a pullback, and its backward, which runs it.
+
+NOTE [differentiable leaves]
+Only floating and complex tensor leaves are differentiated. Each one that enters a stage (an
+input leaf or a parameter leaf) is replaced by ``leaf.detach().requires_grad_()``: a new tensor
+sharing storage, so the user's tensor keeps its ``requires_grad`` and is never part of our
+graph. The forward runs under ``torch.enable_grad()`` (the ambient grad mode does not matter),
+and the backward is an explicit vector-Jacobian product, ``torch.autograd.grad(outputs, inputs,
+cotangents)``, that never reads or writes ``.grad``. Integer/bool tensors and non-tensor leaves
+pass through and get no cotangent (``None``).
+
+NOTE [fixed accumulation order]
+A stage's parameter gradients are summed over microbatches in microbatch order 0, 1, 2, ...
+whatever order the schedule runs the backwards in: a contribution that arrives early waits in
+``_OrderedSum`` until its predecessors are in. So every schedule, and one process or many, add
+the same numbers in the same order and give bitwise-identical results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._pytree import PyTree, flatten, is_differentiable, map_tensors, unflatten
+
+Grads = list[torch.Tensor | None]
+
+
+class Pullback:
+    """What a forward saves for its backward: the outputs to differentiate and the inputs to reach."""
+
+    __slots__ = ("input_index", "inputs", "num_inputs", "output_index", "outputs")
+
+    def __init__(
+        self,
+        outputs: list[torch.Tensor],
+        output_index: list[int],
+        inputs: list[torch.Tensor],
+        input_index: list[int],
+        num_inputs: int,
+    ) -> None:
+        self.outputs = outputs  # output leaves that carry a graph
+        self.output_index = output_index  # their positions among the output leaves
+        self.inputs = inputs  # differentiable input leaves (detached copies)
+        self.input_index = input_index  # their positions among the input leaves
+        self.num_inputs = num_inputs  # how many input leaves there are in all
+
+
+class _OrderedSum:
+    """Sums per-microbatch gradient lists in microbatch order (NOTE [fixed accumulation order])."""
+
+    def __init__(self, size: int) -> None:
+        self.total: Grads = [None] * size
+        self._next = 0
+        self._pending: dict[int, Grads] = {}
+
+    def add(self, microbatch: int, grads: Sequence[torch.Tensor | None]) -> None:
+        self._pending[microbatch] = list(grads)
+        while self._next in self._pending:
+            for k, g in enumerate(self._pending.pop(self._next)):
+                if g is None:
+                    continue
+                current = self.total[k]
+                self.total[k] = g if current is None else current.add_(g)
+            self._next += 1
+
+
+class StageRun:
+    """Stage ``index`` for the duration of one step: prepared parameters and the gradient sum."""
+
+    def __init__(self, index: int, fn: Callable[[Any, Any], Any], params: PyTree) -> None:
+        self.index = index
+        self.fn = fn
+        leaves, self._spec = flatten(params)
+        self._param_leaves = leaves
+        self._param_index = [k for k, leaf in enumerate(leaves) if is_differentiable(leaf)]
+        prepared = list(leaves)
+        for k in self._param_index:
+            prepared[k] = leaves[k].detach().requires_grad_()
+        self._param_inputs = [prepared[k] for k in self._param_index]
+        self.params = unflatten(self._spec, prepared)
+        self.device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
+        self._grads = _OrderedSum(len(self._param_index))
+
+    def to_device(self, tree: PyTree) -> PyTree:
+        """``tree`` with its tensors on this stage's device (no-op where already there)."""
+        if self.device is None:
+            return tree
+        device = self.device
+        return map_tensors(lambda t: t.to(device), tree)
+
+    def forward(self, x: PyTree, *, differentiate_input: bool) -> tuple[Any, Pullback]:
+        """Run the stage on ``x``; return its output and the pullback of this call."""
+        leaves, spec = flatten(self.to_device(x))
+        input_index: list[int] = []
+        if differentiate_input:
+            leaves = list(leaves)
+            for k, leaf in enumerate(leaves):
+                if is_differentiable(leaf):
+                    leaves[k] = leaf.detach().requires_grad_()
+                    input_index.append(k)
+        with torch.enable_grad():
+            y = self.fn(self.params, unflatten(spec, leaves))
+        return y, self._pullback(y, [leaves[k] for k in input_index], input_index, len(leaves))
+
+    def forward_loss(
+        self,
+        x: PyTree,
+        microbatch: PyTree,
+        loss_fn: Callable[[Any, Any], Any],
+        *,
+        has_aux: bool,
+        differentiate_input: bool,
+    ) -> tuple[torch.Tensor, Any, Pullback]:
+        """Run the (last) stage and ``loss_fn`` on ``x``; return loss, aux and the pullback."""
+        y, pullback = self.forward(x, differentiate_input=differentiate_input)
+        with torch.enable_grad():
+            result = loss_fn(y, self.to_device(microbatch))
+        loss, aux = _split_aux(result, has_aux)
+        pullback = self._pullback(loss, pullback.inputs, pullback.input_index, pullback.num_inputs)
+        return loss.detach(), aux, pullback
+
+    @staticmethod
+    def _pullback(y: PyTree, inputs: list[torch.Tensor], input_index: list[int], num_inputs: int) -> Pullback:
+        leaves, _ = flatten(y)
+        index = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        return Pullback([leaves[k] for k in index], index, inputs, input_index, num_inputs)
+
+    def backward(
+        self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None], microbatch: int, *, part: str = "both"
+    ) -> Grads | None:
+        """Pull ``cotangents`` (one per output leaf, ``None`` for none) back through a forward.
+
+        ``part`` is ``"both"`` (fused backward), ``"input"`` (input cotangents only; keeps the
+        graph for a later ``"weight"``) or ``"weight"``. Parameter gradients go into the ordered
+        sum; the input cotangents (one per input leaf, ``None`` where there is none) are returned,
+        or ``None`` for ``"weight"``.
+        """
+        outputs, grad_outputs = [], []
+        for k, out in zip(pullback.output_index, pullback.outputs):
+            cot = cotangents[k]
+            if cot is not None:
+                outputs.append(out)
+                grad_outputs.append(cot.to(out.device))
+        wrt: list[torch.Tensor] = []
+        if part != "weight":
+            wrt += pullback.inputs
+        if part != "input":
+            wrt += self._param_inputs
+        grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
+        if outputs and wrt:
+            grads = torch.autograd.grad(outputs, wrt, grad_outputs, retain_graph=part == "input", allow_unused=True)
+        if part != "input":
+            self._grads.add(microbatch, grads[len(wrt) - len(self._param_inputs) :])
+        if part == "weight":
+            return None
+        input_cotangents: Grads = [None] * pullback.num_inputs
+        for k, g in zip(pullback.input_index, grads):
+            input_cotangents[k] = g
+        return input_cotangents
+
+    def grads(self) -> PyTree:
+        """The summed parameter gradients, shaped like the parameters.
+
+        Differentiable leaves that no microbatch reached get zeros; other leaves get ``None``.
+        """
+        out: list[Any] = [None] * len(self._param_leaves)
+        for k, g in zip(self._param_index, self._grads.total):
+            out[k] = torch.zeros_like(self._param_leaves[k]) if g is None else g
+        return unflatten(self._spec, out)
+
+
+def _split_aux(result: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
+    if has_aux:
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(f"loss_fn must return a pair (loss, aux) when has_aux=True (got: {type(result).__name__}).")
+        loss, aux = result
+    else:
+        loss, aux = result, None
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+        described = (
+            f"tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise TypeError(
+            f"loss_fn must return a real floating scalar tensor (got: {described}). "
+            "Reduce the loss to one number, e.g. with .mean()."
+            + ("" if has_aux else " If it returns (loss, aux), pass has_aux=True.")
+        )
+    return loss, aux

@@ -1,0 +1,31 @@
+"""Schedules as data: actions, programs, their validation and pictures, and the classic schedules.
+
+A schedule is a value (``GPipe(num_microbatches=8)``) whose ``program(num_stages)`` returns a
+``Program``: one ordered list of ``Action`` per rank. Programs can be written by hand too.
+"""
+
+from ._action import Action as Action
+from ._gpipe import GPipe as GPipe
+from ._interleaved import Interleaved1F1B as Interleaved1F1B
+from ._one_f_one_b import OneFOneB as OneFOneB
+from ._program import Program as Program
+from ._program import Schedule as Schedule
+from ._program import ScheduleError as ScheduleError
+from ._program import execution_order as execution_order
+from ._program import render as render
+from ._program import timeline as timeline
+from ._program import validate as validate
+
+__all__ = [
+    "Action",
+    "GPipe",
+    "Interleaved1F1B",
+    "OneFOneB",
+    "Program",
+    "Schedule",
+    "ScheduleError",
+    "execution_order",
+    "render",
+    "timeline",
+    "validate",
+]

@@ -1,0 +1,71 @@
+"""Interleaved 1F1B with looped placement (Narayanan et al., "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", SC 2021)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._action import BACKWARD, FORWARD, Action
+from ._gpipe import check_microbatches
+from ._program import Program, ScheduleError
+
+
+@dataclass(frozen=True)
+class Interleaved1F1B:
+    """Megatron's interleaved 1F1B: ``stages_per_rank`` stages per rank in looped placement.
+
+    With ``p`` ranks and ``v = stages_per_rank``, stage ``s`` lives on rank ``s % p`` (rank ``r``
+    holds stages ``r, r + p, ..., r + (v-1)p``), so ``num_stages`` must be ``p * v``. The bubble
+    is the 1F1B bubble divided by ``v``, at the cost of ``v`` times more point-to-point messages.
+
+    Microbatches go through in groups of ``p``: rank ``r`` runs the forward of its first stage on
+    a group, then of its second stage on that group, and so on, and backwards in the mirror
+    order. Conceptually, with ``fwd``/``bwd`` those (stage, microbatch) sequences of length
+    ``n = m * v``::
+
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, n)
+        for k in range(warmup): forward(*fwd[k])
+        for k in range(n - warmup): forward(*fwd[warmup + k]); backward(*bwd[k])
+        for k in range(n - warmup, n): backward(*bwd[k])
+    """
+
+    num_microbatches: int
+    stages_per_rank: int = 2
+
+    def __post_init__(self) -> None:
+        check_microbatches("Interleaved1F1B", self.num_microbatches)
+        if (
+            isinstance(self.stages_per_rank, bool)
+            or not isinstance(self.stages_per_rank, int)
+            or self.stages_per_rank < 1
+        ):
+            raise ScheduleError(
+                "fpipe.schedules.Interleaved1F1B: stages_per_rank must be a positive int "
+                f"(stages_per_rank: {self.stages_per_rank!r})."
+            )
+
+    def program(self, num_stages: int) -> Program:
+        """The program for ``num_stages`` stages on ``num_stages // stages_per_rank`` ranks."""
+        v, m = self.stages_per_rank, self.num_microbatches
+        if num_stages % v:
+            raise ScheduleError(
+                f"fpipe.schedules.Interleaved1F1B: {num_stages} stages cannot be spread "
+                f"{v} per rank (stages_per_rank: {v}). Use a stage count divisible by {v}."
+            )
+        p = num_stages // v
+        ranks = []
+        for r in range(p):
+            fwd: list[tuple[int, int]] = []
+            bwd: list[tuple[int, int]] = []
+            for start in range(0, m, p):
+                group = range(start, min(start + p, m))
+                fwd += [(c * p + r, i) for c in range(v) for i in group]
+                bwd += [(c * p + r, i) for c in reversed(range(v)) for i in group]
+            n = len(fwd)
+            warmup = min(2 * (p - r - 1) + (v - 1) * p, n)
+            row = [Action(s, FORWARD, i) for s, i in fwd[:warmup]]
+            for (fs, fi), (bs, bi) in zip(fwd[warmup:], bwd):
+                row += [Action(fs, FORWARD, fi), Action(bs, BACKWARD, bi)]
+            row += [Action(s, BACKWARD, i) for s, i in bwd[n - warmup :]]
+            ranks.append(tuple(row))
+        return Program(tuple(ranks), num_stages, m)

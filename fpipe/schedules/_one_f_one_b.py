@@ -1,0 +1,44 @@
+"""1F1B, also called PipeDream-flush (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
+Training", ICML 2021)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._action import BACKWARD, FORWARD, Action
+from ._gpipe import check_microbatches
+from ._program import Program
+
+
+@dataclass(frozen=True)
+class OneFOneB:
+    """1F1B / PipeDream-flush: after a short warm-up each rank alternates one forward, one backward.
+
+    One stage per rank (stage ``s`` on rank ``s``). Same bubble as GPipe, ``(p-1)/(m+p-1)``, but
+    rank ``r`` holds at most ``p - r`` microbatches' activations instead of ``m``.
+
+    Conceptually, rank ``r`` of ``p`` runs::
+
+        warmup = min(p - r - 1, m)
+        for i in range(warmup): forward(r, i)
+        for i in range(m - warmup): forward(r, warmup + i); backward(r, i)
+        for i in range(m - warmup, m): backward(r, i)
+    """
+
+    num_microbatches: int
+
+    def __post_init__(self) -> None:
+        check_microbatches("OneFOneB", self.num_microbatches)
+
+    def program(self, num_stages: int) -> Program:
+        """The program for ``num_stages`` stages on as many ranks."""
+        m, p = self.num_microbatches, num_stages
+        ranks = []
+        for r in range(p):
+            warmup = min(p - r - 1, m)
+            row = [Action(r, FORWARD, i) for i in range(warmup)]
+            for i in range(m - warmup):
+                row += [Action(r, FORWARD, warmup + i), Action(r, BACKWARD, i)]
+            row += [Action(r, BACKWARD, i) for i in range(m - warmup, m)]
+            ranks.append(tuple(row))
+        return Program(tuple(ranks), p, m)

@@ -1,0 +1,264 @@
+"""Programs: per-rank action lists, their validation, and their rank x time grid.
+
+A program is plain data. ``validate`` checks that it can run; ``timeline`` replays it with unit
+cost per action (each rank runs its next action as soon as that action's inputs exist), which
+gives both the picture (``render``) and the order in which a single process interprets it.
+
+Dependencies between actions (``s`` stage, ``i`` microbatch, ``S`` stages)::
+
+    F(s, i)      needs F(s-1, i)                     (the activation)
+    B/I(s, i)    needs F(s, i) and B/I(s+1, i)       (the cotangent; the last stage needs only F)
+    W(s, i)      needs I(s, i)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KINDS, Action
+
+
+class ScheduleError(ValueError):
+    """A program that cannot run, or schedule parameters that cannot work."""
+
+
+@dataclass(frozen=True)
+class Program:
+    """Per-rank ordered action lists for ``num_stages`` stages and ``num_microbatches`` microbatches.
+
+    ``ranks[r]`` is what rank ``r`` executes, in order. Which rank holds a stage (the placement)
+    is read off the actions: a stage lives on the rank whose list mentions it.
+    """
+
+    ranks: tuple[tuple[Action, ...], ...]
+    num_stages: int
+    num_microbatches: int
+
+    @classmethod
+    def from_lists(
+        cls,
+        ranks: Sequence[Sequence[Action | str]],
+        *,
+        num_stages: int | None = None,
+        num_microbatches: int | None = None,
+    ) -> Program:
+        """Build a program from per-rank lists of actions or strings such as ``"2F0"``.
+
+        ``num_stages`` and ``num_microbatches`` default to one more than the largest index used.
+        The result is not validated; call ``validate`` (``fpipe.pipeline`` does).
+        """
+        if isinstance(ranks, (str, bytes)) or not all(
+            isinstance(row, Sequence) and not isinstance(row, str) for row in ranks
+        ):
+            raise ScheduleError(
+                "fpipe.schedules: a program is a list with one list of actions per rank, "
+                f"e.g. [['0F0', '0B0'], ['1F0', '1B0']] (got: {ranks!r})."
+            )
+        rows = tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in row) for row in ranks)
+        every = [a for row in rows for a in row]
+        if num_stages is None:
+            num_stages = max((a.stage for a in every), default=-1) + 1
+        if num_microbatches is None:
+            num_microbatches = max((a.microbatch for a in every), default=-1) + 1
+        return cls(rows, num_stages, num_microbatches)
+
+    @property
+    def num_ranks(self) -> int:
+        """The number of (possibly virtual) ranks."""
+        return len(self.ranks)
+
+    def placement(self) -> tuple[int, ...]:
+        """``placement()[s]`` is the rank that holds stage ``s`` (validated programs only)."""
+        where: dict[int, int] = {}
+        for r, row in enumerate(self.ranks):
+            for a in row:
+                where.setdefault(a.stage, r)
+        return tuple(where[s] for s in range(self.num_stages))
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages that ``rank`` holds, in increasing order."""
+        return tuple(sorted({a.stage for a in self.ranks[rank]}))
+
+    def __str__(self) -> str:
+        return render(self)
+
+
+class Schedule(Protocol):
+    """What ``fpipe.pipeline`` accepts as a schedule: a value that builds a program."""
+
+    @property
+    def num_microbatches(self) -> int: ...
+
+    def program(self, num_stages: int) -> Program: ...
+
+
+def dependencies(action: Action, num_stages: int, split: frozenset[tuple[int, int]]) -> list[Action]:
+    """The actions that must finish before ``action`` can start (see the module docstring).
+
+    ``split`` holds the ``(stage, microbatch)`` pairs whose backward is split into ``I`` and ``W``.
+    """
+    s, i = action.stage, action.microbatch
+    if action.kind == FORWARD:
+        return [Action(s - 1, FORWARD, i)] if s > 0 else []
+    if action.kind == BACKWARD_WEIGHT:
+        return [Action(s, BACKWARD_INPUT, i)]
+    deps = [Action(s, FORWARD, i)]
+    if s + 1 < num_stages:
+        deps.append(Action(s + 1, BACKWARD_INPUT if (s + 1, i) in split else BACKWARD, i))
+    return deps
+
+
+def split_backwards(program: Program) -> frozenset[tuple[int, int]]:
+    """The ``(stage, microbatch)`` pairs whose backward the program runs as ``I`` then ``W``."""
+    return frozenset((a.stage, a.microbatch) for row in program.ranks for a in row if a.kind == BACKWARD_INPUT)
+
+
+def validate(program: Program) -> None:
+    """Check that ``program`` can run, or raise ``ScheduleError`` saying why.
+
+    Checks, in order: indices in range; each stage on exactly one rank; every forward and
+    backward present exactly once (a backward is either ``B`` or the pair ``I`` + ``W``); on each
+    rank a backward after its forward and ``W`` after its ``I``; and, replaying the program, no
+    dependency cycle across ranks (a deadlock), reported with the grid and the stuck actions.
+    """
+    S, M = program.num_stages, program.num_microbatches
+    if S < 1 or M < 1 or not program.ranks:
+        raise ScheduleError(
+            f"fpipe.schedules: a program needs at least one rank, stage and microbatch "
+            f"(ranks: {program.num_ranks}, stages: {S}, microbatches: {M})."
+        )
+    seen: dict[Action, tuple[int, int]] = {}
+    owner: dict[int, int] = {}
+    for r, row in enumerate(program.ranks):
+        for pos, a in enumerate(row):
+            if a.kind not in KINDS or not (0 <= a.stage < S) or not (0 <= a.microbatch < M):
+                raise ScheduleError(
+                    f"fpipe.schedules: action {a} (rank {r}, position {pos}) is out of range: "
+                    f"stages are 0..{S - 1}, microbatches 0..{M - 1}, kinds {'/'.join(KINDS)}."
+                )
+            if a in seen:
+                r0, p0 = seen[a]
+                raise ScheduleError(
+                    f"fpipe.schedules: action {a} appears twice (rank {r0} position {p0}, "
+                    f"rank {r} position {pos}). Each action must run exactly once."
+                )
+            seen[a] = (r, pos)
+            if owner.setdefault(a.stage, r) != r:
+                raise ScheduleError(
+                    f"fpipe.schedules: stage {a.stage} appears on rank {owner[a.stage]} and on "
+                    f"rank {r} (action {a}). Each stage must live on exactly one rank."
+                )
+    missing: list[str] = []
+    for s in range(S):
+        for i in range(M):
+            fused, inp, wgt = (Action(s, k, i) in seen for k in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
+            if Action(s, FORWARD, i) not in seen:
+                missing.append(str(Action(s, FORWARD, i)))
+            if fused and (inp or wgt):
+                raise ScheduleError(
+                    f"fpipe.schedules: stage {s} microbatch {i} has both a fused backward "
+                    f"({Action(s, BACKWARD, i)}) and a split one (I/W). Use one or the other."
+                )
+            if not fused and not inp:
+                missing.append(str(Action(s, BACKWARD if not wgt else BACKWARD_INPUT, i)))
+            if inp and not wgt:
+                missing.append(str(Action(s, BACKWARD_WEIGHT, i)))
+            if wgt and not inp:
+                missing.append(str(Action(s, BACKWARD_INPUT, i)))
+    if missing:
+        shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
+        raise ScheduleError(
+            f"fpipe.schedules: the program is missing actions: {shown}. Every stage needs a "
+            "forward and a backward (B, or I and W) for every microbatch."
+        )
+    for r, row in enumerate(program.ranks):
+        for pos, a in enumerate(row):
+            before = {BACKWARD: FORWARD, BACKWARD_INPUT: FORWARD, BACKWARD_WEIGHT: BACKWARD_INPUT}.get(a.kind)
+            if before is not None and seen[Action(a.stage, before, a.microbatch)][1] > pos:
+                raise ScheduleError(
+                    f"fpipe.schedules: on rank {r}, {a} (position {pos}) comes before "
+                    f"{Action(a.stage, before, a.microbatch)} that it needs. Move it later.\n"
+                    + render(program, marks={(r, pos)}, ticks=[list(range(len(row))) for row in program.ranks])
+                )
+    timeline(program)
+
+
+def timeline(program: Program) -> list[list[int]]:
+    """Replay a program with unit cost per action: ``timeline(p)[r][k]`` is the tick of ``p.ranks[r][k]``.
+
+    At each tick every rank runs its next action if everything it depends on finished at an
+    earlier tick. Raises ``ScheduleError`` (with the grid so far and the stuck actions marked)
+    if at some tick no rank can move: the program deadlocks.
+    """
+    split = split_backwards(program)
+    done: dict[Action, int] = {}
+    ticks: list[list[int]] = [[] for _ in program.ranks]
+    total = sum(len(row) for row in program.ranks)
+    t = 0
+    while len(done) < total:
+        ready = [
+            r
+            for r, row in enumerate(program.ranks)
+            if len(ticks[r]) < len(row)
+            and all(done.get(d, t) < t for d in dependencies(row[len(ticks[r])], program.num_stages, split))
+        ]
+        if not ready:
+            stuck = {(r, len(ticks[r])) for r, row in enumerate(program.ranks) if len(ticks[r]) < len(row)}
+            waits = "; ".join(
+                f"rank {r} waits at {program.ranks[r][k]} for "
+                + ", ".join(
+                    str(d) for d in dependencies(program.ranks[r][k], program.num_stages, split) if d not in done
+                )
+                for r, k in sorted(stuck)
+            )
+            raise ScheduleError(
+                f"fpipe.schedules: the program deadlocks after {t} ticks: {waits}. "
+                "Reorder the actions so that every dependency can run first.\n"
+                + render(program, marks=stuck, ticks=ticks)
+            )
+        for r in ready:
+            done[program.ranks[r][len(ticks[r])]] = t
+            ticks[r].append(t)
+        t += 1
+    return ticks
+
+
+def execution_order(program: Program) -> tuple[tuple[int, Action], ...]:
+    """``(rank, action)`` pairs in the order one process interprets them: by tick, then rank."""
+    ticks = timeline(program)
+    pairs = [(t, r, a) for r, row in enumerate(program.ranks) for t, a in zip(ticks[r], row)]
+    return tuple((r, a) for _, r, a in sorted(pairs, key=lambda p: (p[0], p[1])))
+
+
+def render(
+    program: Program,
+    *,
+    marks: set[tuple[int, int]] | None = None,
+    ticks: list[list[int]] | None = None,
+) -> str:
+    """The program as a rank x time grid, one row per rank, ``.`` where a rank idles.
+
+    Example (GPipe, 2 stages, 2 microbatches)::
+
+        rank 0 | 0F0 0F1  .   .  0B0 0B1
+        rank 1 |  .  1F0 1F1 1B0 1B1  .
+
+    Column ``t`` is what each rank does at unit time ``t``. ``marks`` holds
+    ``(rank, position)`` pairs drawn as ``>2B0<`` after the grid (used for errors), ``ticks`` the
+    times to draw (default: ``timeline(program)``).
+    """
+    if ticks is None:
+        ticks = timeline(program)
+    marks = marks or set()
+    width = max((len(str(a)) for row in program.ranks for a in row), default=1)
+    end = max((row[-1] + 1 for row in ticks if row), default=0)
+    lines = []
+    for r, row in enumerate(program.ranks):
+        cells = [".".center(width)] * end
+        for k, t in enumerate(ticks[r]):
+            cells[t] = str(row[k]).center(width)
+        stuck = [f">{row[k]}<" for (mr, k) in sorted(marks) if mr == r and k < len(row)]
+        lines.append(f"rank {r} | " + " ".join(cells + stuck).rstrip())
+    return "\n".join(lines)
