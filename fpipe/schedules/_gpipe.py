@@ -8,6 +8,18 @@ from ._action import BACKWARD, FORWARD, Action
 from ._program import Program, ScheduleError
 
 
+def looped_ranks(name: str, num_stages: int, num_ranks: int | None, default: int) -> int:
+    """Check that ``num_stages`` stages can be laid out looped (stage ``s`` on rank ``s % p``)."""
+    p = default if num_ranks is None else num_ranks
+    if p < 1 or num_stages < 1 or num_stages % p:
+        raise ScheduleError(
+            f"fpipe.schedules.{name}: {num_stages} stages cannot be laid out on {p} ranks "
+            f"(num_stages: {num_stages}, num_ranks: {p}). Use a stage count that is a positive multiple "
+            "of the number of ranks."
+        )
+    return p
+
+
 def check_microbatches(name: str, num_microbatches: int) -> None:
     """Reject a microbatch count that is not a positive int."""
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -20,13 +32,15 @@ def check_microbatches(name: str, num_microbatches: int) -> None:
 class GPipe:
     """GPipe (Huang et al., 2019): every rank runs all its forwards, then all its backwards.
 
-    One stage per rank (stage ``s`` on rank ``s``). Bubble fraction ``(p-1)/(m+p-1)`` for ``p``
-    stages and ``m`` microbatches; every microbatch's activations are alive at once.
+    By default one stage per rank (stage ``s`` on rank ``s``). Bubble fraction ``(p-1)/(m+p-1)``
+    for ``p`` stages and ``m`` microbatches; every microbatch's activations are alive at once.
+    With more stages than ranks, placement is looped (stage ``s`` on rank ``s % p``).
 
     Conceptually, rank ``r`` runs::
 
-        for i in range(m): forward(r, i)
-        for i in range(m): backward(r, i)
+        for s in stages_of(r):            for s in reversed(stages_of(r)):
+            for i in range(m):                for i in range(m):
+                forward(s, i)                     backward(s, i)
     """
 
     num_microbatches: int
@@ -34,14 +48,14 @@ class GPipe:
     def __post_init__(self) -> None:
         check_microbatches("GPipe", self.num_microbatches)
 
-    def program(self, num_stages: int) -> Program:
-        """The program for ``num_stages`` stages on as many ranks."""
+    def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
+        """The program for ``num_stages`` stages on ``num_ranks`` ranks (default: one stage per rank)."""
         m = self.num_microbatches
-        return Program(
-            tuple(
-                tuple(Action(r, FORWARD, i) for i in range(m)) + tuple(Action(r, BACKWARD, i) for i in range(m))
-                for r in range(num_stages)
-            ),
-            num_stages,
-            m,
-        )
+        p = looped_ranks("GPipe", num_stages, num_ranks, num_stages)
+        ranks = []
+        for r in range(p):
+            local = range(r, num_stages, p)
+            forwards = [Action(s, FORWARD, i) for s in local for i in range(m)]
+            backwards = [Action(s, BACKWARD, i) for s in reversed(local) for i in range(m)]
+            ranks.append(tuple(forwards + backwards))
+        return Program(tuple(ranks), num_stages, m)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._action import BACKWARD, FORWARD, Action
-from ._gpipe import check_microbatches
+from ._gpipe import check_microbatches, looped_ranks
 from ._program import Program, ScheduleError
 
 
@@ -15,7 +15,9 @@ class Interleaved1F1B:
     """Megatron's interleaved 1F1B: ``stages_per_rank`` stages per rank in looped placement.
 
     With ``p`` ranks and ``v = stages_per_rank``, stage ``s`` lives on rank ``s % p`` (rank ``r``
-    holds stages ``r, r + p, ..., r + (v-1)p``), so ``num_stages`` must be ``p * v``. The bubble
+    holds stages ``r, r + p, ..., r + (v-1)p``). ``stages_per_rank`` sets the number of ranks
+    when the program is built without one (in one process); a process group of ``p`` ranks
+    gives ``v = num_stages / p``. The bubble
     is the 1F1B bubble divided by ``v``, at the cost of ``v`` times more point-to-point messages.
 
     Microbatches go through in groups of ``p``: rank ``r`` runs the forward of its first stage on
@@ -44,15 +46,17 @@ class Interleaved1F1B:
                 f"(stages_per_rank: {self.stages_per_rank!r})."
             )
 
-    def program(self, num_stages: int) -> Program:
-        """The program for ``num_stages`` stages on ``num_stages // stages_per_rank`` ranks."""
-        v, m = self.stages_per_rank, self.num_microbatches
-        if num_stages % v:
+    def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
+        """The program for ``num_stages`` stages on ``num_ranks`` ranks (default: ``num_stages // stages_per_rank``)."""
+        m = self.num_microbatches
+        if num_ranks is None and num_stages % self.stages_per_rank:
             raise ScheduleError(
                 f"fpipe.schedules.Interleaved1F1B: {num_stages} stages cannot be spread "
-                f"{v} per rank (stages_per_rank: {v}). Use a stage count divisible by {v}."
+                f"{self.stages_per_rank} per rank (stages_per_rank: {self.stages_per_rank}). "
+                f"Use a stage count divisible by {self.stages_per_rank}."
             )
-        p = num_stages // v
+        p = looped_ranks("Interleaved1F1B", num_stages, num_ranks, num_stages // self.stages_per_rank)
+        v = num_stages // p
         ranks = []
         for r in range(p):
             fwd: list[tuple[int, int]] = []

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._action import BACKWARD, FORWARD, Action
-from ._gpipe import check_microbatches
+from ._gpipe import check_microbatches, looped_ranks
+from ._interleaved import Interleaved1F1B
 from ._program import Program
 
 
@@ -23,6 +24,9 @@ class OneFOneB:
         for i in range(warmup): forward(r, i)
         for i in range(m - warmup): forward(r, warmup + i); backward(r, i)
         for i in range(m - warmup, m): backward(r, i)
+
+    With more stages than ranks (``num_ranks`` given, e.g. by a smaller process group), the
+    program is ``Interleaved1F1B``'s for that many stages per rank.
     """
 
     num_microbatches: int
@@ -30,9 +34,12 @@ class OneFOneB:
     def __post_init__(self) -> None:
         check_microbatches("OneFOneB", self.num_microbatches)
 
-    def program(self, num_stages: int) -> Program:
-        """The program for ``num_stages`` stages on as many ranks."""
-        m, p = self.num_microbatches, num_stages
+    def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
+        """The program for ``num_stages`` stages on ``num_ranks`` ranks (default: one stage per rank)."""
+        m = self.num_microbatches
+        p = looped_ranks("OneFOneB", num_stages, num_ranks, num_stages)
+        if p != num_stages:
+            return Interleaved1F1B(m, stages_per_rank=num_stages // p).program(num_stages, p)
         ranks = []
         for r in range(p):
             warmup = min(p - r - 1, m)

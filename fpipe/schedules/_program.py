@@ -86,12 +86,17 @@ class Program:
 
 
 class Schedule(Protocol):
-    """What ``fpipe.pipeline`` accepts as a schedule: a value that builds a program."""
+    """What ``fpipe.pipeline`` accepts as a schedule: a value that builds a program.
+
+    ``program(num_stages, num_ranks)`` lays ``num_stages`` stages on ``num_ranks`` ranks (the
+    pipeline group's size when distributed); ``num_ranks=None`` asks for the schedule's own
+    default, which is what one process uses (its ranks are virtual).
+    """
 
     @property
     def num_microbatches(self) -> int: ...
 
-    def program(self, num_stages: int) -> Program: ...
+    def program(self, num_stages: int, num_ranks: int | None = None) -> Program: ...
 
 
 def dependencies(action: Action, num_stages: int, split: frozenset[tuple[int, int]]) -> list[Action]:
