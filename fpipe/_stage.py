@@ -63,7 +63,10 @@ class _OrderedSum:
                 if g is None:
                     continue
                 current = self.total[k]
-                self.total[k] = g if current is None else current.add_(g)
+                # The first contribution is cloned: autograd may hand back the cotangent itself
+                # (``x + p``) or an expanded view of it (``p.sum()``), shared with other stages
+                # or microbatches, and the in-place sum must write only to memory it owns.
+                self.total[k] = g.clone() if current is None else current.add_(g)
             self._next += 1
 
 

@@ -1,0 +1,31 @@
+"""Shared test settings: float64 and a fixed seed by default, and a fast hypothesis profile."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# Every hypothesis test draws its own tensor seed, so the per-test fixture below needs no reset
+# between examples; hence the function_scoped_fixture health check is off. The default profile
+# is small and derandomized (the suite stays fast and reproducible); FPIPE_HYPOTHESIS=thorough
+# explores more, with fresh examples on every run.
+_COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]}
+settings.register_profile("fpipe", max_examples=30, derandomize=True, **_COMMON)
+settings.register_profile("thorough", max_examples=500, **_COMMON)
+settings.load_profile(os.environ.get("FPIPE_HYPOTHESIS", "fpipe"))
+
+
+@pytest.fixture(autouse=True)
+def float64_and_seed() -> Iterator[None]:
+    """Run each test in float64 with ``torch.manual_seed(0)``; restore the default dtype after."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(dtype)

@@ -1,0 +1,390 @@
+"""Transparency: a pipelined step computes the loss and gradients of the unsplit model.
+
+The oracle is ``torch.func.grad_and_value`` of ``loss_fn(compose(stages)(params, batch), batch)``
+on the whole batch, in float64, to a relative error of 1e-10. Every entry of ``CONFORMANCE`` runs
+the same battery over stage counts, microbatch counts (uneven splits included) and random batch
+pytrees, so a new schedule is tested the moment it is listed there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import fpipe
+from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB
+
+TOLERANCE = 1e-10
+
+
+# --- The conformance list ---------------------------------------------------------------------
+
+
+def gpipe_backwards_reversed(num_stages: int, num_microbatches: int) -> list[list[str]]:
+    """Hand-written: GPipe, but each rank runs its backwards last microbatch first."""
+    m = num_microbatches
+    return [[f"{s}F{i}" for i in range(m)] + [f"{s}B{i}" for i in reversed(range(m))] for s in range(num_stages)]
+
+
+def one_f_one_b_split_backward(num_stages: int, num_microbatches: int) -> list[list[str]]:
+    """Hand-written: 1F1B with every backward split into input (I) and weight (W) parts.
+
+    Rank ``r`` runs 1F1B with ``I`` in place of ``B`` and defers all its ``W`` to the end,
+    the way zero-bubble schedules fill the cool-down.
+    """
+    m, p = num_microbatches, num_stages
+    ranks = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        row = [f"{r}F{i}" for i in range(warmup)]
+        for i in range(m - warmup):
+            row += [f"{r}F{warmup + i}", f"{r}I{i}"]
+        row += [f"{r}I{i}" for i in range(m - warmup, m)]
+        row += [f"{r}W{i}" for i in range(m)]
+        ranks.append(row)
+    return ranks
+
+
+@dataclass(frozen=True)
+class Conformance:
+    """A way to schedule: ``make(num_stages, num_microbatches)`` is what ``fpipe.pipeline`` takes."""
+
+    name: str
+    make: Callable[[int, int], Any]
+    stage_counts: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+CONFORMANCE: list[Conformance] = [
+    Conformance("GPipe", lambda S, M: GPipe(num_microbatches=M)),
+    Conformance("OneFOneB", lambda S, M: OneFOneB(num_microbatches=M)),
+    Conformance("Interleaved1F1B-2", lambda S, M: Interleaved1F1B(num_microbatches=M, stages_per_rank=2), (2, 4, 6)),
+    Conformance("Interleaved1F1B-3", lambda S, M: Interleaved1F1B(num_microbatches=M, stages_per_rank=3), (3, 6)),
+    Conformance("program-backwards-reversed", gpipe_backwards_reversed),
+    Conformance("program-split-backward", one_f_one_b_split_backward),
+]
+
+
+def some_stage_count(entry: Conformance, at_least: int) -> int:
+    """The smallest stage count of ``entry`` that is at least ``at_least``."""
+    return min(s for s in entry.stage_counts if s >= at_least)
+
+
+# --- The oracle ---------------------------------------------------------------------------------
+
+
+def compose(stages: Sequence[Callable[[Any, Any], Any]]) -> Callable[[Sequence[Any], Any], Any]:
+    """The unsplit model: ``stages[-1](params[-1], ... stages[0](params[0], batch))``."""
+
+    def model(params: Sequence[Any], batch: Any) -> Any:
+        x = batch
+        for stage, p in zip(stages, params):
+            x = stage(p, x)
+        return x
+
+    return model
+
+
+def reference(loss_fn: Callable[[Any, Any], Any], stages: Sequence[Any], params: list[Any], batch: Any) -> Any:
+    """``(loss, grads)`` of the unsplit model on the whole batch."""
+    grads, loss = torch.func.grad_and_value(lambda p, b: loss_fn(compose(stages)(p, b), b))(params, batch)
+    return loss, grads
+
+
+def assert_close(actual: Any, expected: Any, tolerance: float = TOLERANCE) -> None:
+    """Same pytree structure, dtypes and shapes; every tensor leaf within ``tolerance`` relative error."""
+    a_leaves, a_spec = optree.tree_flatten(actual, none_is_leaf=True)
+    e_leaves, e_spec = optree.tree_flatten(expected, none_is_leaf=True)
+    assert a_spec == e_spec
+    for a, e in zip(a_leaves, e_leaves):
+        if not isinstance(e, torch.Tensor):
+            assert a == e
+            continue
+        assert isinstance(a, torch.Tensor)
+        assert (a.dtype, a.shape) == (e.dtype, e.shape)
+        error = torch.linalg.vector_norm(a - e)
+        assert error <= tolerance * torch.linalg.vector_norm(e), f"relative error {error / e.norm()}"
+
+
+# --- A model over random batch pytrees ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A leaf of a batch to generate: ``kind`` float/int/bool tensor, or a non-tensor ``value``."""
+
+    kind: str
+    value: Any = None
+
+
+LEAVES = st.one_of(
+    st.sampled_from([(), (2,), (2, 3)]).map(lambda shape: Leaf("float", shape)),
+    st.sampled_from([(), (2,)]).map(lambda shape: Leaf("int", shape)),
+    st.just(Leaf("bool", ())),
+    st.just(Leaf("none")),
+    st.text(max_size=3).map(lambda s: Leaf("str", s)),
+    st.integers(-3, 3).map(lambda v: Leaf("pyint", v)),
+)
+STRUCTURES = st.recursive(
+    LEAVES,
+    lambda children: st.one_of(
+        st.lists(children, max_size=3).map(tuple),
+        st.lists(children, max_size=3),
+        st.dictionaries(st.sampled_from(["a", "b", "c"]), children, max_size=3),
+    ),
+    max_leaves=6,
+)
+
+
+def materialize(structure: Any, n: int, generator: torch.Generator) -> Any:
+    """A pytree shaped like ``structure`` whose tensor leaves have ``n`` examples along dim 0."""
+
+    def leaf(spec: Leaf) -> Any:
+        if spec.kind == "float":
+            return torch.randn((n, *spec.value), generator=generator)
+        if spec.kind == "int":
+            return torch.randint(-5, 5, (n, *spec.value), generator=generator)
+        if spec.kind == "bool":
+            return torch.rand(n, generator=generator) > 0.5
+        return spec.value
+
+    return optree.tree_map(leaf, structure, is_leaf=lambda x: isinstance(x, Leaf), none_is_leaf=True)
+
+
+def signature(tree: Any) -> tuple[Any, list[Any]]:
+    """What must survive the trip between stages: structure, tensor dtypes, non-tensor values."""
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    return spec, [leaf.dtype if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+
+
+def mix(extra: Any, like: torch.Tensor) -> torch.Tensor:
+    """A per-example ``(n, 1)`` summary of the tensor leaves of ``extra`` (ints and bools included)."""
+    out = torch.zeros(like.shape[0], 1, dtype=like.dtype)
+    for leaf in optree.tree_leaves(extra, none_is_leaf=True):
+        if isinstance(leaf, torch.Tensor):
+            scale = 0.1 if leaf.is_floating_point() else 0.01
+            out = out + scale * leaf.reshape(leaf.shape[0], -1).to(like.dtype).sum(-1, keepdim=True)
+    return out
+
+
+def make_model(num_stages: int, batch: Any, key: Any, width: int = 3) -> tuple[list[Any], Any, list[Any]]:
+    """Stages, loss_fn and params of a tanh MLP whose stages also carry ``batch[key]['extra']`` along.
+
+    Each stage checks that the extra pytree arrives with its structure, dtypes and non-tensor
+    leaves intact, adds a summary of its tensor leaves (ints and bools too) to the hidden state,
+    and scales its float leaves by a parameter, so gradients also flow through them.
+    """
+    x_key, target_key, extra_key = key
+    expected = signature(batch[extra_key])
+
+    def scale_floats(extra: Any, g: torch.Tensor) -> Any:
+        return optree.tree_map(
+            lambda t: t * g if isinstance(t, torch.Tensor) and t.is_floating_point() else t, extra, none_is_leaf=True
+        )
+
+    def stage(s: int) -> Callable[[Any, Any], Any]:
+        def fn(p: dict[str, torch.Tensor], x: Any) -> Any:
+            h, extra = (x[x_key], x[extra_key]) if s == 0 else x
+            assert signature(extra) == expected, f"stage {s} received {signature(extra)}"
+            h = torch.tanh(h @ p["w"] + p["b"] + mix(extra, h))
+            return h, scale_floats(extra, p["g"])
+
+        return fn
+
+    def loss_fn(y: Any, microbatch: Any) -> torch.Tensor:
+        h, extra = y
+        per_example = ((h - microbatch[target_key]) ** 2).sum(-1)
+        for leaf in optree.tree_leaves(extra, none_is_leaf=True):
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                per_example = per_example + (leaf**2).reshape(leaf.shape[0], -1).sum(-1)
+        return per_example.mean()
+
+    params = [
+        {"w": torch.randn(width, width) / width**0.5, "b": torch.randn(width) * 0.1, "g": torch.tensor(0.9 + 0.05 * s)}
+        for s in range(num_stages)
+    ]
+    return [stage(s) for s in range(num_stages)], loss_fn, params
+
+
+@pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
+@given(data=st.data())
+def test_step_equals_the_unsplit_model(entry: Conformance, data: st.DataObject) -> None:
+    num_stages = data.draw(st.sampled_from(entry.stage_counts), label="num_stages")
+    num_microbatches = data.draw(st.integers(1, 10), label="num_microbatches")
+    batch_size = data.draw(st.integers(num_microbatches, 3 * num_microbatches + 2), label="batch_size")
+    structure = data.draw(STRUCTURES, label="extra")
+    as_tuple = data.draw(st.booleans(), label="as_tuple")
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+
+    x = torch.randn(batch_size, 3, generator=generator)
+    target = torch.randn(batch_size, 3, generator=generator)
+    extra = materialize(structure, batch_size, generator)
+    batch: Any = (x, target, extra) if as_tuple else {"x": x, "target": target, "extra": extra}
+    key = (0, 1, 2) if as_tuple else ("x", "target", "extra")
+    stages, loss_fn, params = make_model(num_stages, batch, key)
+
+    step = fpipe.pipeline(loss_fn, stages, entry.make(num_stages, num_microbatches))
+    loss, grads = step(params, batch)
+
+    expected_loss, expected_grads = reference(loss_fn, stages, params, batch)
+    assert_close(loss, expected_loss)
+    assert_close(grads, expected_grads)
+
+
+@pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
+def test_step_equals_module_backward(entry: Conformance) -> None:
+    """An ``nn.Sequential`` split into stages with ``functionalize`` matches ``loss.backward()``."""
+    num_stages = some_stage_count(entry, 3)
+    blocks = [nn.Sequential(nn.Linear(4 if s == 0 else 5, 5), nn.Tanh()) for s in range(num_stages)]
+    model = nn.Sequential(*blocks, nn.Linear(5, 2))
+    stage_blocks = [*blocks[:-1], nn.Sequential(blocks[-1], model[-1])]
+    x, target = torch.randn(13, 4), torch.randn(13, 2)
+
+    def loss_fn(y: torch.Tensor, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ((y - microbatch["target"]) ** 2).sum(-1).mean()
+
+    functional = [fpipe.functionalize(block) for block in stage_blocks]
+    stages = [lambda p, x, fn=fn: fn(p, x["x"] if isinstance(x, dict) else x) for fn, _ in functional]
+    step = fpipe.pipeline(loss_fn, stages, entry.make(num_stages, 5))
+    loss, grads = step([params for _, params in functional], {"x": x, "target": target})
+
+    expected_loss = loss_fn(model(x), {"target": target})
+    expected_loss.backward()
+    assert_close(loss, expected_loss.detach())
+    for block, block_grads in zip(stage_blocks, grads):
+        assert_close(block_grads, {name: p.grad for name, p in block.named_parameters()})
+
+
+# --- Complex tensors across stage boundaries ----------------------------------------------------
+
+
+def as_complex(h: torch.Tensor) -> torch.Tensor:
+    """``(..., 2k)`` real as ``(..., k)`` complex (pairs of features)."""
+    return torch.view_as_complex(h.unflatten(-1, (-1, 2)).contiguous())
+
+
+def as_real(h: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(h).flatten(-2)
+
+
+def make_rope_model(num_stages: int, width: int = 4) -> tuple[list[Any], Any, list[Any]]:
+    """RoPE-style model: a complex ``freqs_cis`` table and complex activations cross every boundary.
+
+    Stage 0 makes the table differentiable (rotates it by learned angles ``omega``) and passes
+    ``(h, freqs)`` on; middle stages rotate complex ``h`` by the table and mix it with complex
+    params; the last stage returns to real features.
+    """
+
+    def first(p: dict[str, torch.Tensor], microbatch: dict[str, torch.Tensor]) -> Any:
+        table = microbatch["freqs_cis"]
+        positions = torch.arange(table.shape[0], dtype=p["omega"].dtype)[:, None]
+        freqs = table * torch.polar(torch.ones_like(table.real), positions * p["omega"])
+        return as_complex(microbatch["x"] @ p["w"]) * freqs, freqs
+
+    def middle(p: dict[str, torch.Tensor], x: Any) -> Any:
+        h, freqs = x
+        return torch.tanh(h @ p["w"]) * freqs, freqs
+
+    def last(p: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
+        h, freqs = x
+        return torch.tanh(as_real(h * freqs) @ p["w"])
+
+    def loss_fn(y: torch.Tensor, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ((y - microbatch["target"]) ** 2).sum((-1, -2)).mean()
+
+    k = width // 2
+    params: list[Any] = [{"w": torch.randn(width, width) / 2, "omega": torch.randn(k)}]
+    params += [{"w": torch.randn(k, k, dtype=torch.complex128) / 2} for _ in range(num_stages - 2)]
+    params += [{"w": torch.randn(width, width) / 2}]
+    return [first, *[middle] * (num_stages - 2), last], loss_fn, params
+
+
+def rope_batch(batch_size: int, seq_len: int, width: int = 4) -> dict[str, torch.Tensor]:
+    angles = torch.arange(seq_len)[:, None] / 10.0 ** torch.arange(width // 2)
+    return {
+        "x": torch.randn(batch_size, seq_len, width),
+        "freqs_cis": torch.polar(torch.ones_like(angles), angles),
+        "target": torch.randn(batch_size, seq_len, width),
+    }
+
+
+ROPE_BATCH_DIMS = {"x": 0, "freqs_cis": None, "target": 0}
+
+
+@pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
+def test_complex_activations_and_params(entry: Conformance) -> None:
+    num_stages = some_stage_count(entry, 3)
+    stages, loss_fn, params = make_rope_model(num_stages)
+    batch = rope_batch(7, 5)
+    step = fpipe.pipeline(loss_fn, stages, entry.make(num_stages, 3), batch_dims=ROPE_BATCH_DIMS)
+    loss, grads = step(params, batch)
+
+    expected_loss, expected_grads = reference(loss_fn, stages, params, batch)
+    assert_close(loss, expected_loss)
+    assert_close(grads, expected_grads)
+    assert grads[1]["w"].is_complex() and grads[1]["w"].abs().sum() > 0
+    assert grads[0]["omega"].abs().sum() > 0  # reached through the complex table
+
+
+def test_shapes_may_change_between_calls() -> None:
+    """One step, no setup: batch size and sequence length (and the table with it) change per call."""
+    stages, loss_fn, params = make_rope_model(3)
+    step = fpipe.pipeline(loss_fn, stages, OneFOneB(num_microbatches=3), batch_dims=ROPE_BATCH_DIMS)
+    for batch_size, seq_len in [(6, 5), (11, 3), (3, 9), (6, 5)]:
+        batch = rope_batch(batch_size, seq_len)
+        loss, grads = step(params, batch)
+        expected_loss, expected_grads = reference(loss_fn, stages, params, batch)
+        assert_close(loss, expected_loss)
+        assert_close(grads, expected_grads)
+
+
+# --- Cotangents that autograd passes through ----------------------------------------------------
+
+
+def test_gradients_that_autograd_passes_through_are_not_shared() -> None:
+    """``x + shift`` hands the incoming cotangent itself to both ``x`` and ``shift``, and
+    ``offset.sum()`` an expanded (stride-0) view of it; summing over microbatches must not write
+    through either alias. The oracle is the loop in the ``pipeline`` docstring (the loss here is
+    not a per-example mean, so it is not the unsplit model).
+    """
+
+    def stage(p: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
+        h = x["x"].mean(0) if isinstance(x, dict) else x
+        return h + p["shift"] + 0.1 * p["offset"].sum()
+
+    def loss_fn(y: torch.Tensor, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ((y - microbatch["target"].mean(0)) ** 2).sum()
+
+    num_stages, num_microbatches = 4, 4
+    stages = [stage] * num_stages
+    params = [{"shift": torch.randn(3), "offset": torch.randn(2)} for _ in range(num_stages)]
+    batch = {"x": torch.randn(10, 3), "target": torch.randn(10, 3)}
+
+    expected_loss: Any = 0.0
+    expected_grads: Any = None
+    pieces = [torch.tensor_split(leaf, num_microbatches) for leaf in (batch["x"], batch["target"])]
+    for x, target in zip(*pieces):
+        loss_i, grads_i = reference(loss_fn, stages, params, {"x": x, "target": target})
+        weight = x.shape[0] / 10
+        expected_loss = expected_loss + weight * loss_i
+        scaled = optree.tree_map(lambda g, w=weight: w * g, grads_i)
+        expected_grads = scaled if expected_grads is None else optree.tree_map(torch.add, expected_grads, scaled)
+
+    for entry in CONFORMANCE:
+        if num_stages not in entry.stage_counts:
+            continue
+        loss, grads = fpipe.pipeline(loss_fn, stages, entry.make(num_stages, num_microbatches))(params, batch)
+        assert_close(loss, expected_loss)
+        assert_close(grads, expected_grads)
+        leaves = optree.tree_leaves(grads)
+        assert len({g.data_ptr() for g in leaves}) == len(leaves), f"{entry}: gradients share memory"
