@@ -1,4 +1,4 @@
-"""Schedules as data: actions, programs, their validation and pictures, and the classic schedules.
+"""Schedules as data: actions, programs, their validation and pictures, and the schedules themselves.
 
 A schedule is a value (``GPipe(num_microbatches=8)``) whose ``program(num_stages)`` returns a
 ``Program``: one ordered list of ``Action`` per rank. Programs can be written by hand too.
@@ -7,24 +7,32 @@ A schedule is a value (``GPipe(num_microbatches=8)``) whose ``program(num_stages
 from ._action import Action as Action
 from ._gpipe import GPipe as GPipe
 from ._interleaved import Interleaved1F1B as Interleaved1F1B
+from ._looped_bfs import LoopedBFS as LoopedBFS
 from ._one_f_one_b import OneFOneB as OneFOneB
 from ._program import Program as Program
 from ._program import Schedule as Schedule
 from ._program import ScheduleError as ScheduleError
 from ._program import execution_order as execution_order
+from ._program import placement as placement
 from ._program import render as render
 from ._program import timeline as timeline
 from ._program import validate as validate
+from ._zero_bubble_h1 import ZeroBubbleH1 as ZeroBubbleH1
+from ._zero_bubble_v import ZeroBubbleV as ZeroBubbleV
 
 __all__ = [
     "Action",
     "GPipe",
     "Interleaved1F1B",
+    "LoopedBFS",
     "OneFOneB",
     "Program",
     "Schedule",
     "ScheduleError",
+    "ZeroBubbleH1",
+    "ZeroBubbleV",
     "execution_order",
+    "placement",
     "render",
     "timeline",
     "validate",

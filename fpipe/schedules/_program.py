@@ -267,3 +267,24 @@ def render(
         stuck = [f">{row[k]}<" for (mr, k) in sorted(marks) if mr == r and k < len(row)]
         lines.append(f"rank {r} | " + " ".join(cells + stuck).rstrip())
     return "\n".join(lines)
+
+
+def placement(schedule: Schedule, num_stages: int, num_ranks: int | None = None) -> tuple[int, ...]:
+    """Where ``schedule`` puts each of ``num_stages`` stages: ``placement(...)[s]`` is stage ``s``'s rank.
+
+    The placement is read off the (validated) program, so it is the one ``fpipe.pipeline``
+    runs. For a ``Program`` in hand use ``program.placement()`` and ``program.stages_of(rank)``.
+
+    Example:
+        >>> from fpipe.schedules import Interleaved1F1B, ZeroBubbleV, placement
+        >>> placement(Interleaved1F1B(8, stages_per_rank=2), 6)  # looped: stage s on rank s % 3
+        (0, 1, 2, 0, 1, 2)
+        >>> placement(ZeroBubbleV(8), 6)  # V: rank r holds stages r and 5 - r
+        (0, 1, 2, 2, 1, 0)
+
+    Raises:
+        ScheduleError: if the schedule cannot build a valid program for these sizes.
+    """
+    program = schedule.program(num_stages, num_ranks)
+    validate(program)
+    return program.placement()
