@@ -171,9 +171,8 @@ class Step:
             self.num_stages,
             self.loss_fn,
             has_aux=self.has_aux,
-            microbatches=microbatches,
             weights=[n / total for n in sizes],
-            transport=LocalTransport(),
+            transport=LocalTransport(microbatches),
         )
         executor.run(self._order)
         loss = _weighted_sum([executor.losses[i] for i in range(self.num_microbatches)], executor.weights)

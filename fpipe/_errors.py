@@ -1,4 +1,4 @@
-"""The error raised when a stage or ``loss_fn`` fails inside a step."""
+"""Errors raised during a step, saying where in the pipeline they happened."""
 
 from __future__ import annotations
 
@@ -6,16 +6,31 @@ from .schedules._action import Action
 
 
 class PipelineError(RuntimeError):
-    """An exception raised by a stage function or ``loss_fn`` during a step, with where it happened.
+    """A step failed: a stage or ``loss_fn`` raised, or a rank of the pipeline was lost.
 
-    The original exception is chained (``__cause__``). Attributes: ``rank`` (the pipeline rank,
-    virtual in one process), ``action`` (an ``Action`` such as ``2F0``), ``stage`` and
-    ``microbatch``.
+    Attributes: ``rank`` (the pipeline rank where it happened, virtual in one process),
+    ``action`` (an ``Action`` such as ``2F0``, or ``None`` outside any action), ``stage`` and
+    ``microbatch`` (``None`` without an action). When the error happened on this rank, the
+    original exception is chained as ``__cause__``; on the other ranks of a distributed
+    pipeline the message names the failing rank and action.
     """
 
-    def __init__(self, rank: int, action: Action, cause: BaseException) -> None:
+    def __init__(self, message: str, *, rank: int, action: Action | None = None) -> None:
         self.rank = rank
         self.action = action
-        self.stage = action.stage
-        self.microbatch = action.microbatch
-        super().__init__(f"fpipe: {action.describe()} failed on rank {rank}: {type(cause).__name__}: {cause}")
+        self.stage = None if action is None else action.stage
+        self.microbatch = None if action is None else action.microbatch
+        super().__init__(message)
+
+    @classmethod
+    def from_exception(cls, rank: int, action: Action, cause: BaseException) -> PipelineError:
+        """The error for ``cause``, raised by ``action`` on ``rank``."""
+        return cls(
+            f"fpipe: {action.describe()} failed on rank {rank}: {type(cause).__name__}: {cause}",
+            rank=rank,
+            action=action,
+        )
+
+
+class PipelineTimeoutError(PipelineError, TimeoutError):
+    """A rank waited longer than the pipeline's ``timeout`` for a peer."""

@@ -19,7 +19,10 @@ from .schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWAR
 
 
 class Transport(Protocol):
-    """Moves activations forward (stage ``s`` to ``s+1``) and cotangents back (``s`` to ``s-1``)."""
+    """Moves activations forward (stage ``s`` to ``s+1``) and cotangents back (``s`` to ``s-1``),
+    and hands out microbatches to the first and last stages."""
+
+    def microbatch(self, microbatch: int) -> PyTree: ...
 
     def send_activation(self, stage: int, microbatch: int, value: PyTree) -> None: ...
 
@@ -33,9 +36,13 @@ class Transport(Protocol):
 class LocalTransport:
     """All stages in one process: a send is a dictionary entry that the matching receive pops."""
 
-    def __init__(self) -> None:
+    def __init__(self, microbatches: Sequence[PyTree]) -> None:
+        self._microbatches = microbatches
         self._activations: dict[tuple[int, int], PyTree] = {}
         self._cotangents: dict[tuple[int, int], Grads] = {}
+
+    def microbatch(self, microbatch: int) -> PyTree:
+        return self._microbatches[microbatch]
 
     def send_activation(self, stage: int, microbatch: int, value: PyTree) -> None:
         self._activations[stage + 1, microbatch] = value
@@ -60,7 +67,6 @@ class Executor:
         loss_fn: Callable[[Any, Any], Any],
         *,
         has_aux: bool,
-        microbatches: Sequence[PyTree] | None,
         weights: Sequence[float],
         transport: Transport,
     ) -> None:
@@ -68,7 +74,6 @@ class Executor:
         self.last = num_stages - 1
         self.loss_fn = loss_fn
         self.has_aux = has_aux
-        self.microbatches = microbatches
         self.weights = weights
         self.transport = transport
         self.losses: dict[int, torch.Tensor] = {}
@@ -91,24 +96,20 @@ class Executor:
             except PipelineError:
                 raise
             except Exception as error:
-                raise PipelineError(rank, action, error) from error
+                raise PipelineError.from_exception(rank, action, error) from error
 
     @property
     def live_pullbacks(self) -> int:
         """How many forwards' saved activations are alive now."""
         return len(self._pullbacks)
 
-    def _microbatch(self, i: int) -> PyTree:
-        assert self.microbatches is not None, "the batch is needed on the first and last stages"
-        return self.microbatches[i]
-
     def _forward(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
         stage = self.stages[s]
-        x = self._microbatch(i) if s == 0 else self.transport.recv_activation(s, i)
+        x = self.transport.microbatch(i) if s == 0 else self.transport.recv_activation(s, i)
         if s == self.last:
             loss, aux, pullback = stage.forward_loss(
-                x, self._microbatch(i), self.loss_fn, has_aux=self.has_aux, differentiate_input=s > 0
+                x, x if s == 0 else self.transport.microbatch(i), self.loss_fn, has_aux=self.has_aux, differentiate_input=s > 0
             )
             self.losses[i] = loss
             self.auxes[i] = aux

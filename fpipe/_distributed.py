@@ -1,0 +1,391 @@
+"""One pipeline rank per process over torch.distributed: topology, transport and the step around them.
+
+Every rank runs its own row of the program with the shared ``Executor``; only the transport
+differs from one process. The protocol (notes/wire.md), per step:
+
+1. Handshake: one all-gather of ``[program checksum, has batch, input error, batch size]`` over
+   the pipeline group, so a bad input or a mismatched schedule on any rank fails every rank.
+2. Messages: for each ordered pair of ranks, both sides derive from the program the sequence of
+   messages the sender will send (activations, cotangents, microbatches for a last stage that
+   has no batch, the final loss). Sends are non-blocking; the receiver reads each peer's
+   messages in that order (buffering any it does not need yet) and keeps the next ``meta``
+   receive posted early. As sends never block and the program replays without deadlock
+   (``validate``), no schedule can deadlock on any backend.
+3. Failure: a rank that fails sends an ERROR meta (failing rank and action) as its next
+   message to every peer that still expects one, so a peer waiting on it fails too, and so on.
+   Every wait has the pipeline's ``timeout``; a dead peer surfaces as a lost connection.
+4. Data parallel: grads (and the loss and a failure flag) of a replica are averaged with one
+   all-reduce per dtype over the data-parallel group.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._errors import PipelineError, PipelineTimeoutError
+from ._pytree import PyTree
+from ._wire import DATA, ERROR, META_WORDS, Decoder, Encoder
+from .schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD, KINDS, Action
+from .schedules._program import Program
+
+Key = tuple[str, int, int]  # ("act" | "cot" | "mb" | "result", stage, microbatch)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: its pipeline group and, optionally, its data-parallel group."""
+
+    group: Any  # the pipeline ProcessGroup
+    rank: int  # position in the pipeline group = pipeline rank
+    size: int
+    global_ranks: tuple[int, ...]  # pipeline rank -> global rank
+    data_group: Any | None
+    data_size: int
+    device: torch.device
+
+
+_PIPELINE_DIMS = ("pp", "pipeline")
+_DATA_DIMS = ("dp", "data")
+
+
+def resolve_topology(mesh: Any, group: Any) -> Topology | None:
+    """The topology for ``pipeline(..., mesh=...)`` or ``group=...``; ``None`` for one process."""
+    if mesh is None and group is None:
+        return None
+    if mesh is not None and group is not None:
+        raise TypeError("fpipe.pipeline: pass mesh= or group=, not both.")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fpipe.pipeline: torch.distributed is not initialized. Call "
+            "torch.distributed.init_process_group() first (torchrun sets up the environment)."
+        )
+    data_group = None
+    if mesh is not None:
+        names = tuple(mesh.mesh_dim_names or ())
+        if mesh.ndim == 1 and not names:
+            names = ("pp",)
+        pipe = [n for n in names if n in _PIPELINE_DIMS]
+        data = [n for n in names if n in _DATA_DIMS]
+        if len(pipe) != 1 or len(pipe) + len(data) != mesh.ndim:
+            raise ValueError(
+                f"fpipe.pipeline: the mesh needs one pipeline dimension named 'pp' and at most one data "
+                f"dimension named 'dp' (mesh_dim_names: {mesh.mesh_dim_names!r})."
+            )
+        group = mesh.get_group(pipe[0])
+        data_group = mesh.get_group(data[0]) if data else None
+    size = dist.get_world_size(group)
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return Topology(
+        group=group,
+        rank=dist.get_rank(group),
+        size=size,
+        global_ranks=tuple(dist.get_global_rank(group, r) for r in range(size)),
+        data_group=data_group,
+        data_size=1 if data_group is None else dist.get_world_size(data_group),
+        device=device,
+    )
+
+
+def checksum(program: Program) -> int:
+    """A checksum of the program, equal on every rank that built the same one."""
+    text = f"{program.num_stages}/{program.num_microbatches}/" + "|".join(
+        ",".join(map(str, row)) for row in program.ranks
+    )
+    return zlib.crc32(text.encode())
+
+
+def messages(program: Program, sender: int, send_microbatches: bool) -> dict[int, list[Key]]:
+    """Per receiving rank, the messages ``sender`` sends in one step, in the order it sends them."""
+    placement = program.placement()
+    last = program.num_stages - 1
+    out: dict[int, list[Key]] = defaultdict(list)
+    for a in program.ranks[sender]:
+        s, i = a.stage, a.microbatch
+        if a.kind == FORWARD:
+            if s == 0 and send_microbatches and placement[last] != sender:
+                out[placement[last]].append(("mb", 0, i))
+            if s < last and placement[s + 1] != sender:
+                out[placement[s + 1]].append(("act", s, i))
+        elif a.kind in (BACKWARD, BACKWARD_INPUT) and s > 0 and placement[s - 1] != sender:
+            out[placement[s - 1]].append(("cot", s, i))
+    if sender == placement[last]:
+        for r in range(program.num_ranks):
+            if r != sender:
+                out[r].append(("result", last, 0))
+    return out
+
+
+class _Peer:
+    """The message streams between this rank and one other pipeline rank, for one step."""
+
+    def __init__(self, rank: int, incoming: list[Key], outgoing: list[Key]) -> None:
+        self.rank = rank
+        self.incoming = incoming
+        self.next_in = 0
+        self.outgoing = outgoing
+        self.next_out = 0
+        self.buffered: dict[Key, PyTree] = {}
+        self.meta: torch.Tensor | None = None
+        self.meta_work: Any = None
+
+
+class WireState:
+    """Per-channel layouts that outlive a step, so headers travel only when layouts change."""
+
+    def __init__(self) -> None:
+        self.encoders: dict[tuple[int, str, int], Encoder] = {}
+        self.decoders: dict[tuple[int, str, int], Decoder] = {}
+
+    def reset(self) -> None:
+        """Forget every layout (after a failure, peers may disagree on the last one)."""
+        self.encoders.clear()
+        self.decoders.clear()
+
+
+class DistributedTransport:
+    """Moves values between stages on this rank (a mailbox) and other ranks (torch.distributed)."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        program: Program,
+        microbatches: list[PyTree] | None,
+        *,
+        send_microbatches: bool,
+        wire: WireState,
+        timeout: float,
+    ) -> None:
+        self.topology = topology
+        self.me = topology.rank
+        self.placement = program.placement()
+        self.last = program.num_stages - 1
+        self._microbatches = microbatches
+        self._wire = wire
+        self._timeout = timedelta(seconds=timeout)
+        self._seconds = timeout
+        self._local: dict[Key, PyTree] = {}
+        self._sends: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
+        outgoing = messages(program, self.me, send_microbatches)
+        self.peers: dict[int, _Peer] = {}
+        for r in range(program.num_ranks):
+            if r != self.me:
+                incoming = messages(program, r, send_microbatches).get(self.me, [])
+                if incoming or outgoing.get(r):
+                    self.peers[r] = _Peer(r, incoming, outgoing.get(r, []))
+        for peer in self.peers.values():
+            if peer.incoming:
+                self._post_meta(peer)
+
+    # -- the Transport protocol -------------------------------------------------------------
+
+    def microbatch(self, microbatch: int) -> PyTree:
+        if self._microbatches is None:
+            return self._recv(self.placement[0], ("mb", 0, microbatch))
+        value = self._microbatches[microbatch]
+        if self.placement[0] == self.me and self.placement[self.last] in self.peers:
+            peer = self.peers[self.placement[self.last]]
+            if peer.next_out < len(peer.outgoing) and peer.outgoing[peer.next_out] == ("mb", 0, microbatch):
+                self._send(peer.rank, ("mb", 0, microbatch), value)
+        return value
+
+    def send_activation(self, stage: int, microbatch: int, value: PyTree) -> None:
+        self._put(self.placement[stage + 1], ("act", stage, microbatch), value)
+
+    def recv_activation(self, stage: int, microbatch: int) -> PyTree:
+        return self._get(self.placement[stage - 1], ("act", stage - 1, microbatch))
+
+    def send_cotangent(self, stage: int, microbatch: int, value: Any) -> None:
+        self._put(self.placement[stage - 1], ("cot", stage, microbatch), value)
+
+    def recv_cotangent(self, stage: int, microbatch: int) -> Any:
+        return self._get(self.placement[stage + 1], ("cot", stage + 1, microbatch))
+
+    # -- results, completion and failure -----------------------------------------------------
+
+    def exchange_result(self, result: PyTree | None) -> PyTree:
+        """The last stage's rank sends ``result`` to every other rank; the others receive it."""
+        holder = self.placement[self.last]
+        if holder == self.me:
+            for peer in self.peers.values():
+                self._send(peer.rank, ("result", self.last, 0), result)
+            return result
+        return self._recv(holder, ("result", self.last, 0))
+
+    def finish(self) -> None:
+        """Wait for this step's sends; every expected message must have been read."""
+        for work, _ in self._sends:
+            self._wait(work, "a send to complete", None)
+        self._sends.clear()
+        for peer in self.peers.values():
+            assert peer.next_in == len(peer.incoming) and not peer.buffered, "fpipe: unread messages"
+
+    def abort(self, error: BaseException) -> None:
+        """Tell every peer that still expects a message from this rank that the step failed."""
+        rank, action = self.me, None
+        if isinstance(error, PipelineError):
+            rank, action = error.rank, error.action
+        code = [ERROR, rank, -1, -1, -1]
+        if action is not None:
+            code = [ERROR, rank, action.stage, KINDS.index(action.kind), action.microbatch]
+        works = []
+        for peer in self.peers.values():
+            if peer.next_out < len(peer.outgoing):
+                meta = torch.tensor(code, dtype=torch.int64, device=self.topology.device)
+                works.append(dist.isend(meta, self.topology.global_ranks[peer.rank], group=self.topology.group))
+        for work in works:
+            try:
+                work.wait(timeout=timedelta(seconds=min(self._seconds, 10.0)))
+            except RuntimeError:
+                pass  # the peer is gone or stuck; it will time out on its own
+        self._wire.reset()
+
+    # -- messages ------------------------------------------------------------------------------
+
+    def _put(self, dst: int, key: Key, value: PyTree) -> None:
+        if dst == self.me:
+            self._local[key] = value
+        else:
+            self._send(dst, key, value)
+
+    def _get(self, src: int, key: Key) -> PyTree:
+        if src == self.me:
+            return self._local.pop(key)
+        return self._recv(src, key)
+
+    def _send(self, dst: int, key: Key, value: PyTree) -> None:
+        peer = self.peers[dst]
+        assert peer.outgoing[peer.next_out] == key, f"fpipe: sending {key}, expected {peer.outgoing[peer.next_out]}"
+        peer.next_out += 1
+        channel = (dst, key[0], key[1])
+        encoder = self._wire.encoders.get(channel)
+        if encoder is None:
+            encoder = self._wire.encoders[channel] = Encoder()
+        header, payload = encoder.encode(value, self.topology.device)
+        nbytes = 0 if header is None else header.numel()
+        meta = torch.tensor([DATA, nbytes, payload.numel(), 0, 0], dtype=torch.int64, device=self.topology.device)
+        to, group = self.topology.global_ranks[dst], self.topology.group
+        for tensor in (meta, header, payload):
+            if tensor is not None and tensor.numel():
+                self._sends.append((dist.isend(tensor, to, group=group), (tensor,)))
+
+    def _post_meta(self, peer: _Peer) -> None:
+        peer.meta = torch.empty(META_WORDS, dtype=torch.int64, device=self.topology.device)
+        peer.meta_work = dist.irecv(peer.meta, self.topology.global_ranks[peer.rank], group=self.topology.group)
+
+    def _recv(self, src: int, key: Key) -> PyTree:
+        peer = self.peers[src]
+        while key not in peer.buffered:
+            self._read(peer)
+        return peer.buffered.pop(key)
+
+    def _read(self, peer: _Peer) -> None:
+        key = peer.incoming[peer.next_in]
+        peer.next_in += 1
+        what = _describe(key)
+        self._wait(peer.meta_work, what, peer.rank)
+        assert peer.meta is not None
+        kind, header_size, payload_size, kind_index, microbatch = peer.meta.tolist()
+        if kind == ERROR:
+            self._remote_failure(header_size, payload_size, kind_index, microbatch)
+        src, group, device = self.topology.global_ranks[peer.rank], self.topology.group, self.topology.device
+        header = payload = None
+        header_work = payload_work = None
+        if header_size:
+            header = torch.empty(header_size, dtype=torch.uint8, device=device)
+            header_work = dist.irecv(header, src, group=group)
+        payload = torch.empty(payload_size, dtype=torch.uint8, device=device)
+        if payload_size:
+            payload_work = dist.irecv(payload, src, group=group)
+        if peer.next_in < len(peer.incoming):
+            self._post_meta(peer)  # posted early: the next message can land while we compute
+        channel = (peer.rank, key[0], key[1])
+        decoder = self._wire.decoders.get(channel)
+        if decoder is None:
+            decoder = self._wire.decoders[channel] = Decoder()
+        if header_work is not None:
+            self._wait(header_work, what, peer.rank)
+        expected = decoder.payload_size(header)
+        assert expected == payload_size, f"fpipe wire: payload of {payload_size} bytes, layout says {expected}"
+        if payload_work is not None:
+            self._wait(payload_work, what, peer.rank)
+        peer.buffered[key] = decoder.decode(payload)
+
+    def _remote_failure(self, rank: int, stage: int, kind_index: int, microbatch: int) -> None:
+        if kind_index < 0:
+            raise PipelineError(
+                f"fpipe: rank {self.me} stopped because rank {rank} failed outside any action; "
+                f"rank {rank}'s own error says why.",
+                rank=rank,
+            )
+        action = Action(stage, KINDS[kind_index], microbatch)
+        raise PipelineError(
+            f"fpipe: rank {self.me} stopped because rank {rank} failed in {action.describe()}; "
+            f"rank {rank}'s own error says why.",
+            rank=rank,
+            action=action,
+        )
+
+    def _wait(self, work: Any, what: str, peer: int | None) -> None:
+        wait(work, self._timeout, self.me, f"{what}" + ("" if peer is None else f" from rank {peer}"))
+
+
+def wait(work: Any, timeout: timedelta, rank: int, what: str) -> None:
+    """``work.wait`` with a timeout, turning backend errors into ``PipelineError``s that say what was awaited."""
+    try:
+        work.wait(timeout=timeout)
+    except RuntimeError as error:
+        text = str(error)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise PipelineTimeoutError(
+                f"fpipe: rank {rank} timed out after {timeout.total_seconds():g} s waiting for {what}. A peer "
+                "has probably died or hung; if stages are just slow, raise pipeline(..., timeout=).",
+                rank=rank,
+            ) from error
+        raise PipelineError(
+            f"fpipe: rank {rank} lost a peer while waiting for {what} ({text.splitlines()[0]}). "
+            "That peer has probably died; its own error or log says why.",
+            rank=rank,
+        ) from error
+
+
+def _describe(key: Key) -> str:
+    kind, s, i = key
+    return {
+        "act": f"the activation of stage {s} for microbatch {i}",
+        "cot": f"the cotangent from stage {s} for microbatch {i}",
+        "mb": f"microbatch {i} (for the last stage's loss_fn)",
+        "result": "the loss from the last stage",
+    }[kind]
+
+
+def handshake(topology: Topology, status: list[int], timeout: float) -> list[list[int]]:
+    """All-gather each pipeline rank's ``status`` vector (same length on every rank)."""
+    mine = torch.tensor(status, dtype=torch.int64, device=topology.device)
+    every = [torch.empty_like(mine) for _ in range(topology.size)]
+    work = dist.all_gather(every, mine, group=topology.group, async_op=True)
+    wait(work, timedelta(seconds=timeout), topology.rank, "the other pipeline ranks at the start of the step")
+    return [t.tolist() for t in every]
+
+
+def all_reduce_sum(topology: Topology, group: Any, tensors: list[torch.Tensor], timeout: float, what: str) -> None:
+    """Sum ``tensors`` in place over ``group``, one all-reduce per dtype (complex as real)."""
+    buckets: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        real = torch.view_as_real(t) if t.is_complex() else t
+        buckets[real.dtype].append(real)
+    for members in buckets.values():
+        flat = torch.cat([t.reshape(-1) for t in members])
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        wait(work, timedelta(seconds=timeout), topology.rank, what)
+        offset = 0
+        for t in members:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
