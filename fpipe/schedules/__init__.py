@@ -17,11 +17,15 @@ from ._program import placement as placement
 from ._program import render as render
 from ._program import timeline as timeline
 from ._program import validate as validate
+from ._simulate import Costs as Costs
+from ._simulate import Simulation as Simulation
+from ._simulate import simulate as simulate
 from ._zero_bubble_h1 import ZeroBubbleH1 as ZeroBubbleH1
 from ._zero_bubble_v import ZeroBubbleV as ZeroBubbleV
 
 __all__ = [
     "Action",
+    "Costs",
     "GPipe",
     "Interleaved1F1B",
     "LoopedBFS",
@@ -29,11 +33,13 @@ __all__ = [
     "Program",
     "Schedule",
     "ScheduleError",
+    "Simulation",
     "ZeroBubbleH1",
     "ZeroBubbleV",
     "execution_order",
     "placement",
     "render",
+    "simulate",
     "timeline",
     "validate",
 ]

@@ -1,4 +1,4 @@
-"""The examples in the schedules' docstrings run and print what they show."""
+"""The public surface of ``fpipe.schedules``, and the examples in its docstrings."""
 
 from __future__ import annotations
 
@@ -11,6 +11,13 @@ import pytest
 import fpipe.schedules
 
 MODULES = sorted(f"fpipe.schedules.{m.name}" for m in pkgutil.iter_modules(fpipe.schedules.__path__))
+
+
+def test_all_is_sorted_and_complete() -> None:
+    names = fpipe.schedules.__all__
+    assert names == sorted(names)
+    public = {n for n in vars(fpipe.schedules) if not n.startswith("_")}
+    assert set(names) == public
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,0 +1,74 @@
+"""Print the table of notes/schedules.md: simulated bubble and memory of every schedule vs the papers.
+
+Run from the repository root:
+
+    /work/venv/bin/python notes/schedules_table.py > /tmp/table.md
+
+Costs: fused-backward schedules use T_F = 1, T_B = 2; split-backward ones T_F = T_I = T_W = 1 (the
+same work). A schedule with v stages per rank gets 1/v of those per stage, so that every row does
+the same work per rank and idle times compare directly (in units of one 1F1B-stage forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fpipe.schedules import (
+    Costs,
+    GPipe,
+    Interleaved1F1B,
+    LoopedBFS,
+    OneFOneB,
+    Schedule,
+    ZeroBubbleH1,
+    ZeroBubbleV,
+    simulate,
+)
+
+Row = tuple[str, Callable[[int], Schedule], int, Callable[[int, int], float], Callable[[int, int], str]]
+
+ROWS: list[Row] = [
+    ("GPipe", GPipe, 1, lambda p, m: (p - 1) / (m + p - 1), lambda p, m: f"m = {m}"),
+    ("1F1B", OneFOneB, 1, lambda p, m: (p - 1) / (m + p - 1), lambda p, m: f"p = {p}"),
+    (
+        "Interleaved1F1B v=2",
+        lambda m: Interleaved1F1B(m, stages_per_rank=2),
+        2,
+        lambda p, m: (p - 1) / 2 / (m + (p - 1) / 2),
+        lambda p, m: f"(2(p-1)+p+1)/2 = {(2 * (p - 1) + p + 1) / 2:g}",
+    ),
+    (
+        "LoopedBFS v=2",
+        lambda m: LoopedBFS(m, stages_per_rank=2),
+        2,
+        lambda p, m: (p - 1) / 2 / (m + (p - 1) / 2),
+        lambda p, m: f"m = {m}",
+    ),
+    ("ZB-H1", ZeroBubbleH1, 1, lambda p, m: (p - 1) / (3 * m + p - 1), lambda p, m: f"p = {p}"),
+    ("ZB-V", ZeroBubbleV, 2, lambda p, m: (p - 1) / (6 * m + p - 1), lambda p, m: f"p = {p}"),
+]
+
+
+def main() -> None:
+    print(
+        "| schedule | p | m | bubble, sim. | bubble, formula | idle per rank | peak, sim. | peak, formula |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for p, m in [(4, 8), (4, 32), (8, 16), (8, 64)]:
+        for name, make, v, bubble, peak in ROWS:
+            split = name.startswith("ZB")
+            costs = (
+                Costs(forward=1 / v, backward_input=1 / v, backward_weight=1 / v)
+                if split
+                else Costs(forward=1 / v, backward=2 / v)
+            )
+            sim = simulate(make(m).program(p * v), costs)
+            idle = max(sim.makespan - busy for busy in sim.busy)
+            print(
+                f"| {name} | {p} | {m} | {sim.bubble_fraction:.4f} | {bubble(p, m):.4f} | {idle:g} "
+                f"| {max(sim.peak_activations) / v:g} | {peak(p, m)} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The simulator against the published bubble and memory figures of each schedule.
+
+Notation: ``p`` ranks, ``m`` microbatches, ``v`` stages per rank. "Idle" is a rank's time not
+running actions, within the makespan.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fpipe.schedules import (
+    Costs,
+    GPipe,
+    Interleaved1F1B,
+    LoopedBFS,
+    OneFOneB,
+    Program,
+    ScheduleError,
+    ZeroBubbleH1,
+    ZeroBubbleV,
+    simulate,
+    timeline,
+)
+
+CLASSIC = Costs(forward=1, backward=2)  # T_B = 2 T_F, the usual assumption behind (p-1)/(m+p-1)
+SPLIT = Costs(forward=1, backward_input=1, backward_weight=1)  # the zero-bubble paper's T_F = T_B = T_W
+
+
+def idle(costs: Costs, program: Program) -> list[float]:
+    sim = simulate(program, costs)
+    return [sim.makespan - busy for busy in sim.busy]
+
+
+def test_small_timeline_literally() -> None:
+    # rank 0 | 0F0 0F1 ... 0B0 0B0 0B0 0B1 0B1 0B1 ; rank 1 |  .  1F0 1B0 1B0 1F1 1B1 1B1
+    sim = simulate(OneFOneB(2).program(2), CLASSIC)
+    assert sim.starts == ((0, 1, 4, 7), (1, 2, 4, 5))
+    assert sim.ends == ((1, 2, 6, 9), (2, 4, 5, 7))
+    assert sim.makespan == 9
+    assert sim.busy == (6, 6)
+    assert sim.summary() == (
+        "makespan 9, bubble 33.3% (mean over ranks)\n"
+        "rank 0: bubble 33.3%, peak activations 2\n"
+        "rank 1: bubble 33.3%, peak activations 1"
+    )
+    assert [(r, str(a), s, e) for r, a, s, e in sim.intervals()][:4] == [
+        (0, "0F0", 0, 1), (0, "0F1", 1, 2), (1, "1F0", 1, 2), (1, "1B0", 2, 4),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        GPipe(5).program(3),
+        OneFOneB(7).program(4),
+        Interleaved1F1B(6, stages_per_rank=2).program(6),
+        ZeroBubbleH1(6).program(4),
+        ZeroBubbleV(5).program(6),
+        LoopedBFS(3, stages_per_rank=3).program(6),
+    ],
+)
+def test_unit_costs_reproduce_timeline(program: Program) -> None:
+    sim = simulate(program, Costs(forward=1, backward=1, backward_input=1, backward_weight=1))
+    assert [list(row) for row in sim.starts] == timeline(program)
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(p: int) -> None:
+    for m in range(1, 17):
+        for schedule in (GPipe(m), OneFOneB(m)):
+            sim = simulate(schedule.program(p), CLASSIC)
+            assert sim.makespan == 3 * (m + p - 1)
+            assert sim.bubble_fractions == pytest.approx([(p - 1) / (m + p - 1)] * p, abs=1e-12)
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_peak_activations_1f1b_p_minus_r_gpipe_m(p: int) -> None:
+    for m in range(1, 17):
+        assert simulate(OneFOneB(m).program(p)).peak_activations == tuple(min(p - r, m) for r in range(p))
+        assert simulate(GPipe(m).program(p)).peak_activations == (m,) * p
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 2), (2, 3), (3, 2), (4, 2), (4, 4)])
+def test_interleaved_bubble_is_1f1b_bubble_over_v(p: int, v: int) -> None:
+    # Each of the v stages of a rank costs 1/v of a 1F1B stage; the bubble time is divided by v.
+    per_stage = Costs(forward=1 / v, backward=2 / v)
+    for m in (p, 2 * p, 4 * p):
+        one_f_one_b = idle(CLASSIC, OneFOneB(m).program(p))
+        interleaved = idle(per_stage, Interleaved1F1B(m, stages_per_rank=v).program(p * v))
+        assert interleaved == pytest.approx([x / v for x in one_f_one_b])
+        sim = simulate(Interleaved1F1B(m, stages_per_rank=v).program(p * v), CLASSIC)
+        assert sim.bubble_fraction == pytest.approx((p - 1) / v / (m + (p - 1) / v))
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 2), (3, 2), (4, 2), (4, 3)])
+def test_looped_bfs_bubble_is_gpipe_bubble_over_v(p: int, v: int) -> None:
+    # With m >= p microbatches a rank's next stage never waits for the loop around the ranks.
+    for m in (p, p + 1, 3 * p):
+        sim = simulate(LoopedBFS(m, stages_per_rank=v).program(p * v), CLASSIC)
+        assert sim.bubble_fraction == pytest.approx((p - 1) / v / (m + (p - 1) / v))
+        assert sim.peak_activations == (m * v,) * p
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_zero_bubble_h1_bubble_is_a_third_of_1f1b(p: int) -> None:
+    # 1F1B idles (p-1)(T_F + T_B + T_W) per rank, ZB-H1 (p-1)(T_F + T_B - T_W): a third when all equal.
+    for m in range(p, 3 * p):
+        assert idle(SPLIT, OneFOneB(m).program(p)) == [3 * (p - 1)] * p
+        assert idle(SPLIT, ZeroBubbleH1(m).program(p)) == [p - 1] * p
+        assert simulate(ZeroBubbleH1(m).program(p)).bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
+    # At the cost of no extra memory: every rank holds at most p, 1F1B's peak on rank 0.
+    assert max(simulate(ZeroBubbleH1(4 * p).program(p)).peak_activations) == p
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_zero_bubble_v_bubble_is_near_zero(p: int) -> None:
+    # Once the V is full (m >= 2p - 1) each rank idles only p - 1 chunk forwards, a sixth of
+    # 1F1B's 3(p - 1) when a chunk costs half a 1F1B stage.
+    for m in range(2 * p - 1, 2 * p + 8):
+        program = ZeroBubbleV(m).program(2 * p)
+        assert idle(SPLIT, program) == [p - 1] * p
+        sim = simulate(program, SPLIT)
+        assert sim.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
+        assert sim.bubble_fraction <= simulate(ZeroBubbleH1(m).program(p), SPLIT).bubble_fraction
+        assert max(sim.peak_activations) <= 2 * p  # 2p half-size chunks: 1F1B's peak of p stages
+
+
+def test_send_latency_adds_two_per_hop_to_gpipe() -> None:
+    for p in range(1, 6):
+        for m in (1, 4):
+            sim = simulate(GPipe(m).program(p), Costs(backward=2, send=0.5))
+            assert sim.makespan == 3 * (m + p - 1) + 2 * (p - 1) * 0.5
+
+
+def test_no_send_latency_within_a_rank() -> None:
+    # ZB-V's middle stages share rank p - 1: its hop costs nothing, the other 2(p - 1) hops do.
+    plain = simulate(ZeroBubbleV(1).program(4), SPLIT).makespan
+    assert simulate(ZeroBubbleV(1).program(4), Costs(send=1)).makespan == plain + 2 * 2
+
+
+def test_rejects_invalid_program() -> None:
+    with pytest.raises(ScheduleError, match="missing actions: 0B0"):
+        simulate(Program.from_lists([["0F0"]]))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("forward", 0, "forward must be a finite positive number"),
+        ("backward_input", -1.0, "backward_input must be a finite positive number"),
+        ("backward", float("inf"), "backward must be a finite positive number"),
+        ("send", -0.5, "send must be a finite non-negative number"),
+        ("backward_weight", "1", "backward_weight must be a finite positive number"),
+    ],
+)
+def test_costs_reject_bad_values(field: str, value: object, fragment: str) -> None:
+    with pytest.raises(ScheduleError, match=fragment):
+        Costs(**{field: value})  # type: ignore[arg-type]
+
+
+def test_costs_of_each_kind() -> None:
+    costs = Costs(forward=1, backward_input=2, backward_weight=3)
+    assert [costs.of(kind) for kind in "FIWB"] == [1, 2, 3, 5]
+    assert Costs(backward=4).of("B") == 4
+    with pytest.raises(ScheduleError, match="unknown action kind 'X'"):
+        costs.of("X")
