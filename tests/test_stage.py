@@ -1,0 +1,225 @@
+"""A stage within one step (``fpipe._stage``): forwards that save pullbacks, explicit VJPs, ordered sums."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import optree
+import pytest
+import torch
+from test_transparency import assert_close, reference
+
+import fpipe
+from fpipe._stage import StageRun, _OrderedSum
+from fpipe.schedules import GPipe, OneFOneB
+
+
+def layer(p: dict[str, Any], x: dict[str, Any]) -> dict[str, Any]:
+    """A stage with real and complex params and inputs, and int/str leaves passing through."""
+    h = torch.tanh(x["h"] @ p["w"] + p["b"])
+    z = x["z"] * p["c"] + h[:, :2].to(p["c"].dtype)
+    return {"h": h, "z": z, "ids": x["ids"] + 1, "tag": x["tag"], "norm": (z.abs() ** 2).sum()}
+
+
+def layer_params() -> dict[str, Any]:
+    return {"w": torch.randn(3, 3), "b": torch.randn(3), "c": torch.randn(2, dtype=torch.complex128), "n": 3}
+
+
+def layer_input() -> dict[str, Any]:
+    return {"h": torch.randn(4, 3), "z": torch.randn(4, 2, dtype=torch.complex128), "ids": torch.arange(4), "tag": "t"}
+
+
+def cotangents_for(y: Any) -> list[torch.Tensor | None]:
+    """A random cotangent per differentiable output leaf, ``None`` for the others."""
+    return [
+        torch.randn_like(leaf)
+        if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+        else None
+        for leaf in optree.tree_leaves(y, none_is_leaf=True)
+    ]
+
+
+def test_backward_is_the_vjp() -> None:
+    params, x = layer_params(), layer_input()
+    run = StageRun(0, layer, params)
+    y, pullback = run.forward(x, differentiate_input=True)
+    cotangents = cotangents_for(y)
+    input_cotangents = run.backward(pullback, cotangents, 0)
+
+    # The reference differentiates only the float/complex leaves; optree orders dict keys sorted.
+    def differentiable_part(p: dict[str, Any], x_float: dict[str, Any]) -> dict[str, Any]:
+        y = layer({**p, "n": params["n"]}, {**x_float, "ids": x["ids"], "tag": x["tag"]})
+        return {k: y[k] for k in ("h", "norm", "z")}
+
+    expected_y, vjp = torch.func.vjp(differentiable_part, {k: params[k] for k in "wbc"}, {k: x[k] for k in ("h", "z")})
+    by_name = dict(zip(sorted(y), cotangents))
+    assert by_name["ids"] is None and by_name["tag"] is None
+    expected_param_grads, expected_input_grads = vjp({k: by_name[k] for k in ("h", "norm", "z")})
+
+    assert_close({k: y[k] for k in ("h", "norm", "z")}, expected_y)
+    assert torch.equal(y["ids"], x["ids"] + 1) and y["tag"] == "t"
+    grads = run.grads()
+    assert grads["n"] is None
+    assert_close({k: grads[k] for k in "wbc"}, expected_param_grads)
+    assert input_cotangents is not None
+    by_input = dict(zip(sorted(x), input_cotangents))
+    assert by_input["ids"] is None and by_input["tag"] is None
+    assert_close({k: by_input[k] for k in ("h", "z")}, expected_input_grads)
+
+
+def test_split_backward_equals_fused_backward_bitwise() -> None:
+    params, x = layer_params(), layer_input()
+    fused, split = StageRun(0, layer, params), StageRun(0, layer, params)
+    y, pullback = fused.forward(x, differentiate_input=True)
+    cotangents = cotangents_for(y)
+    expected = fused.backward(pullback, cotangents, 0)
+
+    _, pullback = split.forward(x, differentiate_input=True)
+    got = split.backward(pullback, cotangents, 0, part="input")
+    assert split.grads()["w"].abs().sum() == 0  # no weight gradient yet
+    assert split.backward(pullback, cotangents, 0, part="weight") is None
+
+    assert expected is not None and got is not None
+    for a, b in zip(got, expected):
+        assert (a is None and b is None) or torch.equal(a, b)
+    for k in "wbc":
+        assert torch.equal(split.grads()[k], fused.grads()[k])
+
+
+def test_inputs_and_params_are_detached_copies() -> None:
+    """The user's tensors keep ``requires_grad``, version and graph; nothing writes ``.grad``."""
+    w = torch.nn.Parameter(torch.randn(3, 3))
+    upstream = torch.randn(4, 3, requires_grad=True)
+    h = upstream * 2  # a user graph that must not be extended or run
+    run = StageRun(1, lambda p, x: (x @ p).sum(0), w)
+    _, pullback = run.forward(h, differentiate_input=True)
+    (g,) = run.backward(pullback, [torch.ones(3)], 0) or [None]
+
+    assert g is not None and torch.equal(g, torch.ones(4, 3) @ w.detach().T)
+    assert w.grad is None and upstream.grad is None and w._version == 0 and h._version == 0
+    assert h.grad_fn is not None and h.grad_fn.name() == "MulBackward0"
+    assert run.params is not w and run.params.requires_grad and w.requires_grad
+
+
+def test_first_stage_does_not_differentiate_its_input() -> None:
+    x = torch.randn(4, 3)
+    run = StageRun(0, lambda p, x: x @ p, torch.randn(3, 3))
+    _, pullback = run.forward(x, differentiate_input=False)
+    assert pullback.inputs == [] and not x.requires_grad
+    assert run.backward(pullback, [torch.ones(4, 3)], 0) == [None]
+
+
+def test_forward_records_a_graph_whatever_the_grad_mode() -> None:
+    run = StageRun(0, lambda p, x: x * p, torch.tensor(2.0))
+    with torch.no_grad():
+        y, pullback = run.forward(torch.ones(3), differentiate_input=True)
+    assert y.requires_grad and pullback.outputs == [y]
+    with torch.no_grad():
+        (g,) = run.backward(pullback, [torch.ones(3)], 0) or [None]
+    assert g is not None and torch.equal(g, torch.full((3,), 2.0)) and run.grads().item() == 3.0
+
+
+def test_unreached_and_non_differentiable_params() -> None:
+    params = {"used": torch.randn(3), "unused": torch.randn(2), "steps": torch.tensor(4), "name": "s"}
+    run = StageRun(0, lambda p, x: x * p["used"], params)
+    _, pullback = run.forward(torch.randn(3), differentiate_input=False)
+    run.backward(pullback, [torch.ones(3)], 0)
+    grads = run.grads()
+    assert torch.equal(grads["unused"], torch.zeros(2)) and grads["steps"] is None and grads["name"] is None
+
+
+def test_output_without_cotangent_is_skipped() -> None:
+    run = StageRun(0, lambda p, x: (x * p, x * p * 3), torch.tensor(2.0))
+    _, pullback = run.forward(torch.ones(2), differentiate_input=True)
+    (g,) = run.backward(pullback, [None, torch.ones(2)], 0) or [None]
+    assert g is not None and torch.equal(g, torch.full((2,), 6.0)) and run.grads().item() == 6.0
+
+
+# --- NOTE [fixed accumulation order] ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("arrival", list(itertools.permutations(range(4))), ids=str)
+def test_ordered_sum_adds_in_microbatch_order(arrival: tuple[int, ...]) -> None:
+    """``1e16 + 1`` rounds to ``1e16``: only the order 0, 1, 2, 3 gives ``((1e16 + 1) - 1e16) + 1 = 1``."""
+    values = [1e16, 1.0, -1e16, 1.0]
+    contributions = {i: torch.tensor([values[i]]) for i in range(4)}
+    total = _OrderedSum(1)
+    for i in arrival:
+        total.add(i, [contributions[i]])
+    assert total.total[0] is not None and total.total[0].item() == 1.0
+    assert [c.item() for c in contributions.values()] == values  # contributions not written to
+
+
+def test_ordered_sum_waits_for_missing_microbatches() -> None:
+    total = _OrderedSum(2)
+    total.add(1, [torch.ones(()), None])
+    assert total.total == [None, None]
+    total.add(0, [None, torch.ones(())])
+    assert [t.item() if t is not None else None for t in total.total] == [1.0, 1.0]
+
+
+def test_ordered_sum_owns_its_memory() -> None:
+    """Autograd may return the same tensor, or an expanded view, for several gradients."""
+    g = torch.ones(())
+    shared, expanded = torch.ones(3), g.expand(3)
+    first, second = _OrderedSum(2), _OrderedSum(2)
+    for i in range(3):
+        first.add(i, [shared, expanded])
+        second.add(i, [shared, expanded])
+    assert first.total[0] is not None and torch.equal(first.total[0], torch.full((3,), 3.0))
+    assert second.total[1] is not None and torch.equal(second.total[1], torch.full((3,), 3.0))
+    assert torch.equal(shared, torch.ones(3)) and g.item() == 1.0
+    assert first.total[0] is not second.total[0]
+
+
+# --- Stages end to end ------------------------------------------------------------------------
+
+
+def test_stage_ignoring_an_input_leaf_and_a_parameter_free_stage() -> None:
+    """Stage 1 drops a differentiable leaf (its cotangent is ``None``) and stage 0 has no params."""
+
+    def embed(p: Any, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"h": microbatch["x"] * 2, "side": microbatch["x"] ** 2}
+
+    def project(p: dict[str, torch.Tensor], x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"h": torch.tanh(x["h"] @ p["w"]), "side": x["side"] * p["s"]}
+
+    def drop_side(p: torch.Tensor, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return x["h"] @ p
+
+    def loss_fn(y: torch.Tensor, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (y**2).sum(-1).mean()
+
+    stages = [embed, project, drop_side]
+    params: list[Any] = [None, {"w": torch.randn(3, 3), "s": torch.randn(3)}, torch.randn(3, 2)]
+    batch = {"x": torch.randn(5, 3)}
+    loss, grads = fpipe.pipeline(loss_fn, stages, OneFOneB(num_microbatches=2))(params, batch)
+    expected_loss, expected_grads = reference(loss_fn, stages, [{}, *params[1:]], batch)  # torch.func wants tensors
+    assert grads[0] is None and torch.equal(grads[1]["s"], torch.zeros(3))
+    assert_close(loss, expected_loss)
+    assert_close(grads[1:], expected_grads[1:])
+
+
+def test_leaves_passed_through_unchanged() -> None:
+    """A stage may return an input leaf or a parameter as is; its cotangent flows straight back."""
+
+    def first(p: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x @ p["w"], p["table"]
+
+    def second(p: torch.Tensor, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return x[0] * p, x[1]
+
+    def third(p: torch.Tensor, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return x[0] @ x[1] + p
+
+    def loss_fn(y: torch.Tensor, microbatch: torch.Tensor) -> torch.Tensor:
+        return (y**2).sum(-1).mean()
+
+    stages = [first, second, third]
+    params: list[Any] = [{"w": torch.randn(3, 3), "table": torch.randn(3, 2)}, torch.randn(3), torch.randn(2)]
+    batch = torch.randn(6, 3)
+    loss, grads = fpipe.pipeline(loss_fn, stages, GPipe(num_microbatches=3))(params, batch)
+    expected_loss, expected_grads = reference(loss_fn, stages, params, batch)
+    assert_close(loss, expected_loss)
+    assert_close(grads, expected_grads)
