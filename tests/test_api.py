@@ -265,6 +265,16 @@ def test_bad_loss_fn_result(result: Callable[[torch.Tensor], Any], has_aux: bool
     assert isinstance(info.value.__cause__, TypeError)
 
 
+def test_one_element_loss_counts_as_a_scalar() -> None:
+    """A loss of shape ``(1,)`` is accepted (as by ``loss.backward()``) and gives the scalar loss."""
+    params, batch = carry_params(2), carry_batch(6)
+    step = fpipe.pipeline(lambda y, mb: carry_loss(y, mb).reshape(1), [carry] * 2, GPipe(3))
+    loss, grads = step(params, batch)
+    expected_loss, expected_grads = fpipe.pipeline(carry_loss, [carry] * 2, GPipe(3))(params, batch)
+    assert loss.shape == () and torch.equal(loss, expected_loss)
+    assert all(torch.equal(a["w"], b["w"]) for a, b in zip(grads, expected_grads))
+
+
 def test_params_must_be_one_pytree_per_stage() -> None:
     step = fpipe.pipeline(carry_loss, [carry] * 3, GPipe(2))
     with pytest.raises(ValueError, match="params has 2 entries but the pipeline has 3 stages"):
