@@ -7,9 +7,19 @@ from typing import Any
 
 import torch
 
+from ._distributed import (
+    DistributedTransport,
+    Topology,
+    WireState,
+    all_reduce_sum,
+    checksum,
+    handshake,
+    resolve_topology,
+)
+from ._errors import PipelineError
 from ._executor import Executor, LocalTransport
 from ._microbatch import split, stack
-from ._pytree import PyTree
+from ._pytree import PyTree, flatten
 from ._stage import StageRun
 from .schedules._action import Action
 from .schedules._program import Program, Schedule, ScheduleError, execution_order, validate
@@ -25,6 +35,9 @@ def pipeline(
     *,
     has_aux: bool = False,
     batch_dims: PyTree = 0,
+    mesh: Any = None,
+    group: Any = None,
+    timeout: float = 300.0,
 ) -> Step:
     """Turn stage functions and a schedule into ``step(params, batch) -> (loss, grads)``.
 
@@ -49,6 +62,19 @@ def pipeline(
             prefix pytree of the batch with an int or ``None`` per subtree (``None``: pass the
             leaf whole to every microbatch, e.g. a RoPE table). Non-tensor leaves always pass
             whole.
+        mesh: run distributed, one pipeline rank per process, over a ``DeviceMesh`` with a
+            pipeline dimension named ``"pp"`` and optionally a data-parallel one named ``"dp"``
+            (each data-parallel replica gets its own batch; grads and loss are averaged over
+            replicas with one all-reduce per step).
+        group: run distributed over this process group (the pipeline ranks are the positions
+            in the group). Without ``mesh`` and ``group`` the whole pipeline runs in this process.
+        timeout: seconds a rank waits for a peer before raising ``PipelineTimeoutError``.
+
+    When distributed, every rank calls ``step(params, batch)``: ``params[s]`` is ``None`` for
+    the stages the rank does not hold (``step.local_stages`` lists those it does), ``batch``
+    is needed on the rank of stage 0 only (the rank of the last stage may pass it too, which
+    saves sending the microbatches to it; other ranks pass ``None``), ``grads[s]`` is ``None``
+    for stages held elsewhere, and the loss (and aux) is returned on every rank.
 
     Returns:
         A ``Step``. ``step(params, batch)`` takes one parameter pytree per stage and returns
@@ -93,18 +119,30 @@ def pipeline(
     for s, fn in enumerate(stages):
         if not callable(fn):
             raise TypeError(f"fpipe.pipeline: stage {s} is not callable (stages[{s}]: {fn!r}).")
-    program = _program(schedule, len(stages))
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"fpipe.pipeline: timeout must be a positive number of seconds (timeout: {timeout!r}).")
+    topology = resolve_topology(mesh, group)
+    program = _program(schedule, len(stages), None if topology is None else topology.size)
     validate(program)
-    return Step(loss_fn, tuple(stages), program, has_aux=has_aux, batch_dims=batch_dims)
+    if topology is not None and program.num_ranks != topology.size:
+        raise ScheduleError(
+            f"fpipe.pipeline: the program has {program.num_ranks} ranks but the pipeline group has "
+            f"{topology.size} processes. Use a schedule and stage count that fit the group size."
+        )
+    return Step(
+        loss_fn, tuple(stages), program, has_aux=has_aux, batch_dims=batch_dims, topology=topology, timeout=timeout
+    )
 
 
-def _program(schedule: Schedule | Program | Sequence[Sequence[Action | str]], num_stages: int) -> Program:
+def _program(
+    schedule: Schedule | Program | Sequence[Sequence[Action | str]], num_stages: int, num_ranks: int | None
+) -> Program:
     if isinstance(schedule, Program):
         program = schedule
     elif isinstance(schedule, Sequence):
         program = Program.from_lists(schedule, num_stages=num_stages)
     elif callable(getattr(schedule, "program", None)):
-        program = schedule.program(num_stages)
+        program = schedule.program(num_stages, num_ranks)
     else:
         raise TypeError(
             f"fpipe.pipeline: schedule must be a schedule such as OneFOneB(num_microbatches=8), a Program, "
@@ -125,6 +163,7 @@ class Step:
         program: the validated ``Program`` it runs.
         num_stages: the number of stages.
         num_microbatches: how many microbatches each batch is split into.
+        rank: this process's pipeline rank (``None`` in one process).
         local_stages: the stages this process holds (all of them in one process).
     """
 
@@ -136,16 +175,28 @@ class Step:
         *,
         has_aux: bool,
         batch_dims: PyTree,
+        topology: Topology | None,
+        timeout: float,
     ) -> None:
         self.loss_fn = loss_fn
         self.stages = stages
         self.program = program
         self.has_aux = has_aux
         self.batch_dims = batch_dims
+        self.timeout = timeout
         self.num_stages = program.num_stages
         self.num_microbatches = program.num_microbatches
-        self.local_stages = tuple(range(self.num_stages))
-        self._order = execution_order(program)
+        self._topology = topology
+        if topology is None:
+            self.rank: int | None = None
+            self.local_stages = tuple(range(self.num_stages))
+            self._order = execution_order(program)
+        else:
+            self.rank = topology.rank
+            self.local_stages = program.stages_of(topology.rank)
+            self._order = tuple((topology.rank, a) for a in program.ranks[topology.rank])
+            self._checksum = checksum(program)
+            self._wire = WireState()
 
     def __repr__(self) -> str:
         p = self.program
@@ -163,6 +214,29 @@ class Step:
                 f"fpipe.step: params has {len(params)} entries but the pipeline has {self.num_stages} "
                 "stages. Pass one parameter pytree per stage."
             )
+        if self._topology is None:
+            loss, aux, grads = self._run_local(params, batch)
+        else:
+            loss, aux, grads = self._run_distributed(self._topology, params, batch)
+        return ((loss, aux), grads) if self.has_aux else (loss, grads)
+
+    def global_norm(self, grads: Sequence[PyTree], /) -> torch.Tensor:
+        """The 2-norm of all gradients of the pipeline, for clipping, on every rank.
+
+        Each rank holds only its stages' gradients, so the local sums of squares are summed over
+        the pipeline group (data-parallel replicas hold the same averaged gradients).
+        """
+        leaves = [g for s in self.local_stages for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)]
+        total = torch.zeros((), dtype=torch.float64)
+        for g in leaves:
+            total = total + g.detach().abs().double().square().sum().cpu()
+        if self._topology is not None:
+            buffer = total.reshape(1).to(self._topology.device)
+            all_reduce_sum(self._topology, self._topology.group, [buffer], self.timeout, "the global norm all-reduce")
+            total = buffer.reshape(()).cpu()
+        return total.sqrt()
+
+    def _run_local(self, params: Sequence[PyTree], batch: PyTree) -> tuple[torch.Tensor, Any, list[PyTree]]:
         microbatches, sizes = split(batch, self.num_microbatches, self.batch_dims)
         total = sum(sizes)
         runs = {s: StageRun(s, self.stages[s], params[s]) for s in self.local_stages}
@@ -175,11 +249,128 @@ class Step:
             transport=LocalTransport(microbatches),
         )
         executor.run(self._order)
-        loss = _weighted_sum([executor.losses[i] for i in range(self.num_microbatches)], executor.weights)
-        grads = [runs[s].grads() for s in range(self.num_stages)]
-        if self.has_aux:
-            return (loss, stack([executor.auxes[i] for i in range(self.num_microbatches)])), grads
-        return loss, grads
+        loss, aux = self._result(executor)
+        return loss, aux, [runs[s].grads() for s in range(self.num_stages)]
+
+    def _result(self, executor: Executor) -> tuple[torch.Tensor, Any]:
+        """The weighted loss (and gathered aux) of the last stage, summed in microbatch order."""
+        m = range(self.num_microbatches)
+        loss = _weighted_sum([executor.losses[i] for i in m], executor.weights)
+        return loss, stack([executor.auxes[i] for i in m]) if self.has_aux else None
+
+    def _run_distributed(
+        self, topology: Topology, params: Sequence[PyTree], batch: PyTree
+    ) -> tuple[torch.Tensor, Any, list[PyTree]]:
+        me, placement, m = topology.rank, self.program.placement(), self.num_microbatches
+        first, last = placement[0], placement[-1]
+        # 1. Local input checks, then the handshake, so every rank fails together.
+        microbatches, size, problem = None, 0, None
+        try:
+            self._check_params(params, placement)
+            if batch is not None and me in (first, last):
+                microbatches, sizes = split(batch, m, self.batch_dims)
+                size = sum(sizes)
+            elif me == first:
+                raise ValueError(
+                    f"fpipe.step: rank {me} holds stage 0 but was given batch=None. Pass the batch on "
+                    "the rank of the first stage (the last stage's rank may pass it too; others pass None)."
+                )
+        except (TypeError, ValueError) as error:
+            problem = error
+        statuses = handshake(
+            topology, [self._checksum, microbatches is not None, problem is not None, size], self.timeout
+        )
+        if problem is not None:
+            raise problem
+        if any(st[0] != self._checksum for st in statuses):
+            raise ScheduleError(
+                "fpipe.step: the pipeline ranks run different programs (checksums by rank: "
+                f"{[st[0] for st in statuses]}). Build the same pipeline, schedule and stages on every rank."
+            )
+        rejected = [r for r, st in enumerate(statuses) if st[2]]
+        if rejected:
+            raise ValueError(f"fpipe.step: rank(s) {rejected} rejected their inputs; their own errors say why.")
+        size = statuses[first][3]
+        if statuses[last][1] and statuses[last][3] != size:
+            raise ValueError(
+                f"fpipe.step: the batch on rank {first} has {size} examples but the one on rank {last} has "
+                f"{statuses[last][3]}. Pass the same batch, or None on rank {last}."
+            )
+        # 2. Run this rank's row of the program.
+        runs = {s: StageRun(s, self.stages[s], params[s]) for s in self.local_stages}
+        transport = DistributedTransport(
+            topology,
+            self.program,
+            microbatches,
+            send_microbatches=not statuses[last][1],
+            wire=self._wire,
+            timeout=self.timeout,
+        )
+        executor = Executor(
+            runs,
+            self.num_stages,
+            self.loss_fn,
+            has_aux=self.has_aux,
+            weights=[(size // m + (i < size % m)) / size for i in range(m)],
+            transport=transport,
+        )
+        try:
+            executor.run(self._order)
+            loss, aux = transport.exchange_result(self._result(executor) if me == last else None)
+            transport.finish()
+        except BaseException as error:
+            transport.abort(error)
+            if topology.data_group is not None:
+                self._average_replicas(topology, runs, None)
+            raise
+        grads = [runs[s].grads() if s in runs else None for s in range(self.num_stages)]
+        if topology.data_group is not None:
+            loss = self._average_replicas(topology, runs, (loss, grads))
+        return loss, aux, grads
+
+    def _check_params(self, params: Sequence[PyTree], placement: tuple[int, ...]) -> None:
+        for s in range(self.num_stages):
+            if s in self.local_stages and params[s] is None:
+                raise ValueError(
+                    f"fpipe.step: rank {self.rank} holds stage {s} but params[{s}] is None. "
+                    f"Pass the parameters of every stage in step.local_stages ({self.local_stages})."
+                )
+            if s not in self.local_stages and params[s] is not None:
+                raise ValueError(
+                    f"fpipe.step: params[{s}] is given on rank {self.rank}, but stage {s} lives on rank "
+                    f"{placement[s]}. Pass None for the stages this rank does not hold "
+                    f"(step.local_stages: {self.local_stages})."
+                )
+
+    def _average_replicas(
+        self,
+        topology: Topology,
+        runs: dict[int, StageRun],
+        result: tuple[torch.Tensor, list[PyTree]] | None,
+    ) -> torch.Tensor:
+        """Average loss and grads over data-parallel replicas in place (one all-reduce per dtype).
+
+        A flag rides along, so a replica that failed (``result is None``: it still joins with
+        zeros) makes every other replica raise instead of waiting.
+        """
+        if result is None:
+            grads: list[Any] = [runs[s].grads() for s in sorted(runs)]
+            loss = torch.zeros((), dtype=torch.float32, device=topology.device)
+        else:
+            loss, all_grads = result
+            grads = [all_grads[s] for s in sorted(runs)]
+        leaves = [g for tree in grads for g in flatten(tree)[0] if isinstance(g, torch.Tensor)]
+        extra = torch.tensor([loss.item(), float(result is None)], dtype=loss.dtype, device=loss.device)
+        all_reduce_sum(topology, topology.data_group, [*leaves, extra], self.timeout, "the data-parallel all-reduce")
+        if result is not None and extra[1].item() > 0:
+            raise PipelineError(
+                f"fpipe: rank {topology.rank} stopped because another data-parallel replica failed this step; "
+                "its ranks' errors say why.",
+                rank=topology.rank,
+            )
+        for g in leaves:
+            g.div_(topology.data_size)
+        return (extra[0] / topology.data_size).reshape(())
 
 
 def _weighted_sum(losses: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:

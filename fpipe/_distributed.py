@@ -20,6 +20,7 @@ differs from one process. The protocol (notes/wire.md), per step:
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass
@@ -235,16 +236,14 @@ class DistributedTransport:
         code = [ERROR, rank, -1, -1, -1]
         if action is not None:
             code = [ERROR, rank, action.stage, KINDS.index(action.kind), action.microbatch]
-        works = []
+        works: list[Any] = []
         for peer in self.peers.values():
             if peer.next_out < len(peer.outgoing):
                 meta = torch.tensor(code, dtype=torch.int64, device=self.topology.device)
                 works.append(dist.isend(meta, self.topology.global_ranks[peer.rank], group=self.topology.group))
         for work in works:
-            try:
+            with contextlib.suppress(RuntimeError):  # the peer is gone or stuck: it times out on its own
                 work.wait(timeout=timedelta(seconds=min(self._seconds, 10.0)))
-            except RuntimeError:
-                pass  # the peer is gone or stuck; it will time out on its own
         self._wire.reset()
 
     # -- messages ------------------------------------------------------------------------------

@@ -108,8 +108,9 @@ class Executor:
         stage = self.stages[s]
         x = self.transport.microbatch(i) if s == 0 else self.transport.recv_activation(s, i)
         if s == self.last:
+            microbatch = x if s == 0 else self.transport.microbatch(i)
             loss, aux, pullback = stage.forward_loss(
-                x, x if s == 0 else self.transport.microbatch(i), self.loss_fn, has_aux=self.has_aux, differentiate_input=s > 0
+                x, microbatch, self.loss_fn, has_aux=self.has_aux, differentiate_input=s > 0
             )
             self.losses[i] = loss
             self.auxes[i] = aux

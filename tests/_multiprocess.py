@@ -1,0 +1,82 @@
+"""Run a function on N local processes joined by a gloo process group (127.0.0.1, a free port).
+
+Each rank runs with one torch thread; results come back pickled through ``torch.save``. A rank
+that raises fails the call with its traceback; ranks that do not finish within ``timeout``
+seconds are killed and the call fails, so a hang costs seconds, not CI.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bootstrap(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], queue: Any
+) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+        result = fn(rank, world_size, *args)
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 90.0, may_die: frozenset[int] = frozenset()
+) -> list[Any]:
+    """``[fn(rank, world_size, *args) for rank in ranks]``, each in its own process.
+
+    Ranks in ``may_die`` may exit without a result (their entry is ``None``).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_bootstrap, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        for _ in range(world_size - len(may_die)):
+            rank, ok, payload = queue.get(timeout=timeout)
+            if ok:
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                failures.append(f"rank {rank}:\n{payload}")
+    except Exception as error:  # queue.Empty: some rank hung
+        failures.append(
+            f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout} s ({error!r})"
+        )
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return [results.get(r) for r in range(world_size)]

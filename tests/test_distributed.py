@@ -1,0 +1,221 @@
+"""The distributed runtime equals the single-process executor, bitwise, and fails loudly.
+
+Each test spawns 2 or 4 gloo ranks on 127.0.0.1 (tests/_multiprocess.py), runs several steps
+there, and compares with the same pipeline run in this process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fpipe
+from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB
+from tests._multiprocess import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+D, V = 4, 11
+BATCH_DIMS = {"tokens": 0, "pos": 0, "freqs": None, "tag": None, "target": 0}
+SCHEDULES = {
+    "gpipe": (GPipe(4), 2),
+    "1f1b": (OneFOneB(5), 2),
+    "interleaved": (Interleaved1F1B(4, stages_per_rank=2), 4),
+    "1f1b-4": (OneFOneB(6), 4),
+    "interleaved-4": (Interleaved1F1B(4, stages_per_rank=2), 8),
+}
+
+
+def _first(p, mb):
+    h = p["emb"][mb["tokens"]]
+    z = torch.view_as_complex(h.reshape(*h.shape[:-1], D // 2, 2)) * mb["freqs"]
+    return _block(p, {"z": z, "pos": mb["pos"], "tag": mb["tag"]})
+
+
+def _block(p, x):
+    h = torch.view_as_real(x["z"]).flatten(-2)
+    h = torch.tanh(h @ p["w"]) + 0.01 * x["pos"].unsqueeze(-1).to(h.dtype)
+    assert x["tag"] == "batch" and x["pos"].dtype == torch.int64
+    return {"z": torch.view_as_complex(h.reshape(*h.shape[:-1], D // 2, 2)), "pos": x["pos"], "tag": x["tag"]}
+
+
+def _loss(y, mb):
+    h = torch.view_as_real(y["z"]).flatten(-2)
+    return ((h - mb["target"]) ** 2).mean()
+
+
+def _model(num_stages):
+    g = torch.Generator().manual_seed(0)
+    params = [{"w": torch.randn(D, D, generator=g, dtype=torch.float64) / 2} for _ in range(num_stages)]
+    params[0]["emb"] = torch.randn(V, D, generator=g, dtype=torch.float64)
+    return [_first] + [_block] * (num_stages - 1), params
+
+
+def _batch(length, seed=1, size=10):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "tokens": torch.randint(0, V, (size, length), generator=g),
+        "pos": torch.arange(length).expand(size, length).clone(),
+        "freqs": torch.polar(
+            torch.ones(length, D // 2, dtype=torch.float64),
+            torch.rand(length, D // 2, generator=g, dtype=torch.float64),
+        ),
+        "tag": "batch",
+        "target": torch.randn(size, length, D, generator=g, dtype=torch.float64),
+    }
+
+
+def _local(schedule, num_stages, batch):
+    stages, params = _model(num_stages)
+    step = fpipe.pipeline(_loss, stages, schedule, batch_dims=BATCH_DIMS)
+    return step(params, batch)
+
+
+CALLS = [(5, False), (7, False), (7, True)]  # (sequence length, batch also on the last rank)
+
+
+def _train(rank, world, name):
+    schedule, num_stages = SCHEDULES[name]
+    stages, params = _model(num_stages)
+    step = fpipe.pipeline(_loss, stages, schedule, batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=30)
+    params = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    placement = step.program.placement()
+    out = []
+    for length, batch_on_last in CALLS:  # the sequence length changes between calls
+        has = rank == placement[0] or (batch_on_last and rank == placement[-1])
+        loss, grads = step(params, _batch(length) if has else None)
+        out.append((loss, grads, step.global_norm(grads)))
+    return step.local_stages, out
+
+
+@pytest.mark.parametrize(
+    ("world", "name"), [(2, "gpipe"), (2, "1f1b"), (2, "interleaved"), (4, "1f1b-4"), (4, "interleaved-4")]
+)
+def test_distributed_equals_local_bitwise(world, name):
+    schedule, num_stages = SCHEDULES[name]
+    results = run_ranks(world, _train, name)
+    for call, (length, _) in enumerate(CALLS):
+        loss, grads = _local(schedule, num_stages, _batch(length))
+        norm = torch.cat([g.reshape(-1) for tree in grads for g in tree.values()]).norm()
+        for local_stages, out in results:
+            d_loss, d_grads, d_norm = out[call]
+            assert torch.equal(d_loss, loss), (name, call)
+            for s in range(num_stages):
+                if s in local_stages:
+                    for k in grads[s]:
+                        assert torch.equal(d_grads[s][k], grads[s][k]), (name, s, k)
+                else:
+                    assert d_grads[s] is None
+            torch.testing.assert_close(d_norm, norm, rtol=1e-12, atol=0)
+
+
+def _mesh_train(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    stages, params = _model(2)
+    step = fpipe.pipeline(_loss, stages, OneFOneB(3), batch_dims=BATCH_DIMS, mesh=mesh, timeout=30)
+    params = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    replica = mesh.get_coordinate()[0]
+    loss, grads = step(params, _batch(6, seed=10 + replica) if step.rank == 0 else None)
+    return step.local_stages, loss, grads, step.global_norm(grads)
+
+
+def test_data_parallel_times_pipeline_mesh():
+    results = run_ranks(4, _mesh_train)
+    per_replica = [_local(OneFOneB(3), 2, _batch(6, seed=10 + r)) for r in range(2)]
+    loss = (per_replica[0][0] + per_replica[1][0]) / 2
+    grads = [
+        {k: (per_replica[0][1][s][k] + per_replica[1][1][s][k]) / 2 for k in per_replica[0][1][s]} for s in range(2)
+    ]
+    for local_stages, d_loss, d_grads, _ in results:
+        assert torch.equal(d_loss, loss)
+        for s in local_stages:
+            for k in grads[s]:
+                assert torch.equal(d_grads[s][k], grads[s][k])
+    norm = torch.cat([g.reshape(-1) for tree in grads for g in tree.values()]).norm()
+    for *_, d_norm in results:
+        torch.testing.assert_close(d_norm, norm, rtol=1e-12, atol=0)
+
+
+def _bad_inputs(rank, world):
+    stages, params = _model(2)
+    messages = {}
+    step = fpipe.pipeline(_loss, stages, GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20)
+    mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    for case, (ps, batch) in {
+        "params for a stage held elsewhere": (params, _batch(3)),
+        "missing params": ([None, None], _batch(3)),
+        "batch on no rank": (mine, None),
+    }.items():
+        with pytest.raises(ValueError) as info:
+            step(ps, batch if rank == 0 else None)
+        messages[case] = str(info.value)
+    other = fpipe.pipeline(
+        _loss, stages, GPipe(2) if rank == 0 else OneFOneB(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD
+    )
+    with pytest.raises(fpipe.schedules.ScheduleError) as info:
+        other(mine, _batch(3) if rank == 0 else None)
+    messages["mismatched schedules"] = str(info.value)
+    with pytest.raises(fpipe.schedules.ScheduleError) as info:
+        fpipe.pipeline(_loss, [*stages, _block], GPipe(2), group=dist.group.WORLD)
+    messages["stages do not fit"] = str(info.value)
+    # the group still works after input errors
+    loss, _ = step(mine, _batch(3) if rank == 0 else None)
+    messages["after"] = float(loss)
+
+    def broken(p, x):
+        if broken.calls == 2:  # stage 1, on rank 1, in its third forward (microbatch 2)
+            raise ValueError("boom")
+        broken.calls += 1
+        return _block(p, x)
+
+    broken.calls = 0
+    failing = fpipe.pipeline(
+        _loss, [_first, broken], OneFOneB(3), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20
+    )
+    with pytest.raises(fpipe.PipelineError) as info:
+        failing(mine, _batch(3) if rank == 0 else None)
+    messages["stage raised"] = (str(info.value), info.value.rank, str(info.value.action), repr(info.value.__cause__))
+    return messages
+
+
+def test_bad_inputs_fail_on_every_rank():
+    first, second = run_ranks(2, _bad_inputs)
+    assert "stage 1 lives on rank 1" in first["params for a stage held elsewhere"]
+    assert "stage 0 lives on rank 0" in second["params for a stage held elsewhere"]
+    assert "params[0] is None" in first["missing params"]
+    assert "was given batch=None" in first["batch on no rank"]
+    assert "rank(s) [0] rejected" in second["batch on no rank"]
+    for m in (first, second):
+        assert "different programs" in m["mismatched schedules"]
+        assert "3 stages cannot be laid out on 2 ranks" in m["stages do not fit"]
+        assert m["after"] > 0
+    text, rank, action, cause = second["stage raised"]
+    assert "forward of stage 1 on microbatch 2 (1F2) failed on rank 1" in text and "boom" in cause
+    text, rank, action, cause = first["stage raised"]
+    assert "rank 0 stopped because rank 1 failed in forward of stage 1 on microbatch 2 (1F2)" in text
+    assert (rank, action, cause) == (1, "1F2", "None")
+
+
+def _dies(rank, world):
+    stages, params = _model(2)
+
+    def dying(p, x):
+        if rank == 1:
+            os._exit(3)
+        return _block(p, x)
+
+    step = fpipe.pipeline(_loss, [_first, dying], GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=15)
+    mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    with pytest.raises(fpipe.PipelineError) as info:
+        step(mine, _batch(3) if rank == 0 else None)
+    return str(info.value)
+
+
+def test_a_dead_rank_fails_the_others():
+    message, _ = run_ranks(2, _dies, may_die=frozenset({1}), timeout=60)
+    assert "rank 0" in message and ("lost a peer" in message or "timed out" in message)
