@@ -121,8 +121,8 @@ class StageRun:
         y, pullback = self.forward(x, differentiate_input=differentiate_input)
         with torch.enable_grad():
             result = loss_fn(y, self.to_device(microbatch))
-        loss, aux = _split_aux(result, has_aux)
-        loss = loss.reshape(())  # a one-element loss of shape (1,) gets the scalar cotangent too
+            loss, aux = _split_aux(result, has_aux)
+            loss = loss.reshape(())  # a one-element loss of shape (1,) gets the scalar cotangent too
         pullback = self._pullback(loss, pullback.inputs, pullback.input_index, pullback.num_inputs)
         return loss.detach(), aux, pullback
 
