@@ -202,7 +202,7 @@ def test_bad_inputs_fail_on_every_rank():
 
 
 def _dies(rank, world):
-    stages, params = _model(2)
+    _, params = _model(2)
 
     def dying(p, x):
         if rank == 1:
