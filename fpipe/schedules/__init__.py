@@ -9,6 +9,9 @@ from ._gpipe import GPipe as GPipe
 from ._interleaved import Interleaved1F1B as Interleaved1F1B
 from ._looped_bfs import LoopedBFS as LoopedBFS
 from ._one_f_one_b import OneFOneB as OneFOneB
+from ._pictures import chrome_trace as chrome_trace
+from ._pictures import svg as svg
+from ._pictures import terminal_grid as terminal_grid
 from ._program import Program as Program
 from ._program import Schedule as Schedule
 from ._program import ScheduleError as ScheduleError
@@ -36,10 +39,13 @@ __all__ = [
     "Simulation",
     "ZeroBubbleH1",
     "ZeroBubbleV",
+    "chrome_trace",
     "execution_order",
     "placement",
     "render",
     "simulate",
+    "svg",
+    "terminal_grid",
     "timeline",
     "validate",
 ]

@@ -1,0 +1,144 @@
+"""The command line: ``python -m fpipe show SCHEDULE --ranks R --microbatches M``.
+
+Prints a schedule's grid as simulated with the given costs, with its bubble and peak activations
+per rank, and optionally writes a Chrome trace (open it in https://ui.perfetto.dev) or an SVG::
+
+    python -m fpipe show zbv --ranks 4 --microbatches 8 --trace zbv.json --svg zbv.svg
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TextIO
+
+from .schedules import (
+    Costs,
+    GPipe,
+    Interleaved1F1B,
+    LoopedBFS,
+    OneFOneB,
+    Schedule,
+    ScheduleError,
+    ZeroBubbleH1,
+    ZeroBubbleV,
+    simulate,
+)
+from .schedules._pictures import chrome_trace, legend, svg, terminal_grid
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """A schedule the command line knows: how to build it and its default stages per rank."""
+
+    make: Callable[[int, int], Schedule]
+    stages_per_rank: int
+    about: str
+
+
+SCHEDULES: dict[str, _Choice] = {
+    "gpipe": _Choice(lambda m, v: GPipe(m), 1, "GPipe: all forwards, then all backwards"),
+    "1f1b": _Choice(lambda m, v: OneFOneB(m), 1, "1F1B (PipeDream-flush)"),
+    "interleaved": _Choice(
+        lambda m, v: Interleaved1F1B(m, stages_per_rank=v), 2, "Megatron's interleaved 1F1B, looped placement"
+    ),
+    "zbh1": _Choice(lambda m, v: ZeroBubbleH1(m), 1, "ZB-H1: 1F1B with deferred weight gradients"),
+    "zbv": _Choice(lambda m, v: ZeroBubbleV(m), 2, "ZB-V: two stages per rank in a V"),
+    "bfs": _Choice(lambda m, v: LoopedBFS(m, stages_per_rank=v), 2, "looped breadth-first"),
+}
+
+
+def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> int:
+    """Run the command line on ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    out = sys.stdout if stdout is None else stdout
+    args = _parser().parse_args(argv)
+    choice = SCHEDULES[args.schedule]
+    v = choice.stages_per_rank if args.stages_per_rank is None else args.stages_per_rank
+    try:
+        schedule = choice.make(args.microbatches, v)
+        program = schedule.program(args.ranks * v, args.ranks)
+        costs = Costs(
+            forward=args.forward,
+            backward=args.backward,
+            backward_input=args.input_grad,
+            backward_weight=args.weight_grad,
+            send=args.send,
+        )
+        sim = simulate(program, costs)
+    except ScheduleError as error:
+        print(f"python -m fpipe show: {error}", file=sys.stderr)
+        return 2
+    color = args.color == "always" or (args.color == "auto" and _color_by_default(out))
+    print(
+        f"{schedule}: {program.num_ranks} ranks, {program.num_stages} stages, {program.num_microbatches} microbatches",
+        file=out,
+    )
+    print(
+        f"costs: F {costs.forward:g}, B {costs.of('B'):g}, I {costs.backward_input:g}, "
+        f"W {costs.backward_weight:g}, send {costs.send:g}",
+        file=out,
+    )
+    print(terminal_grid(sim, color=color), file=out)
+    print(legend(color=color), file=out)
+    print(sim.summary(), file=out)
+    if v > 1:
+        print(
+            f"(peak activations count stages: with {v} stages per rank, each holds ~1/{v} of a rank's layers)", file=out
+        )
+    if args.trace:
+        with open(args.trace, "w", encoding="utf-8") as f:
+            json.dump(chrome_trace(sim), f)
+        print(f"wrote {args.trace} (open it in https://ui.perfetto.dev)", file=out)
+    if args.svg:
+        with open(args.svg, "w", encoding="utf-8") as f:
+            f.write(svg(sim))
+        print(f"wrote {args.svg}", file=out)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fpipe", description="fpipe: pipeline schedules as data.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    show = commands.add_parser(
+        "show",
+        help="draw a schedule with its bubble and peak memory",
+        description="Simulate a schedule and print its rank x time grid, bubble and peak activations.",
+        epilog="schedules: " + "; ".join(f"{name}: {c.about}" for name, c in SCHEDULES.items()),
+    )
+    show.add_argument("schedule", choices=sorted(SCHEDULES), metavar="SCHEDULE", help=", ".join(SCHEDULES))
+    show.add_argument("--ranks", type=_positive_int, required=True, help="pipeline ranks")
+    show.add_argument("--microbatches", type=_positive_int, required=True, help="microbatches per step")
+    show.add_argument(
+        "--stages-per-rank", type=_positive_int, default=None, help="stages per rank (default: the schedule's)"
+    )
+    show.add_argument("--forward", type=float, default=1.0, help="cost of a forward F (default 1)")
+    show.add_argument("--backward", type=float, default=None, help="cost of a fused backward B (default I + W)")
+    show.add_argument("--input-grad", type=float, default=1.0, help="cost of an input-grad backward I (default 1)")
+    show.add_argument("--weight-grad", type=float, default=1.0, help="cost of a weight-grad backward W (default 1)")
+    show.add_argument("--send", type=float, default=0.0, help="latency of a message between ranks (default 0)")
+    show.add_argument("--trace", metavar="PATH", help="also write a Chrome trace (JSON) for Perfetto")
+    show.add_argument("--svg", metavar="PATH", help="also write an SVG picture")
+    show.add_argument(
+        "--color", choices=("auto", "always", "never"), default="auto", help="ANSI colors (default: auto)"
+    )
+    show.add_argument("--no-color", dest="color", action="store_const", const="never", help="same as --color never")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _color_by_default(out: TextIO) -> bool:
+    """Colors on a terminal, unless ``NO_COLOR`` is set (https://no-color.org) or the terminal is dumb."""
+    return out.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"

@@ -1,0 +1,117 @@
+"""The command line: ``python -m fpipe show SCHEDULE --ranks R --microbatches M``."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from textwrap import dedent
+
+import pytest
+
+from fpipe._cli import SCHEDULES, main
+
+
+def show(*args: str) -> tuple[int, str]:
+    out = io.StringIO()
+    status = main(["show", *args], stdout=out)
+    return status, out.getvalue()
+
+
+def test_show_1f1b() -> None:
+    status, text = show("1f1b", "--ranks", "2", "--microbatches", "3")
+    assert status == 0
+    assert text == dedent("""\
+        OneFOneB(num_microbatches=3): 2 ranks, 2 stages, 3 microbatches
+        costs: F 1, B 2, I 1, W 1, send 0
+        rank 0 | 0F0 0F1  .   .  0B0---- 0F2 0B1----  .  0B2----
+        rank 1 |  .  1F0 1B0---- 1F1 1B1---- 1F2 1B2----  .   .
+        F forward   B backward   I input-grad backward   W weight-grad backward   . idle
+        makespan 12, bubble 25.0% (mean over ranks)
+        rank 0: bubble 25.0%, peak activations 2
+        rank 1: bubble 25.0%, peak activations 1
+        """)
+
+
+def test_show_zbv_notes_stage_units() -> None:
+    status, text = show("zbv", "--ranks", "2", "--microbatches", "4")
+    assert status == 0
+    assert "ZeroBubbleV(num_microbatches=4): 2 ranks, 4 stages, 4 microbatches" in text
+    assert "rank 0 | 0F0 0F1 0F2 3F0 3I0 3W0" in text
+    assert "peak activations count stages: with 2 stages per rank" in text
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_schedule_shows(name: str) -> None:
+    status, text = show(name, "--ranks", "3", "--microbatches", "6", "--color", "always")
+    assert status == 0
+    assert "\x1b[44;97m0F0\x1b[0m" in text
+    assert "rank 2: bubble" in text
+
+
+def test_costs_change_the_grid() -> None:
+    _, text = show("gpipe", "--ranks", "2", "--microbatches", "1", "--backward", "1", "--send", "0.5")
+    assert "rank 1 |  .   .   .  1F0---- 1B0----  .   .   ." in text
+    assert "costs: F 1, B 1, I 1, W 1, send 0.5" in text
+
+
+def test_no_color_by_default_off_a_terminal_and_with_no_color() -> None:
+    assert "\x1b" not in show("zbh1", "--ranks", "2", "--microbatches", "2")[1]
+    assert "\x1b" not in show("zbh1", "--ranks", "2", "--microbatches", "2", "--color", "always", "--no-color")[1]
+
+
+def test_writes_trace_and_svg(tmp_path: Path) -> None:
+    trace, picture = tmp_path / "out.json", tmp_path / "out.svg"
+    status, text = show(
+        "interleaved", "--ranks", "2", "--microbatches", "4", "--trace", str(trace), "--svg", str(picture)
+    )
+    assert status == 0
+    assert f"wrote {trace} (open it in https://ui.perfetto.dev)" in text
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == 2 * 4 * 4  # 4 stages x 4 microbatches x (F, B)
+    assert ET.fromstring(picture.read_text()).tag.endswith("svg")
+
+
+def test_schedule_error_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    status, text = show("zbv", "--ranks", "2", "--microbatches", "4", "--stages-per-rank", "3")
+    assert status == 2
+    assert text == ""
+    assert "python -m fpipe show: fpipe.schedules.ZeroBubbleV: 6 stages in a V need 3 ranks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["show", "foo", "--ranks", "2", "--microbatches", "2"], "invalid choice: 'foo'"),
+        (["show", "1f1b", "--ranks", "0", "--microbatches", "2"], "expected a positive integer, got '0'"),
+        (["show", "1f1b", "--ranks", "2"], "the following arguments are required: --microbatches"),
+        (["show", "1f1b", "--ranks", "2", "--microbatches", "2", "--forward", "0"], None),
+    ],
+)
+def test_bad_arguments(args: list[str], fragment: str | None, capsys: pytest.CaptureFixture[str]) -> None:
+    if fragment is None:  # a bad cost is a ScheduleError: status 2 without argparse's exit
+        assert main(args, stdout=io.StringIO()) == 2
+        assert "forward must be a finite positive number" in capsys.readouterr().err
+        return
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_python_dash_m() -> None:
+    env = {**os.environ, "NO_COLOR": "1"}
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "fpipe", "show", "zbh1", "--ranks", "2", "--microbatches", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "rank 1 |  .  1F0 1I0 1F1 1I1 1W0 1W1" in done.stdout
