@@ -9,10 +9,12 @@ from . import schedules as schedules
 from ._api import Step as Step
 from ._api import pipeline as pipeline
 from ._errors import PipelineError as PipelineError
+from ._errors import PipelineTimeoutError as PipelineTimeoutError
 from ._functionalize import functionalize as functionalize
 
 __all__ = [
     "PipelineError",
+    "PipelineTimeoutError",
     "Step",
     "functionalize",
     "pipeline",

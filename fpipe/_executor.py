@@ -98,11 +98,6 @@ class Executor:
             except Exception as error:
                 raise PipelineError.from_exception(rank, action, error) from error
 
-    @property
-    def live_pullbacks(self) -> int:
-        """How many forwards' saved activations are alive now."""
-        return len(self._pullbacks)
-
     def _forward(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
         stage = self.stages[s]
