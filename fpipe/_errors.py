@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from .schedules._action import Action
 
 
@@ -21,6 +24,11 @@ class PipelineError(RuntimeError):
         self.stage = None if action is None else action.stage
         self.microbatch = None if action is None else action.microbatch
         super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exceptions pickle as ``cls(*args)``, which would drop the keyword-only ``rank`` and
+        # ``action``; pickling matters when an error crosses processes (multiprocessing pools).
+        return functools.partial(type(self), rank=self.rank, action=self.action), self.args
 
     @classmethod
     def from_exception(cls, rank: int, action: Action, cause: BaseException) -> PipelineError:

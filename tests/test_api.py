@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ GPIPE, ZERO_BUBBLE_H1 = (next(e for e in CONFORMANCE if e.name == name) for name
 
 
 def test_public_names() -> None:
-    assert fpipe.__all__ == ["PipelineError", "Step", "functionalize", "pipeline", "schedules"]
+    assert fpipe.__all__ == ["PipelineError", "PipelineTimeoutError", "Step", "functionalize", "pipeline", "schedules"]
     for name in fpipe.__all__:
         assert getattr(fpipe, name) is not None
 
@@ -208,6 +209,16 @@ def test_stage_forward_error_says_where(schedule: Any, num_stages: int, stage: i
     assert info.value.__cause__ is error
     assert (info.value.stage, info.value.microbatch, info.value.rank) == (stage, 1, rank)
     assert str(info.value.action) == f"{stage}F1"
+
+
+def test_pipeline_error_survives_pickling() -> None:
+    """Errors cross processes (multiprocessing pools) by pickle; rank and action must come along."""
+    step = fpipe.pipeline(carry_loss, [carry, failing_at(0, KeyError("k"))], GPipe(num_microbatches=2))
+    with pytest.raises(fpipe.PipelineError) as info:
+        step(carry_params(2), carry_batch(4))
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert type(copy) is fpipe.PipelineError and str(copy) == str(info.value)
+    assert (copy.rank, copy.action, copy.stage, copy.microbatch) == (1, info.value.action, 1, 0)
 
 
 class FailingBackward(torch.autograd.Function):
