@@ -5,6 +5,8 @@ A schedule is a value (``GPipe(num_microbatches=8)``) whose ``program(num_stages
 """
 
 from ._action import Action as Action
+from ._csv import dump_csv as dump_csv
+from ._csv import load_csv as load_csv
 from ._gpipe import GPipe as GPipe
 from ._interleaved import Interleaved1F1B as Interleaved1F1B
 from ._looped_bfs import LoopedBFS as LoopedBFS
@@ -40,7 +42,9 @@ __all__ = [
     "ZeroBubbleH1",
     "ZeroBubbleV",
     "chrome_trace",
+    "dump_csv",
     "execution_order",
+    "load_csv",
     "placement",
     "render",
     "simulate",
