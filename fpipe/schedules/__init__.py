@@ -1,7 +1,10 @@
 """Schedules as data: actions, programs, their validation and pictures, and the schedules themselves.
 
 A schedule is a value (``GPipe(num_microbatches=8)``) whose ``program(num_stages)`` returns a
-``Program``: one ordered list of ``Action`` per rank. Programs can be written by hand too.
+``Program``: one ordered list of ``Action`` per rank. Programs can be written by hand too, or read
+from torch's CSV format (``load_csv``). ``placement(schedule, num_stages)`` says which rank holds
+each stage; ``simulate`` replays a program with costs to measure its bubble and memory; and
+``terminal_grid``, ``chrome_trace`` and ``svg`` draw it (also ``python -m fpipe show``).
 """
 
 from ._action import Action as Action

@@ -53,3 +53,14 @@ def test_is_a_frozen_value() -> None:
     assert hash(GPipe(4)) == hash(GPipe(4))
     with pytest.raises(AttributeError):
         GPipe(4).num_microbatches = 5  # type: ignore[misc]
+
+
+def test_grid_on_fewer_ranks_than_stages_is_looped() -> None:
+    assert render(GPipe(2).program(4, 2)) == dedent("""\
+        rank 0 | 0F0 0F1 2F0 2F1  .   .  2B0 2B1 0B0 0B1
+        rank 1 |  .  1F0 1F1 3F0 3F1 3B0 3B1 1B0 1B1  .""")
+
+
+def test_rejects_stages_not_a_multiple_of_ranks() -> None:
+    with pytest.raises(ScheduleError, match=r"GPipe: 5 stages cannot be laid out on 2 ranks"):
+        GPipe(2).program(5, 2)

@@ -6,7 +6,7 @@ from textwrap import dedent
 
 import pytest
 
-from fpipe.schedules import Action, OneFOneB, ScheduleError, render, validate
+from fpipe.schedules import Action, Interleaved1F1B, OneFOneB, ScheduleError, render, validate
 
 
 def in_flight_peak(row: tuple[Action, ...]) -> int:
@@ -66,3 +66,8 @@ def test_placement_is_one_stage_per_rank() -> None:
 def test_rejects_bad_microbatches(bad: object) -> None:
     with pytest.raises(ScheduleError, match=r"OneFOneB: num_microbatches must be a positive int \(num_microbatches: "):
         OneFOneB(bad)  # type: ignore[arg-type]
+
+
+def test_on_fewer_ranks_than_stages_is_interleaved() -> None:
+    assert OneFOneB(4).program(6, 2) == Interleaved1F1B(4, stages_per_rank=3).program(6)
+    assert OneFOneB(4).program(6, 2).placement() == (0, 1, 0, 1, 0, 1)
