@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 # is small and derandomized (the suite stays fast and reproducible); FPIPE_HYPOTHESIS=thorough
 # explores more, with fresh examples on every run.
 _COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]}
-settings.register_profile("fpipe", max_examples=30, derandomize=True, **_COMMON)
+settings.register_profile("fpipe", max_examples=40, derandomize=True, **_COMMON)
 settings.register_profile("thorough", max_examples=500, **_COMMON)
 settings.load_profile(os.environ.get("FPIPE_HYPOTHESIS", "fpipe"))
 

@@ -15,7 +15,7 @@ from typing import Any
 import optree
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -104,19 +104,19 @@ def reference(loss_fn: Callable[[Any, Any], Any], stages: Sequence[Any], params:
     return loss, grads
 
 
-def assert_close(actual: Any, expected: Any, tolerance: float = TOLERANCE) -> None:
+def assert_close(actual: Any, expected: Any, tolerance: float = TOLERANCE, *, context: str = "") -> None:
     """Same pytree structure, dtypes and shapes; every tensor leaf within ``tolerance`` relative error."""
     a_leaves, a_spec = optree.tree_flatten(actual, none_is_leaf=True)
     e_leaves, e_spec = optree.tree_flatten(expected, none_is_leaf=True)
-    assert a_spec == e_spec
+    assert a_spec == e_spec, context
     for a, e in zip(a_leaves, e_leaves):
         if not isinstance(e, torch.Tensor):
-            assert a == e
+            assert a == e, context
             continue
-        assert isinstance(a, torch.Tensor)
-        assert (a.dtype, a.shape) == (e.dtype, e.shape)
+        assert isinstance(a, torch.Tensor), context
+        assert (a.dtype, a.shape) == (e.dtype, e.shape), context
         error = torch.linalg.vector_norm(a - e)
-        assert error <= tolerance * torch.linalg.vector_norm(e), f"relative error {error / e.norm()}"
+        assert error <= tolerance * torch.linalg.vector_norm(e), f"{context}: relative error {error / e.norm()}"
 
 
 # --- A model over random batch pytrees ----------------------------------------------------------
@@ -133,19 +133,20 @@ class Leaf:
 LEAVES = st.one_of(
     st.sampled_from([(), (2,), (2, 3)]).map(lambda shape: Leaf("float", shape)),
     st.sampled_from([(), (2,)]).map(lambda shape: Leaf("int", shape)),
-    st.just(Leaf("bool", ())),
+    st.just(Leaf("bool")),
     st.just(Leaf("none")),
     st.text(max_size=3).map(lambda s: Leaf("str", s)),
     st.integers(-3, 3).map(lambda v: Leaf("pyint", v)),
+    st.sampled_from(["tuple", "dict"]).map(lambda node: Leaf("empty", node)),  # a node without leaves
 )
 STRUCTURES = st.recursive(
     LEAVES,
     lambda children: st.one_of(
-        st.lists(children, max_size=3).map(tuple),
-        st.lists(children, max_size=3),
-        st.dictionaries(st.sampled_from(["a", "b", "c"]), children, max_size=3),
+        st.lists(children, min_size=1, max_size=3).map(tuple),
+        st.lists(children, min_size=1, max_size=3),
+        st.dictionaries(st.sampled_from(["a", "b", "c"]), children, min_size=1, max_size=3),
     ),
-    max_leaves=6,
+    max_leaves=8,
 )
 
 
@@ -159,6 +160,8 @@ def materialize(structure: Any, n: int, generator: torch.Generator) -> Any:
             return torch.randint(-5, 5, (n, *spec.value), generator=generator)
         if spec.kind == "bool":
             return torch.rand(n, generator=generator) > 0.5
+        if spec.kind == "empty":
+            return () if spec.value == "tuple" else {}
         return spec.value
 
     return optree.tree_map(leaf, structure, is_leaf=lambda x: isinstance(x, Leaf), none_is_leaf=True)
@@ -219,16 +222,61 @@ def make_model(num_stages: int, batch: Any, key: Any, width: int = 3) -> tuple[l
     return [stage(s) for s in range(num_stages)], loss_fn, params
 
 
-@pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
-@given(data=st.data())
-def test_step_equals_the_unsplit_model(entry: Conformance, data: st.DataObject) -> None:
-    num_stages = data.draw(st.sampled_from(entry.stage_counts), label="num_stages")
-    num_microbatches = data.draw(st.integers(1, 10), label="num_microbatches")
-    batch_size = data.draw(st.integers(num_microbatches, 3 * num_microbatches + 2), label="batch_size")
-    structure = data.draw(STRUCTURES, label="extra")
-    as_tuple = data.draw(st.booleans(), label="as_tuple")
-    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+# A batch with every kind of leaf, nested: pinned as an example so every entry always sees it.
+RICH = {
+    "a": (Leaf("float", (2, 3)), Leaf("int", (2,)), [Leaf("none"), Leaf("str", "tok")]),
+    "b": {"c": Leaf("bool"), "a": Leaf("pyint", 3)},
+    "c": [Leaf("float", ())],
+}
 
+
+@pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
+@given(
+    stage_index=st.sampled_from(range(6)),
+    num_microbatches=st.sampled_from(range(1, 11)),
+    extra_examples=st.sampled_from(range(26)),
+    structure=STRUCTURES,
+    as_tuple=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(stage_index=5, num_microbatches=10, extra_examples=3, structure=RICH, as_tuple=False, seed=0)
+@example(stage_index=5, num_microbatches=8, extra_examples=0, structure=RICH, as_tuple=True, seed=1)
+@example(stage_index=0, num_microbatches=3, extra_examples=1, structure=RICH, as_tuple=False, seed=2)
+def test_step_equals_the_unsplit_model(
+    entry: Conformance,
+    stage_index: int,
+    num_microbatches: int,
+    extra_examples: int,
+    structure: Any,
+    as_tuple: bool,
+    seed: int,
+) -> None:
+    num_stages = entry.stage_counts[stage_index % len(entry.stage_counts)]
+    check_transparency(
+        entry, num_stages, num_microbatches, num_microbatches + extra_examples, structure, as_tuple, seed
+    )
+
+
+@pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
+def test_every_stage_and_microbatch_count(entry: Conformance) -> None:
+    """The whole grid, deterministically (hypothesis above favours small cases): uneven splits of ``2m + 1``."""
+    for num_stages in entry.stage_counts:
+        for num_microbatches in (1, 2, 3, 4, 5, 7, 8, 10):
+            batch_size = 2 * num_microbatches + 1
+            check_transparency(entry, num_stages, num_microbatches, batch_size, RICH, num_stages % 2 == 0, 0)
+
+
+def check_transparency(
+    entry: Conformance,
+    num_stages: int,
+    num_microbatches: int,
+    batch_size: int,
+    structure: Any,
+    as_tuple: bool,
+    seed: int,
+) -> None:
+    """One run of the battery: ``entry``'s step on a random batch equals the unsplit model."""
+    generator = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, 3, generator=generator)
     target = torch.randn(batch_size, 3, generator=generator)
     extra = materialize(structure, batch_size, generator)
@@ -240,8 +288,9 @@ def test_step_equals_the_unsplit_model(entry: Conformance, data: st.DataObject) 
     loss, grads = step(params, batch)
 
     expected_loss, expected_grads = reference(loss_fn, stages, params, batch)
-    assert_close(loss, expected_loss)
-    assert_close(grads, expected_grads)
+    context = f"{entry} with {num_stages} stages, {num_microbatches} microbatches, batch of {batch_size}"
+    assert_close(loss, expected_loss, context=context)
+    assert_close(grads, expected_grads, context=context)
 
 
 @pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
