@@ -1,0 +1,36 @@
+"""The overhead benchmark runs end to end in quick mode (timings are never asserted on)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_overhead.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_overhead", BENCHMARK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_overhead_quick(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    results = _load().main(["--quick", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    for key in ("one_stage", "four_stages"):
+        row = results[key]
+        assert row["grads_match"] is True
+        for side in ("fpipe", "plain"):
+            assert row[side]["median_s"] > 0
+        assert row["ratio"] > 0
+    per_action = results["per_action"]
+    assert per_action["actions"] == 2 * per_action["stages"] * per_action["microbatches"]
+    assert per_action["step"]["median_s"] > 0 and per_action["us_per_action"] > 0
+    assert {"torch", "torch_threads"} <= results["machine"].keys()
