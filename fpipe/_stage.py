@@ -4,10 +4,11 @@ NOTE [differentiable leaves]
 Only floating and complex tensor leaves are differentiated. Each one that enters a stage (an
 input leaf or a parameter leaf) is replaced by ``leaf.detach().requires_grad_()``: a new tensor
 sharing storage, so the user's tensor keeps its ``requires_grad`` and is never part of our
-graph. The forward runs under ``torch.enable_grad()`` (the ambient grad mode does not matter),
-and the backward is an explicit vector-Jacobian product, ``torch.autograd.grad(outputs, inputs,
-cotangents)``, that never reads or writes ``.grad``. Integer/bool tensors and non-tensor leaves
-pass through and get no cotangent (``None``).
+graph. The forward runs under ``torch.enable_grad()`` and outside inference mode, so the ambient
+grad mode does not matter (under ``torch.inference_mode()`` no graph would be recorded and every
+gradient would silently be zero). The backward is an explicit vector-Jacobian product,
+``torch.autograd.grad(outputs, inputs, cotangents)``, that never reads or writes ``.grad``.
+Integer/bool tensors and non-tensor leaves pass through and get no cotangent (``None``).
 
 NOTE [fixed accumulation order]
 A stage's parameter gradients are summed over microbatches in microbatch order 0, 1, 2, ...
@@ -104,7 +105,7 @@ class StageRun:
                 if is_differentiable(leaf):
                     leaves[k] = leaf.detach().requires_grad_()
                     input_index.append(k)
-        with torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad():
             y = self.fn(self.params, unflatten(spec, leaves))
         return y, self._pullback(y, [leaves[k] for k in input_index], input_index, len(leaves))
 
@@ -119,7 +120,7 @@ class StageRun:
     ) -> tuple[torch.Tensor, Any, Pullback]:
         """Run the (last) stage and ``loss_fn`` on ``x``; return loss, aux and the pullback."""
         y, pullback = self.forward(x, differentiate_input=differentiate_input)
-        with torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad():
             result = loss_fn(y, self.to_device(microbatch))
             loss, aux = _split_aux(result, has_aux)
             loss = loss.reshape(())  # a one-element loss of shape (1,) gets the scalar cotangent too
@@ -154,10 +155,11 @@ class StageRun:
         if part != "input":
             wrt += self._param_inputs
         grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
-        if outputs and wrt:
-            grads = torch.autograd.grad(outputs, wrt, grad_outputs, retain_graph=part == "input", allow_unused=True)
-        if part != "input":
-            self._grads.add(microbatch, grads[len(wrt) - len(self._param_inputs) :])
+        with torch.inference_mode(False):  # gradients are plain tensors, whatever the ambient mode
+            if outputs and wrt:
+                grads = torch.autograd.grad(outputs, wrt, grad_outputs, retain_graph=part == "input", allow_unused=True)
+            if part != "input":
+                self._grads.add(microbatch, grads[len(wrt) - len(self._param_inputs) :])
         if part == "weight":
             return None
         input_cotangents: Grads = [None] * pullback.num_inputs
@@ -171,8 +173,9 @@ class StageRun:
         Differentiable leaves that no microbatch reached get zeros; other leaves get ``None``.
         """
         out: list[Any] = [None] * len(self._param_leaves)
-        for k, g in zip(self._param_index, self._grads.total):
-            out[k] = torch.zeros_like(self._param_leaves[k]) if g is None else g
+        with torch.inference_mode(False):
+            for k, g in zip(self._param_index, self._grads.total):
+                out[k] = torch.zeros_like(self._param_leaves[k]) if g is None else g
         return unflatten(self._spec, out)
 
 

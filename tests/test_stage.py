@@ -110,14 +110,17 @@ def test_first_stage_does_not_differentiate_its_input() -> None:
     assert run.backward(pullback, [torch.ones(4, 3)], 0) == [None]
 
 
-def test_forward_records_a_graph_whatever_the_grad_mode() -> None:
-    run = StageRun(0, lambda p, x: x * p, torch.tensor(2.0))
-    with torch.no_grad():
-        y, pullback = run.forward(torch.ones(3), differentiate_input=True)
-    assert y.requires_grad and pullback.outputs == [y]
-    with torch.no_grad():
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_forward_records_a_graph_whatever_the_grad_mode(mode: Any) -> None:
+    x, p = torch.ones(3), torch.tensor(2.0)  # made outside: inference tensors cannot enter a graph
+    with mode():
+        run = StageRun(0, lambda p, x: x * p, p)
+        y, pullback = run.forward(x, differentiate_input=True)
+        assert y.requires_grad and pullback.outputs == [y]
         (g,) = run.backward(pullback, [torch.ones(3)], 0) or [None]
-    assert g is not None and torch.equal(g, torch.full((3,), 2.0)) and run.grads().item() == 3.0
+        grads = run.grads()
+    assert g is not None and torch.equal(g, torch.full((3,), 2.0))
+    assert grads.item() == 3.0 and not grads.is_inference()
 
 
 def test_unreached_and_non_differentiable_params() -> None:
