@@ -214,10 +214,11 @@ class Step:
                 f"fpipe.step: params has {len(params)} entries but the pipeline has {self.num_stages} "
                 "stages. Pass one parameter pytree per stage."
             )
-        if self._topology is None:
-            loss, aux, grads = self._run_local(params, batch)
-        else:
-            loss, aux, grads = self._run_distributed(self._topology, params, batch)
+        with torch.inference_mode(False):  # results are plain tensors whatever the ambient mode
+            if self._topology is None:
+                loss, aux, grads = self._run_local(params, batch)
+            else:
+                loss, aux, grads = self._run_distributed(self._topology, params, batch)
         return ((loss, aux), grads) if self.has_aux else (loss, grads)
 
     def global_norm(self, grads: Sequence[PyTree], /) -> torch.Tensor:

@@ -79,7 +79,6 @@ class Executor:
         self.losses: dict[int, torch.Tensor] = {}
         self.auxes: dict[int, Any] = {}
         self._pullbacks: dict[tuple[int, int], Pullback] = {}
-        self._pending_weight: dict[tuple[int, int], Grads] = {}
         self._handlers: dict[str, Callable[[Action], None]] = {
             FORWARD: self._forward,
             BACKWARD: self._backward,
@@ -124,18 +123,16 @@ class Executor:
         s, i = action.stage, action.microbatch
         cotangents = self._output_cotangents(s, i)
         input_cotangents = self.stages[s].backward(self._pullbacks.pop((s, i)), cotangents, i)
-        if s > 0 and input_cotangents is not None:
+        if s > 0:
             self.transport.send_cotangent(s, i, input_cotangents)
 
     def _backward_input(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
         cotangents = self._output_cotangents(s, i)
-        self._pending_weight[s, i] = cotangents
-        input_cotangents = self.stages[s].backward(self._pullbacks[s, i], cotangents, i, part="input")
-        if s > 0 and input_cotangents is not None:
+        input_cotangents = self.stages[s].backward_input(self._pullbacks[s, i], cotangents)
+        if s > 0:
             self.transport.send_cotangent(s, i, input_cotangents)
 
     def _backward_weight(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
-        cotangents = self._pending_weight.pop((s, i))
-        self.stages[s].backward(self._pullbacks.pop((s, i)), cotangents, i, part="weight")
+        self.stages[s].backward_weight(self._pullbacks.pop((s, i)), i)

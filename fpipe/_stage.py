@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ._pytree import PyTree, flatten, is_differentiable, map_tensors, unflatten
+from ._weight_grad import DeferredWeightGrad, input_grad
 
 Grads = list[torch.Tensor | None]
 
@@ -32,7 +33,7 @@ Grads = list[torch.Tensor | None]
 class Pullback:
     """What a forward saves for its backward: the outputs to differentiate and the inputs to reach."""
 
-    __slots__ = ("input_index", "inputs", "num_inputs", "output_index", "outputs")
+    __slots__ = ("deferred", "input_index", "inputs", "num_inputs", "output_index", "outputs")
 
     def __init__(
         self,
@@ -47,6 +48,7 @@ class Pullback:
         self.inputs = inputs  # differentiable input leaves (detached copies)
         self.input_index = input_index  # their positions among the input leaves
         self.num_inputs = num_inputs  # how many input leaves there are in all
+        self.deferred: DeferredWeightGrad | None = None  # set by an input-grad backward
 
 
 class _OrderedSum:
@@ -133,39 +135,52 @@ class StageRun:
         index = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         return Pullback([leaves[k] for k in index], index, inputs, input_index, num_inputs)
 
-    def backward(
-        self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None], microbatch: int, *, part: str = "both"
-    ) -> Grads | None:
-        """Pull ``cotangents`` (one per output leaf, ``None`` for none) back through a forward.
-
-        ``part`` is ``"both"`` (fused backward), ``"input"`` (input cotangents only; keeps the
-        graph for a later ``"weight"``) or ``"weight"``. Parameter gradients go into the ordered
-        sum; the input cotangents (one per input leaf, ``None`` where there is none) are returned,
-        or ``None`` for ``"weight"``.
-        """
+    def _seeds(
+        self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The outputs that carry a graph and a cotangent, and those cotangents."""
         outputs, grad_outputs = [], []
         for k, out in zip(pullback.output_index, pullback.outputs):
             cot = cotangents[k]
             if cot is not None:
                 outputs.append(out)
                 grad_outputs.append(cot.to(out.device))
-        wrt: list[torch.Tensor] = []
-        if part != "weight":
-            wrt += pullback.inputs
-        if part != "input":
-            wrt += self._param_inputs
-        grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
-        with torch.inference_mode(False):  # gradients are plain tensors, whatever the ambient mode
-            if outputs and wrt:
-                grads = torch.autograd.grad(outputs, wrt, grad_outputs, retain_graph=part == "input", allow_unused=True)
-            if part != "input":
-                self._grads.add(microbatch, grads[len(wrt) - len(self._param_inputs) :])
-        if part == "weight":
-            return None
+        return outputs, grad_outputs
+
+    def _input_cotangents(self, pullback: Pullback, grads: Sequence[torch.Tensor | None]) -> Grads:
         input_cotangents: Grads = [None] * pullback.num_inputs
         for k, g in zip(pullback.input_index, grads):
             input_cotangents[k] = g
         return input_cotangents
+
+    def backward(self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None], microbatch: int) -> Grads:
+        """The fused backward: pull ``cotangents`` (one per output leaf, ``None`` for none) back.
+
+        Parameter gradients go into the ordered sum; returns the input cotangents, one per
+        input leaf (``None`` where there is none).
+        """
+        outputs, grad_outputs = self._seeds(pullback, cotangents)
+        wrt = pullback.inputs + self._param_inputs
+        grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
+        with torch.inference_mode(False):  # gradients are plain tensors, whatever the ambient mode
+            if outputs and wrt:
+                grads = torch.autograd.grad(outputs, wrt, grad_outputs, allow_unused=True)
+            self._grads.add(microbatch, grads[len(pullback.inputs) :])
+        return self._input_cotangents(pullback, grads[: len(pullback.inputs)])
+
+    def backward_input(self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None]) -> Grads:
+        """The input half of a split backward (NOTE [split backward]); ``backward_weight`` finishes it."""
+        outputs, grad_outputs = self._seeds(pullback, cotangents)
+        with torch.inference_mode(False):
+            grads, pullback.deferred = input_grad(outputs, grad_outputs, pullback.inputs, self._param_inputs)
+        return self._input_cotangents(pullback, grads)
+
+    def backward_weight(self, pullback: Pullback, microbatch: int) -> None:
+        """The weight half of a split backward: parameter gradients into the ordered sum."""
+        assert pullback.deferred is not None, "fpipe: a weight-grad backward before its input-grad backward"
+        with torch.inference_mode(False):
+            self._grads.add(microbatch, pullback.deferred.run())
+        pullback.deferred = None
 
     def grads(self) -> PyTree:
         """The summed parameter gradients, shaped like the parameters.

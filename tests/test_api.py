@@ -147,11 +147,6 @@ def test_result_does_not_depend_on_grad_mode(mode: Callable[[], AbstractContextM
     assert all(torch.equal(a["w"], b["w"]) and not b["w"].is_inference() for a, b in zip(grads, grads_in_mode))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Step.__call__ (fpipe/_api.py) sums the microbatch losses in the ambient mode: under "
-    "torch.inference_mode() the returned loss is an inference tensor",
-)
 def test_loss_is_a_plain_tensor_under_inference_mode() -> None:
     step = fpipe.pipeline(carry_loss, [carry] * 2, GPipe(num_microbatches=2))
     with torch.inference_mode():

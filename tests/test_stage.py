@@ -76,9 +76,9 @@ def test_split_backward_equals_fused_backward_bitwise() -> None:
     expected = fused.backward(pullback, cotangents, 0)
 
     _, pullback = split.forward(x, differentiate_input=True)
-    got = split.backward(pullback, cotangents, 0, part="input")
+    got = split.backward_input(pullback, cotangents)
     assert split.grads()["w"].abs().sum() == 0  # no weight gradient yet
-    assert split.backward(pullback, cotangents, 0, part="weight") is None
+    split.backward_weight(pullback, 0)
 
     assert expected is not None and got is not None
     for a, b in zip(got, expected):

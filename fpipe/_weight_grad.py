@@ -1,0 +1,189 @@
+"""Split backward: input gradients now, weight gradients later, without recomputing anything.
+
+NOTE [split backward]
+Zero-bubble schedules run a stage's backward as two actions: ``I`` computes the cotangents of
+the stage's inputs (the previous stage waits for them), ``W`` the parameter gradients (nobody
+waits; it fills bubbles). ``I`` is ``autograd.grad(outputs, inputs)``, which runs only the
+graph nodes on paths from the outputs to the inputs. Parameter gradients hang off that path:
+each parameter's gradient flows from the first nodes that are both downstream of the inputs
+and upstream of the parameter (its "intermediates"). During ``I`` a pre-hook on each
+intermediate saves the gradient arriving there; ``W`` then pulls those saved gradients back
+from the intermediates to the parameters, ``autograd.grad(GradientEdges, params)``, which
+touches only the small parameter side of the graph. Together they run each node once, as the
+fused backward does. Parameters whose contributions never meet the inputs' paths (or a stage
+whose inputs are not differentiable, like stage 0) are done in ``W`` straight from the outputs.
+The same idea is in ``torch.distributed.pipelining._backward``.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+def _node(t: torch.Tensor) -> Node:
+    """The graph node that produces ``t``'s gradient (its ``grad_fn`` or its ``AccumulateGrad``)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    node = t.view_as(t).grad_fn
+    assert node is not None, "fpipe: a tensor without a graph in a split backward"
+    accumulate = node.next_functions[0][0]
+    assert accumulate is not None
+    return accumulate
+
+
+def _consumers(roots: Sequence[Node]) -> dict[Node, list[Node]]:
+    """For every node reachable backwards from ``roots``, the nodes that consume its output."""
+    consumers: dict[Node, list[Node]] = collections.defaultdict(list)
+    queue = collections.deque(dict.fromkeys(roots))
+    seen = set(queue)
+    while queue:
+        node = queue.popleft()
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                consumers[nxt].append(node)
+                if nxt not in seen:
+                    seen.add(nxt)
+                    queue.append(nxt)
+    return consumers
+
+
+def _downstream(
+    starts: Sequence[Node], consumers: dict[Node, list[Node]], stop: set[Node]
+) -> tuple[set[Node], set[Node]]:
+    """Nodes reached forward from ``starts`` (not entering ``stop``), and the ``stop`` nodes hit."""
+    reached, hit = set(starts), set()
+    queue = collections.deque(starts)
+    while queue:
+        for consumer in consumers.get(queue.popleft(), ()):
+            if consumer in stop:
+                hit.add(consumer)
+            elif consumer not in reached:
+                reached.add(consumer)
+                queue.append(consumer)
+    return reached, hit
+
+
+class _Group:
+    """Parameters whose gradients flow in through the same intermediates."""
+
+    def __init__(self) -> None:
+        self.params: list[int] = []
+        self.intermediates: list[Node] = []
+        self.grads: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+
+
+class DeferredWeightGrad:
+    """What ``W`` needs after ``I`` ran: saved intermediate gradients, or the outputs themselves."""
+
+    def __init__(
+        self,
+        groups: list[_Group],
+        rest: list[int],
+        outputs: list[torch.Tensor],
+        grad_outputs: list[torch.Tensor],
+        params: Sequence[torch.Tensor],
+    ) -> None:
+        self._groups = groups
+        self._rest = rest
+        self._outputs = outputs
+        self._grad_outputs = grad_outputs
+        self._params = params
+
+    def run(self) -> list[torch.Tensor | None]:
+        """The parameter gradients, one per parameter (``None`` where none flows)."""
+        grads: list[torch.Tensor | None] = [None] * len(self._params)
+        for group in self._groups:
+            edges = [
+                GradientEdge(node, k)
+                for node in group.intermediates
+                for k, g in enumerate(group.grads.get(node, ()))
+                if g is not None
+            ]
+            seeds = [g for node in group.intermediates for g in group.grads.get(node, ()) if g is not None]
+            if not edges:
+                continue
+            # An intermediate downstream of another would get the gradient twice (saved, and
+            # again through the other): pin each to what it saw during I.
+            handles = [
+                node.register_prehook(lambda _, saved=group.grads[node]: saved)
+                for node in group.intermediates
+                if node in group.grads and len(group.intermediates) > 1
+            ]
+            try:
+                found = torch.autograd.grad(
+                    edges,
+                    [GradientEdge(_node(self._params[k]), 0) for k in group.params],
+                    seeds,
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+            finally:
+                for handle in handles:
+                    handle.remove()
+            for k, g in zip(group.params, found):
+                grads[k] = g
+        if self._rest and self._outputs:
+            found = torch.autograd.grad(
+                self._outputs, [self._params[k] for k in self._rest], self._grad_outputs, allow_unused=True
+            )
+            for k, g in zip(self._rest, found):
+                grads[k] = g
+        return grads
+
+
+def input_grad(
+    outputs: list[torch.Tensor],
+    grad_outputs: list[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> tuple[Sequence[torch.Tensor | None], DeferredWeightGrad]:
+    """The input half of a backward (NOTE [split backward]) and what the weight half needs."""
+    if not outputs or not inputs:
+        return [None] * len(inputs), DeferredWeightGrad([], list(range(len(params))), outputs, grad_outputs, params)
+    consumers = _consumers([_node(o) for o in outputs])
+    after_inputs, _ = _downstream([_node(x) for x in inputs], consumers, set())
+    by_node: dict[Node, _Group] = {}
+    groups: list[_Group] = []
+    rest: list[int] = []
+    for k, p in enumerate(params):
+        _, hit = _downstream([_node(p)], consumers, after_inputs)
+        if not hit:
+            rest.append(k)
+            continue
+        merged = [by_node[n] for n in hit if n in by_node]
+        group = merged[0] if merged else _Group()
+        if not merged:
+            groups.append(group)
+        for other in merged[1:]:
+            if other is not group:
+                group.params += other.params
+                group.intermediates += [n for n in other.intermediates if n not in group.intermediates]
+                for n in other.intermediates:
+                    by_node[n] = group
+                groups.remove(other)
+        group.params.append(k)
+        for n in hit:
+            if n not in by_node:
+                by_node[n] = group
+                group.intermediates.append(n)
+
+    def saver(group: _Group, node: Node) -> Any:
+        def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            group.grads[node] = grad_outputs
+
+        return hook
+
+    handles = [node.register_prehook(saver(group, node)) for group in groups for node in group.intermediates]
+    try:
+        found = torch.autograd.grad(outputs, list(inputs), grad_outputs, retain_graph=True, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for group in groups:
+        group.params.sort()
+    return found, DeferredWeightGrad(groups, rest, outputs, grad_outputs, params)
