@@ -1,0 +1,84 @@
+"""The examples run, and examples/train_llama.py learns and pipelines its model transparently."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+import fpipe
+from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+TINY = ["--dim", "16", "--head-dim", "8", "--digits", "4", "--batch-size", "8"]
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"fpipe_example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def llama() -> Iterator[ModuleType]:
+    """The example's module, run with one thread (as main() sets) and the thread count restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: one thread is fastest, and stays fast on a busy machine
+    try:
+        yield _load("train_llama")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_train_llama_runs(llama: ModuleType, schedule: str, capsys: pytest.CaptureFixture[str]) -> None:
+    losses = llama.main(["--steps", "3", "--schedule", schedule, "--microbatches", "3", "--quiet", *TINY])
+    assert len(losses) == 3
+    assert all(math.isfinite(loss) for loss in losses)
+    out = capsys.readouterr().out
+    assert out.startswith("3 steps in") and "rank 0 |" not in out  # --quiet: the summary only
+
+
+def test_train_llama_prints_grid_and_progress(llama: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    llama.main(["--steps", "2", "--microbatches", "2", *TINY])
+    out = capsys.readouterr().out
+    assert "rank 3 | " in out  # the schedule's grid, one row per rank
+    assert "\rstep 2/2 [" in out  # the progress bar
+
+
+def test_train_llama_learns(llama: ModuleType) -> None:
+    losses = llama.main(["--steps", "60", "--seed", "1", "--quiet"])
+    assert losses[0] > 2.5  # about ln(17): chance
+    assert sum(losses[-5:]) / 5 < 0.5 * losses[0]  # about 1.1 at this seed
+
+
+@pytest.mark.parametrize(
+    "schedule", [GPipe(3), OneFOneB(4), Interleaved1F1B(5, stages_per_rank=2)], ids=["gpipe", "1f1b", "interleaved"]
+)
+def test_train_llama_pipeline_is_transparent(llama: ModuleType, schedule: fpipe.schedules.Schedule) -> None:
+    """The example's stages through the pipeline give the unsplit model's loss and gradients."""
+    generator = torch.Generator().manual_seed(0)
+    params = optree.tree_map(lambda t: t.double(), llama.init_params(16, generator))
+    freqs_cis = llama.precompute_freqs_cis(8, 8).to(torch.complex128)
+    batch = llama.get_batch(10, 4, freqs_cis, generator)  # 10 in 3, 4 or 5 microbatches: uneven
+
+    def unsplit(params: list[Any]) -> Any:
+        x = batch
+        for stage, p in zip(llama.STAGES, params):
+            x = stage(p, x)
+        return llama.loss_fn(x, batch)
+
+    expected_grads, expected_loss = torch.func.grad_and_value(unsplit)(params)
+    step = fpipe.pipeline(llama.loss_fn, llama.STAGES, schedule, batch_dims=llama.BATCH_DIMS)
+    loss, grads = step(params, batch)
+    torch.testing.assert_close(loss, expected_loss)
+    torch.testing.assert_close(grads, expected_grads)
