@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ._pytree import PyTree, broadcast_prefix, flatten, leaves_with_paths, unflatten
+from ._pytree import PyTree, broadcast_prefix, detached, flatten, leaves_with_paths, unflatten
 
 
 def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[list[PyTree], list[int]]:
@@ -66,8 +66,9 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
             f"fpipe.pipeline: a batch of {size} cannot be split into {num_microbatches} microbatches "
             f"(leaves: {', '.join(sized_paths)}). Use a batch of at least {num_microbatches} or fewer microbatches."
         )
+    leaves = [detached(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     pieces: list[Any] = [
-        torch.tensor_split(leaf.detach(), num_microbatches, dim=d) if d is not None else None
+        torch.tensor_split(leaf, num_microbatches, dim=d) if d is not None else None
         for leaf, d in zip(leaves, split_dims)
     ]
     microbatches = [

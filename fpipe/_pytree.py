@@ -35,6 +35,25 @@ def leaves_with_paths(tree: PyTree) -> tuple[list[str], list[Any], TreeSpec]:
     return [keystr(p) for p in paths], leaves, spec
 
 
+def leaves_with_names(tree: PyTree) -> tuple[list[tuple[str, ...]], list[str], list[Any], TreeSpec]:
+    """Like ``flatten``, plus each leaf's key path as name parts and as code such as ``['h'].a[0]``.
+
+    The name parts are how ``fpipe.save`` names tensors: a mapping key as ``str(key)``, a
+    sequence index in decimal, a named field (namedtuple, dataclass, attribute) by its name.
+    """
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, **_OPTIONS)
+    names = [tuple(_entry_name(e) for e in accessor) for accessor in accessors]
+    return names, [accessor.codify("") for accessor in accessors], leaves, spec
+
+
+def _entry_name(entry: Any) -> str:
+    if isinstance(getattr(entry, "field", None), str):  # namedtuple and structseq fields
+        return str(entry.field)
+    if isinstance(entry, optree.GetAttrEntry):  # dataclass fields, attributes
+        return str(entry.name)
+    return str(entry.entry)
+
+
 def keystr(path: Sequence[Any]) -> str:
     """A key path tuple as ``['h'][0]``; the root is ``<root>``."""
     return "".join(f"[{k!r}]" for k in path) or "<root>"
@@ -51,6 +70,12 @@ def broadcast_prefix(prefix: PyTree, tree: PyTree) -> list[Any]:
 def is_differentiable(leaf: Any) -> bool:
     """Floating and complex tensors get gradients; everything else passes through untouched."""
     return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+
+
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its graph: a detached alias, or a copy if ``t`` is an inference tensor
+    (made under ``torch.inference_mode()``), which autograd could not record or save."""
+    return t.clone() if t.is_inference() else t.detach()
 
 
 def map_tensors(fn: Any, tree: PyTree) -> PyTree:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ._pytree import PyTree, flatten, is_differentiable, map_tensors, unflatten
+from ._pytree import PyTree, detached, flatten, is_differentiable, map_tensors, unflatten
 from ._weight_grad import DeferredWeightGrad, input_grad
 
 Grads = list[torch.Tensor | None]
@@ -82,9 +82,9 @@ class StageRun:
         leaves, self._spec = flatten(params)
         self._param_leaves = leaves
         self._param_index = [k for k, leaf in enumerate(leaves) if is_differentiable(leaf)]
-        prepared = list(leaves)
+        prepared = [detached(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         for k in self._param_index:
-            prepared[k] = leaves[k].detach().requires_grad_()
+            prepared[k].requires_grad_()
         self._param_inputs = [prepared[k] for k in self._param_index]
         self.params = unflatten(self._spec, prepared)
         self.device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
@@ -105,7 +105,7 @@ class StageRun:
             leaves = list(leaves)
             for k, leaf in enumerate(leaves):
                 if is_differentiable(leaf):
-                    leaves[k] = leaf.detach().requires_grad_()
+                    leaves[k] = detached(leaf).requires_grad_()
                     input_index.append(k)
         with torch.inference_mode(False), torch.enable_grad():
             y = self.fn(self.params, unflatten(spec, leaves))
