@@ -1,8 +1,9 @@
 """A stage within one step: its forward, which saves a pullback, and its backward, which runs it.
 
 NOTE [differentiable leaves]
-Only floating and complex tensor leaves are differentiated. Each one that enters a stage (an
-input leaf or a parameter leaf) is replaced by ``leaf.detach().requires_grad_()``: a new tensor
+Only floating and complex tensor leaves are differentiated: every such parameter leaf, and the
+input leaves that carry the previous stage's graph (``requires_grad``; over the wire the flag
+travels in the layout). Each one is replaced by ``leaf.detach().requires_grad_()``: a new tensor
 sharing storage, so the user's tensor keeps its ``requires_grad`` and is never part of our
 graph. The forward runs under ``torch.enable_grad()`` and outside inference mode, so the ambient
 grad mode does not matter (under ``torch.inference_mode()`` no graph would be recorded and every
@@ -104,7 +105,9 @@ class StageRun:
         if differentiate_input:
             leaves = list(leaves)
             for k, leaf in enumerate(leaves):
-                if is_differentiable(leaf):
+                # Only leaves that carry the previous stage's graph can use a cotangent (a RoPE
+                # table passed along untouched cannot), so only those are differentiated.
+                if is_differentiable(leaf) and leaf.requires_grad:
                     leaves[k] = detached(leaf).requires_grad_()
                     input_index.append(k)
         with torch.inference_mode(False), torch.enable_grad():

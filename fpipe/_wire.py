@@ -6,7 +6,7 @@ A message is up to three tensors sent in this order on one (sender, receiver) pa
    ``[ERROR, failing_rank, stage, kind, microbatch]`` when the sender gives up (no more follows).
 2. ``header``: ``uint8[header_nbytes]``, only when the pytree's layout differs from the previous
    message on the same channel: the pickled ``Layout`` (treespec, each tensor leaf's dtype,
-   shape and byte offset, the non-tensor leaves themselves).
+   shape, byte offset and whether it carries the sender's graph, the non-tensor leaves).
 3. ``payload``: ``uint8[payload_nbytes]``, every tensor leaf's bytes, each at a 16-byte
    aligned offset. Complex, integer and bool tensors travel as raw bytes like any other.
 
@@ -36,7 +36,8 @@ class Layout:
     """Where each leaf of a pytree lives in a payload."""
 
     spec: TreeSpec
-    tensors: tuple[tuple[int, torch.dtype, tuple[int, ...], int, int], ...]  # (leaf, dtype, shape, offset, size)
+    # (leaf, dtype, shape, offset, size, requires_grad)
+    tensors: tuple[tuple[int, torch.dtype, tuple[int, ...], int, int, bool], ...]
     values: tuple[tuple[int, Any], ...]  # (leaf, non-tensor value)
     nbytes: int
 
@@ -48,7 +49,7 @@ def layout_of(tree: PyTree) -> tuple[Layout, list[Any]]:
     for k, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             size = leaf.numel() * leaf.element_size()
-            tensors.append((k, leaf.dtype, tuple(leaf.shape), offset, size))
+            tensors.append((k, leaf.dtype, tuple(leaf.shape), offset, size, leaf.requires_grad))
             offset += -(-size // _ALIGN) * _ALIGN
         else:
             values.append((k, leaf))
@@ -75,7 +76,7 @@ class Encoder:
             self._last = layout
             header = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8).to(device)
         payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-        for k, dtype, shape, offset, size in layout.tensors:
+        for k, dtype, shape, offset, size, _ in layout.tensors:
             payload[offset : offset + size].view(dtype).view(shape).copy_(leaves[k].detach())
         return header, payload
 
@@ -97,8 +98,8 @@ class Decoder:
         layout = self._layout
         assert layout is not None
         leaves: list[Any] = [None] * (len(layout.tensors) + len(layout.values))
-        for k, dtype, shape, offset, size in layout.tensors:
-            leaves[k] = payload[offset : offset + size].view(dtype).view(shape)
+        for k, dtype, shape, offset, size, requires_grad in layout.tensors:
+            leaves[k] = payload[offset : offset + size].view(dtype).view(shape).requires_grad_(requires_grad)
         for k, value in layout.values:
             leaves[k] = value
         return unflatten(layout.spec, leaves)

@@ -27,7 +27,9 @@ def layer_params() -> dict[str, Any]:
 
 
 def layer_input() -> dict[str, Any]:
-    return {"h": torch.randn(4, 3), "z": torch.randn(4, 2, dtype=torch.complex128), "ids": torch.arange(4), "tag": "t"}
+    """An activation as a previous stage hands it over: its float and complex leaves carry a graph."""
+    h, z = torch.randn(4, 3, requires_grad=True), torch.randn(4, 2, dtype=torch.complex128, requires_grad=True)
+    return {"h": h * 1, "z": z * 1, "ids": torch.arange(4), "tag": "t"}
 
 
 def cotangents_for(y: Any) -> list[torch.Tensor | None]:
@@ -112,7 +114,8 @@ def test_first_stage_does_not_differentiate_its_input() -> None:
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 def test_forward_records_a_graph_whatever_the_grad_mode(mode: Any) -> None:
-    x, p = torch.ones(3), torch.tensor(2.0)  # made outside: inference tensors cannot enter a graph
+    # made outside: inference tensors cannot enter a graph; x carries a graph like an activation
+    x, p = torch.ones(3, requires_grad=True) * 1, torch.tensor(2.0)
     with mode():
         run = StageRun(0, lambda p, x: x * p, p)
         y, pullback = run.forward(x, differentiate_input=True)
@@ -134,7 +137,7 @@ def test_unreached_and_non_differentiable_params() -> None:
 
 def test_output_without_cotangent_is_skipped() -> None:
     run = StageRun(0, lambda p, x: (x * p, x * p * 3), torch.tensor(2.0))
-    _, pullback = run.forward(torch.ones(2), differentiate_input=True)
+    _, pullback = run.forward(torch.ones(2, requires_grad=True) * 1, differentiate_input=True)
     (g,) = run.backward(pullback, [None, torch.ones(2)], 0) or [None]
     assert g is not None and torch.equal(g, torch.full((2,), 6.0)) and run.grads().item() == 6.0
 
