@@ -1,7 +1,13 @@
-"""Train a small Llama-style decoder as a 4-stage pipeline, in one process, on 2 CPU cores.
+"""Train a small Llama-style decoder as a 4-stage pipeline, in one process or on several.
 
     python examples/train_llama.py
     python examples/train_llama.py --schedule interleaved --microbatches 8
+    torchrun --standalone --nproc-per-node 2 examples/train_llama.py
+
+The same script runs unchanged under ``torchrun``: it then joins a gloo process group, and
+``fpipe.pipeline(..., group=...)`` puts the 4 stages on 2 processes (looped placement, so 1F1B
+becomes interleaved 1F1B). Each rank builds only the parameters of ``step.local_stages``, only
+the rank of stage 0 is given the batch, and every rank gets the loss.
 
 The model is written as pure functions of parameter pytrees (dicts of tensors): RMSNorm, causal
 self-attention with rotary position embeddings (RoPE), and a SwiGLU MLP. It is cut into four
@@ -30,11 +36,13 @@ schedule's rank x time grid is printed at start.
 
 import argparse
 import math
+import os
 import sys
 import time
 
 import optree
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import fpipe
@@ -231,43 +239,58 @@ def main(argv=None):
         "1f1b": OneFOneB(args.microbatches),
         "interleaved": Interleaved1F1B(args.microbatches, stages_per_rank=2),  # 4 stages on 2 ranks
     }[args.schedule]
-    step = fpipe.pipeline(loss_fn, STAGES, schedule, batch_dims=BATCH_DIMS)
-    if not args.quiet:
+    # Under torchrun (which sets RANK and WORLD_SIZE) the pipeline spans the processes.
+    group = None
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if dist.is_initialized():
+        group = dist.group.WORLD
+    step = fpipe.pipeline(loss_fn, STAGES, schedule, batch_dims=BATCH_DIMS, group=group)
+    chatty = not args.quiet and step.rank in (None, 0)
+    if chatty:
         print(f"{step!r}, schedule {schedule}:")
         print(step.program)
 
+    # Every rank draws the same parameters and batches (same seed) but keeps only what it uses.
     params = init_params(args.dim, generator)
+    num_params = sum(t.numel() for t in optree.tree_leaves(params))
+    params = [p if s in step.local_stages else None for s, p in enumerate(params)]
     opt_state = adamw_init(params)
     freqs_cis = precompute_freqs_cis(args.head_dim, 2 * args.digits)
-    num_params = sum(t.numel() for t in optree.tree_leaves(params))
-    if not args.quiet:
+    first_rank = step.program.placement()[0]
+    if chatty:
         print(f"{num_params:,} parameters, copy {args.digits} digits, batch {args.batch_size}")
 
     losses = []
     start = time.perf_counter()
     for it in range(args.steps):
         batch = get_batch(args.batch_size, args.digits, freqs_cis, generator)
+        if step.rank not in (None, first_rank):
+            batch = None  # data only where it is used: the first stage's rank
         loss, grads = step(params, batch)  # the per-rank part: forwards and backwards of the pipeline
         params, opt_state = adamw_update(params, grads, opt_state, lr=lr_at(it, args.steps, args.lr))
         losses.append(loss.item())
-        if not args.quiet:
+        if chatty:
             progress_bar(it, args.steps, losses[-1])
     elapsed = time.perf_counter() - start
-    if not args.quiet:
+    if chatty:
         print()
 
-    # Evaluate without the pipeline: composing the stage functions is the unsplit model.
-    batch = get_batch(256, args.digits, freqs_cis, generator)
-    with torch.no_grad():
-        x = batch
-        for stage, p in zip(STAGES, params):
-            x = stage(p, x)
-        scored = batch["targets"] != IGNORE
-        accuracy = (x.argmax(-1)[scored] == batch["targets"][scored]).float().mean().item()
-    print(
-        f"{args.steps} steps in {elapsed:.1f}s: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-        f"copy accuracy {accuracy:.1%} ({args.schedule}, {args.microbatches} microbatches)"
-    )
+    summary = f"{args.steps} steps in {elapsed:.1f}s: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+    if step.rank is None:
+        # Evaluate without the pipeline: composing the stage functions is the unsplit model.
+        batch = get_batch(256, args.digits, freqs_cis, generator)
+        with torch.no_grad():
+            x = batch
+            for stage, p in zip(STAGES, params):
+                x = stage(p, x)
+            scored = batch["targets"] != IGNORE
+            accuracy = (x.argmax(-1)[scored] == batch["targets"][scored]).float().mean().item()
+        summary += f", copy accuracy {accuracy:.1%}"
+    if step.rank in (None, 0):
+        print(f"{summary} ({args.schedule}, {args.microbatches} microbatches)")
+    if group is not None and "RANK" in os.environ:
+        dist.destroy_process_group()
     return losses
 
 
