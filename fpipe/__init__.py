@@ -11,12 +11,16 @@ from ._api import pipeline as pipeline
 from ._errors import PipelineError as PipelineError
 from ._errors import PipelineTimeoutError as PipelineTimeoutError
 from ._functionalize import functionalize as functionalize
+from ._load import load as load
+from ._save import save as save
 
 __all__ = [
     "PipelineError",
     "PipelineTimeoutError",
     "Step",
     "functionalize",
+    "load",
     "pipeline",
+    "save",
     "schedules",
 ]

@@ -22,7 +22,16 @@ GPIPE, ZERO_BUBBLE_H1 = (next(e for e in CONFORMANCE if e.name == name) for name
 
 
 def test_public_names() -> None:
-    assert fpipe.__all__ == ["PipelineError", "PipelineTimeoutError", "Step", "functionalize", "pipeline", "schedules"]
+    assert fpipe.__all__ == [
+        "PipelineError",
+        "PipelineTimeoutError",
+        "Step",
+        "functionalize",
+        "load",
+        "pipeline",
+        "save",
+        "schedules",
+    ]
     for name in fpipe.__all__:
         assert getattr(fpipe, name) is not None
 

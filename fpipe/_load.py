@@ -1,0 +1,209 @@
+"""``fpipe.load``: a save read into the layout of a template, checked against it and the files.
+
+A template is a params-shaped list, one pytree per stage, whose tensor leaves say what to read
+(NOTE [names] in ``fpipe/_save.py``: the stage index is not part of a name, so any number of
+stages and any grouping of them loads the same save) and what it must look like. Each rank reads
+only the tensors its template names, verified by ``fpipe/_store.py`` (sizes, dtypes, shapes,
+sha256). Loading needs no communication; with ``step=``, ``group=`` or ``mesh=`` the ranks
+all-gather their names once, so that names in the save that no rank loads are found.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from ._api import Step
+from ._pytree import PyTree, leaves_with_names, unflatten
+from ._save import Ranks, agree, resolve, stage_list
+from ._store import DTYPES, MAPS, committed, entry, read_index, read_tensors
+
+
+class Loaded(NamedTuple):
+    """What ``fpipe.load`` returns: ``params, optimizer_state, metadata = fpipe.load(...)``."""
+
+    params: list[PyTree]
+    optimizer_state: list[PyTree] | None
+    metadata: dict[str, Any]
+
+
+def load(
+    directory: str | os.PathLike[str],
+    template: Sequence[PyTree],
+    /,
+    *,
+    optimizer_state: Sequence[PyTree] | None = None,
+    strict: bool = True,
+    step: Step | None = None,
+    group: Any = None,
+    mesh: Any = None,
+    timeout: float = 300.0,
+) -> Loaded:
+    """Load a save into the layout of ``template``, as new tensors, checked against it.
+
+    ``template`` says which tensors to read and where they go: one pytree per stage, for any
+    number of stages (a save made with 4 stages loads into 2, 1, or an interleaved layout: only
+    names matter, NOTE [names] in ``fpipe/_save.py``), ``None`` for the stages this rank does not
+    hold. Before anything is read, every name of the template must be in the save with the same
+    shape and dtype; then each rank reads only its tensors (safetensors' ``safe_open`` reads them
+    one by one), checks each file's size and each tensor's dtype, shape and sha256 against the
+    index, and returns them on the template leaves' devices.
+
+    Args:
+        directory: a directory passed to ``save`` (its ``latest`` version is read) or a version
+            directory that ``save`` returned. A directory without a committed index is refused.
+        template: one pytree per stage whose leaves are tensors (they give the expected shape and
+            dtype, and the device of the result; ``device="meta"`` tensors load to the CPU) or
+            ``None`` (kept as is). The result has the template's structure.
+        optimizer_state: a template for the optimizer state, to load it too.
+        strict: names in the save that no stage of the template has (on any rank, when
+            distributed) are an error; ``strict=False`` ignores them. Names of the template that
+            are missing from the save are always an error.
+        step, group, mesh: when distributed, the ranks whose templates together cover the save
+            (as in ``save``); only ``strict`` needs them.
+        timeout: seconds a rank waits for the others while gathering names.
+
+    Returns:
+        ``Loaded(params, optimizer_state, metadata)``: tensors in the template's structure (plain
+        tensors, not requiring grad; a name in several stages gives each stage its own copy),
+        ``optimizer_state`` likewise or ``None`` without a template for it, and the ``metadata``
+        dict given to ``save`` as JSON gives it back (tuples become lists).
+
+    Example:
+        >>> import tempfile, torch, fpipe
+        >>> directory = tempfile.mkdtemp()
+        >>> _ = fpipe.save(directory, [{"a": torch.ones(2)}, {"b": torch.zeros(3)}, {"c": torch.ones(1)}])
+        >>> params, _, _ = fpipe.load(directory, [{"a": torch.empty(2), "b": torch.empty(3)}, {"c": torch.empty(1)}])
+        >>> params
+        [{'a': tensor([1., 1.]), 'b': tensor([0., 0., 0.])}, {'c': tensor([1.])}]
+
+    Raises:
+        FileNotFoundError: ``directory`` holds no committed save.
+        TypeError: a template leaf is neither a tensor nor ``None``.
+        ValueError: names of the template missing from the save, with ``strict`` names of the
+            save missing from the template, a shape or dtype that differs (each named with its
+            key path, the value on disk and the expected one), or a file that is truncated or
+            corrupt.
+        RuntimeError: another rank failed; its own error says why.
+    """
+    trees = {"params": stage_list("load", "template", template)}
+    if optimizer_state is not None:
+        trees["optimizer_state"] = stage_list("load", "optimizer_state", optimizer_state)
+    topology, _ = resolve("load", step, group, mesh)
+    ranks = Ranks("load", topology, timeout)
+    root, index, wanted, problem = Path(directory), {}, {}, None
+    try:
+        root = committed(root)
+        index = read_index(root)
+        wanted = {kind: _wanted(root, index, kind, kind_trees) for kind, kind_trees in trees.items()}
+    except (TypeError, ValueError, OSError) as error:
+        problem = error
+    names = {kind: sorted(uses) for kind, uses in wanted.items()}
+    statuses = agree(ranks, problem, {"names": names}, "reading their templates")
+    if strict:
+        for kind in trees:
+            everywhere = {name for st in statuses for name in st["names"][kind]}
+            extra = sorted(set(index[MAPS[kind]]) - everywhere)
+            if extra:
+                any_rank = " on any rank" if ranks.size > 1 else ""
+                raise ValueError(
+                    f"fpipe.load: the save at {root} has {len(extra)} {_KIND_NAMES[kind]} name(s) that no stage of the "
+                    f"template{any_rank} has: {_listing([repr(n) for n in extra])}. Add them to the template, or "
+                    "pass strict=False to leave them out."
+                )
+    out = {}
+    for kind, kind_trees in trees.items():
+        tensors = read_tensors(root, index, kind, sorted(wanted[kind]))
+        out[kind] = _fill(kind_trees, wanted[kind], tensors)
+    return Loaded(out["params"], out.get("optimizer_state"), dict(index["metadata"].get("user", {})))
+
+
+class _Use(NamedTuple):
+    """A template leaf to fill: its key path, stage, position among the stage's leaves, itself."""
+
+    where: str
+    stage: int
+    position: int
+    leaf: torch.Tensor
+
+
+def _wanted(root: Path, index: dict[str, Any], kind: str, trees: Sequence[PyTree]) -> dict[str, list[_Use]]:
+    """Each name the template of ``kind`` needs, with the leaves it fills, checked against the index."""
+    label = _label(kind)
+    wanted: dict[str, list[_Use]] = {}
+    for s, tree in enumerate(trees):
+        names, codes, leaves, _ = leaves_with_names(tree)
+        for position, (parts, code, leaf) in enumerate(zip(names, codes, leaves)):
+            where = f"{label}[{s}]{code}"
+            if leaf is None:
+                continue
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"fpipe.load: {where} is a {type(leaf).__name__}; template leaves are tensors (they give the "
+                    "shape, dtype and device; meta tensors work) or None."
+                )
+            if not parts:
+                raise TypeError(f"fpipe.load: {where} is a tensor at the root of stage {s}, so it has no name.")
+            name = ".".join(parts)
+            uses = wanted.setdefault(name, [])
+            if any(use.stage == s for use in uses):
+                raise ValueError(
+                    f"fpipe.load: {uses[0].where} and {where} both get the name {name!r} (names are key paths "
+                    "joined by '.'). Rename a key so that every name in a stage is unique."
+                )
+            uses.append(_Use(where, s, position, leaf))
+    if MAPS[kind] not in index:
+        raise ValueError(f"fpipe.load: the save at {root} has no {_label(kind)}; it was saved without it.")
+    saved = index[MAPS[kind]]
+    missing = [f"{name!r} ({uses[0].where})" for name, uses in sorted(wanted.items()) if name not in saved]
+    if missing:
+        raise ValueError(
+            f"fpipe.load: {len(missing)} name(s) of the {label} are missing from the save at {root}: "
+            f"{_listing(missing)}. The save has {_listing([repr(n) for n in sorted(saved)])}."
+        )
+    mismatches = []
+    for name, uses in sorted(wanted.items()):
+        e = entry(index, kind, name)
+        for use in uses:
+            for what, on_disk, expected in [
+                ("shape", e.shape, list(use.leaf.shape)),
+                ("dtype", _dtype(DTYPES.get(e.dtype, e.dtype)), _dtype(use.leaf.dtype)),
+            ]:
+                if on_disk != expected:
+                    mismatches.append(f"  {use.where} (name {name!r}): {what} on disk {on_disk}, expected {expected}")
+    if mismatches:
+        raise ValueError(f"fpipe.load: the {label} does not match the save at {root}:\n" + "\n".join(mismatches))
+    return wanted
+
+
+def _fill(trees: Sequence[PyTree], wanted: dict[str, list[_Use]], tensors: dict[str, torch.Tensor]) -> list[PyTree]:
+    """The template trees with their tensor leaves replaced by the loaded tensors."""
+    flat = [leaves_with_names(tree)[2:] for tree in trees]
+    leaves_of = [list(leaves) for leaves, _ in flat]
+    for name, uses in wanted.items():
+        for k, use in enumerate(uses):
+            tensor = tensors[name] if k == 0 else tensors[name].clone()
+            if use.leaf.device.type != "meta":
+                tensor = tensor.to(use.leaf.device)
+            leaves_of[use.stage][use.position] = tensor
+    return [unflatten(spec, leaves) for (_, spec), leaves in zip(flat, leaves_of)]
+
+
+_KIND_NAMES = {"params": "parameter", "optimizer_state": "optimizer state"}
+
+
+def _label(kind: str) -> str:
+    return "template" if kind == "params" else kind
+
+
+def _dtype(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _listing(items: Sequence[str], limit: int = 10) -> str:
+    shown = ", ".join(items[:limit])
+    return f"[{shown}, ... {len(items) - limit} more]" if len(items) > limit else f"[{shown}]"

@@ -1,0 +1,453 @@
+"""``fpipe.save``: parameters and optimizer state to safetensors files, by global name, atomically.
+
+NOTE [names]
+A tensor's name is its key path inside its stage's pytree, the entries joined by ``.``: a
+mapping key as ``str(key)``, a sequence index in decimal, a named field (namedtuple, dataclass)
+by its name. So ``params[3] = {"layers": {"7": {"wq": t}}}``, ``{"layers": [..., {"wq": t}]}``
+(``t`` at index 7) and ``{"layers.7.wq": t}`` all name ``t`` ``layers.7.wq``. The stage index is
+not part of the name: a save made with 4 stages loads into 2 stages, one process or an
+interleaved layout as long as the names match. Two leaves of one stage with the same name are an
+error. The same name in two stages is a tied parameter (an embedding shared by the first and last
+stages): it is saved once, and must be bitwise equal (dtype, shape and bytes) in every stage
+that holds it, otherwise ``save`` raises. Optimizer state is named the same way, in a namespace
+of its own (``optimizer_state_map`` in the index), so a step counter ``{"step": tensor}`` held by
+every stage is saved once.
+
+NOTE [the save protocol]
+On each pipeline rank (one process: a single rank, and the all-gathers are no-ops):
+
+1. Name and hash (sha256) the local stages' tensors; all-gather the manifests (names, dtypes,
+   shapes, hashes: no tensor data) over the pipeline group, with rank 0's choice of version. Every
+   rank checks the manifests the same way (tied names, stages held twice, stage counts,
+   metadata), so all ranks fail together, and assigns each name to the lowest rank holding it.
+2. Write the owned tensors into ``directory/.tmp-<version>/`` (one file per rank and kind, all
+   ranks in parallel), fsync; all-gather the file sizes.
+3. Rank 0 writes the index and commits (NOTE [the save directory] in ``fpipe/_store.py``).
+4. A last all-gather over the pipeline group, then over the data-parallel group (whose other
+   replicas write nothing and wait here), so ``save`` returns on every rank only once committed.
+
+An error at any step on any rank raises on every rank (the others name the failing rank) and
+rank 0 removes the ``.tmp-`` directory; a killed save leaves it behind, and the next committed
+save removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._api import Step
+from ._distributed import Topology, resolve_topology, wait
+from ._pytree import PyTree, leaves_with_names
+from ._store import (
+    CODES,
+    DTYPES,
+    Entry,
+    commit,
+    file_name,
+    fsync_directory,
+    make_index,
+    next_version,
+    sha256,
+    tensor_bytes,
+    write_safetensors,
+)
+
+
+def save(
+    directory: str | os.PathLike[str],
+    params: Sequence[PyTree],
+    /,
+    *,
+    optimizer_state: Sequence[PyTree] | None = None,
+    metadata: dict[str, Any] | None = None,
+    step: Step | None = None,
+    group: Any = None,
+    mesh: Any = None,
+    timeout: float = 300.0,
+) -> Path:
+    """Save parameters (and optimizer state and metadata) to ``directory``, atomically.
+
+    Tensors go to safetensors files under their global names (NOTE [names] in
+    ``fpipe/_save.py``: a tensor's key path inside its stage's pytree, joined by ``.``), with a
+    Hugging Face style index ``model.safetensors.index.json`` (``{"metadata": ...,
+    "weight_map": {name: file}}``, plus every tensor's dtype, shape and sha256 and every file's
+    size). Nothing is pickled. ``directory`` holds versioned subdirectories and a ``latest``
+    pointer that is replaced atomically: a save that fails or is killed leaves the previous save
+    complete and loadable, and the previous version is removed only once the new one is
+    committed (NOTE [the save directory] in ``fpipe/_store.py``).
+
+    Args:
+        directory: where to save; created if needed. Do not load from it while saving to it.
+        params: one parameter pytree per stage, as passed to ``step``. Leaves are dense tensors
+            (any device; a dtype safetensors stores: not complex128) or ``None`` (skipped); a
+            stage that is ``None`` is not held by this rank. A name in several stages (a tied
+            parameter) must have bitwise equal values and is saved once.
+        optimizer_state: one optimizer state pytree per stage, e.g. ``{"m": ..., "v": ...,
+            "step": torch.tensor(t)}``, named like ``params`` in a namespace of its own. Counters
+            must be tensors; the same counter in every stage is saved once.
+        metadata: a JSON-serializable dict (step number, config), returned by ``load``.
+        step, group, mesh: save from many processes, as ``fpipe.pipeline`` runs. With a
+            ``Step``, the rank holds its ``local_stages``; with a process group or a
+            ``DeviceMesh`` (pipeline dimension ``"pp"``), the stages whose ``params`` entry is not
+            ``None``. Every pipeline rank calls ``save`` with the same ``directory`` (on a
+            filesystem they share) and the same ``metadata``, and writes only its own stages'
+            tensors, in parallel: no tensor is gathered. Data-parallel replicas other than the
+            first (a mesh's ``"dp"`` dimension) write nothing and return once the save is
+            committed.
+        timeout: seconds a rank waits for the others at each of the save's all-gathers, which
+            includes the time the slowest rank takes to hash or write its tensors.
+
+    Returns:
+        The committed version's directory, such as ``directory/v000003-1a2b3c4d``. ``load``
+        takes it or ``directory``.
+
+    Conceptually, on one process, this is::
+
+        for kind, trees in [("params", params), ("optimizer_state", optimizer_state)]:
+            tensors = {}
+            for s, tree in enumerate(trees):
+                for key_path, leaf in flatten_with_path(tree):
+                    tensors.setdefault(".".join(key_path), leaf)   # tied: bitwise equal, once
+            safetensors.torch.save_file(tensors, f"{kind}.safetensors")
+
+    but each rank writes its own stages, into a temporary directory, committed atomically.
+
+    Example:
+        >>> import tempfile, torch, fpipe
+        >>> directory = tempfile.mkdtemp()
+        >>> params = [{"embed": torch.randn(10, 4)}, {"head": torch.randn(4, 10)}]
+        >>> _ = fpipe.save(directory, params, metadata={"step": 100})
+        >>> loaded, _, metadata = fpipe.load(directory, params)
+        >>> metadata, torch.equal(loaded[1]["head"], params[1]["head"])
+        ({'step': 100}, True)
+
+    Raises:
+        TypeError: a leaf is neither a tensor nor ``None``, has a dtype safetensors cannot store,
+            or is the whole stage (it has no name); ``metadata`` is not JSON-serializable.
+        ValueError: two leaves of a stage have the same name, a tied name has different values,
+            or ranks disagree (stage count, metadata) or hold the same stage.
+        OSError: writing failed (the previous save is kept).
+        RuntimeError: another rank failed; its own error says why.
+    """
+    trees = {"params": stage_list("save", "params", params)}
+    if optimizer_state is not None:
+        trees["optimizer_state"] = stage_list("save", "optimizer_state", optimizer_state)
+        if len(optimizer_state) != len(params):
+            raise ValueError(
+                f"fpipe.save: optimizer_state has {len(optimizer_state)} entries but params has {len(params)}. "
+                "Pass one optimizer state pytree per stage."
+            )
+    if metadata is not None and not isinstance(metadata, dict):
+        raise TypeError(f"fpipe.save: metadata must be a dict (metadata: {metadata!r}).")
+    try:
+        user = json.loads(json.dumps(metadata or {}, allow_nan=False))
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"fpipe.save: metadata must be JSON-serializable ({error}).") from error
+    topology, held = resolve("save", step, group, mesh)
+    if step is not None and len(params) != step.num_stages:
+        raise ValueError(
+            f"fpipe.save: params has {len(params)} entries but the step has {step.num_stages} stages. "
+            "Pass one parameter pytree per stage (None for the stages of other ranks)."
+        )
+    ranks = Ranks("save", topology, timeout)
+    root = Path(directory)
+    if ranks.replica != 0:  # NOTE [the save protocol], 4: wait for the first replica
+        status = ranks.gather_replicas({"error": False, "version": None}, "the save of the first replica")[0]
+        if status["error"]:
+            raise RuntimeError("fpipe.save: the first data-parallel replica failed to save; its own error says why.")
+        return root / str(status["version"])
+    try:
+        version = _save_pipeline(root, trees, user, held, ranks)
+    except BaseException:
+        if ranks.replicas:
+            with contextlib.suppress(Exception):  # the error to raise is the one above
+                ranks.gather_replicas({"error": True, "version": None}, "the other data-parallel replicas")
+        raise
+    if ranks.replicas:
+        ranks.gather_replicas({"error": False, "version": version}, "the other data-parallel replicas")
+    return root / version
+
+
+# --- Naming and hashing the local stages ------------------------------------------------------
+
+
+@dataclass
+class _Tensor:
+    """A named tensor of this rank: where it is, and its contents as a contiguous CPU tensor."""
+
+    name: str
+    where: str  # "params[2]['layers'][0]"
+    stage: int
+    data: torch.Tensor
+    sha256: str
+
+    def manifest(self) -> list[Any]:
+        """What the other ranks learn of it: ``[where, stage, dtype code, shape, sha256]``."""
+        return [self.where, self.stage, CODES[self.data.dtype], list(self.data.shape), self.sha256]
+
+
+def _collect(kind: str, trees: Sequence[PyTree], stages: Sequence[int]) -> dict[str, _Tensor]:
+    """The tensors of ``stages`` by name, each tied name once (NOTE [names])."""
+    out: dict[str, _Tensor] = {}
+    for s in stages:
+        names, codes, leaves, _ = leaves_with_names(trees[s])
+        for parts, code, leaf in zip(names, codes, leaves):
+            if leaf is None:
+                continue
+            if not parts and isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"fpipe.save: {kind}[{s}] is a tensor, not a pytree of named tensors, so it has no name. "
+                    f"Put it in a dict: {kind}[{s}] = {{'w': tensor}}."
+                )
+            tensor = _tensor(".".join(parts), f"{kind}[{s}]{code}", s, leaf)
+            other = out.get(tensor.name)
+            if other is None:
+                out[tensor.name] = tensor
+            elif other.stage == s:
+                raise ValueError(
+                    f"fpipe.save: {other.where} and {tensor.where} both get the name {tensor.name!r} (names are "
+                    "key paths joined by '.'). Rename a key so that every name in a stage is unique."
+                )
+            else:
+                check_tie(tensor.name, other.manifest(), tensor.manifest())
+    return out
+
+
+def _tensor(name: str, where: str, stage: int, leaf: Any) -> _Tensor:
+    if not isinstance(leaf, torch.Tensor):
+        raise TypeError(
+            f"fpipe.save: {where} is a {type(leaf).__name__}, not a tensor. Only tensors are saved: make it one "
+            "(a step counter as torch.tensor(step)) or put it in metadata=."
+        )
+    if leaf.layout != torch.strided or leaf.device.type == "meta":
+        raise TypeError(
+            f"fpipe.save: {where} is a {leaf.layout} tensor on {leaf.device}; save dense tensors with data."
+        )
+    if leaf.dtype not in CODES:
+        raise TypeError(
+            f"fpipe.save: {where} has dtype {leaf.dtype}, which safetensors cannot store. Convert it "
+            "(a complex128 tensor as torch.view_as_real(x))."
+        )
+    data = leaf.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+    return _Tensor(name, where, stage, data, sha256(data))
+
+
+def check_tie(name: str, a: list[Any], b: list[Any], ranks: str = "") -> None:
+    """Two holders of ``name`` (manifest entries) must agree bitwise (NOTE [names])."""
+    if a[2:] != b[2:]:
+
+        def show(m: list[Any]) -> str:
+            return f"{str(DTYPES[m[2]]).removeprefix('torch.')}{m[3]} sha256 {m[4][:12]}"
+
+        raise ValueError(
+            f"fpipe.save: {a[0]} and {b[0]}{ranks} have the same name {name!r} but different values "
+            f"({show(a)} vs {show(b)}). A name in several stages is a tied parameter, saved once, so its "
+            "values must be bitwise equal; if they are different parameters, give them different key paths."
+        )
+
+
+# --- The protocol -----------------------------------------------------------------------------
+
+
+def _save_pipeline(
+    root: Path, trees: dict[str, list[PyTree]], user: Any, held: tuple[int, ...] | None, ranks: Ranks
+) -> str:
+    """Steps 1 to 4 of NOTE [the save protocol] on one pipeline rank; the committed version."""
+    me, num_stages = ranks.rank, len(trees["params"])
+    local: dict[str, dict[str, _Tensor]] = {}
+    version, problem = None, None
+    try:
+        if held is None:
+            held = tuple(s for s in range(num_stages) if any(t[s] is not None for t in trees.values()))
+        for kind, kind_trees in trees.items():
+            for s, tree in enumerate(kind_trees):
+                if s not in held and tree is not None:
+                    raise ValueError(
+                        f"fpipe.save: rank {me} holds stages {list(held)} but {kind}[{s}] is not None. "
+                        "Pass None for the stages of other ranks."
+                    )
+        local = {kind: _collect(kind, kind_trees, held) for kind, kind_trees in trees.items()}
+        if me == 0:
+            version = next_version(root)
+            (root / f".tmp-{version}").mkdir(parents=True)
+    except (TypeError, ValueError, OSError) as error:
+        problem = error
+    mine = {
+        "version": version,
+        "num_stages": num_stages,
+        "stages": list(held or ()),
+        "metadata": json.dumps(user, sort_keys=True),
+        "manifest": {kind: {n: t.manifest() for n, t in tensors.items()} for kind, tensors in local.items()},
+    }
+    try:
+        # 1. Agree on names, owners and the version.
+        statuses = agree(ranks, problem, mine, "naming their tensors")
+        version = statuses[0]["version"]
+        owners = _plan(statuses)
+        # 2. Write the tensors this rank owns.
+        tmp, files, problem = root / f".tmp-{version}", {}, None
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            for kind, tensors in local.items():
+                owned = {n: t.data for n, t in tensors.items() if owners[kind][n] == me}
+                if owned:
+                    files[file_name(kind, me, ranks.size)] = write_safetensors(
+                        tmp / file_name(kind, me, ranks.size), owned
+                    )
+            fsync_directory(tmp)
+        except OSError as error:
+            problem = error
+        written = agree(ranks, problem, {"files": files}, "writing their files")
+        # 3. Rank 0 writes the index and commits; 4. every rank returns once it is committed.
+        if me == 0:
+            try:
+                commit(root, str(version), _index(statuses, written, owners, user, ranks.size))
+            except OSError as error:
+                problem = error
+        agree(ranks, problem, {}, "committing the save")
+    except BaseException:
+        if me == 0 and version is not None:
+            shutil.rmtree(root / f".tmp-{version}", ignore_errors=True)
+        raise
+    return str(version)
+
+
+def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per kind, each name's writer: the lowest rank holding it. The same on every rank."""
+    counts = [st["num_stages"] for st in statuses]
+    if len(set(counts)) > 1:
+        raise ValueError(f"fpipe.save: the ranks pass different numbers of stages (by rank: {counts}).")
+    differ = [r for r, st in enumerate(statuses) if st["metadata"] != statuses[0]["metadata"]]
+    if differ:
+        raise ValueError(f"fpipe.save: rank(s) {differ} pass other metadata than rank 0. Pass the same on every rank.")
+    holders: dict[int, list[int]] = {}
+    for r, st in enumerate(statuses):
+        for s in st["stages"]:
+            holders.setdefault(s, []).append(r)
+    twice = {s: rs for s, rs in sorted(holders.items()) if len(rs) > 1}
+    if twice:
+        raise ValueError(
+            f"fpipe.save: stages are held by several ranks ({{stage: ranks}}: {twice}). Pass None elsewhere."
+        )
+    owners: dict[str, dict[str, int]] = {}
+    for kind in statuses[0]["manifest"]:
+        first: dict[str, list[Any]] = {}
+        owners[kind] = {}
+        for r, st in enumerate(statuses):
+            for name, manifest in st["manifest"][kind].items():
+                if name in first:
+                    check_tie(name, first[name], manifest, f" (ranks {owners[kind][name]} and {r})")
+                else:
+                    first[name], owners[kind][name] = manifest, r
+    return owners
+
+
+def _index(
+    statuses: list[dict[str, Any]],
+    written: list[dict[str, Any]],
+    owners: dict[str, dict[str, int]],
+    user: Any,
+    size: int,
+) -> dict[str, Any]:
+    entries = {
+        kind: {
+            name: Entry(file_name(kind, r, size), *statuses[r]["manifest"][kind][name][2:])
+            for name, r in kind_owners.items()
+        }
+        for kind, kind_owners in owners.items()
+    }
+    files = {file: (nbytes, r) for r, st in enumerate(written) for file, nbytes in st["files"].items()}
+    return make_index(entries, files, statuses[0]["num_stages"], user)
+
+
+# --- Ranks ------------------------------------------------------------------------------------
+
+
+def resolve(function: str, step: Step | None, group: Any, mesh: Any) -> tuple[Topology | None, tuple[int, ...] | None]:
+    """The topology of ``step=``, ``group=`` or ``mesh=`` (``None``: one process), and ``step``'s stages."""
+    if sum(x is not None for x in (step, group, mesh)) > 1:
+        raise TypeError(f"fpipe.{function}: pass one of step=, group= and mesh=, not several.")
+    if step is not None:
+        if not isinstance(step, Step):
+            raise TypeError(f"fpipe.{function}: step must be a Step from fpipe.pipeline (step: {step!r}).")
+        return step._topology, step.local_stages
+    if (group is not None or mesh is not None) and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"fpipe.{function}: torch.distributed is not initialized. Call torch.distributed.init_process_group() "
+            "first, or leave out group= and mesh= in one process."
+        )
+    return resolve_topology(mesh, group), None
+
+
+class Ranks:
+    """The pipeline ranks taking part in a save or load, and all-gathers of JSON values among them."""
+
+    def __init__(self, function: str, topology: Topology | None, timeout: float) -> None:
+        self.function = function  # "save" or "load", for messages
+        self.topology = topology
+        self.timeout = timeout
+        self.rank = 0 if topology is None else topology.rank
+        self.size = 1 if topology is None else topology.size
+        self.replicas = topology is not None and topology.data_size > 1
+        self.replica = dist.get_rank(topology.data_group) if topology is not None and self.replicas else 0
+
+    def gather(self, value: Any, what: str) -> list[Any]:
+        """``value`` of every pipeline rank, as JSON gives it back."""
+        if self.topology is None:
+            return [json.loads(json.dumps(value))]
+        return self._gather(self.topology.group, self.size, value, what)
+
+    def gather_replicas(self, value: Any, what: str) -> list[Any]:
+        """``value`` of every data-parallel replica of this pipeline rank."""
+        assert self.topology is not None
+        return self._gather(self.topology.data_group, self.topology.data_size, value, what)
+
+    def _gather(self, group: Any, size: int, value: Any, what: str) -> list[Any]:
+        assert self.topology is not None
+        device, timeout = self.topology.device, timedelta(seconds=self.timeout)
+        data = json.dumps(value).encode()
+        length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        lengths = [torch.empty_like(length) for _ in range(size)]
+        wait(dist.all_gather(lengths, length, group=group, async_op=True), timeout, self.rank, what)
+        sizes = [int(n.item()) for n in lengths]
+        buffer = torch.zeros(max(sizes), dtype=torch.uint8)
+        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buffer = buffer.to(device)
+        every = [torch.empty_like(buffer) for _ in range(size)]
+        wait(dist.all_gather(every, buffer, group=group, async_op=True), timeout, self.rank, what)
+        out = []
+        for t, n in zip(every, sizes):
+            host = t[:n].cpu().contiguous()  # named: it must outlive the view of its bytes
+            out.append(json.loads(bytes(tensor_bytes(host))))
+        return out
+
+
+def agree(ranks: Ranks, problem: BaseException | None, value: dict[str, Any], what: str) -> list[Any]:
+    """All-gather ``value`` and an error flag; raise ``problem`` here, and a pointer to it elsewhere."""
+    statuses = ranks.gather({**value, "error": problem is not None}, f"the other ranks to finish {what}")
+    if problem is not None:
+        raise problem
+    failed = [r for r, st in enumerate(statuses) if st["error"]]
+    if failed:
+        raise RuntimeError(f"fpipe.{ranks.function}: rank(s) {failed} failed while {what}; their own errors say why.")
+    return statuses
+
+
+def stage_list(function: str, argument: str, value: Any) -> list[PyTree]:
+    """``value`` as a list with one pytree per stage, or a ``TypeError``."""
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"fpipe.{function}: {argument} must be a list with one pytree per stage (got: {type(value).__name__})."
+        )
+    return list(value)

@@ -1,0 +1,310 @@
+"""The on-disk format of ``fpipe.save``: safetensors files, their index, versions and the commit.
+
+NOTE [the save directory]
+``save`` never modifies a committed save: it writes a new version next to it and commits by
+atomically replacing one small pointer file::
+
+    directory/
+      latest                             "v000008-5e6f7a8b\\n": the commit point
+      v000008-5e6f7a8b/                  the committed save
+        model.safetensors.index.json     written last: names -> files, dtypes, shapes, sha256s, sizes
+        model-rank-00000-of-00002.safetensors      parameters written by pipeline rank 0
+        model-rank-00001-of-00002.safetensors
+        optimizer-rank-00000-of-00002.safetensors  optimizer state written by rank 0
+      .tmp-v000009-9c0d1e2f/             a save in progress, or a killed one: never read
+
+The commit (``commit``): write the index into ``.tmp-<version>/`` (through a temporary file and
+``os.replace``), fsync; rename ``.tmp-<version>`` to ``<version>``, fsync the directory; write
+``latest.tmp-<random>``, fsync, ``os.replace`` it onto ``latest`` (atomic on POSIX), fsync the
+directory. Only then are older versions and stale ``.tmp-*`` directories removed. A save killed
+anywhere before the last ``os.replace`` leaves ``latest`` on the previous version, complete and
+loadable; ``committed`` follows ``latest`` and refuses a directory without an index.
+
+The index follows Hugging Face's ``model.safetensors.index.json`` (``metadata`` and
+``weight_map``), plus ``optimizer_state_map`` (optimizer state has its own names and files),
+``tensors`` (per file, per name: safetensors dtype code, shape, sha256 of the bytes) and
+``files`` (per file: size in bytes, writing rank). On load, each file's size is checked before it
+is opened and each tensor read is checked against its dtype, shape and sha256, so a truncated or
+corrupt file raises a ``ValueError`` naming it rather than failing inside safetensors; a rank
+hashes only the tensors it reads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import struct
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any, NamedTuple
+
+import safetensors
+import torch
+
+INDEX = "model.safetensors.index.json"
+LATEST = "latest"
+FORMAT, FORMAT_VERSION = "fpipe", 1
+KINDS = ("params", "optimizer_state")
+MAPS = {"params": "weight_map", "optimizer_state": "optimizer_state_map"}
+_PREFIXES = {"params": "model", "optimizer_state": "optimizer"}
+_VERSION = re.compile(r"v(\d{6,})-[0-9a-f]{8}")
+_STALE = re.compile(r"\.tmp-v\d{6,}-[0-9a-f]{8}|v\d{6,}-[0-9a-f]{8}|latest\.tmp-[0-9a-f]{8}")
+
+CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+for _name, _code in [
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+]:
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        CODES[getattr(torch, _name)] = _code
+DTYPES = {code: dtype for dtype, code in CODES.items()}
+
+
+class Entry(NamedTuple):
+    """One saved tensor as the index records it."""
+
+    file: str
+    dtype: str  # a safetensors code: "F32"
+    shape: list[int]
+    sha256: str
+
+
+def file_name(kind: str, rank: int, num_ranks: int) -> str:
+    """The file that pipeline rank ``rank`` writes its tensors of ``kind`` to."""
+    return f"{_PREFIXES[kind]}-rank-{rank:05d}-of-{num_ranks:05d}.safetensors"
+
+
+def tensor_bytes(data: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (``data`` must outlive the view)."""
+    if sys.byteorder != "little":
+        raise NotImplementedError("fpipe: safetensors files are little-endian; this machine is not.")
+    nbytes = data.numel() * data.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(data.data_ptr())).cast("B")
+
+
+def sha256(data: torch.Tensor) -> str:
+    """The sha256 of a contiguous CPU tensor's bytes."""
+    return hashlib.sha256(tensor_bytes(data)).hexdigest()
+
+
+# --- Writing ----------------------------------------------------------------------------------
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    """Write contiguous CPU tensors as a safetensors file, fsynced; its size in bytes.
+
+    The format is 8 bytes of header size, a JSON header, the raw bytes. Written here rather than
+    with ``safetensors.torch.save_file`` to stream the tensors without a NumPy dependency and to
+    fsync before returning; ``safe_open`` reads it back. Largest elements first, so that every
+    tensor is aligned to its element size.
+    """
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name in order:
+            _write(f, tensor_bytes(tensors[name]))
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(text) + offset
+
+
+def _write(f: IO[bytes], data: memoryview) -> None:
+    """Write one tensor's bytes (a seam: tests slow it down to kill a save midway)."""
+    f.write(data)
+
+
+def make_index(
+    entries: dict[str, dict[str, Entry]], files: dict[str, tuple[int, int]], num_stages: int, user: Any
+) -> dict[str, Any]:
+    """The index: per kind, names to entries; per file, its (size, writing rank); user metadata."""
+    total = sum(DTYPES[e.dtype].itemsize * _numel(e.shape) for e in entries.get("params", {}).values())
+    index: dict[str, Any] = {
+        "metadata": {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "total_size": total,
+            "num_stages": num_stages,
+            "user": user,
+        },
+        "tensors": {},
+        "files": {file: {"bytes": size, "rank": rank} for file, (size, rank) in sorted(files.items())},
+    }
+    for kind, kind_entries in entries.items():
+        index[MAPS[kind]] = {name: e.file for name, e in sorted(kind_entries.items())}
+        for name, e in sorted(kind_entries.items()):
+            index["tensors"].setdefault(e.file, {})[name] = {"dtype": e.dtype, "shape": e.shape, "sha256": e.sha256}
+    return index
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def next_version(root: Path) -> str:
+    """``v<n>-<random>``, ``n`` one more than any version or tmp directory in ``root``."""
+    numbers = [-1]
+    if root.is_dir():
+        for entry in os.listdir(root):
+            match = _VERSION.fullmatch(entry.removeprefix(".tmp-"))
+            if match:
+                numbers.append(int(match.group(1)))
+    return f"v{max(numbers) + 1:06d}-{secrets.token_hex(4)}"
+
+
+def commit(root: Path, version: str, index: dict[str, Any]) -> None:
+    """Write the index into ``.tmp-<version>`` and commit it (NOTE [the save directory])."""
+    tmp = root / f".tmp-{version}"
+    write_atomic(tmp / INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
+    os.replace(tmp, root / version)
+    fsync_directory(root)
+    write_atomic(root / LATEST, f"{version}\n".encode())
+    for entry in os.listdir(root):
+        if entry != version and _STALE.fullmatch(entry):
+            path = root / entry
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` so that it is either the old file or the complete new one, durably."""
+    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(path: Path) -> None:
+    """Make renames and new entries in ``path`` durable."""
+    if not hasattr(os, "O_DIRECTORY"):  # Windows cannot open a directory; NTFS journals renames
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- Reading ----------------------------------------------------------------------------------
+
+
+def committed(directory: Path) -> Path:
+    """The committed save in ``directory``: the version ``latest`` names, or ``directory`` itself."""
+    pointer = directory / LATEST
+    if pointer.is_file():
+        version = pointer.read_text().strip()
+        if not _VERSION.fullmatch(version) or not (directory / version / INDEX).is_file():
+            raise ValueError(
+                f"fpipe.load: {pointer} names {version!r}, which is not a committed save (no {INDEX} there). "
+                "Something other than fpipe.save changed the directory."
+            )
+        return directory / version
+    if (directory / INDEX).is_file():
+        return directory
+    raise FileNotFoundError(
+        f"fpipe.load: no committed save in {directory} (neither a '{LATEST}' file nor {INDEX}). A save that "
+        "was interrupted leaves only a '.tmp-*' directory, which is never loaded."
+    )
+
+
+def read_index(root: Path) -> dict[str, Any]:
+    """The index in ``root``, checked to be one that ``fpipe.save`` wrote."""
+    path = root / INDEX
+    try:
+        index = json.loads(path.read_bytes())
+        meta = index["metadata"]
+        if (meta["format"], meta["format_version"]) != (FORMAT, FORMAT_VERSION):
+            raise ValueError(f"format {meta['format']!r} version {meta['format_version']!r}")
+        for key in ("weight_map", "tensors", "files"):
+            if not isinstance(index[key], dict):
+                raise ValueError(f"{key!r} is not a mapping")
+        return dict(index)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"fpipe.load: {path} is not an index written by fpipe.save ({type(error).__name__}: {error})."
+        ) from error
+
+
+def entry(index: dict[str, Any], kind: str, name: str) -> Entry:
+    """What the index says about ``name`` of ``kind``."""
+    file = index[MAPS[kind]][name]
+    info = index["tensors"][file][name]
+    return Entry(file, info["dtype"], list(info["shape"]), info["sha256"])
+
+
+def read_tensors(root: Path, index: dict[str, Any], kind: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Read ``names`` (CPU tensors), file by file, verifying sizes, dtypes, shapes and hashes."""
+    by_file: dict[str, list[tuple[str, Entry]]] = {}
+    for name in sorted(names):
+        e = entry(index, kind, name)
+        by_file.setdefault(e.file, []).append((name, e))
+    out: dict[str, torch.Tensor] = {}
+    for file, entries in by_file.items():
+        path = root / file
+        expected = index["files"][file]["bytes"]
+        size = path.stat().st_size if path.is_file() else None
+        if size != expected:
+            found = "it is missing" if size is None else f"it has {size}"
+            raise ValueError(
+                f"fpipe.load: {path} should have {expected} bytes but {found}: the file is truncated or "
+                "corrupt. Load an intact save."
+            )
+        try:
+            with safetensors.safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
+                for name, e in entries:
+                    piece = f.get_slice(name)
+                    header = (piece.get_dtype(), list(piece.get_shape()))
+                    if header != (e.dtype, e.shape):
+                        raise _Corrupt(f"its header has {name!r} as {header}, the index as {(e.dtype, e.shape)}")
+                    tensor = f.get_tensor(name)
+                    if sha256(tensor) != e.sha256:
+                        raise _Corrupt(f"the bytes of {name!r} do not match their sha256 in the index")
+                    out[name] = tensor
+        except (_Corrupt, safetensors.SafetensorError) as error:
+            raise ValueError(f"fpipe.load: {path} is corrupt: {error}. Load an intact save.") from error
+    return out
+
+
+class _Corrupt(Exception):
+    pass

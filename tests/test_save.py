@@ -1,0 +1,503 @@
+"""``fpipe.save`` and ``fpipe.load``: bitwise round trips, resharding, atomicity, validation, ranks.
+
+The model is a dict of tensors keyed by global name (``layers.3.w``); a layout groups its layers
+into stages, with the embedding tied between the first and the last stage.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+import fpipe
+from fpipe._store import INDEX, LATEST, tensor_bytes
+from fpipe.schedules import Interleaved1F1B, OneFOneB
+from tests._multiprocess import run_ranks
+
+LAYERS, D, V = 8, 4, 11
+REPO = Path(__file__).resolve().parents[1]
+
+
+def model(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every parameter by global name, in several dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    out = {"embed": torch.randn(V, D, generator=g, dtype=torch.float64)}
+    for i in range(LAYERS):
+        out[f"layers.{i}.w"] = torch.randn(D, D, generator=g, dtype=torch.float64)
+        out[f"layers.{i}.b"] = torch.randn(D, generator=g).to(torch.float32)
+    out["norm"] = torch.randn(D, generator=g).to(torch.bfloat16)
+    return out
+
+
+def layout(weights: dict[str, torch.Tensor], groups: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+    """One dict per stage: its layers' tensors; the embedding on the first and (tied) the last stage."""
+    stages = [
+        {n: t for n, t in weights.items() if n.startswith("layers.") and int(n.split(".")[1]) in g} for g in groups
+    ]
+    stages[0] = {"embed": weights["embed"], **stages[0]}
+    stages[-1] = {**stages[-1], "norm": weights["norm"], "embed": weights["embed"]}
+    return stages
+
+
+FOUR = [[0, 1], [2, 3], [4, 5], [6, 7]]
+TWO = [[0, 1, 2, 3], [4, 5, 6, 7]]
+ONE = [list(range(LAYERS))]
+EIGHT = [[i] for i in range(LAYERS)]
+
+
+def template(trees: Any) -> Any:
+    """The same structure with empty meta tensors: shapes and dtypes only."""
+    return optree.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), trees, none_is_leaf=False)
+
+
+def assert_bitwise(actual: Any, expected: Any) -> None:
+    a, a_spec = optree.tree_flatten(actual, none_is_leaf=True)
+    e, e_spec = optree.tree_flatten(expected, none_is_leaf=True)
+    assert a_spec == e_spec
+    for x, y in zip(a, e):
+        if isinstance(y, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.device == y.device
+            x, y = x.resolve_conj().contiguous(), y.resolve_conj().contiguous()
+            assert bytes(tensor_bytes(x)) == bytes(tensor_bytes(y))
+        else:
+            assert x is y
+
+
+def read_index(path: Path) -> dict[str, Any]:
+    version = (path / LATEST).read_text().strip()
+    return json.loads((path / version / INDEX).read_text())
+
+
+# --- Round trips ------------------------------------------------------------------------------
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+def test_round_trip_is_bitwise_for_every_kind_of_leaf(tmp_path: Path) -> None:
+    x = torch.randn(3, 4)
+    params = [
+        {
+            "f64": torch.randn(2, 3),
+            "f32": torch.randn(5, dtype=torch.float32),
+            "bf16": torch.randn(3, 2).to(torch.bfloat16),
+            "f16": torch.tensor([float("nan"), -0.0, 1e-8], dtype=torch.float16),
+            "int": torch.arange(6).reshape(2, 3),
+            "mask": torch.tensor([True, False, True]),
+            "c64": torch.randn(2, dtype=torch.complex64).conj(),  # a lazily conjugated view
+            "scalar": torch.tensor(3.5),
+            "empty": torch.empty(0, 3),
+            "strided": x.t(),  # not contiguous
+            "nothing": None,
+        },
+        {"pair": Pair(torch.randn(2), [torch.randn(1), torch.zeros(2, dtype=torch.int8)])},
+    ]
+    path = fpipe.save(tmp_path, params)
+    assert path.parent == tmp_path and (tmp_path / LATEST).read_text() == f"{path.name}\n"
+    params_loaded, optimizer_state, metadata = fpipe.load(tmp_path, params)
+    assert_bitwise(params_loaded, params)
+    assert optimizer_state is None and metadata == {}
+    assert params_loaded[0]["f64"].data_ptr() != params[0]["f64"].data_ptr()  # new tensors
+    index = read_index(tmp_path)
+    names = ["f64", "f32", "bf16", "f16", "int", "mask", "c64", "scalar", "empty", "strided"]
+    assert sorted(index["weight_map"]) == sorted([*names, "pair.first", "pair.second.0", "pair.second.1"])
+    assert set(index["weight_map"].values()) == {"model-rank-00000-of-00001.safetensors"}
+    assert index["metadata"]["format"] == "fpipe" and index["metadata"]["num_stages"] == 2
+    assert_bitwise(fpipe.load(path, params).params, params)  # the version directory loads too
+
+
+def test_names_are_key_paths_joined_by_dots(tmp_path: Path) -> None:
+    w = [torch.randn(2) for _ in range(3)]
+    nested = [{"layers": {"0": {"w": w[0]}, "1": {"w": w[1]}}}, {"layers": {"2": {"w": w[2]}}}]
+    fpipe.save(tmp_path, nested)
+    assert sorted(read_index(tmp_path)["weight_map"]) == ["layers.0.w", "layers.1.w", "layers.2.w"]
+    as_list = [{"layers": [{"w": torch.empty(2)}, {"w": torch.empty(2)}, {"w": torch.empty(2)}]}]
+    assert_bitwise(fpipe.load(tmp_path, as_list).params, [{"layers": [{"w": t} for t in w]}])
+    flat = [{"layers.2.w": torch.empty(2), "layers.0.w": torch.empty(2)}, {"layers.1.w": torch.empty(2)}]
+    assert_bitwise(fpipe.load(tmp_path, flat).params, [{"layers.2.w": w[2], "layers.0.w": w[0]}, {"layers.1.w": w[1]}])
+
+
+def test_reshard_4_2_1_interleaved_and_back(tmp_path: Path) -> None:
+    weights = model()
+    four = layout(weights, FOUR)
+    fpipe.save(tmp_path / "a", four)
+    two = fpipe.load(tmp_path / "a", template(layout(weights, TWO))).params
+    assert_bitwise(two, layout(weights, TWO))
+    fpipe.save(tmp_path / "b", two)
+    one = fpipe.load(tmp_path / "b", template(layout(weights, ONE))).params
+    assert_bitwise(one, layout(weights, ONE))
+    fpipe.save(tmp_path / "c", one)
+    # Interleaved 1F1B over 2 ranks, 8 stages: rank r holds stages r, r + 2, r + 4, r + 6.
+    placement = Interleaved1F1B(4, stages_per_rank=4).program(8, 2).placement()
+    eight = layout(weights, EIGHT)
+    per_rank = [[t if placement[s] == r else None for s, t in enumerate(template(eight))] for r in range(2)]
+    loaded = [fpipe.load(tmp_path / "c", p, strict=False).params for p in per_rank]
+    for r in range(2):
+        assert_bitwise(loaded[r], [t if placement[s] == r else None for s, t in enumerate(eight)])
+    with pytest.raises(ValueError, match="no stage of the template has"):
+        fpipe.load(tmp_path / "c", per_rank[0])  # alone, rank 0's half is not the whole save
+    interleaved = [loaded[placement[s]][s] for s in range(8)]
+    fpipe.save(tmp_path / "d", interleaved)
+    assert_bitwise(fpipe.load(tmp_path / "d", template(four)).params, four)
+    assert read_index(tmp_path / "a")["weight_map"].keys() == read_index(tmp_path / "d")["weight_map"].keys()
+
+
+def test_tied_parameters_are_saved_once_and_loaded_into_every_stage(tmp_path: Path) -> None:
+    params = layout(model(), FOUR)
+    fpipe.save(tmp_path, params)
+    with safe_open(
+        tmp_path / (tmp_path / LATEST).read_text().strip() / "model-rank-00000-of-00001.safetensors", "pt"
+    ) as f:
+        assert sorted(f.keys()).count("embed") == 1
+    loaded = fpipe.load(tmp_path, params).params
+    assert torch.equal(loaded[0]["embed"], loaded[3]["embed"])
+    assert loaded[0]["embed"].data_ptr() != loaded[3]["embed"].data_ptr()  # each stage its own copy
+
+
+def test_optimizer_state_and_metadata_round_trip(tmp_path: Path) -> None:
+    params = layout(model(), TWO)
+    m, v = layout(model(seed=1), TWO), layout(model(seed=2), TWO)  # tied moments are equal too
+    state = [{"m": m[s], "v": v[s], "step": torch.tensor(7)} for s in range(2)]
+    metadata = {"step": 7, "config": {"lr": 3e-3, "schedule": "1f1b", "sizes": [1, 2]}, "note": None}
+    fpipe.save(tmp_path, params, optimizer_state=state, metadata=metadata)
+    index = read_index(tmp_path)
+    assert "step" in index["optimizer_state_map"] and "m.embed" in index["optimizer_state_map"]
+    assert set(index["optimizer_state_map"].values()) == {"optimizer-rank-00000-of-00001.safetensors"}
+    assert index["metadata"]["user"] == metadata
+    loaded = fpipe.load(tmp_path, template(params), optimizer_state=template(state))
+    assert_bitwise(loaded.params, params)
+    assert_bitwise(loaded.optimizer_state, state)
+    assert loaded.metadata == metadata
+    # Optimizer state resharded to one stage: the counter, tied across stages, loads once.
+    one_state = {"m": {}, "v": {}, "step": torch.empty((), dtype=torch.int64)}
+    for s in state:
+        one_state["m"].update(s["m"])
+        one_state["v"].update(s["v"])
+    merged = fpipe.load(tmp_path, template(layout(model(), ONE)), optimizer_state=[one_state]).optimizer_state
+    assert merged is not None and merged[0]["step"].item() == 7
+    assert torch.equal(merged[0]["v"]["layers.6.w"], state[1]["v"]["layers.6.w"])
+
+
+# --- Atomicity --------------------------------------------------------------------------------
+
+_KILLED_SAVE = """
+import os, sys, time, torch, fpipe, fpipe._store as store
+written = []
+def slow(f, data):
+    f.write(data[: len(data) // 2])
+    f.flush()
+    open(sys.argv[2], "w").close()  # tell the test: the new save is half written
+    time.sleep(120)
+store._write = slow
+fpipe.save(sys.argv[1], [{"w": torch.full((1000,), 2.0)}, {"b": torch.full((10,), 2.0)}])
+"""
+
+
+def test_a_killed_save_keeps_the_previous_one(tmp_path: Path) -> None:
+    params = [{"w": torch.ones(1000)}, {"b": torch.ones(10)}]
+    first = fpipe.save(tmp_path / "save", params)
+    marker = tmp_path / "half-written"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(tmp_path / "save"), str(marker)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert process.poll() is None, "the saving process ended early"
+            assert time.monotonic() < deadline, "the saving process never started writing"
+            time.sleep(0.05)
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait()
+    (tmp,) = [p for p in (tmp_path / "save").iterdir() if p.name.startswith(".tmp-")]
+    assert any(tmp.iterdir()) and not (tmp / INDEX).exists()  # the partial save is there, uncommitted
+    assert (tmp_path / "save" / LATEST).read_text().strip() == first.name
+    assert_bitwise(fpipe.load(tmp_path / "save", params).params, params)
+    with pytest.raises(FileNotFoundError, match="no committed save"):
+        fpipe.load(tmp, params)
+    # The next save commits and clears the debris of the killed one and the previous version.
+    params[0]["w"] = torch.full((1000,), 3.0)
+    third = fpipe.save(tmp_path / "save", params)
+    assert sorted(p.name for p in (tmp_path / "save").iterdir()) == sorted([LATEST, third.name])
+    assert int(third.name[1:7]) == int(first.name[1:7]) + 2  # numbered after the killed one
+    assert_bitwise(fpipe.load(tmp_path / "save", params).params, params)
+
+
+def test_a_failed_save_keeps_the_previous_one_and_cleans_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    params = [{"w": torch.ones(3)}]
+    fpipe.save(tmp_path, params)
+
+    def failing(f: Any, data: memoryview) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("fpipe._store._write", failing)
+    with pytest.raises(OSError, match="No space left"):
+        fpipe.save(tmp_path, [{"w": torch.zeros(3)}])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert_bitwise(fpipe.load(tmp_path, params).params, params)
+
+
+def test_uncommitted_directories_are_refused(tmp_path: Path) -> None:
+    params = [{"w": torch.ones(3)}]
+    with pytest.raises(FileNotFoundError, match="no committed save"):
+        fpipe.load(tmp_path, params)
+    version = fpipe.save(tmp_path / "save", params)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for file in version.iterdir():
+        if file.name != INDEX:
+            (partial / file.name).write_bytes(file.read_bytes())
+    with pytest.raises(FileNotFoundError, match="no committed save"):
+        fpipe.load(partial, params)
+    # A version renamed into place whose ``latest`` was never written is not loaded either.
+    (tmp_path / "save" / "v000009-0badf00d").mkdir()
+    assert_bitwise(fpipe.load(tmp_path / "save", params).params, params)
+    (tmp_path / "save" / LATEST).write_text("v000009-0badf00d\n")
+    with pytest.raises(ValueError, match="which is not a committed save"):
+        fpipe.load(tmp_path / "save", params)
+
+
+# --- Validation -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    fpipe.save(tmp_path, layout(model(), TWO))
+    return tmp_path
+
+
+def test_a_shape_mismatch_names_the_key_path_and_both_shapes(saved: Path) -> None:
+    bad = template(layout(model(), TWO))
+    bad[1]["layers.5.w"] = torch.empty(D, D + 1)
+    with pytest.raises(
+        ValueError,
+        match=r"template\[1\]\['layers.5.w'\] \(name 'layers.5.w'\): shape on disk \[4, 4\], expected \[4, 5\]",
+    ):
+        fpipe.load(saved, bad)
+
+
+def test_a_dtype_mismatch_names_the_key_path_and_both_dtypes(saved: Path) -> None:
+    bad = template(layout(model(), TWO))
+    bad[0]["layers.0.b"] = torch.empty(D, dtype=torch.float64)
+    bad[1]["norm"] = torch.empty(D, dtype=torch.float32)
+    with pytest.raises(ValueError) as info:
+        fpipe.load(saved, bad)
+    message = str(info.value)
+    assert "template[0]['layers.0.b'] (name 'layers.0.b'): dtype on disk float32, expected float64" in message
+    assert "template[1]['norm'] (name 'norm'): dtype on disk bfloat16, expected float32" in message
+
+
+def test_missing_and_extra_names_are_listed(saved: Path) -> None:
+    more = template(layout(model(), TWO))
+    more[1]["layers.9.w"] = torch.empty(D, D)
+    more[1]["head"] = torch.empty(D, V)
+    with pytest.raises(
+        ValueError,
+        match=r"2 name\(s\) of the template are missing from the save .*: \['head' \(template\[1\]\['head'\]\), 'lay",
+    ):
+        fpipe.load(saved, more)
+    fewer = template(layout(model(), TWO))
+    del fewer[0]["layers.1.w"], fewer[1]["layers.7.b"]
+    with pytest.raises(
+        ValueError, match=r"has 2 parameter name\(s\) that no stage of the template has: \['layers.1.w', 'layers.7.b'\]"
+    ):
+        fpipe.load(saved, fewer)
+    loaded = fpipe.load(saved, fewer, strict=False).params
+    assert "layers.1.w" not in loaded[0] and torch.equal(loaded[0]["layers.0.w"], model()["layers.0.w"])
+
+
+def test_template_errors(saved: Path) -> None:
+    with pytest.raises(TypeError, match=r"template\[0\]\['embed'\] is a int; template leaves are tensors"):
+        fpipe.load(saved, [{"embed": 3}])
+    with pytest.raises(TypeError, match="template must be a list with one pytree per stage"):
+        fpipe.load(saved, {"embed": torch.empty(V, D)})
+    with pytest.raises(ValueError, match="has no optimizer_state; it was saved without it"):
+        fpipe.load(saved, template(layout(model(), TWO)), optimizer_state=[{"step": torch.empty(())}])
+    with pytest.raises(ValueError, match=r"both get the name 'a\.b'"):
+        fpipe.load(saved, [{"a.b": torch.empty(1), "a": {"b": torch.empty(1)}}])
+
+
+def test_save_errors(tmp_path: Path) -> None:
+    cases: list[tuple[Any, dict[str, Any], type[Exception], str]] = [
+        ([{"w": torch.ones(2), "step": 3}], {}, TypeError, r"params\[0\]\['step'\] is a int, not a tensor"),
+        ([torch.ones(2)], {}, TypeError, r"params\[0\] is a tensor, not a pytree of named tensors"),
+        (
+            [{"w": torch.ones(2)}, {"w": torch.zeros(2)}],
+            {},
+            ValueError,
+            r"params\[0\]\['w'\] and params\[1\]\['w'\] have the same name 'w' but different values",
+        ),
+        (
+            [{"w": torch.ones(2)}, {"w": torch.ones(2, dtype=torch.float32)}],
+            {},
+            ValueError,
+            "float64\\[2\\] sha256 .* vs float32\\[2\\]",
+        ),
+        ([{"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}], {}, ValueError, "both get the name 'a.b'"),
+        ([{"z": torch.ones(2, dtype=torch.complex128)}], {}, TypeError, "complex128, which safetensors cannot store"),
+        ([{"w": torch.ones(2)}], {"metadata": {"f": print}}, TypeError, "metadata must be JSON-serializable"),
+        ([{"w": torch.ones(2)}], {"optimizer_state": []}, ValueError, "optimizer_state has 0 entries but params has 1"),
+        ({"w": torch.ones(2)}, {}, TypeError, "params must be a list with one pytree per stage"),
+        (
+            [{"w": torch.ones(2)}],
+            {"group": object(), "mesh": object()},
+            TypeError,
+            "pass one of step=, group= and mesh=",
+        ),
+    ]
+    for params, options, error, match in cases:
+        with pytest.raises(error, match=match):
+            fpipe.save(tmp_path, params, **options)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+# --- Corruption ---------------------------------------------------------------------------------
+
+
+def _files(path: Path) -> list[Path]:
+    version = path / (path / LATEST).read_text().strip()
+    return sorted(version.glob("*.safetensors"))
+
+
+def test_truncated_and_missing_files_are_detected(saved: Path) -> None:
+    (file,) = _files(saved)
+    data = file.read_bytes()
+    file.write_bytes(data[:-5])
+    with pytest.raises(
+        ValueError, match=f"should have {len(data)} bytes but it has {len(data) - 5}: the file is truncated"
+    ):
+        fpipe.load(saved, template(layout(model(), TWO)))
+    file.unlink()
+    with pytest.raises(ValueError, match="but it is missing"):
+        fpipe.load(saved, template(layout(model(), TWO)))
+
+
+def test_corrupt_bytes_and_headers_are_detected(saved: Path) -> None:
+    (file,) = _files(saved)
+    data = bytearray(file.read_bytes())
+    flipped = bytearray(data)
+    flipped[-3] ^= 0x40  # a tensor's byte
+    file.write_bytes(flipped)
+    with pytest.raises(ValueError, match=r"is corrupt: the bytes of '.*' do not match their sha256 in the index"):
+        fpipe.load(saved, template(layout(model(), TWO)))
+    header = bytearray(data)
+    header[8] = ord("]")  # the JSON header no longer parses
+    file.write_bytes(header)
+    with pytest.raises(ValueError, match=r"is corrupt: .*Load an intact save"):
+        fpipe.load(saved, template(layout(model(), TWO)))
+    (file.parent / INDEX).write_text('{"metadata": ')
+    with pytest.raises(ValueError, match=r"is not an index written by fpipe\.save"):
+        fpipe.load(saved, template(layout(model(), TWO)))
+
+
+def test_load_reads_only_the_files_it_needs(tmp_path: Path) -> None:
+    """Stage 3's tensors live in their own file here; corrupting it does not matter to stage 0."""
+    params = layout(model(), FOUR)
+    del params[3]["embed"]
+    fpipe.save(tmp_path, [params[0], None, None, None])
+    fpipe.save(tmp_path / "other", [None, None, None, params[3]])
+    (file,) = _files(tmp_path / "other")
+    file.write_bytes(file.read_bytes()[:-1])
+    assert_bitwise(fpipe.load(tmp_path, [params[0]]).params, [params[0]])
+
+
+# --- Many ranks ---------------------------------------------------------------------------------
+
+
+def _interleaved_save(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Rank r holds stages r and r + 2 of 4 (Interleaved 1F1B); the embedding is tied across ranks."""
+    step = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 4, Interleaved1F1B(2), group=dist.group.WORLD)
+    full = layout(model(), FOUR)
+    mine = [t if s in step.local_stages else None for s, t in enumerate(full)]
+    state = [None if t is None else {"m": optree.tree_map(torch.ones_like, t), "step": torch.tensor(5)} for t in mine]
+    out: dict[str, Any] = {"stages": step.local_stages}
+    out["version"] = str(fpipe.save(directory, mine, optimizer_state=state, metadata={"step": 5}, step=step))
+    loaded = fpipe.load(directory, template(mine), optimizer_state=template(state), step=step)
+    out["loaded"] = loaded.params
+    out["state"] = loaded.optimizer_state
+    # A rank that fails makes every rank fail, and the previous save stays.
+    bad = [t if t is None else {**t, "count": 1} for t in mine] if rank == 1 else mine
+    try:
+        fpipe.save(directory, bad, step=step)
+    except (TypeError, RuntimeError) as error:
+        out["error"] = f"{type(error).__name__}: {error}"
+    # Without the others, a rank's template does not cover the save.
+    try:
+        fpipe.load(directory, template(mine))
+    except ValueError as error:
+        out["alone"] = str(error)
+    return out
+
+
+def test_each_rank_writes_its_own_stages(tmp_path: Path) -> None:
+    results = run_ranks(2, _interleaved_save, str(tmp_path))
+    assert [r["stages"] for r in results] == [(0, 2), (1, 3)]
+    version = Path(results[0]["version"])
+    assert results[1]["version"] == str(version) and (tmp_path / LATEST).read_text().strip() == version.name
+    index = read_index(tmp_path)
+    assert index["files"].keys() == {
+        "model-rank-00000-of-00002.safetensors",
+        "model-rank-00001-of-00002.safetensors",
+        "optimizer-rank-00000-of-00002.safetensors",
+        "optimizer-rank-00001-of-00002.safetensors",
+    }
+    full = layout(model(), FOUR)
+    for rank, stages in enumerate([(0, 2), (1, 3)]):
+        assert {f["rank"] for name, f in index["files"].items() if f"rank-0000{rank}" in name} == {rank}
+        with safe_open(version / f"model-rank-0000{rank}-of-00002.safetensors", "pt") as f:
+            names = set(f.keys())
+        expected = {n for s in stages for n in full[s]} - ({"embed"} if rank == 1 else set())  # tied: rank 0 writes it
+        assert names == expected
+    with safe_open(version / "optimizer-rank-00001-of-00002.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "step" not in names and "m.layers.2.w" in names  # the counter is written once, by rank 0
+    # One process loads what two wrote, bitwise.
+    assert_bitwise(fpipe.load(tmp_path, template(full)).params, full)
+    one = fpipe.load(
+        tmp_path,
+        template(layout(model(), ONE)),
+        optimizer_state=[{"step": torch.empty((), dtype=torch.int64)}],
+        strict=False,
+    )
+    assert (
+        one.metadata == {"step": 5} and one.optimizer_state is not None and one.optimizer_state[0]["step"].item() == 5
+    )
+    for rank, result in enumerate(results):
+        assert_bitwise(result["loaded"], [t if s in result["stages"] else None for s, t in enumerate(full)])
+        assert result["state"][rank + 2]["step"].item() == 5
+    assert results[1]["error"].startswith("TypeError: fpipe.save: params[1]['count'] is a int, not a tensor")
+    assert (
+        results[0]["error"]
+        == "RuntimeError: fpipe.save: rank(s) [1] failed while naming their tensors; their own errors say why."
+    )
+    assert "no stage of the template has" in results[0]["alone"]
+    assert read_index(tmp_path) == index and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def _mesh_save(rank: int, world: int, directory: str) -> tuple[tuple[int, ...], str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    step = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), mesh=mesh)
+    full = layout(model(), TWO)
+    mine = [t if s in step.local_stages else None for s, t in enumerate(full)]
+    return step.local_stages, str(fpipe.save(directory, mine, step=step))
+
+
+def test_data_parallel_replicas_write_nothing(tmp_path: Path) -> None:
+    results = run_ranks(4, _mesh_save, str(tmp_path))
+    assert len({version for _, version in results}) == 1
+    assert {f["rank"] for f in read_index(tmp_path)["files"].values()} == {0, 1}
+    assert_bitwise(fpipe.load(tmp_path, template(layout(model(), TWO))).params, layout(model(), TWO))
