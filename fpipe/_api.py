@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ def pipeline(
     *,
     has_aux: bool = False,
     batch_dims: PyTree = 0,
+    recompute: bool | Collection[int] = False,
     mesh: Any = None,
     group: Any = None,
     timeout: float = 300.0,
@@ -62,6 +63,9 @@ def pipeline(
             prefix pytree of the batch with an int or ``None`` per subtree (``None``: pass the
             leaf whole to every microbatch, e.g. a RoPE table). Non-tensor leaves always pass
             whole.
+        recompute: activation recomputation: ``True`` for every stage, or the indices of the
+            stages that keep only their inputs after a forward and recompute it inside their
+            backward (less memory, one more forward; results bitwise unchanged).
         mesh: run distributed, one pipeline rank per process, over a ``DeviceMesh`` with a
             pipeline dimension named ``"pp"`` and optionally a data-parallel one named ``"dp"``
             (each data-parallel replica gets its own batch; grads and loss are averaged over
@@ -121,6 +125,14 @@ def pipeline(
             raise TypeError(f"fpipe.pipeline: stage {s} is not callable (stages[{s}]: {fn!r}).")
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"fpipe.pipeline: timeout must be a positive number of seconds (timeout: {timeout!r}).")
+    if isinstance(recompute, bool):
+        recompute = range(len(stages)) if recompute else ()
+    recompute = frozenset(recompute)
+    if not all(isinstance(s, int) and 0 <= s < len(stages) for s in recompute):
+        raise ValueError(
+            f"fpipe.pipeline: recompute must be a bool or stage indices in 0..{len(stages) - 1} "
+            f"(recompute: {sorted(recompute, key=str)!r})."
+        )
     topology = resolve_topology(mesh, group)
     program = _program(schedule, len(stages), None if topology is None else topology.size)
     validate(program)
@@ -130,7 +142,14 @@ def pipeline(
             f"{topology.size} processes. Use a schedule and stage count that fit the group size."
         )
     return Step(
-        loss_fn, tuple(stages), program, has_aux=has_aux, batch_dims=batch_dims, topology=topology, timeout=timeout
+        loss_fn,
+        tuple(stages),
+        program,
+        has_aux=has_aux,
+        batch_dims=batch_dims,
+        recompute=recompute,
+        topology=topology,
+        timeout=timeout,
     )
 
 
@@ -175,6 +194,7 @@ class Step:
         *,
         has_aux: bool,
         batch_dims: PyTree,
+        recompute: frozenset[int],
         topology: Topology | None,
         timeout: float,
     ) -> None:
@@ -183,6 +203,7 @@ class Step:
         self.program = program
         self.has_aux = has_aux
         self.batch_dims = batch_dims
+        self.recompute = recompute
         self.timeout = timeout
         self.num_stages = program.num_stages
         self.num_microbatches = program.num_microbatches
@@ -240,7 +261,7 @@ class Step:
     def _run_local(self, params: Sequence[PyTree], batch: PyTree) -> tuple[torch.Tensor, Any, list[PyTree]]:
         microbatches, sizes = split(batch, self.num_microbatches, self.batch_dims)
         total = sum(sizes)
-        runs = {s: StageRun(s, self.stages[s], params[s]) for s in self.local_stages}
+        runs = {s: StageRun(s, self.stages[s], params[s], recompute=s in self.recompute) for s in self.local_stages}
         executor = Executor(
             runs,
             self.num_stages,
@@ -298,7 +319,7 @@ class Step:
                 f"{statuses[last][3]}. Pass the same batch, or None on rank {last}."
             )
         # 2. Run this rank's row of the program.
-        runs = {s: StageRun(s, self.stages[s], params[s]) for s in self.local_stages}
+        runs = {s: StageRun(s, self.stages[s], params[s], recompute=s in self.recompute) for s in self.local_stages}
         transport = DistributedTransport(
             topology,
             self.program,

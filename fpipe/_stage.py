@@ -11,6 +11,14 @@ gradient would silently be zero). The backward is an explicit vector-Jacobian pr
 ``torch.autograd.grad(outputs, inputs, cotangents)``, that never reads or writes ``.grad``.
 Integer/bool tensors and non-tensor leaves pass through and get no cotangent (``None``).
 
+NOTE [recomputation]
+With ``recompute`` (``pipeline(..., recompute=...)``) a stage's forward runs under ``no_grad``
+and keeps only its inputs; its backward first replays the forward with a graph, then pulls
+back as usual. The replay restores the CPU random state the forward saw, so results are
+bitwise those of the stored forward; what is saved between forward and backward shrinks to
+the stage's inputs, at the cost of a second forward. (CUDA random state is not replayed:
+stages on GPUs that draw random numbers should not recompute.)
+
 NOTE [fixed accumulation order]
 A stage's parameter gradients are summed over microbatches in microbatch order 0, 1, 2, ...
 whatever order the schedule runs the backwards in: a contribution that arrives early waits in
@@ -25,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ._pytree import PyTree, detached, flatten, is_differentiable, map_tensors, unflatten
+from ._pytree import PyTree, TreeSpec, detached, flatten, is_differentiable, map_tensors, unflatten
 from ._weight_grad import DeferredWeightGrad, input_grad
 
 Grads = list[torch.Tensor | None]
@@ -34,7 +42,7 @@ Grads = list[torch.Tensor | None]
 class Pullback:
     """What a forward saves for its backward: the outputs to differentiate and the inputs to reach."""
 
-    __slots__ = ("deferred", "input_index", "inputs", "num_inputs", "output_index", "outputs")
+    __slots__ = ("deferred", "input_index", "inputs", "num_inputs", "output_index", "outputs", "replay")
 
     def __init__(
         self,
@@ -50,10 +58,19 @@ class Pullback:
         self.input_index = input_index  # their positions among the input leaves
         self.num_inputs = num_inputs  # how many input leaves there are in all
         self.deferred: DeferredWeightGrad | None = None  # set by an input-grad backward
+        self.replay: tuple[Callable[[], Any], torch.Tensor] | None = None  # a forward to recompute
 
 
 class _OrderedSum:
-    """Sums per-microbatch gradient lists in microbatch order (NOTE [fixed accumulation order])."""
+    """Sums per-microbatch gradient lists in microbatch order (NOTE [recomputation]
+    With ``recompute`` (``pipeline(..., recompute=...)``) a stage's forward runs under ``no_grad``
+    and keeps only its inputs; its backward first replays the forward with a graph, then pulls
+    back as usual. The replay restores the CPU random state the forward saw, so results are
+    bitwise those of the stored forward; what is saved between forward and backward shrinks to
+    the stage's inputs, at the cost of a second forward. (CUDA random state is not replayed:
+    stages on GPUs that draw random numbers should not recompute.)
+
+    NOTE [fixed accumulation order])."""
 
     def __init__(self, size: int) -> None:
         self.total: Grads = [None] * size
@@ -77,9 +94,10 @@ class _OrderedSum:
 class StageRun:
     """Stage ``index`` for the duration of one step: prepared parameters and the gradient sum."""
 
-    def __init__(self, index: int, fn: Callable[[Any, Any], Any], params: PyTree) -> None:
+    def __init__(self, index: int, fn: Callable[[Any, Any], Any], params: PyTree, *, recompute: bool = False) -> None:
         self.index = index
         self.fn = fn
+        self.recompute = recompute
         leaves, self._spec = flatten(params)
         self._param_leaves = leaves
         self._param_index = [k for k, leaf in enumerate(leaves) if is_differentiable(leaf)]
@@ -100,19 +118,8 @@ class StageRun:
 
     def forward(self, x: PyTree, *, differentiate_input: bool) -> tuple[Any, Pullback]:
         """Run the stage on ``x``; return its output and the pullback of this call."""
-        leaves, spec = flatten(self.to_device(x))
-        input_index: list[int] = []
-        if differentiate_input:
-            leaves = list(leaves)
-            for k, leaf in enumerate(leaves):
-                # Only leaves that carry the previous stage's graph can use a cotangent (a RoPE
-                # table passed along untouched cannot), so only those are differentiated.
-                if is_differentiable(leaf) and leaf.requires_grad:
-                    leaves[k] = detached(leaf).requires_grad_()
-                    input_index.append(k)
-        with torch.inference_mode(False), torch.enable_grad():
-            y = self.fn(self.params, unflatten(spec, leaves))
-        return y, self._pullback(y, [leaves[k] for k in input_index], input_index, len(leaves))
+        leaves, spec, input_index = self._inputs(x, differentiate_input)
+        return self._trace(lambda: self.fn(self.params, unflatten(spec, leaves)), leaves, input_index)
 
     def forward_loss(
         self,
@@ -124,13 +131,60 @@ class StageRun:
         differentiate_input: bool,
     ) -> tuple[torch.Tensor, Any, Pullback]:
         """Run the (last) stage and ``loss_fn`` on ``x``; return loss, aux and the pullback."""
-        y, pullback = self.forward(x, differentiate_input=differentiate_input)
-        with torch.inference_mode(False), torch.enable_grad():
-            result = loss_fn(y, self.to_device(microbatch))
-            loss, aux = _split_aux(result, has_aux)
-            loss = loss.reshape(())  # a one-element loss of shape (1,) gets the scalar cotangent too
-        pullback = self._pullback(loss, pullback.inputs, pullback.input_index, pullback.num_inputs)
-        return loss.detach(), aux, pullback
+        leaves, spec, input_index = self._inputs(x, differentiate_input)
+        microbatch = self.to_device(microbatch)
+        auxes: list[Any] = []
+
+        def run() -> torch.Tensor:
+            loss, aux = _split_aux(loss_fn(self.fn(self.params, unflatten(spec, leaves)), microbatch), has_aux)
+            auxes.append(aux)
+            return loss.reshape(())  # a one-element loss of shape (1,) gets the scalar cotangent too
+
+        loss, pullback = self._trace(run, leaves, input_index)
+        return loss.detach(), auxes[0], pullback
+
+    def _inputs(self, x: PyTree, differentiate_input: bool) -> tuple[list[Any], TreeSpec, list[int]]:
+        """The input leaves, those to differentiate replaced by graph leaves (NOTE [differentiable leaves])."""
+        leaves, spec = flatten(self.to_device(x))
+        input_index: list[int] = []
+        if differentiate_input:
+            leaves = list(leaves)
+            for k, leaf in enumerate(leaves):
+                # Only leaves that carry the previous stage's graph can use a cotangent (a RoPE
+                # table passed along untouched cannot), so only those are differentiated.
+                if is_differentiable(leaf) and leaf.requires_grad:
+                    leaves[k] = detached(leaf).requires_grad_()
+                    input_index.append(k)
+        return leaves, spec, input_index
+
+    def _trace(self, run: Callable[[], Any], leaves: list[Any], input_index: list[int]) -> tuple[Any, Pullback]:
+        """Call ``run`` recording a graph, or (NOTE [recomputation]) without one, keeping what replays it."""
+        inputs = [leaves[k] for k in input_index]
+        if not self.recompute:
+            with torch.inference_mode(False), torch.enable_grad():
+                out = run()
+            return out, self._pullback(out, inputs, input_index, len(leaves))
+        rng = torch.get_rng_state()
+        with torch.inference_mode(False), torch.no_grad():
+            out = run()
+        pullback = Pullback([], [], inputs, input_index, len(leaves))
+        pullback.replay = (run, rng)
+        # The next stage differentiates leaves that carry a graph; these will once replayed.
+        return map_tensors(lambda t: detached(t).requires_grad_() if is_differentiable(t) else t, out), pullback
+
+    @staticmethod
+    def _replay(pullback: Pullback) -> None:
+        """Rebuild the graph of a recomputed forward, with the random state it first ran with."""
+        if pullback.replay is None:
+            return
+        run, rng = pullback.replay
+        pullback.replay = None
+        with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
+            torch.set_rng_state(rng)
+            out = run()
+        leaves, _ = flatten(out)
+        pullback.output_index = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        pullback.outputs = [leaves[k] for k in pullback.output_index]
 
     @staticmethod
     def _pullback(y: PyTree, inputs: list[torch.Tensor], input_index: list[int], num_inputs: int) -> Pullback:
@@ -142,6 +196,7 @@ class StageRun:
         self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The outputs that carry a graph and a cotangent, and those cotangents."""
+        self._replay(pullback)
         outputs, grad_outputs = [], []
         for k, out in zip(pullback.output_index, pullback.outputs):
             cot = cotangents[k]

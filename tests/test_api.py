@@ -26,11 +26,14 @@ def test_public_names() -> None:
         "PipelineError",
         "PipelineTimeoutError",
         "Step",
+        "balance",
         "functionalize",
         "load",
         "pipeline",
         "save",
         "schedules",
+        "split_module",
+        "sum_tied",
     ]
     for name in fpipe.__all__:
         assert getattr(fpipe, name) is not None
@@ -511,3 +514,69 @@ def test_step_equals_reference_on_carry_model() -> None:
     expected_loss, expected_grads = reference(carry_loss, stages, params, batch)
     assert_close(loss, expected_loss)
     assert_close(grads, expected_grads)
+
+
+# --- Activation recomputation -------------------------------------------------------------------
+
+
+def noisy(p: dict[str, torch.Tensor], x: dict[str, Any]) -> dict[str, Any]:
+    """``carry`` with dropout-like noise: recomputation must replay the same random numbers."""
+    y = carry(p, x)
+    return {**y, "h": y["h"] * (torch.rand_like(y["h"]) > 0.2)}
+
+
+@pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
+def test_recompute_is_bitwise_transparent(entry: Conformance) -> None:
+    num_stages, num_microbatches = some_stage_count(entry, 2), 4
+    stages = [noisy] * num_stages
+    params, batch = carry_params(num_stages), carry_batch(10)
+    results = []
+    for recompute in (False, True, {0}):
+        torch.manual_seed(3)
+        step = fpipe.pipeline(carry_loss, stages, entry.make(num_stages, num_microbatches), recompute=recompute)
+        results.append(step(params, batch))
+    for loss, grads in results[1:]:
+        assert torch.equal(loss, results[0][0])
+        for a, b in zip(grads, results[0][1]):
+            assert torch.equal(a["w"], b["w"])
+
+
+def saved_bytes_peak(recompute: bool) -> int:
+    """The peak bytes of tensors autograd saves for backward during a GPipe step."""
+    live, peak = [0], [0]
+
+    def pack(tensor: torch.Tensor) -> Any:
+        size = tensor.numel() * tensor.element_size()
+
+        class Holder:
+            def __init__(self) -> None:
+                self.tensor = tensor
+                live[0] += size
+                peak[0] = max(peak[0], live[0])
+
+            def __del__(self) -> None:
+                live[0] -= size
+
+        return Holder()
+
+    def deep(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = torch.tanh(x @ p)
+        return x
+
+    step = fpipe.pipeline(lambda y, b: y.square().mean(), [deep] * 3, GPipe(8), recompute=recompute)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda holder: holder.tensor):
+        step([torch.randn(16, 16) for _ in range(3)], torch.randn(64, 16))
+    assert live[0] == 0
+    return peak[0]
+
+
+def test_recompute_saves_less() -> None:
+    """GPipe keeps every microbatch's activations; recomputation keeps one stage's at a time."""
+    stored, recomputed = saved_bytes_peak(False), saved_bytes_peak(True)
+    assert recomputed * 8 <= stored, (recomputed, stored)
+
+
+def test_recompute_must_name_stages() -> None:
+    with pytest.raises(ValueError, match=r"recompute must be a bool or stage indices in 0\.\.1"):
+        fpipe.pipeline(carry_loss, [carry] * 2, GPipe(2), recompute={2})
