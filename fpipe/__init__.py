@@ -8,19 +8,29 @@
 from . import schedules as schedules
 from ._api import Step as Step
 from ._api import pipeline as pipeline
+from ._balance import balance as balance
 from ._errors import PipelineError as PipelineError
 from ._errors import PipelineTimeoutError as PipelineTimeoutError
 from ._functionalize import functionalize as functionalize
 from ._load import load as load
+from ._record import Recording as Recording
+from ._record import record as record
 from ._save import save as save
+from ._split import split_module as split_module
+from ._tied import sum_tied as sum_tied
 
 __all__ = [
     "PipelineError",
     "PipelineTimeoutError",
+    "Recording",
     "Step",
+    "balance",
     "functionalize",
     "load",
     "pipeline",
+    "record",
     "save",
     "schedules",
+    "split_module",
+    "sum_tied",
 ]

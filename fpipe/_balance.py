@@ -1,0 +1,214 @@
+"""``fpipe.balance``: choose contiguous split points that even out the stages' costs.
+
+A pipeline runs at the pace of its slowest stage, so the layers ``0..n-1`` are cut into
+``num_stages`` contiguous runs minimizing the largest run's cost (the "linear partition"
+problem). Two dynamic programs over prefix sums, ``O(num_stages * n^2)``:
+
+1. ``best[k][i]``: the least possible maximum when layers ``0..i-1`` form ``k`` stages;
+   the optimum ``M = best[num_stages][n]``.
+2. Among the partitions whose every stage costs at most ``M``, the one with the smallest sum of
+   squared stage costs (the most even); remaining ties give earlier stages more layers, since
+   the last stage also computes the loss.
+
+Stage costs are always computed as ``prefix[j] - prefix[i]``, so comparing them with ``M`` in
+the second pass is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from numbers import Real
+from typing import Any, Literal, overload
+
+import torch
+from torch import nn
+
+from ._pytree import flatten, is_differentiable, map_tensors
+from ._split import Adapter, lookup
+
+Layers = Sequence[nn.Module] | Sequence[float] | Mapping[str, nn.Module] | Mapping[str, float]
+
+
+@overload
+def balance(
+    layers: Sequence[nn.Module] | Sequence[float],
+    num_stages: int,
+    /,
+    *,
+    by: Literal["params", "time"] = ...,
+    sample_input: Any = ...,
+    call: Adapter | Mapping[str, Adapter] | None = ...,
+    repeats: int = ...,
+) -> list[range]: ...
+
+
+@overload
+def balance(
+    layers: Mapping[str, nn.Module] | Mapping[str, float],
+    num_stages: int,
+    /,
+    *,
+    by: Literal["params", "time"] = ...,
+    sample_input: Any = ...,
+    call: Adapter | Mapping[str, Adapter] | None = ...,
+    repeats: int = ...,
+) -> list[list[str]]: ...
+
+
+def balance(
+    layers: Layers,
+    num_stages: int,
+    /,
+    *,
+    by: Literal["params", "time"] = "params",
+    sample_input: Any = None,
+    call: Adapter | Mapping[str, Adapter] | None = None,
+    repeats: int = 3,
+) -> list[range] | list[list[str]]:
+    """Cut ``layers`` into ``num_stages`` contiguous stages minimizing the costliest stage.
+
+    Args:
+        layers: the layers in order: modules, or their costs as non-negative numbers. A list
+            gives ``range``s of indices; a dict from names to modules or costs gives lists of
+            names, ready for ``fpipe.split_module``.
+        num_stages: how many stages; at most ``len(layers)`` (no stage is empty).
+        by: how modules are costed. ``"params"``: the number of trainable parameter elements.
+            ``"time"``: the median wall time of a forward and a backward of each layer on
+            ``sample_input``, chained (each layer gets the previous one's output), after one
+            warm-up run. Ignored when costs are given.
+        sample_input: the first layer's input, for ``by="time"``.
+        call: for ``by="time"``, how each layer is called, as in ``fpipe.split_module``: an
+            adapter ``call(module, x) -> x`` or a dict of adapters keyed by layer name (a list's
+            layers are named ``"0"``, ``"1"``, ...). Default ``module(x)``.
+        repeats: timed runs per layer for ``by="time"``.
+
+    Returns:
+        One entry per stage: ``range(start, stop)`` for a list, a list of names for a dict.
+
+    Example:
+        >>> fpipe.balance([1, 1, 1, 1, 4], 2)
+        [range(0, 4), range(4, 5)]
+        >>> layers = {"embed": model.embed, **{f"layers.{i}": l for i, l in enumerate(model.layers)}}
+        >>> stages, params = fpipe.split_module(model, fpipe.balance(layers, 4), call=adapters)
+
+    Raises:
+        TypeError: for layers that are neither modules nor numbers, or a bad ``by``.
+        ValueError: for negative or non-finite costs, more stages than layers, a missing
+            ``sample_input`` or ``repeats < 1``.
+    """
+    names = list(layers) if isinstance(layers, Mapping) else [str(i) for i in range(len(layers))]
+    items = list(layers.values()) if isinstance(layers, Mapping) else list(layers)
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= len(items):
+        raise ValueError(
+            f"fpipe.balance: num_stages must be between 1 and the number of layers, {len(items)} "
+            f"(num_stages: {num_stages!r}). Every stage needs at least one layer."
+        )
+    if all(isinstance(c, Real) and not isinstance(c, bool) for c in items):
+        costs = [float(c) for c in items]  # type: ignore[arg-type]
+    elif all(isinstance(m, nn.Module) for m in items):
+        modules: list[nn.Module] = items  # type: ignore[assignment]
+        if by == "params":
+            costs = [float(sum(p.numel() for p in m.parameters() if p.requires_grad)) for m in modules]
+        elif by == "time":
+            costs = _times(names, modules, sample_input, _adapter_map(call), repeats)
+        else:
+            raise TypeError(f'fpipe.balance: by must be "params" or "time" (by: {by!r}).')
+    else:
+        kinds = sorted({type(c).__name__ for c in items})
+        raise TypeError(f"fpipe.balance: layers must be all modules or all numbers (got: {', '.join(kinds)}).")
+    for name, c in zip(names, costs):
+        if not (math.isfinite(c) and c >= 0):
+            raise ValueError(f"fpipe.balance: the cost of layer {name!r} is {c}; costs must be finite and >= 0.")
+    bounds = partition(costs, num_stages)
+    if isinstance(layers, Mapping):
+        return [names[r.start : r.stop] for r in bounds]
+    return bounds
+
+
+def partition(costs: Sequence[float], num_stages: int) -> list[range]:
+    """The contiguous partition of ``costs`` into ``num_stages`` non-empty runs (module docstring)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(i: int, j: int) -> float:
+        return prefix[j] - prefix[i]
+
+    # 1. best[k][i]: least maximum over k stages covering layers 0..i-1.
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            best[k][i] = min(max(best[k - 1][j], cost(j, i)) for j in range(k - 1, i))
+    limit = best[num_stages][n]
+    # 2. even[k][i]: least sum of squares with every stage at most `limit`; cut[k][i] the last cut.
+    even = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    even[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                c = cost(j, i)
+                if (
+                    c <= limit and even[k - 1][j] < inf and even[k - 1][j] + c * c <= even[k][i]
+                ):  # <=: the latest cut wins ties
+                    even[k][i], cut[k][i] = even[k - 1][j] + c * c, j
+    stops, i = [], n
+    for k in range(num_stages, 0, -1):
+        stops.append(i)
+        i = cut[k][i]
+    stops.reverse()
+    return [range(start, stop) for start, stop in zip([0, *stops[:-1]], stops)]
+
+
+def _adapter_map(call: Adapter | Mapping[str, Adapter] | None) -> Mapping[str, Adapter]:
+    if call is None:
+        return {}
+    if isinstance(call, Mapping):
+        return call
+    if callable(call):
+        return {"": call}
+    raise TypeError(f"fpipe.balance: call must be an adapter call(module, x) -> x or a dict of them (call: {call!r}).")
+
+
+def _times(
+    names: list[str], modules: list[nn.Module], sample_input: Any, adapters: Mapping[str, Adapter], repeats: int
+) -> list[float]:
+    """Median seconds of a forward and backward of each layer, chained from ``sample_input``."""
+    if sample_input is None:
+        raise ValueError('fpipe.balance: by="time" needs sample_input=, the first layer\'s input (e.g. one batch).')
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"fpipe.balance: repeats must be a positive int (repeats: {repeats!r}).")
+    x, costs = sample_input, []
+    for name, module in zip(names, modules):
+        adapter = lookup(adapters, name)
+        runs = [_run(adapter, module, x) for _ in range(repeats + 1)]
+        costs.append(statistics.median(seconds for seconds, _ in runs[1:]))
+        x = runs[-1][1]
+    return costs
+
+
+def _run(adapter: Adapter, module: nn.Module, x: Any) -> tuple[float, Any]:
+    """One timed forward and backward of ``adapter(module, x)``; returns the seconds and the output."""
+    x = map_tensors(lambda t: t.detach().requires_grad_() if is_differentiable(t) else t, x)
+    inputs = [t for t in flatten(x)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    inputs += [p for p in module.parameters() if p.requires_grad]
+    _synchronize(inputs)
+    start = time.perf_counter()
+    with torch.enable_grad():
+        y = adapter(module, x)
+    outputs = [t for t in flatten(y)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if outputs and inputs:  # autograd.grad, not backward: the modules' .grad stay untouched
+        torch.autograd.grad(outputs, inputs, [torch.ones_like(t) for t in outputs], allow_unused=True)
+    _synchronize(outputs)
+    return time.perf_counter() - start, map_tensors(lambda t: t.detach(), y)
+
+
+def _synchronize(tensors: Sequence[torch.Tensor]) -> None:
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.synchronize(device)

@@ -1,0 +1,141 @@
+"""``fpipe.sum_tied``: add up the gradients of a parameter shared by several stages.
+
+When one parameter is used by modules in different stages (tied input and output embeddings),
+``fpipe.split_module`` gives each of those stages its own copy under the same name, and each
+stage's gradient holds only its own uses. The gradient of the shared parameter is their sum::
+
+    stage 0: {"embed.weight": g0, ...}         stage 0: {"embed.weight": g0 + g3, ...}
+    stage 3: {"embed.weight": g3, ...}   ==>   stage 3: {"embed.weight": g0 + g3, ...}
+
+After the sum, every copy gets the same gradient, so the same (deterministic) optimizer update
+keeps the copies equal.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def sum_tied(
+    grads: Sequence[Mapping[str, torch.Tensor | None] | None],
+    /,
+    *,
+    params: Sequence[Mapping[str, torch.Tensor]] | None = None,
+    group: Any = None,
+) -> list[dict[str, torch.Tensor | None] | None]:
+    """Sum the gradients of names that appear in several stages; every stage gets the sum.
+
+    Args:
+        grads: one dict per stage, as a step returns them for parameters from
+            ``fpipe.split_module`` (``None`` for stages held by other ranks).
+        params: the parameter dicts of *every* stage, as ``split_module`` returned them (only
+            names, shapes and dtypes are read). Needed with ``group``; without it, the tied names
+            are read from ``grads``.
+        group: a ``torch.distributed`` process group whose ranks together hold every stage (the
+            pipeline's group). Every rank of it must call ``sum_tied`` with its own ``grads``;
+            the tied gradients are summed with one all-reduce per dtype, ranks holding no copy of
+            a name contributing zeros. Without ``group``, all stages are summed in this process.
+
+    Returns:
+        A new list like ``grads``: the tied names' entries replaced by the sum over stages (in
+        stage order in one process), each stage with its own tensor; other entries unchanged.
+        ``grads`` is not mutated.
+
+    Conceptually, in one process::
+
+        for name in names used by several stages:
+            total = sum(grads[s][name] for s in stages using name)
+            for s in stages using name: grads[s][name] = total.clone()
+
+    Example:
+        >>> stages, params = fpipe.split_module(model, ["embed + layers[0:2]", "layers[2:] + head"])
+        >>> loss, grads = step(params, batch)
+        >>> grads = fpipe.sum_tied(grads)   # model.head.weight is model.embed.weight
+
+    Raises:
+        TypeError: if a stage's gradients are not a dict.
+        ValueError: if ``group`` is given without ``params``, or the lengths disagree.
+    """
+    if isinstance(grads, Mapping) or not isinstance(grads, Sequence):
+        raise TypeError(f"fpipe.sum_tied: grads must be a list with one dict per stage (got: {type(grads).__name__}).")
+    for s, g in enumerate(grads):
+        if g is not None and not isinstance(g, Mapping):
+            raise TypeError(
+                f"fpipe.sum_tied: the gradients of stage {s} are a {type(g).__name__}, not a dict from parameter "
+                "names to tensors. sum_tied works on stages built by fpipe.split_module."
+            )
+    layout: Sequence[Mapping[str, Any] | None] = grads if params is None else params
+    if params is not None and len(params) != len(grads):
+        raise ValueError(
+            f"fpipe.sum_tied: params has {len(params)} stages but grads has {len(grads)}. "
+            "Pass the parameters of every stage, as split_module returned them."
+        )
+    if group is not None and params is None:
+        raise ValueError(
+            "fpipe.sum_tied: with group=, pass params= (every stage's parameters as split_module returned them), "
+            "so each rank knows which names are tied without seeing the other ranks' gradients."
+        )
+    holders: dict[str, list[int]] = defaultdict(list)
+    for s, tree in enumerate(layout):
+        for name in tree or {}:
+            holders[name].append(s)
+    tied = {name: stages for name, stages in holders.items() if len(stages) > 1}
+    result: list[dict[str, torch.Tensor | None] | None] = [None if g is None else dict(g) for g in grads]
+    if not tied:
+        return result
+    totals = _local_sums(tied, result, params)
+    if group is not None:
+        _all_reduce(list(totals.values()), group)
+    for name, stages in tied.items():
+        total = totals[name]
+        for s in stages:
+            entry = result[s]
+            if entry is not None and entry.get(name) is not None:
+                entry[name] = total.clone()
+    return result
+
+
+def _local_sums(
+    tied: dict[str, list[int]],
+    grads: list[dict[str, torch.Tensor | None] | None],
+    params: Sequence[Mapping[str, torch.Tensor]] | None,
+) -> dict[str, torch.Tensor]:
+    """Per tied name, the sum of this process's copies in stage order (zeros when it has none)."""
+    totals: dict[str, torch.Tensor] = {}
+    for name, stages in tied.items():
+        parts = [g for s in stages if (tree := grads[s]) is not None and (g := tree.get(name)) is not None]
+        if parts:
+            total = parts[0].clone()
+            for g in parts[1:]:
+                total += g.to(total.device)
+        else:
+            assert params is not None  # a tied name without local copies exists only with params
+            like = params[stages[0]][name]
+            total = torch.zeros(like.shape, dtype=like.dtype)
+        totals[name] = total
+    return totals
+
+
+def _all_reduce(tensors: list[torch.Tensor], group: Any) -> None:
+    """Sum ``tensors`` in place over ``group``, one all-reduce per dtype (complex as real).
+
+    The buckets follow the tied names' order, which every rank derives from the same ``params``,
+    so all ranks issue the same collectives. They run on the group's device (CUDA for NCCL).
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    buckets: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        real = torch.view_as_real(t) if t.is_complex() else t
+        buckets[real.dtype].append(real)
+    for members in buckets.values():
+        flat = torch.cat([t.reshape(-1).to(device or "cpu") for t in members])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in members:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()

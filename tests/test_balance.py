@@ -1,0 +1,126 @@
+"""``fpipe.balance``: contiguous split points minimizing the costliest stage.
+
+Known costs with their partitions written out, a brute-force check of optimality over all
+partitions of small random cost lists, parameter and time costs of real modules, and errors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import fpipe
+
+
+@pytest.mark.parametrize(
+    ("costs", "num_stages", "expected"),
+    [
+        ([1, 1, 1, 1, 4], 2, [(0, 4), (4, 5)]),
+        ([5, 1, 1, 1, 1, 1], 2, [(0, 1), (1, 6)]),
+        ([3, 1, 2, 4, 1, 5, 2], 3, [(0, 3), (3, 5), (5, 7)]),  # max 7; (0,2),(2,5),(5,7) too, but less even
+        ([1, 1, 1, 1], 3, [(0, 2), (2, 3), (3, 4)]),  # ties: earlier stages take more layers
+        ([2, 2, 2, 2, 2, 2, 2, 2], 4, [(0, 2), (2, 4), (4, 6), (6, 8)]),
+        ([0, 0, 0, 0], 2, [(0, 3), (3, 4)]),
+        ([7], 1, [(0, 1)]),
+        ([1, 2, 3], 3, [(0, 1), (1, 2), (2, 3)]),
+        ([0.5, 0.25, 0.25, 1.0], 2, [(0, 3), (3, 4)]),
+    ],
+)
+def test_known_costs(costs: list[float], num_stages: int, expected: list[tuple[int, int]]) -> None:
+    assert fpipe.balance(costs, num_stages) == [range(a, b) for a, b in expected]
+
+
+def partitions(n: int, k: int) -> list[list[range]]:
+    """Every way to cut ``0..n-1`` into ``k`` non-empty contiguous runs."""
+    result = []
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = [0, *cuts, n]
+        result.append([range(a, b) for a, b in itertools.pairwise(bounds)])
+    return result
+
+
+@given(st.lists(st.integers(0, 20), min_size=1, max_size=8), st.integers(1, 8))
+def test_optimal_against_brute_force(costs: list[int], num_stages: int) -> None:
+    """The largest stage is as small as possible, and of those the stages are the most even."""
+    num_stages = min(num_stages, len(costs))
+    chosen = fpipe.balance(costs, num_stages)
+    assert [r.start for r in chosen] == [0] + [r.stop for r in chosen[:-1]] and chosen[-1].stop == len(costs)
+    assert all(len(r) > 0 for r in chosen)
+
+    def key(parts: list[range]) -> tuple[int, int]:
+        sums = [sum(costs[r.start : r.stop]) for r in parts]
+        return max(sums), sum(c * c for c in sums)
+
+    assert key(chosen) == min(key(p) for p in partitions(len(costs), num_stages))
+
+
+def test_names_in_give_names_out() -> None:
+    costs = {"embed": 1.0, "layers.0": 2.0, "layers.1": 2.0, "layers.2": 2.0, "head": 3.0}
+    assert fpipe.balance(costs, 3) == [["embed", "layers.0"], ["layers.1", "layers.2"], ["head"]]
+
+
+def test_by_params_counts_trainable_elements() -> None:
+    layers = [nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 30), nn.Tanh(), nn.Linear(30, 1)]
+    # parameter counts: 110, 110, 330, 0, 31
+    assert fpipe.balance(layers, 2) == [range(0, 2), range(2, 5)]
+    layers[2].requires_grad_(False)  # frozen: costs nothing
+    assert fpipe.balance(layers, 2) == [range(0, 1), range(1, 5)]
+    model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4), "c": nn.Linear(4, 40)})
+    assert fpipe.balance(dict(model.items()), 2) == [["a", "b"], ["c"]]
+
+
+class Sleep(nn.Module):
+    """A layer that takes at least ``seconds`` and records the input it was given."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.scale = nn.Parameter(torch.ones(()))
+        self.inputs: list[Any] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inputs.append(x)
+        time.sleep(self.seconds)
+        return x * self.scale + 1
+
+
+def test_by_time_measures_chained_forward_and_backward() -> None:
+    layers = [Sleep(0.004), Sleep(0.004), Sleep(0.004), Sleep(0.02)]
+    chosen = fpipe.balance(layers, 2, by="time", sample_input=torch.zeros(3), repeats=1)
+    assert chosen == [range(0, 3), range(3, 4)]  # 12 ms and 20 ms; by parameters it would be 2 and 2
+    assert [len(layer.inputs) for layer in layers] == [2, 2, 2, 2]  # a warm-up run, then one timed
+    assert [layer.inputs[-1].tolist() for layer in layers] == [[0.0] * 3, [1.0] * 3, [2.0] * 3, [3.0] * 3]
+    assert all(layer.scale.grad is None for layer in layers)  # timed with autograd.grad: .grad untouched
+
+
+def test_by_time_with_adapters() -> None:
+    """Layers taking extras are timed through the same adapters split_module uses."""
+    layers = {"embed": nn.Embedding(5, 4), "layers.0": nn.Linear(4, 4), "layers.1": nn.Linear(4, 4)}
+    call = {
+        "embed": lambda embed, batch: {"hidden": embed(batch["tokens"]), "tag": "t"},
+        "layers": lambda layer, x: {**x, "hidden": layer(x["hidden"])},
+    }
+    chosen = fpipe.balance(layers, 3, by="time", sample_input={"tokens": torch.tensor([[1, 2]])}, call=call)
+    assert chosen == [["embed"], ["layers.0"], ["layers.1"]]
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match=r"num_stages must be between 1 and the number of layers, 2 \(num_stages: 3\)"):
+        fpipe.balance([1, 2], 3)
+    with pytest.raises(ValueError, match=r"the cost of layer '1' is -1.0; costs must be finite and >= 0"):
+        fpipe.balance([1, -1], 1)
+    with pytest.raises(TypeError, match=r"all modules or all numbers \(got: Linear, int\)"):
+        fpipe.balance([nn.Linear(1, 1), 3], 1)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r'by must be "params" or "time" \(by: \'flops\'\)'):
+        fpipe.balance([nn.Linear(1, 1)], 1, by="flops")  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match=r'by="time" needs sample_input='):
+        fpipe.balance([nn.Linear(1, 1)], 1, by="time")
+    with pytest.raises(ValueError, match=r"repeats must be a positive int \(repeats: 0\)"):
+        fpipe.balance([nn.Linear(1, 1)], 1, by="time", sample_input=torch.zeros(1), repeats=0)

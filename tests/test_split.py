@@ -1,0 +1,368 @@
+"""``fpipe.split_module``: stages cut from an ``nn.Module`` train like the module itself.
+
+The oracle is the unsplit module's ``loss.backward()``: the gradient of every parameter of every
+stage, looked up by its name in the model, equals ``model.get_parameter(name).grad``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from test_transparency import assert_close
+from torch import nn
+
+import fpipe
+from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB
+
+V, D, T = 11, 8, 5
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny matrices: one thread is fastest, and many are very slow on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --- A Llama-like model: embedding, rotary table (buffers only), blocks with extras, norm, head ---
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Rotary(nn.Module):
+    """cos and sin of the RoPE angles for positions ``0..length-1``; holds a buffer, no parameter."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 100 ** (torch.arange(0, dim, 2) / dim), persistent=False)
+
+    def forward(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.arange(length, dtype=self.inv_freq.dtype)[:, None] * self.inv_freq
+        return torch.cos(angles), torch.sin(angles)
+
+
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = rope
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class Block(nn.Module):
+    """Causal self-attention with RoPE and a padding mask, then an MLP; residual both."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, h: torch.Tensor, *, mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(h)).chunk(3, dim=-1)
+        q, k = rotate(q, rope), rotate(k, rope)
+        length = h.shape[1]
+        allowed = torch.ones(length, length, dtype=torch.bool).tril() & mask[:, None, :]
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(h.shape[-1])).masked_fill(~allowed, torch.finfo(h.dtype).min)
+        h = h + self.out(scores.softmax(-1) @ v)
+        return h + self.mlp(h)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, num_layers: int = 4, *, tied: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.rotary = Rotary(D)
+        self.layers = nn.ModuleList([Block(D) for _ in range(num_layers)])
+        self.norm = RMSNorm(D)
+        self.head = nn.Linear(D, V, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h, rope = self.embed(tokens), self.rotary(tokens.shape[1])
+        for layer in self.layers:
+            h = layer(h, mask=mask, rope=rope)
+        return self.head(self.norm(h))
+
+
+# The activation between modules is {"hidden": h, **extras}; the head gets a plain tensor.
+CALL = {
+    "embed": lambda embed, batch: {"hidden": embed(batch["tokens"]), "mask": batch["mask"], "tag": batch["tag"]},
+    "rotary": lambda rotary, x: {**x, "rope": rotary(x["hidden"].shape[1])},
+    "layers": lambda layer, x: {**x, "hidden": layer(x["hidden"], mask=x["mask"], rope=x["rope"])},
+    "norm": lambda norm, x: norm(x["hidden"]),
+}
+
+
+def make_batch(size: int = 10) -> dict[str, Any]:
+    lengths = torch.randint(1, T + 1, (size,))
+    return {
+        "tokens": torch.randint(0, V, (size, T)),
+        "mask": torch.arange(T) < lengths[:, None],  # right padding: the first token is always real
+        "targets": torch.randint(0, V, (size, T)),
+        "tag": "batch",
+    }
+
+
+def loss_fn(logits: torch.Tensor, microbatch: dict[str, Any]) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), microbatch["targets"].flatten())
+
+
+def module_grads(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The unsplit oracle: ``loss.backward()`` on the whole batch; grads by parameter name."""
+    model.zero_grad()
+    loss = loss_fn(model(batch["tokens"], batch["mask"]), batch)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def by_name(grads: dict[str, torch.Tensor], keys: Any) -> dict[str, torch.Tensor]:
+    return {name: grads[name] for name in keys}
+
+
+# --- Transparency --------------------------------------------------------------------------------
+
+
+SPECS = {
+    "lists": ([["embed", "rotary", "layers[0:2]"], ["rotary", "layers[2:4]", "norm", "head"]], OneFOneB(4)),
+    "strings": (
+        ["embed + rotary + layers[0]", "rotary + layers.1 + layers[2:-1]", "rotary + layers[-1] + norm + head"],
+        GPipe(3),
+    ),
+    "interleaved": (
+        [
+            "embed + rotary + layers[:1]",
+            "rotary + layers[1:2]",
+            "rotary + layers[2:3]",
+            "rotary + layers[3:] + norm + head",
+        ],
+        Interleaved1F1B(5, stages_per_rank=2),
+    ),
+    "one-stage": (["embed + rotary + layers + norm + head"], GPipe(2)),
+}
+
+
+@pytest.mark.parametrize(("spec", "schedule"), SPECS.values(), ids=SPECS.keys())
+def test_split_stages_train_like_the_module(spec: list[Any], schedule: Any) -> None:
+    model, batch = TinyLM(), make_batch()
+    stages, params = fpipe.split_module(model, spec, call=CALL)
+    step = fpipe.pipeline(loss_fn, stages, schedule)
+    loss, grads = step(params, batch)
+    expected_loss, expected = module_grads(model, batch)
+    assert_close(loss, expected_loss)
+    for stage_params, stage_grads in zip(params, grads):
+        assert_close(stage_grads, by_name(expected, stage_params))
+    assert sorted(name for p in params for name in p) == sorted(expected)  # every parameter, once
+
+
+def test_params_are_the_models_names_and_detached_aliases() -> None:
+    model = TinyLM()
+    stages, params = fpipe.split_module(model, ["embed + rotary + layers[0:2]", "rotary + layers[2:] + norm + head"])
+    names = [name for name, _ in model.named_parameters()]
+    assert list(params[0]) == [n for n in names if n.startswith(("embed.", "layers.0.", "layers.1."))]
+    assert list(params[1]) == [n for n in names if n.startswith(("layers.2.", "layers.3.", "norm.", "head."))]
+    for p in params:
+        for name, alias in p.items():
+            original = model.get_parameter(name)
+            assert alias is not original and not alias.requires_grad
+            assert alias.data_ptr() == original.data_ptr()
+    assert stages[1].param_names == tuple(params[1])
+    assert stages[0].module_names == ("embed", "rotary", "layers.0", "layers.1")
+    assert stages[1].segments == ("rotary", "layers[2:]", "norm", "head")
+    assert repr(stages[1]) == "<fpipe.ModuleStage 1: rotary + layers[2:] + norm + head>"
+
+
+def test_stages_use_the_params_they_are_given() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    stages, params = fpipe.split_module(model, ["0 + 1", "2"])
+    x = torch.randn(5, 3)
+    assert torch.equal(stages[1](params[1], stages[0](params[0], x)), model(x))
+    other = {"0.weight": torch.randn(4, 3), "0.bias": torch.randn(4)}
+    assert_close(stages[0](other, x), torch.tanh(x @ other["0.weight"].T + other["0.bias"]))
+    assert torch.equal(stages[0](params[0], x), torch.tanh(model[0](x)))  # the module is unchanged
+
+
+def test_extras_travel_between_stages() -> None:
+    """Non-tensor, integer and bool extras arrive at later stages as the first stage sent them."""
+    seen: list[Any] = []
+
+    def head(module: Any, x: dict[str, Any]) -> torch.Tensor:
+        seen.append((x["tag"], x["mask"].dtype, x["mask"].shape, sorted(x)))
+        return module(x["hidden"])
+
+    model, batch = TinyLM(2), make_batch(6)
+    call = {**CALL, "norm": lambda norm, x: {**x, "hidden": norm(x["hidden"])}, "head": head}
+    stages, params = fpipe.split_module(
+        model, ["embed + rotary + layers[0]", "rotary + layers[1] + norm + head"], call=call
+    )
+    loss, _ = fpipe.pipeline(loss_fn, stages, GPipe(3))(params, batch)
+    assert seen == [("batch", torch.bool, (2, T), ["hidden", "mask", "rope", "tag"])] * 3
+    assert_close(loss, module_grads(model, batch)[0])
+
+
+def test_adapters_by_longest_prefix() -> None:
+    """``"layers.1"`` beats ``"layers"``, which beats the default ``""``; unmatched modules get ``module(x)``."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]), nn.Linear(2, 2))
+    calls: list[str] = []
+
+    def adapter(tag: str) -> Any:
+        return lambda module, x: calls.append(tag) or module(x)
+
+    stages, params = fpipe.split_module(
+        model, ["0 + 1 + 2"], call={"": adapter("default"), "1": adapter("list"), "1.1": adapter("second")}
+    )
+    x = torch.randn(3, 2)
+    y = stages[0](params[0], x)
+    assert calls == ["default", "list", "second", "default"]
+    assert torch.equal(y, model[2](model[1][1](model[1][0](model[0](x)))))
+
+    calls.clear()
+    stages, params = fpipe.split_module(model, ["0 + 1 + 2"], call=adapter("all"))  # one adapter for every module
+    stages[0](params[0], x)
+    assert calls == ["all"] * 4
+
+
+def test_the_adapter_sees_the_module() -> None:
+    seen = []
+    model = nn.Sequential(nn.Linear(2, 3))
+
+    def adapter(module: Any, x: torch.Tensor) -> torch.Tensor:
+        seen.append((module.module is model[0], repr(module)))
+        return module(x)
+
+    stages, params = fpipe.split_module(model, ["0"], call=adapter)
+    stages[0](params[0], torch.randn(1, 2))
+    assert seen == [(True, "<fpipe module '0' with stage parameters>")]
+
+
+# --- Buffers, frozen and tied parameters --------------------------------------------------------
+
+
+def test_buffers_are_read_from_the_module() -> None:
+    """BatchNorm statistics are buffers: not in params, read at each call, updated like the module's."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    stages, params = fpipe.split_module(model, ["0 + 1", "2"])
+    assert list(params[0]) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    model.eval()
+    state = model.state_dict()
+    state["1.running_mean"], state["1.running_var"] = torch.randn(3), torch.rand(3) + 0.5
+    model.load_state_dict(state)  # after the split: the stages see it
+    x = torch.randn(4, 3)
+    assert torch.equal(stages[1](params[1], stages[0](params[0], x)), model(x))
+
+    model.train()
+    twin = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    twin.load_state_dict(model.state_dict())
+    assert torch.equal(stages[0](params[0], x), twin[1](twin[0](x)))
+    assert torch.equal(model[1].running_mean, twin[1].running_mean)
+
+
+def test_frozen_params_are_excluded_but_used() -> None:
+    model = TinyLM(2)
+    model.layers[0].requires_grad_(False)
+    stages, params = fpipe.split_module(
+        model, ["embed + rotary + layers[0]", "rotary + layers[1] + norm + head"], call=CALL
+    )
+    assert params[0] == {"embed.weight": params[0]["embed.weight"]}
+    batch = make_batch(4)
+    loss, grads = fpipe.pipeline(loss_fn, stages, GPipe(2))(params, batch)
+    expected_loss, expected = module_grads(model, batch)
+    assert_close(loss, expected_loss)
+    assert_close(grads, [by_name(expected, p) for p in params])
+
+
+def test_tied_embeddings_appear_in_both_stages_and_sum_tied_adds_their_grads() -> None:
+    model, batch = TinyLM(tied=True), make_batch()
+    assert model.head.weight is model.embed.weight
+    stages, params = fpipe.split_module(
+        model, ["embed + rotary + layers[0:2]", "rotary + layers[2:] + norm + head"], call=CALL
+    )
+    assert "embed.weight" in params[0] and "embed.weight" in params[1] and "head.weight" not in params[1]
+    assert params[0]["embed.weight"].data_ptr() == params[1]["embed.weight"].data_ptr()
+    loss, grads = fpipe.pipeline(loss_fn, stages, OneFOneB(3))(params, batch)
+    expected_loss, expected = module_grads(model, batch)
+    assert_close(loss, expected_loss)
+    partial = grads[0]["embed.weight"] + grads[1]["embed.weight"]
+    assert_close(partial, expected["embed.weight"])  # each stage holds its own uses only
+    summed = fpipe.sum_tied(grads)
+    assert_close(summed, [by_name(expected, p) for p in params])
+
+
+def test_tied_within_one_stage_appears_once() -> None:
+    model, batch = TinyLM(2, tied=True), make_batch(4)
+    stages, params = fpipe.split_module(model, [["embed", "rotary", "layers", "norm", "head"]], call=CALL)
+    assert list(params[0]).count("embed.weight") == 1
+    _, grads = fpipe.pipeline(loss_fn, stages, GPipe(2))(params, batch)
+    assert_close(grads[0], by_name(module_grads(model, batch)[1], params[0]))
+
+
+# --- Errors -------------------------------------------------------------------------------------
+
+
+BAD_SPECS = {
+    "unknown": ([["embed", "layer[0:4]"]], r"no module 'layer' \(stage 0: 'layer\[0:4\]'\). Did you mean 'layers'\?"),
+    "overlapping-ranges": (
+        ["embed + layers[0:3]", "layers[2:] + norm + head"],
+        r"'layers.2' is named twice: .*stage 1 \('layers\[2:\]'\).*stage 0 \('layers\[0:3\]'\)",
+    ),
+    "inside": (["embed + layers + norm", "layers.1.mlp + head"], r"'layers.1.mlp' overlaps 'layers.1'"),
+    "missing": (["embed + layers[0:2] + layers[3]", "norm"], r"no stage \(modules or parameters: layers.2, head\)"),
+    "a-parameter": (["embed + layers + norm + head + layers.0.norm.weight"], r"no module 'layers.0.norm.weight'"),
+    "out-of-range": (["embed + layers[0:9]"], r"'layers\[0:9\]' of stage 0 is out of range: its list has 4"),
+    "index-out-of-range": (["embed + layers[4]"], r"'layers\[4\]' of stage 0 is out of range: its list has 4"),
+    "negative-out-of-range": (["embed + layers[-5:]"], r"'layers\[-5:\]' of stage 0 is out of range"),
+    "empty-range": (["embed + layers[2:2]"], r"'layers\[2:2\]' of stage 0 selects no module"),
+    "not-a-list": (["embed[0:1]"], r"'embed' is a Embedding, not a ModuleList or Sequential"),
+    "syntax": (["embed + layers(0)"], r"cannot read segment 'layers\(0\)' of stage 0"),
+    "empty-brackets": (["embed + layers[]"], r"cannot read segment 'layers\[\]' of stage 0"),
+    "empty-segment": (["embed + layers + norm + "], r"stage 0 has an empty segment"),
+    "empty-stage": (["embed + layers + norm + head", ""], r"stage 1 names no module"),
+}
+
+
+@pytest.mark.parametrize(("spec", "match"), BAD_SPECS.values(), ids=BAD_SPECS.keys())
+def test_bad_split_points(spec: list[Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fpipe.split_module(TinyLM(), spec, call=CALL)
+
+
+def test_a_module_without_parameters_may_repeat_but_not_one_with() -> None:
+    fpipe.split_module(TinyLM(), ["embed + rotary + layers[0:2]", "rotary + layers[2:] + norm + head"])
+    with pytest.raises(ValueError, match=r"'norm' is named twice"):
+        fpipe.split_module(TinyLM(), ["embed + norm + layers[0:2]", "layers[2:] + norm + head"])
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match=r"expected an nn.Module \(model: function\)"):
+        fpipe.split_module(lambda x: x, [["0"]])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"one entry per stage"):
+        fpipe.split_module(TinyLM(), "embed + layers")
+    with pytest.raises(TypeError, match=r"stage 1 must be a list of module names"):
+        fpipe.split_module(TinyLM(), ["embed", [0, 1]])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"adapter for 'layer', which names no module.*Did you mean 'layers'"):
+        fpipe.split_module(TinyLM(), ["embed + layers + norm + head"], call={"layer": lambda m, x: m(x)})
+    with pytest.raises(TypeError, match=r"the adapter for 'norm' is not callable"):
+        fpipe.split_module(TinyLM(), ["embed + layers + norm + head"], call={"norm": 3})  # type: ignore[dict-item]
+
+
+def test_stage_params_must_match() -> None:
+    stages, params = fpipe.split_module(TinyLM(2), ["embed + layers[0]", "layers[1] + norm + head"], call=CALL)
+    with pytest.raises(ValueError, match=r"stage 1: stage_params does not match.*missing: layers.1.norm.weight, "):
+        stages[1](params[0], None)
+    with pytest.raises(ValueError, match=r"\(missing: none; unexpected: extra\). Pass params\[1\]"):
+        stages[1]({**params[1], "extra": torch.zeros(())}, None)
+    with pytest.raises(TypeError, match=r"stage 0: stage_params must be the dict"):
+        stages[0]([1], None)
