@@ -20,6 +20,7 @@ from ._errors import PipelineError
 from ._executor import Executor, LocalTransport
 from ._microbatch import split, stack
 from ._pytree import PyTree, flatten
+from ._record import active, clock, measured
 from ._stage import StageRun
 from .schedules._action import Action
 from .schedules._program import Program, Schedule, ScheduleError, execution_order, validate
@@ -270,7 +271,10 @@ class Step:
             weights=[n / total for n in sizes],
             transport=LocalTransport(microbatches),
         )
-        executor.run(self._order)
+        recording, start, times = active(), clock(), list[tuple[float, float]]()
+        executor.run(self._order, times=times if recording else None)
+        if recording is not None:
+            recording.timelines.append(measured(self.program, self._order, times, start))
         loss, aux = self._result(executor)
         return loss, aux, [runs[s].grads() for s in range(self.num_stages)]
 
@@ -336,10 +340,13 @@ class Step:
             weights=[(size // m + (i < size % m)) / size for i in range(m)],
             transport=transport,
         )
+        recording, start, times = active(), clock(), list[tuple[float, float]]()
         try:
-            executor.run(self._order)
+            executor.run(self._order, times=times if recording else None)
             loss, aux = transport.exchange_result(self._result(executor) if me == last else None)
             transport.finish()
+            if recording is not None:
+                recording.timelines.append(measured(self.program, self._order, times, start, topology.group))
         except BaseException as error:
             transport.abort(error)
             if topology.data_group is not None:

@@ -14,6 +14,7 @@ import torch
 
 from ._errors import PipelineError
 from ._pytree import PyTree
+from ._record import Times, clock
 from ._stage import Grads, Pullback, StageRun
 from .schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 
@@ -86,16 +87,22 @@ class Executor:
             BACKWARD_WEIGHT: self._backward_weight,
         }
 
-    def run(self, order: Sequence[tuple[int, Action]]) -> None:
-        """Interpret ``(rank, action)`` pairs in order; failures become ``PipelineError``."""
+    def run(self, order: Sequence[tuple[int, Action]], *, times: Times | None = None) -> None:
+        """Interpret ``(rank, action)`` pairs in order; failures become ``PipelineError``.
+
+        With ``times``, each action's start and end (``fpipe._record.clock``) are appended to it.
+        """
         handlers = self._handlers
         for rank, action in order:
+            start = clock() if times is not None else 0.0
             try:
                 handlers[action.kind](action)
             except PipelineError:
                 raise
             except Exception as error:
                 raise PipelineError.from_exception(rank, action, error) from error
+            if times is not None:
+                times.append((start, clock()))
 
     def _forward(self, action: Action) -> None:
         s, i = action.stage, action.microbatch

@@ -25,11 +25,13 @@ def test_public_names() -> None:
     assert fpipe.__all__ == [
         "PipelineError",
         "PipelineTimeoutError",
+        "Recording",
         "Step",
         "balance",
         "functionalize",
         "load",
         "pipeline",
+        "record",
         "save",
         "schedules",
         "split_module",

@@ -84,11 +84,13 @@ def _train(rank, world, name):
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
     placement = step.program.placement()
     out = []
-    for length, batch_on_last in CALLS:  # the sequence length changes between calls
-        has = rank == placement[0] or (batch_on_last and rank == placement[-1])
-        loss, grads = step(params, _batch(length) if has else None)
-        out.append((loss, grads, step.global_norm(grads)))
-    return step.local_stages, out
+    with fpipe.record() as recording:
+        for length, batch_on_last in CALLS:  # the sequence length changes between calls
+            has = rank == placement[0] or (batch_on_last and rank == placement[-1])
+            loss, grads = step(params, _batch(length) if has else None)
+            out.append((loss, grads, step.global_norm(grads)))
+    timeline = recording.timeline
+    return step.local_stages, out, (timeline.starts, timeline.ends, timeline.bubble_fractions)
 
 
 @pytest.mark.parametrize(
@@ -100,7 +102,7 @@ def test_distributed_equals_local_bitwise(world, name):
     for call, (length, _) in enumerate(CALLS):
         loss, grads = _local(schedule, num_stages, _batch(length))
         norm = torch.cat([g.reshape(-1) for tree in grads for g in tree.values()]).norm()
-        for local_stages, out in results:
+        for local_stages, out, _ in results:
             d_loss, d_grads, d_norm = out[call]
             assert torch.equal(d_loss, loss), (name, call)
             for s in range(num_stages):
@@ -110,6 +112,12 @@ def test_distributed_equals_local_bitwise(world, name):
                 else:
                     assert d_grads[s] is None
             torch.testing.assert_close(d_norm, norm, rtol=1e-12, atol=0)
+    # fpipe.record gathers every rank's measured row to every rank
+    starts, ends, bubbles = results[0][2]
+    assert all(r[2][0] == starts for r in results)
+    assert [len(row) for row in starts] == [len(row) for row in schedule.program(num_stages, world).ranks]
+    assert all(s <= e for srow, erow in zip(starts, ends) for s, e in zip(srow, erow))
+    assert len(bubbles) == world and all(0 <= b < 1 for b in bubbles)
 
 
 def _mesh_train(rank, world):

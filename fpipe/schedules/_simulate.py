@@ -85,15 +85,18 @@ class Simulation:
     ``starts[r][k]`` and ``ends[r][k]`` are the times of ``program.ranks[r][k]``; time 0 is when
     the first action starts.
 
+    A timeline measured by ``fpipe.record()`` has this type too, with ``costs=None`` and times
+    in seconds.
+
     Attributes:
         program: the simulated program.
-        costs: the costs it was simulated with.
+        costs: the costs it was simulated with (``None`` for a measured timeline).
         starts: start time of each action, per rank, in program order.
         ends: end time of each action, per rank, in program order.
     """
 
     program: Program
-    costs: Costs
+    costs: Costs | None
     starts: tuple[tuple[float, ...], ...]
     ends: tuple[tuple[float, ...], ...]
 

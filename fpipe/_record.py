@@ -1,0 +1,90 @@
+"""Recording what a step actually ran: per rank and action, when it started and ended.
+
+    with fpipe.record() as recording:
+        loss, grads = step(params, batch)
+    timeline = recording.timeline            # a Simulation whose times are measured seconds
+    print(fpipe.schedules.terminal_grid(timeline))
+    json.dump(fpipe.schedules.chrome_trace(timeline, microseconds_per_unit=1e6), open("t.json", "w"))
+
+A measured timeline has the type of a simulated one (``fpipe.schedules.Simulation``, with
+``costs=None``), so the same pictures and figures (bubble per rank, makespan) apply and a
+prediction and a measurement can be put side by side. In one process the virtual ranks take
+turns, so the measurement shows the order and the cost of each action, not parallelism. On many
+processes each rank measures its own actions from the end of the step's handshake (a common
+start, up to clock skew between machines) and the rows are gathered to every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch.distributed as dist
+
+from .schedules._action import Action
+from .schedules._program import Program
+from .schedules._simulate import Simulation
+
+Times = list[tuple[float, float]]
+
+
+class Recording:
+    """The timelines of the steps run inside one ``fpipe.record()`` block, in call order."""
+
+    def __init__(self) -> None:
+        self.timelines: list[Simulation] = []
+
+    @property
+    def timeline(self) -> Simulation:
+        """The timeline of the last step recorded."""
+        if not self.timelines:
+            raise LookupError("fpipe.record: no step ran inside the block.")
+        return self.timelines[-1]
+
+
+_ACTIVE: ContextVar[Recording | None] = ContextVar("fpipe_recording", default=None)
+
+
+@contextmanager
+def record() -> Iterator[Recording]:
+    """Record the actions of every step called inside the block (see the module docstring)."""
+    recording = Recording()
+    token = _ACTIVE.set(recording)
+    try:
+        yield recording
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> Recording | None:
+    """The recording in progress, if any."""
+    return _ACTIVE.get()
+
+
+def clock() -> float:
+    """The clock actions are timed with, in seconds."""
+    return time.perf_counter()
+
+
+def measured(
+    program: Program, order: Sequence[tuple[int, Action]], times: Times, start: float, group: Any = None
+) -> Simulation:
+    """The ``Simulation`` of what ran: ``times[k]`` is when ``order[k]`` started and ended.
+
+    With ``group``, each rank contributes its own row and the rows are all-gathered.
+    """
+    starts: list[list[float]] = [[] for _ in program.ranks]
+    ends: list[list[float]] = [[] for _ in program.ranks]
+    for (rank, _), (t0, t1) in zip(order, times):
+        starts[rank].append(t0 - start)
+        ends[rank].append(t1 - start)
+    if group is not None:
+        rows: list[object] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(rows, (starts, ends), group=group)
+        for rank, row in enumerate(rows):
+            assert isinstance(row, tuple)
+            starts[rank], ends[rank] = row[0][rank], row[1][rank]
+    return Simulation(program, None, tuple(map(tuple, starts)), tuple(map(tuple, ends)))
