@@ -18,6 +18,10 @@ settings.register_profile("fpipe", max_examples=40, derandomize=True, **_COMMON)
 settings.register_profile("thorough", max_examples=500, **_COMMON)
 settings.load_profile(os.environ.get("FPIPE_HYPOTHESIS", "fpipe"))
 
+# The tests' tensors are tiny: one intra-op thread is fastest for them, and keeps the suite's
+# time steady on a shared 2-core machine (multi-process tests set one thread per rank too).
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def float64_and_seed() -> Iterator[None]:
