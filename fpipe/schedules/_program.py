@@ -147,13 +147,15 @@ def validate(program: Program) -> None:
                 r0, p0 = seen[a]
                 raise ScheduleError(
                     f"fpipe.schedules: action {a} appears twice (rank {r0} position {p0}, "
-                    f"rank {r} position {pos}). Each action must run exactly once."
+                    f"rank {r} position {pos}). Each action must run exactly once.\n"
+                    + _positional(program, {(r0, p0), (r, pos)})
                 )
             seen[a] = (r, pos)
             if owner.setdefault(a.stage, r) != r:
                 raise ScheduleError(
                     f"fpipe.schedules: stage {a.stage} appears on rank {owner[a.stage]} and on "
-                    f"rank {r} (action {a}). Each stage must live on exactly one rank."
+                    f"rank {r} (action {a}). Each stage must live on exactly one rank.\n"
+                    + _positional(program, {(r, pos)})
                 )
     missing: list[str] = []
     for s in range(S):
@@ -176,7 +178,7 @@ def validate(program: Program) -> None:
         shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
         raise ScheduleError(
             f"fpipe.schedules: the program is missing actions: {shown}. Every stage needs a "
-            "forward and a backward (B, or I and W) for every microbatch."
+            "forward and a backward (B, or I and W) for every microbatch.\n" + _positional(program, set())
         )
     for r, row in enumerate(program.ranks):
         for pos, a in enumerate(row):
@@ -185,9 +187,14 @@ def validate(program: Program) -> None:
                 raise ScheduleError(
                     f"fpipe.schedules: on rank {r}, {a} (position {pos}) comes before "
                     f"{Action(a.stage, before, a.microbatch)} that it needs. Move it later.\n"
-                    + render(program, marks={(r, pos)}, ticks=[list(range(len(row))) for row in program.ranks])
+                    + _positional(program, {(r, pos)})
                 )
     timeline(program)
+
+
+def _positional(program: Program, marks: set[tuple[int, int]]) -> str:
+    """The grid of a program that cannot be replayed: each rank's actions in order, ``marks`` drawn."""
+    return render(program, marks=marks, ticks=[list(range(len(row))) for row in program.ranks])
 
 
 def timeline(program: Program) -> list[list[int]]:
@@ -250,21 +257,22 @@ def render(
         rank 0 | 0F0 0F1  .   .  0B0 0B1
         rank 1 |  .  1F0 1F1 1B0 1B1  .
 
-    Column ``t`` is what each rank does at unit time ``t``. ``marks`` holds
-    ``(rank, position)`` pairs drawn as ``>2B0<`` after the grid (used for errors), ``ticks`` the
-    times to draw (default: ``timeline(program)``).
+    Column ``t`` is what each rank does at unit time ``t``. ``marks`` holds ``(rank, position)``
+    pairs drawn as ``>2B0<``, in place when the action has a time, else after the row (an
+    action stuck in a deadlock); ``ticks`` the times to draw (default: ``timeline(program)``).
     """
     if ticks is None:
         ticks = timeline(program)
     marks = marks or set()
-    width = max((len(str(a)) for row in program.ranks for a in row), default=1)
+    in_place = any(k < len(ticks[r]) for r, k in marks)
+    width = max((len(str(a)) for row in program.ranks for a in row), default=1) + (2 if in_place else 0)
     end = max((row[-1] + 1 for row in ticks if row), default=0)
     lines = []
     for r, row in enumerate(program.ranks):
         cells = [".".center(width)] * end
         for k, t in enumerate(ticks[r]):
-            cells[t] = str(row[k]).center(width)
-        stuck = [f">{row[k]}<" for (mr, k) in sorted(marks) if mr == r and k < len(row)]
+            cells[t] = (f">{row[k]}<" if (r, k) in marks else str(row[k])).center(width)
+        stuck = [f">{row[k]}<" for (mr, k) in sorted(marks) if mr == r and len(ticks[r]) <= k < len(row)]
         lines.append(f"rank {r} | " + " ".join(cells + stuck).rstrip())
     return "\n".join(lines)
 

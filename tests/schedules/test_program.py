@@ -139,3 +139,13 @@ def test_rejects_cross_rank_cycle_on_three_ranks() -> None:
                 ["2F0", "2F1", "2B0", "2B1"],
             )
         )
+
+
+def test_duplicate_action_is_marked_in_the_grid() -> None:
+    with pytest.raises(ScheduleError) as info:
+        validate(program(["0F0", "0B0", "0F0"], ["1F0", "1B0"]))
+    message, grid = str(info.value).split("\n", 1)
+    assert "action 0F0 appears twice (rank 0 position 0, rank 0 position 2)" in message
+    assert grid == dedent("""\
+        rank 0 | >0F0<  0B0  >0F0<
+        rank 1 |  1F0   1B0    .""")
