@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import fpipe
-from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB
+from fpipe.schedules import GPipe, Interleaved1F1B, LoopedBFS, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 from tests._multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,6 +26,9 @@ SCHEDULES = {
     "interleaved": (Interleaved1F1B(4, stages_per_rank=2), 4),
     "1f1b-4": (OneFOneB(6), 4),
     "interleaved-4": (Interleaved1F1B(4, stages_per_rank=2), 8),
+    "zbh1": (ZeroBubbleH1(4), 2),
+    "zbv": (ZeroBubbleV(4), 4),
+    "bfs": (LoopedBFS(3, stages_per_rank=2), 4),
 }
 
 
@@ -94,7 +97,17 @@ def _train(rank, world, name):
 
 
 @pytest.mark.parametrize(
-    ("world", "name"), [(2, "gpipe"), (2, "1f1b"), (2, "interleaved"), (4, "1f1b-4"), (4, "interleaved-4")]
+    ("world", "name"),
+    [
+        (2, "gpipe"),
+        (2, "1f1b"),
+        (2, "interleaved"),
+        (2, "zbh1"),
+        (2, "zbv"),
+        (2, "bfs"),
+        (4, "1f1b-4"),
+        (4, "interleaved-4"),
+    ],
 )
 def test_distributed_equals_local_bitwise(world, name):
     schedule, num_stages = SCHEDULES[name]
