@@ -21,6 +21,7 @@ from ._executor import Executor, LocalTransport
 from ._microbatch import split, stack
 from ._pytree import PyTree, flatten
 from ._record import active, clock, measured
+from ._sharding import ShardedRuns, StageLayout, check_shards, data_parallel, gather_stages, segments, shard_stages
 from ._stage import StageRun
 from .schedules._action import Action
 from .schedules._program import Program, Schedule, ScheduleError, execution_order, validate
@@ -39,6 +40,7 @@ def pipeline(
     recompute: bool | Collection[int] = False,
     mesh: Any = None,
     group: Any = None,
+    shard_params: bool = False,
     timeout: float = 300.0,
 ) -> Step:
     """Turn stage functions and a schedule into ``step(params, batch) -> (loss, grads)``.
@@ -73,6 +75,13 @@ def pipeline(
             replicas with one all-reduce per step).
         group: run distributed over this process group (the pipeline ranks are the positions
             in the group). Without ``mesh`` and ``group`` the whole pipeline runs in this process.
+        shard_params: with a ``mesh`` that has a ``"dp"`` dimension, keep each stage's parameters
+            sharded over the data-parallel ranks (ZeRO-3, FSDP): ``params[s]`` is then this rank's
+            pytree of shards, cut by ``step.shard(params)`` (each tensor leaf flattened, zero-padded
+            to a multiple of the data-parallel size ``d`` and cut into ``d`` 1-D pieces), and
+            ``grads[s]`` is the same shard of the replicas' average gradient. The step all-gathers
+            a stage's parameters before its first forward and keeps them for the step, and
+            reduce-scatters its gradients after its last backward (``notes/sharding.md``).
         timeout: seconds a rank waits for a peer before raising ``PipelineTimeoutError``.
 
     When distributed, every rank calls ``step(params, batch)``: ``params[s]`` is ``None`` for
@@ -134,7 +143,15 @@ def pipeline(
             f"fpipe.pipeline: recompute must be a bool or stage indices in 0..{len(stages) - 1} "
             f"(recompute: {sorted(recompute, key=str)!r})."
         )
+    if not isinstance(shard_params, bool):
+        raise TypeError(f"fpipe.pipeline: shard_params must be True or False (shard_params: {shard_params!r}).")
     topology = resolve_topology(mesh, group)
+    if shard_params and (topology is None or topology.data_group is None):
+        raise ValueError(
+            "fpipe.pipeline: shard_params=True cuts parameters over the data-parallel ranks, but this pipeline "
+            f"has none (mesh: {mesh!r}, group: {group!r}). Pass mesh= a DeviceMesh with dimensions "
+            "('dp', 'pp'), or leave shard_params=False."
+        )
     program = _program(schedule, len(stages), None if topology is None else topology.size)
     validate(program)
     if topology is not None and program.num_ranks != topology.size:
@@ -150,6 +167,7 @@ def pipeline(
         batch_dims=batch_dims,
         recompute=recompute,
         topology=topology,
+        shard_params=shard_params,
         timeout=timeout,
     )
 
@@ -197,6 +215,7 @@ class Step:
         batch_dims: PyTree,
         recompute: frozenset[int],
         topology: Topology | None,
+        shard_params: bool = False,
         timeout: float,
     ) -> None:
         self.loss_fn = loss_fn
@@ -208,6 +227,8 @@ class Step:
         self.timeout = timeout
         self.num_stages = program.num_stages
         self.num_microbatches = program.num_microbatches
+        self.shard_params = shard_params
+        self._layouts: dict[int, StageLayout] = {}  # full shapes of the local stages, set by self.shard
         self._topology = topology
         if topology is None:
             self.rank: int | None = None
@@ -224,8 +245,16 @@ class Step:
         p = self.program
         return f"<fpipe.Step: {p.num_stages} stages, {p.num_microbatches} microbatches, {p.num_ranks} ranks>"
 
+    # The step is an interpreter of Python data (programs, pytrees, autograd calls): dynamo gains
+    # nothing tracing it, so torch.compile(step) runs it eagerly; compile the stages instead.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def __call__(self, params: Sequence[PyTree], batch: PyTree, /) -> tuple[Any, list[PyTree]]:
-        """Run one step: the loss (or ``(loss, aux)``) and one gradient pytree per stage."""
+        """Run one step: the loss (or ``(loss, aux)``) and one gradient pytree per stage.
+
+        Stage functions may be ``torch.compile``'d (forward and backward run compiled, and
+        dynamic shapes avoid recompiling when the sequence length changes); ``torch.compile``
+        of the step itself runs the step eagerly.
+        """
         if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence):
             raise TypeError(
                 f"fpipe.step: params must be a list with one pytree per stage (got: {type(params).__name__}). "
@@ -247,7 +276,9 @@ class Step:
         """The 2-norm of all gradients of the pipeline, for clipping, on every rank.
 
         Each rank holds only its stages' gradients, so the local sums of squares are summed over
-        the pipeline group (data-parallel replicas hold the same averaged gradients).
+        the pipeline group (data-parallel replicas hold the same averaged gradients). With
+        ``shard_params`` each replica holds only its shards of them, so the sums are also summed
+        over the data-parallel group (padding is zero and adds nothing).
         """
         leaves = [g for s in self.local_stages for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)]
         total = torch.zeros((), dtype=torch.float64)
@@ -256,8 +287,55 @@ class Step:
         if self._topology is not None:
             buffer = total.reshape(1).to(self._topology.device)
             all_reduce_sum(self._topology, self._topology.group, [buffer], self.timeout, "the global norm all-reduce")
+            if self.shard_params:
+                what = "the global norm all-reduce over the data-parallel group"
+                all_reduce_sum(self._topology, self._topology.data_group, [buffer], self.timeout, what)
             total = buffer.reshape(()).cpu()
         return total.sqrt()
+
+    def shard(self, params: Sequence[PyTree], /) -> list[PyTree]:
+        """This rank's shards of full per-stage parameters, for a step built with ``shard_params=True``.
+
+        ``params`` has one full pytree per stage, as an unsharded step takes them (entries for
+        stages held elsewhere are ignored and may be ``None``). Each tensor leaf of ``n`` elements
+        becomes a 1-D tensor of ``ceil(n / d)`` elements (NOTE [shard layout] in
+        ``fpipe/_sharding.py``). The full shapes and dtypes are recorded in the step, which
+        needs them to gather; tensors on the ``meta`` device will do when only shapes are known.
+        No communication.
+
+        Example:
+            >>> shards = step.shard(params)  # doctest: +SKIP
+            >>> loss, grads = step(shards, batch)  # grads[s]: shards, like shards[s]
+            >>> shards = [update(p, g) for p, g in zip(shards, grads)]  # the optimizer sees shards only
+        """
+        if not self.shard_params or self._topology is None:
+            raise ValueError(
+                "fpipe.step.shard: this step does not shard. Build it with pipeline(..., shard_params=True)."
+            )
+        if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence) or len(params) != self.num_stages:
+            raise ValueError(
+                f"fpipe.step.shard: params must be a list with one pytree per stage ({self.num_stages}) "
+                f"(got: {type(params).__name__})."
+            )
+        for s in self.local_stages:
+            if params[s] is None:
+                raise ValueError(f"fpipe.step.shard: params[{s}] is None but this rank holds stage {s}. Pass it.")
+        dp = data_parallel(self._topology, self.timeout)
+        shards, self._layouts = shard_stages(dp, self.local_stages, params)
+        return shards
+
+    def unshard(self, shards: Sequence[PyTree], /) -> list[PyTree]:
+        """The full per-stage pytrees of ``shards`` (parameters, grads or optimizer state shaped
+        like them), all-gathered over the data-parallel group: a collective, for checks.
+
+        ``None`` leaves (the grads of non-float leaves) stay ``None``; stages held elsewhere are
+        ``None``.
+        """
+        if not self._layouts or self._topology is None:
+            raise ValueError("fpipe.step.unshard: the step has no layouts; cut the parameters with step.shard first.")
+        if len(shards) != self.num_stages:
+            raise ValueError(f"fpipe.step.unshard: shards has {len(shards)} entries for {self.num_stages} stages.")
+        return gather_stages(data_parallel(self._topology, self.timeout), self._layouts, shards, "fpipe.step.unshard")
 
     def _run_local(self, params: Sequence[PyTree], batch: PyTree) -> tuple[torch.Tensor, Any, list[PyTree]]:
         microbatches, sizes = split(batch, self.num_microbatches, self.batch_dims)
@@ -293,6 +371,9 @@ class Step:
         microbatches, size, problem = None, 0, None
         try:
             self._check_params(params, placement)
+            if self.shard_params:
+                for s in self.local_stages:
+                    check_shards(s, params[s], self._layouts.get(s))
             if batch is not None and me in (first, last):
                 microbatches, sizes = split(batch, m, self.batch_dims)
                 size = sum(sizes)
@@ -322,8 +403,16 @@ class Step:
                 f"fpipe.step: the batch on rank {first} has {size} examples but the one on rank {last} has "
                 f"{statuses[last][3]}. Pass the same batch, or None on rank {last}."
             )
-        # 2. Run this rank's row of the program.
-        runs = {s: StageRun(s, self.stages[s], params[s], recompute=s in self.recompute) for s in self.local_stages}
+        # 2. Run this rank's row of the program. With shard_params, every stage's all-gather is
+        # posted here and waited for at the stage's first forward (NOTE [gather overlap]).
+        def make_run(s: int, stage_params: PyTree) -> StageRun:
+            return StageRun(s, self.stages[s], stage_params, recompute=s in self.recompute)
+
+        runs: dict[int, StageRun] | ShardedRuns
+        if self.shard_params:
+            runs = ShardedRuns(data_parallel(topology, self.timeout), make_run, params, self._layouts, self._order)
+        else:
+            runs = {s: make_run(s, params[s]) for s in self.local_stages}
         transport = DistributedTransport(
             topology,
             self.program,
@@ -342,7 +431,13 @@ class Step:
         )
         recording, start, times = active(), clock(), list[tuple[float, float]]()
         try:
-            executor.run(self._order, times=times if recording else None)
+            if not isinstance(runs, ShardedRuns):
+                executor.run(self._order, times=times if recording else None)
+            else:  # a stage's reduce-scatter is posted once its last action has run
+                for actions, finished in segments(self._order):
+                    executor.run(actions, times=times if recording else None)
+                    for s in finished:
+                        runs.finish_stage(s)
             loss, aux = transport.exchange_result(self._result(executor) if me == last else None)
             transport.finish()
             if recording is not None:
@@ -352,6 +447,9 @@ class Step:
             if topology.data_group is not None:
                 self._average_replicas(topology, runs, None)
             raise
+        if isinstance(runs, ShardedRuns):
+            loss = self._average_replicas(topology, runs, (loss, []))
+            return loss, aux, runs.grads(self.num_stages)
         grads = [runs[s].grads() if s in runs else None for s in range(self.num_stages)]
         if topology.data_group is not None:
             loss = self._average_replicas(topology, runs, (loss, grads))
@@ -374,22 +472,27 @@ class Step:
     def _average_replicas(
         self,
         topology: Topology,
-        runs: dict[int, StageRun],
+        runs: dict[int, StageRun] | ShardedRuns,
         result: tuple[torch.Tensor, list[PyTree]] | None,
     ) -> torch.Tensor:
         """Average loss and grads over data-parallel replicas in place (one all-reduce per dtype).
 
         A flag rides along, so a replica that failed (``result is None``: it still joins with
-        zeros) makes every other replica raise instead of waiting.
+        zeros) makes every other replica raise instead of waiting. Sharded grads are averaged by
+        their reduce-scatters instead, which ``runs.finish`` completes (fpipe/_sharding.py).
         """
-        if result is None:
-            grads: list[Any] = [runs[s].grads() for s in sorted(runs)]
-            loss = torch.zeros((), dtype=torch.float32, device=topology.device)
+        loss = torch.zeros((), dtype=torch.float32, device=topology.device) if result is None else result[0]
+        grads: list[Any] = []
+        if isinstance(runs, ShardedRuns):
+            runs.finish(failed=result is None)
+        elif result is None:
+            grads = [runs[s].grads() for s in sorted(runs)]
         else:
-            loss, all_grads = result
-            grads = [all_grads[s] for s in sorted(runs)]
+            grads = [result[1][s] for s in sorted(runs)]
         leaves = [g for tree in grads for g in flatten(tree)[0] if isinstance(g, torch.Tensor)]
-        extra = torch.tensor([loss.item(), float(result is None)], dtype=loss.dtype, device=loss.device)
+        # float64 whatever the loss dtype: a failed replica has no loss to take the dtype from, and
+        # all-reduces of different dtypes (float32 zeros against a float64 loss) do not match.
+        extra = torch.tensor([loss.item(), float(result is None)], dtype=torch.float64, device=topology.device)
         all_reduce_sum(topology, topology.data_group, [*leaves, extra], self.timeout, "the data-parallel all-reduce")
         if result is not None and extra[1].item() > 0:
             raise PipelineError(
@@ -399,7 +502,7 @@ class Step:
             )
         for g in leaves:
             g.div_(topology.data_size)
-        return (extra[0] / topology.data_size).reshape(())
+        return (extra[0] / topology.data_size).to(loss.device, loss.dtype).reshape(())
 
 
 def _weighted_sum(losses: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:

@@ -12,6 +12,9 @@ from the intermediates to the parameters, ``autograd.grad(GradientEdges, params)
 touches only the small parameter side of the graph. Together they run each node once, as the
 fused backward does. Parameters whose contributions never meet the inputs' paths (or a stage
 whose inputs are not differentiable, like stage 0) are done in ``W`` straight from the outputs.
+A ``torch.compile``'d stage is one opaque graph node whose backward yields every gradient at
+once and cannot run twice: there ``I`` runs the whole backward and ``W`` only hands over the
+parameter gradients (correct, but no bubble is filled).
 The same idea is in ``torch.distributed.pipelining._backward``.
 """
 
@@ -87,7 +90,10 @@ class DeferredWeightGrad:
         outputs: list[torch.Tensor],
         grad_outputs: list[torch.Tensor],
         params: Sequence[torch.Tensor],
+        *,
+        done: list[torch.Tensor | None] | None = None,
     ) -> None:
+        self._done = done
         self._groups = groups
         self._rest = rest
         self._outputs = outputs
@@ -96,6 +102,8 @@ class DeferredWeightGrad:
 
     def run(self) -> list[torch.Tensor | None]:
         """The parameter gradients, one per parameter (``None`` where none flows)."""
+        if self._done is not None:
+            return self._done
         grads: list[torch.Tensor | None] = [None] * len(self._params)
         for group in self._groups:
             edges = [
@@ -146,6 +154,11 @@ def input_grad(
     if not outputs or not inputs:
         return [None] * len(inputs), DeferredWeightGrad([], list(range(len(params))), outputs, grad_outputs, params)
     consumers = _consumers([_node(o) for o in outputs])
+    if any(node.name().startswith("CompiledFunction") for node in consumers):
+        # A torch.compile'd region is one opaque node whose backward computes every gradient at
+        # once (and may not be re-run): do the whole backward now, W only hands the result over.
+        found = torch.autograd.grad(outputs, [*inputs, *params], grad_outputs, allow_unused=True)
+        return found[: len(inputs)], DeferredWeightGrad([], [], [], [], params, done=list(found[len(inputs) :]))
     after_inputs, _ = _downstream([_node(x) for x in inputs], consumers, set())
     by_node: dict[Node, _Group] = {}
     groups: list[_Group] = []
