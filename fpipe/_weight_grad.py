@@ -153,8 +153,9 @@ def input_grad(
     """The input half of a backward (NOTE [split backward]) and what the weight half needs."""
     if not outputs or not inputs:
         return [None] * len(inputs), DeferredWeightGrad([], list(range(len(params))), outputs, grad_outputs, params)
-    consumers = _consumers([_node(o) for o in outputs])
-    if any(node.name().startswith("CompiledFunction") for node in consumers):
+    roots = [_node(o) for o in outputs]
+    consumers = _consumers(roots)
+    if any(node.name().startswith("CompiledFunction") for node in [*roots, *consumers]):
         # A torch.compile'd region is one opaque node whose backward computes every gradient at
         # once (and may not be re-run): do the whole backward now, W only hands the result over.
         found = torch.autograd.grad(outputs, [*inputs, *params], grad_outputs, allow_unused=True)

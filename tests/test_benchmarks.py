@@ -49,3 +49,18 @@ def test_bench_split_backward_quick() -> None:
     results = module.main(["--quick"])
     assert results["grads_match"] and set(results["ms"]["split"]) == {"F", "I", "W"}
     assert results["ratio_split_over_fused"] > 0
+
+
+def test_bench_compile_quick() -> None:
+    """The torch.compile benchmark runs (aot_eager, tiny) and checks grads; times are not asserted."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_compile.py"
+    spec = importlib.util.spec_from_file_location("bench_compile", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = module.main(["--quick"])
+    for name in ("OneFOneB", "ZeroBubbleH1"):
+        assert results[name]["grads_match"] and results[name]["compiled_ms"] > 0
