@@ -35,6 +35,8 @@ schedule's rank x time grid is printed at start.
 """
 
 import argparse
+import contextlib
+import json
 import math
 import os
 import sys
@@ -46,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fpipe
-from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB
+from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB, chrome_trace
 
 # -----------------------------------------------------------------------------
 # data: copy K random digits after a separator
@@ -215,6 +217,9 @@ def parse_args(argv):
     parser.add_argument("--digits", type=int, default=8, help="K, the number of digits to copy")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--trace", metavar="PATH", help="write the last step's measured timeline as a Chrome trace (Perfetto) JSON"
+    )
     args = parser.parse_args(argv)
     if args.dim % args.head_dim or args.head_dim % 2:
         parser.error(f"--dim ({args.dim}) must be a multiple of --head-dim ({args.head_dim}), which must be even")
@@ -267,7 +272,8 @@ def main(argv=None):
         batch = get_batch(args.batch_size, args.digits, freqs_cis, generator)
         if step.rank not in (None, first_rank):
             batch = None  # data only where it is used: the first stage's rank
-        loss, grads = step(params, batch)  # the per-rank part: forwards and backwards of the pipeline
+        with fpipe.record() if args.trace and it == args.steps - 1 else contextlib.nullcontext() as recording:
+            loss, grads = step(params, batch)  # the per-rank part: forwards and backwards of the pipeline
         params, opt_state = adamw_update(params, grads, opt_state, lr=lr_at(it, args.steps, args.lr))
         losses.append(loss.item())
         if chatty:
@@ -289,6 +295,11 @@ def main(argv=None):
         summary += f", copy accuracy {accuracy:.1%}"
     if step.rank in (None, 0):
         print(f"{summary} ({args.schedule}, {args.microbatches} microbatches)")
+        if args.trace and recording is not None:
+            # measured next to predicted: open both in https://ui.perfetto.dev or chrome://tracing
+            with open(args.trace, "w") as f:
+                json.dump(chrome_trace(recording.timeline, microseconds_per_unit=1e6), f)
+            print(f"measured timeline of the last step written to {args.trace}")
     if group is not None and "RANK" in os.environ:
         dist.destroy_process_group()
     return losses

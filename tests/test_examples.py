@@ -99,3 +99,13 @@ def test_train_llama_runs_unchanged_under_torchrun(llama: ModuleType) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     # One process runs 1F1B on 4 virtual ranks, torchrun interleaved 1F1B on 2: bitwise the same.
     assert f"loss {local[0]:.4f} -> {local[-1]:.4f}" in run.stdout, run.stdout
+
+
+def test_train_llama_writes_a_measured_trace(llama: ModuleType, tmp_path: Path) -> None:
+    import json
+
+    trace = tmp_path / "trace.json"
+    llama.main([*TINY, "--steps", "2", "--quiet", "--trace", str(trace)])
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"0F0", "3B3"} <= names, sorted(n for n in names if n)[:10]
