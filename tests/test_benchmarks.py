@@ -1,4 +1,4 @@
-"""The overhead benchmark runs end to end in quick mode (timings are never asserted on)."""
+"""The benchmarks run end to end in quick mode (timings are never asserted on)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_overhead.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_overhead", BENCHMARK)
+def _load(name: str = "bench_overhead") -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -37,30 +37,13 @@ def test_bench_overhead_quick(tmp_path: Path) -> None:
 
 
 def test_bench_split_backward_quick() -> None:
-    """The split-backward benchmark runs at a tiny size; its numbers are reported, never asserted."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_split_backward.py"
-    spec = importlib.util.spec_from_file_location("bench_split_backward", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    results = module.main(["--quick"])
+    results = _load("bench_split_backward").main(["--quick"])
     assert results["grads_match"] and set(results["ms"]["split"]) == {"F", "I", "W"}
     assert results["ratio_split_over_fused"] > 0
 
 
 def test_bench_compile_quick() -> None:
-    """The torch.compile benchmark runs (aot_eager, tiny) and checks grads; times are not asserted."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_compile.py"
-    spec = importlib.util.spec_from_file_location("bench_compile", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    results = module.main(["--quick"])
+    """aot_eager at a tiny size: compiled stages give the eager grads under 1F1B and ZB-H1."""
+    results = _load("bench_compile").main(["--quick"])
     for name in ("OneFOneB", "ZeroBubbleH1"):
         assert results[name]["grads_match"] and results[name]["compiled_ms"] > 0
