@@ -16,6 +16,8 @@ from ._load import load as load
 from ._record import Recording as Recording
 from ._record import record as record
 from ._save import save as save
+from ._sharding import gather as gather
+from ._sharding import shard as shard
 from ._split import split_module as split_module
 from ._tied import sum_tied as sum_tied
 
@@ -26,11 +28,13 @@ __all__ = [
     "Step",
     "balance",
     "functionalize",
+    "gather",
     "load",
     "pipeline",
     "record",
     "save",
     "schedules",
+    "shard",
     "split_module",
     "sum_tied",
 ]

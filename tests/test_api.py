@@ -29,11 +29,13 @@ def test_public_names() -> None:
         "Step",
         "balance",
         "functionalize",
+        "gather",
         "load",
         "pipeline",
         "record",
         "save",
         "schedules",
+        "shard",
         "split_module",
         "sum_tied",
     ]

@@ -1,0 +1,194 @@
+"""Train a 4-stage MLP on 4 processes: 2 data-parallel replicas x 2 pipeline ranks, parameters sharded.
+
+    torchrun --standalone --nproc-per-node 4 examples/train_sharded.py
+    torchrun --standalone --nproc-per-node 4 examples/train_sharded.py --no-shard   # to compare
+
+The 4 processes form a 2 x 2 ``DeviceMesh``: 2 data-parallel replicas (``"dp"``), each a
+2-rank pipeline (``"pp"``) that holds 2 of the 4 stages (1F1B on 4 stages and 2 ranks runs as
+interleaved 1F1B). Each replica trains on its own batches, and the step averages the gradients
+over the replicas.
+
+With ``fpipe.pipeline(..., mesh=mesh, shard_params=True)`` (ZeRO-3, FSDP) each rank keeps only
+its shard of its stages' parameters: ``step.shard(params)`` cuts every tensor into 1-D pieces,
+one per replica (zero-padded when it does not divide). A step all-gathers a stage's parameters
+before the stage's first forward and reduce-scatters its gradients after its last backward, so
+``grads`` come back as shards too, and the AdamW update below runs on shards only: parameters,
+gradients and both moments take half the memory on every rank (``1 / dp`` in general). The
+update is elementwise, so sharded and unsharded training take the same steps; gradient clipping
+uses ``step.global_norm(grads)``, which sums the squares of every shard over the whole mesh.
+
+The task is synthetic: regress a fixed random two-layer "teacher" from 16 inputs to 8 outputs.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import fpipe
+from fpipe.schedules import OneFOneB
+
+IN, OUT = 16, 8
+
+# -----------------------------------------------------------------------------
+# data: each replica draws its own batches of a fixed teacher function
+
+
+def teacher(generator):
+    return {"a": torch.randn(IN, 32, generator=generator) / IN**0.5, "b": torch.randn(32, OUT, generator=generator) / 4}
+
+
+def get_batch(teacher_params, batch_size, generator):
+    x = torch.randn(batch_size, IN, generator=generator)
+    return {"x": x, "y": torch.sin(x @ teacher_params["a"]) @ teacher_params["b"]}
+
+
+# -----------------------------------------------------------------------------
+# the model: 4 stages, pure functions of parameter dicts
+
+
+def block(p, h):
+    return h + torch.tanh(h @ p["w1"] + p["b1"]) @ p["w2"]  # a residual MLP block
+
+
+def first_stage(p, batch):
+    return block(p, batch["x"] @ p["embed"])
+
+
+def middle_stage(p, h):
+    return block(p, h)
+
+
+def last_stage(p, h):
+    return block(p, h) @ p["head"]
+
+
+STAGES = [first_stage, middle_stage, middle_stage, last_stage]
+
+
+def loss_fn(y, batch):
+    return ((y - batch["y"]) ** 2).mean()
+
+
+def init_params(dim, hidden, generator):
+    def normal(*shape, std):
+        return torch.randn(*shape, generator=generator) * std
+
+    params = [
+        {"w1": normal(dim, hidden, std=dim**-0.5), "b1": torch.zeros(hidden), "w2": normal(hidden, dim, std=0.02)}
+        for _ in STAGES
+    ]
+    params[0]["embed"] = normal(IN, dim, std=IN**-0.5)
+    params[-1]["head"] = normal(dim, OUT, std=dim**-0.5)
+    return params
+
+
+# -----------------------------------------------------------------------------
+# AdamW over pytrees of shards (or of full tensors: the update is elementwise)
+
+
+def adamw_init(params):
+    return {"step": 0, "m": optree.tree_map(torch.zeros_like, params), "v": optree.tree_map(torch.zeros_like, params)}
+
+
+def adamw_update(params, grads, state, decay, *, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+    """``decay`` says which leaves get weight decay; a shard is 1-D, so it cannot tell by its shape."""
+    b1, b2 = betas
+    t = state["step"] + 1
+    m = optree.tree_map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], grads)
+    v = optree.tree_map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], grads)
+
+    def update(p, m, v, decay):
+        p = p * (1 - lr * weight_decay) if decay else p
+        return p - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+
+    return optree.tree_map(update, params, m, v, decay), {"step": t, "m": m, "v": v}
+
+
+def clip(grads, norm, max_norm):
+    scale = min(1.0, max_norm / (float(norm) + 1e-6))
+    return optree.tree_map(lambda g: g * scale, grads)
+
+
+def nbytes(tree):
+    return sum(t.numel() * t.element_size() for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+# -----------------------------------------------------------------------------
+# training
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=32, help="per replica")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max-norm", type=float, default=1.0, help="clip the global gradient norm to this")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pp", type=int, default=2, help="pipeline ranks; the rest of the world is data parallel")
+    parser.add_argument("--no-shard", action="store_true", help="replicate parameters instead (plain data parallel)")
+    parser.add_argument("--quiet", action="store_true", help="print only the summary")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    """Train; return the loss of every step (averaged over the replicas)."""
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        sys.exit("Run me on several processes: torchrun --standalone --nproc-per-node 4 examples/train_sharded.py")
+    torch.set_num_threads(1)  # small matrices, several processes per machine
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // args.pp, args.pp), mesh_dim_names=("dp", "pp"))
+    replica = mesh.get_coordinate()[0]
+
+    step = fpipe.pipeline(loss_fn, STAGES, OneFOneB(args.microbatches), mesh=mesh, shard_params=not args.no_shard)
+    # Every rank draws the same full parameters (same seed); step.shard keeps this rank's shards
+    # of its stages (None for the stages held elsewhere).
+    full = init_params(args.dim, args.hidden, torch.Generator().manual_seed(args.seed))
+    decay = [{k: v.dim() >= 2 for k, v in p.items()} if s in step.local_stages else None for s, p in enumerate(full)]
+    mine = [p if s in step.local_stages else None for s, p in enumerate(full)]
+    params = mine if args.no_shard else step.shard(full)
+    opt_state = adamw_init(params)
+    del full, mine
+
+    teacher_params = teacher(torch.Generator().manual_seed(1234))  # the same on every rank
+    data = torch.Generator().manual_seed(args.seed + 1 + replica)  # each replica its own batches
+    losses = []
+    start = time.perf_counter()
+    for it in range(args.steps):
+        batch = get_batch(teacher_params, args.batch_size, data)
+        loss, grads = step(params, batch if step.rank == 0 else None)  # loss: the replicas' mean
+        grads = clip(grads, step.global_norm(grads), args.max_norm)
+        params, opt_state = adamw_update(params, grads, opt_state, decay, lr=args.lr)
+        losses.append(loss.item())
+        if not args.quiet and dist.get_rank() == 0 and (it % 10 == 0 or it == args.steps - 1):
+            print(f"step {it:>4}: loss {losses[-1]:.4f}")
+        if it == 0:
+            memory = nbytes(params) + nbytes(grads) + nbytes(opt_state["m"]) + nbytes(opt_state["v"])
+    elapsed = time.perf_counter() - start
+
+    # What each rank keeps between steps: parameters, gradients and the two AdamW moments.
+    rows = [None] * world
+    dist.all_gather_object(rows, (dist.get_rank(), replica, step.local_stages, memory))
+    if dist.get_rank() == 0:
+        kind = "replicated" if args.no_shard else "sharded"
+        if not args.quiet:
+            for rank, rep, stages, size in rows:
+                print(f"rank {rank} (replica {rep}, stages {stages}): params + grads + AdamW state {size:,} bytes")
+        print(f"{args.steps} steps in {elapsed:.1f}s ({kind}, dp {world // args.pp} x pp {args.pp}): "
+              f"loss {losses[0]:.6f} -> {losses[-1]:.6f}, {rows[0][3]:,} bytes of state on rank 0")
+    dist.destroy_process_group()
+    return losses
+
+
+if __name__ == "__main__":
+    main()
