@@ -584,3 +584,19 @@ def test_recompute_saves_less() -> None:
 def test_recompute_must_name_stages() -> None:
     with pytest.raises(ValueError, match=r"recompute must be a bool or stage indices in 0\.\.1"):
         fpipe.pipeline(carry_loss, [carry] * 2, GPipe(2), recompute={2})
+
+
+# --- Devices ------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stages_on_different_devices() -> None:
+    """Stage 0 on the CPU, stage 1 on the GPU: activations and cotangents move with the params."""
+    params, batch = carry_params(2), carry_batch(10)
+    on_gpu = [params[0], {k: v.cuda() for k, v in params[1].items()}]
+    step = fpipe.pipeline(carry_loss, [carry] * 2, OneFOneB(num_microbatches=4))
+    loss, grads = step(on_gpu, batch)
+    expected_loss, expected_grads = step(params, batch)
+    assert loss.device.type == "cuda" and grads[1]["w"].device.type == "cuda" and grads[0]["w"].device.type == "cpu"
+    assert_close(loss.cpu(), expected_loss)
+    assert_close([grads[0], {k: v.cpu() for k, v in grads[1].items()}], expected_grads)
