@@ -1,0 +1,48 @@
+"""The benchmark against torch.distributed.pipelining runs end to end in quick mode, on 2 gloo
+processes, and fpipe's grads match torch's (timings are never asserted on)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vs_torch.py"
+
+
+def test_bench_vs_torch_quick(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    # A subprocess, as the benchmark is run: its ranks are spawned processes that import it by path.
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--quick", "--record-steps", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())
+    assert "| schedule | mb | fpipe ms | torch ms |" in proc.stdout
+
+    rows = results["configs"]
+    assert [(r["schedule"], r["microbatches"]) for r in rows] == [("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8)]
+    for row in rows:
+        assert row["grads_match"] is True, row["grads"]["mismatches"]
+        assert row["grads"]["mismatches"] == []
+        assert len(row["grads"]["max_abs_diff"]) == 2
+        assert all(m > 0 for m in row["grads"]["max_abs"])  # the comparison is not between zeros
+        assert row["loss_match"] is True
+        for side in ("fpipe", "torch"):
+            assert row[side]["median_s"] > 0
+            assert len(row[side]["per_rank_median_s"]) == 2
+            assert len(row["peak_bytes"][side]) == 2 and all(b > 0 for b in row["peak_bytes"][side])
+        assert row["ratio"] > 0
+        bubble = row["bubble"]
+        assert bubble["steps"] == 1
+        for key in ("recorded", "estimated", "simulated", "textbook"):
+            assert len(bubble[key]) == 2 and all(0 <= f < 1 for f in bubble[key]), (key, bubble[key])
+        assert {"rank0.F", "rank0.B", "rank1.F", "rank1.B"} <= bubble["cost_s"].keys()
+
+    assert results["config"]["quick"] is True and results["config"]["ranks"] == 2
+    assert {"torch", "python", "cpus"} <= results["machine"].keys()
+    assert len(results["maxrss_kib"]) == 2
