@@ -80,21 +80,24 @@ class Executor:
         self.losses: dict[int, torch.Tensor] = {}
         self.auxes: dict[int, Any] = {}
         self._pullbacks: dict[tuple[int, int], Pullback] = {}
-        self._handlers: dict[str, Callable[[Action], None]] = {
+        self._ready = 0.0  # when the current action's inputs had arrived
+
+    def run(self, order: Sequence[tuple[int, Action]], *, times: Times | None = None) -> None:
+        """Interpret ``(rank, action)`` pairs in order; failures become ``PipelineError``.
+
+        With ``times``, each action's start (once its inputs have arrived: waiting for a peer is
+        idle time, as in a simulation) and end (``fpipe._record.clock``) are appended to it.
+        """
+        # A local table, not an attribute: bound methods stored on self would make a reference
+        # cycle that keeps the executor, its stages and their gradients alive until the next GC.
+        handlers: dict[str, Callable[[Action], None]] = {
             FORWARD: self._forward,
             BACKWARD: self._backward,
             BACKWARD_INPUT: self._backward_input,
             BACKWARD_WEIGHT: self._backward_weight,
         }
-
-    def run(self, order: Sequence[tuple[int, Action]], *, times: Times | None = None) -> None:
-        """Interpret ``(rank, action)`` pairs in order; failures become ``PipelineError``.
-
-        With ``times``, each action's start and end (``fpipe._record.clock``) are appended to it.
-        """
-        handlers = self._handlers
         for rank, action in order:
-            start = clock() if times is not None else 0.0
+            self._ready = clock() if times is not None else 0.0
             try:
                 handlers[action.kind](action)
             except PipelineError:
@@ -102,14 +105,18 @@ class Executor:
             except Exception as error:
                 raise PipelineError.from_exception(rank, action, error) from error
             if times is not None:
-                times.append((start, clock()))
+                times.append((self._ready, clock()))
+
+    def _arrived(self) -> None:
+        self._ready = clock()
 
     def _forward(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
         stage = self.stages[s]
         x = self.transport.microbatch(i) if s == 0 else self.transport.recv_activation(s, i)
+        microbatch = self.transport.microbatch(i) if s == self.last and s > 0 else x  # for loss_fn
+        self._arrived()
         if s == self.last:
-            microbatch = x if s == 0 else self.transport.microbatch(i)
             loss, aux, pullback = stage.forward_loss(
                 x, microbatch, self.loss_fn, has_aux=self.has_aux, differentiate_input=s > 0
             )
@@ -129,6 +136,7 @@ class Executor:
     def _backward(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
         cotangents = self._output_cotangents(s, i)
+        self._arrived()
         input_cotangents = self.stages[s].backward(self._pullbacks.pop((s, i)), cotangents, i)
         if s > 0:
             self.transport.send_cotangent(s, i, input_cotangents)
@@ -136,6 +144,7 @@ class Executor:
     def _backward_input(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
         cotangents = self._output_cotangents(s, i)
+        self._arrived()
         input_cotangents = self.stages[s].backward_input(self._pullbacks[s, i], cotangents)
         if s > 0:
             self.transport.send_cotangent(s, i, input_cotangents)
