@@ -7,22 +7,10 @@ from typing import Any
 
 import torch
 
-from ._distributed import (
-    DistributedTransport,
-    Topology,
-    WireState,
-    all_reduce_sum,
-    checksum,
-    handshake,
-    resolve_topology,
-)
-from ._errors import PipelineError
-from ._executor import Executor, LocalTransport
-from ._microbatch import split, stack
+from ._distributed import Topology, WireState, all_reduce_sum, checksum, resolve_topology
 from ._pytree import PyTree, flatten
-from ._record import active, clock, measured
-from ._sharding import ShardedRuns, StageLayout, check_shards, data_parallel, gather_stages, segments, shard_stages
-from ._stage import StageRun
+from ._run import run_distributed, run_local
+from ._sharding import StageLayout, data_parallel, gather_stages, shard_stages
 from .schedules._action import Action
 from .schedules._program import Program, Schedule, ScheduleError, execution_order, validate
 
@@ -267,9 +255,9 @@ class Step:
             )
         with torch.inference_mode(False):  # results are plain tensors whatever the ambient mode
             if self._topology is None:
-                loss, aux, grads = self._run_local(params, batch)
+                loss, aux, grads = run_local(self, params, batch)
             else:
-                loss, aux, grads = self._run_distributed(self._topology, params, batch)
+                loss, aux, grads = run_distributed(self, self._topology, params, batch)
         return ((loss, aux), grads) if self.has_aux else (loss, grads)
 
     def global_norm(self, grads: Sequence[PyTree], /) -> torch.Tensor:
@@ -336,178 +324,3 @@ class Step:
         if len(shards) != self.num_stages:
             raise ValueError(f"fpipe.step.unshard: shards has {len(shards)} entries for {self.num_stages} stages.")
         return gather_stages(data_parallel(self._topology, self.timeout), self._layouts, shards, "fpipe.step.unshard")
-
-    def _run_local(self, params: Sequence[PyTree], batch: PyTree) -> tuple[torch.Tensor, Any, list[PyTree]]:
-        microbatches, sizes = split(batch, self.num_microbatches, self.batch_dims)
-        total = sum(sizes)
-        runs = {s: StageRun(s, self.stages[s], params[s], recompute=s in self.recompute) for s in self.local_stages}
-        executor = Executor(
-            runs,
-            self.num_stages,
-            self.loss_fn,
-            has_aux=self.has_aux,
-            weights=[n / total for n in sizes],
-            transport=LocalTransport(microbatches),
-        )
-        recording, start, times = active(), clock(), list[tuple[float, float]]()
-        executor.run(self._order, times=times if recording else None)
-        if recording is not None:
-            recording.timelines.append(measured(self.program, self._order, times, start))
-        loss, aux = self._result(executor)
-        return loss, aux, [runs[s].grads() for s in range(self.num_stages)]
-
-    def _result(self, executor: Executor) -> tuple[torch.Tensor, Any]:
-        """The weighted loss (and gathered aux) of the last stage, summed in microbatch order."""
-        m = range(self.num_microbatches)
-        loss = _weighted_sum([executor.losses[i] for i in m], executor.weights)
-        return loss, stack([executor.auxes[i] for i in m]) if self.has_aux else None
-
-    def _run_distributed(
-        self, topology: Topology, params: Sequence[PyTree], batch: PyTree
-    ) -> tuple[torch.Tensor, Any, list[PyTree]]:
-        me, placement, m = topology.rank, self.program.placement(), self.num_microbatches
-        first, last = placement[0], placement[-1]
-        # 1. Local input checks, then the handshake, so every rank fails together.
-        microbatches, size, problem = None, 0, None
-        try:
-            self._check_params(params, placement)
-            if self.shard_params:
-                for s in self.local_stages:
-                    check_shards(s, params[s], self._layouts.get(s))
-            if batch is not None and me in (first, last):
-                microbatches, sizes = split(batch, m, self.batch_dims)
-                size = sum(sizes)
-            elif me == first:
-                raise ValueError(
-                    f"fpipe.step: rank {me} holds stage 0 but was given batch=None. Pass the batch on "
-                    "the rank of the first stage (the last stage's rank may pass it too; others pass None)."
-                )
-        except (TypeError, ValueError) as error:
-            problem = error
-        statuses = handshake(
-            topology, [self._checksum, microbatches is not None, problem is not None, size], self.timeout
-        )
-        if problem is not None:
-            raise problem
-        if any(st[0] != self._checksum for st in statuses):
-            raise ScheduleError(
-                "fpipe.step: the pipeline ranks run different programs (checksums by rank: "
-                f"{[st[0] for st in statuses]}). Build the same pipeline, schedule and stages on every rank."
-            )
-        rejected = [r for r, st in enumerate(statuses) if st[2]]
-        if rejected:
-            raise ValueError(f"fpipe.step: rank(s) {rejected} rejected their inputs; their own errors say why.")
-        size = statuses[first][3]
-        if statuses[last][1] and statuses[last][3] != size:
-            raise ValueError(
-                f"fpipe.step: the batch on rank {first} has {size} examples but the one on rank {last} has "
-                f"{statuses[last][3]}. Pass the same batch, or None on rank {last}."
-            )
-        # 2. Run this rank's row of the program. With shard_params, every stage's all-gather is
-        # posted here and waited for at the stage's first forward (NOTE [gather overlap]).
-        def make_run(s: int, stage_params: PyTree) -> StageRun:
-            return StageRun(s, self.stages[s], stage_params, recompute=s in self.recompute)
-
-        runs: dict[int, StageRun] | ShardedRuns
-        if self.shard_params:
-            runs = ShardedRuns(data_parallel(topology, self.timeout), make_run, params, self._layouts, self._order)
-        else:
-            runs = {s: make_run(s, params[s]) for s in self.local_stages}
-        transport = DistributedTransport(
-            topology,
-            self.program,
-            microbatches,
-            send_microbatches=not statuses[last][1],
-            wire=self._wire,
-            timeout=self.timeout,
-        )
-        executor = Executor(
-            runs,
-            self.num_stages,
-            self.loss_fn,
-            has_aux=self.has_aux,
-            weights=[(size // m + (i < size % m)) / size for i in range(m)],
-            transport=transport,
-        )
-        recording, start, times = active(), clock(), list[tuple[float, float]]()
-        try:
-            if not isinstance(runs, ShardedRuns):
-                executor.run(self._order, times=times if recording else None)
-            else:  # a stage's reduce-scatter is posted once its last action has run
-                for actions, finished in segments(self._order):
-                    executor.run(actions, times=times if recording else None)
-                    for s in finished:
-                        runs.finish_stage(s)
-            loss, aux = transport.exchange_result(self._result(executor) if me == last else None)
-            transport.finish()
-            if recording is not None:
-                recording.timelines.append(measured(self.program, self._order, times, start, topology.group))
-        except BaseException as error:
-            transport.abort(error)
-            if topology.data_group is not None:
-                self._average_replicas(topology, runs, None)
-            raise
-        if isinstance(runs, ShardedRuns):
-            loss = self._average_replicas(topology, runs, (loss, []))
-            return loss, aux, runs.grads(self.num_stages)
-        grads = [runs[s].grads() if s in runs else None for s in range(self.num_stages)]
-        if topology.data_group is not None:
-            loss = self._average_replicas(topology, runs, (loss, grads))
-        return loss, aux, grads
-
-    def _check_params(self, params: Sequence[PyTree], placement: tuple[int, ...]) -> None:
-        for s in range(self.num_stages):
-            if s in self.local_stages and params[s] is None:
-                raise ValueError(
-                    f"fpipe.step: rank {self.rank} holds stage {s} but params[{s}] is None. "
-                    f"Pass the parameters of every stage in step.local_stages ({self.local_stages})."
-                )
-            if s not in self.local_stages and params[s] is not None:
-                raise ValueError(
-                    f"fpipe.step: params[{s}] is given on rank {self.rank}, but stage {s} lives on rank "
-                    f"{placement[s]}. Pass None for the stages this rank does not hold "
-                    f"(step.local_stages: {self.local_stages})."
-                )
-
-    def _average_replicas(
-        self,
-        topology: Topology,
-        runs: dict[int, StageRun] | ShardedRuns,
-        result: tuple[torch.Tensor, list[PyTree]] | None,
-    ) -> torch.Tensor:
-        """Average loss and grads over data-parallel replicas in place (one all-reduce per dtype).
-
-        A flag rides along, so a replica that failed (``result is None``: it still joins with
-        zeros) makes every other replica raise instead of waiting. Sharded grads are averaged by
-        their reduce-scatters instead, which ``runs.finish`` completes (fpipe/_sharding.py).
-        """
-        loss = torch.zeros((), dtype=torch.float32, device=topology.device) if result is None else result[0]
-        grads: list[Any] = []
-        if isinstance(runs, ShardedRuns):
-            runs.finish(failed=result is None)
-        elif result is None:
-            grads = [runs[s].grads() for s in sorted(runs)]
-        else:
-            grads = [result[1][s] for s in sorted(runs)]
-        leaves = [g for tree in grads for g in flatten(tree)[0] if isinstance(g, torch.Tensor)]
-        # float64 whatever the loss dtype: a failed replica has no loss to take the dtype from, and
-        # all-reduces of different dtypes (float32 zeros against a float64 loss) do not match.
-        extra = torch.tensor([loss.item(), float(result is None)], dtype=torch.float64, device=topology.device)
-        all_reduce_sum(topology, topology.data_group, [*leaves, extra], self.timeout, "the data-parallel all-reduce")
-        if result is not None and extra[1].item() > 0:
-            raise PipelineError(
-                f"fpipe: rank {topology.rank} stopped because another data-parallel replica failed this step; "
-                "its ranks' errors say why.",
-                rank=topology.rank,
-            )
-        for g in leaves:
-            g.div_(topology.data_size)
-        return (extra[0] / topology.data_size).to(loss.device, loss.dtype).reshape(())
-
-
-def _weighted_sum(losses: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """``sum(w_i * loss_i)`` in microbatch order, on the last stage's device and dtype."""
-    total = losses[0] * weights[0]
-    for loss, weight in zip(losses[1:], weights[1:]):
-        total = total + loss * weight
-    return total.reshape(())

@@ -1,0 +1,207 @@
+"""One step: in this process, or as one rank of many over torch.distributed.
+
+Both build a ``StageRun`` per local stage and an ``Executor`` over a transport and interpret the
+step's order of actions; they differ in where inputs come from (``LocalTransport`` or
+``DistributedTransport``) and, when distributed, in the handshake before and the data-parallel
+reduction after (notes/wire.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._distributed import DistributedTransport, Topology, all_reduce_sum, handshake
+from ._errors import PipelineError
+from ._executor import Executor, LocalTransport
+from ._microbatch import split, stack
+from ._pytree import PyTree, flatten
+from ._record import active, clock, measured
+from ._sharding import ShardedRuns, check_shards, data_parallel, segments
+from ._stage import StageRun
+from .schedules._program import ScheduleError
+
+if TYPE_CHECKING:
+    from ._api import Step
+
+
+def run_local(step: Step, params: Sequence[PyTree], batch: PyTree) -> tuple[torch.Tensor, Any, list[PyTree]]:
+    microbatches, sizes = split(batch, step.num_microbatches, step.batch_dims)
+    total = sum(sizes)
+    runs = {s: StageRun(s, step.stages[s], params[s], recompute=s in step.recompute) for s in step.local_stages}
+    executor = Executor(
+        runs,
+        step.num_stages,
+        step.loss_fn,
+        has_aux=step.has_aux,
+        weights=[n / total for n in sizes],
+        transport=LocalTransport(microbatches),
+    )
+    recording, start, times = active(), clock(), list[tuple[float, float]]()
+    executor.run(step._order, times=times if recording else None)
+    if recording is not None:
+        recording.timelines.append(measured(step.program, step._order, times, start))
+    loss, aux = _result(step, executor)
+    return loss, aux, [runs[s].grads() for s in range(step.num_stages)]
+
+
+def _result(step: Step, executor: Executor) -> tuple[torch.Tensor, Any]:
+    """The weighted loss (and gathered aux) of the last stage, summed in microbatch order."""
+    m = range(step.num_microbatches)
+    loss = _weighted_sum([executor.losses[i] for i in m], executor.weights)
+    return loss, stack([executor.auxes[i] for i in m]) if step.has_aux else None
+
+
+def run_distributed(
+    step: Step, topology: Topology, params: Sequence[PyTree], batch: PyTree
+) -> tuple[torch.Tensor, Any, list[PyTree]]:
+    me, placement, m = topology.rank, step.program.placement(), step.num_microbatches
+    first, last = placement[0], placement[-1]
+    # 1. Local input checks, then the handshake, so every rank fails together.
+    microbatches, size, problem = None, 0, None
+    try:
+        _check_params(step, params, placement)
+        if step.shard_params:
+            for s in step.local_stages:
+                check_shards(s, params[s], step._layouts.get(s))
+        if batch is not None and me in (first, last):
+            microbatches, sizes = split(batch, m, step.batch_dims)
+            size = sum(sizes)
+        elif me == first:
+            raise ValueError(
+                f"fpipe.step: rank {me} holds stage 0 but was given batch=None. Pass the batch on "
+                "the rank of the first stage (the last stage's rank may pass it too; others pass None)."
+            )
+    except (TypeError, ValueError) as error:
+        problem = error
+    statuses = handshake(topology, [step._checksum, microbatches is not None, problem is not None, size], step.timeout)
+    if problem is not None:
+        raise problem
+    if any(st[0] != step._checksum for st in statuses):
+        raise ScheduleError(
+            "fpipe.step: the pipeline ranks run different programs (checksums by rank: "
+            f"{[st[0] for st in statuses]}). Build the same pipeline, schedule and stages on every rank."
+        )
+    rejected = [r for r, st in enumerate(statuses) if st[2]]
+    if rejected:
+        raise ValueError(f"fpipe.step: rank(s) {rejected} rejected their inputs; their own errors say why.")
+    size = statuses[first][3]
+    if statuses[last][1] and statuses[last][3] != size:
+        raise ValueError(
+            f"fpipe.step: the batch on rank {first} has {size} examples but the one on rank {last} has "
+            f"{statuses[last][3]}. Pass the same batch, or None on rank {last}."
+        )
+
+    # 2. Run this rank's row of the program. With shard_params, every stage's all-gather is
+    # posted here and waited for at the stage's first forward (NOTE [gather overlap]).
+    def make_run(s: int, stage_params: PyTree) -> StageRun:
+        return StageRun(s, step.stages[s], stage_params, recompute=s in step.recompute)
+
+    runs: dict[int, StageRun] | ShardedRuns
+    if step.shard_params:
+        runs = ShardedRuns(data_parallel(topology, step.timeout), make_run, params, step._layouts, step._order)
+    else:
+        runs = {s: make_run(s, params[s]) for s in step.local_stages}
+    transport = DistributedTransport(
+        topology,
+        step.program,
+        microbatches,
+        send_microbatches=not statuses[last][1],
+        wire=step._wire,
+        timeout=step.timeout,
+    )
+    executor = Executor(
+        runs,
+        step.num_stages,
+        step.loss_fn,
+        has_aux=step.has_aux,
+        weights=[(size // m + (i < size % m)) / size for i in range(m)],
+        transport=transport,
+    )
+    recording, start, times = active(), clock(), list[tuple[float, float]]()
+    try:
+        if not isinstance(runs, ShardedRuns):
+            executor.run(step._order, times=times if recording else None)
+        else:  # a stage's reduce-scatter is posted once its last action has run
+            for actions, finished in segments(step._order):
+                executor.run(actions, times=times if recording else None)
+                for s in finished:
+                    runs.finish_stage(s)
+        loss, aux = transport.exchange_result(_result(step, executor) if me == last else None)
+        transport.finish()
+        if recording is not None:
+            recording.timelines.append(measured(step.program, step._order, times, start, topology.group))
+    except BaseException as error:
+        transport.abort(error)
+        if topology.data_group is not None:
+            _average_replicas(step, topology, runs, None)
+        raise
+    if isinstance(runs, ShardedRuns):
+        loss = _average_replicas(step, topology, runs, (loss, []))
+        return loss, aux, runs.grads(step.num_stages)
+    grads = [runs[s].grads() if s in runs else None for s in range(step.num_stages)]
+    if topology.data_group is not None:
+        loss = _average_replicas(step, topology, runs, (loss, grads))
+    return loss, aux, grads
+
+
+def _check_params(step: Step, params: Sequence[PyTree], placement: tuple[int, ...]) -> None:
+    for s in range(step.num_stages):
+        if s in step.local_stages and params[s] is None:
+            raise ValueError(
+                f"fpipe.step: rank {step.rank} holds stage {s} but params[{s}] is None. "
+                f"Pass the parameters of every stage in step.local_stages ({step.local_stages})."
+            )
+        if s not in step.local_stages and params[s] is not None:
+            raise ValueError(
+                f"fpipe.step: params[{s}] is given on rank {step.rank}, but stage {s} lives on rank "
+                f"{placement[s]}. Pass None for the stages this rank does not hold "
+                f"(step.local_stages: {step.local_stages})."
+            )
+
+
+def _average_replicas(
+    step: Step,
+    topology: Topology,
+    runs: dict[int, StageRun] | ShardedRuns,
+    result: tuple[torch.Tensor, list[PyTree]] | None,
+) -> torch.Tensor:
+    """Average loss and grads over data-parallel replicas in place (one all-reduce per dtype).
+
+    A flag rides along, so a replica that failed (``result is None``: it still joins with
+    zeros) makes every other replica raise instead of waiting. Sharded grads are averaged by
+    their reduce-scatters instead, which ``runs.finish`` completes (fpipe/_sharding.py).
+    """
+    loss = torch.zeros((), dtype=torch.float32, device=topology.device) if result is None else result[0]
+    grads: list[Any] = []
+    if isinstance(runs, ShardedRuns):
+        runs.finish(failed=result is None)
+    elif result is None:
+        grads = [runs[s].grads() for s in sorted(runs)]
+    else:
+        grads = [result[1][s] for s in sorted(runs)]
+    leaves = [g for tree in grads for g in flatten(tree)[0] if isinstance(g, torch.Tensor)]
+    # Loss and flag ride in the dtype of the first real gradient (so one all-reduce carries all of
+    # it when the grads share a dtype); a failed replica knows its grads' dtypes but not the loss's.
+    dtype = next((g.dtype for g in leaves if g.is_floating_point()), torch.float64)
+    extra = torch.tensor([loss.item(), float(result is None)], dtype=dtype, device=topology.device)
+    all_reduce_sum(topology, topology.data_group, [*leaves, extra], step.timeout, "the data-parallel all-reduce")
+    if result is not None and extra[1].item() > 0:
+        raise PipelineError(
+            f"fpipe: rank {topology.rank} stopped because another data-parallel replica failed this step; "
+            "its ranks' errors say why.",
+            rank=topology.rank,
+        )
+    for g in leaves:
+        g.div_(topology.data_size)
+    return (extra[0] / topology.data_size).to(loss.device, loss.dtype).reshape(())
+
+
+def _weighted_sum(losses: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``sum(w_i * loss_i)`` in microbatch order, on the last stage's device and dtype."""
+    total = losses[0] * weights[0]
+    for loss, weight in zip(losses[1:], weights[1:]):
+        total = total + loss * weight
+    return total.reshape(())
