@@ -19,8 +19,8 @@ import torch
 
 from ._api import Step
 from ._pytree import PyTree, leaves_with_names, unflatten
-from ._save import Ranks, agree, resolve, stage_list
-from ._store import DTYPES, MAPS, committed, entry, read_index, read_tensors
+from ._save import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
+from ._store import DTYPES, MAPS, committed, cut_range, entry, numel_of, read_index, read_tensors
 
 
 class Loaded(NamedTuple):
@@ -65,6 +65,10 @@ def load(
             are missing from the save are always an error.
         step, group, mesh: when distributed, the ranks whose templates together cover the save
             (as in ``save``); only ``strict`` needs them.
+            With a step built with ``shard_params=True``, the template is this rank's shards
+            (``step.shard`` of meta tensors of the full shapes) and the result is the step's
+            shards, re-cut from a save made with any data-parallel size or none
+            (NOTE [sharded saves] in ``fpipe/_store.py``).
         timeout: seconds a rank waits for the others while gathering names.
 
     Returns:
@@ -97,9 +101,10 @@ def load(
     ranks = Ranks("load", topology, timeout)
     root, index, wanted, problem = Path(directory), {}, {}, None
     try:
+        sharding = sharded_leaves("load", step, trees)
         root = committed(root)
         index = read_index(root)
-        wanted = {kind: _wanted(root, index, kind, kind_trees) for kind, kind_trees in trees.items()}
+        wanted = {kind: _wanted(root, index, kind, kind_trees, sharding) for kind, kind_trees in trees.items()}
     except (TypeError, ValueError, OSError) as error:
         problem = error
     names = {kind: sorted(uses) for kind, uses in wanted.items()}
@@ -117,26 +122,38 @@ def load(
                 )
     out = {}
     for kind, kind_trees in trees.items():
-        tensors = read_tensors(root, index, kind, sorted(wanted[kind]))
+        requests = list(dict.fromkeys((name, use.shard) for name, uses in sorted(wanted[kind].items()) for use in uses))
+        tensors = read_tensors(root, index, kind, requests)
         out[kind] = _fill(kind_trees, wanted[kind], tensors)
     return Loaded(out["params"], out.get("optimizer_state"), dict(index["metadata"].get("user", {})))
 
 
 class _Use(NamedTuple):
-    """A template leaf to fill: its key path, stage, position among the stage's leaves, itself."""
+    """A template leaf to fill: its key path, stage, position among the stage's leaves, itself,
+    and, for a shard (NOTE [sharded saves] in ``fpipe/_store.py``), its ``(q, d)`` and full shape."""
 
     where: str
     stage: int
     position: int
     leaf: torch.Tensor
+    shard: tuple[int, int] | None = None
+    shape: list[int] | None = None
+
+    @property
+    def full_shape(self) -> list[int]:
+        return list(self.leaf.shape) if self.shape is None else self.shape
 
 
-def _wanted(root: Path, index: dict[str, Any], kind: str, trees: Sequence[PyTree]) -> dict[str, list[_Use]]:
+def _wanted(
+    root: Path, index: dict[str, Any], kind: str, trees: Sequence[PyTree], sharding: Sharding | None
+) -> dict[str, list[_Use]]:
     """Each name the template of ``kind`` needs, with the leaves it fills, checked against the index."""
     label = _label(kind)
     wanted: dict[str, list[_Use]] = {}
     for s, tree in enumerate(trees):
         names, codes, leaves, _ = leaves_with_names(tree)
+        layout = None if sharding is None else sharding.layouts.get(s)
+        full = {} if layout is None or tree is None else full_shapes(kind, tree, layout)
         for position, (parts, code, leaf) in enumerate(zip(names, codes, leaves)):
             where = f"{label}[{s}]{code}"
             if leaf is None:
@@ -155,7 +172,18 @@ def _wanted(root: Path, index: dict[str, Any], kind: str, trees: Sequence[PyTree
                     f"fpipe.load: {uses[0].where} and {where} both get the name {name!r} (names are key paths "
                     "joined by '.'). Rename a key so that every name in a stage is unique."
                 )
-            uses.append(_Use(where, s, position, leaf))
+            if name in full:
+                assert sharding is not None
+                _, _, size = cut_range(numel_of(full[name]), sharding.shard)
+                if list(leaf.shape) != [size]:
+                    raise ValueError(
+                        f"fpipe.load: {where} should be this rank's shard of a tensor of shape {full[name]}, a 1-D "
+                        f"tensor of {size} elements (got: shape {list(leaf.shape)}). With a sharded step, pass the "
+                        "template step.shard returns (meta tensors of the full shapes will do)."
+                    )
+                uses.append(_Use(where, s, position, leaf, sharding.shard, full[name]))
+            else:
+                uses.append(_Use(where, s, position, leaf))
     if MAPS[kind] not in index:
         raise ValueError(f"fpipe.load: the save at {root} has no {_label(kind)}; it was saved without it.")
     saved = index[MAPS[kind]]
@@ -170,7 +198,7 @@ def _wanted(root: Path, index: dict[str, Any], kind: str, trees: Sequence[PyTree
         e = entry(index, kind, name)
         for use in uses:
             for what, on_disk, expected in [
-                ("shape", e.shape, list(use.leaf.shape)),
+                ("shape", e.shape, use.full_shape),
                 ("dtype", _dtype(DTYPES.get(e.dtype, e.dtype)), _dtype(use.leaf.dtype)),
             ]:
                 if on_disk != expected:
@@ -180,13 +208,19 @@ def _wanted(root: Path, index: dict[str, Any], kind: str, trees: Sequence[PyTree
     return wanted
 
 
-def _fill(trees: Sequence[PyTree], wanted: dict[str, list[_Use]], tensors: dict[str, torch.Tensor]) -> list[PyTree]:
+def _fill(
+    trees: Sequence[PyTree],
+    wanted: dict[str, list[_Use]],
+    tensors: dict[tuple[str, tuple[int, int] | None], torch.Tensor],
+) -> list[PyTree]:
     """The template trees with their tensor leaves replaced by the loaded tensors."""
     flat = [leaves_with_names(tree)[2:] for tree in trees]
     leaves_of = [list(leaves) for leaves, _ in flat]
     for name, uses in wanted.items():
         for k, use in enumerate(uses):
-            tensor = tensors[name] if k == 0 else tensors[name].clone()
+            tensor = tensors[name, use.shard]
+            if any(other.shard == use.shard for other in uses[:k]):
+                tensor = tensor.clone()
             if use.leaf.device.type != "meta":
                 tensor = tensor.to(use.leaf.device)
             leaves_of[use.stage][use.position] = tensor

@@ -48,16 +48,19 @@ import torch.distributed as dist
 
 from ._api import Step
 from ._distributed import Topology, resolve_topology, wait
-from ._pytree import PyTree, leaves_with_names
+from ._pytree import PyTree, leaves_with_names, unflatten
+from ._sharding import StageLayout
 from ._store import (
     CODES,
     DTYPES,
     Entry,
     commit,
+    cut_range,
     file_name,
     fsync_directory,
     make_index,
     next_version,
+    numel_of,
     sha256,
     tensor_bytes,
     write_safetensors,
@@ -105,6 +108,10 @@ def save(
             tensors, in parallel: no tensor is gathered. Data-parallel replicas other than the
             first (a mesh's ``"dp"`` dimension) write nothing and return once the save is
             committed.
+            With a step built with ``shard_params=True``, ``params`` (and optimizer state leaves
+            named ``<prefix>.<parameter name>`` of the shard size) are this rank's shards, and
+            every replica writes its own, with the full shapes ``step.shard`` recorded
+            (NOTE [sharded saves] in ``fpipe/_store.py``).
         timeout: seconds a rank waits for the others at each of the save's all-gathers, which
             includes the time the slowest rank takes to hash or write its tensors.
 
@@ -160,15 +167,18 @@ def save(
             f"fpipe.save: params has {len(params)} entries but the step has {step.num_stages} stages. "
             "Pass one parameter pytree per stage (None for the stages of other ranks)."
         )
-    ranks = Ranks("save", topology, timeout)
+    sharding = sharded_leaves("save", step, trees)
+    ranks = Ranks("save", topology, timeout, sharded=sharding is not None)
     root = Path(directory)
+    if sharding is not None:  # NOTE [sharded saves]: every replica writes its own shards
+        return root / _save_pipeline(root, trees, user, held, ranks, sharding)
     if ranks.replica != 0:  # NOTE [the save protocol], 4: wait for the first replica
         status = ranks.gather_replicas({"error": False, "version": None}, "the save of the first replica")[0]
         if status["error"]:
             raise RuntimeError("fpipe.save: the first data-parallel replica failed to save; its own error says why.")
         return root / str(status["version"])
     try:
-        version = _save_pipeline(root, trees, user, held, ranks)
+        version = _save_pipeline(root, trees, user, held, ranks, None)
     except BaseException:
         if ranks.replicas:
             with contextlib.suppress(Exception):  # the error to raise is the one above
@@ -191,17 +201,23 @@ class _Tensor:
     stage: int
     data: torch.Tensor
     sha256: str
+    shape: list[int]  # the full shape: data's, or for a shard the shape of the tensor it was cut from
+    shard: list[int] | None = None  # [q, d]: data is shard q of d (NOTE [sharded saves])
 
     def manifest(self) -> list[Any]:
-        """What the other ranks learn of it: ``[where, stage, dtype code, shape, sha256]``."""
-        return [self.where, self.stage, CODES[self.data.dtype], list(self.data.shape), self.sha256]
+        """What the other ranks learn of it: ``[where, stage, dtype code, shape, sha256]``, then
+        ``q, d`` for a shard."""
+        return [self.where, self.stage, CODES[self.data.dtype], self.shape, self.sha256, *(self.shard or [])]
 
 
-def _collect(kind: str, trees: Sequence[PyTree], stages: Sequence[int]) -> dict[str, _Tensor]:
+def _collect(
+    kind: str, trees: Sequence[PyTree], stages: Sequence[int], sharding: Sharding | None
+) -> dict[str, _Tensor]:
     """The tensors of ``stages`` by name, each tied name once (NOTE [names])."""
     out: dict[str, _Tensor] = {}
     for s in stages:
         names, codes, leaves, _ = leaves_with_names(trees[s])
+        full = {} if sharding is None else full_shapes(kind, trees[s], sharding.layouts[s])
         for parts, code, leaf in zip(names, codes, leaves):
             if leaf is None:
                 continue
@@ -211,6 +227,9 @@ def _collect(kind: str, trees: Sequence[PyTree], stages: Sequence[int]) -> dict[
                     f"Put it in a dict: {kind}[{s}] = {{'w': tensor}}."
                 )
             tensor = _tensor(".".join(parts), f"{kind}[{s}]{code}", s, leaf)
+            if tensor.name in full:
+                assert sharding is not None
+                _as_shard(tensor, full[tensor.name], sharding)
             other = out.get(tensor.name)
             if other is None:
                 out[tensor.name] = tensor
@@ -240,7 +259,19 @@ def _tensor(name: str, where: str, stage: int, leaf: Any) -> _Tensor:
             "(a complex128 tensor as torch.view_as_real(x))."
         )
     data = leaf.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
-    return _Tensor(name, where, stage, data, sha256(data))
+    return _Tensor(name, where, stage, data, sha256(data), list(data.shape))
+
+
+def _as_shard(tensor: _Tensor, shape: list[int], sharding: Sharding) -> None:
+    """Mark ``tensor`` as this rank's shard of a tensor of ``shape``, which it must be."""
+    _, _, size = cut_range(numel_of(shape), sharding.shard)
+    if list(tensor.data.shape) != [size]:
+        raise ValueError(
+            f"fpipe.save: {tensor.where} should be this rank's shard of a tensor of shape {shape}, a 1-D tensor of "
+            f"{size} elements (got: shape {list(tensor.data.shape)}). Pass the shards step.shard returned "
+            "(or updates of them), not full tensors."
+        )
+    tensor.shape, tensor.shard = shape, list(sharding.shard)
 
 
 def check_tie(name: str, a: list[Any], b: list[Any], ranks: str = "") -> None:
@@ -261,10 +292,15 @@ def check_tie(name: str, a: list[Any], b: list[Any], ranks: str = "") -> None:
 
 
 def _save_pipeline(
-    root: Path, trees: dict[str, list[PyTree]], user: Any, held: tuple[int, ...] | None, ranks: Ranks
+    root: Path,
+    trees: dict[str, list[PyTree]],
+    user: Any,
+    held: tuple[int, ...] | None,
+    ranks: Ranks,
+    sharding: Sharding | None,
 ) -> str:
-    """Steps 1 to 4 of NOTE [the save protocol] on one pipeline rank; the committed version."""
-    me, num_stages = ranks.rank, len(trees["params"])
+    """Steps 1 to 4 of NOTE [the save protocol] on one writer; the committed version."""
+    me, num_stages = ranks.writer, len(trees["params"])
     local: dict[str, dict[str, _Tensor]] = {}
     version, problem = None, None
     try:
@@ -277,14 +313,19 @@ def _save_pipeline(
                         f"fpipe.save: rank {me} holds stages {list(held)} but {kind}[{s}] is not None. "
                         "Pass None for the stages of other ranks."
                     )
-        local = {kind: _collect(kind, kind_trees, held) for kind, kind_trees in trees.items()}
+        local = {kind: _collect(kind, kind_trees, held, sharding) for kind, kind_trees in trees.items()}
         if me == 0:
             version = next_version(root)
             (root / f".tmp-{version}").mkdir(parents=True)
     except (TypeError, ValueError, OSError) as error:
         problem = error
-    mine = {
+    replica = (ranks.replica, ranks.data_size) if sharding is not None else None
+    my_files = {kind: file_name(kind, ranks.rank, ranks.size, *(replica or (None, 1))) for kind in trees}
+    mine: dict[str, Any] = {
         "version": version,
+        "rank": ranks.rank,
+        "replica": ranks.replica,
+        "files": my_files,
         "num_stages": num_stages,
         "stages": list(held or ()),
         "metadata": json.dumps(user, sort_keys=True),
@@ -300,11 +341,9 @@ def _save_pipeline(
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             for kind, tensors in local.items():
-                owned = {n: t.data for n, t in tensors.items() if owners[kind][n] == me}
+                owned = {n: t.data for n, t in tensors.items() if owners[kind][n][t.shard[0] if t.shard else 0] == me}
                 if owned:
-                    files[file_name(kind, me, ranks.size)] = write_safetensors(
-                        tmp / file_name(kind, me, ranks.size), owned
-                    )
+                    files[my_files[kind]] = write_safetensors(tmp / my_files[kind], owned)
             fsync_directory(tmp)
         except OSError as error:
             problem = error
@@ -312,7 +351,7 @@ def _save_pipeline(
         # 3. Rank 0 writes the index and commits; 4. every rank returns once it is committed.
         if me == 0:
             try:
-                commit(root, str(version), _index(statuses, written, owners, user, ranks.size))
+                commit(root, str(version), _index(statuses, written, owners, user))
             except OSError as error:
                 problem = error
         agree(ranks, problem, {}, "committing the save")
@@ -323,7 +362,7 @@ def _save_pipeline(
     return str(version)
 
 
-def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
     """Per kind, each name's writer: the lowest rank holding it. The same on every rank."""
     counts = [st["num_stages"] for st in statuses]
     if len(set(counts)) > 1:
@@ -331,44 +370,114 @@ def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     differ = [r for r, st in enumerate(statuses) if st["metadata"] != statuses[0]["metadata"]]
     if differ:
         raise ValueError(f"fpipe.save: rank(s) {differ} pass other metadata than rank 0. Pass the same on every rank.")
-    holders: dict[int, list[int]] = {}
-    for r, st in enumerate(statuses):
+    holders: dict[int, set[int]] = {}
+    for st in statuses:
         for s in st["stages"]:
-            holders.setdefault(s, []).append(r)
-    twice = {s: rs for s, rs in sorted(holders.items()) if len(rs) > 1}
+            holders.setdefault(s, set()).add(st["rank"])
+    twice = {s: sorted(rs) for s, rs in sorted(holders.items()) if len(rs) > 1}
     if twice:
         raise ValueError(
             f"fpipe.save: stages are held by several ranks ({{stage: ranks}}: {twice}). Pass None elsewhere."
         )
-    owners: dict[str, dict[str, int]] = {}
+    owners: dict[str, dict[str, list[int]]] = {}
     for kind in statuses[0]["manifest"]:
-        first: dict[str, list[Any]] = {}
-        owners[kind] = {}
-        for r, st in enumerate(statuses):
+        first: dict[tuple[str, int], tuple[list[Any], int]] = {}  # (name, shard) -> manifest, writer
+        for w, st in enumerate(statuses):
             for name, manifest in st["manifest"][kind].items():
-                if name in first:
-                    check_tie(name, first[name], manifest, f" (ranks {owners[kind][name]} and {r})")
-                else:
-                    first[name], owners[kind][name] = manifest, r
+                key = (name, manifest[5] if len(manifest) > 5 else 0)
+                if key not in first:
+                    first[key] = manifest, w
+                    continue
+                other, v = first[key]
+                if len(other) != len(manifest) or (statuses[v]["rank"] == st["rank"] and other[2:] != manifest[2:]):
+                    raise ValueError(
+                        f"fpipe.save: {other[0]} ({_writer(statuses[v])}) and {manifest[0]} ({_writer(st)}) have the "
+                        f"same name {name!r} but one is a shard and the other a whole tensor, or data-parallel "
+                        "replicas hold different whole tensors. Leaves of optimizer state are shards when they are "
+                        "1-D, of a parameter's shard size, and named <prefix>.<parameter name> (NOTE [sharded saves]); "
+                        "other leaves are saved whole and must be the same on every replica."
+                    )
+                check_tie(name, other, manifest, f" ({_writer(statuses[v])} and {_writer(st)})")
+        owners[kind] = {}
+        for (name, _), (_, w) in sorted(first.items()):
+            owners[kind].setdefault(name, []).append(w)
     return owners
 
 
+def _writer(status: dict[str, Any]) -> str:
+    return f"rank {status['rank']}" + (f" dp {status['replica']}" if status["replica"] else "")
+
+
 def _index(
-    statuses: list[dict[str, Any]],
-    written: list[dict[str, Any]],
-    owners: dict[str, dict[str, int]],
-    user: Any,
-    size: int,
+    statuses: list[dict[str, Any]], written: list[dict[str, Any]], owners: dict[str, dict[str, list[int]]], user: Any
 ) -> dict[str, Any]:
-    entries = {
-        kind: {
-            name: Entry(file_name(kind, r, size), *statuses[r]["manifest"][kind][name][2:])
-            for name, r in kind_owners.items()
-        }
-        for kind, kind_owners in owners.items()
+    entries: dict[str, dict[str, Entry]] = {}
+    for kind, kind_owners in owners.items():
+        entries[kind] = {}
+        for name, writers in kind_owners.items():
+            pieces = [statuses[w]["manifest"][kind][name] for w in writers]
+            entries[kind][name] = Entry(
+                tuple(statuses[w]["files"][kind] for w in writers),
+                pieces[0][2],
+                pieces[0][3],
+                tuple(m[4] for m in pieces),
+                len(pieces[0]) > 5,
+            )
+    files = {
+        file: {"bytes": nbytes, "rank": st["rank"], **({"replica": st["replica"]} if "dp-" in file else {})}
+        for st, w in zip(statuses, written)
+        for file, nbytes in w["files"].items()
     }
-    files = {file: (nbytes, r) for r, st in enumerate(written) for file, nbytes in st["files"].items()}
     return make_index(entries, files, statuses[0]["num_stages"], user)
+
+
+# --- Shards -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """This rank's place in a sharded step: shard ``q`` of ``d``, and its stages' layouts."""
+
+    shard: tuple[int, int]
+    layouts: dict[int, StageLayout]
+
+
+def sharded_leaves(function: str, step: Step | None, trees: dict[str, list[PyTree]]) -> Sharding | None:
+    """The ``Sharding`` of a step built with ``shard_params=True`` (``None`` otherwise)."""
+    if step is None or not step.shard_params or step._topology is None:
+        return None
+    missing = [s for s in step.local_stages if s not in step._layouts]
+    if missing:
+        raise ValueError(
+            f"fpipe.{function}: the step shards parameters but has no layout for stage(s) {missing} (their full "
+            "shapes). Cut the parameters with step.shard(params) first (meta tensors of the full shapes will do)."
+        )
+    topology = step._topology
+    assert topology.data_group is not None
+    return Sharding((dist.get_rank(topology.data_group), topology.data_size), dict(step._layouts))
+
+
+def full_shapes(kind: str, tree: PyTree, layout: StageLayout) -> dict[str, list[int]]:
+    """The names of ``tree``'s leaves that are shards, with the full shape of each (NOTE [sharded saves]).
+
+    A parameter is a shard when the stage's layout has its name. An optimizer state leaf is a
+    shard when its name ends with a parameter's name (``m.layers.0.w`` for ``layers.0.w``) and it
+    is a 1-D tensor of that parameter's shard size; its full shape is the parameter's.
+    """
+    parts_of, _, _, _ = leaves_with_names(unflatten(layout.spec, list(range(len(layout.leaves)))))
+    params = {tuple(parts): leaf for parts, leaf in zip(parts_of, layout.leaves) if leaf is not None}
+    out: dict[str, list[int]] = {}
+    names, _, leaves, _ = leaves_with_names(tree)
+    for parts, leaf in zip(names, leaves):
+        if kind == "params":
+            found = params.get(tuple(parts))
+        else:
+            found = next((params[tuple(parts[k:])] for k in range(len(parts)) if tuple(parts[k:]) in params), None)
+            if found is not None and not (isinstance(leaf, torch.Tensor) and tuple(leaf.shape) == (found.size,)):
+                found = None
+        if found is not None:
+            out[".".join(parts)] = list(found.shape)
+    return out
 
 
 # --- Ranks ------------------------------------------------------------------------------------
@@ -393,7 +502,7 @@ def resolve(function: str, step: Step | None, group: Any, mesh: Any) -> tuple[To
 class Ranks:
     """The pipeline ranks taking part in a save or load, and all-gathers of JSON values among them."""
 
-    def __init__(self, function: str, topology: Topology | None, timeout: float) -> None:
+    def __init__(self, function: str, topology: Topology | None, timeout: float, *, sharded: bool = False) -> None:
         self.function = function  # "save" or "load", for messages
         self.topology = topology
         self.timeout = timeout
@@ -401,11 +510,19 @@ class Ranks:
         self.size = 1 if topology is None else topology.size
         self.replicas = topology is not None and topology.data_size > 1
         self.replica = dist.get_rank(topology.data_group) if topology is not None and self.replicas else 0
+        # A sharded save: every replica writes, so ``gather`` spans the pipeline and data-parallel
+        # groups, and writer ``rank * data_size + replica`` is the position in its result.
+        self.sharded = sharded and topology is not None and topology.data_group is not None
+        self.data_size = topology.data_size if topology is not None and self.sharded else 1
+        self.writer = self.rank * self.data_size + (self.replica if self.sharded else 0)
 
     def gather(self, value: Any, what: str) -> list[Any]:
         """``value`` of every pipeline rank, as JSON gives it back."""
         if self.topology is None:
             return [json.loads(json.dumps(value))]
+        if self.sharded:
+            row = self._gather(self.topology.data_group, self.data_size, value, what)
+            return [v for rows in self._gather(self.topology.group, self.size, row, what) for v in rows]
         return self._gather(self.topology.group, self.size, value, what)
 
     def gather_replicas(self, value: Any, what: str) -> list[Any]:

@@ -27,6 +27,19 @@ The index follows Hugging Face's ``model.safetensors.index.json`` (``metadata`` 
 is opened and each tensor read is checked against its dtype, shape and sha256, so a truncated or
 corrupt file raises a ``ValueError`` naming it rather than failing inside safetensors; a rank
 hashes only the tensors it reads.
+
+NOTE [sharded saves]
+With a step built with ``shard_params=True`` (``save``/``load`` with ``step=``), tensors are
+shards (NOTE [shard layout] in ``fpipe/_sharding.py``: flattened, zero-padded to ``d * c``,
+``c = ceil(n / d)``, piece ``q`` on data-parallel rank ``q``). Every rank of the mesh writes
+its own pieces, in parallel, to ``model-rank-0000r-of-0000p-dp-0000q-of-0000d.safetensors``
+(``optimizer-...`` likewise); no tensor is gathered. In the index a sharded name maps to the
+list of its ``d`` files, and each piece's entry in ``tensors`` has ``shape`` ``[c]``, its
+``sha256``, ``shard`` ``[q, d]`` and ``full_shape``. Reading (``read_tensors``) serves either a
+full tensor (all pieces, concatenated, padding dropped) or piece ``q'`` of any ``d'`` (only the
+saved pieces overlapping it are read, each whole so that its hash is checked). Leaves that are
+not shards (a step counter) are saved whole, once, by the first replica that holds them, and
+every replica must hold the same bytes. Unsharded saves are unchanged: a name maps to one file.
 """
 
 from __future__ import annotations
@@ -84,17 +97,37 @@ DTYPES = {code: dtype for dtype, code in CODES.items()}
 
 
 class Entry(NamedTuple):
-    """One saved tensor as the index records it."""
+    """One saved tensor as the index records it: whole in one file, or cut into shards, one per file.
 
-    file: str
+    A sharded tensor (NOTE [sharded saves]) is ``len(files)`` pieces of ``shard_size`` elements,
+    piece ``q`` in ``files[q]`` with hash ``sha256s[q]``; a whole one has one file and one hash.
+    """
+
+    files: tuple[str, ...]
     dtype: str  # a safetensors code: "F32"
-    shape: list[int]
-    sha256: str
+    shape: list[int]  # the full shape
+    sha256s: tuple[str, ...]  # of each piece's bytes
+    sharded: bool = False
+
+    @property
+    def numel(self) -> int:
+        return numel_of(self.shape)
+
+    @property
+    def shard_size(self) -> int:
+        """Elements per piece: ``ceil(n / d)`` for a sharded tensor, ``n`` for a whole one."""
+        return -(-self.numel // len(self.files)) if self.sharded else self.numel
+
+    def piece_shape(self) -> list[int]:
+        """The shape of a piece as its file stores it."""
+        return [self.shard_size] if self.sharded else list(self.shape)
 
 
-def file_name(kind: str, rank: int, num_ranks: int) -> str:
-    """The file that pipeline rank ``rank`` writes its tensors of ``kind`` to."""
-    return f"{_PREFIXES[kind]}-rank-{rank:05d}-of-{num_ranks:05d}.safetensors"
+def file_name(kind: str, rank: int, num_ranks: int, replica: int | None = None, num_replicas: int = 1) -> str:
+    """The file that pipeline rank ``rank`` (and, in a sharded save, data-parallel rank ``replica``)
+    writes its tensors of ``kind`` to."""
+    shard = "" if replica is None else f"-dp-{replica:05d}-of-{num_replicas:05d}"
+    return f"{_PREFIXES[kind]}-rank-{rank:05d}-of-{num_ranks:05d}{shard}.safetensors"
 
 
 def tensor_bytes(data: torch.Tensor) -> memoryview:
@@ -148,10 +181,10 @@ def _write(f: IO[bytes], data: memoryview) -> None:
 
 
 def make_index(
-    entries: dict[str, dict[str, Entry]], files: dict[str, tuple[int, int]], num_stages: int, user: Any
+    entries: dict[str, dict[str, Entry]], files: dict[str, dict[str, int]], num_stages: int, user: Any
 ) -> dict[str, Any]:
-    """The index: per kind, names to entries; per file, its (size, writing rank); user metadata."""
-    total = sum(DTYPES[e.dtype].itemsize * _numel(e.shape) for e in entries.get("params", {}).values())
+    """The index: per kind, names to entries; per file, its size and writer; user metadata."""
+    total = sum(DTYPES[e.dtype].itemsize * e.numel for e in entries.get("params", {}).values())
     index: dict[str, Any] = {
         "metadata": {
             "format": FORMAT,
@@ -161,16 +194,21 @@ def make_index(
             "user": user,
         },
         "tensors": {},
-        "files": {file: {"bytes": size, "rank": rank} for file, (size, rank) in sorted(files.items())},
+        "files": dict(sorted(files.items())),
     }
     for kind, kind_entries in entries.items():
-        index[MAPS[kind]] = {name: e.file for name, e in sorted(kind_entries.items())}
+        index[MAPS[kind]] = {}
         for name, e in sorted(kind_entries.items()):
-            index["tensors"].setdefault(e.file, {})[name] = {"dtype": e.dtype, "shape": e.shape, "sha256": e.sha256}
+            index[MAPS[kind]][name] = list(e.files) if e.sharded else e.files[0]
+            for q, (file, digest) in enumerate(zip(e.files, e.sha256s)):
+                info: dict[str, Any] = {"dtype": e.dtype, "shape": e.piece_shape(), "sha256": digest}
+                if e.sharded:
+                    info.update(shard=[q, len(e.files)], full_shape=e.shape)
+                index["tensors"].setdefault(file, {})[name] = info
     return index
 
 
-def _numel(shape: Sequence[int]) -> int:
+def numel_of(shape: Sequence[int]) -> int:
     n = 1
     for d in shape:
         n *= d
@@ -268,41 +306,87 @@ def read_index(root: Path) -> dict[str, Any]:
 
 def entry(index: dict[str, Any], kind: str, name: str) -> Entry:
     """What the index says about ``name`` of ``kind``."""
-    file = index[MAPS[kind]][name]
-    info = index["tensors"][file][name]
-    return Entry(file, info["dtype"], list(info["shape"]), info["sha256"])
+    where = index[MAPS[kind]][name]
+    if isinstance(where, str):
+        info = index["tensors"][where][name]
+        return Entry((where,), info["dtype"], list(info["shape"]), (info["sha256"],))
+    pieces = [index["tensors"][file][name] for file in where]
+    first = pieces[0]
+    return Entry(tuple(where), first["dtype"], list(first["full_shape"]), tuple(p["sha256"] for p in pieces), True)
 
 
-def read_tensors(root: Path, index: dict[str, Any], kind: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Read ``names`` (CPU tensors), file by file, verifying sizes, dtypes, shapes and hashes."""
-    by_file: dict[str, list[tuple[str, Entry]]] = {}
-    for name in sorted(names):
-        e = entry(index, kind, name)
-        by_file.setdefault(e.file, []).append((name, e))
-    out: dict[str, torch.Tensor] = {}
-    for file, entries in by_file.items():
+def cut_range(numel: int, shard: tuple[int, int] | None) -> tuple[int, int, int]:
+    """``(start, stop, size)``: the elements of a flattened tensor that shard ``(q, d)`` holds and
+    its length with padding (NOTE [shard layout] in ``fpipe/_sharding.py``); ``None``: all of it."""
+    if shard is None:
+        return 0, numel, numel
+    q, d = shard
+    size = -(-numel // d)
+    return min(q * size, numel), min((q + 1) * size, numel), size
+
+
+def read_tensors(
+    root: Path, index: dict[str, Any], kind: str, requests: Sequence[tuple[str, tuple[int, int] | None]]
+) -> dict[tuple[str, tuple[int, int] | None], torch.Tensor]:
+    """Read each ``(name, shard)`` (CPU tensors): a full tensor for ``shard=None``, else piece
+    ``q`` of ``d`` as ``fpipe.shard`` cuts it (1-D, zero-padded), whatever ``d`` the save had.
+
+    Only the pieces on disk that overlap a request are read, file by file; each is checked
+    whole against its size, dtype, shape and sha256 (NOTE [sharded saves]).
+    """
+    entries = {name: entry(index, kind, name) for name, _ in requests}
+    needed: dict[str, set[str]] = {}  # file -> names
+    plans: dict[tuple[str, tuple[int, int] | None], tuple[Entry, list[int], int, int, int]] = {}
+    for name, shard in requests:
+        e = entries[name]
+        start, stop, size = cut_range(e.numel, shard)
+        step = max(e.shard_size, 1)
+        pieces = list(range(start // step, (stop - 1) // step + 1)) if stop > start else []
+        pieces = [q for q in pieces if q < len(e.files)] if e.sharded else [0]
+        for q in pieces:
+            needed.setdefault(e.files[q], set()).add(name)
+        plans[name, shard] = (e, pieces, start, stop, size)
+    got: dict[tuple[str, str], torch.Tensor] = {}
+    for file, names in sorted(needed.items()):
         path = root / file
         expected = index["files"][file]["bytes"]
-        size = path.stat().st_size if path.is_file() else None
-        if size != expected:
-            found = "it is missing" if size is None else f"it has {size}"
+        on_disk = path.stat().st_size if path.is_file() else None
+        if on_disk != expected:
+            found = "it is missing" if on_disk is None else f"it has {on_disk}"
             raise ValueError(
                 f"fpipe.load: {path} should have {expected} bytes but {found}: the file is truncated or "
                 "corrupt. Load an intact save."
             )
         try:
             with safetensors.safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
-                for name, e in entries:
+                for name in sorted(names):
+                    e = entries[name]
                     piece = f.get_slice(name)
                     header = (piece.get_dtype(), list(piece.get_shape()))
-                    if header != (e.dtype, e.shape):
-                        raise _Corrupt(f"its header has {name!r} as {header}, the index as {(e.dtype, e.shape)}")
+                    if header != (e.dtype, e.piece_shape()):
+                        raise _Corrupt(
+                            f"its header has {name!r} as {header}, the index as {(e.dtype, e.piece_shape())}"
+                        )
                     tensor = f.get_tensor(name)
-                    if sha256(tensor) != e.sha256:
+                    if sha256(tensor) != e.sha256s[e.files.index(file)]:
                         raise _Corrupt(f"the bytes of {name!r} do not match their sha256 in the index")
-                    out[name] = tensor
+                    got[file, name] = tensor
         except (_Corrupt, safetensors.SafetensorError) as error:
             raise ValueError(f"fpipe.load: {path} is corrupt: {error}. Load an intact save.") from error
+    out: dict[tuple[str, tuple[int, int] | None], torch.Tensor] = {}
+    for (name, shard), (e, pieces, start, stop, size) in plans.items():
+        if not e.sharded and shard is None:
+            out[name, shard] = got[e.files[0], name]
+            continue
+        dtype = DTYPES[e.dtype]
+        flat = [got[e.files[q], name].reshape(-1) for q in pieces]
+        first = pieces[0] * e.shard_size if pieces and e.sharded else 0
+        data = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
+        data = data[start - first : stop - first]
+        if shard is None:
+            out[name, shard] = data.clone().view(e.shape)
+        else:
+            out[name, shard] = torch.cat([data, torch.zeros(size - data.numel(), dtype=dtype)])
     return out
 
 
