@@ -18,6 +18,7 @@ from typing import TextIO
 
 from .schedules import (
     Costs,
+    DualPipeV,
     GPipe,
     Interleaved1F1B,
     LoopedBFS,
@@ -49,6 +50,7 @@ SCHEDULES: dict[str, _Choice] = {
     "zbh1": _Choice(lambda m, v: ZeroBubbleH1(m), 1, "ZB-H1: 1F1B with deferred weight gradients"),
     "zbv": _Choice(lambda m, v: ZeroBubbleV(m), 2, "ZB-V: two stages per rank in a V"),
     "bfs": _Choice(lambda m, v: LoopedBFS(m, stages_per_rank=v), 2, "looped breadth-first"),
+    "dualpipev": _Choice(lambda m, v: DualPipeV(m), 2, "DualPipeV: DeepSeek's DualPipe in a V, overlaps run in order"),
 }
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from fpipe.schedules import (
     Costs,
+    DualPipeV,
     GPipe,
     Interleaved1F1B,
     LoopedBFS,
@@ -46,6 +47,8 @@ ROWS: list[Row] = [
     ),
     ("ZB-H1", ZeroBubbleH1, 1, lambda p, m: (p - 1) / (3 * m + p - 1), lambda p, m: f"p = {p}"),
     ("ZB-V", ZeroBubbleV, 2, lambda p, m: (p - 1) / (6 * m + p - 1), lambda p, m: f"p = {p}"),
+    # Overlapped F+B pairs run one after the other: no overlap to gain from, ZB-V's bubble.
+    ("DualPipeV", DualPipeV, 2, lambda p, m: (p - 1) / (6 * m + p - 1), lambda p, m: f"p + 1/2 = {p + 0.5:g}"),
 ]
 
 
@@ -56,7 +59,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for p, m in [(4, 8), (4, 32), (8, 16), (8, 64)]:
         for name, make, v, bubble, peak in ROWS:
-            split = name.startswith("ZB")
+            split = name.startswith(("ZB", "DualPipe"))  # DualPipeV mixes B with I and W
             costs = (
                 Costs(forward=1 / v, backward_input=1 / v, backward_weight=1 / v)
                 if split

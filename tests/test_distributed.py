@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import fpipe
-from fpipe.schedules import GPipe, Interleaved1F1B, LoopedBFS, OneFOneB, ZeroBubbleH1, ZeroBubbleV
+from fpipe.schedules import DualPipeV, GPipe, Interleaved1F1B, LoopedBFS, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 from tests._multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -28,6 +28,7 @@ SCHEDULES = {
     "interleaved-4": (Interleaved1F1B(4, stages_per_rank=2), 8),
     "zbh1": (ZeroBubbleH1(4), 2),
     "zbv": (ZeroBubbleV(4), 4),
+    "dualpipev": (DualPipeV(4), 4),
     "bfs": (LoopedBFS(3, stages_per_rank=2), 4),
 }
 
@@ -104,6 +105,7 @@ def _train(rank, world, name):
         (2, "interleaved"),
         (2, "zbh1"),
         (2, "zbv"),
+        (2, "dualpipev"),
         (2, "bfs"),
         (4, "1f1b-4"),
         (4, "interleaved-4"),

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fpipe
-from fpipe.schedules import GPipe, Interleaved1F1B, LoopedBFS, OneFOneB, ZeroBubbleH1, ZeroBubbleV
+from fpipe.schedules import DualPipeV, GPipe, Interleaved1F1B, LoopedBFS, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 
 TOLERANCE = 1e-10
 
@@ -73,6 +73,7 @@ CONFORMANCE: list[Conformance] = [
     Conformance("LoopedBFS-2", lambda S, M: LoopedBFS(num_microbatches=M, stages_per_rank=2), (2, 4, 6)),
     Conformance("ZeroBubbleH1", lambda S, M: ZeroBubbleH1(num_microbatches=M)),
     Conformance("ZeroBubbleV", lambda S, M: ZeroBubbleV(num_microbatches=M), (2, 4, 6)),
+    Conformance("DualPipeV", lambda S, M: DualPipeV(num_microbatches=M), (2, 4, 6)),
     Conformance("program-backwards-reversed", gpipe_backwards_reversed),
     Conformance("program-split-backward", one_f_one_b_split_backward),
 ]

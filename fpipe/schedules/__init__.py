@@ -10,6 +10,7 @@ each stage; ``simulate`` replays a program with costs to measure its bubble and 
 from ._action import Action as Action
 from ._csv import dump_csv as dump_csv
 from ._csv import load_csv as load_csv
+from ._dual_pipe_v import DualPipeV as DualPipeV
 from ._gpipe import GPipe as GPipe
 from ._interleaved import Interleaved1F1B as Interleaved1F1B
 from ._looped_bfs import LoopedBFS as LoopedBFS
@@ -34,6 +35,7 @@ from ._zero_bubble_v import ZeroBubbleV as ZeroBubbleV
 __all__ = [
     "Action",
     "Costs",
+    "DualPipeV",
     "GPipe",
     "Interleaved1F1B",
     "LoopedBFS",

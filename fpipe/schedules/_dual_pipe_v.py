@@ -1,0 +1,137 @@
+"""DualPipeV: DeepSeek-V3's DualPipe cut in half into a V (DeepSeek-AI, "DeepSeek-V3 Technical
+Report", 2024, section 3.2.1; the DualPipeV variant of github.com/deepseek-ai/DualPipe, after Sea
+AI Lab's "cut-in-half" note)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from ._gpipe import check_microbatches
+from ._program import Program, ScheduleError
+
+
+@dataclass(frozen=True)
+class DualPipeV:
+    """DualPipeV (DeepSeek-AI, 2024): DualPipe's bidirectional schedule folded into ZB-V's V.
+
+    DualPipe feeds microbatches from both ends of the pipeline and overlaps one chunk's forward
+    with another chunk's backward, so that the communication of one hides behind the computation
+    of the other. DualPipeV keeps its action order but holds one copy of the model: with ``p``
+    ranks and ``2p`` stages, rank ``r`` holds stage ``r`` (chunk 0, on the way down) and stage
+    ``2p - 1 - r`` (chunk 1, on the way up), as in ``ZeroBubbleV``::
+
+        stage:   0   1   2   3   4   5          (p = 3)
+        rank:    0   1   2   2   1   0
+
+    Rank ``r`` runs, with ``F0``/``B0`` a forward/backward of chunk 0 on its next microbatch,
+    ``I``/``W`` a backward split into input and weight gradients (``W`` runs the oldest pending
+    weight gradient of either chunk), and ``[F B]`` an overlapped pair::
+
+        F0 * 2(p - r - 1)                            # 1: fill chunk 0
+        (F0, F1) * (r + 1)                           # 2: alternate
+        (I1, W, F1) * (p - r - 1)                    # 3: chunk 1's backwards start, zero bubble
+        ([F0 B1], [F1 B0]) * (m - 2p + r + 1)        # 4: steady state, overlapped pairs
+        (B1, [F1 B0]) * (p - r - 1)                  # 5: chunk 1's forwards end
+        (B1, B0) * (r + 1)                           # 6: drain, the second half as I instead of B
+        (W, I0) * (p - r - 1)                        # 7: zero bubble
+        W * (r + 1)                                  # 8: the remaining weight gradients
+
+    On the last rank the first pair of step 4 is not overlapped (one fewer bubble). Step 6
+    switches from ``B`` to ``I`` halfway: at ``i = (r + 1) // 2`` before ``B1`` on odd ranks,
+    before ``B0`` on even ones.
+
+    fpipe has no overlapped action: a rank runs its actions one at a time, so each pair
+    ``[F B]`` is lowered to ``F`` then ``B``, as ``load_csv`` reads torch's ``OVERLAP_F_B``
+    cells. The order is that of ``torch.distributed.pipelining.ScheduleDualPipeV`` (itself a
+    port of DeepSeek's ``dualpipev.py``) with its overlaps lowered this way. The overlap is what
+    DualPipe is for; without it the program is a valid V schedule with mixed ``B`` and ``I``/``W``
+    backwards.
+
+    The construction needs ``m >= 2p`` (torch and DeepSeek reject fewer). With fewer, as
+    ``ZeroBubbleV`` does, the program keeps the shape of ``n = 2p`` microbatches and drops the
+    actions of microbatches ``>= m``, with some idle time where they were.
+    """
+
+    num_microbatches: int
+
+    def __post_init__(self) -> None:
+        check_microbatches("DualPipeV", self.num_microbatches)
+
+    def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
+        """The program for ``num_stages`` stages on ``num_stages // 2`` ranks.
+
+        Raises:
+            ScheduleError: if ``num_stages`` is odd, or ``num_ranks`` is given and is not
+                ``num_stages // 2``.
+        """
+        if num_stages < 2 or num_stages % 2:
+            raise ScheduleError(
+                f"fpipe.schedules.DualPipeV: the V places two stages on each rank, so the stage count must "
+                f"be even (num_stages: {num_stages}). Split the model into 2 x (number of ranks) stages."
+            )
+        p = num_stages // 2
+        if num_ranks is not None and num_ranks != p:
+            raise ScheduleError(
+                f"fpipe.schedules.DualPipeV: {num_stages} stages in a V need {p} ranks "
+                f"(num_stages: {num_stages}, num_ranks: {num_ranks}). Use 2 x {num_ranks} = "
+                f"{2 * num_ranks} stages."
+            )
+        m = self.num_microbatches
+        n = max(m, num_stages)
+        ranks = tuple(tuple(a for a in _dual_pipe_v_rank(r, p, n) if a.microbatch < m) for r in range(p))
+        return Program(ranks, num_stages, m)
+
+
+def _dual_pipe_v_rank(r: int, p: int, m: int) -> list[Action]:
+    """Rank ``r``'s actions, following steps 1-8 of the class docstring."""
+    chunks = (r, 2 * p - 1 - r)
+    forwards = [0, 0]  # next microbatch to run forward, per chunk
+    backwards = [0, 0]  # next microbatch to run backward (B or I), per chunk
+    pending: list[Action] = []  # weight gradients owed by I, oldest first
+    row: list[Action] = []
+
+    def forward(c: int) -> None:
+        row.append(Action(chunks[c], FORWARD, forwards[c]))
+        forwards[c] += 1
+
+    def backward(c: int, split: bool = False) -> None:
+        row.append(Action(chunks[c], BACKWARD_INPUT if split else BACKWARD, backwards[c]))
+        if split:
+            pending.append(Action(chunks[c], BACKWARD_WEIGHT, backwards[c]))
+        backwards[c] += 1
+
+    def weight() -> None:
+        if pending:
+            row.append(pending.pop(0))
+
+    for _ in range(2 * (p - r - 1)):  # 1
+        forward(0)
+    for _ in range(r + 1):  # 2
+        forward(0)
+        forward(1)
+    for _ in range(p - r - 1):  # 3
+        backward(1, split=True)
+        weight()
+        forward(1)
+    for _ in range(m - 2 * p + r + 1):  # 4 (on the last rank the first F0, B1 is not overlapped)
+        forward(0)
+        backward(1)
+        forward(1)
+        backward(0)
+    for _ in range(p - r - 1):  # 5
+        backward(1)
+        forward(1)
+        backward(0)
+    split = False
+    for i in range(r + 1):  # 6
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        backward(1, split)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        backward(0, split)
+    for _ in range(p - r - 1):  # 7
+        weight()
+        backward(0, split=True)
+    for _ in range(r + 1):  # 8
+        weight()
+    return row
