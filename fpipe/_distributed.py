@@ -1,4 +1,4 @@
-"""One pipeline rank per process over torch.distributed: topology, transport and the step around them.
+"""One pipeline rank per process over torch.distributed: topology, transport, collectives.
 
 Every rank runs its own row of the program with the shared ``Executor``; only the transport
 differs from one process. The protocol (notes/wire.md), per step:
@@ -14,6 +14,8 @@ differs from one process. The protocol (notes/wire.md), per step:
 3. Failure: a rank that fails sends an ERROR meta (failing rank and action) as its next
    message to every peer that still expects one, so a peer waiting on it fails too, and so on.
    Every wait has the pipeline's ``timeout``; a dead peer surfaces as a lost connection.
+   Messages of the failed step may still be in flight, so the group is marked broken and any
+   later step on it raises at once (``check_usable``) instead of reading them as its own.
 4. Data parallel: grads (and the loss and a failure flag) of a replica are averaged with one
    all-reduce per dtype over the data-parallel group.
 """
@@ -363,6 +365,26 @@ def _describe(key: Key) -> str:
         "mb": f"microbatch {i} (for the last stage's loss_fn)",
         "result": "the loss from the last stage",
     }[kind]
+
+
+_BROKEN: dict[int, str] = {}  # id(pipeline group) -> why it can no longer be used
+
+
+def mark_broken(topology: Topology, error: BaseException) -> None:
+    """Remember that a step failed mid-flight on this group (see ``check_usable``)."""
+    _BROKEN[id(topology.group)] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+
+
+def check_usable(topology: Topology) -> None:
+    """Raise if an earlier step failed on this group: its messages may still be on the wire."""
+    why = _BROKEN.get(id(topology.group))
+    if why is not None:
+        raise PipelineError(
+            f"fpipe: rank {topology.rank} cannot run a step: an earlier step failed on this process group "
+            f"({why}), and that step's messages may still be in flight. Re-create the process group "
+            "(destroy_process_group, init_process_group) and the pipeline, or restart the job.",
+            rank=topology.rank,
+        )
 
 
 def handshake(topology: Topology, status: list[int], timeout: float) -> list[list[int]]:

@@ -80,6 +80,11 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
     return microbatches, sizes
 
 
+def sizes_of(total: int, num_microbatches: int) -> list[int]:
+    """The microbatch sizes ``split`` gives a batch of ``total`` (``torch.tensor_split``'s rule)."""
+    return [total // num_microbatches + (i < total % num_microbatches) for i in range(num_microbatches)]
+
+
 def stack(trees: list[PyTree]) -> PyTree:
     """Gather per-microbatch pytrees into one: tensor leaves stacked on a new leading dim, others in tuples.
 
@@ -105,6 +110,6 @@ def stack(trees: list[PyTree]) -> PyTree:
                     "that do not depend on the microbatch size (e.g. a sum or a mean)."
                 )
             out.append(torch.stack([x.detach() for x in column]))
-        else:
-            out.append(tuple(column))
+        else:  # tensors among other leaves are detached too: results carry no graph
+            out.append(tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in column))
     return unflatten(spec, out)

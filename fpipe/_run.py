@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._distributed import DistributedTransport, Topology, all_reduce_sum, handshake
+from ._distributed import DistributedTransport, Topology, all_reduce_sum, check_usable, handshake, mark_broken
 from ._errors import PipelineError
 from ._executor import Executor, LocalTransport
-from ._microbatch import split, stack
+from ._microbatch import sizes_of, split, stack
 from ._pytree import PyTree, flatten
 from ._record import active, clock, measured
 from ._sharding import ShardedRuns, check_shards, data_parallel, segments
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 
 def run_local(step: Step, params: Sequence[PyTree], batch: PyTree) -> tuple[torch.Tensor, Any, list[PyTree]]:
+    """``step`` in this process: every stage, the program's ranks virtual; ``(loss, aux, grads)``."""
     microbatches, sizes = split(batch, step.num_microbatches, step.batch_dims)
     total = sum(sizes)
     runs = {s: StageRun(s, step.stages[s], params[s], recompute=s in step.recompute) for s in step.local_stages}
@@ -57,10 +58,19 @@ def _result(step: Step, executor: Executor) -> tuple[torch.Tensor, Any]:
 def run_distributed(
     step: Step, topology: Topology, params: Sequence[PyTree], batch: PyTree
 ) -> tuple[torch.Tensor, Any, list[PyTree]]:
+    """``step`` as pipeline rank ``topology.rank``: its row of the program; ``(loss, aux, grads)``.
+
+    1. check the local inputs, then agree with the other ranks (handshake; and over the
+       data-parallel group, so replicas fail together);
+    2. run the row, exchanging activations and cotangents with the peers;
+    3. receive (or send) the loss, and average over data-parallel replicas.
+    """
+    check_usable(topology)
     me, placement, m = topology.rank, step.program.placement(), step.num_microbatches
     first, last = placement[0], placement[-1]
     # 1. Local input checks, then the handshake, so every rank fails together.
-    microbatches, size, problem = None, 0, None
+    microbatches, size = None, 0
+    problem: Exception | None = None
     try:
         _check_params(step, params, placement)
         if step.shard_params:
@@ -77,22 +87,19 @@ def run_distributed(
     except (TypeError, ValueError) as error:
         problem = error
     statuses = handshake(topology, [step._checksum, microbatches is not None, problem is not None, size], step.timeout)
+    problem = problem or _disagreement(step, statuses, first, last)
+    if topology.data_group is not None:
+        # Replicas must fail together too, or a healthy replica's gradient all-reduce would meet
+        # another replica's next step.
+        flag = torch.tensor([float(problem is not None)], dtype=torch.float64, device=topology.device)
+        all_reduce_sum(topology, topology.data_group, [flag], step.timeout, "the other data-parallel replicas")
+        if problem is None and flag.item() > 0:
+            problem = ValueError(
+                "fpipe.step: another data-parallel replica rejected its inputs; its ranks' errors say why."
+            )
     if problem is not None:
         raise problem
-    if any(st[0] != step._checksum for st in statuses):
-        raise ScheduleError(
-            "fpipe.step: the pipeline ranks run different programs (checksums by rank: "
-            f"{[st[0] for st in statuses]}). Build the same pipeline, schedule and stages on every rank."
-        )
-    rejected = [r for r, st in enumerate(statuses) if st[2]]
-    if rejected:
-        raise ValueError(f"fpipe.step: rank(s) {rejected} rejected their inputs; their own errors say why.")
     size = statuses[first][3]
-    if statuses[last][1] and statuses[last][3] != size:
-        raise ValueError(
-            f"fpipe.step: the batch on rank {first} has {size} examples but the one on rank {last} has "
-            f"{statuses[last][3]}. Pass the same batch, or None on rank {last}."
-        )
 
     # 2. Run this rank's row of the program. With shard_params, every stage's all-gather is
     # posted here and waited for at the stage's first forward (NOTE [gather overlap]).
@@ -117,7 +124,7 @@ def run_distributed(
         step.num_stages,
         step.loss_fn,
         has_aux=step.has_aux,
-        weights=[(size // m + (i < size % m)) / size for i in range(m)],
+        weights=[n / size for n in sizes_of(size, m)],
         transport=transport,
     )
     recording, start, times = active(), clock(), list[tuple[float, float]]()
@@ -134,6 +141,7 @@ def run_distributed(
         if recording is not None:
             recording.timelines.append(measured(step.program, step._order, times, start, topology.group))
     except BaseException as error:
+        mark_broken(topology, error)
         transport.abort(error)
         if topology.data_group is not None:
             _average_replicas(step, topology, runs, None)
@@ -145,6 +153,24 @@ def run_distributed(
     if topology.data_group is not None:
         loss = _average_replicas(step, topology, runs, (loss, grads))
     return loss, aux, grads
+
+
+def _disagreement(step: Step, statuses: list[list[int]], first: int, last: int) -> Exception | None:
+    """What the handshake's statuses (checksum, has batch, rejected, batch size per rank) object to."""
+    if any(st[0] != step._checksum for st in statuses):
+        return ScheduleError(
+            "fpipe.step: the pipeline ranks run different programs (checksums by rank: "
+            f"{[st[0] for st in statuses]}). Build the same pipeline, schedule and stages on every rank."
+        )
+    rejected = [r for r, st in enumerate(statuses) if st[2]]
+    if rejected:
+        return ValueError(f"fpipe.step: rank(s) {rejected} rejected their inputs; their own errors say why.")
+    if statuses[last][1] and statuses[last][3] != statuses[first][3]:
+        return ValueError(
+            f"fpipe.step: the batch on rank {first} has {statuses[first][3]} examples but the one on rank {last} "
+            f"has {statuses[last][3]}. Pass the same batch, or None on rank {last}."
+        )
+    return None
 
 
 def _check_params(step: Step, params: Sequence[PyTree], placement: tuple[int, ...]) -> None:
@@ -170,8 +196,8 @@ def _average_replicas(
 ) -> torch.Tensor:
     """Average loss and grads over data-parallel replicas in place (one all-reduce per dtype).
 
-    A flag rides along, so a replica that failed (``result is None``: it still joins with
-    zeros) makes every other replica raise instead of waiting. Sharded grads are averaged by
+    A flag rides along, so a replica that failed (``result is None``: it still joins, with
+    whatever partial gradients it has) makes every other replica raise instead of waiting. Sharded grads are averaged by
     their reduce-scatters instead, which ``runs.finish`` completes (fpipe/_sharding.py).
     """
     loss = torch.zeros((), dtype=torch.float32, device=topology.device) if result is None else result[0]
@@ -183,10 +209,10 @@ def _average_replicas(
     else:
         grads = [result[1][s] for s in sorted(runs)]
     leaves = [g for tree in grads for g in flatten(tree)[0] if isinstance(g, torch.Tensor)]
-    # Loss and flag ride in the dtype of the first real gradient (so one all-reduce carries all of
-    # it when the grads share a dtype); a failed replica knows its grads' dtypes but not the loss's.
-    dtype = next((g.dtype for g in leaves if g.is_floating_point()), torch.float64)
-    extra = torch.tensor([loss.item(), float(result is None)], dtype=dtype, device=topology.device)
+    # Loss and flag in float64 whatever the loss dtype: a failed replica has no loss to take a
+    # dtype from, and a narrower one would round the loss. With float64 grads this is one
+    # all-reduce; otherwise a second, two-element one.
+    extra = torch.tensor([loss.item(), float(result is None)], dtype=torch.float64, device=topology.device)
     all_reduce_sum(topology, topology.data_group, [*leaves, extra], step.timeout, "the data-parallel all-reduce")
     if result is not None and extra[1].item() > 0:
         raise PipelineError(

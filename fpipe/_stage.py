@@ -62,15 +62,7 @@ class Pullback:
 
 
 class _OrderedSum:
-    """Sums per-microbatch gradient lists in microbatch order (NOTE [recomputation]
-    With ``recompute`` (``pipeline(..., recompute=...)``) a stage's forward runs under ``no_grad``
-    and keeps only its inputs; its backward first replays the forward with a graph, then pulls
-    back as usual. The replay restores the CPU random state the forward saw, so results are
-    bitwise those of the stored forward; what is saved between forward and backward shrinks to
-    the stage's inputs, at the cost of a second forward. (CUDA random state is not replayed:
-    stages on GPUs that draw random numbers should not recompute.)
-
-    NOTE [fixed accumulation order])."""
+    """Sums per-microbatch gradient lists in microbatch order (NOTE [fixed accumulation order])."""
 
     def __init__(self, size: int) -> None:
         self.total: Grads = [None] * size

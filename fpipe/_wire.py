@@ -57,8 +57,10 @@ def layout_of(tree: PyTree) -> tuple[Layout, list[Any]]:
 
 
 def _same(a: Layout | None, b: Layout) -> bool:
+    """Whether ``b`` may travel without a header after ``a``: equal, non-tensor leaves of equal type
+    too (``1 == True == 1.0``, yet each must arrive as itself)."""
     try:
-        return a == b
+        return a == b and all(type(x) is type(y) for (_, x), (_, y) in zip(a.values, b.values))
     except Exception:  # a non-tensor leaf whose == is not a bool (e.g. an array): resend
         return False
 

@@ -203,6 +203,9 @@ def _bad_inputs(rank, world):
     with pytest.raises(fpipe.PipelineError) as info:
         failing(mine, _batch(3) if rank == 0 else None)
     messages["stage raised"] = (str(info.value), info.value.rank, str(info.value.action), repr(info.value.__cause__))
+    with pytest.raises(fpipe.PipelineError) as info:  # the failed step's messages may still be in flight
+        step(mine, _batch(3) if rank == 0 else None)
+    messages["after a failure"] = str(info.value)
     return messages
 
 
@@ -222,6 +225,8 @@ def test_bad_inputs_fail_on_every_rank():
     text, rank, action, cause = first["stage raised"]
     assert "rank 0 stopped because rank 1 failed in forward of stage 1 on microbatch 2 (1F2)" in text
     assert (rank, action, cause) == (1, "1F2", "None")
+    for m in (first, second):
+        assert "an earlier step failed on this process group" in m["after a failure"]
 
 
 def _dies(rank, world):
@@ -242,3 +247,53 @@ def _dies(rank, world):
 def test_a_dead_rank_fails_the_others():
     message, _ = run_ranks(2, _dies, may_die=frozenset({1}), timeout=60)
     assert "rank 0" in message and ("lost a peer" in message or "timed out" in message)
+
+
+def _replicas(rank, world):
+    """On a 2 x 2 mesh: one replica rejects its batch, then both go on; float32 params' loss."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica = mesh.get_coordinate()[0]
+    stages, params = _model(2)
+    step = fpipe.pipeline(_loss, stages, OneFOneB(4), batch_dims=BATCH_DIMS, mesh=mesh, timeout=20)
+    mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    outcomes = []
+    for call in range(2):  # replica 1's first batch is too small for 4 microbatches
+        batch = _batch(5, seed=call, size=2 if (replica, call) == (1, 0) else 8)
+        try:
+            loss, grads = step(mine, batch if step.rank == 0 else None)
+            outcomes.append(("ok", loss, grads))
+        except ValueError as error:
+            outcomes.append(("ValueError", str(error), None))
+    low = [{k: v.to(torch.float32) for k, v in p.items()} if p is not None else None for p in mine]
+    loss, _ = step(low, _float32_batch(10 + replica) if step.rank == 0 else None)
+    return replica, step.local_stages, outcomes, loss
+
+
+def _float32_batch(seed):
+    """float32 activations (complex64 RoPE) against float64 targets: a float64 loss."""
+    batch = _batch(5, seed=seed)
+    return {**batch, "freqs": batch["freqs"].to(torch.complex64)}
+
+
+def test_replicas_fail_together_and_keep_the_loss_precision():
+    """A replica that rejects its inputs fails the others (never averaging two different steps);
+    the replica-averaged loss keeps its own precision (float64 here) when the grads are float32."""
+    results = run_ranks(4, _replicas)
+    stages, params = _model(2)
+    local = fpipe.pipeline(_loss, stages, OneFOneB(4), batch_dims=BATCH_DIMS)
+    expected_loss, expected_grads = local(params, _batch(5, seed=1, size=8))
+    low = [{k: v.to(torch.float32) for k, v in p.items()} for p in params]
+    low_losses = [local(low, _float32_batch(10 + r))[0] for r in range(2)]
+    for replica, local_stages, outcomes, low_loss in results:
+        kind, message, _ = outcomes[0]
+        assert kind == "ValueError", outcomes[0]
+        if replica == 0:
+            assert "another data-parallel replica rejected its inputs" in message
+        kind, loss, grads = outcomes[1]
+        assert kind == "ok" and torch.equal(loss, expected_loss)
+        for s in local_stages:
+            assert all(torch.equal(grads[s][k], expected_grads[s][k]) for k in grads[s])
+        assert low_loss.dtype == low_losses[0].dtype == torch.float64
+        torch.testing.assert_close(low_loss, (low_losses[0] + low_losses[1]) / 2, rtol=1e-15, atol=0)
