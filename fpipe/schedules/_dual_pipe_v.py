@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from ._gpipe import check_microbatches
-from ._program import Program, ScheduleError
+from ._program import Program
+from ._zero_bubble_v import v_ranks
 
 
 @dataclass(frozen=True)
@@ -65,18 +66,7 @@ class DualPipeV:
             ScheduleError: if ``num_stages`` is odd, or ``num_ranks`` is given and is not
                 ``num_stages // 2``.
         """
-        if num_stages < 2 or num_stages % 2:
-            raise ScheduleError(
-                f"fpipe.schedules.DualPipeV: the V places two stages on each rank, so the stage count must "
-                f"be even (num_stages: {num_stages}). Split the model into 2 x (number of ranks) stages."
-            )
-        p = num_stages // 2
-        if num_ranks is not None and num_ranks != p:
-            raise ScheduleError(
-                f"fpipe.schedules.DualPipeV: {num_stages} stages in a V need {p} ranks "
-                f"(num_stages: {num_stages}, num_ranks: {num_ranks}). Use 2 x {num_ranks} = "
-                f"{2 * num_ranks} stages."
-            )
+        p = v_ranks("DualPipeV", num_stages, num_ranks)
         m = self.num_microbatches
         n = max(m, num_stages)
         ranks = tuple(tuple(a for a in _dual_pipe_v_rank(r, p, n) if a.microbatch < m) for r in range(p))

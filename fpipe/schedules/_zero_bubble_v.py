@@ -10,6 +10,22 @@ from ._gpipe import check_microbatches
 from ._program import Program, ScheduleError
 
 
+def v_ranks(name: str, num_stages: int, num_ranks: int | None) -> int:
+    """The rank count of a V placement (rank ``r`` holds stages ``r`` and ``2p-1-r``), checked."""
+    if num_stages < 2 or num_stages % 2:
+        raise ScheduleError(
+            f"fpipe.schedules.{name}: the V places two stages on each rank, so the stage count must "
+            f"be even (num_stages: {num_stages}). Split the model into 2 x (number of ranks) stages."
+        )
+    p = num_stages // 2
+    if num_ranks is not None and num_ranks != p:
+        raise ScheduleError(
+            f"fpipe.schedules.{name}: {num_stages} stages in a V need {p} ranks "
+            f"(num_stages: {num_stages}, num_ranks: {num_ranks}). Use 2 x {num_ranks} = {2 * num_ranks} stages."
+        )
+    return p
+
+
 @dataclass(frozen=True)
 class ZeroBubbleV:
     """ZB-V (Qi et al., 2024): two stages per rank placed in a V, near-zero bubble at 1F1B's memory.
@@ -56,18 +72,7 @@ class ZeroBubbleV:
             ScheduleError: if ``num_stages`` is odd, or ``num_ranks`` is given and is not
                 ``num_stages // 2``.
         """
-        if num_stages < 2 or num_stages % 2:
-            raise ScheduleError(
-                f"fpipe.schedules.ZeroBubbleV: the V places two stages on each rank, so the stage count must "
-                f"be even (num_stages: {num_stages}). Split the model into 2 x (number of ranks) stages."
-            )
-        p = num_stages // 2
-        if num_ranks is not None and num_ranks != p:
-            raise ScheduleError(
-                f"fpipe.schedules.ZeroBubbleV: {num_stages} stages in a V need {p} ranks "
-                f"(num_stages: {num_stages}, num_ranks: {num_ranks}). Use 2 x {num_ranks} = "
-                f"{2 * num_ranks} stages."
-            )
+        p = v_ranks("ZeroBubbleV", num_stages, num_ranks)
         m = self.num_microbatches
         ranks = tuple(tuple(a for a in _v_rank(r, p, max(m, 2 * p - 1)) if a.microbatch < m) for r in range(p))
         return Program(ranks, num_stages, m)
