@@ -29,6 +29,7 @@ def pipeline(
     mesh: Any = None,
     group: Any = None,
     shard_params: bool = False,
+    regather: bool = False,
     timeout: float = 300.0,
 ) -> Step:
     """Turn stage functions and a schedule into ``step(params, batch) -> (loss, grads)``.
@@ -70,6 +71,9 @@ def pipeline(
             ``grads[s]`` is the same shard of the replicas' average gradient. The step all-gathers
             a stage's parameters before its first forward and keeps them for the step, and
             reduce-scatters its gradients after its last backward (``notes/sharding.md``).
+        regather: with ``shard_params``, keep a stage's gathered parameters only while one of its
+            actions runs and gather them again for the next (one all-gather per action instead
+            of per step; at most one stage's full parameters alive; results bitwise unchanged).
         timeout: seconds a rank waits for a peer before raising ``PipelineTimeoutError``.
 
     When distributed, every rank calls ``step(params, batch)``: ``params[s]`` is ``None`` for
@@ -133,6 +137,8 @@ def pipeline(
         )
     if not isinstance(shard_params, bool):
         raise TypeError(f"fpipe.pipeline: shard_params must be True or False (shard_params: {shard_params!r}).")
+    if regather and not shard_params:
+        raise ValueError("fpipe.pipeline: regather=True re-gathers sharded parameters; it needs shard_params=True.")
     topology = resolve_topology(mesh, group)
     if shard_params and (topology is None or topology.data_group is None):
         raise ValueError(
@@ -156,6 +162,7 @@ def pipeline(
         recompute=recompute,
         topology=topology,
         shard_params=shard_params,
+        regather=regather,
         timeout=timeout,
     )
 
@@ -204,6 +211,7 @@ class Step:
         recompute: frozenset[int],
         topology: Topology | None,
         shard_params: bool = False,
+        regather: bool = False,
         timeout: float,
     ) -> None:
         self.loss_fn = loss_fn
@@ -216,6 +224,7 @@ class Step:
         self.num_stages = program.num_stages
         self.num_microbatches = program.num_microbatches
         self.shard_params = shard_params
+        self.regather = regather
         self._layouts: dict[int, StageLayout] = {}  # full shapes of the local stages, set by self.shard
         self._topology = topology
         if topology is None:

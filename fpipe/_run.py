@@ -108,7 +108,8 @@ def run_distributed(
 
     runs: dict[int, StageRun] | ShardedRuns
     if step.shard_params:
-        runs = ShardedRuns(data_parallel(topology, step.timeout), make_run, params, step._layouts, step._order)
+        dp = data_parallel(topology, step.timeout)
+        runs = ShardedRuns(dp, make_run, params, step._layouts, step._order, regather=step.regather)
     else:
         runs = {s: make_run(s, params[s]) for s in step.local_stages}
     transport = DistributedTransport(

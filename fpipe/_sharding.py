@@ -26,6 +26,14 @@ zero-padded, into its column block; the reduce-scatter sums the grids of all ran
 collective, in its own order; with ``d = 2`` that is ``g_a + g_b`` whatever the order (floating
 point addition commutes), so the result is bitwise that of the unsharded all-reduce.
 
+NOTE [regather]
+With ``pipeline(..., shard_params=True, regather=True)`` a stage's full parameters are alive only
+while one of its actions runs: looking up another stage frees them (their storage is resized to
+nothing; the graphs of earlier microbatches keep aliases of them), and the next action of the
+stage all-gathers them again into the same tensors, with the values those graphs saved. At
+most one stage's full parameters are alive at a time, for one all-gather per action instead
+of one per stage per step, and without overlap (each gather is waited for at once).
+
 NOTE [gather overlap]
 Every all-gather of the step is posted (``async_op=True``) right after the handshake, in the
 order the rank first uses its stages; the executor reaches a stage through ``ShardedRuns``,
@@ -49,9 +57,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from ._distributed import Topology, resolve_topology, wait
-from ._pytree import PyTree, TreeSpec, detached, flatten, leaves_with_paths, unflatten
+from ._pytree import PyTree, TreeSpec, detached, flatten, leaves_with_paths, map_tensors, unflatten
 from ._stage import StageRun
 from .schedules._action import Action
 
@@ -318,11 +327,19 @@ def segments(order: Sequence[tuple[int, Action]]) -> list[tuple[Sequence[tuple[i
 
 
 class ShardedRuns(Mapping[int, StageRun]):
-    """The local stages of a sharded step, as the executor sees them (NOTE [gather overlap]).
+    """The local stages of a sharded step, as the executor sees them (NOTE [regather]
+    With ``pipeline(..., shard_params=True, regather=True)`` a stage's full parameters are alive only
+    while one of its actions runs: looking up another stage frees them (their storage is resized to
+    nothing; the graphs of earlier microbatches keep aliases of them), and the next action of the
+    stage all-gathers them again into the same tensors, with the values those graphs saved. At
+    most one stage's full parameters are alive at a time, for one all-gather per action instead
+    of one per stage per step, and without overlap (each gather is waited for at once).
 
-    Looking stage ``s`` up the first time waits for its all-gather and builds its ``StageRun``;
-    ``finish_stage(s)`` reduce-scatters its gradients and drops it; ``finish`` waits for all of
-    them (on a failed replica, joining the ones not posted yet with zeros).
+    NOTE [gather overlap]).
+
+        Looking stage ``s`` up the first time waits for its all-gather and builds its ``StageRun``;
+        ``finish_stage(s)`` reduce-scatters its gradients and drops it; ``finish`` waits for all of
+        them (on a failed replica, joining the ones not posted yet with zeros).
     """
 
     def __init__(
@@ -332,25 +349,60 @@ class ShardedRuns(Mapping[int, StageRun]):
         shards: Sequence[PyTree],
         layouts: Mapping[int, StageLayout],
         order: Sequence[tuple[int, Action]],
+        *,
+        regather: bool = False,
     ) -> None:
         self.dp = dp
         self._make_run = make_run  # (stage, full params) -> StageRun
         self._layouts = layouts
+        self._shards = shards
+        self._regather = regather
         first_use = list(dict.fromkeys(action.stage for _, action in order))
         self._finish_order = [s for _, done in segments(order) for s in done]
-        self._gathers = {s: Gather(dp, f"stage {s}'s parameter shards", shards[s], layouts[s]) for s in first_use}
+        # With regather, a gather is posted only when its stage is needed (NOTE [regather]).
+        self._gathers = {} if regather else {s: self._gather(s) for s in first_use}
         self._runs: dict[int, StageRun] = {}
+        self._full: dict[int, list[torch.Tensor]] = {}  # with regather: the tensors the StageRun aliases
+        self._resident: set[int] = set()
         self._reductions: dict[int, ReduceScatter] = {}
         self._grads: dict[int, PyTree] = {}
 
+    def _gather(self, stage: int) -> Gather:
+        return Gather(self.dp, f"stage {stage}'s parameter shards", self._shards[stage], self._layouts[stage])
+
     def __getitem__(self, stage: int) -> StageRun:
+        if stage not in self._layouts:
+            raise KeyError(stage)
+        if self._regather:
+            for other in self._resident - {stage}:
+                self._release(other)
         run = self._runs.get(stage)
         if run is None:
-            if stage not in self._gathers:
-                raise KeyError(stage)
-            params = self._gathers.pop(stage).wait()
+            params = (self._gathers.pop(stage) if stage in self._gathers else self._gather(stage)).wait()
+            if self._regather:  # own storage per leaf, so that each can be freed and refilled alone
+                params = map_tensors(torch.clone, params)
+                self._full[stage] = [t for t in flatten(params)[0] if isinstance(t, torch.Tensor)]
+                self._resident.add(stage)
             run = self._runs[stage] = self._make_run(stage, params)
+        elif self._regather and stage not in self._resident:
+            self._refill(stage)
         return run
+
+    def _release(self, stage: int) -> None:
+        """Free ``stage``'s full parameters; the graphs that saved them keep (empty) aliases."""
+        for t in self._full.get(stage, ()):
+            t.untyped_storage().resize_(0)
+        self._resident.discard(stage)
+
+    def _refill(self, stage: int) -> None:
+        """Gather ``stage``'s parameters again, into the very tensors its saved graphs alias."""
+        fresh = [t for t in flatten(self._gather(stage).wait())[0] if isinstance(t, torch.Tensor)]
+        for t, value in zip(self._full[stage], fresh):
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            # The values are those the graphs saved: no version bump, or autograd would object.
+            with torch.no_grad(), _unsafe_preserve_version_counter(t):
+                t.copy_(value)
+        self._resident.add(stage)
 
     def __contains__(self, stage: object) -> bool:
         return stage in self._layouts
@@ -365,6 +417,8 @@ class ShardedRuns(Mapping[int, StageRun]):
         """Post the reduce-scatter of ``stage``'s gradients; free its full parameters and gradients."""
         run = self._runs.pop(stage, None)
         grads = None if run is None else run.grads()
+        self._release(stage)
+        self._full.pop(stage, None)
         self._reductions[stage] = ReduceScatter(self.dp, stage, grads, self._layouts[stage])
 
     def finish(self, *, failed: bool) -> None:

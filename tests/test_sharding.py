@@ -88,10 +88,29 @@ def _train(mesh, schedule, num_stages):
         "gather(shard) == params": _same(fpipe.gather(shards[s0], params[s0], sharded), params[s0]),
         "shard sizes": {k: tuple(v.shape) for k, v in shards[s0].items() if isinstance(v, torch.Tensor)},
     }
+    # regather=True: a stage's full parameters live only while one of its actions runs
+    seen: dict[int, list[torch.Tensor]] = {}
+
+    def watching(s):
+        def stage(p, x):
+            for other, tensors in seen.items():
+                assert other == s or all(t.untyped_storage().size() == 0 for t in tensors), (s, other)
+            seen[s] = [t for t in p.values() if isinstance(t, torch.Tensor)]
+            return _stage(p, x)
+
+        return stage
+
+    regathered = fpipe.pipeline(
+        _loss, [watching(s) for s in range(num_stages)], schedule, mesh=mesh, shard_params=True, regather=True
+    )
+    regathered_shards = regathered.shard(params)
     out = []
     for call in range(CALLS):
         batch = _batch(10 * call + replica) if sharded.rank == 0 else None
         loss, grads = sharded(shards, batch)
+        r_loss, r_grads = regathered(regathered_shards, batch)
+        checks[f"regather bitwise, call {call}"] = torch.equal(r_loss, loss) and _same(r_grads, grads)
+        regathered_shards = _sgd(regathered_shards, r_grads)
         plain_loss, plain_grads = plain(full, batch)
         out.append(
             {
@@ -362,3 +381,17 @@ def test_train_sharded_example_equals_the_replica_average():
         torch.set_num_threads(threads)
     # the global norm sums in another order, so the clipping scale may differ in its last bits
     assert first == pytest.approx(losses[0], rel=1e-5) and last == pytest.approx(losses[-1], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_regather_is_bitwise_and_frees_between_actions(ranks, name):
+    """regather=True: the stage functions saw other stages' gathered parameters freed (asserted
+    inside the ranks), and the results equal the keep-for-the-step ones bit for bit."""
+    for result in ranks:
+        checks = result[name]["checks"]
+        assert all(checks[f"regather bitwise, call {call}"] for call in range(CALLS)), checks
+
+
+def test_regather_needs_sharding():
+    with pytest.raises(ValueError, match="regather=True re-gathers sharded parameters"):
+        fpipe.pipeline(_loss, [_stage], OneFOneB(2), regather=True)
