@@ -30,7 +30,7 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
         dims = broadcast_prefix(batch_dims, batch)
     except ValueError as error:
         raise ValueError(
-            f"fpipe.pipeline: batch_dims does not match the batch structure ({error}). Give one int "
+            f"fpipe.step: batch_dims does not match the batch structure ({error}). Give one int "
             "(or None) for the whole batch, or a prefix pytree of the batch with an int or None per subtree."
         ) from None
     by_size: dict[int, list[str]] = defaultdict(list)
@@ -41,7 +41,7 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
             continue
         if isinstance(dim, bool) or not isinstance(dim, int) or not -leaf.dim() <= dim < leaf.dim():
             raise ValueError(
-                f"fpipe.pipeline: cannot split batch leaf {path} of shape {tuple(leaf.shape)} along "
+                f"fpipe.step: cannot split batch leaf {path} of shape {tuple(leaf.shape)} along "
                 f"dim {dim!r}. Give a dim in range for it in batch_dims, or None to pass it whole."
             )
         split_dims.append(dim % leaf.dim())
@@ -50,20 +50,20 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
         if num_microbatches == 1:
             return [batch], [1]
         raise ValueError(
-            f"fpipe.pipeline: no tensor leaf of the batch is split, so it cannot be cut into "
+            f"fpipe.step: no tensor leaf of the batch is split, so it cannot be cut into "
             f"{num_microbatches} microbatches (batch_dims: {batch_dims!r}). "
             "Give a batch dim for at least one tensor leaf."
         )
     if len(by_size) > 1:
         listing = "; ".join(f"size {n}: {', '.join(ps)}" for n, ps in sorted(by_size.items()))
         raise ValueError(
-            f"fpipe.pipeline: batch leaves disagree on the batch size along their batch_dims ({listing}). "
+            f"fpipe.step: batch leaves disagree on the batch size along their batch_dims ({listing}). "
             "Make them agree, or set batch_dims to None for leaves that are not batched."
         )
     ((size, sized_paths),) = by_size.items()
     if size < num_microbatches:
         raise ValueError(
-            f"fpipe.pipeline: a batch of {size} cannot be split into {num_microbatches} microbatches "
+            f"fpipe.step: a batch of {size} cannot be split into {num_microbatches} microbatches "
             f"(leaves: {', '.join(sized_paths)}). Use a batch of at least {num_microbatches} or fewer microbatches."
         )
     leaves = [detached(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
@@ -96,7 +96,7 @@ def stack(trees: list[PyTree]) -> PyTree:
     for i, (_, other) in enumerate(flat):
         if other != spec:
             raise ValueError(
-                f"fpipe.pipeline: the aux returned by loss_fn for microbatch {i} has structure {other}, "
+                f"fpipe.step: the aux returned by loss_fn for microbatch {i} has structure {other}, "
                 f"but microbatch 0 returned {spec}. Return the same structure for every microbatch."
             )
     columns = list(zip(*(leaves for leaves, _ in flat)))
@@ -105,7 +105,7 @@ def stack(trees: list[PyTree]) -> PyTree:
         if all(isinstance(x, torch.Tensor) for x in column):
             if len({tuple(x.shape) for x in column}) > 1:
                 raise ValueError(
-                    "fpipe.pipeline: an aux tensor changes shape across microbatches "
+                    "fpipe.step: an aux tensor changes shape across microbatches "
                     f"({[tuple(x.shape) for x in column]}); aux tensors are stacked, so return shapes "
                     "that do not depend on the microbatch size (e.g. a sum or a mean)."
                 )
