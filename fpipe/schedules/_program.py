@@ -96,7 +96,10 @@ class Schedule(Protocol):
     @property
     def num_microbatches(self) -> int: ...
 
-    def program(self, num_stages: int, num_ranks: int | None = None) -> Program: ...
+    def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
+        """The per-rank action lists for ``num_stages`` stages on ``num_ranks`` ranks (``None``:
+        the schedule's default); raises ``ScheduleError`` for sizes it cannot lay out."""
+        ...
 
 
 def dependencies(action: Action, num_stages: int, split: frozenset[tuple[int, int]]) -> list[Action]:
