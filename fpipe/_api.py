@@ -10,7 +10,8 @@ import torch
 from ._distributed import Topology, WireState, all_reduce_sum, checksum, resolve_topology
 from ._pytree import PyTree, flatten
 from ._run import run_distributed, run_local
-from ._sharding import StageLayout, data_parallel, gather_stages, shard_stages
+from ._shard_layout import StageLayout, data_parallel
+from ._sharding import gather_stages, shard_stages
 from .schedules._action import Action
 from .schedules._program import Program, Schedule, ScheduleError, execution_order, validate
 

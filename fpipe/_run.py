@@ -19,7 +19,8 @@ from ._executor import Executor, LocalTransport
 from ._microbatch import sizes_of, split, stack
 from ._pytree import PyTree, flatten
 from ._record import active, clock, measured
-from ._sharding import ShardedRuns, check_shards, data_parallel, segments
+from ._shard_layout import check_shards, data_parallel
+from ._sharding import ShardedRuns, segments
 from ._stage import StageRun
 from .schedules._program import ScheduleError
 

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from ._api import Step
 from ._distributed import Topology, resolve_topology, wait
 from ._pytree import PyTree, leaves_with_names, unflatten
-from ._sharding import StageLayout
+from ._shard_layout import StageLayout
 from ._store import (
     CODES,
     DTYPES,

@@ -1,0 +1,262 @@
+"""Shards and their collectives: how a stage's parameters are cut over the data-parallel ranks
+(NOTE [shard layout] in ``fpipe/_sharding.py``), and the all-gather and reduce-scatter that
+move them, one flat buffer per dtype per stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._distributed import Topology, wait
+from ._pytree import PyTree, TreeSpec, detached, flatten, leaves_with_paths, unflatten
+
+# torch 2.13 deprecates ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (FutureWarning)
+# in favour of these names, which older releases lack; both are the same collective.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """The data-parallel group a rank's shards are cut over."""
+
+    group: Any
+    rank: int  # position in the data-parallel group: which shard this process holds
+    size: int  # d, the number of shards
+    device: torch.device  # where collective buffers live (cuda for NCCL)
+    pipeline_rank: int  # for error messages
+    timeout: timedelta
+
+
+def data_parallel(topology: Topology, timeout: float) -> DataParallel:
+    """The data-parallel side of ``topology``, which must have one."""
+    assert topology.data_group is not None
+    return DataParallel(
+        topology.data_group,
+        dist.get_rank(topology.data_group),
+        topology.data_size,
+        topology.device,
+        topology.rank,
+        timedelta(seconds=timeout),
+    )
+
+
+# -- layouts ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LeafLayout:
+    """A tensor leaf: its full shape and dtype, and ``size`` = elements per shard."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    size: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n
+
+    @property
+    def differentiable(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """A stage's parameter pytree as sharded: its structure and a ``LeafLayout`` per tensor leaf
+    (``None`` for non-tensor leaves, which every shard tree keeps whole)."""
+
+    spec: TreeSpec
+    paths: tuple[str, ...]
+    leaves: tuple[LeafLayout | None, ...]
+    num_shards: int
+
+
+def layout_of(tree: PyTree, num_shards: int) -> StageLayout:
+    """The layout of ``tree`` cut into ``num_shards`` shards (only shapes and dtypes are read)."""
+    paths, leaves, spec = leaves_with_paths(tree)
+    return StageLayout(
+        spec,
+        tuple(paths),
+        tuple(
+            LeafLayout(tuple(x.shape), x.dtype, -(-x.numel() // num_shards)) if isinstance(x, torch.Tensor) else None
+            for x in leaves
+        ),
+        num_shards,
+    )
+
+
+def cut(tree: PyTree, layout: StageLayout, rank: int) -> PyTree:
+    """Shard ``rank`` of ``tree`` (NOTE [shard layout]): new tensors, the user's are not aliased."""
+    leaves, spec = flatten(tree)
+    out: list[Any] = []
+    for leaf, shape in zip(leaves, layout.leaves):
+        if shape is None:
+            out.append(leaf)
+            continue
+        flat = detached(leaf).reshape(-1)
+        piece = flat[min(rank * shape.size, flat.numel()) : (rank + 1) * shape.size]
+        out.append(torch.cat([piece, piece.new_zeros(shape.size - piece.numel())]))
+    return unflatten(spec, out)
+
+
+def check_shards(stage: int, tree: PyTree, layout: StageLayout | None) -> None:
+    """Raise ``ValueError`` naming the leaf if ``tree`` is not a shard tree of ``layout``."""
+    if layout is None:
+        raise ValueError(
+            f"fpipe.step: the step shards parameters but has no layout for stage {stage} (the full shapes "
+            f"of its parameters). Cut the full parameters with shards = step.shard(params) first: it records "
+            "each local stage's layout (tensors on the meta device will do for the shapes)."
+        )
+    paths, leaves, spec = leaves_with_paths(tree)
+    if spec != layout.spec:
+        raise ValueError(
+            f"fpipe.step: params[{stage}] does not have the structure step.shard recorded for stage {stage} "
+            f"(params[{stage}]: {spec}; recorded: {layout.spec}). Pass the shards step.shard(params) "
+            "returned, or updates of them with the same structure."
+        )
+    for path, leaf, shape in zip(paths, leaves, layout.leaves):
+        if shape is None:
+            continue
+        if not (isinstance(leaf, torch.Tensor) and leaf.dtype == shape.dtype and tuple(leaf.shape) == (shape.size,)):
+            got = (
+                f"{leaf.dtype} tensor of shape {tuple(leaf.shape)}"
+                if isinstance(leaf, torch.Tensor)
+                else type(leaf).__name__
+            )
+            raise ValueError(
+                f"fpipe.step: params[{stage}]{path} should be this rank's shard of a {shape.dtype} tensor of "
+                f"shape {shape.shape}, a 1-D {shape.dtype} tensor of {shape.size} elements (got: {got}). "
+                "Cut full parameters with step.shard(params)."
+            )
+
+
+# -- flat buffers -------------------------------------------------------------------------------
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flat, in a dtype every backend moves: complex as its (re, im) pairs, bool as bytes."""
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj()).reshape(-1)
+    if t.dtype == torch.bool:
+        return t.reshape(-1).view(torch.uint8)
+    return t.reshape(-1)
+
+
+def _unwire(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``_wire`` on a flat tensor."""
+    if dtype.is_complex:
+        pairs = flat.reshape(-1, 2)
+        return torch.view_as_complex(pairs if pairs.storage_offset() % 2 == 0 else pairs.clone())
+    if dtype == torch.bool:
+        return flat.view(torch.bool)
+    return flat
+
+
+def _buckets(layout: StageLayout, keep: Callable[[LeafLayout], bool]) -> list[tuple[torch.dtype, list[_Member]]]:
+    """Non-empty tensor leaves grouped by the dtype they travel as, each with its offset in the
+    bucket's row, in leaf order (the same on every replica)."""
+    buckets: dict[torch.dtype, list[_Member]] = {}
+    for k, shape in enumerate(layout.leaves):
+        if shape is not None and keep(shape) and shape.size:
+            members = buckets.setdefault(_wire(torch.empty(1, dtype=shape.dtype)).dtype, [])
+            offset = members[-1].offset + _width(members[-1].shape) if members else 0
+            members.append(_Member(k, shape, offset))
+    return list(buckets.items())
+
+
+@dataclass(frozen=True)
+class _Member:
+    """Leaf ``index`` in a bucket: its columns ``[offset, offset + _width(shape))`` of the grid."""
+
+    index: int
+    shape: LeafLayout
+    offset: int
+
+    @property
+    def columns(self) -> slice:
+        return slice(self.offset, self.offset + _width(self.shape))
+
+
+def _width(shape: LeafLayout) -> int:
+    """Elements of a shard on the wire: complex numbers travel as two reals."""
+    return shape.size * (2 if shape.dtype.is_complex else 1)
+
+
+class Gather:
+    """The all-gathers of one stage's shards, posted; ``wait`` returns the full parameter pytree."""
+
+    def __init__(self, dp: DataParallel, what: str, shards: PyTree, layout: StageLayout) -> None:
+        self.dp, self.what, self.layout = dp, what, layout
+        self._leaves, self._spec = flatten(shards)
+        self._posted: list[tuple[list[_Member], torch.Tensor, torch.Tensor, Any]] = []
+        for wire_dtype, members in _buckets(layout, lambda shape: True):
+            send = torch.cat([_wire(self._leaves[m.index]).to(dp.device) for m in members])
+            grid = torch.empty(dp.size, send.numel(), dtype=wire_dtype, device=dp.device)
+            work = _all_gather(grid.view(-1), send, group=dp.group, async_op=True)
+            self._posted.append((members, send, grid, work))
+
+    def wait(self) -> PyTree:
+        leaves = list(self._leaves)
+        for k, shape in enumerate(self.layout.leaves):
+            if shape is not None and not shape.size:  # an empty tensor: nothing travelled
+                leaves[k] = torch.empty(shape.shape, dtype=shape.dtype, device=self.dp.device)
+        what = f"the all-gather of {self.what} over the data-parallel group"
+        for members, _, grid, work in self._posted:
+            wait(work, self.dp.timeout, self.dp.pipeline_rank, what)
+            for m in members:
+                padded = grid[:, m.columns].reshape(-1)  # the column block, row by row
+                leaves[m.index] = _unwire(padded, m.shape.dtype)[: m.shape.numel].view(m.shape.shape)
+        self._posted.clear()
+        return unflatten(self._spec, leaves)
+
+
+class ReduceScatter:
+    """The reduce-scatters of one stage's full gradients, posted; ``wait`` returns the averaged shards.
+
+    ``grads`` is ``StageRun.grads()`` (``None`` for leaves without a gradient), or ``None`` on a
+    replica that failed: it still joins, with zeros, so that the others do not wait forever.
+    """
+
+    def __init__(self, dp: DataParallel, stage: int, grads: PyTree | None, layout: StageLayout) -> None:
+        self.dp, self.stage, self.layout = dp, stage, layout
+        leaves = [None] * len(layout.leaves) if grads is None else flatten(grads)[0]
+        self._posted: list[tuple[list[_Member], torch.Tensor, torch.Tensor, Any]] = []
+        for wire_dtype, members in _buckets(layout, lambda shape: shape.differentiable):
+            width = members[-1].columns.stop
+            grid = torch.empty(dp.size, width, dtype=wire_dtype, device=dp.device)
+            for m in members:
+                g, block = leaves[m.index], grid[:, m.columns]
+                if g is None:
+                    block.zero_()
+                    continue
+                flat = _wire(g).to(dp.device)
+                if flat.numel() < block.numel():  # the padding of NOTE [shard layout]
+                    flat = torch.cat([flat, flat.new_zeros(block.numel() - flat.numel())])
+                block.copy_(flat.view(block.shape))
+            out = torch.empty(width, dtype=wire_dtype, device=dp.device)
+            work = _reduce_scatter(out, grid.view(-1), group=dp.group, async_op=True)
+            self._posted.append((members, grid, out, work))
+
+    def wait(self) -> PyTree:
+        leaves: list[Any] = [None] * len(self.layout.leaves)
+        for k, shape in enumerate(self.layout.leaves):
+            if shape is not None and shape.differentiable and not shape.size:
+                leaves[k] = torch.empty(0, dtype=shape.dtype, device=self.dp.device)
+        what = f"the reduce-scatter of stage {self.stage}'s gradients over the data-parallel group"
+        for members, _, out, work in self._posted:
+            wait(work, self.dp.timeout, self.dp.pipeline_rank, what)
+            out.div_(self.dp.size)
+            for m in members:
+                leaves[m.index] = _unwire(out[m.columns], m.shape.dtype)
+        self._posted.clear()
+        return unflatten(self.layout.spec, leaves)
