@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 from textwrap import dedent
 from typing import Any
 
 import pytest
+from test_csv import torch_stages  # rank 0's stand-in PipelineStages, shared with the CSV tests
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from fpipe.schedules import DualPipeV, ScheduleError, ZeroBubbleV, load_csv, placement, render, validate
@@ -77,29 +77,12 @@ def test_rejects_bad_microbatches(num_microbatches: Any) -> None:
 # --- torch writes, fpipe reads ------------------------------------------------------------------
 
 
-def torch_stages(num_ranks: int) -> list[Any]:
-    """Stand-ins for rank 0's two ``PipelineStage`` objects (as in ``test_csv.py``)."""
-    num_stages = 2 * num_ranks
-    return [
-        types.SimpleNamespace(
-            num_stages=num_stages,
-            group_size=num_ranks,
-            group_rank=0,
-            stage_index=s,
-            is_first=s == 0,
-            is_last=s == num_stages - 1,
-            submod=None,
-        )
-        for s in (0, num_stages - 1)
-    ]
-
-
 @pytest.mark.parametrize("p", range(1, 7))
 def test_torch_dual_pipe_v_is_dual_pipe_v(p: int, tmp_path: Path) -> None:
     # Torch writes overlapped pairs as (F;B)OVERLAP_F_B cells, which load_csv runs F then B.
     path = tmp_path / "dualpipev.csv"
     for m in range(2 * p, 25):  # torch rejects m < 2p
-        schedule = torch_schedules.ScheduleDualPipeV(torch_stages(p), m)
+        schedule = torch_schedules.ScheduleDualPipeV(torch_stages(p, [0, 2 * p - 1], 2 * p), m)
         schedule._dump_csv(str(path), format="compute_only")
         assert "OVERLAP_F_B" in path.read_text()
         assert load_csv(path, num_stages=2 * p, num_microbatches=m) == DualPipeV(m).program(2 * p)
