@@ -251,7 +251,76 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
             if rank == 0 and opts["progress"]:
                 print(f"  done: {schedule_name}, {m} microbatches", file=sys.stderr, flush=True)
     rss = {"start": rss_before, "end": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
-    return {"rank": rank, "configs": configs, "maxrss_kib": rss}
+    per_action = [run_per_action(rank, world_size, opts, name) for name in opts["schedules"]]
+    return {"rank": rank, "configs": configs, "maxrss_kib": rss, "per_action": per_action}
+
+
+class TinyStage(nn.Module):
+    """``x * p`` on one element: a stage whose compute is negligible next to the runtime's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.p
+
+
+def tiny_stage(p: Params, x: Any) -> torch.Tensor:
+    return x * p["p"]
+
+
+def tiny_loss_fpipe(y: torch.Tensor, microbatch: Any) -> torch.Tensor:
+    return y.sum()
+
+
+def tiny_loss_torch(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return y.sum()
+
+
+def run_per_action(rank: int, world_size: int, opts: dict[str, Any], schedule_name: str) -> dict[str, Any]:
+    """Runtime overhead per action (item 3), distributed: tiny stages, many microbatches, both sides.
+
+    Each rank runs ``2 m`` actions per step (a forward and a backward per microbatch), so a
+    step's time over ``2 m`` is what one action costs the runtime, messages included.
+    """
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    import fpipe
+    from fpipe.schedules import GPipe, OneFOneB
+
+    m = opts["per_action_microbatches"]
+    last = world_size - 1
+    module = TinyStage()
+    params: list[Params | None] = [{"p": module.p.detach()} if s == rank else None for s in range(world_size)]
+    batch = torch.ones(m, 1)
+    schedule = GPipe(m) if schedule_name == "gpipe" else OneFOneB(m)
+    torch_cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
+    step = fpipe.pipeline(tiny_loss_fpipe, [tiny_stage] * world_size, schedule, group=dist.group.WORLD)
+    torch_schedule = torch_cls(PipelineStage(module, rank, world_size, torch.device("cpu")), m, loss_fn=tiny_loss_torch)
+
+    def fpipe_step() -> None:
+        step(params, batch)
+
+    def torch_step() -> None:
+        module.zero_grad(set_to_none=True)
+        if rank == 0:
+            torch_schedule.step(batch, return_outputs=False)
+        elif rank == last:
+            torch_schedule.step(target=batch, return_outputs=False)
+        else:
+            torch_schedule.step(return_outputs=False)
+
+    sides = {"fpipe": fpipe_step, "torch": torch_step}
+    for _ in range(max(opts["warmup"], 1)):
+        for fn in sides.values():
+            barrier_timed(fn)
+    times: dict[str, list[float]] = {"fpipe": [], "torch": []}
+    for r in range(opts["per_action_repeats"]):
+        for side in ("fpipe", "torch") if r % 2 == 0 else ("torch", "fpipe"):
+            times[side].append(barrier_timed(sides[side]))
+    return {"schedule": schedule_name, "microbatches": m, "actions_per_rank": 2 * m, "times": times}
 
 
 def run_config(
@@ -386,24 +455,28 @@ def run_config(
 
 
 def bubble_analysis(timelines: Sequence[Any]) -> dict[str, Any]:
-    """Measured idle fraction per rank against ``fpipe.schedules.simulate``'s prediction.
+    """Measured idle fraction per rank against ``fpipe.schedules.simulate``'s predictions.
 
-    A recorded action runs from when the executor starts it to when it returns, so it includes
-    the wait for its input (an activation or a cotangent from the other rank). Two measured
-    figures per rank, medians over the recorded steps:
+    A recorded action runs from when its inputs have arrived (the executor starts its clock
+    after the receive) to when it returns, so a wait for an activation or a cotangent from the
+    other rank is idle time, as in a simulation. Measured figures per rank, medians over the
+    recorded steps:
 
       - ``recorded``: ``1 - sum(action durations) / makespan``, as ``Simulation.bubble_fractions``
-        gives it for the recorded timeline: waits count as busy, so only the idle before the
-        first and after the last action shows;
-      - ``estimated``: waits taken out: an action of a kind on a rank is charged the shortest
-        duration of that (rank, kind) over every recorded step (a wait that every such action
-        had still counts as busy).
+        gives it for the recorded timeline;
+      - ``estimated``: an action of a kind on a rank is charged the shortest duration of that
+        (rank, kind) over every recorded step, which takes out the noise of slow runs.
 
-    The prediction is ``simulate(program, Costs(forward=F, backward=B))`` with ``F`` and ``B`` the
-    estimated costs averaged over ranks (``Costs`` has one cost per kind, not per stage), and
-    the textbook ``Costs(backward=2)``, which gives ``(p-1)/(m+p-1)``.
+    Predictions, from ``simulate``:
+
+      - ``fitted``: ``simulate(program, fit_costs(timelines))``: per-stage costs (the median
+        duration of each stage's ``F`` and ``B``) and the median message latency, all read off
+        the recorded steps; ``fitted_error`` is ``|recorded - fitted| / recorded`` per rank;
+      - ``simulated``: one ``Costs(forward=F, backward=B)`` for every stage, ``F`` and ``B`` the
+        estimated costs averaged over ranks, no latency;
+      - ``textbook``: ``Costs(backward=2)``, which gives ``(p-1)/(m+p-1)``.
     """
-    from fpipe.schedules import Costs, simulate
+    from fpipe.schedules import Costs, fit_costs, simulate
 
     program = timelines[0].program
     durations: dict[tuple[int, str], list[float]] = {}
@@ -424,16 +497,26 @@ def bubble_analysis(timelines: Sequence[Any]) -> dict[str, Any]:
     mean_cost = {kind: statistics.mean(c for (_, k), c in cost.items() if k == kind) for kind in kinds}
     predicted = simulate(program, Costs(forward=mean_cost["F"], backward=mean_cost["B"]))
     textbook = simulate(program, Costs(backward=2))
+    recorded_median = [statistics.median(x) for x in zip(*recorded)]
+    costs = fit_costs(timelines)
+    fitted = simulate(program, costs)
     return {
         "steps": len(timelines),
         "makespan_s": statistics.median(makespans),
         "cost_s": {f"rank{r}.{kind}": c for (r, kind), c in sorted(cost.items())},
         "median_duration_s": {f"rank{r}.{kind}": statistics.median(v) for (r, kind), v in sorted(durations.items())},
-        "recorded": [statistics.median(x) for x in zip(*recorded)],
+        "recorded": recorded_median,
         "estimated": [statistics.median(x) for x in zip(*estimated)],
         "simulated": list(predicted.bubble_fractions),
         "simulated_makespan_s": predicted.makespan,
         "textbook": list(textbook.bubble_fractions),
+        "fitted": list(fitted.bubble_fractions),
+        "fitted_makespan_s": fitted.makespan,
+        "fitted_costs_s": [{"forward": c.forward, "backward": c.of("B"), "send": c.send} for c in costs],
+        "fitted_error": [
+            abs(r - f) / r if r else (0.0 if f == r else math.inf)
+            for r, f in zip(recorded_median, fitted.bubble_fractions)
+        ],
     }
 
 
@@ -526,6 +609,21 @@ def combine(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def combine_per_action(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per schedule: microseconds per action of each side (the slower rank's step / its actions)."""
+    rows = []
+    for per_rank in zip(*(r["per_action"] for r in ranks)):
+        first = per_rank[0]
+        row: dict[str, Any] = {k: first[k] for k in ("schedule", "microbatches", "actions_per_rank")}
+        for side in ("fpipe", "torch"):
+            steps = [max(ts) for ts in zip(*(c["times"][side] for c in per_rank))]
+            row[side] = summary(steps)
+            row[side]["us_per_action"] = row[side]["median_s"] / first["actions_per_rank"] * 1e6
+        row["ratio"] = row["fpipe"]["median_s"] / row["torch"]["median_s"]
+        rows.append(row)
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (seconds)")
@@ -558,6 +656,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "timeout": 120 if args.quick else 3600,
         "progress": not args.quick,
         "record_steps": args.record_steps,
+        "per_action_microbatches": 16 if args.quick else 128,
+        "per_action_repeats": repeats if args.quick else 4 * repeats + 1,
     }
     start = time.perf_counter()
     ranks = run_ranks(2, opts)
@@ -581,6 +681,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "cpus": os.cpu_count(),
         },
         "configs": combine(ranks),
+        "per_action": combine_per_action(ranks),
         "maxrss_kib": [r["maxrss_kib"] for r in ranks],
         "wall_s": time.perf_counter() - start,
     }
@@ -617,6 +718,16 @@ def print_table(results: dict[str, Any]) -> None:
     print()
     rss = ", ".join(f"rank {r}: {x['end'] / 1024:.0f} MiB" for r, x in enumerate(results["maxrss_kib"]))
     print(f"process RSS high-water mark (both sides, whole run): {rss}")
+    print()
+    print("runtime overhead per action (item 3): tiny stages (x * p on one element), 2 ranks, both sides")
+    print()
+    print("| schedule | mb | actions per rank | fpipe us/action | torch us/action | fpipe/torch |")
+    print("|---|---|---|---|---|---|")
+    for row in results["per_action"]:
+        print(
+            f"| {row['schedule']} | {row['microbatches']} | {row['actions_per_rank']} "
+            f"| {row['fpipe']['us_per_action']:.0f} | {row['torch']['us_per_action']:.0f} | {row['ratio']:.2f} |"
+        )
     rows = [row for row in results["configs"] if row["bubble"]]
     if not rows:
         print("bubble: skipped (this fpipe has no fpipe.record(), or --record-steps 0)")

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ._errors import PipelineError, PipelineTimeoutError
 from ._pytree import PyTree
-from ._wire import DATA, ERROR, META_WORDS, Decoder, Encoder
+from ._wire import ERROR, Decoder, Encoder, error_message, meta_of
 from .schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD, KINDS, Action
 from .schedules._program import Program
 
@@ -136,8 +136,8 @@ class _Peer:
         self.outgoing = outgoing
         self.next_out = 0
         self.buffered: dict[Key, PyTree] = {}
-        self.meta: torch.Tensor | None = None
-        self.meta_work: Any = None
+        self.first: torch.Tensor | None = None  # where the next incoming message's first tensor lands
+        self.first_work: Any = None
 
 
 class WireState:
@@ -185,7 +185,7 @@ class DistributedTransport:
                     self.peers[r] = _Peer(r, incoming, outgoing.get(r, []))
         for peer in self.peers.values():
             if peer.incoming:
-                self._post_meta(peer)
+                self._post_first(peer)
 
     # -- the Transport protocol -------------------------------------------------------------
 
@@ -235,14 +235,16 @@ class DistributedTransport:
         rank, action = self.me, None
         if isinstance(error, PipelineError):
             rank, action = error.rank, error.action
-        code = [ERROR, rank, -1, -1, -1]
+        code = [rank, -1, -1, -1]
         if action is not None:
-            code = [ERROR, rank, action.stage, KINDS.index(action.kind), action.microbatch]
+            code = [rank, action.stage, KINDS.index(action.kind), action.microbatch]
         works: list[Any] = []
         for peer in self.peers.values():
             if peer.next_out < len(peer.outgoing):
-                meta = torch.tensor(code, dtype=torch.int64, device=self.topology.device)
-                works.append(dist.isend(meta, self.topology.global_ranks[peer.rank], group=self.topology.group))
+                # Sized as the receive the peer has posted for the message it expects next.
+                expected = self._encoder(peer.rank, peer.outgoing[peer.next_out]).expected
+                message = error_message(code, expected, self.topology.device)
+                works.append(dist.isend(message, self.topology.global_ranks[peer.rank], group=self.topology.group))
         for work in works:
             with contextlib.suppress(RuntimeError):  # the peer is gone or stuck: it times out on its own
                 work.wait(timeout=timedelta(seconds=min(self._seconds, 10.0)))
@@ -264,22 +266,30 @@ class DistributedTransport:
     def _send(self, dst: int, key: Key, value: PyTree) -> None:
         peer = self.peers[dst]
         assert peer.outgoing[peer.next_out] == key, f"fpipe: sending {key}, expected {peer.outgoing[peer.next_out]}"
+        tensors = self._encoder(dst, key).encode(value, self.topology.device)
         peer.next_out += 1
-        channel = (dst, key[0], key[1])
+        to, group = self.topology.global_ranks[dst], self.topology.group
+        for tensor in tensors:
+            self._sends.append((dist.isend(tensor, to, group=group), (tensor,)))
+
+    def _encoder(self, peer: int, key: Key) -> Encoder:
+        channel = (peer, key[0], key[1])
         encoder = self._wire.encoders.get(channel)
         if encoder is None:
             encoder = self._wire.encoders[channel] = Encoder()
-        header, payload = encoder.encode(value, self.topology.device)
-        nbytes = 0 if header is None else header.numel()
-        meta = torch.tensor([DATA, nbytes, payload.numel(), 0, 0], dtype=torch.int64, device=self.topology.device)
-        to, group = self.topology.global_ranks[dst], self.topology.group
-        for tensor in (meta, header, payload):
-            if tensor is not None and tensor.numel():
-                self._sends.append((dist.isend(tensor, to, group=group), (tensor,)))
+        return encoder
 
-    def _post_meta(self, peer: _Peer) -> None:
-        peer.meta = torch.empty(META_WORDS, dtype=torch.int64, device=self.topology.device)
-        peer.meta_work = dist.irecv(peer.meta, self.topology.global_ranks[peer.rank], group=self.topology.group)
+    def _decoder(self, peer: int, key: Key) -> Decoder:
+        channel = (peer, key[0], key[1])
+        decoder = self._wire.decoders.get(channel)
+        if decoder is None:
+            decoder = self._wire.decoders[channel] = Decoder()
+        return decoder
+
+    def _post_first(self, peer: _Peer) -> None:
+        """Post the receive of the peer's next message (its size is known: see fpipe/_wire.py)."""
+        peer.first = self._decoder(peer.rank, peer.incoming[peer.next_in]).first_buffer(self.topology.device)
+        peer.first_work = dist.irecv(peer.first, self.topology.global_ranks[peer.rank], group=self.topology.group)
 
     def _recv(self, src: int, key: Key) -> PyTree:
         peer = self.peers[src]
@@ -291,33 +301,21 @@ class DistributedTransport:
         key = peer.incoming[peer.next_in]
         peer.next_in += 1
         what = _describe(key)
-        self._wait(peer.meta_work, what, peer.rank)
-        assert peer.meta is not None
-        kind, header_size, payload_size, kind_index, microbatch = peer.meta.tolist()
-        if kind == ERROR:
-            self._remote_failure(header_size, payload_size, kind_index, microbatch)
-        src, group, device = self.topology.global_ranks[peer.rank], self.topology.group, self.topology.device
-        header = payload = None
-        header_work = payload_work = None
-        if header_size:
-            header = torch.empty(header_size, dtype=torch.uint8, device=device)
-            header_work = dist.irecv(header, src, group=group)
-        payload = torch.empty(payload_size, dtype=torch.uint8, device=device)
-        if payload_size:
-            payload_work = dist.irecv(payload, src, group=group)
+        self._wait(peer.first_work, what, peer.rank)
+        first = peer.first
+        assert first is not None
+        meta = meta_of(first)
+        if meta[0] == ERROR:
+            self._remote_failure(*meta[1:5])
+        src, group = self.topology.global_ranks[peer.rank], self.topology.group
+        decoder = self._decoder(peer.rank, key)
+        header, payload = decoder.follow_ups(meta, self.topology.device)
+        works = [dist.irecv(t, src, group=group) for t in (header, payload) if t is not None and t.numel()]
         if peer.next_in < len(peer.incoming):
-            self._post_meta(peer)  # posted early: the next message can land while we compute
-        channel = (peer.rank, key[0], key[1])
-        decoder = self._wire.decoders.get(channel)
-        if decoder is None:
-            decoder = self._wire.decoders[channel] = Decoder()
-        if header_work is not None:
-            self._wait(header_work, what, peer.rank)
-        expected = decoder.payload_size(header)
-        assert expected == payload_size, f"fpipe wire: payload of {payload_size} bytes, layout says {expected}"
-        if payload_work is not None:
-            self._wait(payload_work, what, peer.rank)
-        peer.buffered[key] = decoder.decode(payload)
+            self._post_first(peer)  # posted early: the next message can land while we compute
+        for work in works:
+            self._wait(work, what, peer.rank)
+        peer.buffered[key] = decoder.decode(first, header, payload)
 
     def _remote_failure(self, rank: int, stage: int, kind_index: int, microbatch: int) -> None:
         if kind_index < 0:

@@ -24,6 +24,14 @@ A stage's parameter gradients are summed over microbatches in microbatch order 0
 whatever order the schedule runs the backwards in: a contribution that arrives early waits in
 ``_OrderedSum`` until its predecessors are in. So every schedule, and one process or many, add
 the same numbers in the same order and give bitwise-identical results.
+The sum lives in the ``.grad`` of the stage's own parameter leaves (detached copies made for
+the step, never the user's tensors). A fused backward whose microbatch is next in order lets
+the autograd engine accumulate into them as it goes, as ``loss.backward()`` would: each
+parameter's gradient is added while it is fresh in cache and freed at once, so a backward
+never holds a second full set of the stage's gradients. Any other contribution (a backward
+that runs early, a split backward's ``W``) is computed apart and added in order later; the
+additions are the same either way (the engine's first one keeps the tensor, the next ones add
+in place).
 """
 
 from __future__ import annotations
@@ -62,25 +70,50 @@ class Pullback:
 
 
 class _OrderedSum:
-    """Sums per-microbatch gradient lists in microbatch order (NOTE [fixed accumulation order])."""
+    """Sums per-microbatch gradients into ``leaves``' ``.grad`` in microbatch order.
 
-    def __init__(self, size: int) -> None:
-        self.total: Grads = [None] * size
+    NOTE [fixed accumulation order]: ``next_in_order`` says whether the engine may accumulate
+    a microbatch's backward straight into ``.grad`` (then ``accumulated`` records it); ``add``
+    takes a contribution computed apart and adds it once its predecessors are in.
+    """
+
+    def __init__(self, leaves: list[torch.Tensor]) -> None:
+        self._leaves = leaves
         self._next = 0
         self._pending: dict[int, Grads] = {}
 
+    def next_in_order(self, microbatch: int) -> bool:
+        """Whether every earlier microbatch's contribution is already in the sum."""
+        return microbatch == self._next
+
+    def accumulated(self, microbatch: int) -> None:
+        """The engine has added ``microbatch``'s gradients to ``.grad``."""
+        assert microbatch == self._next, "fpipe: accumulated out of microbatch order"
+        self._next += 1
+        self._flush()
+
     def add(self, microbatch: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Add ``grads`` (one per leaf, ``None`` for none) once earlier microbatches are in."""
         self._pending[microbatch] = list(grads)
+        self._flush()
+
+    def _flush(self) -> None:
         while self._next in self._pending:
-            for k, g in enumerate(self._pending.pop(self._next)):
+            for leaf, g in zip(self._leaves, self._pending.pop(self._next)):
                 if g is None:
                     continue
-                current = self.total[k]
-                # The first contribution is cloned: autograd may hand back the cotangent itself
-                # (``x + p``) or an expanded view of it (``p.sum()``), shared with other stages
-                # or microbatches, and the in-place sum must write only to memory it owns.
-                self.total[k] = g.clone() if current is None else current.add_(g)
+                if leaf.grad is None:
+                    # A copy: autograd may hand back the cotangent itself (``x + p``) or an
+                    # expanded view of it (``p.sum()``), and later sums add in place.
+                    leaf.grad = g.clone()
+                else:
+                    leaf.grad.add_(g)
             self._next += 1
+
+    @property
+    def total(self) -> Grads:
+        """The sum so far, one per leaf (``None`` where nothing was added)."""
+        return [leaf.grad for leaf in self._leaves]
 
 
 class StageRun:
@@ -99,7 +132,7 @@ class StageRun:
         self._param_inputs = [prepared[k] for k in self._param_index]
         self.params = unflatten(self._spec, prepared)
         self.device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
-        self._grads = _OrderedSum(len(self._param_index))
+        self._grads = _OrderedSum(self._param_inputs)
 
     def to_device(self, tree: PyTree) -> PyTree:
         """``tree`` with its tensors on this stage's device (no-op where already there)."""
@@ -210,13 +243,20 @@ class StageRun:
         input leaf (``None`` where there is none).
         """
         outputs, grad_outputs = self._seeds(pullback, cotangents)
-        wrt = pullback.inputs + self._param_inputs
-        grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
+        inputs, params = pullback.inputs, self._param_inputs
+        wrt = inputs + params
         with torch.inference_mode(False):  # gradients are plain tensors, whatever the ambient mode
-            if outputs and wrt:
-                grads = _vjp(outputs, wrt, grad_outputs)
-            self._grads.add(microbatch, grads[len(pullback.inputs) :])
-        return self._input_cotangents(pullback, grads[: len(pullback.inputs)])
+            if not self._grads.next_in_order(microbatch):
+                grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
+                if outputs and wrt:
+                    grads = _vjp(outputs, wrt, grad_outputs)
+                self._grads.add(microbatch, grads[len(inputs) :])
+                return self._input_cotangents(pullback, grads[: len(inputs)])
+            if outputs and wrt:  # (an empty ``wrt`` would mean every leaf to the engine)
+                _accumulate(outputs, wrt, grad_outputs)
+            self._grads.accumulated(microbatch)
+        # The input leaves are this call's own detached copies: their ``.grad`` is the cotangent.
+        return self._input_cotangents(pullback, [x.grad for x in inputs])
 
     def backward_input(self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None]) -> Grads:
         """The input half of a split backward (NOTE [split backward]); ``backward_weight`` finishes it."""
@@ -262,6 +302,18 @@ def _vjp(
         tuple(outputs), tuple(cotangents), False, False, tuple(inputs), True, False
     )
     return grads
+
+
+def _accumulate(outputs: list[torch.Tensor], inputs: list[torch.Tensor], cotangents: list[torch.Tensor]) -> None:
+    """``torch.autograd.backward(outputs, cotangents, inputs=inputs)``: add into ``inputs``' ``.grad``.
+
+    Only ``inputs`` are written to (other leaves the graph reaches are left alone); on the hot
+    path the engine is called directly, as in ``_vjp``.
+    """
+    if _ENGINE is None:
+        torch.autograd.backward(outputs, cotangents, inputs=inputs)
+        return
+    _ENGINE.run_backward(tuple(outputs), tuple(cotangents), False, False, tuple(inputs), True, True)
 
 
 def _split_aux(result: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:

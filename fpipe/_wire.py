@@ -1,18 +1,26 @@
 """The wire format: pytrees as torch.distributed point-to-point messages (notes/wire.md).
 
-A message is up to three tensors sent in this order on one (sender, receiver) pair:
+A message is one to three tensors sent in this order on one (sender, receiver) pair:
 
-1. ``meta``: ``int64[5]`` = ``[DATA, header_nbytes, payload_nbytes, 0, 0]``, or
-   ``[ERROR, failing_rank, stage, kind, microbatch]`` when the sender gives up (no more follows).
+1. ``first``: ``uint8[META_BYTES + expected]``, where ``expected`` is the payload size of the
+   previous message on the same channel (0 for the first). It opens with the meta, ``int64[6]``
+   = ``[DATA, header_nbytes, payload_nbytes, expected, 0, 0]``, or ``[ERROR, failing_rank,
+   stage, kind, microbatch, 0]`` when the sender gives up (no more follows). When the payload
+   has the expected size, it travels right behind the meta (inline); otherwise that space is
+   zero padding and the payload follows on its own.
 2. ``header``: ``uint8[header_nbytes]``, only when the pytree's layout differs from the previous
    message on the same channel: the pickled ``Layout`` (treespec, each tensor leaf's dtype,
    shape, byte offset and whether it carries the sender's graph, the non-tensor leaves).
-3. ``payload``: ``uint8[payload_nbytes]``, every tensor leaf's bytes, each at a 16-byte
-   aligned offset. Complex, integer and bool tensors travel as raw bytes like any other.
+3. ``payload``: ``uint8[payload_nbytes]``, only when it is not inline and not empty.
 
-Sender and receiver each keep the last layout per channel (e.g. "activations of stage 2") and
-see the channel's messages in the same order, so a header travels when a pytree first appears
-and again only when its structure, a shape, a dtype or a non-tensor leaf changes.
+The payload is every tensor leaf's bytes, each at a 16-byte aligned offset (``META_BYTES`` is a
+multiple of 16, so inline leaves stay aligned). Complex, integer and bool tensors travel as raw
+bytes like any other. Sender and receiver each keep the last layout and payload size per
+channel (e.g. "activations of stage 2") and see the channel's messages in the same order, so
+the receiver can post the receive of the next ``first`` with its right size before the message
+is sent: in the steady state a value is one message whose receive was posted early, and a
+header travels only when a pytree first appears or its structure, a shape, a dtype or a
+non-tensor leaf changes.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import torch
 
 from ._pytree import PyTree, TreeSpec, flatten, unflatten
 
-META_WORDS = 5
+META_WORDS = 6
+META_BYTES = 8 * META_WORDS  # a multiple of 16: an inline payload keeps its leaves aligned
 DATA = 0
 ERROR = 1
 _ALIGN = 16
@@ -65,40 +74,82 @@ def _same(a: Layout | None, b: Layout) -> bool:
         return False
 
 
+def meta_of(first: torch.Tensor) -> list[int]:
+    """The meta words that open a received ``first`` buffer."""
+    words: list[int] = first[:META_BYTES].view(torch.int64).tolist()
+    return words
+
+
+def _first(words: list[int], expected: int, device: torch.device, *, inline: bool) -> torch.Tensor:
+    """A ``first`` buffer opening with ``words``; its tail is left for an inline payload, else zeroed."""
+    first = (torch.empty if inline else torch.zeros)(META_BYTES + expected, dtype=torch.uint8, device=device)
+    first[:META_BYTES].view(torch.int64).copy_(torch.tensor(words + [0] * (META_WORDS - len(words))))
+    return first
+
+
+def error_message(code: list[int], expected: int, device: torch.device) -> torch.Tensor:
+    """The ``first`` buffer of an ERROR message, sized as the receiver's posted receive."""
+    return _first([ERROR, *code], expected, device, inline=False)
+
+
 class Encoder:
-    """Turns pytrees of one channel into (header or None, payload) for sending."""
+    """Turns pytrees of one channel into messages (lists of tensors to send, in order)."""
 
     def __init__(self) -> None:
         self._last: Layout | None = None
+        self.expected = 0  # the payload size the receiver's next ``first`` buffer has room for
 
-    def encode(self, tree: PyTree, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def encode(self, tree: PyTree, device: torch.device) -> list[torch.Tensor]:
         layout, leaves = layout_of(tree)
         header = None
         if not _same(self._last, layout):
-            self._last = layout
             header = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8).to(device)
-        payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        inline = layout.nbytes == self.expected
+        words = [DATA, 0 if header is None else header.numel(), layout.nbytes, self.expected]
+        first = _first(words, self.expected, device, inline=inline)
+        payload = first[META_BYTES:] if inline else torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
         for k, dtype, shape, offset, size, _ in layout.tensors:
             payload[offset : offset + size].view(dtype).view(shape).copy_(leaves[k].detach())
-        return header, payload
+        self._last, self.expected = layout, layout.nbytes
+        return [t for t in (first, header, None if inline else payload) if t is not None and t.numel()]
 
 
 class Decoder:
-    """Turns (header or None, payload) of one channel back into pytrees."""
+    """Turns the messages of one channel back into pytrees.
+
+    For each message: ``first_buffer`` to receive into (posted early), then ``follow_ups`` with
+    its meta says which buffers follow, then ``decode``.
+    """
 
     def __init__(self) -> None:
         self._layout: Layout | None = None
+        self.expected = 0  # the sender's ``Encoder.expected``, kept in step
 
-    def payload_size(self, header: torch.Tensor | None) -> int:
-        """Read a new header if there is one; the payload size of the message it describes."""
+    def first_buffer(self, device: torch.device) -> torch.Tensor:
+        """The buffer the next message's ``first`` tensor arrives in."""
+        return torch.empty(META_BYTES + self.expected, dtype=torch.uint8, device=device)
+
+    def follow_ups(self, meta: list[int], device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Buffers for the header and the separate payload that follow a DATA ``first`` (``None``: none)."""
+        _, header_nbytes, payload_nbytes, expected = meta[:4]
+        assert expected == self.expected, f"fpipe wire: the sender expects {expected} inline bytes, we {self.expected}"
+        header = torch.empty(header_nbytes, dtype=torch.uint8, device=device) if header_nbytes else None
+        payload = None
+        if payload_nbytes != expected:
+            payload = torch.empty(payload_nbytes, dtype=torch.uint8, device=device)
+        self.expected = payload_nbytes
+        return header, payload
+
+    def decode(self, first: torch.Tensor, header: torch.Tensor | None, payload: torch.Tensor | None) -> PyTree:
+        """The pytree of a message whose buffers have all arrived."""
         if header is not None:
             self._layout = pickle.loads(bytes(header.cpu().tolist()))
-        assert self._layout is not None, "fpipe wire: a message without header on a new channel"
-        return self._layout.nbytes
-
-    def decode(self, payload: torch.Tensor) -> PyTree:
         layout = self._layout
-        assert layout is not None
+        assert layout is not None, "fpipe wire: a message without header on a new channel"
+        if payload is None:
+            payload = first[META_BYTES:]
+        size = payload.numel()
+        assert size == layout.nbytes, f"fpipe wire: a payload of {size} bytes, the layout says {layout.nbytes}"
         leaves: list[Any] = [None] * (len(layout.tensors) + len(layout.values))
         for k, dtype, shape, offset, size, requires_grad in layout.tensors:
             leaves[k] = payload[offset : offset + size].view(dtype).view(shape).requires_grad_(requires_grad)

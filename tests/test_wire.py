@@ -1,16 +1,34 @@
-"""The wire format: pytrees to (header, payload) and back, headers only when layouts change."""
+"""The wire format: pytrees to messages and back, headers only when layouts change, payloads
+inline in the first tensor when they have the size the receiver expects."""
 
 from __future__ import annotations
 
 import torch
 
-from fpipe._wire import Decoder, Encoder
+from fpipe._wire import DATA, ERROR, META_BYTES, Decoder, Encoder, error_message, meta_of
+
+CPU = torch.device("cpu")
+
+
+def transfer(encoder: Encoder, decoder: Decoder, tree: object) -> tuple[object, list[torch.Tensor]]:
+    """Send ``tree`` over a simulated channel on which every tensor must fit the receive posted
+    for it; returns what arrived and the tensors that travelled."""
+    sent = encoder.encode(tree, CPU)
+    first = decoder.first_buffer(CPU)  # posted before the message exists
+    assert sent[0].numel() == first.numel()
+    first.copy_(sent[0])
+    header, payload = decoder.follow_ups(meta_of(first), CPU)
+    follow = [t for t in (header, payload) if t is not None and t.numel()]
+    assert [t.numel() for t in follow] == [t.numel() for t in sent[1:]]
+    for buffer, tensor in zip(follow, sent[1:]):
+        buffer.copy_(tensor)
+    return decoder.decode(first, header, payload), sent
 
 
 def roundtrip(encoder: Encoder, decoder: Decoder, tree: object) -> tuple[object, bool]:
-    header, payload = encoder.encode(tree, torch.device("cpu"))
-    decoder.payload_size(header)
-    return decoder.decode(payload), header is not None
+    """What arrived, and whether a header travelled."""
+    out, sent = transfer(encoder, decoder, tree)
+    return out, meta_of(sent[0])[1] > 0
 
 
 def test_every_kind_of_leaf_travels() -> None:
@@ -47,3 +65,48 @@ def test_a_non_tensor_leaf_that_changes_type_travels() -> None:
         out, _ = roundtrip(encoder, decoder, {"h": torch.ones(2), "flag": value})
         received = out["flag"]  # type: ignore[index]
         assert (type(received), received) == (type(value), value)
+
+
+def test_a_steady_channel_sends_one_tensor_with_the_payload_inline() -> None:
+    encoder, decoder = Encoder(), Decoder()
+    trees = [{"h": torch.ones(2, n, dtype=torch.float32)} for n in (2, 2, 4, 4, 0, 0, 2)]
+    messages = [transfer(encoder, decoder, tree)[1] for tree in trees]
+    # first tensor's size, whether a header follows, the size of a payload that follows
+    shapes = [(m[0].numel(), meta_of(m[0])[1] > 0, m[2].numel() if len(m) > 2 else None) for m in messages]
+    assert shapes == [
+        (META_BYTES, True, 16),  # new channel: nothing expected yet, so the payload follows the header
+        (META_BYTES + 16, False, None),  # the steady state: one tensor, payload inline
+        (META_BYTES + 16, True, 32),  # a new layout of another size: the 16 expected bytes are padding
+        (META_BYTES + 32, False, None),
+        (META_BYTES + 32, True, None),  # an empty payload follows nowhere
+        (META_BYTES, False, None),
+        (META_BYTES, True, 16),
+    ]
+
+
+def test_a_new_layout_of_the_same_size_keeps_the_payload_inline() -> None:
+    encoder, decoder = Encoder(), Decoder()
+    transfer(encoder, decoder, {"h": torch.ones(4, dtype=torch.float32)})
+    out, sent = transfer(encoder, decoder, {"h": torch.arange(4, dtype=torch.int32)})
+    assert [t.numel() for t in sent] == [META_BYTES + 16, sent[1].numel()]
+    assert meta_of(sent[0])[:4] == [DATA, sent[1].numel(), 16, 16]
+    assert torch.equal(out["h"], torch.arange(4, dtype=torch.int32))  # type: ignore[index]
+
+
+def test_inline_leaves_stay_aligned() -> None:
+    """``META_BYTES`` is a multiple of 16: complex128 leaves can be viewed in place."""
+    encoder, decoder = Encoder(), Decoder()
+    tree = {"z": torch.randn(3, dtype=torch.complex128), "x": torch.randn(1)}
+    for _ in range(2):
+        out, sent = transfer(encoder, decoder, tree)
+    assert len(sent) == 1 and torch.equal(out["z"], tree["z"])  # type: ignore[index]
+
+
+def test_an_error_message_fits_the_posted_receive() -> None:
+    encoder, decoder = Encoder(), Decoder()
+    transfer(encoder, decoder, {"h": torch.ones(5, dtype=torch.float32)})
+    message = error_message([3, 1, 2, 4], encoder.expected, CPU)
+    first = decoder.first_buffer(CPU)
+    assert message.numel() == first.numel() == META_BYTES + 32
+    first.copy_(message)
+    assert meta_of(first) == [ERROR, 3, 1, 2, 4, 0]
