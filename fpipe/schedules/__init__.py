@@ -3,8 +3,9 @@
 A schedule is a value (``GPipe(num_microbatches=8)``) whose ``program(num_stages)`` returns a
 ``Program``: one ordered list of ``Action`` per rank. Programs can be written by hand too, or read
 from torch's CSV format (``load_csv``). ``placement(schedule, num_stages)`` says which rank holds
-each stage; ``simulate`` replays a program with costs to measure its bubble and memory; and
-``terminal_grid``, ``chrome_trace`` and ``svg`` draw it (also ``python -m fpipe show``).
+each stage; ``simulate`` replays a program with costs to measure its bubble and memory (and
+``fit_costs`` reads per-stage costs off a measured timeline); and ``terminal_grid``,
+``chrome_trace`` and ``svg`` draw it (also ``python -m fpipe show``).
 """
 
 from ._action import Action as Action
@@ -28,6 +29,7 @@ from ._program import timeline as timeline
 from ._program import validate as validate
 from ._simulate import Costs as Costs
 from ._simulate import Simulation as Simulation
+from ._simulate import fit_costs as fit_costs
 from ._simulate import simulate as simulate
 from ._zero_bubble_h1 import ZeroBubbleH1 as ZeroBubbleH1
 from ._zero_bubble_v import ZeroBubbleV as ZeroBubbleV
@@ -49,6 +51,7 @@ __all__ = [
     "chrome_trace",
     "dump_csv",
     "execution_order",
+    "fit_costs",
     "load_csv",
     "placement",
     "render",

@@ -7,18 +7,28 @@ stage activations a rank holds.
 
 The replay is "as soon as possible": each rank runs its actions in program order, and an action
 starts when the rank is free and every action it depends on (see ``fpipe.schedules._program``)
-has finished, plus ``send`` if that action ran on another rank::
+has finished, plus the sender's ``send`` if that action ran on another rank::
 
     start(a) = max(end(previous action on the rank),
-                   max(end(d) + (send if rank(d) != rank(a) else 0) for d in dependencies(a)))
+                   max(end(d) + (costs[stage(d)].send if rank(d) != rank(a) else 0) for d in dependencies(a)))
+    end(a)   = start(a) + costs[stage(a)].of(kind(a))
 
-This is how a rank with blocking receives behaves, and it is the model under which the papers'
-bubble formulas are derived, e.g. GPipe's and 1F1B's ``(p-1)/(m+p-1)`` with ``T_B = 2 T_F``.
+The costs are one ``Costs`` for every stage, or one per stage (a first stage with the embedding
+and a last one with the head and the loss cost more than the others). This is how a rank with
+blocking receives behaves, and it is the model under which the papers' bubble formulas are
+derived, e.g. GPipe's and 1F1B's ``(p-1)/(m+p-1)`` with ``T_B = 2 T_F``.
+
+``fit_costs`` goes the other way: from a timeline measured by ``fpipe.record()`` it estimates
+the per-stage costs (median durations and message latency), so that ``simulate(program,
+fit_costs(measured))`` predicts the measured bubble and can then be asked about other schedules
+or microbatch counts with the same stages.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
@@ -90,13 +100,14 @@ class Simulation:
 
     Attributes:
         program: the simulated program.
-        costs: the costs it was simulated with (``None`` for a measured timeline).
+        costs: the costs it was simulated with, one ``Costs`` or a tuple of one per stage
+            (``None`` for a measured timeline).
         starts: start time of each action, per rank, in program order.
         ends: end time of each action, per rank, in program order.
     """
 
     program: Program
-    costs: Costs | None
+    costs: Costs | tuple[Costs, ...] | None
     starts: tuple[tuple[float, ...], ...]
     ends: tuple[tuple[float, ...], ...]
 
@@ -162,8 +173,15 @@ def peak_activations(row: tuple[Action, ...]) -> int:
     return peak
 
 
-def simulate(program: Program, costs: Costs | None = None) -> Simulation:
+def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> Simulation:
     """Replay ``program`` with ``costs`` (default ``Costs()``) as soon as dependencies allow.
+
+    Args:
+        program: the program to replay.
+        costs: one ``Costs`` for every stage, or a sequence of one per stage: an action of stage
+            ``s`` lasts ``costs[s].of(kind)``, and a message that stage ``s`` sends to another
+            rank (an activation from its ``F``, a cotangent from its ``B`` or ``I``) travels
+            ``costs[s].send``.
 
     Example:
         >>> from fpipe.schedules import Costs, OneFOneB, simulate
@@ -172,12 +190,18 @@ def simulate(program: Program, costs: Costs | None = None) -> Simulation:
         (33.0, 0.2727272727272727)
         >>> sim.peak_activations
         (4, 3, 2, 1)
+        >>> heavy_ends = [Costs(backward=2), Costs(backward=2), Costs(forward=2, backward=4)]
+        >>> simulate(OneFOneB(num_microbatches=8).program(3), heavy_ends).makespan
+        54.0
 
     Raises:
-        ScheduleError: if the program does not validate.
+        ScheduleError: if the program does not validate, or ``costs`` is a sequence whose length
+            is not ``program.num_stages``.
+        TypeError: if ``costs`` is neither a ``Costs`` nor a sequence of them.
     """
     costs = Costs() if costs is None else costs
     validate(program)
+    per_stage = _per_stage(program, costs)
     split = split_backwards(program)
     rank_of = program.placement()
     ends: dict[Action, float] = {}
@@ -194,11 +218,11 @@ def simulate(program: Program, costs: Costs | None = None) -> Simulation:
                 if any(d not in ends for d in deps):
                     break
                 ready = max(
-                    (ends[d] + (costs.send if rank_of[d.stage] != r else 0.0) for d in deps),
+                    (ends[d] + (per_stage[d.stage].send if rank_of[d.stage] != r else 0.0) for d in deps),
                     default=0.0,
                 )
                 start = max(free[r], ready)
-                free[r] = ends[action] = start + costs.of(action.kind)
+                free[r] = ends[action] = start + per_stage[action.stage].of(action.kind)
                 starts_per_rank[r].append(start)
                 ends_per_rank[r].append(free[r])
                 remaining -= 1
@@ -206,7 +230,144 @@ def simulate(program: Program, costs: Costs | None = None) -> Simulation:
         assert moved, "validate() guarantees that a valid program always makes progress"
     return Simulation(
         program,
-        costs,
+        costs if isinstance(costs, Costs) else per_stage,
         tuple(tuple(row) for row in starts_per_rank),
         tuple(tuple(row) for row in ends_per_rank),
     )
+
+
+def _per_stage(program: Program, costs: Costs | Sequence[Costs]) -> tuple[Costs, ...]:
+    """``costs`` as one ``Costs`` per stage of ``program``, or an error saying what is wrong."""
+    if isinstance(costs, Costs):
+        return (costs,) * program.num_stages
+    if isinstance(costs, (str, bytes)) or not isinstance(costs, Sequence):
+        raise TypeError(
+            f"fpipe.schedules.simulate: costs must be a Costs or a sequence of one Costs per stage "
+            f"(costs: {costs!r}). Pass e.g. Costs(backward=2), or [Costs(...)] * num_stages."
+        )
+    for s, c in enumerate(costs):
+        if not isinstance(c, Costs):
+            raise TypeError(
+                f"fpipe.schedules.simulate: costs[{s}] is not a Costs (costs[{s}]: {c!r}). Pass one Costs per stage."
+            )
+    if len(costs) != program.num_stages:
+        raise ScheduleError(
+            f"fpipe.schedules.simulate: costs must hold one Costs per stage of the program "
+            f"(len(costs): {len(costs)}, program.num_stages: {program.num_stages}). "
+            "Pass one Costs per stage, or a single Costs for all stages."
+        )
+    return tuple(costs)
+
+
+MIN_DURATION = 1e-9  # what fit_costs charges for a measured duration of zero (or less, clock skew)
+
+
+def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
+    """Per-stage ``Costs`` estimated from measured timelines, so that ``simulate`` reproduces them.
+
+    Conceptually, for each stage ``s``::
+
+        forward  = median(end - start of every sF<i> recorded)      # and likewise B, I, W
+        send     = median(start(a) - end(d) for every action a that waited for a message from
+                          stage s: its dependency d ran on another rank and ended after
+                          the action before a on a's rank did)
+
+    The executor records an action's start once its inputs have arrived (see ``fpipe.record``),
+    so ``start(a) - end(d)`` is how long the message took, whenever ``a``'s rank was already free
+    when ``d`` ended. A mere gap before ``a`` does not show a wait: receiving a message that is
+    already there takes time too, and that would charge the whole of ``d``'s head start as
+    latency. A stage whose messages never made anyone wait gets the median latency over all
+    stages, and ``send=0.0`` when no action waited at all. A negative median (a message received
+    before its sender's action returned, or clocks that differ between machines) counts as 0.
+
+    Kinds the program does not run keep a value that ``Costs`` accepts and ``simulate`` never
+    uses: a stage with only fused backwards gets ``backward`` = the median ``B`` and
+    ``backward_input = backward_weight = backward / 2``; a stage with only split backwards gets
+    the medians of ``I`` and ``W`` and ``backward=None``; a stage with both gets all three.
+    Durations are clamped to at least ``MIN_DURATION`` (1e-9) so that an action too short for the
+    clock still makes a valid ``Costs``.
+
+    Args:
+        timeline: a timeline from ``fpipe.record()`` (``recording.timeline``), or several of the
+            same program (``recording.timelines``), whose durations and latencies are pooled.
+            Simulated timelines work too: ``fit_costs(simulate(program, costs))`` gives ``costs``
+            back when each stage sends some message that an action waits for, as defined above.
+
+    Returns:
+        One ``Costs`` per stage, in stage order, in the timeline's unit (seconds when measured).
+
+    Example:
+        >>> from fpipe.schedules import Costs, GPipe, fit_costs, simulate
+        >>> costs = (Costs(forward=1, backward=2, send=0.5), Costs(forward=2, backward=4, send=0.25))
+        >>> fitted = fit_costs(simulate(GPipe(num_microbatches=2).program(2), costs))
+        >>> [(c.forward, c.of("B"), c.send) for c in fitted]
+        [(1.0, 2.0, 0.5), (2.0, 4.0, 0.25)]
+
+    Raises:
+        ScheduleError: for no timeline, timelines of different programs, or a timeline whose
+            times do not match its program.
+        TypeError: if ``timeline`` holds something other than ``Simulation`` objects.
+    """
+    timelines = (timeline,) if isinstance(timeline, Simulation) else tuple(timeline)
+    for k, t in enumerate(timelines):
+        if not isinstance(t, Simulation):
+            raise TypeError(
+                f"fpipe.schedules.fit_costs: timeline {k} is not a Simulation (type: {type(t).__name__}). "
+                "Pass recording.timeline or recording.timelines from fpipe.record()."
+            )
+    if not timelines:
+        raise ScheduleError(
+            "fpipe.schedules.fit_costs: no timeline to fit (timelines: 0). Record at least one step "
+            "with fpipe.record()."
+        )
+    program = timelines[0].program
+    for k, t in enumerate(timelines):
+        if t.program != program:
+            raise ScheduleError(
+                f"fpipe.schedules.fit_costs: timeline {k} ran a different program than timeline 0 "
+                f"(timeline 0:\n{program}\ntimeline {k}:\n{t.program}). Fit the steps of one program at a time."
+            )
+        shape = [len(row) for row in program.ranks]
+        if [len(row) for row in t.starts] != shape or [len(row) for row in t.ends] != shape:
+            raise ScheduleError(
+                f"fpipe.schedules.fit_costs: timeline {k} does not have one start and one end per action "
+                f"(actions per rank: {shape}, starts per rank: {[len(row) for row in t.starts]}, ends per "
+                f"rank: {[len(row) for row in t.ends]}). Pass timelines from fpipe.record() or simulate()."
+            )
+    validate(program)
+    split = split_backwards(program)
+    rank_of = program.placement()
+    durations: dict[tuple[int, str], list[float]] = {}
+    latencies: dict[int, list[float]] = {}
+    for t in timelines:
+        end_of: dict[Action, float] = {}
+        for row, starts, ends in zip(program.ranks, t.starts, t.ends):
+            for a, start, end in zip(row, starts, ends):
+                end_of[a] = end
+                durations.setdefault((a.stage, a.kind), []).append(end - start)
+        for r, (row, starts, ends) in enumerate(zip(program.ranks, t.starts, t.ends)):
+            for pos, a in enumerate(row):
+                free = ends[pos - 1] if pos else 0.0
+                remote = [d for d in dependencies(a, program.num_stages, split) if rank_of[d.stage] != r]
+                if not remote:
+                    continue
+                sender = max(remote, key=lambda d: end_of[d])
+                if end_of[sender] > free:  # the rank was free before its input left: it waited for it
+                    latencies.setdefault(sender.stage, []).append(starts[pos] - end_of[sender])
+    everywhere = [x for values in latencies.values() for x in values]
+    fallback = max(statistics.median(everywhere), 0.0) if everywhere else 0.0
+
+    def median(s: int, kind: str) -> float | None:
+        values = durations.get((s, kind))
+        return max(statistics.median(values), MIN_DURATION) if values else None
+
+    fitted = []
+    for s in range(program.num_stages):
+        forward, fused, inp, wgt = (median(s, kind) for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
+        assert forward is not None and (fused is not None or (inp is not None and wgt is not None)), "validated"
+        if inp is None or wgt is None:
+            assert fused is not None
+            inp = wgt = max(fused / 2, MIN_DURATION)
+        send = max(statistics.median(latencies[s]), 0.0) if s in latencies else fallback
+        fitted.append(Costs(forward=forward, backward_input=inp, backward_weight=wgt, backward=fused, send=send))
+    return tuple(fitted)

@@ -7,17 +7,22 @@ running actions, within the makespan.
 from __future__ import annotations
 
 import pytest
+import torch
 
+import fpipe
 from fpipe.schedules import (
     Costs,
+    DualPipeV,
     GPipe,
     Interleaved1F1B,
     LoopedBFS,
     OneFOneB,
     Program,
     ScheduleError,
+    Simulation,
     ZeroBubbleH1,
     ZeroBubbleV,
+    fit_costs,
     simulate,
     timeline,
 )
@@ -164,3 +169,129 @@ def test_costs_of_each_kind() -> None:
     assert Costs(backward=4).of("B") == 4
     with pytest.raises(ScheduleError, match="unknown action kind 'X'"):
         costs.of("X")
+
+
+# Per-stage costs. Every cost below is a sum of powers of two, so the replay is exact in floats.
+LIGHT = Costs(forward=1, backward_input=1, backward_weight=1, backward=2, send=0.5)
+HEAVY = Costs(forward=2, backward_input=2, backward_weight=2, backward=4, send=0.25)
+
+
+def test_per_stage_costs_literally() -> None:
+    # stage 0: F 1, B 2, its activations travel 0.5; stage 1: F 2, B 4, its cotangents travel 0.25.
+    # rank 0 | 0F0 0F1 ............................. 0B0 ..... 0B1    0B0 at 9.5 + 0.25, 0B1 at 13.5 + 0.25
+    # rank 1 | ... 1F0 1F1 1B0 1B1                                  1F0 at 1 + 0.5, 1F1 when 1F0 ends (3.5)
+    sim = simulate(GPipe(2).program(2), [LIGHT, HEAVY])
+    assert sim.starts == ((0, 1, 9.75, 13.75), (1.5, 3.5, 5.5, 9.5))
+    assert sim.ends == ((1, 2, 11.75, 15.75), (3.5, 5.5, 9.5, 13.5))
+    assert sim.costs == (LIGHT, HEAVY)
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        GPipe(3).program(3),
+        OneFOneB(5).program(4),
+        ZeroBubbleV(5).program(6),
+        Interleaved1F1B(4, stages_per_rank=2).program(4),
+    ],
+    ids=["gpipe", "1f1b", "zbv", "interleaved"],
+)
+def test_uniform_per_stage_costs_equal_one_costs(program: Program) -> None:
+    costs = Costs(forward=0.7, backward_input=1.3, backward_weight=0.9, send=0.3)
+    one = simulate(program, costs)
+    per_stage = simulate(program, [costs] * program.num_stages)
+    assert (per_stage.starts, per_stage.ends) == (one.starts, one.ends)
+    assert one.costs == costs and per_stage.costs == (costs,) * program.num_stages
+
+
+def test_per_stage_costs_need_one_per_stage() -> None:
+    with pytest.raises(ScheduleError, match=r"len\(costs\): 3, program.num_stages: 2\). Pass one Costs per stage"):
+        simulate(GPipe(2).program(2), [LIGHT] * 3)
+
+
+@pytest.mark.parametrize(
+    ("costs", "fragment"),
+    [
+        ({"forward": 1}, "costs must be a Costs or a sequence of one Costs per stage"),
+        ("FB", "costs must be a Costs or a sequence of one Costs per stage"),
+        ([LIGHT, 2.0], r"costs\[1\] is not a Costs \(costs\[1\]: 2.0\)"),
+    ],
+)
+def test_per_stage_costs_reject_other_types(costs: object, fragment: str) -> None:
+    with pytest.raises(TypeError, match=fragment):
+        simulate(GPipe(2).program(2), costs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("program", "costs"),
+    [
+        (GPipe(2).program(2), (LIGHT, HEAVY)),
+        (OneFOneB(4).program(3), (LIGHT, HEAVY, Costs(forward=4, backward_input=4, backward_weight=4, backward=8))),
+        (
+            ZeroBubbleH1(4).program(3),  # split backwards only: backward stays None
+            (
+                Costs(forward=1, backward_input=1, backward_weight=0.5, send=0.5),
+                Costs(forward=2, backward_input=1.5, backward_weight=0.25, send=0.25),
+                Costs(forward=0.5, backward_input=4, backward_weight=2, send=0.125),
+            ),
+        ),
+        (
+            DualPipeV(4).program(4),  # stages 0 and 3 run both fused and split backwards
+            (
+                Costs(forward=1, backward_input=1, backward_weight=0.5, backward=2, send=0.5),
+                Costs(forward=2, backward_input=1.5, backward_weight=0.25, backward=1.75, send=0.25),
+                Costs(forward=0.5, backward_input=4, backward_weight=2, backward=5, send=0.125),
+                Costs(forward=3, backward_input=2, backward_weight=2, backward=4, send=0.75),
+            ),
+        ),
+    ],
+    ids=["gpipe", "1f1b", "zbh1", "dualpipev"],
+)
+def test_fit_costs_recovers_the_costs_of_a_simulation(program: Program, costs: tuple[Costs, ...]) -> None:
+    assert fit_costs(simulate(program, costs)) == costs
+
+
+def test_fit_costs_pools_timelines_by_median() -> None:
+    program = OneFOneB(4).program(2)
+    slow = Costs(forward=3, backward_input=3, backward_weight=3, backward=6, send=1.5)
+    fast = Costs(forward=1, backward_input=1, backward_weight=1, backward=2, send=0.5)
+    assert (
+        fit_costs([simulate(program, slow), simulate(program, fast)])
+        == (Costs(forward=2, backward_input=2, backward_weight=2, backward=4, send=1),) * 2
+    )
+
+
+def test_fit_costs_clamps_durations_and_falls_back_on_latency() -> None:
+    # One rank, every action measured as lasting 0: no message, durations clamped.
+    program = GPipe(1).program(1)
+    measured = Simulation(program, None, ((0.0, 0.0),), ((0.0, 0.0),))
+    assert fit_costs(measured) == (Costs(forward=1e-9, backward_input=1e-9, backward_weight=1e-9, backward=1e-9),)
+    # rank 0 | 0F0 0F1 0B0 0B1: stage 0 is so slow that stage 1's cotangents are always there
+    # rank 1 | 1F0 1B0 1F1 1B1   in time, so stage 1's latency is not seen: it gets stage 0's.
+    sim = simulate(OneFOneB(2).program(2), [Costs(forward=8, backward=4, send=0.5), Costs(backward=1, send=0.25)])
+    assert [c.send for c in fit_costs(sim)] == [0.5, 0.5]
+
+
+def test_fit_costs_errors() -> None:
+    sim = simulate(GPipe(2).program(2))
+    with pytest.raises(ScheduleError, match=r"no timeline to fit \(timelines: 0\)"):
+        fit_costs([])
+    with pytest.raises(ScheduleError, match="timeline 1 ran a different program than timeline 0"):
+        fit_costs([sim, simulate(GPipe(3).program(2))])
+    with pytest.raises(ScheduleError, match=r"timeline 0 does not have one start and one end per action"):
+        fit_costs(Simulation(sim.program, None, sim.starts, ((1.0,), (2.0,))))
+    with pytest.raises(TypeError, match="timeline 1 is not a Simulation \\(type: Program\\)"):
+        fit_costs([sim, sim.program])  # type: ignore[list-item]
+
+
+def test_fit_costs_of_a_recorded_step() -> None:
+    def stage(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ p)
+
+    step = fpipe.pipeline(lambda y, batch: y.square().mean(), [stage] * 2, OneFOneB(2))
+    with fpipe.record() as recording:
+        step([torch.randn(4, 4), torch.randn(4, 4)], torch.randn(4, 4))
+    costs = fit_costs(recording.timelines)
+    assert len(costs) == 2
+    assert all(c.forward > 0 and c.of("B") > 0 and c.send >= 0 for c in costs)
+    assert simulate(step.program, costs).makespan > 0
