@@ -29,7 +29,10 @@ the same numbers. For each schedule (GPipe, 1F1B) and microbatch count (4, 8):
      allocated inside the window and still live, at their highest. The parameters, allocated
      before, are not counted on either side; grads, activations, buffers and messages are;
   3. time: steps timed A/B interleaved, ABBA (fpipe, torch, torch, fpipe, ...), each step
-     preceded by a barrier; a step's time is the slower rank's; the table reports medians.
+     preceded by a barrier; a step's time is the slower rank's; the table reports medians, the
+     ratio of the medians, the median and quartiles of the per-round ratios (the two steps of a
+     round run back to back, so a slow spell of a shared machine hits both) and the ratio of
+     the fastest steps.
 
 Both sides drop the previous step's grads before a step (``zero_grad(set_to_none=True)`` for
 torch, ``del grads`` for fpipe), both get the batch on the first rank and the targets on the
@@ -37,6 +40,9 @@ last one, and torch's schedule runs with ``return_outputs=False`` (fpipe returns
 
 Then (item 4) a few untimed fpipe steps run under ``fpipe.record()``, and the idle fraction of
 each rank is set against ``fpipe.schedules.simulate``'s prediction (see ``bubble_analysis``).
+Last (item 3, distributed), the runtime's own cost per action on both sides: tiny stages
+(``x * p`` on one element) and many microbatches, so a step is all messages and bookkeeping
+(see ``run_per_action``).
 """
 
 from __future__ import annotations
@@ -581,17 +587,27 @@ def summary(times: list[float]) -> dict[str, float]:
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
 
 
+def paired(fpipe_steps: list[float], torch_steps: list[float]) -> dict[str, float]:
+    """fpipe / torch per ABBA round (the two steps of a round ran back to back, so a slow spell of
+    the machine hits both): median and quartiles of those ratios, and the ratio of the minimums."""
+    ratios = sorted(f / t for f, t in zip(fpipe_steps, torch_steps))
+    q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return {"median": median, "q1": q1, "q3": q3, "of_minimums": min(fpipe_steps) / min(torch_steps)}
+
+
 def combine(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per config: step time = the slower rank's, per step; memory and grads per rank."""
     rows = []
     for per_rank in zip(*(r["configs"] for r in ranks)):
         first = per_rank[0]
         row: dict[str, Any] = {"schedule": first["schedule"], "microbatches": first["microbatches"]}
+        steps = {}
         for side in ("fpipe", "torch"):
-            steps = [max(ts) for ts in zip(*(c["times"][side] for c in per_rank))]
-            row[side] = summary(steps)
+            steps[side] = [max(ts) for ts in zip(*(c["times"][side] for c in per_rank))]
+            row[side] = summary(steps[side])
             row[side]["per_rank_median_s"] = [statistics.median(c["times"][side]) for c in per_rank]
         row["ratio"] = row["fpipe"]["median_s"] / row["torch"]["median_s"]
+        row["paired_ratio"] = paired(steps["fpipe"], steps["torch"])
         row["peak_bytes"] = {side: [c["peak_bytes"][side] for c in per_rank] for side in ("fpipe", "torch")}
         row["peak_ratio"] = [
             c["peak_bytes"]["fpipe"] / c["peak_bytes"]["torch"] if c["peak_bytes"]["torch"] else None for c in per_rank
@@ -615,11 +631,13 @@ def combine_per_action(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for per_rank in zip(*(r["per_action"] for r in ranks)):
         first = per_rank[0]
         row: dict[str, Any] = {k: first[k] for k in ("schedule", "microbatches", "actions_per_rank")}
+        steps = {}
         for side in ("fpipe", "torch"):
-            steps = [max(ts) for ts in zip(*(c["times"][side] for c in per_rank))]
-            row[side] = summary(steps)
+            steps[side] = [max(ts) for ts in zip(*(c["times"][side] for c in per_rank))]
+            row[side] = summary(steps[side])
             row[side]["us_per_action"] = row[side]["median_s"] / first["actions_per_rank"] * 1e6
         row["ratio"] = row["fpipe"]["median_s"] / row["torch"]["median_s"]
+        row["paired_ratio"] = paired(steps["fpipe"], steps["torch"])
         rows.append(row)
     return rows
 
@@ -631,7 +649,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, help="timed steps per side and config (default 9, quick 2)")
     parser.add_argument("--warmup", type=int, help="untimed steps per side and config (default 1, quick 1)")
     parser.add_argument("--cprofile", metavar="DIR", help="also cProfile 3 steps of each side per rank into DIR")
-    parser.add_argument("--record-steps", type=int, default=3, help="fpipe steps recorded for the bubble (0: skip)")
+    parser.add_argument("--record-steps", type=int, default=5, help="fpipe steps recorded for the bubble (0: skip)")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES), help="default: both")
     parser.add_argument("--microbatches", nargs="+", type=int, default=list(MICROBATCHES), help="default: 4 8")
     args = parser.parse_args(argv)
@@ -692,6 +710,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return results
 
 
+def spread(ratio: dict[str, float]) -> str:
+    return f"{ratio['median']:.3f} [{ratio['q1']:.3f}, {ratio['q3']:.3f}]"
+
+
 def print_table(results: dict[str, Any]) -> None:
     c, m = results["config"], results["machine"]
     print(
@@ -700,10 +722,10 @@ def print_table(results: dict[str, Any]) -> None:
     )
     print()
     print(
-        "| schedule | mb | fpipe ms | torch ms | fpipe/torch | peak MiB fpipe r0/r1 | peak MiB torch r0/r1 "
-        "| peak fpipe/torch r0/r1 | grads |"
+        "| schedule | mb | fpipe ms | torch ms | fpipe/torch | paired: median [q1, q3] | of minimums "
+        "| peak MiB fpipe r0/r1 | peak MiB torch r0/r1 | peak fpipe/torch r0/r1 | grads |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in results["configs"]:
         f, t = row["fpipe"]["median_s"] * 1e3, row["torch"]["median_s"] * 1e3
         pf = "/".join(f"{b / 2**20:.1f}" for b in row["peak_bytes"]["fpipe"])
@@ -713,6 +735,7 @@ def print_table(results: dict[str, Any]) -> None:
         grads = f"match (max diff {diff:.1e})" if row["grads_match"] else "DIFFER"
         print(
             f"| {row['schedule']} | {row['microbatches']} | {f:.1f} | {t:.1f} | {row['ratio']:.3f} "
+            f"| {spread(row['paired_ratio'])} | {row['paired_ratio']['of_minimums']:.3f} "
             f"| {pf} | {pt} | {pr} | {grads} |"
         )
     print()
@@ -721,12 +744,16 @@ def print_table(results: dict[str, Any]) -> None:
     print()
     print("runtime overhead per action (item 3): tiny stages (x * p on one element), 2 ranks, both sides")
     print()
-    print("| schedule | mb | actions per rank | fpipe us/action | torch us/action | fpipe/torch |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| schedule | mb | actions per rank | fpipe us/action | torch us/action | fpipe/torch "
+        "| paired: median [q1, q3] |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for row in results["per_action"]:
         print(
             f"| {row['schedule']} | {row['microbatches']} | {row['actions_per_rank']} "
-            f"| {row['fpipe']['us_per_action']:.0f} | {row['torch']['us_per_action']:.0f} | {row['ratio']:.2f} |"
+            f"| {row['fpipe']['us_per_action']:.0f} | {row['torch']['us_per_action']:.0f} | {row['ratio']:.2f} "
+            f"| {spread(row['paired_ratio'])} |"
         )
     rows = [row for row in results["configs"] if row["bubble"]]
     if not rows:
@@ -734,23 +761,28 @@ def print_table(results: dict[str, Any]) -> None:
     else:
         print()
         print(
-            "bubble (fpipe, idle fraction of the step per rank r0/r1; recorded: waits inside actions count as busy; "
-            "estimated: waits taken out; simulated: simulate() with the measured F and B; textbook: T_B = 2 T_F)"
+            "bubble (fpipe, idle fraction of the step per rank r0/r1, medians over the recorded steps; recorded: "
+            "from fpipe.record() (waiting for a peer is idle); fitted: simulate(program, fit_costs(recorded)), "
+            "per-stage median F and B and the median message latency; error: |recorded - fitted| / recorded; "
+            "uniform: one Costs(F, B) averaged over ranks, no latency; textbook: T_B = 2 T_F)"
         )
         print()
-        print("| schedule | mb | F ms r0/r1 | B ms r0/r1 | recorded | estimated | simulated | textbook |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| schedule | mb | F ms r0/r1 | B ms r0/r1 | send ms | recorded | fitted | error | uniform | textbook |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
 
         def pair(values: Sequence[float], scale: float = 1.0, fmt: str = ".2f") -> str:
             return "/".join(f"{v * scale:{fmt}}" for v in values)
 
         for row in rows:
             b = row["bubble"]
-            f = [b["cost_s"][f"rank{r}.F"] for r in range(2)]
-            bw = [b["cost_s"][f"rank{r}.B"] for r in range(2)]
+            costs = b["fitted_costs_s"]
+            f = [c["forward"] for c in costs]
+            bw = [c["backward"] for c in costs]
+            send = [c["send"] for c in costs]
             print(
                 f"| {row['schedule']} | {row['microbatches']} | {pair(f, 1e3, '.0f')} | {pair(bw, 1e3, '.0f')} "
-                f"| {pair(b['recorded'])} | {pair(b['estimated'])} | {pair(b['simulated'])} | {pair(b['textbook'])} |"
+                f"| {pair(send, 1e3, '.1f')} | {pair(b['recorded'])} | {pair(b['fitted'])} "
+                f"| {pair(b['fitted_error'], 100, '.0f')} % | {pair(b['simulated'])} | {pair(b['textbook'])} |"
             )
     for row in results["configs"]:
         if not row["grads_match"]:

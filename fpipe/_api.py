@@ -99,7 +99,7 @@ def pipeline(
 
     but runs the stages' forwards and backwards in the order of the schedule, with explicit
     vector-Jacobian products. With a per-example mean loss this equals the full-batch loss and
-    its gradient. User tensors are never mutated, ``.grad`` is never touched, and the result
+    its gradient. User tensors are never mutated, their ``.grad`` is never touched, and the result
     does not depend on the ambient grad mode.
 
     Example:

@@ -37,11 +37,21 @@ def test_bench_vs_torch_quick(tmp_path: Path) -> None:
             assert len(row[side]["per_rank_median_s"]) == 2
             assert len(row["peak_bytes"][side]) == 2 and all(b > 0 for b in row["peak_bytes"][side])
         assert row["ratio"] > 0
+        paired = row["paired_ratio"]
+        assert 0 < paired["q1"] <= paired["median"] <= paired["q3"] and paired["of_minimums"] > 0
         bubble = row["bubble"]
         assert bubble["steps"] == 1
         for key in ("recorded", "estimated", "simulated", "textbook"):
             assert len(bubble[key]) == 2 and all(0 <= f < 1 for f in bubble[key]), (key, bubble[key])
         assert {"rank0.F", "rank0.B", "rank1.F", "rank1.B"} <= bubble["cost_s"].keys()
+        assert len(bubble["fitted"]) == len(bubble["fitted_error"]) == len(bubble["fitted_costs_s"]) == 2
+        assert all(0 <= f < 1 for f in bubble["fitted"]) and all(e >= 0 for e in bubble["fitted_error"])
+
+    per_action = results["per_action"]
+    assert [(r["schedule"], r["actions_per_rank"]) for r in per_action] == [("gpipe", 32), ("1f1b", 32)]
+    for row in per_action:
+        assert row["fpipe"]["us_per_action"] > 0 and row["torch"]["us_per_action"] > 0
+    assert "fpipe us/action" in proc.stdout and "| fitted |" in proc.stdout
 
     assert results["config"]["quick"] is True and results["config"]["ranks"] == 2
     assert {"torch", "python", "cpus"} <= results["machine"].keys()
