@@ -266,11 +266,23 @@ class DistributedTransport:
     def _send(self, dst: int, key: Key, value: PyTree) -> None:
         peer = self.peers[dst]
         assert peer.outgoing[peer.next_out] == key, f"fpipe: sending {key}, expected {peer.outgoing[peer.next_out]}"
+        self._reap()
         tensors = self._encoder(dst, key).encode(value, self.topology.device)
         peer.next_out += 1
         to, group = self.topology.global_ranks[dst], self.topology.group
         for tensor in tensors:
             self._sends.append((dist.isend(tensor, to, group=group), (tensor,)))
+
+    def _reap(self) -> None:
+        """Drop the sends that have completed, and with them their buffers (a copy of the value sent,
+        which would otherwise live until the end of the step)."""
+        pending = []
+        for work, tensors in self._sends:
+            if work.is_completed():
+                self._wait(work, "a send to complete", None)  # returns at once, or raises its error
+            else:
+                pending.append((work, tensors))
+        self._sends = pending
 
     def _encoder(self, peer: int, key: Key) -> Encoder:
         channel = (peer, key[0], key[1])
@@ -292,6 +304,7 @@ class DistributedTransport:
         peer.first_work = dist.irecv(peer.first, self.topology.global_ranks[peer.rank], group=self.topology.group)
 
     def _recv(self, src: int, key: Key) -> PyTree:
+        self._reap()
         peer = self.peers[src]
         while key not in peer.buffered:
             self._read(peer)
@@ -309,13 +322,17 @@ class DistributedTransport:
             self._remote_failure(*meta[1:5])
         src, group = self.topology.global_ranks[peer.rank], self.topology.group
         decoder = self._decoder(peer.rank, key)
-        header, payload = decoder.follow_ups(meta, self.topology.device)
-        works = [dist.irecv(t, src, group=group) for t in (header, payload) if t is not None and t.numel()]
+        header, packed = decoder.opened(meta, self.topology.device)
+        if header is not None:  # the large leaves' shapes are in it
+            self._wait(dist.irecv(header, src, group=group), what, peer.rank)
+        buffers = [t for t in (packed,) if t is not None and t.numel()]
+        buffers += decoder.large_leaves(header, self.topology.device)
+        works = [dist.irecv(t, src, group=group) for t in buffers]
         if peer.next_in < len(peer.incoming):
             self._post_first(peer)  # posted early: the next message can land while we compute
         for work in works:
             self._wait(work, what, peer.rank)
-        peer.buffered[key] = decoder.decode(first, header, payload)
+        peer.buffered[key] = decoder.decode(first, packed)
 
     def _remote_failure(self, rank: int, stage: int, kind_index: int, microbatch: int) -> None:
         if kind_index < 0:

@@ -1,26 +1,28 @@
 """The wire format: pytrees as torch.distributed point-to-point messages (notes/wire.md).
 
-A message is one to three tensors sent in this order on one (sender, receiver) pair:
+A message is a few tensors sent in this order on one (sender, receiver) pair:
 
-1. ``first``: ``uint8[META_BYTES + expected]``, where ``expected`` is the payload size of the
+1. ``first``: ``uint8[META_BYTES + expected]``, where ``expected`` is the packed size of the
    previous message on the same channel (0 for the first). It opens with the meta, ``int64[6]``
-   = ``[DATA, header_nbytes, payload_nbytes, expected, 0, 0]``, or ``[ERROR, failing_rank,
-   stage, kind, microbatch, 0]`` when the sender gives up (no more follows). When the payload
-   has the expected size, it travels right behind the meta (inline); otherwise that space is
-   zero padding and the payload follows on its own.
+   = ``[DATA, header_nbytes, packed_nbytes, expected, 0, 0]``, or ``[ERROR, failing_rank,
+   stage, kind, microbatch, 0]`` when the sender gives up (no more follows). When the packed
+   bytes have the expected size they travel right behind the meta (inline); otherwise that
+   space is zero padding and they follow on their own.
 2. ``header``: ``uint8[header_nbytes]``, only when the pytree's layout differs from the previous
    message on the same channel: the pickled ``Layout`` (treespec, each tensor leaf's dtype,
-   shape, byte offset and whether it carries the sender's graph, the non-tensor leaves).
-3. ``payload``: ``uint8[payload_nbytes]``, only when it is not inline and not empty.
+   shape, where it travels and whether it carries the sender's graph, the non-tensor leaves).
+3. ``packed``: ``uint8[packed_nbytes]``, only when not inline and not empty.
+4. Every large tensor leaf (``INLINE_LIMIT`` bytes or more), in leaf order: its own bytes, sent
+   from the leaf's storage and received straight into the arriving tensor, no copy on either
+   side (a stage's output is kept for its backward anyway, so sending it costs no memory).
 
-The payload is every tensor leaf's bytes, each at a 16-byte aligned offset (``META_BYTES`` is a
-multiple of 16, so inline leaves stay aligned). Complex, integer and bool tensors travel as raw
-bytes like any other. Sender and receiver each keep the last layout and payload size per
-channel (e.g. "activations of stage 2") and see the channel's messages in the same order, so
-the receiver can post the receive of the next ``first`` with its right size before the message
-is sent: in the steady state a value is one message whose receive was posted early, and a
-header travels only when a pytree first appears or its structure, a shape, a dtype or a
-non-tensor leaf changes.
+Small leaves are packed, each at a 16-byte aligned offset (``META_BYTES`` is a multiple of 16,
+so inline leaves stay aligned). Complex, integer and bool tensors travel as raw bytes like any
+other. Sender and receiver each keep the last layout and packed size per channel (e.g.
+"activations of stage 2") and see the channel's messages in the same order, so the receiver can
+post the receive of the next ``first`` with its right size before the message is sent: a value
+of small leaves is one message whose receive was posted early, and a header travels only when a
+pytree first appears or its structure, a shape, a dtype or a non-tensor leaf changes.
 """
 
 from __future__ import annotations
@@ -37,18 +39,19 @@ META_WORDS = 6
 META_BYTES = 8 * META_WORDS  # a multiple of 16: an inline payload keeps its leaves aligned
 DATA = 0
 ERROR = 1
+INLINE_LIMIT = 1 << 16  # tensor leaves of this many bytes or more travel as messages of their own
 _ALIGN = 16
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each leaf of a pytree lives in a payload."""
+    """Where each leaf of a pytree travels: packed at an offset, or as a message of its own."""
 
     spec: TreeSpec
-    # (leaf, dtype, shape, offset, size, requires_grad)
+    # (leaf, dtype, shape, offset in the packed bytes or -1 for its own message, size, requires_grad)
     tensors: tuple[tuple[int, torch.dtype, tuple[int, ...], int, int, bool], ...]
     values: tuple[tuple[int, Any], ...]  # (leaf, non-tensor value)
-    nbytes: int
+    nbytes: int  # of the packed leaves
 
 
 def layout_of(tree: PyTree) -> tuple[Layout, list[Any]]:
@@ -58,8 +61,9 @@ def layout_of(tree: PyTree) -> tuple[Layout, list[Any]]:
     for k, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             size = leaf.numel() * leaf.element_size()
-            tensors.append((k, leaf.dtype, tuple(leaf.shape), offset, size, leaf.requires_grad))
-            offset += -(-size // _ALIGN) * _ALIGN
+            packed = size < INLINE_LIMIT
+            tensors.append((k, leaf.dtype, tuple(leaf.shape), offset if packed else -1, size, leaf.requires_grad))
+            offset += -(-size // _ALIGN) * _ALIGN if packed else 0
         else:
             values.append((k, leaf))
     return Layout(spec, tuple(tensors), tuple(values), offset), leaves
@@ -92,12 +96,17 @@ def error_message(code: list[int], expected: int, device: torch.device) -> torch
     return _first([ERROR, *code], expected, device, inline=False)
 
 
+def _bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t``'s bytes as a flat ``uint8`` tensor on ``device``: a view when ``t`` is contiguous there."""
+    return t.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+
+
 class Encoder:
     """Turns pytrees of one channel into messages (lists of tensors to send, in order)."""
 
     def __init__(self) -> None:
         self._last: Layout | None = None
-        self.expected = 0  # the payload size the receiver's next ``first`` buffer has room for
+        self.expected = 0  # the packed size the receiver's next ``first`` buffer has room for
 
     def encode(self, tree: PyTree, device: torch.device) -> list[torch.Tensor]:
         layout, leaves = layout_of(tree)
@@ -107,52 +116,73 @@ class Encoder:
         inline = layout.nbytes == self.expected
         words = [DATA, 0 if header is None else header.numel(), layout.nbytes, self.expected]
         first = _first(words, self.expected, device, inline=inline)
-        payload = first[META_BYTES:] if inline else torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        packed = first[META_BYTES:] if inline else torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        large = []
         for k, dtype, shape, offset, size, _ in layout.tensors:
-            payload[offset : offset + size].view(dtype).view(shape).copy_(leaves[k].detach())
+            if offset < 0:
+                large.append(_bytes(leaves[k], device))
+            else:
+                packed[offset : offset + size].view(dtype).view(shape).copy_(leaves[k].detach())
         self._last, self.expected = layout, layout.nbytes
-        return [t for t in (first, header, None if inline else payload) if t is not None and t.numel()]
+        tensors = [first, header, None if inline else packed, *large]
+        return [t for t in tensors if t is not None and t.numel()]
 
 
 class Decoder:
     """Turns the messages of one channel back into pytrees.
 
-    For each message: ``first_buffer`` to receive into (posted early), then ``follow_ups`` with
-    its meta says which buffers follow, then ``decode``.
+    For each message: ``first_buffer`` to receive into (posted early); with its meta, ``opened``
+    gives the header and packed buffers that follow; with the header received, ``large_leaves``
+    gives the buffers of the large leaves; once all have arrived, ``decode``.
     """
 
     def __init__(self) -> None:
         self._layout: Layout | None = None
+        self._large: list[torch.Tensor] = []
         self.expected = 0  # the sender's ``Encoder.expected``, kept in step
 
     def first_buffer(self, device: torch.device) -> torch.Tensor:
         """The buffer the next message's ``first`` tensor arrives in."""
         return torch.empty(META_BYTES + self.expected, dtype=torch.uint8, device=device)
 
-    def follow_ups(self, meta: list[int], device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Buffers for the header and the separate payload that follow a DATA ``first`` (``None``: none)."""
-        _, header_nbytes, payload_nbytes, expected = meta[:4]
+    def opened(self, meta: list[int], device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Buffers for the header and the packed bytes that follow a DATA ``first`` (``None``: none)."""
+        _, header_nbytes, packed_nbytes, expected = meta[:4]
         assert expected == self.expected, f"fpipe wire: the sender expects {expected} inline bytes, we {self.expected}"
         header = torch.empty(header_nbytes, dtype=torch.uint8, device=device) if header_nbytes else None
-        payload = None
-        if payload_nbytes != expected:
-            payload = torch.empty(payload_nbytes, dtype=torch.uint8, device=device)
-        self.expected = payload_nbytes
-        return header, payload
+        packed = None
+        if packed_nbytes != expected:
+            packed = torch.empty(packed_nbytes, dtype=torch.uint8, device=device)
+        self.expected = packed_nbytes
+        return header, packed
 
-    def decode(self, first: torch.Tensor, header: torch.Tensor | None, payload: torch.Tensor | None) -> PyTree:
-        """The pytree of a message whose buffers have all arrived."""
+    def large_leaves(self, header: torch.Tensor | None, device: torch.device) -> list[torch.Tensor]:
+        """Read a new header if there is one; the buffers the large leaves arrive in (flat bytes)."""
         if header is not None:
             self._layout = pickle.loads(bytes(header.cpu().tolist()))
         layout = self._layout
         assert layout is not None, "fpipe wire: a message without header on a new channel"
-        if payload is None:
-            payload = first[META_BYTES:]
-        size = payload.numel()
-        assert size == layout.nbytes, f"fpipe wire: a payload of {size} bytes, the layout says {layout.nbytes}"
+        self._large = [
+            torch.empty(shape, dtype=dtype, device=device)
+            for _, dtype, shape, offset, _, _ in layout.tensors
+            if offset < 0
+        ]
+        return [t.reshape(-1).view(torch.uint8) for t in self._large]
+
+    def decode(self, first: torch.Tensor, packed: torch.Tensor | None) -> PyTree:
+        """The pytree of a message whose buffers have all arrived."""
+        layout = self._layout
+        assert layout is not None
+        if packed is None:
+            packed = first[META_BYTES:]
+        size = packed.numel()
+        assert size == layout.nbytes, f"fpipe wire: {size} packed bytes, the layout says {layout.nbytes}"
         leaves: list[Any] = [None] * (len(layout.tensors) + len(layout.values))
+        large = iter(self._large)
         for k, dtype, shape, offset, size, requires_grad in layout.tensors:
-            leaves[k] = payload[offset : offset + size].view(dtype).view(shape).requires_grad_(requires_grad)
+            leaf = next(large) if offset < 0 else packed[offset : offset + size].view(dtype).view(shape)
+            leaves[k] = leaf.requires_grad_(requires_grad)
+        self._large = []
         for k, value in layout.values:
             leaves[k] = value
         return unflatten(layout.spec, leaves)

@@ -1,28 +1,38 @@
-"""The wire format: pytrees to messages and back, headers only when layouts change, payloads
-inline in the first tensor when they have the size the receiver expects."""
+"""The wire format: pytrees to messages and back, headers only when layouts change, small leaves
+packed inline in the first tensor when they have the size the receiver expects, large leaves
+sent from and received into their own storage."""
 
 from __future__ import annotations
 
 import torch
 
-from fpipe._wire import DATA, ERROR, META_BYTES, Decoder, Encoder, error_message, meta_of
+from fpipe._wire import DATA, ERROR, INLINE_LIMIT, META_BYTES, Decoder, Encoder, error_message, meta_of
 
 CPU = torch.device("cpu")
 
 
 def transfer(encoder: Encoder, decoder: Decoder, tree: object) -> tuple[object, list[torch.Tensor]]:
     """Send ``tree`` over a simulated channel on which every tensor must fit the receive posted
-    for it; returns what arrived and the tensors that travelled."""
-    sent = encoder.encode(tree, CPU)
-    first = decoder.first_buffer(CPU)  # posted before the message exists
-    assert sent[0].numel() == first.numel()
-    first.copy_(sent[0])
-    header, payload = decoder.follow_ups(meta_of(first), CPU)
-    follow = [t for t in (header, payload) if t is not None and t.numel()]
-    assert [t.numel() for t in follow] == [t.numel() for t in sent[1:]]
-    for buffer, tensor in zip(follow, sent[1:]):
+    for it, in the order the transport posts them; returns what arrived and what travelled."""
+    sent = iter(encoder.encode(tree, CPU))
+    travelled: list[torch.Tensor] = []
+
+    def deliver(buffer: torch.Tensor) -> None:
+        tensor = next(sent)
+        assert tensor.numel() == buffer.numel()
         buffer.copy_(tensor)
-    return decoder.decode(first, header, payload), sent
+        travelled.append(tensor)
+
+    first = decoder.first_buffer(CPU)  # posted before the message exists
+    deliver(first)
+    header, packed = decoder.opened(meta_of(first), CPU)
+    if header is not None:
+        deliver(header)
+    buffers = [t for t in (packed,) if t is not None and t.numel()] + decoder.large_leaves(header, CPU)
+    for buffer in buffers:
+        deliver(buffer)
+    assert next(sent, None) is None
+    return decoder.decode(first, packed), travelled
 
 
 def roundtrip(encoder: Encoder, decoder: Decoder, tree: object) -> tuple[object, bool]:
@@ -110,3 +120,25 @@ def test_an_error_message_fits_the_posted_receive() -> None:
     assert message.numel() == first.numel() == META_BYTES + 32
     first.copy_(message)
     assert meta_of(first) == [ERROR, 3, 1, 2, 4, 0]
+
+
+def test_large_leaves_travel_from_their_own_storage() -> None:
+    """A leaf of ``INLINE_LIMIT`` bytes or more is its own message, sent without a copy (a stage's
+    output is kept for its backward anyway); small leaves still share the first tensor."""
+    encoder, decoder = Encoder(), Decoder()
+    big = torch.randn(INLINE_LIMIT // 8, dtype=torch.float64, requires_grad=True) * 1
+    tree = {"h": big, "pos": torch.arange(3), "cos": torch.randn(4, dtype=torch.float32), "tag": "x"}
+    transfer(encoder, decoder, tree)
+    out, sent = transfer(encoder, decoder, tree)
+    assert [t.numel() for t in sent] == [META_BYTES + 32 + 16, INLINE_LIMIT]  # int64[3] padded to 32, float32[4]
+    assert sent[1].data_ptr() == big.data_ptr()  # no copy
+    assert out["h"].requires_grad and torch.equal(out["h"], big.detach())  # type: ignore[index]
+    assert torch.equal(out["pos"], torch.arange(3)) and out["tag"] == "x"  # type: ignore[index]
+
+
+def test_a_large_non_contiguous_leaf_travels() -> None:
+    encoder, decoder = Encoder(), Decoder()
+    tree = {"h": torch.randn(64, INLINE_LIMIT // 256).t(), "z": torch.randn(INLINE_LIMIT // 16, dtype=torch.complex128)}
+    for _ in range(2):
+        out, sent = transfer(encoder, decoder, tree)
+    assert len(sent) == 3 and torch.equal(out["h"], tree["h"]) and torch.equal(out["z"], tree["z"])  # type: ignore[index]
