@@ -6,6 +6,7 @@ Run::
     python benchmarks/bench_vs_torch.py --quick    # tiny sizes, a few seconds (used by the tests)
     python benchmarks/bench_vs_torch.py --json out.json
     python benchmarks/bench_vs_torch.py --cprofile DIR   # also cProfile a few steps of each side
+    python benchmarks/bench_vs_torch.py --per-action-only   # only the runtime cost per action (item 3)
 
 One command spawns 2 ranks joined by a gloo process group on 127.0.0.1 (a free port), each with
 ``torch.set_num_threads(1)``. Both ranks build the same Llama-style decoder (token embedding,
@@ -652,6 +653,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--record-steps", type=int, default=5, help="fpipe steps recorded for the bubble (0: skip)")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES), help="default: both")
     parser.add_argument("--microbatches", nargs="+", type=int, default=list(MICROBATCHES), help="default: 4 8")
+    parser.add_argument("--per-action-only", action="store_true", help="only the per-action overhead (item 3)")
     args = parser.parse_args(argv)
 
     if args.quick:
@@ -669,7 +671,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "repeats": repeats,
         "warmup": warmup,
         "schedules": args.schedules,
-        "microbatches": args.microbatches,
+        "microbatches": [] if args.per_action_only else args.microbatches,
         "cprofile": args.cprofile,
         "timeout": 120 if args.quick else 3600,
         "progress": not args.quick,

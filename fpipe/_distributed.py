@@ -8,9 +8,10 @@ differs from one process. The protocol (notes/wire.md), per step:
 2. Messages: for each ordered pair of ranks, both sides derive from the program the sequence of
    messages the sender will send (activations, cotangents, microbatches for a last stage that
    has no batch, the final loss). Sends are non-blocking; the receiver reads each peer's
-   messages in that order (buffering any it does not need yet) and keeps the next ``meta``
-   receive posted early. As sends never block and the program replays without deadlock
-   (``validate``), no schedule can deadlock on any backend.
+   messages in that order (buffering any it does not need yet); each receive is posted when
+   the message is needed, with its size known in advance (fpipe/_wire.py). As sends never
+   block and the program replays without deadlock (``validate``), no schedule can deadlock on
+   any backend.
 3. Failure: a rank that fails sends an ERROR meta (failing rank and action) as its next
    message to every peer that still expects one, so a peer waiting on it fails too, and so on.
    Every wait has the pipeline's ``timeout``; a dead peer surfaces as a lost connection.
@@ -136,8 +137,6 @@ class _Peer:
         self.outgoing = outgoing
         self.next_out = 0
         self.buffered: dict[Key, PyTree] = {}
-        self.first: torch.Tensor | None = None  # where the next incoming message's first tensor lands
-        self.first_work: Any = None
 
 
 class WireState:
@@ -183,9 +182,6 @@ class DistributedTransport:
                 incoming = messages(program, r, send_microbatches).get(self.me, [])
                 if incoming or outgoing.get(r):
                     self.peers[r] = _Peer(r, incoming, outgoing.get(r, []))
-        for peer in self.peers.values():
-            if peer.incoming:
-                self._post_first(peer)
 
     # -- the Transport protocol -------------------------------------------------------------
 
@@ -266,23 +262,11 @@ class DistributedTransport:
     def _send(self, dst: int, key: Key, value: PyTree) -> None:
         peer = self.peers[dst]
         assert peer.outgoing[peer.next_out] == key, f"fpipe: sending {key}, expected {peer.outgoing[peer.next_out]}"
-        self._reap()
         tensors = self._encoder(dst, key).encode(value, self.topology.device)
         peer.next_out += 1
         to, group = self.topology.global_ranks[dst], self.topology.group
         for tensor in tensors:
             self._sends.append((dist.isend(tensor, to, group=group), (tensor,)))
-
-    def _reap(self) -> None:
-        """Drop the sends that have completed, and with them their buffers (a copy of the value sent,
-        which would otherwise live until the end of the step)."""
-        pending = []
-        for work, tensors in self._sends:
-            if work.is_completed():
-                self._wait(work, "a send to complete", None)  # returns at once, or raises its error
-            else:
-                pending.append((work, tensors))
-        self._sends = pending
 
     def _encoder(self, peer: int, key: Key) -> Encoder:
         channel = (peer, key[0], key[1])
@@ -298,13 +282,7 @@ class DistributedTransport:
             decoder = self._wire.decoders[channel] = Decoder()
         return decoder
 
-    def _post_first(self, peer: _Peer) -> None:
-        """Post the receive of the peer's next message (its size is known: see fpipe/_wire.py)."""
-        peer.first = self._decoder(peer.rank, peer.incoming[peer.next_in]).first_buffer(self.topology.device)
-        peer.first_work = dist.irecv(peer.first, self.topology.global_ranks[peer.rank], group=self.topology.group)
-
     def _recv(self, src: int, key: Key) -> PyTree:
-        self._reap()
         peer = self.peers[src]
         while key not in peer.buffered:
             self._read(peer)
@@ -312,15 +290,16 @@ class DistributedTransport:
 
     def _read(self, peer: _Peer) -> None:
         key = peer.incoming[peer.next_in]
-        peer.next_in += 1
         what = _describe(key)
-        self._wait(peer.first_work, what, peer.rank)
-        first = peer.first
-        assert first is not None
+        # Posted when needed, not ahead: on gloo, receives posted ahead made the per-action cost
+        # of 1F1B's ping-pong worse (notes/wire.md). Either way the size is known in advance.
+        first = self._decoder(peer.rank, key).first_buffer(self.topology.device)
+        src, group = self.topology.global_ranks[peer.rank], self.topology.group
+        self._wait(dist.irecv(first, src, group=group), what, peer.rank)
+        peer.next_in += 1
         meta = meta_of(first)
         if meta[0] == ERROR:
             self._remote_failure(*meta[1:5])
-        src, group = self.topology.global_ranks[peer.rank], self.topology.group
         decoder = self._decoder(peer.rank, key)
         header, packed = decoder.opened(meta, self.topology.device)
         if header is not None:  # the large leaves' shapes are in it
@@ -328,8 +307,6 @@ class DistributedTransport:
         buffers = [t for t in (packed,) if t is not None and t.numel()]
         buffers += decoder.large_leaves(header, self.topology.device)
         works = [dist.irecv(t, src, group=group) for t in buffers]
-        if peer.next_in < len(peer.incoming):
-            self._post_first(peer)  # posted early: the next message can land while we compute
         for work in works:
             self._wait(work, what, peer.rank)
         peer.buffered[key] = decoder.decode(first, packed)

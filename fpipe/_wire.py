@@ -19,10 +19,10 @@ A message is a few tensors sent in this order on one (sender, receiver) pair:
 Small leaves are packed, each at a 16-byte aligned offset (``META_BYTES`` is a multiple of 16,
 so inline leaves stay aligned). Complex, integer and bool tensors travel as raw bytes like any
 other. Sender and receiver each keep the last layout and packed size per channel (e.g.
-"activations of stage 2") and see the channel's messages in the same order, so the receiver can
-post the receive of the next ``first`` with its right size before the message is sent: a value
-of small leaves is one message whose receive was posted early, and a header travels only when a
-pytree first appears or its structure, a shape, a dtype or a non-tensor leaf changes.
+"activations of stage 2") and see the channel's messages in the same order, so the receiver
+knows the size of the next ``first`` without being told: a value of small leaves is one message,
+and a header travels only when a pytree first appears or its structure, a shape, a dtype or a
+non-tensor leaf changes.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class Encoder:
 class Decoder:
     """Turns the messages of one channel back into pytrees.
 
-    For each message: ``first_buffer`` to receive into (posted early); with its meta, ``opened``
+    For each message: ``first_buffer`` to receive into; with its meta, ``opened``
     gives the header and packed buffers that follow; with the header received, ``large_leaves``
     gives the buffers of the large leaves; once all have arrived, ``decode``.
     """
