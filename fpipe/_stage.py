@@ -36,7 +36,8 @@ in place).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -186,7 +187,7 @@ class StageRun:
         """Call ``run`` recording a graph, or (NOTE [recomputation]) without one, keeping what replays it."""
         inputs = [leaves[k] for k in input_index]
         if not self.recompute:
-            with torch.inference_mode(False), torch.enable_grad():
+            with _recording():
                 out = run()
             return out, self._pullback(out, inputs, input_index, len(leaves))
         rng = torch.get_rng_state()
@@ -245,7 +246,7 @@ class StageRun:
         outputs, grad_outputs = self._seeds(pullback, cotangents)
         inputs, params = pullback.inputs, self._param_inputs
         wrt = inputs + params
-        with torch.inference_mode(False):  # gradients are plain tensors, whatever the ambient mode
+        with _not_inference():  # gradients are plain tensors, whatever the ambient mode
             if not self._grads.next_in_order(microbatch):
                 grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
                 if outputs and wrt:
@@ -261,14 +262,14 @@ class StageRun:
     def backward_input(self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None]) -> Grads:
         """The input half of a split backward (NOTE [split backward]); ``backward_weight`` finishes it."""
         outputs, grad_outputs = self._seeds(pullback, cotangents)
-        with torch.inference_mode(False):
+        with _not_inference():
             grads, pullback.deferred = input_grad(outputs, grad_outputs, pullback.inputs, self._param_inputs)
         return self._input_cotangents(pullback, grads)
 
     def backward_weight(self, pullback: Pullback, microbatch: int) -> None:
         """The weight half of a split backward: parameter gradients into the ordered sum."""
         assert pullback.deferred is not None, "fpipe: a weight-grad backward before its input-grad backward"
-        with torch.inference_mode(False):
+        with _not_inference():
             self._grads.add(microbatch, pullback.deferred.run())
         pullback.deferred = None
 
@@ -278,10 +279,32 @@ class StageRun:
         Differentiable leaves that no microbatch reached get zeros; other leaves get ``None``.
         """
         out: list[Any] = [None] * len(self._param_leaves)
-        with torch.inference_mode(False):
+        with _not_inference():
             for k, g in zip(self._param_index, self._grads.total):
                 out[k] = torch.zeros_like(self._param_leaves[k]) if g is None else g
         return unflatten(self._spec, out)
+
+
+_AMBIENT = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _graph_mode() -> Iterator[None]:
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+def _recording() -> contextlib.AbstractContextManager[None]:
+    """Graph recording on, inference mode off (NOTE [differentiable leaves]); nothing to enter
+    when the ambient mode already is so, the usual case (entering costs microseconds per action)."""
+    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+        return _graph_mode()
+    return _AMBIENT
+
+
+def _not_inference() -> contextlib.AbstractContextManager[Any]:
+    """Inference mode off, entered only when it is on (see ``_recording``)."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _AMBIENT
 
 
 _ENGINE = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)

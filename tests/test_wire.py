@@ -23,7 +23,7 @@ def transfer(encoder: Encoder, decoder: Decoder, tree: object) -> tuple[object, 
         buffer.copy_(tensor)
         travelled.append(tensor)
 
-    first = decoder.first_buffer(CPU)  # posted before the message exists
+    first = decoder.first_buffer(CPU)  # sized before anything of the message is read
     deliver(first)
     header, packed = decoder.opened(meta_of(first), CPU)
     if header is not None:
