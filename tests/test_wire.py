@@ -5,6 +5,8 @@ sent from and received into their own storage."""
 from __future__ import annotations
 
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fpipe._wire import DATA, ERROR, INLINE_LIMIT, META_BYTES, Decoder, Encoder, error_message, meta_of
 
@@ -142,3 +144,53 @@ def test_a_large_non_contiguous_leaf_travels() -> None:
     for _ in range(2):
         out, sent = transfer(encoder, decoder, tree)
     assert len(sent) == 3 and torch.equal(out["h"], tree["h"]) and torch.equal(out["z"], tree["z"])  # type: ignore[index]
+
+
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.complex64, torch.int64, torch.bool]
+# element counts around the inline limit for every dtype size (1 to 8 bytes), and small ones
+_NUMELS = [0, 1, 3, 17, INLINE_LIMIT // 8, INLINE_LIMIT // 4, INLINE_LIMIT // 2 - 1, INLINE_LIMIT // 2 + 5]
+
+
+def _tensor(dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(2, (numel,), generator=generator).bool()
+    if dtype == torch.int64:
+        return torch.randint(-100, 100, (numel,), generator=generator)
+    return torch.randn(numel, generator=generator, dtype=dtype)
+
+
+_layouts = st.dictionaries(
+    st.sampled_from("abcd"),
+    st.one_of(st.tuples(st.sampled_from(_DTYPES), st.sampled_from(_NUMELS)), st.sampled_from([None, 3, "s"])),
+    min_size=1,
+    max_size=4,
+)
+
+
+@given(st.lists(st.tuples(_layouts, st.booleans()), min_size=1, max_size=6), st.integers(0, 2**16))
+def test_any_sequence_of_pytrees_travels_on_one_channel(steps: list[tuple[dict, bool]], seed: int) -> None:
+    """Whatever the sequence of layouts (repeated or not, small and large leaves, empty ones),
+    every message fits the receives posted for it and arrives equal; a repeated layout sends no
+    header, and its small leaves ride in the first tensor."""
+    encoder, decoder = Encoder(), Decoder()
+    previous = None
+    for k, (layout, repeat) in enumerate(steps):
+        layout = previous if repeat and previous is not None else layout
+        tree = {
+            key: _tensor(*spec, seed + k * 10 + i) if isinstance(spec, tuple) else spec
+            for i, (key, spec) in enumerate(sorted(layout.items()))
+        }
+        out, sent = transfer(encoder, decoder, tree)
+        assert isinstance(out, dict) and out.keys() == tree.keys()
+        for key, value in tree.items():
+            if isinstance(value, torch.Tensor):
+                assert out[key].dtype == value.dtype and torch.equal(out[key], value), key
+            else:
+                assert type(out[key]) is type(value) and out[key] == value
+        large = [
+            v for v in tree.values() if isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= INLINE_LIMIT
+        ]
+        if layout is previous:
+            assert meta_of(sent[0])[1] == 0 and len(sent) == 1 + len(large)
+        previous = layout
