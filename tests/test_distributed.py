@@ -135,6 +135,31 @@ def test_distributed_equals_local_bitwise(world, name):
     assert len(bubbles) == world and all(0 <= b < 1 for b in bubbles)
 
 
+LARGE_LENGTHS = (410, 450, 450)  # a microbatch's activation (5 x 410 x 2 complex128) is >= 64 KiB
+
+
+def _train_large(rank, world):
+    stages, params = _model(2)
+    step = fpipe.pipeline(_loss, stages, GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=30)
+    params = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    return [step(params, _batch(length) if rank == 0 else None) for length in LARGE_LENGTHS]
+
+
+def test_large_leaves_travel_on_their_own_and_equal_local():
+    """Activations, cotangents and the last stage's targets of 64 KiB or more travel as messages of
+    their own (fpipe/_wire.py), beside small inline leaves, across a change of sequence length."""
+    from fpipe._wire import INLINE_LIMIT
+
+    assert 5 * LARGE_LENGTHS[0] * 2 * 16 >= INLINE_LIMIT
+    results = run_ranks(2, _train_large)
+    for call, length in enumerate(LARGE_LENGTHS):
+        loss, grads = _local(GPipe(2), 2, _batch(length))
+        for rank, out in enumerate(results):
+            d_loss, d_grads = out[call]
+            assert torch.equal(d_loss, loss), call
+            assert all(torch.equal(d_grads[rank][k], grads[rank][k]) for k in grads[rank]), (call, rank)
+
+
 def _mesh_train(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
