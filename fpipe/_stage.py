@@ -171,16 +171,19 @@ class StageRun:
 
     def _inputs(self, x: PyTree, differentiate_input: bool) -> tuple[list[Any], TreeSpec, list[int]]:
         """The input leaves, those to differentiate replaced by graph leaves (NOTE [differentiable leaves])."""
-        leaves, spec = flatten(self.to_device(x))
+        flat, spec = flatten(x)
+        leaves = list(flat)
         input_index: list[int] = []
-        if differentiate_input:
-            leaves = list(leaves)
-            for k, leaf in enumerate(leaves):
-                # Only leaves that carry the previous stage's graph can use a cotangent (a RoPE
-                # table passed along untouched cannot), so only those are differentiated.
-                if is_differentiable(leaf) and leaf.requires_grad:
-                    leaves[k] = detached(leaf).requires_grad_()
-                    input_index.append(k)
+        for k, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if self.device is not None and leaf.device != self.device:
+                leaf = leaves[k] = leaf.to(self.device)
+            # Only leaves that carry the previous stage's graph can use a cotangent (a RoPE
+            # table passed along untouched cannot), so only those are differentiated.
+            if differentiate_input and is_differentiable(leaf) and leaf.requires_grad:
+                leaves[k] = detached(leaf).requires_grad_()
+                input_index.append(k)
         return leaves, spec, input_index
 
     def _trace(self, run: Callable[[], Any], leaves: list[Any], input_index: list[int]) -> tuple[Any, Pullback]:
