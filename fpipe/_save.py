@@ -39,17 +39,14 @@ import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ._api import Step
-from ._distributed import Topology, resolve_topology, wait
-from ._pytree import PyTree, leaves_with_names, unflatten
-from ._shard_layout import StageLayout
+from ._pytree import PyTree, leaves_with_names
+from ._save_ranks import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
 from ._store import (
     CODES,
     DTYPES,
@@ -62,7 +59,6 @@ from ._store import (
     next_version,
     numel_of,
     sha256,
-    tensor_bytes,
     write_safetensors,
 )
 
@@ -429,142 +425,3 @@ def _index(
         for file, nbytes in w["files"].items()
     }
     return make_index(entries, files, statuses[0]["num_stages"], user)
-
-
-# --- Shards -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sharding:
-    """This rank's place in a sharded step: shard ``q`` of ``d``, and its stages' layouts."""
-
-    shard: tuple[int, int]
-    layouts: dict[int, StageLayout]
-
-
-def sharded_leaves(function: str, step: Step | None, trees: dict[str, list[PyTree]]) -> Sharding | None:
-    """The ``Sharding`` of a step built with ``shard_params=True`` (``None`` otherwise)."""
-    if step is None or not step.shard_params or step._topology is None:
-        return None
-    missing = [s for s in step.local_stages if s not in step._layouts]
-    if missing:
-        raise ValueError(
-            f"fpipe.{function}: the step shards parameters but has no layout for stage(s) {missing} (their full "
-            "shapes). Cut the parameters with step.shard(params) first (meta tensors of the full shapes will do)."
-        )
-    topology = step._topology
-    assert topology.data_group is not None
-    return Sharding((dist.get_rank(topology.data_group), topology.data_size), dict(step._layouts))
-
-
-def full_shapes(kind: str, tree: PyTree, layout: StageLayout) -> dict[str, list[int]]:
-    """The names of ``tree``'s leaves that are shards, with the full shape of each (NOTE [sharded saves]).
-
-    A parameter is a shard when the stage's layout has its name. An optimizer state leaf is a
-    shard when its name ends with a parameter's name (``m.layers.0.w`` for ``layers.0.w``) and it
-    is a 1-D tensor of that parameter's shard size; its full shape is the parameter's.
-    """
-    parts_of, _, _, _ = leaves_with_names(unflatten(layout.spec, list(range(len(layout.leaves)))))
-    params = {tuple(parts): leaf for parts, leaf in zip(parts_of, layout.leaves) if leaf is not None}
-    out: dict[str, list[int]] = {}
-    names, _, leaves, _ = leaves_with_names(tree)
-    for parts, leaf in zip(names, leaves):
-        if kind == "params":
-            found = params.get(tuple(parts))
-        else:
-            found = next((params[tuple(parts[k:])] for k in range(len(parts)) if tuple(parts[k:]) in params), None)
-            if found is not None and not (isinstance(leaf, torch.Tensor) and tuple(leaf.shape) == (found.size,)):
-                found = None
-        if found is not None:
-            out[".".join(parts)] = list(found.shape)
-    return out
-
-
-# --- Ranks ------------------------------------------------------------------------------------
-
-
-def resolve(function: str, step: Step | None, group: Any, mesh: Any) -> tuple[Topology | None, tuple[int, ...] | None]:
-    """The topology of ``step=``, ``group=`` or ``mesh=`` (``None``: one process), and ``step``'s stages."""
-    if sum(x is not None for x in (step, group, mesh)) > 1:
-        raise TypeError(f"fpipe.{function}: pass one of step=, group= and mesh=, not several.")
-    if step is not None:
-        if not isinstance(step, Step):
-            raise TypeError(f"fpipe.{function}: step must be a Step from fpipe.pipeline (step: {step!r}).")
-        return step._topology, step.local_stages
-    if (group is not None or mesh is not None) and not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"fpipe.{function}: torch.distributed is not initialized. Call torch.distributed.init_process_group() "
-            "first, or leave out group= and mesh= in one process."
-        )
-    return resolve_topology(mesh, group), None
-
-
-class Ranks:
-    """The pipeline ranks taking part in a save or load, and all-gathers of JSON values among them."""
-
-    def __init__(self, function: str, topology: Topology | None, timeout: float, *, sharded: bool = False) -> None:
-        self.function = function  # "save" or "load", for messages
-        self.topology = topology
-        self.timeout = timeout
-        self.rank = 0 if topology is None else topology.rank
-        self.size = 1 if topology is None else topology.size
-        self.replicas = topology is not None and topology.data_size > 1
-        self.replica = dist.get_rank(topology.data_group) if topology is not None and self.replicas else 0
-        # A sharded save: every replica writes, so ``gather`` spans the pipeline and data-parallel
-        # groups, and writer ``rank * data_size + replica`` is the position in its result.
-        self.sharded = sharded and topology is not None and topology.data_group is not None
-        self.data_size = topology.data_size if topology is not None and self.sharded else 1
-        self.writer = self.rank * self.data_size + (self.replica if self.sharded else 0)
-
-    def gather(self, value: Any, what: str) -> list[Any]:
-        """``value`` of every pipeline rank, as JSON gives it back."""
-        if self.topology is None:
-            return [json.loads(json.dumps(value))]
-        if self.sharded:
-            row = self._gather(self.topology.data_group, self.data_size, value, what)
-            return [v for rows in self._gather(self.topology.group, self.size, row, what) for v in rows]
-        return self._gather(self.topology.group, self.size, value, what)
-
-    def gather_replicas(self, value: Any, what: str) -> list[Any]:
-        """``value`` of every data-parallel replica of this pipeline rank."""
-        assert self.topology is not None
-        return self._gather(self.topology.data_group, self.topology.data_size, value, what)
-
-    def _gather(self, group: Any, size: int, value: Any, what: str) -> list[Any]:
-        assert self.topology is not None
-        device, timeout = self.topology.device, timedelta(seconds=self.timeout)
-        data = json.dumps(value).encode()
-        length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        lengths = [torch.empty_like(length) for _ in range(size)]
-        wait(dist.all_gather(lengths, length, group=group, async_op=True), timeout, self.rank, what)
-        sizes = [int(n.item()) for n in lengths]
-        buffer = torch.zeros(max(sizes), dtype=torch.uint8)
-        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        buffer = buffer.to(device)
-        every = [torch.empty_like(buffer) for _ in range(size)]
-        wait(dist.all_gather(every, buffer, group=group, async_op=True), timeout, self.rank, what)
-        out = []
-        for t, n in zip(every, sizes):
-            host = t[:n].cpu().contiguous()  # named: it must outlive the view of its bytes
-            out.append(json.loads(bytes(tensor_bytes(host))))
-        return out
-
-
-def agree(ranks: Ranks, problem: BaseException | None, value: dict[str, Any], what: str) -> list[Any]:
-    """All-gather ``value`` and an error flag; raise ``problem`` here, and a pointer to it elsewhere."""
-    statuses = ranks.gather({**value, "error": problem is not None}, f"the other ranks to finish {what}")
-    if problem is not None:
-        raise problem
-    failed = [r for r, st in enumerate(statuses) if st["error"]]
-    if failed:
-        raise RuntimeError(f"fpipe.{ranks.function}: rank(s) {failed} failed while {what}; their own errors say why.")
-    return statuses
-
-
-def stage_list(function: str, argument: str, value: Any) -> list[PyTree]:
-    """``value`` as a list with one pytree per stage, or a ``TypeError``."""
-    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence):
-        raise TypeError(
-            f"fpipe.{function}: {argument} must be a list with one pytree per stage (got: {type(value).__name__})."
-        )
-    return list(value)
