@@ -237,7 +237,7 @@ class DistributedTransport:
         works: list[Any] = []
         for peer in self.peers.values():
             if peer.next_out < len(peer.outgoing):
-                # Sized as the receive the peer has posted for the message it expects next.
+                # Sized as the receive the peer posts for the message it expects next.
                 expected = self._encoder(peer.rank, peer.outgoing[peer.next_out]).expected
                 message = error_message(code, expected, self.topology.device)
                 works.append(dist.isend(message, self.topology.global_ranks[peer.rank], group=self.topology.group))
@@ -293,14 +293,14 @@ class DistributedTransport:
         what = _describe(key)
         # Posted when needed, not ahead: on gloo, receives posted ahead made the per-action cost
         # of 1F1B's ping-pong worse (notes/wire.md). Either way the size is known in advance.
-        first = self._decoder(peer.rank, key).first_buffer(self.topology.device)
+        decoder = self._decoder(peer.rank, key)
+        first = decoder.first_buffer(self.topology.device)
         src, group = self.topology.global_ranks[peer.rank], self.topology.group
         self._wait(dist.irecv(first, src, group=group), what, peer.rank)
         peer.next_in += 1
         meta = meta_of(first)
         if meta[0] == ERROR:
             self._remote_failure(*meta[1:5])
-        decoder = self._decoder(peer.rank, key)
         header, packed = decoder.opened(meta, self.topology.device)
         if header is not None:  # the large leaves' shapes are in it
             self._wait(dist.irecv(header, src, group=group), what, peer.rank)
