@@ -184,8 +184,10 @@ def main(argv=None):
         if not args.quiet:
             for rank, rep, stages, size in rows:
                 print(f"rank {rank} (replica {rep}, stages {stages}): params + grads + AdamW state {size:,} bytes")
-        print(f"{args.steps} steps in {elapsed:.1f}s ({kind}, dp {world // args.pp} x pp {args.pp}): "
-              f"loss {losses[0]:.6f} -> {losses[-1]:.6f}, {rows[0][3]:,} bytes of state on rank 0")
+        print(
+            f"{args.steps} steps in {elapsed:.1f}s ({kind}, dp {world // args.pp} x pp {args.pp}): "
+            f"loss {losses[0]:.6f} -> {losses[-1]:.6f}, {rows[0][3]:,} bytes of state on rank 0"
+        )
     dist.destroy_process_group()
     return losses
 
