@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ._errors import PipelineError, PipelineTimeoutError
 from ._pytree import PyTree
-from ._wire import ERROR, Decoder, Encoder, error_message, meta_of
+from ._wire import ERROR, Decoder, Encoder, as_bytes, error_message, meta_of
 from .schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD, KINDS, Action
 from .schedules._program import Program
 
@@ -137,6 +137,9 @@ class _Peer:
         self.outgoing = outgoing
         self.next_out = 0
         self.buffered: dict[Key, PyTree] = {}
+        # The next message's receives, when posted ahead (NOTE [receives ahead] in fpipe/_wire.py):
+        # its first tensor, its large leaves, and the works of both.
+        self.ahead: tuple[torch.Tensor, list[torch.Tensor], list[Any]] | None = None
 
 
 class WireState:
@@ -182,6 +185,8 @@ class DistributedTransport:
                 incoming = messages(program, r, send_microbatches).get(self.me, [])
                 if incoming or outgoing.get(r):
                     self.peers[r] = _Peer(r, incoming, outgoing.get(r, []))
+        for peer in self.peers.values():
+            self._post_ahead(peer)
 
     # -- the Transport protocol -------------------------------------------------------------
 
@@ -288,28 +293,48 @@ class DistributedTransport:
             self._read(peer)
         return peer.buffered.pop(key)
 
+    def _post_ahead(self, peer: _Peer) -> None:
+        """Post the receives of the peer's next message now if its channel carries large leaves
+        (NOTE [receives ahead] in fpipe/_wire.py): they land while this rank computes."""
+        if peer.next_in == len(peer.incoming):
+            return
+        decoder = self._decoder(peer.rank, peer.incoming[peer.next_in])
+        if decoder.ahead:
+            first, large = decoder.first_buffer(self.topology.device), decoder.large_leaves(None, self.topology.device)
+            src, group = self.topology.global_ranks[peer.rank], self.topology.group
+            peer.ahead = (first, large, [dist.irecv(t, src, group=group) for t in (first, *map(as_bytes, large))])
+
     def _read(self, peer: _Peer) -> None:
         key = peer.incoming[peer.next_in]
         what = _describe(key)
-        # Posted when needed, not ahead: on gloo, receives posted ahead made the per-action cost
-        # of 1F1B's ping-pong worse (notes/wire.md). Either way the size is known in advance.
         decoder = self._decoder(peer.rank, key)
-        first = decoder.first_buffer(self.topology.device)
         src, group = self.topology.global_ranks[peer.rank], self.topology.group
-        self._wait(dist.irecv(first, src, group=group), what, peer.rank)
+        works: list[Any] = []
+        if peer.ahead is None:  # posted when needed: small messages (NOTE [receives ahead])
+            first, large = decoder.first_buffer(self.topology.device), None
+            self._wait(dist.irecv(first, src, group=group), what, peer.rank)
+        else:
+            (first, large, works), peer.ahead = peer.ahead, None
+            self._wait(works.pop(0), what, peer.rank)
         peer.next_in += 1
         meta = meta_of(first)
         if meta[0] == ERROR:
             self._remote_failure(*meta[1:5])
         header, packed = decoder.opened(meta, self.topology.device)
-        if header is not None:  # the large leaves' shapes are in it
+        if header is not None:  # a new layout, with the new shapes: what was posted ahead is padding
+            for work in works:
+                self._wait(work, what, peer.rank)
+            works, large = [], None
             self._wait(dist.irecv(header, src, group=group), what, peer.rank)
         buffers = [t for t in (packed,) if t is not None and t.numel()]
-        buffers += decoder.large_leaves(header, self.topology.device)
-        works = [dist.irecv(t, src, group=group) for t in buffers]
+        if large is None:
+            large = decoder.large_leaves(header, self.topology.device)
+            buffers += map(as_bytes, large)
+        works += [dist.irecv(t, src, group=group) for t in buffers]
         for work in works:
             self._wait(work, what, peer.rank)
-        peer.buffered[key] = decoder.decode(first, packed)
+        peer.buffered[key] = decoder.decode(first, packed, large)
+        self._post_ahead(peer)
 
     def _remote_failure(self, rank: int, stage: int, kind_index: int, microbatch: int) -> None:
         if kind_index < 0:

@@ -16,6 +16,15 @@ A message is a few tensors sent in this order on one (sender, receiver) pair:
    from the leaf's storage and received straight into the arriving tensor, no copy on either
    side (a stage's output is kept for its backward anyway, so sending it costs no memory).
 
+NOTE [receives ahead]
+When the channel's last layout has large leaves, the receiver posts the next message's receives
+ahead of need (``first`` and one per large leaf of that layout), so that activations flow while
+it computes; otherwise it posts them when it needs the message. Both sides know which case
+applies (``ahead``: the same history of the channel), so the sender knows what is posted. If
+such a message's layout changed after all, the sender fills the receives posted ahead with
+zeros (``padding``) right after ``first``, then sends the message as usual: a layout change on
+a channel of large leaves costs their bytes once more.
+
 Small leaves are packed, each at a 16-byte aligned offset (``META_BYTES`` is a multiple of 16,
 so inline leaves stay aligned). Complex, integer and bool tensors travel as raw bytes like any
 other. Sender and receiver each keep the last layout and packed size per channel (e.g.
@@ -96,9 +105,21 @@ def error_message(code: list[int], expected: int, device: torch.device) -> torch
     return _first([ERROR, *code], expected, device, inline=False)
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor, as a flat ``uint8`` view to send or receive."""
+    return t.reshape(-1).view(torch.uint8)
+
+
 def _bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t``'s bytes as a flat ``uint8`` tensor on ``device``: a view when ``t`` is contiguous there."""
-    return t.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+    return as_bytes(t.detach().to(device).contiguous())
+
+
+def _large(layout: Layout | None) -> list[tuple[torch.dtype, tuple[int, ...], int]]:
+    """``(dtype, shape, nbytes)`` of the leaves of ``layout`` that travel on their own."""
+    if layout is None:
+        return []
+    return [(dtype, shape, size) for _, dtype, shape, offset, size, _ in layout.tensors if offset < 0]
 
 
 class Encoder:
@@ -107,6 +128,11 @@ class Encoder:
     def __init__(self) -> None:
         self._last: Layout | None = None
         self.expected = 0  # the packed size the receiver's next ``first`` buffer has room for
+
+    @property
+    def ahead(self) -> bool:
+        """Whether the receiver posts the next message's receives ahead (NOTE [receives ahead])."""
+        return bool(_large(self._last))
 
     def encode(self, tree: PyTree, device: torch.device) -> list[torch.Tensor]:
         layout, leaves = layout_of(tree)
@@ -123,23 +149,33 @@ class Encoder:
                 large.append(_bytes(leaves[k], device))
             else:
                 packed[offset : offset + size].view(dtype).view(shape).copy_(leaves[k].detach())
+        padding = []
+        if header is not None and self.ahead:
+            padding = [torch.zeros(size, dtype=torch.uint8, device=device) for _, _, size in _large(self._last)]
         self._last, self.expected = layout, layout.nbytes
-        tensors = [first, header, None if inline else packed, *large]
+        tensors = [first, *padding, header, None if inline else packed, *large]
         return [t for t in tensors if t is not None and t.numel()]
 
 
 class Decoder:
     """Turns the messages of one channel back into pytrees.
 
-    For each message: ``first_buffer`` to receive into; with its meta, ``opened``
-    gives the header and packed buffers that follow; with the header received, ``large_leaves``
-    gives the buffers of the large leaves; once all have arrived, ``decode``.
+    For each message: ``first_buffer`` to receive into, and if ``ahead``, ``large_leaves(None)``
+    too, both posted before the message is sent (NOTE [receives ahead]); with its meta,
+    ``opened`` gives the header and packed buffers that follow; with the header received,
+    ``large_leaves`` gives the buffers of the large leaves, unless they were posted ahead and
+    the layout did not change (then what was posted ahead is padding); once all have arrived,
+    ``decode``.
     """
 
     def __init__(self) -> None:
         self._layout: Layout | None = None
-        self._large: list[torch.Tensor] = []
         self.expected = 0  # the sender's ``Encoder.expected``, kept in step
+
+    @property
+    def ahead(self) -> bool:
+        """``Encoder.ahead`` of the sender: whether the next message's receives go ahead."""
+        return bool(_large(self._layout))
 
     def first_buffer(self, device: torch.device) -> torch.Tensor:
         """The buffer the next message's ``first`` tensor arrives in."""
@@ -157,19 +193,14 @@ class Decoder:
         return header, packed
 
     def large_leaves(self, header: torch.Tensor | None, device: torch.device) -> list[torch.Tensor]:
-        """Read a new header if there is one; the buffers the large leaves arrive in (flat bytes)."""
+        """Read a new header if there is one; new tensors for the large leaves, in leaf order, to
+        receive into (``as_bytes``) and hand to ``decode``."""
         if header is not None:
             self._layout = pickle.loads(bytes(header.cpu().tolist()))
-        layout = self._layout
-        assert layout is not None, "fpipe wire: a message without header on a new channel"
-        self._large = [
-            torch.empty(shape, dtype=dtype, device=device)
-            for _, dtype, shape, offset, _, _ in layout.tensors
-            if offset < 0
-        ]
-        return [t.reshape(-1).view(torch.uint8) for t in self._large]
+        assert self._layout is not None, "fpipe wire: a message without header on a new channel"
+        return [torch.empty(shape, dtype=dtype, device=device) for dtype, shape, _ in _large(self._layout)]
 
-    def decode(self, first: torch.Tensor, packed: torch.Tensor | None) -> PyTree:
+    def decode(self, first: torch.Tensor, packed: torch.Tensor | None, large: list[torch.Tensor]) -> PyTree:
         """The pytree of a message whose buffers have all arrived."""
         layout = self._layout
         assert layout is not None
@@ -178,11 +209,10 @@ class Decoder:
         size = packed.numel()
         assert size == layout.nbytes, f"fpipe wire: {size} packed bytes, the layout says {layout.nbytes}"
         leaves: list[Any] = [None] * (len(layout.tensors) + len(layout.values))
-        large = iter(self._large)
+        own = iter(large)
         for k, dtype, shape, offset, size, requires_grad in layout.tensors:
-            leaf = next(large) if offset < 0 else packed[offset : offset + size].view(dtype).view(shape)
+            leaf = next(own) if offset < 0 else packed[offset : offset + size].view(dtype).view(shape)
             leaves[k] = leaf.requires_grad_(requires_grad)
-        self._large = []
         for k, value in layout.values:
             leaves[k] = value
         return unflatten(layout.spec, leaves)

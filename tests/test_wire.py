@@ -8,14 +8,19 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fpipe._wire import DATA, ERROR, INLINE_LIMIT, META_BYTES, Decoder, Encoder, error_message, meta_of
+from fpipe._wire import DATA, ERROR, INLINE_LIMIT, META_BYTES, Decoder, Encoder, as_bytes, error_message, meta_of
 
 CPU = torch.device("cpu")
 
 
 def transfer(encoder: Encoder, decoder: Decoder, tree: object) -> tuple[object, list[torch.Tensor]]:
     """Send ``tree`` over a simulated channel on which every tensor must fit the receive posted
-    for it, in the order the transport posts them; returns what arrived and what travelled."""
+    for it, in the order the transport posts them (NOTE [receives ahead]); returns what arrived
+    and what travelled."""
+    assert encoder.ahead == decoder.ahead  # both sides know what is posted before the send
+    posted = [decoder.first_buffer(CPU)]
+    large = decoder.large_leaves(None, CPU) if decoder.ahead else None
+    posted += [as_bytes(t) for t in large or []]
     sent = iter(encoder.encode(tree, CPU))
     travelled: list[torch.Tensor] = []
 
@@ -25,16 +30,21 @@ def transfer(encoder: Encoder, decoder: Decoder, tree: object) -> tuple[object, 
         buffer.copy_(tensor)
         travelled.append(tensor)
 
-    first = decoder.first_buffer(CPU)  # sized before anything of the message is read
-    deliver(first)
+    for buffer in posted:
+        deliver(buffer)
+    first = posted[0]
     header, packed = decoder.opened(meta_of(first), CPU)
     if header is not None:
+        large = None  # what was posted ahead was padding
         deliver(header)
-    buffers = [t for t in (packed,) if t is not None and t.numel()] + decoder.large_leaves(header, CPU)
+    buffers = [t for t in (packed,) if t is not None and t.numel()]
+    if large is None:
+        large = decoder.large_leaves(header, CPU)
+        buffers += [as_bytes(t) for t in large]
     for buffer in buffers:
         deliver(buffer)
     assert next(sent, None) is None
-    return decoder.decode(first, packed), travelled
+    return decoder.decode(first, packed, large), travelled
 
 
 def roundtrip(encoder: Encoder, decoder: Decoder, tree: object) -> tuple[object, bool]:
@@ -194,3 +204,19 @@ def test_any_sequence_of_pytrees_travels_on_one_channel(steps: list[tuple[dict, 
         if layout is previous:
             assert meta_of(sent[0])[1] == 0 and len(sent) == 1 + len(large)
         previous = layout
+
+
+def test_a_new_layout_on_a_channel_of_large_leaves_pads_what_was_posted_ahead() -> None:
+    """NOTE [receives ahead]: after a message with large leaves, the next one's receives are posted
+    before it is sent; when its layout changed after all, zeros fill them first."""
+    encoder, decoder = Encoder(), Decoder()
+    n = INLINE_LIMIT // 4
+    assert not encoder.ahead
+    transfer(encoder, decoder, {"h": torch.ones(n, dtype=torch.float32)})
+    assert encoder.ahead and decoder.ahead
+    out, sent = transfer(encoder, decoder, {"h": torch.ones(2 * n, dtype=torch.float32)})
+    assert [t.numel() for t in sent[:2]] == [META_BYTES, INLINE_LIMIT] and not sent[1].any()  # padding
+    assert [t.numel() for t in sent[3:]] == [2 * INLINE_LIMIT] and meta_of(sent[0])[1] == sent[2].numel()
+    assert torch.equal(out["h"], torch.ones(2 * n, dtype=torch.float32))  # type: ignore[index]
+    out, sent = transfer(encoder, decoder, {"h": torch.zeros(3)})  # small again: posted when needed after
+    assert [t.numel() for t in sent[:2]] == [META_BYTES, 2 * INLINE_LIMIT] and not decoder.ahead
