@@ -56,3 +56,19 @@ def test_bench_vs_torch_quick(tmp_path: Path) -> None:
     assert results["config"]["quick"] is True and results["config"]["ranks"] == 2
     assert {"torch", "python", "cpus"} <= results["machine"].keys()
     assert len(results["maxrss_kib"]) == 2
+
+
+def test_bench_receives_quick(tmp_path: Path) -> None:
+    """Receives posted ahead against posted when needed (NOTE [receives ahead]), in quick mode."""
+    out = tmp_path / "out.json"
+    script = BENCHMARK.parent / "bench_receives.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--json", str(out)], capture_output=True, text=True, timeout=150
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["schedule"], r["microbatches"]) for r in rows] == [("gpipe", 8), ("1f1b", 8), ("1f1b", 4)]
+    for row in rows:
+        assert row["median_s"]["ahead"] > 0 and row["median_s"]["needed"] > 0
+        assert 0 < row["paired"]["q1"] <= row["paired"]["median"] <= row["paired"]["q3"]
+    assert "| schedule | mb | ahead ms | needed ms |" in proc.stdout

@@ -1,0 +1,156 @@
+"""Receives posted ahead of need against receives posted when needed (NOTE [receives ahead]).
+
+Run::
+
+    python benchmarks/bench_receives.py            # full sizes, about 3 minutes on 2 cores
+    python benchmarks/bench_receives.py --quick    # tiny sizes, seconds (used by the tests)
+    python benchmarks/bench_receives.py --json out.json
+
+fpipe's distributed transport posts the receives of a message whose channel carries large
+leaves (activations, cotangents) as soon as the previous message from that peer has been read
+(``fpipe/_wire.py``, NOTE [receives ahead]). This benchmark measures that design decision: 2
+gloo processes, one thread each, the Llama-style model and split of ``bench_vs_torch.py``, and
+for each schedule two fpipe steps, one as shipped ("ahead") and one with every receive posted
+when needed ("needed": ``Encoder.ahead`` and ``Decoder.ahead`` patched to ``False`` on both
+ranks, so both sides agree), timed A/B interleaved (ABBA, a barrier before each step, the slower
+rank's time). It reports the median of the per-round ratios ahead / needed with quartiles, and
+the ratio of the fastest steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_vs_torch as model  # the same model, split and process helpers
+
+
+def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import fpipe
+    import fpipe._wire as wire
+    from fpipe.schedules import GPipe, OneFOneB
+
+    cfg = opts["model"]
+    module = model.build_stage_module(cfg, rank, world_size)
+    stages = [
+        model.stage_fn(cfg, model.stage_layers(cfg, s, world_size), s == 0, s == world_size - 1)
+        for s in range(world_size)
+    ]
+    batch = model.make_batch(cfg)
+    own = {name: p.detach() for name, p in module.named_parameters()}
+    params = [own if s == rank else None for s in range(world_size)]
+    shipped = (wire.Encoder.ahead, wire.Decoder.ahead)
+    needed = property(lambda self: False)
+    rows = []
+    for name, m in opts["configs"]:
+        schedule = GPipe(m) if name == "gpipe" else OneFOneB(m)
+        step = fpipe.pipeline(model.fpipe_loss, stages, schedule, group=dist.group.WORLD)
+
+        def timed(mode: str, step: Any = step) -> float:
+            wire.Encoder.ahead, wire.Decoder.ahead = shipped if mode == "ahead" else (needed, needed)
+            dist.barrier()
+            start = time.perf_counter()
+            step(params, batch)
+            return time.perf_counter() - start
+
+        for mode in ("ahead", "needed"):
+            timed(mode)
+        times: dict[str, list[float]] = {"ahead": [], "needed": []}
+        for r in range(opts["repeats"]):
+            for mode in ("ahead", "needed") if r % 2 == 0 else ("needed", "ahead"):
+                times[mode].append(timed(mode))
+        wire.Encoder.ahead, wire.Decoder.ahead = shipped
+        rows.append({"schedule": name, "microbatches": m, "times": times})
+    return {"rank": rank, "rows": rows}
+
+
+def _bootstrap(rank: int, world_size: int, port: int, opts: dict[str, Any], queue: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=600))
+        queue.put((rank, True, rank_main(rank, world_size, opts)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (seconds)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    parser.add_argument("--repeats", type=int, help="timed rounds per config (default 14, quick 2)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        cfg = {"dim": 32, "heads": 4, "hidden": 64, "layers": 4, "vocab": 64, "seq": 8, "batch": 8}
+    else:
+        cfg = {"dim": 256, "heads": 8, "hidden": 704, "layers": 8, "vocab": 512, "seq": 128, "batch": 32}
+    opts = {
+        "model": cfg,
+        "repeats": args.repeats or (2 if args.quick else 14),
+        "configs": [("gpipe", 8), ("1f1b", 8), ("1f1b", 4)],
+    }
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = model.free_port()
+    procs = [ctx.Process(target=_bootstrap, args=(r, 2, port, opts, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    ranks: dict[int, dict[str, Any]] = {}
+    for _ in procs:
+        rank, ok, payload = queue.get(timeout=900)
+        if not ok:
+            raise RuntimeError(f"bench_receives: rank {rank} failed\n{payload}")
+        ranks[rank] = payload
+    for p in procs:
+        p.join()
+    results: dict[str, Any] = {"config": {**cfg, "repeats": opts["repeats"], "quick": args.quick}, "rows": []}
+    for per_rank in zip(ranks[0]["rows"], ranks[1]["rows"]):
+        steps = {mode: [max(ts) for ts in zip(*(r["times"][mode] for r in per_rank))] for mode in ("ahead", "needed")}
+        ratios = [a / n for a, n in zip(steps["ahead"], steps["needed"])]
+        q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        results["rows"].append(
+            {
+                "schedule": per_rank[0]["schedule"],
+                "microbatches": per_rank[0]["microbatches"],
+                "median_s": {mode: statistics.median(ts) for mode, ts in steps.items()},
+                "paired": {"median": median, "q1": q1, "q3": q3},
+                "of_minimums": min(steps["ahead"]) / min(steps["needed"]),
+            }
+        )
+    print(f"torch {torch.__version__}, 2 ranks (gloo, 1 thread each), {opts['repeats']} rounds (ABBA)")
+    print()
+    print("| schedule | mb | ahead ms | needed ms | ahead / needed, per round: median [q1, q3] | of minimums |")
+    print("|---|---|---|---|---|---|")
+    for row in results["rows"]:
+        a, n, p = row["median_s"]["ahead"] * 1e3, row["median_s"]["needed"] * 1e3, row["paired"]
+        print(
+            f"| {row['schedule']} | {row['microbatches']} | {a:.1f} | {n:.1f} "
+            f"| {p['median']:.3f} [{p['q1']:.3f}, {p['q3']:.3f}] | {row['of_minimums']:.3f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
