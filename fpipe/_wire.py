@@ -163,9 +163,9 @@ class Decoder:
     For each message: ``first_buffer`` to receive into, and if ``ahead``, ``large_leaves(None)``
     too, both posted before the message is sent (NOTE [receives ahead]); with its meta,
     ``opened`` gives the header and packed buffers that follow; with the header received,
-    ``large_leaves`` gives the buffers of the large leaves, unless they were posted ahead and
-    the layout did not change (then what was posted ahead is padding); once all have arrived,
-    ``decode``.
+    ``large_leaves`` gives the buffers of the large leaves, unless those posted ahead are the
+    right ones (no header: the layout did not change; with a header, what was posted ahead
+    receives padding); once all have arrived, ``decode``.
     """
 
     def __init__(self) -> None:
