@@ -20,18 +20,14 @@ the ratio of the fastest steps.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
 import sys
-import time
-import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_vs_torch as model  # the same model, split and process helpers
@@ -60,37 +56,17 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         schedule = GPipe(m) if name == "gpipe" else OneFOneB(m)
         step = fpipe.pipeline(model.fpipe_loss, stages, schedule, group=dist.group.WORLD)
 
-        def timed(mode: str, step: Any = step) -> float:
-            wire.Encoder.ahead, wire.Decoder.ahead = shipped if mode == "ahead" else (needed, needed)
-            dist.barrier()
-            start = time.perf_counter()
-            step(params, batch)
-            return time.perf_counter() - start
+        def with_receives(ahead: bool, step: Any = step) -> Callable[[], None]:
+            def run() -> None:
+                wire.Encoder.ahead, wire.Decoder.ahead = shipped if ahead else (needed, needed)
+                step(params, batch)
 
-        for mode in ("ahead", "needed"):
-            timed(mode)
-        times: dict[str, list[float]] = {"ahead": [], "needed": []}
-        for r in range(opts["repeats"]):
-            for mode in ("ahead", "needed") if r % 2 == 0 else ("needed", "ahead"):
-                times[mode].append(timed(mode))
+            return run
+
+        times = model.abba({"ahead": with_receives(True), "needed": with_receives(False)}, 1, opts["repeats"])
         wire.Encoder.ahead, wire.Decoder.ahead = shipped
         rows.append({"schedule": name, "microbatches": m, "times": times})
     return {"rank": rank, "rows": rows}
-
-
-def _bootstrap(rank: int, world_size: int, port: int, opts: dict[str, Any], queue: Any) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=600))
-        queue.put((rank, True, rank_main(rank, world_size, opts)))
-    except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -108,32 +84,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "repeats": args.repeats or (2 if args.quick else 14),
         "configs": [("gpipe", 8), ("1f1b", 8), ("1f1b", 4)],
     }
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = model.free_port()
-    procs = [ctx.Process(target=_bootstrap, args=(r, 2, port, opts, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    ranks: dict[int, dict[str, Any]] = {}
-    for _ in procs:
-        rank, ok, payload = queue.get(timeout=900)
-        if not ok:
-            raise RuntimeError(f"bench_receives: rank {rank} failed\n{payload}")
-        ranks[rank] = payload
-    for p in procs:
-        p.join()
+    ranks = model.run_ranks(2, {**opts, "timeout": 900}, rank_main)
     results: dict[str, Any] = {"config": {**cfg, "repeats": opts["repeats"], "quick": args.quick}, "rows": []}
-    for per_rank in zip(ranks[0]["rows"], ranks[1]["rows"]):
+    for per_rank in zip(*(r["rows"] for r in ranks)):
         steps = {mode: [max(ts) for ts in zip(*(r["times"][mode] for r in per_rank))] for mode in ("ahead", "needed")}
-        ratios = [a / n for a, n in zip(steps["ahead"], steps["needed"])]
-        q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
         results["rows"].append(
             {
                 "schedule": per_rank[0]["schedule"],
                 "microbatches": per_rank[0]["microbatches"],
                 "median_s": {mode: statistics.median(ts) for mode, ts in steps.items()},
-                "paired": {"median": median, "q1": q1, "q3": q3},
-                "of_minimums": min(steps["ahead"]) / min(steps["needed"]),
+                "paired": model.paired(steps["ahead"], steps["needed"]),
             }
         )
     print(f"torch {torch.__version__}, 2 ranks (gloo, 1 thread each), {opts['repeats']} rounds (ABBA)")
@@ -144,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         a, n, p = row["median_s"]["ahead"] * 1e3, row["median_s"]["needed"] * 1e3, row["paired"]
         print(
             f"| {row['schedule']} | {row['microbatches']} | {a:.1f} | {n:.1f} "
-            f"| {p['median']:.3f} [{p['q1']:.3f}, {p['q3']:.3f}] | {row['of_minimums']:.3f} |"
+            f"| {model.spread(p)} | {p['of_minimums']:.3f} |"
         )
     if args.json:
         with open(args.json, "w") as f:

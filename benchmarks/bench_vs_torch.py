@@ -244,6 +244,19 @@ def barrier_timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+def abba(sides: dict[str, Callable[[], None]], warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Time two sides A/B interleaved, ABBA (A, B, B, A, ...), each step after a barrier."""
+    for _ in range(warmup):
+        for fn in sides.values():
+            barrier_timed(fn)
+    a, b = sides
+    times: dict[str, list[float]] = {a: [], b: []}
+    for r in range(repeats):
+        for side in (a, b) if r % 2 == 0 else (b, a):
+            times[side].append(barrier_timed(sides[side]))
+    return times
+
+
 def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     cfg = opts["model"]
     num_stages = world_size
@@ -319,14 +332,7 @@ def run_per_action(rank: int, world_size: int, opts: dict[str, Any], schedule_na
         else:
             torch_schedule.step(return_outputs=False)
 
-    sides = {"fpipe": fpipe_step, "torch": torch_step}
-    for _ in range(max(opts["warmup"], 1)):
-        for fn in sides.values():
-            barrier_timed(fn)
-    times: dict[str, list[float]] = {"fpipe": [], "torch": []}
-    for r in range(opts["per_action_repeats"]):
-        for side in ("fpipe", "torch") if r % 2 == 0 else ("torch", "fpipe"):
-            times[side].append(barrier_timed(sides[side]))
+    times = abba({"fpipe": fpipe_step, "torch": torch_step}, max(opts["warmup"], 1), opts["per_action_repeats"])
     return {"schedule": schedule_name, "microbatches": m, "actions_per_rank": 2 * m, "times": times}
 
 
@@ -420,13 +426,7 @@ def run_config(
 
     # 3: time, ABBA.
     sides = {"fpipe": fpipe_step, "torch": torch_step}
-    for _ in range(opts["warmup"]):
-        for fn in sides.values():
-            barrier_timed(fn)
-    times: dict[str, list[float]] = {"fpipe": [], "torch": []}
-    for r in range(opts["repeats"]):
-        for side in ("fpipe", "torch") if r % 2 == 0 else ("torch", "fpipe"):
-            times[side].append(barrier_timed(sides[side]))
+    times = abba(sides, opts["warmup"], opts["repeats"])
 
     # 4: the bubble, from fpipe's recorded timelines (untimed steps: recording gathers them).
     bubble = None
@@ -536,7 +536,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _bootstrap(rank: int, world_size: int, port: int, opts: dict[str, Any], queue: Any) -> None:
+def _bootstrap(rank: int, world_size: int, port: int, opts: dict[str, Any], queue: Any, fn: Callable[..., Any]) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
@@ -544,7 +544,7 @@ def _bootstrap(rank: int, world_size: int, port: int, opts: dict[str, Any], queu
     try:
         timeout = datetime.timedelta(seconds=opts["timeout"])
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
-        queue.put((rank, True, rank_main(rank, world_size, opts)))
+        queue.put((rank, True, fn(rank, world_size, opts)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -552,11 +552,13 @@ def _bootstrap(rank: int, world_size: int, port: int, opts: dict[str, Any], queu
             dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
+def run_ranks(world_size: int, opts: dict[str, Any], fn: Callable[..., Any] = rank_main) -> list[dict[str, Any]]:
+    """``[fn(rank, world_size, opts) for rank in ranks]``, each in its own gloo process."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_bootstrap, args=(r, world_size, port, opts, queue)) for r in range(world_size)]
+    args = [(r, world_size, port, opts, queue, fn) for r in range(world_size)]
+    procs = [ctx.Process(target=_bootstrap, args=a) for a in args]
     for p in procs:
         p.start()
     results: dict[int, dict[str, Any]] = {}
@@ -577,7 +579,7 @@ def run_ranks(world_size: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
                 p.kill()
                 p.join()
     if failures:
-        raise RuntimeError("bench_vs_torch: a rank failed\n" + "\n".join(failures))
+        raise RuntimeError("bench_vs_torch.run_ranks: a rank failed\n" + "\n".join(failures))
     return [results[r] for r in range(world_size)]
 
 
