@@ -432,10 +432,8 @@ def run_config(
     bubble = None
     if hasattr(fpipe, "record") and opts["record_steps"]:
         with fpipe.record() as recording:
-            for _ in range(opts["record_steps"]):
-                dist.barrier()
-                fpipe_step()
-        bubble = bubble_analysis(recording.timelines)
+            recorded_steps = [barrier_timed(fpipe_step) for _ in range(opts["record_steps"])]
+        bubble = {**bubble_analysis(recording.timelines), "step_s": recorded_steps}
 
     if opts["cprofile"]:
         for side, fn in sides.items():
@@ -482,8 +480,13 @@ def bubble_analysis(timelines: Sequence[Any]) -> dict[str, Any]:
       - ``simulated``: one ``Costs(forward=F, backward=B)`` for every stage, ``F`` and ``B`` the
         estimated costs averaged over ranks, no latency;
       - ``textbook``: ``Costs(backward=2)``, which gives ``(p-1)/(m+p-1)``.
+
+    And each recorded step's critical path, ``critical_path_s``: the makespan of
+    ``fpipe.schedules.replay(timeline)``, the step's own actions with their measured durations
+    rerun with free messages and nothing between actions: the step as long as the schedule and
+    the stages' compute make it. No runtime running these actions in this order takes less.
     """
-    from fpipe.schedules import Costs, fit_costs, simulate
+    from fpipe.schedules import Costs, fit_costs, replay, simulate
 
     program = timelines[0].program
     durations: dict[tuple[int, str], list[float]] = {}
@@ -519,6 +522,7 @@ def bubble_analysis(timelines: Sequence[Any]) -> dict[str, Any]:
         "textbook": list(textbook.bubble_fractions),
         "fitted": list(fitted.bubble_fractions),
         "fitted_makespan_s": fitted.makespan,
+        "critical_path_s": [replay(t).makespan for t in timelines],
         "fitted_costs_s": [{"forward": c.forward, "backward": c.of("B"), "send": c.send} for c in costs],
         "fitted_error": [
             abs(r - f) / r if r else (0.0 if f == r else math.inf)
@@ -598,6 +602,24 @@ def paired(fpipe_steps: list[float], torch_steps: list[float]) -> dict[str, floa
     return {"median": median, "q1": q1, "q3": q3, "of_minimums": min(fpipe_steps) / min(torch_steps)}
 
 
+def bound(critical_paths: list[float], recorded_steps: list[list[float]], row: dict[str, Any]) -> dict[str, float]:
+    """How close fpipe's steps come to their critical paths, and the fpipe/torch ratio that leaves.
+
+    ``step_over_critical_path``: over the recorded steps, the median of each step's wall time (the
+    slower rank's, from the barrier to the step's return, recording included) over its critical
+    path. ``floor``: the per-round fpipe/torch ratio divided by it: the fpipe/torch ratio of a
+    runtime whose steps took no more than their critical paths, torch's steps staying as they were.
+    """
+    walls = [max(ts) for ts in zip(*recorded_steps)]
+    over = statistics.median(w / c for w, c in zip(walls, critical_paths))
+    return {
+        "critical_path_s": statistics.median(critical_paths),
+        "recorded_step_s": statistics.median(walls),
+        "step_over_critical_path": over,
+        "floor": row["paired_ratio"]["median"] / over,
+    }
+
+
 def combine(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per config: step time = the slower rank's, per step; memory and grads per rank."""
     rows = []
@@ -624,6 +646,8 @@ def combine(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         row["grads_match"] = not row["grads"]["mismatches"]
         row["bubble"] = first["bubble"]
+        if first["bubble"]:
+            row["bound"] = bound(first["bubble"]["critical_path_s"], [c["bubble"]["step_s"] for c in per_rank], row)
         rows.append(row)
     return rows
 
@@ -787,6 +811,24 @@ def print_table(results: dict[str, Any]) -> None:
                 f"| {row['schedule']} | {row['microbatches']} | {pair(f, 1e3, '.0f')} | {pair(bw, 1e3, '.0f')} "
                 f"| {pair(send, 1e3, '.1f')} | {pair(b['recorded'])} | {pair(b['fitted'])} "
                 f"| {pair(b['fitted_error'], 100, '.0f')} % | {pair(b['simulated'])} | {pair(b['textbook'])} |"
+            )
+        print()
+        print(
+            "critical path: fpipe.schedules.replay(recorded timeline), each recorded step's actions with their "
+            "own durations, messages free, nothing between actions; recorded: those steps' wall time (slower rank); "
+            "floor: fpipe/torch (per-round median) / (recorded / critical path), the ratio of a runtime that "
+            "costs nothing beyond the critical path"
+        )
+        print()
+        print(
+            "| schedule | mb | critical path ms | recorded step ms | recorded / critical path | floor for fpipe/torch |"
+        )
+        print("|---|---|---|---|---|---|")
+        for row in rows:
+            b = row["bound"]
+            print(
+                f"| {row['schedule']} | {row['microbatches']} | {b['critical_path_s'] * 1e3:.1f} "
+                f"| {b['recorded_step_s'] * 1e3:.1f} | {b['step_over_critical_path']:.3f} | {b['floor']:.3f} |"
             )
     for row in results["configs"]:
         if not row["grads_match"]:

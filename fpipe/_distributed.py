@@ -146,8 +146,8 @@ class WireState:
     """Per-channel layouts that outlive a step, so headers travel only when layouts change."""
 
     def __init__(self) -> None:
-        self.encoders: dict[tuple[int, str, int], Encoder] = {}
-        self.decoders: dict[tuple[int, str, int], Decoder] = {}
+        self.encoders: defaultdict[tuple[int, str, int], Encoder] = defaultdict(Encoder)
+        self.decoders: defaultdict[tuple[int, str, int], Decoder] = defaultdict(Decoder)
 
     def reset(self) -> None:
         """Forget every layout (after a failure, peers may disagree on the last one)."""
@@ -243,7 +243,7 @@ class DistributedTransport:
         for peer in self.peers.values():
             if peer.next_out < len(peer.outgoing):
                 # Sized as the receive the peer posts for the message it expects next.
-                expected = self._encoder(peer.rank, peer.outgoing[peer.next_out]).expected
+                expected = self._wire.encoders[_channel(peer.rank, peer.outgoing[peer.next_out])].expected
                 message = error_message(code, expected, self.topology.device)
                 works.append(dist.isend(message, self.topology.global_ranks[peer.rank], group=self.topology.group))
         for work in works:
@@ -267,25 +267,11 @@ class DistributedTransport:
     def _send(self, dst: int, key: Key, value: PyTree) -> None:
         peer = self.peers[dst]
         assert peer.outgoing[peer.next_out] == key, f"fpipe: sending {key}, expected {peer.outgoing[peer.next_out]}"
-        tensors = self._encoder(dst, key).encode(value, self.topology.device)
+        tensors = self._wire.encoders[_channel(dst, key)].encode(value, self.topology.device)
         peer.next_out += 1
         to, group = self.topology.global_ranks[dst], self.topology.group
         for tensor in tensors:
             self._sends.append((dist.isend(tensor, to, group=group), (tensor,)))
-
-    def _encoder(self, peer: int, key: Key) -> Encoder:
-        channel = (peer, key[0], key[1])
-        encoder = self._wire.encoders.get(channel)
-        if encoder is None:
-            encoder = self._wire.encoders[channel] = Encoder()
-        return encoder
-
-    def _decoder(self, peer: int, key: Key) -> Decoder:
-        channel = (peer, key[0], key[1])
-        decoder = self._wire.decoders.get(channel)
-        if decoder is None:
-            decoder = self._wire.decoders[channel] = Decoder()
-        return decoder
 
     def _recv(self, src: int, key: Key) -> PyTree:
         peer = self.peers[src]
@@ -298,7 +284,7 @@ class DistributedTransport:
         (NOTE [receives ahead] in fpipe/_wire.py): they land while this rank computes."""
         if peer.next_in == len(peer.incoming):
             return
-        decoder = self._decoder(peer.rank, peer.incoming[peer.next_in])
+        decoder = self._wire.decoders[_channel(peer.rank, peer.incoming[peer.next_in])]
         if decoder.ahead:
             first, large = decoder.first_buffer(self.topology.device), decoder.large_leaves(None, self.topology.device)
             src, group = self.topology.global_ranks[peer.rank], self.topology.group
@@ -307,7 +293,7 @@ class DistributedTransport:
     def _read(self, peer: _Peer) -> None:
         key = peer.incoming[peer.next_in]
         what = _describe(key)
-        decoder = self._decoder(peer.rank, key)
+        decoder = self._wire.decoders[_channel(peer.rank, key)]
         src, group = self.topology.global_ranks[peer.rank], self.topology.group
         works: list[Any] = []
         if peer.ahead is None:  # posted when needed: small messages (NOTE [receives ahead])
@@ -372,6 +358,11 @@ def wait(work: Any, timeout: timedelta, rank: int, what: str) -> None:
             "That peer has probably died; its own error or log says why.",
             rank=rank,
         ) from error
+
+
+def _channel(peer: int, key: Key) -> tuple[int, str, int]:
+    """The wire channel a message travels on: the peer, the kind and the stage (one layout history each)."""
+    return peer, key[0], key[1]
 
 
 def _describe(key: Key) -> str:

@@ -46,12 +46,17 @@ def test_bench_vs_torch_quick(tmp_path: Path) -> None:
         assert {"rank0.F", "rank0.B", "rank1.F", "rank1.B"} <= bubble["cost_s"].keys()
         assert len(bubble["fitted"]) == len(bubble["fitted_error"]) == len(bubble["fitted_costs_s"]) == 2
         assert all(0 <= f < 1 for f in bubble["fitted"]) and all(e >= 0 for e in bubble["fitted_error"])
+        assert len(bubble["step_s"]) == 1
+        b = row["bound"]
+        assert len(bubble["critical_path_s"]) == 1 and b["critical_path_s"] == bubble["critical_path_s"][0] > 0
+        # A step takes at least its critical path (0.9: clocks of two processes, started apart).
+        assert b["step_over_critical_path"] > 0.9 and b["floor"] > 0
 
     per_action = results["per_action"]
     assert [(r["schedule"], r["actions_per_rank"]) for r in per_action] == [("gpipe", 32), ("1f1b", 32)]
     for row in per_action:
         assert row["fpipe"]["us_per_action"] > 0 and row["torch"]["us_per_action"] > 0
-    assert "fpipe us/action" in proc.stdout and "| fitted |" in proc.stdout
+    assert "fpipe us/action" in proc.stdout and "| fitted |" in proc.stdout and "floor for fpipe/torch" in proc.stdout
 
     assert results["config"]["quick"] is True and results["config"]["ranks"] == 2
     assert {"torch", "python", "cpus"} <= results["machine"].keys()

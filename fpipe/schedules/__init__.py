@@ -4,7 +4,8 @@ A schedule is a value (``GPipe(num_microbatches=8)``) whose ``program(num_stages
 ``Program``: one ordered list of ``Action`` per rank. Programs can be written by hand too, or read
 from torch's CSV format (``load_csv``). ``placement(schedule, num_stages)`` says which rank holds
 each stage; ``simulate`` replays a program with costs to measure its bubble and memory (and
-``fit_costs`` reads per-stage costs off a measured timeline); and ``terminal_grid``,
+``fit_costs`` reads per-stage costs off a measured timeline, ``replay`` reruns one with its own
+durations, e.g. to find its critical path); and ``terminal_grid``,
 ``chrome_trace`` and ``svg`` draw it (also ``python -m fpipe show``).
 """
 
@@ -30,6 +31,7 @@ from ._program import validate as validate
 from ._simulate import Costs as Costs
 from ._simulate import Simulation as Simulation
 from ._simulate import fit_costs as fit_costs
+from ._simulate import replay as replay
 from ._simulate import simulate as simulate
 from ._zero_bubble_h1 import ZeroBubbleH1 as ZeroBubbleH1
 from ._zero_bubble_v import ZeroBubbleV as ZeroBubbleV
@@ -55,6 +57,7 @@ __all__ = [
     "load_csv",
     "placement",
     "render",
+    "replay",
     "simulate",
     "svg",
     "terminal_grid",

@@ -21,14 +21,16 @@ derived, e.g. GPipe's and 1F1B's ``(p-1)/(m+p-1)`` with ``T_B = 2 T_F``.
 ``fit_costs`` goes the other way: from a timeline measured by ``fpipe.record()`` it estimates
 the per-stage costs (median durations and message latency), so that ``simulate(program,
 fit_costs(measured))`` predicts the measured bubble and can then be asked about other schedules
-or microbatch counts with the same stages.
+or microbatch counts with the same stages. ``replay`` reruns a timeline with its own action
+durations: with free messages, its makespan is the step's critical path (what no runtime running
+those actions in that order can beat).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
@@ -202,6 +204,50 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
     costs = Costs() if costs is None else costs
     validate(program)
     per_stage = _per_stage(program, costs)
+    starts, ends = _as_soon_as_possible(
+        program, lambda r, k, a: per_stage[a.stage].of(a.kind), lambda d: per_stage[d.stage].send
+    )
+    return Simulation(program, costs if isinstance(costs, Costs) else per_stage, starts, ends)
+
+
+def replay(timeline: Simulation, send: float = 0.0) -> Simulation:
+    """``timeline``'s actions rerun with their own durations, as soon as dependencies allow.
+
+    Each action lasts what it lasted in ``timeline`` (``end - start``) and each message between
+    ranks takes ``send``; the replay is ``simulate``'s. With ``send=0`` its makespan is the
+    step's *critical path*: how long the step takes if messages and whatever a runtime does
+    between actions cost nothing, so no runtime can run these actions in this order faster.
+    For a measured timeline (``fpipe.record()``), ``timeline.makespan / replay(timeline).makespan
+    - 1`` is the share of the step spent beyond its actions' own work.
+
+    Example:
+        >>> from fpipe.schedules import Costs, GPipe, replay, simulate
+        >>> sim = simulate(GPipe(num_microbatches=4).program(2), Costs(backward=2, send=0.5))
+        >>> sim.makespan, replay(sim).makespan, replay(sim, send=0.5).makespan
+        (16.0, 15.0, 16.0)
+
+    Raises:
+        ScheduleError: if ``timeline``'s times do not match its program (one start and one end
+            per action), or its program does not validate.
+        TypeError: if ``timeline`` is not a ``Simulation``.
+        ValueError: if ``send`` is negative or not finite.
+    """
+    (timeline,) = _checked("replay", (timeline,))
+    if isinstance(send, bool) or not isinstance(send, (int, float)) or not math.isfinite(send) or send < 0:
+        raise ValueError(f"fpipe.schedules.replay: send must be a finite number >= 0 (send: {send!r}).")
+    validate(timeline.program)
+    starts, ends = _as_soon_as_possible(
+        timeline.program, lambda r, k, a: timeline.ends[r][k] - timeline.starts[r][k], lambda d: float(send)
+    )
+    return Simulation(timeline.program, None, starts, ends)
+
+
+def _as_soon_as_possible(
+    program: Program, duration: Callable[[int, int, Action], float], send: Callable[[Action], float]
+) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
+    """Starts and ends per rank of a valid ``program`` replayed as the module docstring says:
+    action ``k`` of rank ``r`` lasts ``duration(r, k, action)``; a message from ``d`` to another
+    rank travels ``send(d)``."""
     split = split_backwards(program)
     rank_of = program.placement()
     ends: dict[Action, float] = {}
@@ -213,27 +259,20 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
         moved = False
         for r, row in enumerate(program.ranks):
             while len(ends_per_rank[r]) < len(row):
-                action = row[len(ends_per_rank[r])]
+                k = len(ends_per_rank[r])
+                action = row[k]
                 deps = dependencies(action, program.num_stages, split)
                 if any(d not in ends for d in deps):
                     break
-                ready = max(
-                    (ends[d] + (per_stage[d.stage].send if rank_of[d.stage] != r else 0.0) for d in deps),
-                    default=0.0,
-                )
+                ready = max((ends[d] + (send(d) if rank_of[d.stage] != r else 0.0) for d in deps), default=0.0)
                 start = max(free[r], ready)
-                free[r] = ends[action] = start + per_stage[action.stage].of(action.kind)
+                free[r] = ends[action] = start + duration(r, k, action)
                 starts_per_rank[r].append(start)
                 ends_per_rank[r].append(free[r])
                 remaining -= 1
                 moved = True
         assert moved, "validate() guarantees that a valid program always makes progress"
-    return Simulation(
-        program,
-        costs if isinstance(costs, Costs) else per_stage,
-        tuple(tuple(row) for row in starts_per_rank),
-        tuple(tuple(row) for row in ends_per_rank),
-    )
+    return tuple(tuple(row) for row in starts_per_rank), tuple(tuple(row) for row in ends_per_rank)
 
 
 def _per_stage(program: Program, costs: Costs | Sequence[Costs]) -> tuple[Costs, ...]:
@@ -308,32 +347,8 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
             times do not match its program.
         TypeError: if ``timeline`` holds something other than ``Simulation`` objects.
     """
-    timelines = (timeline,) if isinstance(timeline, Simulation) else tuple(timeline)
-    for k, t in enumerate(timelines):
-        if not isinstance(t, Simulation):
-            raise TypeError(
-                f"fpipe.schedules.fit_costs: timeline {k} is not a Simulation (type: {type(t).__name__}). "
-                "Pass recording.timeline or recording.timelines from fpipe.record()."
-            )
-    if not timelines:
-        raise ScheduleError(
-            "fpipe.schedules.fit_costs: no timeline to fit (timelines: 0). Record at least one step "
-            "with fpipe.record()."
-        )
+    timelines = _checked("fit_costs", timeline)
     program = timelines[0].program
-    for k, t in enumerate(timelines):
-        if t.program != program:
-            raise ScheduleError(
-                f"fpipe.schedules.fit_costs: timeline {k} ran a different program than timeline 0 "
-                f"(timeline 0:\n{program}\ntimeline {k}:\n{t.program}). Fit the steps of one program at a time."
-            )
-        shape = [len(row) for row in program.ranks]
-        if [len(row) for row in t.starts] != shape or [len(row) for row in t.ends] != shape:
-            raise ScheduleError(
-                f"fpipe.schedules.fit_costs: timeline {k} does not have one start and one end per action "
-                f"(actions per rank: {shape}, starts per rank: {[len(row) for row in t.starts]}, ends per "
-                f"rank: {[len(row) for row in t.ends]}). Pass timelines from fpipe.record() or simulate()."
-            )
     validate(program)
     split = split_backwards(program)
     rank_of = program.placement()
@@ -371,3 +386,34 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
         send = max(statistics.median(latencies[s]), 0.0) if s in latencies else fallback
         fitted.append(Costs(forward=forward, backward_input=inp, backward_weight=wgt, backward=fused, send=send))
     return tuple(fitted)
+
+
+def _checked(function: str, timeline: Simulation | Sequence[Simulation]) -> tuple[Simulation, ...]:
+    """``timeline`` as a non-empty tuple of timelines of one program, each with one start and one
+    end per action, or an error naming ``function`` and what is wrong."""
+    timelines = (timeline,) if isinstance(timeline, Simulation) else tuple(timeline)
+    for k, t in enumerate(timelines):
+        if not isinstance(t, Simulation):
+            raise TypeError(
+                f"fpipe.schedules.{function}: timeline {k} is not a Simulation (type: {type(t).__name__}). "
+                "Pass recording.timeline or recording.timelines from fpipe.record()."
+            )
+    if not timelines:
+        raise ScheduleError(
+            f"fpipe.schedules.{function}: no timeline (timelines: 0). Record at least one step with fpipe.record()."
+        )
+    program = timelines[0].program
+    for k, t in enumerate(timelines):
+        if t.program != program:
+            raise ScheduleError(
+                f"fpipe.schedules.{function}: timeline {k} ran a different program than timeline 0 "
+                f"(timeline 0:\n{program}\ntimeline {k}:\n{t.program}). Pass the steps of one program at a time."
+            )
+        shape = [len(row) for row in program.ranks]
+        if [len(row) for row in t.starts] != shape or [len(row) for row in t.ends] != shape:
+            raise ScheduleError(
+                f"fpipe.schedules.{function}: timeline {k} does not have one start and one end per action "
+                f"(actions per rank: {shape}, starts per rank: {[len(row) for row in t.starts]}, ends per "
+                f"rank: {[len(row) for row in t.ends]}). Pass timelines from fpipe.record() or simulate()."
+            )
+    return timelines

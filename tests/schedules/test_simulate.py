@@ -6,6 +6,8 @@ running actions, within the makespan.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ from fpipe.schedules import (
     ZeroBubbleH1,
     ZeroBubbleV,
     fit_costs,
+    replay,
     simulate,
     timeline,
 )
@@ -274,7 +277,7 @@ def test_fit_costs_clamps_durations_and_falls_back_on_latency() -> None:
 
 def test_fit_costs_errors() -> None:
     sim = simulate(GPipe(2).program(2))
-    with pytest.raises(ScheduleError, match=r"no timeline to fit \(timelines: 0\)"):
+    with pytest.raises(ScheduleError, match=r"fit_costs: no timeline \(timelines: 0\)"):
         fit_costs([])
     with pytest.raises(ScheduleError, match="timeline 1 ran a different program than timeline 0"):
         fit_costs([sim, simulate(GPipe(3).program(2))])
@@ -295,3 +298,59 @@ def test_fit_costs_of_a_recorded_step() -> None:
     assert len(costs) == 2
     assert all(c.forward > 0 and c.of("B") > 0 and c.send >= 0 for c in costs)
     assert simulate(step.program, costs).makespan > 0
+
+
+@pytest.mark.parametrize(
+    "program",
+    [GPipe(4).program(2), OneFOneB(6).program(3), ZeroBubbleH1(4).program(3), DualPipeV(4).program(4)],
+    ids=["gpipe", "1f1b", "zbh1", "dualpipev"],
+)
+@pytest.mark.parametrize("send", [0.0, 0.5])
+def test_replay_of_a_simulation_is_the_simulation(program: Program, send: float) -> None:
+    # Dyadic costs, so that end - start gives each duration back exactly.
+    costs = [
+        Costs(forward=1 + s / 4, backward_input=1.5, backward_weight=0.75, backward=2.5, send=send)
+        for s in range(program.num_stages)
+    ]
+    sim = simulate(program, costs)
+    again = replay(sim, send=send)
+    assert (again.starts, again.ends, again.costs) == (sim.starts, sim.ends, None)
+
+
+def test_replay_removes_gaps_and_latency_literally() -> None:
+    # GPipe(2) on 2 ranks (backwards in microbatch order), measured with waits between actions
+    # (messages, the runtime):
+    #   rank 0 | 0F0 [0,1] 0F1 [1,2]                                  0B0 [11.5,13.5] 0B1 [13.5,15.5]
+    #   rank 1 |      1F0 [2,3] 1F1 [4,5] 1B0 [6,8] 1B1 [9,11]
+    program = GPipe(2).program(2)
+    measured = Simulation(program, None, ((0, 1, 11.5, 13.5), (2, 4, 6, 9)), ((1, 2, 13.5, 15.5), (3, 5, 8, 11)))
+    critical = replay(measured)
+    # Same durations, no waiting: rank 1 runs 1F0 at 1 (when 0F0 ends), 1F1 at 2, 1B0 at 3, 1B1
+    # at 5; rank 0 runs 0B0 at 5 (when 1B0 ends) and 0B1 at 7.
+    assert critical.starts == ((0, 1, 5, 7), (1, 2, 3, 5))
+    assert critical.ends == ((1, 2, 7, 9), (2, 3, 5, 7))
+    assert critical.makespan == 9 < measured.makespan == 15.5
+
+
+def test_replay_errors() -> None:
+    sim = simulate(GPipe(2).program(2))
+    for send, fragment in [(-1.0, "-1.0"), (math.inf, "inf"), (True, "True")]:
+        with pytest.raises(ValueError, match=f"replay: send must be a finite number >= 0 \\(send: {fragment}\\)"):
+            replay(sim, send=send)
+    with pytest.raises(ScheduleError, match=r"replay: timeline 0 does not have one start and one end per action"):
+        replay(Simulation(sim.program, None, sim.starts, ((1.0,), (2.0,))))
+    with pytest.raises(TypeError, match=r"replay: timeline 0 is not a Simulation \(type: Program\)"):
+        replay(sim.program)  # type: ignore[arg-type]
+
+
+def test_replay_of_a_recorded_step_is_no_longer_than_the_step() -> None:
+    def stage(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ p)
+
+    step = fpipe.pipeline(lambda y, batch: y.square().mean(), [stage] * 3, OneFOneB(4))
+    with fpipe.record() as recording:
+        step([torch.randn(8, 8) for _ in range(3)], torch.randn(8, 8))
+    measured = recording.timeline
+    critical = replay(measured)
+    assert critical.busy == pytest.approx(measured.busy)
+    assert 0 < critical.makespan <= measured.makespan
