@@ -46,6 +46,8 @@ def test_bench_vs_torch_quick(tmp_path: Path) -> None:
         assert {"rank0.F", "rank0.B", "rank1.F", "rank1.B"} <= bubble["cost_s"].keys()
         assert len(bubble["fitted"]) == len(bubble["fitted_error"]) == len(bubble["fitted_costs_s"]) == 2
         assert all(0 <= f < 1 for f in bubble["fitted"]) and all(e >= 0 for e in bubble["fitted_error"])
+        assert len(bubble["replayed"]) == len(bubble["replayed_error"]) == 2
+        assert all(0 <= f < 1 for f in bubble["replayed"]) and all(e >= 0 for e in bubble["replayed_error"])
         assert len(bubble["step_s"]) == 1
         b = row["bound"]
         assert len(bubble["critical_path_s"]) == 1 and b["critical_path_s"] == bubble["critical_path_s"][0] > 0

@@ -353,4 +353,4 @@ def test_replay_of_a_recorded_step_is_no_longer_than_the_step() -> None:
     measured = recording.timeline
     critical = replay(measured)
     assert critical.busy == pytest.approx(measured.busy)
-    assert 0 < critical.makespan <= measured.makespan
+    assert 0 < critical.makespan <= measured.makespan + 1e-9  # up to the rounding of end - start
