@@ -46,9 +46,10 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
             )
         split_dims.append(dim % leaf.dim())
         by_size[leaf.shape[dim]].append(path)
+    leaves = [detached(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     if not by_size:
-        if num_microbatches == 1:
-            return [batch], [1]
+        if num_microbatches == 1:  # passed whole, but detached like any piece (inference tensors copied)
+            return [unflatten(spec, leaves)], [1]
         raise ValueError(
             f"fpipe.step: no tensor leaf of the batch is split, so it cannot be cut into "
             f"{num_microbatches} microbatches (batch_dims: {batch_dims!r}). "
@@ -66,7 +67,6 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
             f"fpipe.step: a batch of {size} cannot be split into {num_microbatches} microbatches "
             f"(leaves: {', '.join(sized_paths)}). Use a batch of at least {num_microbatches} or fewer microbatches."
         )
-    leaves = [detached(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     pieces: list[Any] = [
         torch.tensor_split(leaf, num_microbatches, dim=d) if d is not None else None
         for leaf, d in zip(leaves, split_dims)

@@ -77,11 +77,30 @@ def test_non_tensor_leaves_pass_whole() -> None:
 
 
 def test_unsplit_batch_is_one_microbatch() -> None:
-    batch = {"table": torch.randn(3, 3), "name": "x"}
-    microbatches, sizes = split(batch, 1, None)
-    assert microbatches == [batch] and sizes == [1]
+    batch = {"table": torch.randn(3, 3, requires_grad=True), "name": "x"}
+    (microbatch,), sizes = split(batch, 1, None)
+    assert sizes == [1] and microbatch["name"] == "x" and torch.equal(microbatch["table"], batch["table"])
+    assert not microbatch["table"].requires_grad  # detached, like any piece
     with pytest.raises(ValueError, match="no tensor leaf of the batch is split"):
         split(batch, 2, None)
+
+
+def test_unsplit_inference_batch() -> None:
+    # A batch made under inference mode and passed whole: autograd cannot save inference
+    # tensors, so the whole batch, like a split one, reaches the stages as a plain copy.
+    def first(p: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.tanh(batch["x"] @ p)
+
+    def loss_fn(y: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ((y @ batch["x"].T) ** 2).mean()
+
+    params = [torch.randn(3, 3), torch.randn(3, 3)]
+    with torch.inference_mode():
+        batch = {"x": torch.randn(4, 3)}
+    step = fpipe.pipeline(loss_fn, [first, lambda p, x: x @ p], OneFOneB(num_microbatches=1), batch_dims=None)
+    loss, grads = step(params, batch)
+    ref_loss, ref_grads = reference(loss_fn, [first, lambda p, x: x @ p], params, {"x": batch["x"].clone()})
+    assert_close((loss, grads), (ref_loss, ref_grads))
 
 
 @pytest.mark.parametrize(
