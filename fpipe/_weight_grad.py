@@ -12,6 +12,9 @@ from the intermediates to the parameters, ``autograd.grad(GradientEdges, params)
 touches only the small parameter side of the graph. Together they run each node once, as the
 fused backward does. Parameters whose contributions never meet the inputs' paths (or a stage
 whose inputs are not differentiable, like stage 0) are done in ``W`` straight from the outputs.
+A parameter can have both kinds of paths (``{"h": x @ p, "u": p.sum()}``): outputs that the
+inputs do not reach get no gradient during ``I``, so ``W`` seeds those it reaches with their
+cotangents too, beside the saved gradients of its intermediates.
 A ``torch.compile``'d stage is one opaque graph node whose backward yields every gradient at
 once and cannot run twice: there ``I`` runs the whole backward and ``W`` only hands over the
 parameter gradients (correct, but no bubble is filled).
@@ -25,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
 def _node(t: torch.Tensor) -> Node:
@@ -78,6 +81,7 @@ class _Group:
         self.params: list[int] = []
         self.intermediates: list[Node] = []
         self.grads: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+        self.outputs: list[int] = []  # outputs the inputs do not reach, that these params do
 
 
 class DeferredWeightGrad:
@@ -113,6 +117,8 @@ class DeferredWeightGrad:
                 if g is not None
             ]
             seeds = [g for node in group.intermediates for g in group.grads.get(node, ()) if g is not None]
+            edges += [get_gradient_edge(self._outputs[j]) for j in group.outputs]
+            seeds += [self._grad_outputs[j] for j in group.outputs]
             if not edges:
                 continue
             # An intermediate downstream of another would get the gradient twice (saved, and
@@ -161,11 +167,15 @@ def input_grad(
         found = torch.autograd.grad(outputs, [*inputs, *params], grad_outputs, allow_unused=True)
         return found[: len(inputs)], DeferredWeightGrad([], [], [], [], params, done=list(found[len(inputs) :]))
     after_inputs, _ = _downstream([_node(x) for x in inputs], consumers, set())
+    unreached: dict[Node, list[int]] = collections.defaultdict(list)  # outputs I gives no gradient
+    for j, node in enumerate(roots):
+        if node not in after_inputs:
+            unreached[node].append(j)
     by_node: dict[Node, _Group] = {}
     groups: list[_Group] = []
     rest: list[int] = []
     for k, p in enumerate(params):
-        _, hit = _downstream([_node(p)], consumers, after_inputs)
+        reached, hit = _downstream([_node(p)], consumers, after_inputs)
         if not hit:
             rest.append(k)
             continue
@@ -177,10 +187,12 @@ def input_grad(
             if other is not group:
                 group.params += other.params
                 group.intermediates += [n for n in other.intermediates if n not in group.intermediates]
+                group.outputs += [j for j in other.outputs if j not in group.outputs]
                 for n in other.intermediates:
                     by_node[n] = group
                 groups.remove(other)
         group.params.append(k)
+        group.outputs += [j for n in reached if n in unreached for j in unreached[n] if j not in group.outputs]
         for n in hit:
             if n not in by_node:
                 by_node[n] = group
@@ -200,4 +212,5 @@ def input_grad(
             handle.remove()
     for group in groups:
         group.params.sort()
+        group.outputs.sort()
     return found, DeferredWeightGrad(groups, rest, outputs, grad_outputs, params)

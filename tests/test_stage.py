@@ -89,6 +89,38 @@ def test_split_backward_equals_fused_backward_bitwise() -> None:
         assert torch.equal(split.grads()[k], fused.grads()[k])
 
 
+def sum_beside(p: torch.Tensor, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"h": x @ p, "u": p.sum()}
+
+
+def param_beside(p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x @ p, p
+
+
+def sum_used_and_beside(p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    u = (p * p).sum()
+    return torch.tanh(x @ p) * u, u
+
+
+@pytest.mark.parametrize("fn", [sum_beside, param_beside, sum_used_and_beside])
+def test_split_backward_of_outputs_the_inputs_do_not_reach(fn: Any) -> None:
+    """A parameter reaching the outputs both through the inputs' paths and beside them (an
+    output that only parameters reach): ``W`` adds the part that does not meet the inputs."""
+    params, x = torch.randn(3, 3), torch.randn(4, 3, requires_grad=True) * 1
+    fused, split = StageRun(1, fn, params), StageRun(1, fn, params)
+    y, pullback = fused.forward(x, differentiate_input=True)
+    cotangents = cotangents_for(y)
+    expected = fused.backward(pullback, cotangents, 0)
+    _, pullback = split.forward(x, differentiate_input=True)
+    got = split.backward_input(pullback, cotangents)
+    split.backward_weight(pullback, 0)
+
+    _, vjp = torch.func.vjp(fn, params, x.detach())
+    expected_grad, expected_input_grad = vjp(optree.tree_unflatten(optree.tree_structure(y), cotangents))
+    assert_close((fused.grads(), expected[0]), (expected_grad, expected_input_grad))
+    assert torch.equal(split.grads(), fused.grads()) and torch.equal(got[0], expected[0])
+
+
 def test_inputs_and_params_are_detached_copies() -> None:
     """The user's tensors keep ``requires_grad``, version and graph; nothing writes ``.grad``."""
     w = torch.nn.Parameter(torch.randn(3, 3))
