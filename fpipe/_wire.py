@@ -111,8 +111,11 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t``'s bytes as a flat ``uint8`` tensor on ``device``: a view when ``t`` is contiguous there."""
-    return as_bytes(t.detach().to(device).contiguous())
+    """``t``'s bytes as a flat ``uint8`` tensor on ``device``: a view when ``t`` is contiguous there.
+
+    A conjugate or negative view (``z.conj()``, and autograd's cotangents through one) has no
+    bytes of its own values to view: they are materialized first."""
+    return as_bytes(t.detach().to(device).resolve_conj().resolve_neg().contiguous())
 
 
 def _large(layout: Layout | None) -> list[tuple[torch.dtype, tuple[int, ...], int]]:

@@ -156,6 +156,20 @@ def test_a_large_non_contiguous_leaf_travels() -> None:
     assert len(sent) == 3 and torch.equal(out["h"], tree["h"]) and torch.equal(out["z"], tree["z"])  # type: ignore[index]
 
 
+def test_large_conjugate_and_negative_views_travel_as_their_values() -> None:
+    """``z.conj()`` (and autograd's cotangent through one) is a lazy view whose bytes are ``z``'s:
+    it is materialized before it is sent, whatever its size."""
+    z = torch.randn(INLINE_LIMIT // 16 + 1, dtype=torch.complex128)
+    x = torch.randn(INLINE_LIMIT // 8 + 1, dtype=torch.float64)
+    tree = {"z": z.conj(), "small": z[:3].conj(), "x": torch._neg_view(x)}
+    encoder, decoder = Encoder(), Decoder()
+    for _ in range(2):
+        out, _ = transfer(encoder, decoder, tree)
+        assert isinstance(out, dict)
+        assert torch.equal(out["z"], z.conj().resolve_conj()) and torch.equal(out["small"], z[:3].conj())
+        assert torch.equal(out["x"], -x)
+
+
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.complex64, torch.int64, torch.bool]
 # element counts around the inline limit for every dtype size (1 to 8 bytes), and small ones
 _NUMELS = [0, 1, 3, 17, INLINE_LIMIT // 8, INLINE_LIMIT // 4, INLINE_LIMIT // 2 - 1, INLINE_LIMIT // 2 + 5]
