@@ -32,6 +32,15 @@ never holds a second full set of the stage's gradients. Any other contribution (
 that runs early, a split backward's ``W``) is computed apart and added in order later; the
 additions are the same either way (the engine's first one keeps the tensor, the next ones add
 in place).
+
+NOTE [cotangent layout]
+The same input cotangent comes out in different memory layouts from the three backwards: a fused
+backward in microbatch order reads it from the input leaf's ``.grad``, which the engine lays out
+like the leaf, while ``autograd.grad`` (a backward ahead of order, or ``I``) returns what the last
+node made, e.g. the stride-0 expansion that ``x.sum()`` pulls back. The previous stage's backward
+then multiplies with it, and matrix kernels round differently for different strides: the
+schedule would change the bits of the gradients. So every input cotangent leaves the stage
+contiguous (with conjugate and negative bits resolved), as the wire sends it between processes.
 """
 
 from __future__ import annotations
@@ -235,9 +244,10 @@ class StageRun:
         return outputs, grad_outputs
 
     def _input_cotangents(self, pullback: Pullback, grads: Sequence[torch.Tensor | None]) -> Grads:
+        """One cotangent per input leaf, in one layout whichever backward made it (NOTE [cotangent layout])."""
         input_cotangents: Grads = [None] * pullback.num_inputs
         for k, g in zip(pullback.input_index, grads):
-            input_cotangents[k] = g
+            input_cotangents[k] = None if g is None else g.resolve_conj().resolve_neg().contiguous()
         return input_cotangents
 
     def backward(self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None], microbatch: int) -> Grads:

@@ -203,6 +203,35 @@ def test_schedules_agree_bitwise() -> None:
         assert all(torch.equal(a["w"], b["w"]) for a, b in zip(grads, other_grads)), name
 
 
+def test_schedules_agree_bitwise_when_a_cotangent_is_an_expansion() -> None:
+    """NOTE [cotangent layout]: ``x[1].sum(0)`` pulls back a stride-0 cotangent, which stage 0's
+    matrix product rounds differently from a contiguous one; every backward must hand it over alike."""
+
+    def first(p: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch["x"] @ p, p.T @ p
+
+    def second(p: torch.Tensor, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return x[0] @ p + x[1].sum(0)
+
+    def loss_fn(y: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ((y - batch["y"]) ** 2).mean()
+
+    params = [torch.randn(16, 16) / 4, torch.randn(16, 16) / 4]
+    batch = {"x": torch.randn(13, 16), "y": torch.randn(13, 16)}
+    programs = {
+        "fused": [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1F1", "1B0", "1B1"]],
+        "ahead of order": [["0F0", "0F1", "0B1", "0B0"], ["1F0", "1F1", "1B1", "1B0"]],
+        "split": [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1F1", "1I0", "1I1", "1W0", "1W1"]],
+    }
+    results = {
+        name: fpipe.pipeline(loss_fn, [first, second], program)(params, batch) for name, program in programs.items()
+    }
+    loss, grads = results.pop("fused")
+    for name, (other_loss, other_grads) in results.items():
+        assert torch.equal(loss, other_loss), name
+        assert all(torch.equal(a, b) for a, b in zip(grads, other_grads)), name
+
+
 # --- Errors raised during a step -----------------------------------------------------------------
 
 
