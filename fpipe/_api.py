@@ -130,12 +130,16 @@ def pipeline(
         raise ValueError(f"fpipe.pipeline: timeout must be a positive number of seconds (timeout: {timeout!r}).")
     if isinstance(recompute, bool):
         recompute = range(len(stages)) if recompute else ()
-    recompute = frozenset(recompute)
-    if not all(isinstance(s, int) and 0 <= s < len(stages) for s in recompute):
+    if (
+        isinstance(recompute, (str, bytes))
+        or not isinstance(recompute, Collection)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < len(stages) for s in recompute)
+    ):
         raise ValueError(
             f"fpipe.pipeline: recompute must be a bool or stage indices in 0..{len(stages) - 1} "
-            f"(recompute: {sorted(recompute, key=str)!r})."
+            f"(recompute: {recompute!r})."
         )
+    recompute = frozenset(recompute)
     if not isinstance(shard_params, bool):
         raise TypeError(f"fpipe.pipeline: shard_params must be True or False (shard_params: {shard_params!r}).")
     if regather and not shard_params:

@@ -610,9 +610,10 @@ def test_recompute_saves_less() -> None:
     assert recomputed * 8 <= stored, (recomputed, stored)
 
 
-def test_recompute_must_name_stages() -> None:
-    with pytest.raises(ValueError, match=r"recompute must be a bool or stage indices in 0\.\.1"):
-        fpipe.pipeline(carry_loss, [carry] * 2, GPipe(2), recompute={2})
+@pytest.mark.parametrize("recompute", [{2}, 1, None, "01", [True]])
+def test_recompute_must_name_stages(recompute: Any) -> None:
+    with pytest.raises(ValueError, match=r"recompute must be a bool or stage indices in 0\.\.1 \(recompute: "):
+        fpipe.pipeline(carry_loss, [carry] * 2, GPipe(2), recompute=recompute)
 
 
 # --- Devices ------------------------------------------------------------------------------------
