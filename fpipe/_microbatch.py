@@ -4,7 +4,9 @@ Each tensor leaf is split along its batch dimension (``batch_dims``: an int for 
 prefix pytree of ints and ``None``; ``None`` passes the leaf whole to every microbatch, e.g. a RoPE
 table). Non-tensor leaves always pass whole. ``torch.tensor_split`` gives sizes that differ by at
 most one, larger first: 10 examples in 4 microbatches are 3, 3, 2, 2. Pieces are views of the
-detached input, so no user tensor is copied, mutated or made part of a graph.
+detached input where they are contiguous, else contiguous copies (as the wire would deliver them
+to the last stage: NOTE [boundary layout] in fpipe/_stage.py); no user tensor is mutated or made
+part of a graph.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ._pytree import PyTree, broadcast_prefix, detached, flatten, leaves_with_paths, unflatten
+from ._pytree import PyTree, boundary_layout, broadcast_prefix, detached, flatten, leaves_with_paths, unflatten
 
 
 def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[list[PyTree], list[int]]:
@@ -46,7 +48,8 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
             )
         split_dims.append(dim % leaf.dim())
         by_size[leaf.shape[dim]].append(path)
-    leaves = [detached(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    # Detached, and laid out as the wire delivers them (NOTE [boundary layout] in fpipe/_stage.py).
+    leaves = [boundary_layout(detached(leaf)) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     if not by_size:
         if num_microbatches == 1:  # passed whole, but detached like any piece (inference tensors copied)
             return [unflatten(spec, leaves)], [1]
@@ -72,7 +75,7 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
         for leaf, d in zip(leaves, split_dims)
     ]
     microbatches = [
-        unflatten(spec, [leaf if part is None else part[i] for leaf, part in zip(leaves, pieces)])
+        unflatten(spec, [leaf if part is None else boundary_layout(part[i]) for leaf, part in zip(leaves, pieces)])
         for i in range(num_microbatches)
     ]
     first = next(k for k, d in enumerate(split_dims) if d is not None)

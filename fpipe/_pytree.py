@@ -78,6 +78,12 @@ def detached(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.is_inference() else t.detach()
 
 
+def boundary_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor crossing a stage boundary is laid out: contiguous, with conjugate and
+    negative bits resolved (NOTE [boundary layout] in fpipe/_stage.py). ``t`` itself if it is so."""
+    return t.resolve_conj().resolve_neg().contiguous()
+
+
 def map_tensors(fn: Any, tree: PyTree) -> PyTree:
     """Apply ``fn`` to every tensor leaf of ``tree``; other leaves are kept as they are."""
     leaves, spec = flatten(tree)

@@ -33,14 +33,17 @@ that runs early, a split backward's ``W``) is computed apart and added in order 
 additions are the same either way (the engine's first one keeps the tensor, the next ones add
 in place).
 
-NOTE [cotangent layout]
-The same input cotangent comes out in different memory layouts from the three backwards: a fused
-backward in microbatch order reads it from the input leaf's ``.grad``, which the engine lays out
-like the leaf, while ``autograd.grad`` (a backward ahead of order, or ``I``) returns what the last
-node made, e.g. the stride-0 expansion that ``x.sum()`` pulls back. The previous stage's backward
-then multiplies with it, and matrix kernels round differently for different strides: the
-schedule would change the bits of the gradients. So every input cotangent leaves the stage
-contiguous (with conjugate and negative bits resolved), as the wire sends it between processes.
+NOTE [boundary layout]
+Every tensor that crosses a stage boundary is contiguous, with conjugate and negative bits
+resolved: that is how the wire delivers it between processes, and kernels round differently for
+different strides (a reduction over a transposed activation adds in another order; a matmul
+with a stride-0 cotangent takes another path). So in one process too, a stage's input leaves are
+made so before it runs (a no-op for what the wire or ``split`` delivers), and its input
+cotangents before they leave, whichever backward made them: a fused backward in microbatch
+order reads them from the input leaf's ``.grad``, which the engine lays out like the leaf, while
+``autograd.grad`` (a backward ahead of order, or ``I``) returns what the last node made, e.g.
+the stride-0 expansion that ``x.sum()`` pulls back. Without this, the schedule, and one process
+or many, would change the bits of the results.
 """
 
 from __future__ import annotations
@@ -51,7 +54,17 @@ from typing import Any
 
 import torch
 
-from ._pytree import PyTree, TreeSpec, detached, flatten, is_differentiable, map_tensors, unflatten
+from ._pytree import (
+    PyTree,
+    TreeSpec,
+    boundary_layout,
+    detached,
+    flatten,
+    is_differentiable,
+    leaves_with_paths,
+    map_tensors,
+    unflatten,
+)
 from ._weight_grad import DeferredWeightGrad, input_grad
 
 Grads = list[torch.Tensor | None]
@@ -186,13 +199,17 @@ class StageRun:
         for k, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
                 continue
-            if self.device is not None and leaf.device != self.device:
-                leaf = leaves[k] = leaf.to(self.device)
             # Only leaves that carry the previous stage's graph can use a cotangent (a RoPE
             # table passed along untouched cannot), so only those are differentiated.
-            if differentiate_input and is_differentiable(leaf) and leaf.requires_grad:
-                leaves[k] = detached(leaf).requires_grad_()
+            differentiate = differentiate_input and is_differentiable(leaf) and leaf.requires_grad
+            if self.device is not None and leaf.device != self.device:
+                leaf = leaf.to(self.device)
+            if not leaf.is_contiguous() or leaf.is_conj() or leaf.is_neg():  # NOTE [boundary layout]
+                leaf = boundary_layout(detached(leaf))
+            if differentiate:
+                leaf = detached(leaf).requires_grad_()
                 input_index.append(k)
+            leaves[k] = leaf
         return leaves, spec, input_index
 
     def _trace(self, run: Callable[[], Any], leaves: list[Any], input_index: list[int]) -> tuple[Any, Pullback]:
@@ -220,15 +237,12 @@ class StageRun:
         with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
             torch.set_rng_state(rng)
             out = run()
-        leaves, _ = flatten(out)
-        pullback.output_index = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        pullback.outputs = [leaves[k] for k in pullback.output_index]
+        pullback.outputs, pullback.output_index = _graph_outputs(out)
 
     @staticmethod
     def _pullback(y: PyTree, inputs: list[torch.Tensor], input_index: list[int], num_inputs: int) -> Pullback:
-        leaves, _ = flatten(y)
-        index = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-        return Pullback([leaves[k] for k in index], index, inputs, input_index, num_inputs)
+        outputs, index = _graph_outputs(y)
+        return Pullback(outputs, index, inputs, input_index, num_inputs)
 
     def _seeds(
         self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None]
@@ -244,10 +258,10 @@ class StageRun:
         return outputs, grad_outputs
 
     def _input_cotangents(self, pullback: Pullback, grads: Sequence[torch.Tensor | None]) -> Grads:
-        """One cotangent per input leaf, in one layout whichever backward made it (NOTE [cotangent layout])."""
+        """One cotangent per input leaf, in one layout whichever backward made it (NOTE [boundary layout])."""
         input_cotangents: Grads = [None] * pullback.num_inputs
         for k, g in zip(pullback.input_index, grads):
-            input_cotangents[k] = None if g is None else g.resolve_conj().resolve_neg().contiguous()
+            input_cotangents[k] = None if g is None else boundary_layout(g)
         return input_cotangents
 
     def backward(self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None], microbatch: int) -> Grads:
@@ -299,6 +313,42 @@ class StageRun:
 
 
 _AMBIENT = contextlib.nullcontext()
+
+
+def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], list[int]]:
+    """The output leaves that carry the graph, and their positions among the output's leaves.
+
+    Raises:
+        TypeError: if a leaf is an object fpipe cannot flatten (an unregistered class) that holds
+            tensors carrying the graph: their gradient would be lost without a word.
+    """
+    leaves, _ = flatten(out)
+    index = []
+    for k, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad:
+                index.append(k)
+        elif _hides_graph(leaf):
+            paths, _, _ = leaves_with_paths(out)
+            kind = type(leaf).__qualname__
+            raise TypeError(
+                f"fpipe: the stage's output leaf {paths[k]} is a {kind} holding tensors that carry the "
+                f"graph, inside an object fpipe cannot flatten: their gradient would be lost. Register "
+                f"{kind} as a pytree node (optree.register_pytree_node) or return its tensors in a dict, "
+                "list, tuple or namedtuple."
+            )
+    return [leaves[k] for k in index], index
+
+
+def _hides_graph(value: Any) -> bool:
+    """Whether ``value``'s attributes (``__dict__`` or ``__slots__``, one level) hold a tensor
+    that carries the graph: a best-effort check, for dataclasses and plain classes."""
+    fields = getattr(value, "__dict__", None)
+    members = list(fields.values()) if isinstance(fields, dict) else []
+    slots = getattr(type(value), "__slots__", ())
+    for name in (slots,) if isinstance(slots, str) else slots:
+        members.append(getattr(value, name, None))
+    return any(isinstance(m, torch.Tensor) and m.requires_grad for m in members)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import re
 from collections import Counter
@@ -204,7 +205,7 @@ def test_schedules_agree_bitwise() -> None:
 
 
 def test_schedules_agree_bitwise_when_a_cotangent_is_an_expansion() -> None:
-    """NOTE [cotangent layout]: ``x[1].sum(0)`` pulls back a stride-0 cotangent, which stage 0's
+    """NOTE [boundary layout]: ``x[1].sum(0)`` pulls back a stride-0 cotangent, which stage 0's
     matrix product rounds differently from a contiguous one; every backward must hand it over alike."""
 
     def first(p: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,6 +231,31 @@ def test_schedules_agree_bitwise_when_a_cotangent_is_an_expansion() -> None:
     for name, (other_loss, other_grads) in results.items():
         assert torch.equal(loss, other_loss), name
         assert all(torch.equal(a, b) for a, b in zip(grads, other_grads)), name
+
+
+def test_an_activation_crosses_a_boundary_contiguous_as_over_the_wire() -> None:
+    """NOTE [boundary layout]: a transposed activation reaches the next stage contiguous, as the wire
+    delivers it between processes; its reduction would otherwise add in another order."""
+
+    def transposed(p: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (batch["x"] @ p).T
+
+    def contiguous(p: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (batch["x"] @ p).T.contiguous()
+
+    def second(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (x.T * p).sum(1)
+
+    def loss_fn(y: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (y - batch["y"]).square().mean()
+
+    torch.manual_seed(0)
+    params = [torch.randn(64, 64), torch.randn(64)]
+    batch = {"x": torch.randn(32, 64), "y": torch.randn(32)}
+    loss, grads = fpipe.pipeline(loss_fn, [transposed, second], GPipe(2))(params, batch)
+    expected_loss, expected_grads = fpipe.pipeline(loss_fn, [contiguous, second], GPipe(2))(params, batch)
+    assert torch.equal(loss, expected_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
 
 
 # --- Errors raised during a step -----------------------------------------------------------------
@@ -327,6 +353,47 @@ def test_bad_loss_fn_result(result: Callable[[torch.Tensor], Any], has_aux: bool
     with pytest.raises(fpipe.PipelineError, match=match) as info:
         step(carry_params(2), carry_batch(4))
     assert isinstance(info.value.__cause__, TypeError)
+
+
+@dataclasses.dataclass
+class _Hidden:  # not registered with optree: one opaque leaf
+    h: torch.Tensor
+
+
+@pytest.mark.parametrize(
+    ("recompute", "action"), [(False, r"forward of stage 0 on microbatch 0 \(0F0\)"), (True, r"0B")]
+)
+def test_a_graph_hidden_in_an_opaque_leaf_is_an_error(recompute: bool, action: str) -> None:
+    """Its tensors carry stage 0's graph past fpipe, which could not send their cotangents back:
+    stage 0 would get zero gradients without a word. With recomputation the graph appears when
+    the backward replays the forward."""
+
+    def first(p: torch.Tensor, x: torch.Tensor) -> _Hidden:
+        return _Hidden(x @ p)
+
+    def second(p: torch.Tensor, x: _Hidden) -> torch.Tensor:
+        return x.h @ p
+
+    step = fpipe.pipeline(lambda y, mb: y.square().mean(), [first, second], GPipe(2), recompute=recompute)
+    match = (
+        action + r".*output leaf <root> is a _Hidden holding tensors that carry the graph.*optree.register_pytree_node"
+    )
+    with pytest.raises(fpipe.PipelineError, match=match) as info:
+        step([torch.randn(3, 3), torch.randn(3, 3)], torch.randn(4, 3))
+    assert isinstance(info.value.__cause__, TypeError)
+
+
+def test_an_opaque_leaf_without_a_graph_passes_through() -> None:
+    def first(p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, _Hidden]:
+        return x @ p, _Hidden(torch.ones(3))  # a constant table: nothing to differentiate
+
+    def second(p: torch.Tensor, x: tuple[torch.Tensor, _Hidden]) -> torch.Tensor:
+        return x[0] @ p * x[1].h
+
+    params, batch = [torch.randn(3, 3), torch.randn(3, 3)], torch.randn(4, 3)
+    loss, grads = fpipe.pipeline(lambda y, mb: y.square().mean(), [first, second], GPipe(2))(params, batch)
+    expected = torch.func.grad(lambda ps: ((batch @ ps[0]) @ ps[1]).square().mean())(params)
+    assert_close(grads, expected)
 
 
 def test_one_element_loss_counts_as_a_scalar() -> None:
