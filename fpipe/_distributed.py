@@ -14,7 +14,8 @@ differs from one process. The protocol (notes/wire.md), per step:
    any backend.
 3. Failure: a rank that fails sends an ERROR meta (failing rank and action) as its next
    message to every peer that still expects one, so a peer waiting on it fails too, and so on.
-   Every wait has the pipeline's ``timeout``; a dead peer surfaces as a lost connection.
+   A closing all-gather of every rank's status tells the ranks that expected no message from
+   a failed one. Every wait has the pipeline's ``timeout``; a dead peer surfaces as a lost connection.
    Messages of the failed step may still be in flight, so the group is marked broken and any
    later step on it raises at once (``check_usable``) instead of reading them as its own.
 4. Data parallel: grads (and the loss and a failure flag) of a replica are averaged with one
@@ -178,6 +179,7 @@ class DistributedTransport:
         self._seconds = timeout
         self._local: dict[Key, PyTree] = {}
         self._sends: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
+        self._concluded = False  # whether this step's closing all-gather has run (``finish``)
         outgoing = messages(program, self.me, send_microbatches)
         self.peers: dict[int, _Peer] = {}
         for r in range(program.num_ranks):
@@ -224,7 +226,17 @@ class DistributedTransport:
         return self._recv(holder, ("result", self.last, 0))
 
     def finish(self) -> None:
-        """Wait for this step's sends; every expected message must have been read."""
+        """Agree with every rank that the step succeeded, then wait for this step's sends; every
+        expected message must have been read.
+
+        A rank that failed tells the peers that still expect a message from it (``abort``), but
+        a peer may expect none (rank 1 of 3 failing in a backward, once its activations are all
+        with rank 2): only the step's closing all-gather tells that peer, which would otherwise
+        wait for its sends to rank 1 until the timeout.
+        """
+        failure = self._conclude(None)
+        if failure is not None:
+            self._remote_failure(*failure)
         for work, _ in self._sends:
             self._wait(work, "a send to complete", None)
         self._sends.clear()
@@ -249,7 +261,18 @@ class DistributedTransport:
         for work in works:
             with contextlib.suppress(RuntimeError):  # the peer is gone or stuck: it times out on its own
                 work.wait(timeout=timedelta(seconds=min(self._seconds, 10.0)))
+        if not self._concluded and not isinstance(error, PipelineTimeoutError):  # (a hung peer never joins)
+            with contextlib.suppress(PipelineError):  # a lost peer: the others see it too
+                self._conclude(code)
         self._wire.reset()
+
+    def _conclude(self, failure: list[int] | None) -> list[int] | None:
+        """The step's closing all-gather of ``[failed, rank, stage, kind, microbatch]`` over the
+        pipeline group (``failure``: this rank's code as in ``abort``); the first failure's code."""
+        self._concluded = True
+        mine = [0, 0, 0, 0, 0] if failure is None else [1, *failure]
+        statuses = handshake(self.topology, mine, self._seconds, "the other pipeline ranks at the end of the step")
+        return next((status[1:] for status in statuses if status[0]), None)
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -395,12 +418,17 @@ def check_usable(topology: Topology) -> None:
         )
 
 
-def handshake(topology: Topology, status: list[int], timeout: float) -> list[list[int]]:
+def handshake(
+    topology: Topology,
+    status: list[int],
+    timeout: float,
+    what: str = "the other pipeline ranks at the start of the step",
+) -> list[list[int]]:
     """All-gather each pipeline rank's ``status`` vector (same length on every rank)."""
     mine = torch.tensor(status, dtype=torch.int64, device=topology.device)
     every = [torch.empty_like(mine) for _ in range(topology.size)]
     work = dist.all_gather(every, mine, group=topology.group, async_op=True)
-    wait(work, timedelta(seconds=timeout), topology.rank, "the other pipeline ranks at the start of the step")
+    wait(work, timedelta(seconds=timeout), topology.rank, what)
     return [t.tolist() for t in every]
 
 

@@ -254,6 +254,37 @@ def test_bad_inputs_fail_on_every_rank():
         assert "an earlier step failed on this process group" in m["after a failure"]
 
 
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("boom in backward")
+
+
+def _backward_fails(rank, world):
+    """Stage 1 (rank 1 of 3) raises in its first backward, after it has sent every activation to
+    rank 2: rank 2 expects no more messages from it, yet must fail too, naming it."""
+    stages, params = _model(3)
+    stages[1] = lambda p, x: {**_block(p, x), "z": _FailingBackward.apply(_block(p, x)["z"])}
+    step = fpipe.pipeline(_loss, stages, GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=10)
+    mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    with pytest.raises(fpipe.PipelineError) as info:
+        step(mine, _batch(3) if rank == 0 else None)
+    dist.barrier()  # every rank stays alive (a lost connection would tell rank 2 something is wrong)
+    return str(info.value), info.value.rank, str(info.value.action)
+
+
+def test_a_failure_reaches_ranks_that_expect_no_message_from_the_failing_rank():
+    results = run_ranks(3, _backward_fails)
+    for rank, (text, failing, action) in enumerate(results):
+        assert (failing, action) == (1, "1B0"), (rank, text)
+        if rank != 1:
+            assert f"rank {rank} stopped because rank 1 failed in backward of stage 1 on microbatch 0 (1B0)" in text
+
+
 def _dies(rank, world):
     _, params = _model(2)
 
