@@ -79,12 +79,8 @@ def layout_of(tree: PyTree) -> tuple[Layout, list[Any]]:
 
 
 def _same(a: Layout | None, b: Layout) -> bool:
-    """Whether ``b`` may travel without a header after ``a``: equal, non-tensor leaves of equal type
-    too (``1 == True == 1.0``, yet each must arrive as itself)."""
-    try:
-        return a == b and all(type(x) is type(y) for (_, x), (_, y) in zip(a.values, b.values))
-    except Exception:  # a non-tensor leaf whose == is not a bool (e.g. an array): resend
-        return False
+    """Whether ``b``'s tree and tensors are ``a``'s (its non-tensor leaves are compared pickled)."""
+    return a is not None and (a.spec, a.tensors, a.nbytes) == (b.spec, b.tensors, b.nbytes)
 
 
 def meta_of(first: torch.Tensor) -> list[int]:
@@ -130,6 +126,10 @@ class Encoder:
 
     def __init__(self) -> None:
         self._last: Layout | None = None
+        # The non-tensor leaves of ``_last`` as they were sent: pickled, because ``==`` does not
+        # tell the receiver's copy from the new value (``1 == True == 1.0``, ``-0.0 == 0.0``, an
+        # object changed in place equals itself, an array's ``==`` is no bool).
+        self._values = b""
         self.expected = 0  # the packed size the receiver's next ``first`` buffer has room for
 
     @property
@@ -139,8 +139,8 @@ class Encoder:
 
     def encode(self, tree: PyTree, device: torch.device) -> list[torch.Tensor]:
         layout, leaves = layout_of(tree)
-        header = None
-        if not _same(self._last, layout):
+        header, values = None, pickle.dumps(layout.values)
+        if not _same(self._last, layout) or values != self._values:
             header = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8).to(device)
         inline = layout.nbytes == self.expected
         words = [DATA, 0 if header is None else header.numel(), layout.nbytes, self.expected]
@@ -155,7 +155,7 @@ class Encoder:
         padding = []
         if header is not None and self.ahead:
             padding = [torch.zeros(size, dtype=torch.uint8, device=device) for _, _, size in _large(self._last)]
-        self._last, self.expected = layout, layout.nbytes
+        self._last, self._values, self.expected = layout, values, layout.nbytes
         tensors = [first, *padding, header, None if inline else packed, *large]
         return [t for t in tensors if t is not None and t.numel()]
 

@@ -4,6 +4,8 @@ sent from and received into their own storage."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -87,6 +89,26 @@ def test_a_non_tensor_leaf_that_changes_type_travels() -> None:
         out, _ = roundtrip(encoder, decoder, {"h": torch.ones(2), "flag": value})
         received = out["flag"]  # type: ignore[index]
         assert (type(received), received) == (type(value), value)
+
+
+class _Settings:
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Settings) and self.rate == other.rate
+
+
+def test_a_non_tensor_leaf_arrives_as_it_was_sent_even_when_equal_to_the_last() -> None:
+    """``-0.0 == 0.0``, and an object changed in place equals itself: neither may arrive as the
+    value the receiver kept from an earlier header."""
+    encoder, decoder = Encoder(), Decoder()
+    settings = _Settings(0.1)
+    for scale, rate in ((0.0, 0.1), (-0.0, 0.1), (-0.0, 0.2)):
+        settings.rate = rate
+        out, _ = roundtrip(encoder, decoder, {"h": torch.ones(2), "scale": scale, "settings": settings})
+        assert math.copysign(1.0, out["scale"]) == math.copysign(1.0, scale)  # type: ignore[index]
+        assert out["settings"].rate == rate  # type: ignore[index]
 
 
 def test_a_steady_channel_sends_one_tensor_with_the_payload_inline() -> None:
