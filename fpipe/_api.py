@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -114,7 +115,10 @@ def pipeline(
         [torch.Size([3, 3]), torch.Size([3, 3])]
 
     Raises:
-        TypeError: if ``loss_fn`` or a stage is not callable.
+        TypeError: if ``loss_fn`` or a stage is not callable, or ``has_aux`` or ``shard_params``
+            is not a bool.
+        ValueError: if ``timeout`` is not a positive finite number, ``recompute`` names no
+            stages, or the sharding options do not fit the mesh.
         ScheduleError: if the schedule cannot run with ``len(stages)`` stages.
     """
     if not callable(loss_fn):
@@ -126,8 +130,10 @@ def pipeline(
     for s, fn in enumerate(stages):
         if not callable(fn):
             raise TypeError(f"fpipe.pipeline: stage {s} is not callable (stages[{s}]: {fn!r}).")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
         raise ValueError(f"fpipe.pipeline: timeout must be a positive number of seconds (timeout: {timeout!r}).")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"fpipe.pipeline: has_aux must be True or False (has_aux: {has_aux!r}).")
     if isinstance(recompute, bool):
         recompute = range(len(stages)) if recompute else ()
     if (

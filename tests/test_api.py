@@ -392,7 +392,8 @@ def test_an_opaque_leaf_without_a_graph_passes_through() -> None:
 
     params, batch = [torch.randn(3, 3), torch.randn(3, 3)], torch.randn(4, 3)
     loss, grads = fpipe.pipeline(lambda y, mb: y.square().mean(), [first, second], GPipe(2))(params, batch)
-    expected = torch.func.grad(lambda ps: ((batch @ ps[0]) @ ps[1]).square().mean())(params)
+    expected, expected_loss = torch.func.grad_and_value(lambda ps: ((batch @ ps[0]) @ ps[1]).square().mean())(params)
+    assert_close(loss, expected_loss)
     assert_close(grads, expected)
 
 
@@ -460,6 +461,21 @@ def test_bad_batch(batch: Any, batch_dims: Any, match: str) -> None:
 def test_bad_pipeline_fails_when_wrapped(stages: Any, schedule: Any, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         fpipe.pipeline(carry_loss, stages, schedule)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"timeout": 0}, ValueError, r"timeout must be a positive number of seconds \(timeout: 0\)"),
+        ({"timeout": True}, ValueError, r"timeout must be a positive number of seconds \(timeout: True\)"),
+        ({"timeout": float("inf")}, ValueError, r"timeout must be a positive number of seconds \(timeout: inf\)"),
+        ({"has_aux": "yes"}, TypeError, r"has_aux must be True or False \(has_aux: 'yes'\)"),
+        ({"shard_params": 1}, TypeError, r"shard_params must be True or False \(shard_params: 1\)"),
+    ],
+)
+def test_bad_options_fail_when_wrapped(options: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        fpipe.pipeline(carry_loss, [carry] * 2, GPipe(2), **options)
 
 
 def test_deadlocking_program_fails_when_wrapped() -> None:
