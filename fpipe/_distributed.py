@@ -258,12 +258,15 @@ class DistributedTransport:
                 expected = self._wire.encoders[_channel(peer.rank, peer.outgoing[peer.next_out])].expected
                 message = error_message(code, expected, self.topology.device)
                 works.append(dist.isend(message, self.topology.global_ranks[peer.rank], group=self.topology.group))
-        for work in works:
-            with contextlib.suppress(RuntimeError):  # the peer is gone or stuck: it times out on its own
-                work.wait(timeout=timedelta(seconds=min(self._seconds, 10.0)))
         if not self._concluded and not isinstance(error, PipelineTimeoutError):  # (a hung peer never joins)
             with contextlib.suppress(PipelineError):  # a lost peer: the others see it too
                 self._conclude(code)
+                # Every rank has stopped its row: a peer that has not read its error meta by now
+                # never will (the failed rank itself), and waiting for it would only time out.
+                works = []
+        for work in works:
+            with contextlib.suppress(RuntimeError):  # the peer is gone or stuck: it times out on its own
+                work.wait(timeout=timedelta(seconds=min(self._seconds, 10.0)))
         self._wire.reset()
 
     def _conclude(self, failure: list[int] | None) -> list[int] | None:

@@ -7,6 +7,7 @@ there, and compares with the same pipeline run in this process.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -283,6 +284,29 @@ def test_a_failure_reaches_ranks_that_expect_no_message_from_the_failing_rank():
         assert (failing, action) == (1, "1B0"), (rank, text)
         if rank != 1:
             assert f"rank {rank} stopped because rank 1 failed in backward of stage 1 on microbatch 0 (1B0)" in text
+
+
+def _weight_grad_fails(rank, world):
+    """ZB-V: stage 0 (rank 0, which also holds the last stage) raises in its first weight-grad
+    backward; rank 1 learns of it from an error meta and forwards it to rank 0, which is no longer
+    reading."""
+    stages, params = _model(4)
+    stages[0] = lambda p, mb: _first({**p, "w": _FailingBackward.apply(p["w"])}, mb)
+    step = fpipe.pipeline(_loss, stages, ZeroBubbleV(4), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=30)
+    mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    start = time.monotonic()
+    with pytest.raises(fpipe.PipelineError) as info:
+        step(mine, _batch(3, size=8) if rank == 0 else None)
+    elapsed = time.monotonic() - start
+    dist.barrier()
+    return info.value.rank, str(info.value.action), elapsed
+
+
+def test_a_failure_fails_every_rank_at_once():
+    """No rank waits for a send to a rank that has stopped reading (the failed one)."""
+    for failing, action, elapsed in run_ranks(2, _weight_grad_fails):
+        assert (failing, action) == (0, "0W0")
+        assert elapsed < 5, elapsed
 
 
 def _dies(rank, world):
