@@ -161,6 +161,41 @@ def test_large_leaves_travel_on_their_own_and_equal_local():
             assert all(torch.equal(d_grads[rank][k], grads[rank][k]) for k in grads[rank]), (call, rank)
 
 
+def _transposing(p, mb):  # a non-contiguous activation: the transpose of a product
+    return (mb["x"].T @ p).T
+
+
+def _reducing(p, x):  # a reduction, whose order of additions follows the input's layout
+    return (x.T * p).sum(1)
+
+
+def _layout_loss(y, mb):  # the targets are split along dim 1: non-contiguous pieces
+    return (y - mb["y"].sum(0)).square().mean()
+
+
+def _layout_params_and_batch():
+    g, f32 = torch.Generator().manual_seed(3), torch.float32  # explicit: the tests' default dtype is float64
+    params = [torch.randn(64, 64, generator=g, dtype=f32), torch.randn(64, generator=g, dtype=f32)]
+    return params, {"x": torch.randn(64, 32, generator=g, dtype=f32), "y": torch.randn(16, 32, generator=g, dtype=f32)}
+
+
+def _train_layouts(rank, world):
+    params, batch = _layout_params_and_batch()
+    step = fpipe.pipeline(_layout_loss, [_transposing, _reducing], GPipe(2), batch_dims=1, group=dist.group.WORLD)
+    params = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    return step(params, batch if rank == 0 else None)
+
+
+def test_layouts_cross_boundaries_as_over_the_wire():
+    """NOTE [boundary layout]: a transposed activation and targets split along dim 1 reach the next
+    stage and loss_fn contiguous in one process too, so one process and two agree bitwise."""
+    params, batch = _layout_params_and_batch()
+    loss, grads = fpipe.pipeline(_layout_loss, [_transposing, _reducing], GPipe(2), batch_dims=1)(params, batch)
+    for rank, (d_loss, d_grads) in enumerate(run_ranks(2, _train_layouts)):
+        assert torch.equal(d_loss, loss), rank
+        assert torch.equal(d_grads[rank], grads[rank]), rank
+
+
 def _mesh_train(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
