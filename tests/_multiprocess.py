@@ -1,15 +1,18 @@
 """Run a function on N local processes joined by a gloo process group (127.0.0.1, a free port).
 
 Each rank runs with one torch thread; results come back pickled through ``torch.save``. A rank
-that raises fails the call with its traceback; ranks that do not finish within ``timeout``
-seconds are killed and the call fails, so a hang costs seconds, not CI.
+that raises fails the call with its traceback; a rank that exits without a result fails it
+within a second or so; ranks that do not finish within ``timeout`` seconds are killed and the
+call fails, so a hang costs seconds, not CI.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -60,14 +63,29 @@ def run_ranks(
         p.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
+    reported: set[int] = set()
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size - len(may_die)):
-            rank, ok, payload = queue.get(timeout=timeout)
+        while not set(range(world_size)) - may_die <= reported:
+            try:
+                rank, ok, payload = queue.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except queue_module.Empty:
+                # A rank that exited without reporting (killed, or dead before its try) fails the
+                # call now; its message, if any, would have been in the queue before it exited.
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in reported | may_die]
+                if dead and queue.empty():
+                    codes = {r: procs[r].exitcode for r in dead}
+                    failures.append(f"ranks {dead} exited without a result (exit codes {codes})")
+                    break
+                if time.monotonic() >= deadline:
+                    raise
+                continue
+            reported.add(rank)
             if ok:
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 failures.append(f"rank {rank}:\n{payload}")
-    except Exception as error:  # queue.Empty: some rank hung
+    except queue_module.Empty as error:  # some rank hung
         failures.append(
             f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout} s ({error!r})"
         )
