@@ -138,7 +138,8 @@ def save(
     Raises:
         TypeError: a leaf is neither a tensor nor ``None``, has a dtype safetensors cannot store,
             or is the whole stage (it has no name); ``metadata`` is not JSON-serializable.
-        ValueError: two leaves of a stage have the same name, a tied name has different values,
+        ValueError: two leaves of a stage have the same name, a leaf is named ``__metadata__`` (safetensors
+            reserves it), a tied name has different values,
             or ranks disagree (stage count, metadata) or hold the same stage.
         OSError: writing failed (the previous save is kept).
         RuntimeError: another rank failed; its own error says why.
@@ -248,6 +249,11 @@ def _tensor(name: str, where: str, stage: int, leaf: Any) -> _Tensor:
     if leaf.layout != torch.strided or leaf.device.type == "meta":
         raise TypeError(
             f"fpipe.save: {where} is a {leaf.layout} tensor on {leaf.device}; save dense tensors with data."
+        )
+    if name == "__metadata__":
+        raise ValueError(
+            f"fpipe.save: {where} gets the name '__metadata__', which safetensors reserves for its header (the "
+            "file could not be read back). Rename its key."
         )
     if leaf.dtype not in CODES:
         raise TypeError(

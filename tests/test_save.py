@@ -363,6 +363,21 @@ def test_save_errors(tmp_path: Path) -> None:
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+def test_the_name_safetensors_reserves_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A leaf named ``__metadata__`` used to be written into the header's reserved slot: the save
+    committed (deleting the previous one) and could never be loaded."""
+    previous = [{"w": torch.ones(2)}]
+    fpipe.save(tmp_path, previous)
+    with pytest.raises(ValueError, match=r"params\[0\]\['__metadata__'\] gets the name '__metadata__'"):
+        fpipe.save(tmp_path, [{"__metadata__": torch.ones(2)}])
+    with pytest.raises(ValueError, match=r"optimizer_state\[0\]\['__metadata__'\]"):
+        fpipe.save(tmp_path, previous, optimizer_state=[{"__metadata__": torch.ones(2)}])
+    assert_bitwise(fpipe.load(tmp_path, previous).params, previous)
+    nested = [{"__metadata__": {"w": torch.ones(2)}}]  # the name is "__metadata__.w": fine
+    fpipe.save(tmp_path, nested)
+    assert_bitwise(fpipe.load(tmp_path, nested).params, nested)
+
+
 # --- Corruption ---------------------------------------------------------------------------------
 
 
