@@ -57,19 +57,22 @@ def full_shapes(kind: str, tree: PyTree, layout: StageLayout) -> dict[str, list[
     shard when its name ends with a parameter's name (``m.layers.0.w`` for ``layers.0.w``) and it
     is a 1-D tensor of that parameter's shard size; its full shape is the parameter's.
     """
+    # Names, not key paths: {"m": {"layers.0.w": ...}} holds the state of {"layers": {"0": {"w": ...}}}.
     parts_of, _, _, _ = leaves_with_names(unflatten(layout.spec, list(range(len(layout.leaves)))))
-    params = {tuple(parts): leaf for parts, leaf in zip(parts_of, layout.leaves) if leaf is not None}
+    params = {".".join(parts): leaf for parts, leaf in zip(parts_of, layout.leaves) if leaf is not None}
     out: dict[str, list[int]] = {}
     names, _, leaves, _ = leaves_with_names(tree)
     for parts, leaf in zip(names, leaves):
+        name = ".".join(parts)
         if kind == "params":
-            found = params.get(tuple(parts))
-        else:
-            found = next((params[tuple(parts[k:])] for k in range(len(parts)) if tuple(parts[k:]) in params), None)
+            found = params.get(name)
+        else:  # the longest suffix of the name, cut at a dot, that names a parameter
+            suffixes = [name] + [name[k + 1 :] for k, c in enumerate(name) if c == "."]
+            found = next((params[suffix] for suffix in suffixes if suffix in params), None)
             if found is not None and not (isinstance(leaf, torch.Tensor) and tuple(leaf.shape) == (found.size,)):
                 found = None
         if found is not None:
-            out[".".join(parts)] = list(found.shape)
+            out[name] = list(found.shape)
     return out
 
 
