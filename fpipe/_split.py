@@ -34,7 +34,9 @@ from torch.func import functional_call
 Adapter = Callable[[Callable[..., Any], Any], Any]
 StageSpec = str | Sequence[str]
 
-_SEGMENT = re.compile(r"^(?P<name>[\w.]*?)(?:\[(?P<start>-?\d*)(?P<colon>:(?P<stop>-?\d*))?\])?$")
+# A module name is any text without brackets: ModuleDict keys may hold "-" or spaces ("conv-1").
+_SEGMENT = re.compile(r"^(?P<name>[^\[\]]*?)(?:\[(?P<start>-?\d*)(?P<colon>:(?P<stop>-?\d*))?\])?$")
+_PLAIN_NAME = re.compile(r"^[\w.]*$")
 
 
 def split_module(
@@ -271,10 +273,14 @@ def _parse_stage(modules: Mapping[str, nn.Module], s: int, spec: Any) -> list[_S
 def _resolve(modules: Mapping[str, nn.Module], s: int, text: str) -> _Segment:
     """A segment's modules: one named module, or the children of a range."""
     match = _SEGMENT.match(text)
-    if match is None or (match["start"] == "" and not match["colon"]):
+    if (
+        match is None
+        or (match["start"] == "" and not match["colon"])
+        or (match["name"] not in modules and not _PLAIN_NAME.match(match["name"]))
+    ):
         raise ValueError(
-            f"fpipe.split_module: cannot read segment {text!r} of stage {s}. Write a module name ('layers.3') "
-            "or a range ('layers[0:4]', 'layers[4:]')."
+            f"fpipe.split_module: cannot read segment {text!r} of stage {s}. {_suggestion(text, modules)}Write a "
+            "module name ('layers.3') or a range ('layers[0:4]', 'layers[4:]')."
         )
     name = match["name"]
     if name not in modules:

@@ -248,6 +248,18 @@ def test_the_adapter_sees_the_module() -> None:
     assert seen == [(True, "<fpipe module '0' with stage parameters>")]
 
 
+def test_module_names_with_any_characters() -> None:
+    """ModuleDict keys may hold characters other than letters, digits and ``_`` (``"conv-1"``, ``"lin 2"``)."""
+    blocks = nn.ModuleDict({"conv-1": nn.Linear(3, 3), "lin 2": nn.Sequential(nn.Tanh(), nn.Linear(3, 2))})
+    model = nn.Sequential(blocks)
+    stages, params = fpipe.split_module(model, ["0.conv-1", ["0.lin 2[0:]"]])
+    assert [list(p) for p in params] == [["0.conv-1.weight", "0.conv-1.bias"], ["0.lin 2.1.weight", "0.lin 2.1.bias"]]
+    x = torch.randn(4, 3)
+    assert torch.equal(stages[1](params[1], stages[0](params[0], x)), blocks["lin 2"](blocks["conv-1"](x)))
+    with pytest.raises(ValueError, match=r"cannot read segment '0.conv-2' of stage 0. Did you mean '0.conv-1'\?"):
+        fpipe.split_module(model, ["0.conv-2", "0.lin 2"])
+
+
 # --- Buffers, frozen and tied parameters --------------------------------------------------------
 
 
