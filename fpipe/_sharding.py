@@ -58,7 +58,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from ._distributed import Topology, resolve_topology
 from ._pytree import PyTree, flatten, map_tensors
-from ._shard_layout import DataParallel, Gather, ReduceScatter, StageLayout, cut, data_parallel, layout_of
+from ._shard_layout import DataParallel, Gather, LeafLayout, ReduceScatter, StageLayout, cut, data_parallel, layout_of
 from ._stage import StageRun
 from .schedules._action import Action
 
@@ -214,22 +214,28 @@ def gather_stages(
 
 
 def gather_tree(dp: DataParallel, tree: PyTree, layout: StageLayout, caller: str, name: str) -> PyTree:
-    """The full pytree of ``tree``'s shards; leaves that are ``None`` in ``tree`` (grads) stay ``None``."""
+    """The full pytree of ``tree``'s shards, in their dtypes; leaves that are ``None`` in ``tree``
+    (grads) stay ``None``."""
     leaves, spec = flatten(tree)
     if spec.num_leaves != len(layout.leaves):
         raise ValueError(
             f"{caller}: {name} has {spec.num_leaves} leaves but the full pytree has {len(layout.leaves)} "
             f"({name}: {spec}; full: {layout.spec}). Pass shards cut from it."
         )
-    present = tuple(None if leaf is None else shape for leaf, shape in zip(leaves, layout.leaves))
-    for path, leaf, shape in zip(layout.paths, leaves, present):
-        if shape is not None and not (isinstance(leaf, torch.Tensor) and tuple(leaf.shape) == (shape.size,)):
+    present: list[LeafLayout | None] = []
+    for path, leaf, shape in zip(layout.paths, leaves, layout.leaves):
+        if shape is None or leaf is None:
+            present.append(None)
+            continue
+        if not (isinstance(leaf, torch.Tensor) and tuple(leaf.shape) == (shape.size,)):
             got = f"shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
             raise ValueError(
                 f"{caller}: {name}{path} should be a shard of {shape.size} elements of a tensor of shape "
                 f"{shape.shape} (got: {got}). Pass shards cut from the same full pytree."
             )
-    partial = StageLayout(spec, layout.paths, present, layout.num_shards)
+        # The shards' own dtype: float32 optimizer state of bfloat16 parameters gathers as float32.
+        present.append(LeafLayout(shape.shape, leaf.dtype, shape.size))
+    partial = StageLayout(spec, layout.paths, tuple(present), layout.num_shards)
     return Gather(dp, name, tree, partial).wait()
 
 
@@ -282,8 +288,9 @@ def gather(shards: PyTree, like: PyTree, over: Any, /) -> PyTree:
 
     Args:
         shards: this rank's shards.
-        like: a pytree with the full shapes and dtypes: the full tensors, or tensors on the
-            ``meta`` device.
+        like: a pytree with the full shapes: the full tensors, or tensors on the ``meta`` device.
+            The result has the dtypes of ``shards`` (optimizer state kept in float32 for
+            bfloat16 parameters gathers as float32 with the parameters as ``like``).
         over: the ``DeviceMesh`` or the ``Step``, as for ``fpipe.shard``.
     """
     dp = _data_parallel_of(over, "fpipe.gather")

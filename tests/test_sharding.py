@@ -305,6 +305,35 @@ def test_a_failing_replica_fails_the_other(ranks):
         assert "another data-parallel replica failed" in ranks[r]["failure"]
 
 
+def _mixed_precision(rank, world):
+    """Optimizer state kept in float32 for bfloat16 and float64 parameters, cut and gathered back."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "pp"))
+    step = fpipe.pipeline(_loss, [_stage], OneFOneB(2), mesh=mesh, shard_params=True)
+    g = torch.Generator().manual_seed(0)
+    params = [
+        {
+            "bf": torch.randn(5, generator=g).bfloat16(),
+            "a": torch.randn(3, generator=g, dtype=F64),
+            "b": torch.ones(2, dtype=F64),
+        }
+    ]
+    state = [{"bf": params[0]["bf"].float() / 3, "a": params[0]["a"].float() / 3, "b": params[0]["b"] / 3}]
+    step.shard(params)  # records the layouts unshard gathers with
+    state_shards = [fpipe.shard(state[0], mesh)]
+    return step.unshard(state_shards), fpipe.gather(state_shards[0], params[0], step), state
+
+
+def test_unshard_keeps_the_dtypes_of_the_shards():
+    """Gathers used to take the parameters' dtypes: float32 state of bfloat16 parameters failed
+    inside gloo, and of float64 ones next to a float64 leaf came back silently cast to float64."""
+    for unsharded, gathered, state in run_ranks(2, _mixed_precision, timeout=60):
+        for tree in (unsharded[0], gathered):
+            assert {k: v.dtype for k, v in tree.items()} == {k: v.dtype for k, v in state[0].items()}
+            assert all(torch.equal(tree[k], state[0][k]) for k in state[0])
+
+
 # --- no processes: the layout and the segments ----------------------------------------------------
 
 
