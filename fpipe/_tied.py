@@ -13,6 +13,7 @@ keeps the copies equal.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -44,7 +45,10 @@ def sum_tied(
     Returns:
         A new list like ``grads``: the tied names' entries replaced by the sum over stages (in
         stage order in one process), each stage with its own tensor; other entries unchanged.
-        ``grads`` is not mutated.
+        Copies in different dtypes (a stage cast to float32) are added in their promoted dtype
+        (``torch.promote_types``, read from ``params`` when given, so every rank agrees), and each
+        stage gets the sum in its own gradient's dtype and on its own device. ``grads`` is not
+        mutated.
 
     Conceptually, in one process::
 
@@ -59,7 +63,8 @@ def sum_tied(
 
     Raises:
         TypeError: if a stage's gradients are not a dict.
-        ValueError: if ``group`` is given without ``params``, or the lengths disagree.
+        ValueError: if ``group`` is given without ``params``, the lengths disagree, or the copies
+            of a tied name disagree in shape.
     """
     if isinstance(grads, Mapping) or not isinstance(grads, Sequence):
         raise TypeError(f"fpipe.sum_tied: grads must be a list with one dict per stage (got: {type(grads).__name__}).")
@@ -88,35 +93,47 @@ def sum_tied(
     result: list[dict[str, torch.Tensor | None] | None] = [None if g is None else dict(g) for g in grads]
     if not tied:
         return result
-    totals = _local_sums(tied, result, params)
+    totals = _local_sums(tied, result, layout)
     if group is not None:
         _all_reduce(list(totals.values()), group)
-    for name, stages in tied.items():
-        total = totals[name]
-        for s in stages:
+    for name, total in totals.items():
+        for s in tied[name]:
             entry = result[s]
-            if entry is not None and entry.get(name) is not None:
-                entry[name] = total.clone()
+            if entry is not None and (own := entry.get(name)) is not None:
+                entry[name] = total.to(device=own.device, dtype=own.dtype, copy=True)
     return result
 
 
 def _local_sums(
     tied: dict[str, list[int]],
     grads: list[dict[str, torch.Tensor | None] | None],
-    params: Sequence[Mapping[str, torch.Tensor]] | None,
+    layout: Sequence[Mapping[str, Any] | None],
 ) -> dict[str, torch.Tensor]:
-    """Per tied name, the sum of this process's copies in stage order (zeros when it has none)."""
+    """Per tied name, the sum of this process's copies in stage order (zeros when it has none).
+
+    The sum is in the promoted dtype of the copies in ``layout``, the same on every rank. A name
+    whose copies are all ``None`` (in ``grads`` without ``params``) has nothing to sum.
+    """
     totals: dict[str, torch.Tensor] = {}
     for name, stages in tied.items():
-        parts = [g for s in stages if (tree := grads[s]) is not None and (g := tree.get(name)) is not None]
+        copies = [(s, t) for s in stages if (held := layout[s]) is not None and (t := held.get(name)) is not None]
+        parts = [(s, g) for s in stages if (tree := grads[s]) is not None and (g := tree.get(name)) is not None]
+        shapes = sorted({(s, tuple(t.shape)) for s, t in [*copies, *parts]})
+        if len({shape for _, shape in shapes}) > 1:
+            listing = ", ".join(f"stage {s}: {shape}" for s, shape in shapes)
+            raise ValueError(
+                f"fpipe.sum_tied: the copies of {name!r} disagree in shape ({listing}), so they are not one "
+                "tied parameter. Give different parameters different names, as split_module does."
+            )
+        if not copies:
+            continue
+        dtype = functools.reduce(torch.promote_types, (t.dtype for _, t in copies))
         if parts:
-            total = parts[0].clone()
-            for g in parts[1:]:
-                total += g.to(total.device)
+            total = parts[0][1].to(dtype=dtype, copy=True)
+            for _, g in parts[1:]:
+                total += g.to(device=total.device, dtype=dtype)
         else:
-            assert params is not None  # a tied name without local copies exists only with params
-            like = params[stages[0]][name]
-            total = torch.zeros(like.shape, dtype=like.dtype)
+            total = torch.zeros(copies[0][1].shape, dtype=dtype)
         totals[name] = total
     return totals
 

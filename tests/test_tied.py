@@ -44,6 +44,28 @@ def test_params_give_the_layout() -> None:
     assert torch.equal(summed[0]["emb"], torch.ones(2)) and summed[1] is None
 
 
+def test_copies_in_different_dtypes_add_in_the_promoted_dtype_and_keep_their_own() -> None:
+    """A stage cast to another dtype: the sum is exact in float64 and each copy keeps its dtype."""
+    a, b = torch.full((2,), 1 / 3, dtype=torch.float32), torch.full((2,), 1 / 3, dtype=torch.float64)
+    for grads in ([{"w": a}, {"w": b}], [{"w": b}, {"w": a}]):
+        summed = fpipe.sum_tied(grads)
+        expected = a.double() + b
+        for s in (0, 1):
+            assert summed[s]["w"].dtype == grads[s]["w"].dtype
+            assert torch.equal(summed[s]["w"], expected.to(grads[s]["w"].dtype))
+
+
+def test_copies_that_disagree_in_shape_are_an_error() -> None:
+    with pytest.raises(ValueError, match=r"copies of 'w' disagree in shape \(stage 0: \(2,\), stage 2: \(1,\)\)"):
+        fpipe.sum_tied([{"w": torch.ones(2)}, {}, {"w": torch.ones(1)}])  # would broadcast
+    with pytest.raises(ValueError, match=r"copies of 'w' disagree in shape"):
+        fpipe.sum_tied([{"w": torch.ones(2)}, None], params=[{"w": torch.ones(2)}, {"w": torch.ones(3)}])
+
+
+def test_a_tied_name_without_gradients_is_left_alone() -> None:
+    assert fpipe.sum_tied([{"w": None}, {"w": None}]) == [{"w": None}, {"w": None}]
+
+
 def test_errors() -> None:
     with pytest.raises(TypeError, match=r"grads must be a list with one dict per stage \(got: dict\)"):
         fpipe.sum_tied({"a": torch.ones(1)})  # type: ignore[arg-type]
@@ -74,6 +96,23 @@ def _train_on_ranks(rank: int, world_size: int) -> list[Any]:
     local = [p if s in step.local_stages else None for s, p in enumerate(params)]
     _, grads = step(local, batch)
     return fpipe.sum_tied(grads, params=params, group=dist.group.WORLD)
+
+
+def _mixed_dtypes_on_ranks(rank: int, world_size: int) -> Any:
+    """Stage 0 (rank 0) holds its copy in float32, stage 1 (rank 1) in float64."""
+    params = [{"w": torch.zeros(3, dtype=torch.float32)}, {"w": torch.zeros(3, dtype=torch.float64)}]
+    grads: list[Any] = [None, None]
+    grads[rank] = {"w": torch.full((3,), 1 / 3, dtype=params[rank]["w"].dtype)}
+    return fpipe.sum_tied(grads, params=params, group=dist.group.WORLD)[rank]["w"]
+
+
+@pytest.mark.timeout(120)
+def test_distributed_copies_in_different_dtypes() -> None:
+    """Every rank all-reduces in the promoted dtype read from params, not its own copy's."""
+    w0, w1 = run_ranks(2, _mixed_dtypes_on_ranks)
+    expected = torch.tensor(1 / 3, dtype=torch.float32).double() + 1 / 3
+    assert w0.dtype == torch.float32 and torch.equal(w0, expected.float().expand(3))
+    assert w1.dtype == torch.float64 and torch.equal(w1, expected.expand(3))
 
 
 @pytest.mark.timeout(120)
