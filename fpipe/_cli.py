@@ -91,14 +91,18 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
         print(
             f"(peak activations count stages: with {v} stages per rank, each holds ~1/{v} of a rank's layers)", file=out
         )
-    if args.trace:
-        with open(args.trace, "w", encoding="utf-8") as f:
-            json.dump(chrome_trace(sim), f)
-        print(f"wrote {args.trace} (open it in https://ui.perfetto.dev)", file=out)
-    if args.svg:
-        with open(args.svg, "w", encoding="utf-8") as f:
-            f.write(svg(sim))
-        print(f"wrote {args.svg}", file=out)
+    try:
+        if args.trace:
+            with open(args.trace, "w", encoding="utf-8") as f:
+                json.dump(chrome_trace(sim), f)
+            print(f"wrote {args.trace} (open it in https://ui.perfetto.dev)", file=out)
+        if args.svg:
+            with open(args.svg, "w", encoding="utf-8") as f:
+                f.write(svg(sim))
+            print(f"wrote {args.svg}", file=out)
+    except OSError as error:  # a missing directory, a directory, no permission: the user's to fix
+        print(f"python -m fpipe show: cannot write {error.filename}: {error.strerror}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -76,6 +76,15 @@ def test_writes_trace_and_svg(tmp_path: Path) -> None:
     assert ET.fromstring(picture.read_text()).tag.endswith("svg")
 
 
+@pytest.mark.parametrize("flag", ["--trace", "--svg"])
+def test_a_path_that_cannot_be_written_is_reported(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for path in (tmp_path / "missing" / "out", tmp_path):  # no such directory; a directory
+        assert show("1f1b", "--ranks", "2", "--microbatches", "2", flag, str(path))[0] == 1
+        assert f"python -m fpipe show: cannot write {path}: " in capsys.readouterr().err
+
+
 def test_schedule_error_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
     status, text = show("zbv", "--ranks", "2", "--microbatches", "4", "--stages-per-rank", "3")
     assert status == 2
@@ -115,3 +124,22 @@ def test_python_dash_m() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "rank 1 |  .  1F0 1I0 1F1 1I1 1W0 1W1" in done.stdout
+
+
+def test_a_closed_pipe_is_no_traceback() -> None:
+    """``python -m fpipe show ... | head -1``: the reader is gone before anything is written."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-W", "ignore", "-m", "fpipe", "show", "1f1b", "--ranks", "2", "--microbatches", "2"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 1
+    assert done.stderr == ""
