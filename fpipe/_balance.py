@@ -78,7 +78,8 @@ def balance(
         by: how modules are costed. ``"params"``: the number of trainable parameter elements.
             ``"time"``: the median wall time of a forward and a backward of each layer on
             ``sample_input``, chained (each layer gets the previous one's output), after one
-            warm-up run. Ignored when costs are given.
+            warm-up run. The layers' ``.grad``, buffers (BatchNorm statistics) and the random
+            state are as they were before. Ignored when costs are given.
         sample_input: the first layer's input, for ``by="time"``.
         call: for ``by="time"``, how each layer is called, as in ``fpipe.split_module``: an
             adapter ``call(module, x) -> x`` or a dict of adapters keyed by layer name (a list's
@@ -185,11 +186,19 @@ def _times(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"fpipe.balance: repeats must be a positive int (repeats: {repeats!r}).")
     x, costs = sample_input, []
-    for name, module in zip(names, modules):
-        adapter = lookup(adapters, name)
-        runs = [_run(adapter, module, x) for _ in range(repeats + 1)]
-        costs.append(statistics.median(seconds for seconds, _ in runs[1:]))
-        x = runs[-1][1]
+    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    tensors += [t for t in flatten(sample_input)[0] if isinstance(t, torch.Tensor)]
+    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):  # a timing run's dropout draws no numbers of the user's
+        for name, module in zip(names, modules):
+            adapter = lookup(adapters, name)
+            saved = [(b, b.clone()) for b in module.buffers()]  # a timing run is no training step
+            runs = [_run(adapter, module, x) for _ in range(repeats + 1)]
+            with torch.no_grad():
+                for b, before in saved:
+                    b.copy_(before)
+            costs.append(statistics.median(seconds for seconds, _ in runs[1:]))
+            x = runs[-1][1]
     return costs
 
 

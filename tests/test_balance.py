@@ -100,6 +100,17 @@ def test_by_time_measures_chained_forward_and_backward() -> None:
     assert all(layer.scale.grad is None for layer in layers)  # timed with autograd.grad: .grad untouched
 
 
+def test_by_time_leaves_buffers_and_random_state_alone() -> None:
+    """Timing runs in train mode would update BatchNorm statistics and draw dropout masks."""
+    layers = [nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2)]
+    before = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers]
+    sample, rng = torch.randn(8, 4), torch.get_rng_state()
+    fpipe.balance(layers, 2, by="time", sample_input=sample, repeats=1)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for layer, state in zip(layers, before):
+        assert all(torch.equal(v, state[k]) for k, v in layer.state_dict().items())
+
+
 def test_by_time_with_adapters() -> None:
     """Layers taking extras are timed through the same adapters split_module uses."""
     layers = {"embed": nn.Embedding(5, 4), "layers.0": nn.Linear(4, 4), "layers.1": nn.Linear(4, 4)}
