@@ -54,7 +54,8 @@ def split_module(
             ``+``. A segment is a module name as in ``model.named_modules()`` (``"embed"``,
             ``"layers.3"``) or a range of a ``ModuleList``/``Sequential`` with Python's slice
             bounds (``"layers[0:4]"``, ``"layers[4:]"``, ``"layers[-1]"``); a ``ModuleList``
-            named whole stands for all its modules. A stage calls its segments' modules in the
+            (which has no ``forward``), named whole or in a range, stands for all its modules,
+            nested ``ModuleList``s expanded too. A stage calls its segments' modules in the
             order written.
         call: how each module is called (NOTE [adapters] in ``fpipe/_split.py``): one adapter
             ``call(module, x) -> x`` for every module, or a mapping from module names to
@@ -292,9 +293,13 @@ def _resolve(modules: Mapping[str, nn.Module], s: int, text: str) -> _Segment:
     module = modules[name]
     prefix = f"{name}." if name else ""
     if match["start"] is None:
-        if isinstance(module, nn.ModuleList) and len(module):  # no forward of its own: its modules in order
-            return _Segment(s, text, tuple((f"{prefix}{i}", m) for i, m in enumerate(module)))
-        return _Segment(s, text, ((name, module),))
+        selected = _expand(name, module)
+        if not selected:
+            raise ValueError(
+                f"fpipe.split_module: {text!r} of stage {s} selects no module ({name!r} is an empty "
+                f"{type(module).__name__}). Drop the segment."
+            )
+        return _Segment(s, text, selected)
     if not isinstance(module, (nn.ModuleList, nn.Sequential)):
         raise ValueError(
             f"fpipe.split_module: {name!r} is a {type(module).__name__}, not a ModuleList or Sequential, so it "
@@ -312,7 +317,21 @@ def _resolve(modules: Mapping[str, nn.Module], s: int, text: str) -> _Segment:
             f"fpipe.split_module: {text!r} of stage {s} selects no module ({name!r} has {n}). "
             "Give a non-empty range, or drop the segment."
         )
-    return _Segment(s, text, tuple((f"{prefix}{i}", module[i]) for i in range(start, stop)))
+    selected = tuple(item for i in range(start, stop) for item in _expand(f"{prefix}{i}", module[i]))
+    if not selected:
+        raise ValueError(
+            f"fpipe.split_module: {text!r} of stage {s} selects no module (its ModuleLists are empty). "
+            "Drop the segment."
+        )
+    return _Segment(s, text, selected)
+
+
+def _expand(name: str, module: nn.Module) -> tuple[tuple[str, nn.Module], ...]:
+    """``module`` with its name, or for a ``ModuleList`` (no ``forward``) its modules in order, nested too."""
+    if not isinstance(module, nn.ModuleList):
+        return ((name, module),)
+    prefix = f"{name}." if name else ""
+    return tuple(item for i, m in enumerate(module) for item in _expand(f"{prefix}{i}", m))
 
 
 def _bound(digits: str, default: int, n: int, text: str, s: int) -> int:

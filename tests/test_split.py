@@ -260,6 +260,23 @@ def test_module_names_with_any_characters() -> None:
         fpipe.split_module(model, ["0.conv-2", "0.lin 2"])
 
 
+def test_module_lists_stand_for_their_modules_nested_too() -> None:
+    """A ModuleList has no forward: named whole or in a range it is its modules, and an empty one is none."""
+    model = nn.Module()
+    model.first = nn.Linear(2, 2)
+    model.nest = nn.ModuleList([nn.ModuleList([nn.Linear(2, 2), nn.Tanh()]), nn.Linear(2, 2)])
+    model.empty = nn.ModuleList()
+    stages, params = fpipe.split_module(model, ["first + nest[0]", "nest[1:]"])
+    assert [stage.module_names for stage in stages] == [("first", "nest.0.0", "nest.0.1"), ("nest.1",)]
+    stages, params = fpipe.split_module(model, ["first", "nest"])
+    assert stages[1].module_names == ("nest.0.0", "nest.0.1", "nest.1")
+    x = torch.randn(3, 2)
+    expected = model.nest[1](model.nest[0][1](model.nest[0][0](model.first(x))))
+    assert torch.equal(stages[1](params[1], stages[0](params[0], x)), expected)
+    with pytest.raises(ValueError, match=r"'empty' of stage 0 selects no module \('empty' is an empty ModuleList\)"):
+        fpipe.split_module(model, ["first + empty", "nest"])
+
+
 # --- Buffers, frozen and tied parameters --------------------------------------------------------
 
 
