@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
+
+from ._stage import replaying
+
+
+def buffers_of(module: nn.Module, *, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module.named_buffers()``, copied while a recomputed forward replays (``replaying()``):
+    the replay must not update running statistics a second time."""
+    copy = replaying()
+    for name, buffer in module.named_buffers(remove_duplicate=remove_duplicate):
+        yield name, buffer.clone() if copy else buffer
 
 
 def functionalize(module: nn.Module, /) -> tuple[Callable[..., Any], dict[str, torch.Tensor]]:
@@ -21,6 +31,8 @@ def functionalize(module: nn.Module, /) -> tuple[Callable[..., Any], dict[str, t
     Buffers (e.g. BatchNorm running statistics) and parameters with ``requires_grad=False`` are
     not in ``params``: ``fn`` reads them from the module at each call, as the module itself
     would, so they follow ``module.to(...)``, ``module.train()``/``eval()`` and ``load_state_dict``.
+    Under ``pipeline(..., recompute=...)`` the forward's replay gets copies of the buffers, so
+    they are updated once per call, as without recomputation.
 
     Example:
         >>> fn, params = fpipe.functionalize(torch.nn.Linear(4, 2))
@@ -35,7 +47,7 @@ def functionalize(module: nn.Module, /) -> tuple[Callable[..., Any], dict[str, t
 
     def fn(params: dict[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:
         state: dict[str, torch.Tensor] = {name: p for name, p in module.named_parameters() if not p.requires_grad}
-        state.update(module.named_buffers())
+        state.update(buffers_of(module))
         state.update(params)
         return functional_call(module, state, args, kwargs)
 

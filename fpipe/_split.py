@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from ._functionalize import buffers_of
+
 Adapter = Callable[[Callable[..., Any], Any], Any]
 StageSpec = str | Sequence[str]
 
@@ -196,7 +198,7 @@ class _BoundModule:
         state: dict[str, torch.Tensor] = {
             n: p for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad
         }
-        state.update(module.named_buffers(remove_duplicate=False))
+        state.update(buffers_of(module, remove_duplicate=False))
         state.update((local, self._stage_params[key]) for local, key in self._call.params)
         return functional_call(module, state, args, kwargs)
 

@@ -17,7 +17,9 @@ and keeps only its inputs; its backward first replays the forward with a graph, 
 back as usual. The replay restores the CPU random state the forward saw, so results are
 bitwise those of the stored forward; what is saved between forward and backward shrinks to
 the stage's inputs, at the cost of a second forward. (CUDA random state is not replayed:
-stages on GPUs that draw random numbers should not recompute.)
+stages on GPUs that draw random numbers should not recompute.) Stages built from modules update
+their buffers (BatchNorm's running statistics) in the forward only: during the replay
+(``replaying()``) they get copies.
 
 NOTE [fixed accumulation order]
 A stage's parameter gradients are summed over microbatches in microbatch order 0, 1, 2, ...
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -234,9 +237,13 @@ class StageRun:
             return
         run, rng = pullback.replay
         pullback.replay = None
-        with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
-            torch.set_rng_state(rng)
-            out = run()
+        token = _REPLAYING.set(True)
+        try:
+            with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
+                torch.set_rng_state(rng)
+                out = run()
+        finally:
+            _REPLAYING.reset(token)
         pullback.outputs, pullback.output_index = _graph_outputs(out)
 
     @staticmethod
@@ -313,6 +320,19 @@ class StageRun:
 
 
 _AMBIENT = contextlib.nullcontext()
+
+
+_REPLAYING: ContextVar[bool] = ContextVar("fpipe_replaying", default=False)
+
+
+def replaying() -> bool:
+    """Whether the forward running now is a recomputed one being replayed (NOTE [recomputation]).
+
+    Stages built from modules (``split_module``, ``functionalize``) then hand the modules copies
+    of their buffers, so that a train-mode BatchNorm updates its running statistics once per
+    microbatch, in the forward, and not again in the replay.
+    """
+    return _REPLAYING.get()
 
 
 def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], list[int]]:

@@ -8,7 +8,7 @@ from test_transparency import assert_close
 from torch import nn
 
 import fpipe
-from fpipe.schedules import OneFOneB
+from fpipe.schedules import GPipe, OneFOneB
 
 
 def test_fn_equals_module_forward() -> None:
@@ -68,6 +68,20 @@ def test_buffers_are_read_from_the_module() -> None:
     assert torch.equal(fn(params, x), twin(x))
     assert torch.equal(module[1].running_mean, twin[1].running_mean)
     assert module[1].num_batches_tracked.item() == twin[1].num_batches_tracked.item() == 1
+
+
+def test_recomputation_updates_buffers_once() -> None:
+    """The replay of a recomputed forward gets copies of the buffers (fpipe._stage.replaying)."""
+    counts = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+        fn, params = fpipe.functionalize(module)
+        step = fpipe.pipeline(lambda y, mb: y.square().mean(), [fn], GPipe(2), recompute=recompute)
+        step([params], torch.randn(8, 3))
+        counts.append((module[1].num_batches_tracked.item(), module[1].running_mean.clone()))
+    assert counts[0][0] == counts[1][0] == 2
+    assert torch.equal(counts[0][1], counts[1][1])
 
 
 def test_frozen_params_are_excluded_but_used() -> None:

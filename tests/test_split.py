@@ -16,7 +16,7 @@ from test_transparency import assert_close
 from torch import nn
 
 import fpipe
-from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB
+from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleH1
 
 V, D, T = 11, 8, 5
 
@@ -297,6 +297,27 @@ def test_buffers_are_read_from_the_module() -> None:
     twin.load_state_dict(model.state_dict())
     assert torch.equal(stages[0](params[0], x), twin[1](twin[0](x)))
     assert torch.equal(model[1].running_mean, twin[1].running_mean)
+
+
+@pytest.mark.parametrize("schedule", [GPipe(2), ZeroBubbleH1(2)], ids=["gpipe", "zbh1"])
+def test_recomputation_updates_buffers_once(schedule: Any) -> None:
+    """A train-mode BatchNorm updates its running statistics in the forward only, not again when
+    a recomputed forward is replayed in the backward (NOTE [recomputation])."""
+
+    def run(recompute: bool) -> tuple[torch.Tensor, list[Any], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2), nn.BatchNorm1d(2))
+        stages, params = fpipe.split_module(model, ["0 + 1", "2 + 3"])
+        step = fpipe.pipeline(lambda y, mb: y.square().mean(), stages, schedule, recompute=recompute)
+        loss, grads = step(params, torch.randn(8, 3))
+        return loss, grads, {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num" in k}
+
+    loss, grads, buffers = run(False)
+    assert buffers["1.num_batches_tracked"].item() == buffers["3.num_batches_tracked"].item() == 2
+    recomputed_loss, recomputed_grads, recomputed_buffers = run(True)
+    assert torch.equal(recomputed_loss, loss)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(grads, recomputed_grads) for k in a)
+    assert all(torch.equal(buffers[k], recomputed_buffers[k]) for k in buffers), recomputed_buffers
 
 
 def test_frozen_params_are_excluded_but_used() -> None:
