@@ -70,6 +70,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
             backward_weight=args.weight_grad,
             send=args.send,
         )
+        _check_drawable(costs)
         sim = simulate(program, costs)
     except ScheduleError as error:
         print(f"python -m fpipe show: {error}", file=sys.stderr)
@@ -133,6 +134,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     show.add_argument("--no-color", dest="color", action="store_const", const="never", help="same as --color never")
     return parser
+
+
+def _check_drawable(costs: Costs) -> None:
+    """Costs a terminal grid can draw: between 1e-6 and 1e6, within a factor 1000 of each other
+    (one column is at least 1/8 of the shortest action, so the grid's width follows the ratio)."""
+    values = [costs.forward, costs.of("B"), costs.backward_input, costs.backward_weight]
+    values += [costs.send] if costs.send > 0 else []
+    if min(values) < 1e-6 or max(values) > 1e6 or max(values) > 1000 * min(values):
+        raise ScheduleError(
+            f"costs must lie between 1e-6 and 1e6 and within a factor 1000 of each other, for the grid to fit "
+            f"a terminal (F {costs.forward:g}, B {costs.of('B'):g}, I {costs.backward_input:g}, "
+            f"W {costs.backward_weight:g}, send {costs.send:g}). Costs are relative: scale them."
+        )
 
 
 def _positive_int(text: str) -> int:

@@ -112,6 +112,17 @@ def test_bad_arguments(args: list[str], fragment: str | None, capsys: pytest.Cap
     assert fragment in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "costs",
+    [["--backward", "1e9"], ["--forward", "1e308", "--backward", "1e308"], ["--forward", "1e-320"], ["--send", "2000"]],
+)
+def test_costs_too_far_apart_to_draw_are_reported(costs: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A grid column is at least 1/8 of the shortest action: a ratio of 1e9 would be a billion columns."""
+    status, text = show("1f1b", "--ranks", "2", "--microbatches", "2", *costs)
+    assert (status, text) == (2, "")
+    assert "costs must lie between 1e-6 and 1e6 and within a factor 1000 of each other" in capsys.readouterr().err
+
+
 def test_python_dash_m() -> None:
     env = {**os.environ, "NO_COLOR": "1"}
     done = subprocess.run(
