@@ -23,12 +23,16 @@ class Interleaved1F1B:
     Microbatches go through in groups of ``p``: rank ``r`` runs the forward of its first stage on
     a group, then of its second stage on that group, and so on, and backwards in the mirror
     order. Conceptually, with ``fwd``/``bwd`` those (stage, microbatch) sequences of length
-    ``n = m * v``::
+    ``N = n * v``, for ``n`` the multiple of ``p`` at or above ``m``::
 
-        warmup = min(2 * (p - r - 1) + (v - 1) * p, n)
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, N)
         for k in range(warmup): forward(*fwd[k])
-        for k in range(n - warmup): forward(*fwd[warmup + k]); backward(*bwd[k])
-        for k in range(n - warmup, n): backward(*bwd[k])
+        for k in range(N - warmup): forward(*fwd[warmup + k]); backward(*bwd[k])
+        for k in range(N - warmup, N): backward(*bwd[k])
+
+    and then drops the actions of microbatches ``>= m``, as ``ZeroBubbleV`` does: a last group
+    of fewer than ``p`` microbatches laid out as it comes would reach rank 0's next stage before
+    it has left rank ``p - 1``, and deadlock.
     """
 
     num_microbatches: int
@@ -57,19 +61,19 @@ class Interleaved1F1B:
             )
         p = looped_ranks("Interleaved1F1B", num_stages, num_ranks, num_stages // self.stages_per_rank)
         v = num_stages // p
+        n = -(-m // p) * p  # laid out in full groups; the actions of microbatches >= m are dropped
         ranks = []
         for r in range(p):
             fwd: list[tuple[int, int]] = []
             bwd: list[tuple[int, int]] = []
-            for start in range(0, m, p):
-                group = range(start, min(start + p, m))
+            for start in range(0, n, p):
+                group = range(start, start + p)
                 fwd += [(c * p + r, i) for c in range(v) for i in group]
                 bwd += [(c * p + r, i) for c in reversed(range(v)) for i in group]
-            n = len(fwd)
-            warmup = min(2 * (p - r - 1) + (v - 1) * p, n)
+            warmup = min(2 * (p - r - 1) + (v - 1) * p, n * v)
             row = [Action(s, FORWARD, i) for s, i in fwd[:warmup]]
             for (fs, fi), (bs, bi) in zip(fwd[warmup:], bwd):
                 row += [Action(fs, FORWARD, fi), Action(bs, BACKWARD, bi)]
-            row += [Action(s, BACKWARD, i) for s, i in bwd[n - warmup :]]
-            ranks.append(tuple(row))
+            row += [Action(s, BACKWARD, i) for s, i in bwd[n * v - warmup :]]
+            ranks.append(tuple(a for a in row if a.microbatch < m))
         return Program(tuple(ranks), num_stages, m)

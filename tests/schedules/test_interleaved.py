@@ -6,7 +6,7 @@ from textwrap import dedent
 
 import pytest
 
-from fpipe.schedules import Interleaved1F1B, ScheduleError, render, validate
+from fpipe.schedules import Interleaved1F1B, Program, ScheduleError, render, validate
 
 
 def test_grid_2_ranks_2_stages_each_4_microbatches() -> None:
@@ -16,10 +16,26 @@ def test_grid_2_ranks_2_stages_each_4_microbatches() -> None:
 
 
 def test_grid_microbatches_not_a_multiple_of_ranks() -> None:
-    # The last group holds one microbatch: it goes through both of a rank's stages alone.
+    # Laid out as 4 microbatches (a multiple of the 2 ranks) with microbatch 3's actions dropped.
     assert render(Interleaved1F1B(3, stages_per_rank=2).program(4)) == dedent("""\
-        rank 0 | 0F0 0F1 2F0 2F1 0F2 2B0  .   .  2F2 2B1 0B0 0B1 2B2  .  0B2
-        rank 1 |  .  1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 3F2 1B1 3B2  .  1B2  .""")
+        rank 0 | 0F0 0F1 2F0 2F1 0F2 2B0  .  2B1 2F2 0B0 0B1  .  2B2  .  0B2
+        rank 1 |  .  1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1B1 3F2 3B2  .  1B2  .""")
+    assert render(Interleaved1F1B(3, stages_per_rank=2).program(4)) == render(
+        Program.from_lists(
+            [[a for a in row if a.microbatch < 3] for row in Interleaved1F1B(4, stages_per_rank=2).program(4).ranks],
+            num_stages=4,
+            num_microbatches=3,
+        )
+    )
+
+
+@pytest.mark.parametrize(("num_ranks", "stages_per_rank", "num_microbatches"), [(4, 3, 5), (5, 2, 7), (6, 2, 9)])
+def test_valid_when_the_last_group_is_partial(num_ranks: int, stages_per_rank: int, num_microbatches: int) -> None:
+    # A last group of fewer than p microbatches used to come back to rank 0 before the previous
+    # chunk had left rank p-1, and deadlocked (5 ranks, 2 stages each, 7 microbatches: rank 0
+    # waited at 5F6 for 4F6, which rank 4 runs after 4B0, which needs 5B0, behind 5F6 on rank 0).
+    program = Interleaved1F1B(num_microbatches, stages_per_rank=stages_per_rank).program(num_ranks * stages_per_rank)
+    validate(program)
 
 
 def test_grid_three_stages_per_rank() -> None:
@@ -32,7 +48,7 @@ def test_grid_three_stages_per_rank() -> None:
 @pytest.mark.parametrize("stages_per_rank", [1, 2, 3, 4])
 def test_valid_with_looped_placement(stages_per_rank: int) -> None:
     v = stages_per_rank
-    for num_stages in range(v, 9, v):
+    for num_stages in range(v, 8 * v + 1, v):
         p = num_stages // v
         for m in range(1, 17):
             program = Interleaved1F1B(m, stages_per_rank=v).program(num_stages)
