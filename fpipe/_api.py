@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from ._distributed import Topology, WireState, all_reduce_sum, checksum, resolve_topology
+from ._distributed import Topology, all_reduce_sum, resolve_topology
 from ._pytree import PyTree, flatten
-from ._run import run_distributed, run_local
-from ._shard_layout import StageLayout, data_parallel
+from ._run import plan_for, run_distributed, run_local
+from ._shard_layout import data_parallel
 from ._sharding import gather_stages, shard_stages
 from .schedules._action import Action
-from .schedules._program import Program, Schedule, ScheduleError, execution_order, validate
+from .schedules._program import Program, Schedule, ScheduleError, validate
 
 StageFn = Callable[[Any, Any], Any]
 
@@ -236,18 +236,14 @@ class Step:
         self.num_microbatches = program.num_microbatches
         self.shard_params = shard_params
         self.regather = regather
-        self._layouts: dict[int, StageLayout] = {}  # full shapes of the local stages, set by self.shard
         self._topology = topology
         if topology is None:
             self.rank: int | None = None
             self.local_stages = tuple(range(self.num_stages))
-            self._order = execution_order(program)
         else:
             self.rank = topology.rank
             self.local_stages = program.stages_of(topology.rank)
-            self._order = tuple((topology.rank, a) for a in program.ranks[topology.rank])
-            self._checksum = checksum(program)
-            self._wire = WireState()
+        self._plan = plan_for(program, self.rank)
 
     def __repr__(self) -> str:
         p = self.program
@@ -275,9 +271,9 @@ class Step:
             )
         with torch.inference_mode(False):  # results are plain tensors whatever the ambient mode
             if self._topology is None:
-                loss, aux, grads = run_local(self, params, batch)
+                loss, aux, grads = run_local(self, self._plan, params, batch)
             else:
-                loss, aux, grads = run_distributed(self, self._topology, params, batch)
+                loss, aux, grads = run_distributed(self, self._plan, self._topology, params, batch)
         return ((loss, aux), grads) if self.has_aux else (loss, grads)
 
     def global_norm(self, grads: Sequence[PyTree], /) -> torch.Tensor:
@@ -329,7 +325,7 @@ class Step:
             if params[s] is None:
                 raise ValueError(f"fpipe.step.shard: params[{s}] is None but this rank holds stage {s}. Pass it.")
         dp = data_parallel(self._topology, self.timeout)
-        shards, self._layouts = shard_stages(dp, self.local_stages, params)
+        shards, self._plan.layouts = shard_stages(dp, self.local_stages, params)
         return shards
 
     def unshard(self, shards: Sequence[PyTree], /) -> list[PyTree]:
@@ -339,8 +335,10 @@ class Step:
         ``None`` leaves (the grads of non-float leaves) stay ``None``; stages held elsewhere are
         ``None``.
         """
-        if not self._layouts or self._topology is None:
+        if not self._plan.layouts or self._topology is None:
             raise ValueError("fpipe.step.unshard: the step has no layouts; cut the parameters with step.shard first.")
         if len(shards) != self.num_stages:
             raise ValueError(f"fpipe.step.unshard: shards has {len(shards)} entries for {self.num_stages} stages.")
-        return gather_stages(data_parallel(self._topology, self.timeout), self._layouts, shards, "fpipe.step.unshard")
+        return gather_stages(
+            data_parallel(self._topology, self.timeout), self._plan.layouts, shards, "fpipe.step.unshard"
+        )

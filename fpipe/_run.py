@@ -1,7 +1,9 @@
 """One step: in this process, or as one rank of many over torch.distributed.
 
-Both build a ``StageRun`` per local stage and an ``Executor`` over a transport and interpret the
-step's order of actions; they differ in where inputs come from (``LocalTransport`` or
+A ``Plan`` holds what a step fixes when it is built (its order of actions, and when distributed
+the program's checksum, the wire's layouts and the shard layouts); each run reads it. Both runs
+build a ``StageRun`` per local stage and an ``Executor`` over a transport and interpret the
+plan's order of actions; they differ in where inputs come from (``LocalTransport`` or
 ``DistributedTransport``) and, when distributed, in the handshake before and the data-parallel
 reduction after (notes/wire.md).
 """
@@ -9,26 +11,65 @@ reduction after (notes/wire.md).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._distributed import DistributedTransport, Topology, all_reduce_sum, check_usable, handshake, mark_broken
+from ._distributed import (
+    DistributedTransport,
+    Topology,
+    WireState,
+    all_reduce_sum,
+    check_usable,
+    checksum,
+    handshake,
+    mark_broken,
+)
 from ._errors import PipelineError
 from ._executor import Executor, LocalTransport
 from ._microbatch import sizes_of, split, stack
 from ._pytree import PyTree, flatten
 from ._record import active, clock, measured
-from ._shard_layout import check_shards, data_parallel
+from ._shard_layout import StageLayout, check_shards, data_parallel
 from ._sharding import ShardedRuns, segments
 from ._stage import StageRun
-from .schedules._program import ScheduleError
+from .schedules._action import Action
+from .schedules._program import Program, ScheduleError, execution_order
 
 if TYPE_CHECKING:
     from ._api import Step
 
 
-def run_local(step: Step, params: Sequence[PyTree], batch: PyTree) -> tuple[torch.Tensor, Any, list[PyTree]]:
+@dataclass
+class Plan:
+    """What a step fixes when it is built and each of its runs reads (``plan_for``).
+
+    Attributes:
+        order: the ``(rank, action)`` pairs this process runs, in order: every rank's row
+            interleaved in one process, its own row on a pipeline rank.
+        checksum: the program's checksum, which the distributed handshake compares (0 in one process).
+        wire: the distributed runtime's per-channel layouts, kept from step to step so that
+            headers travel only when a layout changes.
+        layouts: with ``shard_params``, the full shapes of the local stages, set by ``Step.shard``.
+    """
+
+    order: tuple[tuple[int, Action], ...]
+    checksum: int = 0
+    wire: WireState = field(default_factory=WireState)
+    layouts: dict[int, StageLayout] = field(default_factory=dict)
+
+
+def plan_for(program: Program, rank: int | None) -> Plan:
+    """The ``Plan`` of ``program`` in one process (``rank=None``) or on pipeline rank ``rank``."""
+    if rank is None:
+        return Plan(execution_order(program))
+    return Plan(tuple((rank, a) for a in program.ranks[rank]), checksum(program))
+
+
+def run_local(
+    step: Step, plan: Plan, params: Sequence[PyTree], batch: PyTree
+) -> tuple[torch.Tensor, Any, list[PyTree]]:
     """``step`` in this process: every stage, the program's ranks virtual; ``(loss, aux, grads)``."""
     microbatches, sizes = split(batch, step.num_microbatches, step.batch_dims)
     total = sum(sizes)
@@ -42,9 +83,9 @@ def run_local(step: Step, params: Sequence[PyTree], batch: PyTree) -> tuple[torc
         transport=LocalTransport(microbatches),
     )
     recording, start, times = active(), clock(), list[tuple[float, float]]()
-    executor.run(step._order, times=times if recording else None)
+    executor.run(plan.order, times=times if recording else None)
     if recording is not None:
-        recording.timelines.append(measured(step.program, step._order, times, start))
+        recording.timelines.append(measured(step.program, plan.order, times, start))
     loss, aux = _result(step, executor)
     return loss, aux, [runs[s].grads() for s in range(step.num_stages)]
 
@@ -57,7 +98,7 @@ def _result(step: Step, executor: Executor) -> tuple[torch.Tensor, Any]:
 
 
 def run_distributed(
-    step: Step, topology: Topology, params: Sequence[PyTree], batch: PyTree
+    step: Step, plan: Plan, topology: Topology, params: Sequence[PyTree], batch: PyTree
 ) -> tuple[torch.Tensor, Any, list[PyTree]]:
     """``step`` as pipeline rank ``topology.rank``: its row of the program; ``(loss, aux, grads)``.
 
@@ -76,7 +117,7 @@ def run_distributed(
         _check_params(step, params, placement)
         if step.shard_params:
             for s in step.local_stages:
-                check_shards(s, params[s], step._layouts.get(s))
+                check_shards(s, params[s], plan.layouts.get(s))
         if batch is not None and me in (first, last):
             microbatches, sizes = split(batch, m, step.batch_dims)
             size = sum(sizes)
@@ -87,8 +128,8 @@ def run_distributed(
             )
     except (TypeError, ValueError) as error:
         problem = error
-    statuses = handshake(topology, [step._checksum, microbatches is not None, problem is not None, size], step.timeout)
-    problem = problem or _disagreement(step, statuses, first, last)
+    statuses = handshake(topology, [plan.checksum, microbatches is not None, problem is not None, size], step.timeout)
+    problem = problem or _disagreement(plan.checksum, statuses, first, last)
     if topology.data_group is not None:
         # Replicas must fail together too, or a healthy replica's gradient all-reduce would meet
         # another replica's next step.
@@ -110,7 +151,7 @@ def run_distributed(
     runs: dict[int, StageRun] | ShardedRuns
     if step.shard_params:
         dp = data_parallel(topology, step.timeout)
-        runs = ShardedRuns(dp, make_run, params, step._layouts, step._order, regather=step.regather)
+        runs = ShardedRuns(dp, make_run, params, plan.layouts, plan.order, regather=step.regather)
     else:
         runs = {s: make_run(s, params[s]) for s in step.local_stages}
     transport = DistributedTransport(
@@ -118,7 +159,7 @@ def run_distributed(
         step.program,
         microbatches,
         send_microbatches=not statuses[last][1],
-        wire=step._wire,
+        wire=plan.wire,
         timeout=step.timeout,
     )
     executor = Executor(
@@ -132,16 +173,16 @@ def run_distributed(
     recording, start, times = active(), clock(), list[tuple[float, float]]()
     try:
         if not isinstance(runs, ShardedRuns):
-            executor.run(step._order, times=times if recording else None)
+            executor.run(plan.order, times=times if recording else None)
         else:  # a stage's reduce-scatter is posted once its last action has run
-            for actions, finished in segments(step._order):
+            for actions, finished in segments(plan.order):
                 executor.run(actions, times=times if recording else None)
                 for s in finished:
                     runs.finish_stage(s)
         loss, aux = transport.exchange_result(_result(step, executor) if me == last else None)
         transport.finish()
         if recording is not None:
-            recording.timelines.append(measured(step.program, step._order, times, start, topology.group))
+            recording.timelines.append(measured(step.program, plan.order, times, start, topology.group))
     except BaseException as error:
         mark_broken(topology, error)
         transport.abort(error)
@@ -157,9 +198,9 @@ def run_distributed(
     return loss, aux, grads
 
 
-def _disagreement(step: Step, statuses: list[list[int]], first: int, last: int) -> Exception | None:
+def _disagreement(checksum: int, statuses: list[list[int]], first: int, last: int) -> Exception | None:
     """What the handshake's statuses (checksum, has batch, rejected, batch size per rank) object to."""
-    if any(st[0] != step._checksum for st in statuses):
+    if any(st[0] != checksum for st in statuses):
         return ScheduleError(
             "fpipe.step: the pipeline ranks run different programs (checksums by rank: "
             f"{[st[0] for st in statuses]}). Build the same pipeline, schedule and stages on every rank."

@@ -39,7 +39,7 @@ def sharded_leaves(function: str, step: Step | None, trees: dict[str, list[PyTre
     """The ``Sharding`` of a step built with ``shard_params=True`` (``None`` otherwise)."""
     if step is None or not step.shard_params or step._topology is None:
         return None
-    missing = [s for s in step.local_stages if s not in step._layouts]
+    missing = [s for s in step.local_stages if s not in step._plan.layouts]
     if missing:
         raise ValueError(
             f"fpipe.{function}: the step shards parameters but has no layout for stage(s) {missing} (their full "
@@ -47,7 +47,7 @@ def sharded_leaves(function: str, step: Step | None, trees: dict[str, list[PyTre
         )
     topology = step._topology
     assert topology.data_group is not None
-    return Sharding((dist.get_rank(topology.data_group), topology.data_size), dict(step._layouts))
+    return Sharding((dist.get_rank(topology.data_group), topology.data_size), dict(step._plan.layouts))
 
 
 def full_shapes(kind: str, tree: PyTree, layout: StageLayout) -> dict[str, list[int]]:
