@@ -19,7 +19,10 @@ bitwise those of the stored forward; what is saved between forward and backward 
 the stage's inputs, at the cost of a second forward. (CUDA random state is not replayed:
 stages on GPUs that draw random numbers should not recompute.) Stages built from modules update
 their buffers (BatchNorm's running statistics) in the forward only: during the replay
-(``replaying()``) they get copies.
+(``replaying()``) they get copies. The graph-less forward gets plain aliases of its input leaves
+(``detach()``: not views of the batch, not requiring grad), the same kind of tensor whatever the
+stage, so a ``torch.compile``'d stage function compiles one graph-less variant for all stages
+rather than one per kind of input (dynamo guards on ``requires_grad`` and on a view's base).
 
 NOTE [fixed accumulation order]
 A stage's parameter gradients are summed over microbatches in microbatch order 0, 1, 2, ...
@@ -170,7 +173,7 @@ class StageRun:
     def forward(self, x: PyTree, *, differentiate_input: bool) -> tuple[Any, Pullback]:
         """Run the stage on ``x``; return its output and the pullback of this call."""
         leaves, spec, input_index = self._inputs(x, differentiate_input)
-        return self._trace(lambda: self.fn(self.params, unflatten(spec, leaves)), leaves, input_index)
+        return self._trace(lambda xs: self.fn(self.params, unflatten(spec, xs)), leaves, input_index)
 
     def forward_loss(
         self,
@@ -186,8 +189,8 @@ class StageRun:
         microbatch = self.to_device(microbatch)
         auxes: list[Any] = []
 
-        def run() -> torch.Tensor:
-            loss, aux = _split_aux(loss_fn(self.fn(self.params, unflatten(spec, leaves)), microbatch), has_aux)
+        def run(xs: list[Any]) -> torch.Tensor:
+            loss, aux = _split_aux(loss_fn(self.fn(self.params, unflatten(spec, xs)), microbatch), has_aux)
             auxes.append(aux)
             return loss.reshape(())  # a one-element loss of shape (1,) gets the scalar cotangent too
 
@@ -215,18 +218,21 @@ class StageRun:
             leaves[k] = leaf
         return leaves, spec, input_index
 
-    def _trace(self, run: Callable[[], Any], leaves: list[Any], input_index: list[int]) -> tuple[Any, Pullback]:
-        """Call ``run`` recording a graph, or (NOTE [recomputation]) without one, keeping what replays it."""
+    def _trace(
+        self, run: Callable[[list[Any]], Any], leaves: list[Any], input_index: list[int]
+    ) -> tuple[Any, Pullback]:
+        """Call ``run(leaves)`` recording a graph, or (NOTE [recomputation]) without one, keeping what replays it."""
         inputs = [leaves[k] for k in input_index]
         if not self.recompute:
             with _recording():
-                out = run()
+                out = run(leaves)
             return out, self._pullback(out, inputs, input_index, len(leaves))
         rng = torch.get_rng_state()
+        plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
         with torch.inference_mode(False), torch.no_grad():
-            out = run()
+            out = run(plain)
         pullback = Pullback([], [], inputs, input_index, len(leaves))
-        pullback.replay = (run, rng)
+        pullback.replay = (lambda: run(leaves), rng)
         # The next stage differentiates leaves that carry a graph; these will once replayed.
         return map_tensors(lambda t: detached(t).requires_grad_() if is_differentiable(t) else t, out), pullback
 

@@ -52,3 +52,26 @@ def test_compiling_the_step_runs_it_eagerly() -> None:
     expected_loss, expected_grads = step(p, x)
     assert torch.equal(loss, expected_loss)
     torch.testing.assert_close(grads, expected_grads, rtol=0, atol=0)
+
+
+def test_recomputed_compiled_stages_compile_one_more_graph() -> None:
+    """A recomputed forward runs without a graph: one more variant of a compiled stage function,
+    not one per kind of stage input (stage 0 gets views of the batch, later stages tensors that
+    require grad; dynamo guards on both). Past ``recompile_limit`` (8) variants dynamo would run
+    the stage eagerly, silently."""
+    graphs = []
+    for recompute in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        compiled = torch.compile(block, backend="aot_eager", dynamic=True)
+        step = fpipe.pipeline(loss_fn, [compiled] * 3, OneFOneB(4), recompute=recompute)
+        eager = fpipe.pipeline(loss_fn, [block] * 3, OneFOneB(4), recompute=recompute)
+        p = params(3)
+        for length in (5, 7):  # 10 examples: microbatches of 3, 3, 2, 2
+            x = torch.randn(10, length, 16)
+            loss, grads = step(p, x)
+            expected_loss, expected_grads = eager(p, x)
+            torch.testing.assert_close(loss, expected_loss)
+            torch.testing.assert_close(grads, expected_grads)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs == [2, 3], graphs
