@@ -177,9 +177,10 @@ def _paint(text: str, kind: str, color: bool) -> str:
 
 
 def _column_unit(sim: Simulation) -> float:
-    """The largest time unit dividing every start and end (within rounding), at least 1/8 of the shortest action."""
+    """The largest time unit dividing every start and end (within rounding), at least 1/8 of the
+    shortest action that lasts (a measured action can last 0, or less with clock skew)."""
     durations = [e - s for starts, ends in zip(sim.starts, sim.ends) for s, e in zip(starts, ends)]
-    shortest = min(durations, default=1.0)
+    shortest = min((d for d in durations if d > 0), default=1.0)
     unit = shortest
     for t in {t for row in (*sim.starts, *sim.ends) for t in row}:
         unit = _float_gcd(unit, t, floor=shortest / 8)

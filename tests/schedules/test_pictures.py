@@ -14,6 +14,7 @@ from fpipe.schedules import (
     GPipe,
     Interleaved1F1B,
     OneFOneB,
+    Simulation,
     ZeroBubbleH1,
     ZeroBubbleV,
     chrome_trace,
@@ -102,3 +103,15 @@ def test_svg_is_well_formed_with_a_box_per_action() -> None:
     assert title.text == "forward of stage 0 on microbatch 0 (0F0): 0 to 1"
     labels = {t.text for t in root.iter(f"{ns}text")}
     assert {"rank 0", "rank 1", "0F0", "3W3", "W weight-grad backward"} <= labels
+
+
+def test_grid_of_a_measured_timeline_with_a_zero_length_action() -> None:
+    # A measured action can last 0 (clock resolution, or skew clamped by fpipe.record). The column
+    # unit used to fall to the float gcd of unrelated times (~1e-19 s): a MemoryError.
+    sim = simulate(OneFOneB(4).program(2), [Costs(forward=1.03e-3, backward=2.07e-3), Costs(forward=0.97e-3)])
+    ends = [list(row) for row in sim.ends]
+    ends[0][0] = sim.starts[0][0]
+    measured = Simulation(sim.program, None, sim.starts, tuple(tuple(row) for row in ends))
+    grid = terminal_grid(measured, color=False)
+    assert len(grid) < 10 * len(terminal_grid(sim, color=False))
+    assert grid.startswith("rank 0 | 0F0 ")
