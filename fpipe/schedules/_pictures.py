@@ -17,7 +17,7 @@ from typing import Any
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KIND_NAMES
 from ._program import Program
-from ._simulate import Costs, Simulation, simulate
+from ._simulate import Costs, Simulation, _checked, simulate
 
 UNIT = Costs(forward=1, backward=1, backward_input=1, backward_weight=1)
 
@@ -27,9 +27,12 @@ _FILL = {FORWARD: "#4c78a8", BACKWARD: "#54a24b", BACKWARD_INPUT: "#eeca3b", BAC
 _TEXT = {FORWARD: "#ffffff", BACKWARD: "#000000", BACKWARD_INPUT: "#000000", BACKWARD_WEIGHT: "#ffffff"}
 
 
-def as_simulation(timeline: Program | Simulation) -> Simulation:
-    """A ``Simulation`` as is; a ``Program`` simulated with unit cost per action (``render``'s ticks)."""
-    return timeline if isinstance(timeline, Simulation) else simulate(timeline, UNIT)
+def as_simulation(timeline: Program | Simulation, function: str = "terminal_grid") -> Simulation:
+    """A ``Simulation`` checked (one finite start and end per action); a ``Program`` simulated with
+    unit cost per action (``render``'s ticks). ``function`` names the caller in errors."""
+    if isinstance(timeline, Simulation):
+        return _checked(function, timeline)[0]
+    return simulate(timeline, UNIT)
 
 
 def legend(*, color: bool = True) -> str:
@@ -80,7 +83,7 @@ def chrome_trace(timeline: Program | Simulation, *, microseconds_per_unit: float
     stage activations alive (``F`` to ``B``/``W``). One cost unit lasts
     ``microseconds_per_unit`` (default 1 ms).
     """
-    sim = as_simulation(timeline)
+    sim = as_simulation(timeline, "chrome_trace")
     scale = microseconds_per_unit
     events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "fpipe schedule"}},
@@ -125,7 +128,7 @@ def svg(timeline: Program | Simulation, *, unit_width: float = 32.0, row_height:
     One cost unit is ``unit_width`` pixels wide. Labels are the actions (``2F0``); a legend and a
     time axis in cost units sit below the rows.
     """
-    sim = as_simulation(timeline)
+    sim = as_simulation(timeline, "svg")
     program = sim.program
     left, top, gap = 64.0, 8.0, 4.0
     width = left + sim.makespan * unit_width + 16

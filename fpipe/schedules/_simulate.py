@@ -416,4 +416,11 @@ def _checked(function: str, timeline: Simulation | Sequence[Simulation]) -> tupl
                 f"(actions per rank: {shape}, starts per rank: {[len(row) for row in t.starts]}, ends per "
                 f"rank: {[len(row) for row in t.ends]}). Pass timelines from fpipe.record() or simulate()."
             )
+        for r, (row, starts, ends) in enumerate(zip(program.ranks, t.starts, t.ends)):
+            for a, start, end in zip(row, starts, ends):
+                if not (math.isfinite(start) and math.isfinite(end)):
+                    raise ScheduleError(
+                        f"fpipe.schedules.{function}: timeline {k} has a time that is not finite for "
+                        f"{a.describe()} on rank {r} (start: {start!r}, end: {end!r}). Pass finite times."
+                    )
     return timelines

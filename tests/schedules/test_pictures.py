@@ -6,6 +6,7 @@ import json
 import re
 import xml.etree.ElementTree as ET
 from textwrap import dedent
+from typing import Any
 
 import pytest
 
@@ -14,11 +15,14 @@ from fpipe.schedules import (
     GPipe,
     Interleaved1F1B,
     OneFOneB,
+    ScheduleError,
     Simulation,
     ZeroBubbleH1,
     ZeroBubbleV,
     chrome_trace,
+    fit_costs,
     render,
+    replay,
     simulate,
     svg,
     terminal_grid,
@@ -115,3 +119,16 @@ def test_grid_of_a_measured_timeline_with_a_zero_length_action() -> None:
     grid = terminal_grid(measured, color=False)
     assert len(grid) < 10 * len(terminal_grid(sim, color=False))
     assert grid.startswith("rank 0 | 0F0 ")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("draw", [terminal_grid, chrome_trace, svg, replay, fit_costs])
+def test_a_timeline_with_a_time_that_is_not_finite_is_rejected(bad: float, draw: Any) -> None:
+    # terminal_grid raised "cannot convert float NaN to integer", chrome_trace and svg wrote NaN
+    # (invalid JSON for Perfetto), replay returned a NaN makespan.
+    sim = simulate(GPipe(2).program(2))
+    ends = tuple(tuple(bad if (r, k) == (1, 2) else e for k, e in enumerate(row)) for r, row in enumerate(sim.ends))
+    with pytest.raises(
+        ScheduleError, match=r"time that is not finite for backward of stage 1 on microbatch 0 \(1B0\) on rank 1"
+    ):
+        draw(Simulation(sim.program, None, sim.starts, ends))
