@@ -2,15 +2,16 @@
 
 The oracle is ``torch.func.grad_and_value`` of ``loss_fn(compose(stages)(params, batch), batch)``
 on the whole batch, in float64, to a relative error of 1e-10. Every entry of ``CONFORMANCE`` runs
-the same battery over stage counts, microbatch counts (uneven splits included) and random batch
-pytrees, so a new schedule is tested the moment it is listed there.
+the same battery over stage counts, microbatch counts (uneven splits included), random batch
+pytrees (leaves split along dim 0, dim 1 or not at all), recomputed stages and ``has_aux``, and
+must equal GPipe bitwise, so a new schedule is tested the moment it is listed there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import pytest
@@ -125,16 +126,27 @@ def assert_close(actual: Any, expected: Any, tolerance: float = TOLERANCE, *, co
 
 @dataclass(frozen=True)
 class Leaf:
-    """A leaf of a batch to generate: ``kind`` float/int/bool tensor, or a non-tensor ``value``."""
+    """A leaf of a batch to generate: ``kind`` float/int/bool tensor, or a non-tensor ``value``.
+
+    A tensor's examples lie along ``dim`` (0, or 1 after a leading dim of 2); ``None``: a leaf of
+    4 rows that is not split (``batch_dims`` None), every microbatch gets it whole.
+    """
 
     kind: str
     value: Any = None
+    dim: int | None = 0
 
 
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+DIMS = st.sampled_from([0, 0, 1, None])
 LEAVES = st.one_of(
-    st.sampled_from([(), (2,), (2, 3)]).map(lambda shape: Leaf("float", shape)),
-    st.sampled_from([(), (2,)]).map(lambda shape: Leaf("int", shape)),
-    st.just(Leaf("bool")),
+    st.builds(Leaf, st.just("float"), st.sampled_from([(), (2,), (2, 3)]), DIMS),
+    st.builds(Leaf, st.just("int"), st.sampled_from([(), (2,)]), DIMS),
+    st.builds(Leaf, st.just("bool"), st.just(()), DIMS),
     st.just(Leaf("none")),
     st.text(max_size=3).map(lambda s: Leaf("str", s)),
     st.integers(-3, 3).map(lambda v: Leaf("pyint", v)),
@@ -146,6 +158,7 @@ STRUCTURES = st.recursive(
         st.lists(children, min_size=1, max_size=3).map(tuple),
         st.lists(children, min_size=1, max_size=3),
         st.dictionaries(st.sampled_from(["a", "b", "c"]), children, min_size=1, max_size=3),
+        st.tuples(children, children).map(lambda pair: Pair(*pair)),
     ),
     max_leaves=8,
 )
@@ -155,17 +168,36 @@ def materialize(structure: Any, n: int, generator: torch.Generator) -> Any:
     """A pytree shaped like ``structure`` whose tensor leaves have ``n`` examples along dim 0."""
 
     def leaf(spec: Leaf) -> Any:
+        shape = {0: (n,), 1: (2, n), None: (4,)}[spec.dim] + (spec.value if isinstance(spec.value, tuple) else ())
         if spec.kind == "float":
-            return torch.randn((n, *spec.value), generator=generator)
+            return torch.randn(shape, generator=generator)
         if spec.kind == "int":
-            return torch.randint(-5, 5, (n, *spec.value), generator=generator)
+            return torch.randint(-5, 5, shape, generator=generator)
         if spec.kind == "bool":
-            return torch.rand(n, generator=generator) > 0.5
+            return torch.rand(shape, generator=generator) > 0.5
         if spec.kind == "empty":
             return () if spec.value == "tuple" else {}
         return spec.value
 
     return optree.tree_map(leaf, structure, is_leaf=lambda x: isinstance(x, Leaf), none_is_leaf=True)
+
+
+def batch_dims_of(structure: Any) -> Any:
+    """The ``batch_dims`` pytree of ``materialize(structure)``: each tensor leaf's dim, else None."""
+    tensors = ("float", "int", "bool")
+    return optree.tree_map(
+        lambda spec: spec.dim if spec.kind in tensors else None,
+        structure,
+        is_leaf=lambda x: isinstance(x, Leaf),
+        none_is_leaf=True,
+    )
+
+
+def per_example(leaf: torch.Tensor, dim: int | None, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``leaf`` as ``(n, k)`` rows, one per example; a leaf not split adds its sum to every example."""
+    if dim is None:
+        return leaf.to(dtype).sum().expand(n, 1)
+    return leaf.movedim(dim, 0).reshape(n, -1).to(dtype)
 
 
 def signature(tree: Any) -> tuple[Any, list[Any]]:
@@ -174,25 +206,31 @@ def signature(tree: Any) -> tuple[Any, list[Any]]:
     return spec, [leaf.dtype if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
 
 
-def mix(extra: Any, like: torch.Tensor) -> torch.Tensor:
+def mix(extra: Any, dims: list[Any], like: torch.Tensor) -> torch.Tensor:
     """A per-example ``(n, 1)`` summary of the tensor leaves of ``extra`` (ints and bools included)."""
     out = torch.zeros(like.shape[0], 1, dtype=like.dtype)
-    for leaf in optree.tree_leaves(extra, none_is_leaf=True):
+    for leaf, dim in zip(optree.tree_leaves(extra, none_is_leaf=True), dims):
         if isinstance(leaf, torch.Tensor):
             scale = 0.1 if leaf.is_floating_point() else 0.01
-            out = out + scale * leaf.reshape(leaf.shape[0], -1).to(like.dtype).sum(-1, keepdim=True)
+            out = out + scale * per_example(leaf, dim, like.shape[0], like.dtype).sum(-1, keepdim=True)
     return out
 
 
-def make_model(num_stages: int, batch: Any, key: Any, width: int = 3) -> tuple[list[Any], Any, list[Any]]:
+def make_model(
+    num_stages: int, batch: Any, key: Any, dims: Any = 0, width: int = 3
+) -> tuple[list[Any], Any, list[Any]]:
     """Stages, loss_fn and params of a tanh MLP whose stages also carry ``batch[key]['extra']`` along.
 
     Each stage checks that the extra pytree arrives with its structure, dtypes and non-tensor
     leaves intact, adds a summary of its tensor leaves (ints and bools too) to the hidden state,
     and scales its float leaves by a parameter, so gradients also flow through them.
+    ``dims`` is the ``batch_dims`` of the extra pytree. ``loss_fn`` returns ``(loss, aux)``.
     """
     x_key, target_key, extra_key = key
     expected = signature(batch[extra_key])
+    leaf_dims = optree.tree_leaves(
+        optree.tree_broadcast_prefix(dims, batch[extra_key], none_is_leaf=True), none_is_leaf=True
+    )
 
     def scale_floats(extra: Any, g: torch.Tensor) -> Any:
         return optree.tree_map(
@@ -203,18 +241,19 @@ def make_model(num_stages: int, batch: Any, key: Any, width: int = 3) -> tuple[l
         def fn(p: dict[str, torch.Tensor], x: Any) -> Any:
             h, extra = (x[x_key], x[extra_key]) if s == 0 else x
             assert signature(extra) == expected, f"stage {s} received {signature(extra)}"
-            h = torch.tanh(h @ p["w"] + p["b"] + mix(extra, h))
+            h = torch.tanh(h @ p["w"] + p["b"] + mix(extra, leaf_dims, h))
             return h, scale_floats(extra, p["g"])
 
         return fn
 
-    def loss_fn(y: Any, microbatch: Any) -> torch.Tensor:
+    def loss_fn(y: Any, microbatch: Any) -> tuple[torch.Tensor, Any]:
         h, extra = y
-        per_example = ((h - microbatch[target_key]) ** 2).sum(-1)
-        for leaf in optree.tree_leaves(extra, none_is_leaf=True):
+        n = h.shape[0]
+        losses = ((h - microbatch[target_key]) ** 2).sum(-1)
+        for leaf, dim in zip(optree.tree_leaves(extra, none_is_leaf=True), leaf_dims):
             if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-                per_example = per_example + (leaf**2).reshape(leaf.shape[0], -1).sum(-1)
-        return per_example.mean()
+                losses = losses + per_example(leaf**2, dim, n, h.dtype).sum(-1)
+        return losses.mean(), {"size": n, "loss": losses.mean()}
 
     params = [
         {"w": torch.randn(width, width) / width**0.5, "b": torch.randn(width) * 0.1, "g": torch.tensor(0.9 + 0.05 * s)}
@@ -225,10 +264,16 @@ def make_model(num_stages: int, batch: Any, key: Any, width: int = 3) -> tuple[l
 
 # A batch with every kind of leaf, nested: pinned as an example so every entry always sees it.
 RICH = {
-    "a": (Leaf("float", (2, 3)), Leaf("int", (2,)), [Leaf("none"), Leaf("str", "tok")]),
+    "a": (Leaf("float", (2, 3)), Leaf("int", (2,), 1), [Leaf("none"), Leaf("str", "tok")]),
     "b": {"c": Leaf("bool"), "a": Leaf("pyint", 3)},
-    "c": [Leaf("float", ())],
+    "c": [Leaf("float", ()), Pair(Leaf("float", (2,), None), Leaf("float", (3,), 1))],
 }
+
+
+class Batch(NamedTuple):
+    x: torch.Tensor
+    target: torch.Tensor
+    extra: Any
 
 
 @pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
@@ -237,25 +282,57 @@ RICH = {
     num_microbatches=st.sampled_from(range(1, 11)),
     extra_examples=st.sampled_from(range(26)),
     structure=STRUCTURES,
-    as_tuple=st.booleans(),
+    container=st.sampled_from(["dict", "tuple", "namedtuple"]),
+    recompute=st.integers(0, 2**6 - 1),
+    has_aux=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-@example(stage_index=5, num_microbatches=10, extra_examples=3, structure=RICH, as_tuple=False, seed=0)
-@example(stage_index=5, num_microbatches=8, extra_examples=0, structure=RICH, as_tuple=True, seed=1)
-@example(stage_index=0, num_microbatches=3, extra_examples=1, structure=RICH, as_tuple=False, seed=2)
+@example(
+    stage_index=5,
+    num_microbatches=10,
+    extra_examples=3,
+    structure=RICH,
+    container="dict",
+    recompute=0,
+    has_aux=True,
+    seed=0,
+)
+@example(
+    stage_index=5,
+    num_microbatches=8,
+    extra_examples=0,
+    structure=RICH,
+    container="tuple",
+    recompute=0b101010,
+    has_aux=False,
+    seed=1,
+)
+@example(
+    stage_index=0,
+    num_microbatches=3,
+    extra_examples=1,
+    structure=RICH,
+    container="namedtuple",
+    recompute=0b1,
+    has_aux=True,
+    seed=2,
+)
 def test_step_equals_the_unsplit_model(
     entry: Conformance,
     stage_index: int,
     num_microbatches: int,
     extra_examples: int,
     structure: Any,
-    as_tuple: bool,
+    container: str,
+    recompute: int,
+    has_aux: bool,
     seed: int,
 ) -> None:
+    """``recompute`` is a bit mask of the stages to recompute."""
     num_stages = entry.stage_counts[stage_index % len(entry.stage_counts)]
-    check_transparency(
-        entry, num_stages, num_microbatches, num_microbatches + extra_examples, structure, as_tuple, seed
-    )
+    batch_size = num_microbatches + extra_examples
+    recomputed = {s for s in range(num_stages) if recompute >> s & 1}
+    check_transparency(entry, num_stages, num_microbatches, batch_size, structure, container, seed, recomputed, has_aux)
 
 
 @pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
@@ -264,7 +341,8 @@ def test_every_stage_and_microbatch_count(entry: Conformance) -> None:
     for num_stages in entry.stage_counts:
         for num_microbatches in (1, 2, 3, 4, 5, 7, 8, 10):
             batch_size = 2 * num_microbatches + 1
-            check_transparency(entry, num_stages, num_microbatches, batch_size, RICH, num_stages % 2 == 0, 0)
+            container = ["dict", "tuple", "namedtuple"][num_microbatches % 3]
+            check_transparency(entry, num_stages, num_microbatches, batch_size, RICH, container, 0)
 
 
 def check_transparency(
@@ -273,25 +351,50 @@ def check_transparency(
     num_microbatches: int,
     batch_size: int,
     structure: Any,
-    as_tuple: bool,
+    container: str,
     seed: int,
+    recompute: set[int] | None = None,
+    has_aux: bool = False,
 ) -> None:
-    """One run of the battery: ``entry``'s step on a random batch equals the unsplit model."""
+    """One run of the battery: ``entry``'s step on a random batch equals the unsplit model, and
+    GPipe's step (nothing recomputed) bitwise."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, 3, generator=generator)
     target = torch.randn(batch_size, 3, generator=generator)
-    extra = materialize(structure, batch_size, generator)
-    batch: Any = (x, target, extra) if as_tuple else {"x": x, "target": target, "extra": extra}
-    key = (0, 1, 2) if as_tuple else ("x", "target", "extra")
-    stages, loss_fn, params = make_model(num_stages, batch, key)
+    extra, dims = materialize(structure, batch_size, generator), batch_dims_of(structure)
+    batch = Batch(x, target, extra)
+    batch_dims: Any = Batch(0, 0, dims)
+    if container != "namedtuple":
+        batch, batch_dims = tuple(batch), tuple(batch_dims)
+    if container == "dict":
+        batch, batch_dims = dict(zip(Batch._fields, batch)), dict(zip(Batch._fields, batch_dims))
+    key = ("x", "target", "extra") if container == "dict" else (0, 1, 2)
+    stages, loss_fn, params = make_model(num_stages, batch, key, dims)
+    if not has_aux:
+        loss_fn = lambda y, microbatch, with_aux=loss_fn: with_aux(y, microbatch)[0]  # noqa: E731
 
-    step = fpipe.pipeline(loss_fn, stages, entry.make(num_stages, num_microbatches))
-    loss, grads = step(params, batch)
+    def run(schedule: Any, recompute: Any) -> Any:
+        step = fpipe.pipeline(loss_fn, stages, schedule, batch_dims=batch_dims, recompute=recompute, has_aux=has_aux)
+        return step(params, batch)
 
-    expected_loss, expected_grads = reference(loss_fn, stages, params, batch)
+    result = run(entry.make(num_stages, num_microbatches), recompute or ())
+    (loss, aux), grads = result if has_aux else ((result[0], None), result[1])
+
+    expected_loss, expected_grads = reference(
+        lambda y, b: loss_fn(y, b)[0] if has_aux else loss_fn(y, b), stages, params, batch
+    )
     context = f"{entry} with {num_stages} stages, {num_microbatches} microbatches, batch of {batch_size}"
     assert_close(loss, expected_loss, context=context)
     assert_close(grads, expected_grads, context=context)
+    if has_aux:
+        sizes = [len(piece) for piece in torch.tensor_split(torch.arange(batch_size), num_microbatches)]
+        assert aux["size"] == tuple(sizes), context
+        assert aux["loss"].shape == (num_microbatches,), context
+        assert_close(aux["loss"] @ torch.tensor(sizes, dtype=aux["loss"].dtype) / batch_size, loss, context=context)
+    gpipe_loss, gpipe_grads = run(GPipe(num_microbatches), ())
+    gpipe_loss = gpipe_loss[0] if has_aux else gpipe_loss
+    assert torch.equal(loss, gpipe_loss), context
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(grads), optree.tree_leaves(gpipe_grads))), context
 
 
 @pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
