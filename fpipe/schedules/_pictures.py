@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KIND_NAMES
-from ._program import Program
+from ._program import Program, ScheduleError
 from ._simulate import Costs, Simulation, _checked, simulate
 
 UNIT = Costs(forward=1, backward=1, backward_input=1, backward_weight=1)
@@ -42,12 +42,19 @@ def legend(*, color: bool = True) -> str:
     return "   ".join([*items, ". idle"])
 
 
+MAX_COLUMNS = 100_000  # a grid wider than this would not be read, only exhaust memory
+
+
 def terminal_grid(timeline: Program | Simulation, *, color: bool = True) -> str:
     """The rank x time grid, with ANSI colors unless ``color=False``.
 
     For a ``Program``, ``terminal_grid(program, color=False) == render(program)``. For a
     ``Simulation``, an action lasting ``n`` columns is its name padded with ``-`` to ``n``
     cells; times are rounded to columns if no common unit divides them.
+
+    Raises:
+        ScheduleError: if the grid would be wider than ``MAX_COLUMNS`` (actions whose lengths
+            differ by a factor of thousands; ``chrome_trace`` and ``svg`` draw those).
 
     Example:
         >>> from fpipe.schedules import Costs, GPipe, simulate
@@ -60,6 +67,12 @@ def terminal_grid(timeline: Program | Simulation, *, color: bool = True) -> str:
     width = max((len(str(a)) for row in program.ranks for a in row), default=1)
     unit = _column_unit(sim)
     columns = round(sim.makespan / unit)
+    if columns > MAX_COLUMNS:
+        raise ScheduleError(
+            f"fpipe.schedules.terminal_grid: the grid would be {columns} columns wide (at most {MAX_COLUMNS}): "
+            f"a column is at least 1/8 of the shortest action, and actions differ too much in length "
+            f"(makespan {sim.makespan:g}, column {unit:g}). Draw it with chrome_trace or svg."
+        )
     lines = []
     for r, row in enumerate(program.ranks):
         cells: list[str] = []

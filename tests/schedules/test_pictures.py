@@ -132,3 +132,11 @@ def test_a_timeline_with_a_time_that_is_not_finite_is_rejected(bad: float, draw:
         ScheduleError, match=r"time that is not finite for backward of stage 1 on microbatch 0 \(1B0\) on rank 1"
     ):
         draw(Simulation(sim.program, None, sim.starts, ends))
+
+
+def test_a_grid_too_wide_to_draw_is_an_error() -> None:
+    # A column is at least 1/8 of the shortest action: 1e-12 against 1 would be ~1e13 columns.
+    sim = simulate(GPipe(2).program(2), Costs(forward=1e-12, backward=1.0))
+    with pytest.raises(ScheduleError, match=r"terminal_grid: the grid would be \d+ columns wide \(at most 100000\)"):
+        terminal_grid(sim)
+    assert len(chrome_trace(sim)["traceEvents"]) > 0 and svg(sim).startswith("<svg")
