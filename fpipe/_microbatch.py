@@ -48,8 +48,12 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
             )
         split_dims.append(dim % leaf.dim())
         by_size[leaf.shape[dim]].append(path)
-    # Detached, and laid out as the wire delivers them (NOTE [boundary layout] in fpipe/_stage.py).
-    leaves = [boundary_layout(detached(leaf)) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    # Detached; leaves passed whole laid out as the wire delivers them here, split ones piece by
+    # piece below (NOTE [boundary layout] in fpipe/_stage.py), so no leaf is copied twice.
+    leaves = [
+        (boundary_layout(detached(leaf)) if d is None else detached(leaf)) if isinstance(leaf, torch.Tensor) else leaf
+        for leaf, d in zip(leaves, split_dims)
+    ]
     if not by_size:
         if num_microbatches == 1:  # passed whole, but detached like any piece (inference tensors copied)
             return [unflatten(spec, leaves)], [1]
