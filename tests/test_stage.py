@@ -11,7 +11,7 @@ import torch
 from test_transparency import assert_close, reference
 
 import fpipe
-from fpipe._stage import StageRun, _OrderedSum
+from fpipe._stage import Pullback, StageRun, _OrderedSum
 from fpipe.schedules import GPipe, OneFOneB
 
 
@@ -70,15 +70,21 @@ def test_backward_is_the_vjp() -> None:
     assert_close({k: by_input[k] for k in ("h", "z")}, expected_input_grads)
 
 
-def test_split_backward_equals_fused_backward_bitwise() -> None:
-    params, x = layer_params(), layer_input()
-    fused, split = StageRun(0, layer, params), StageRun(0, layer, params)
+def fused_and_input_split(
+    index: int, fn: Any, params: Any, x: Any
+) -> tuple[StageRun, StageRun, Pullback, Any, Any, Any, Any]:
+    """The same forward on two runs of the stage: a fused backward on one, only ``I`` on the
+    other. ``(fused, split, split's pullback, y, cotangents, fused input grads, I's)``."""
+    fused, split = StageRun(index, fn, params), StageRun(index, fn, params)
     y, pullback = fused.forward(x, differentiate_input=True)
     cotangents = cotangents_for(y)
     expected = fused.backward(pullback, cotangents, 0)
-
     _, pullback = split.forward(x, differentiate_input=True)
-    got = split.backward_input(pullback, cotangents)
+    return fused, split, pullback, y, cotangents, expected, split.backward_input(pullback, cotangents)
+
+
+def test_split_backward_equals_fused_backward_bitwise() -> None:
+    fused, split, pullback, _, _, expected, got = fused_and_input_split(0, layer, layer_params(), layer_input())
     assert split.grads()["w"].abs().sum() == 0  # no weight gradient yet
     split.backward_weight(pullback, 0)
 
@@ -107,12 +113,7 @@ def test_split_backward_of_outputs_the_inputs_do_not_reach(fn: Any) -> None:
     """A parameter reaching the outputs both through the inputs' paths and beside them (an
     output that only parameters reach): ``W`` adds the part that does not meet the inputs."""
     params, x = torch.randn(3, 3), torch.randn(4, 3, requires_grad=True) * 1
-    fused, split = StageRun(1, fn, params), StageRun(1, fn, params)
-    y, pullback = fused.forward(x, differentiate_input=True)
-    cotangents = cotangents_for(y)
-    expected = fused.backward(pullback, cotangents, 0)
-    _, pullback = split.forward(x, differentiate_input=True)
-    got = split.backward_input(pullback, cotangents)
+    fused, split, pullback, y, cotangents, expected, got = fused_and_input_split(1, fn, params, x)
     split.backward_weight(pullback, 0)
 
     _, vjp = torch.func.vjp(fn, params, x.detach())
