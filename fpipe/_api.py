@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ._distributed import Topology, all_reduce_sum, resolve_topology
-from ._pytree import PyTree, flatten
+from ._pytree import PyTree, flatten, leaves_with_paths
 from ._run import plan_for, run_distributed, run_local
 from ._shard_layout import data_parallel
 from ._sharding import gather_stages, shard_stages
@@ -115,11 +115,12 @@ def pipeline(
         [torch.Size([3, 3]), torch.Size([3, 3])]
 
     Raises:
-        TypeError: if ``loss_fn`` or a stage is not callable, or ``has_aux`` or ``shard_params``
-            is not a bool.
+        TypeError: if ``loss_fn`` or a stage is not callable, ``schedule`` is a class rather than
+            a schedule value, or ``has_aux`` or ``shard_params`` is not a bool.
         ValueError: if ``timeout`` is not a positive finite number, ``recompute`` names no
             stages, or the sharding options do not fit the mesh.
-        ScheduleError: if the schedule cannot run with ``len(stages)`` stages.
+        ScheduleError: if the schedule cannot run with ``len(stages)`` stages (a hand-written
+            program has as many stages as the largest stage it names, plus one).
     """
     if not callable(loss_fn):
         raise TypeError(f"fpipe.pipeline: loss_fn must be callable (loss_fn: {loss_fn!r}).")
@@ -181,10 +182,15 @@ def pipeline(
 def _program(
     schedule: Schedule | Program | Sequence[Sequence[Action | str]], num_stages: int, num_ranks: int | None
 ) -> Program:
+    if isinstance(schedule, type):
+        raise TypeError(
+            f"fpipe.pipeline: schedule is the class {schedule.__name__}, not a schedule (schedule: {schedule!r}). "
+            f"Call it with the number of microbatches, e.g. {schedule.__name__}(num_microbatches=8)."
+        )
     if isinstance(schedule, Program):
         program = schedule
     elif isinstance(schedule, Sequence):
-        program = Program.from_lists(schedule, num_stages=num_stages)
+        program = Program.from_lists(schedule)  # its stage count is the largest stage named, plus one
     elif callable(getattr(schedule, "program", None)):
         program = schedule.program(num_stages, num_ranks)
     else:
@@ -198,6 +204,22 @@ def _program(
             "stage functions were given. Give one stage function per stage of the program."
         )
     return program
+
+
+def _check_not_meta(params: Sequence[PyTree], batch: PyTree, local_stages: Sequence[int]) -> None:
+    """Raise if a parameter of a local stage or a batch leaf is on the ``meta`` device: it holds
+    no data, and the step would return meta results without complaint."""
+    trees = [(f"stage {s}'s parameter", f"params[{s}]", params[s]) for s in local_stages]
+    for what, name, tree in [*trees, ("stage 0's batch leaf", "batch", batch)]:
+        if not any(isinstance(x, torch.Tensor) and x.is_meta for x in flatten(tree)[0]):
+            continue  # key paths are built only for the error
+        paths, leaves, _ = leaves_with_paths(tree)
+        i = next(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_meta)
+        raise ValueError(
+            f"fpipe.step: {what} {paths[i]} is on the meta device and holds no data "
+            f"({name}{paths[i]}: {leaves[i]!r}). Materialize it first (module.to_empty(device=...) and "
+            "initialize it, or fpipe.load)."
+        )
 
 
 class Step:
@@ -258,6 +280,11 @@ class Step:
         Stage functions may be ``torch.compile``'d (forward and backward run compiled, and
         dynamic shapes avoid recompiling when the sequence length changes); ``torch.compile``
         of the step itself runs the step eagerly.
+
+        Raises:
+            TypeError, ValueError: if ``params`` is not one pytree per stage, a parameter of a
+                stage this process holds or a batch leaf is on the ``meta`` device, or the batch
+                cannot be split as ``batch_dims`` says.
         """
         if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence):
             raise TypeError(
@@ -269,6 +296,7 @@ class Step:
                 f"fpipe.step: params has {len(params)} entries but the pipeline has {self.num_stages} "
                 "stages. Pass one parameter pytree per stage."
             )
+        _check_not_meta(params, batch, self.local_stages)
         with torch.inference_mode(False):  # results are plain tensors whatever the ambient mode
             if self._topology is None:
                 loss, aux, grads = run_local(self, self._plan, params, batch)
