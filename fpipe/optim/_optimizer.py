@@ -1,0 +1,303 @@
+"""What every optimizer of ``fpipe.optim`` shares: its state's layout, the checks, pure and in-place updates.
+
+NOTE [optimizer state]
+The state mirrors the parameters: one entry per stage, ``None`` for the stages this rank does
+not hold, and for a held stage a dict of a step counter and the buffers named as in
+``torch.optim`` (AdamW ``exp_avg``, ``exp_avg_sq``; SGD ``momentum_buffer``), each a pytree of
+the stage's parameters' structure::
+
+    state[s] = {"step": tensor(3.), "exp_avg": {"w": t, "b": t}, "exp_avg_sq": {"w": t, "b": t}}
+
+So ``fpipe.save(..., optimizer_state=state)`` names a buffer ``exp_avg.<parameter name>``; with
+sharded parameters its leaves are 1-D shards of the parameter's shard size, which is how save
+recognises them as shards and reshards them on load (NOTE [sharded saves] in
+``fpipe/_store.py``). The step is one float32 scalar per stage, equal in every stage, which save
+writes once. Non-tensor leaves of the parameters (``None``, strings) get ``None`` buffers.
+
+NOTE [torch kernels]
+The arithmetic is torch's own: an update gathers the leaves of every held stage into flat lists
+and makes one call of ``torch.optim``'s functional entry point (``torch.optim.adamw.adamw``,
+``torch.optim.sgd.sgd``) per weight decay group, with ``foreach``/``fused`` passed through, so
+the result is what ``torch.optim.AdamW`` computes for parameters with those gradients. Those
+kernels take one step counter per parameter and increment it themselves; the state keeps one per
+stage, so each call gets a fresh copy per leaf, and the stage's counter is incremented once after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from .._pytree import PyTree, broadcast_prefix, flatten, leaves_with_paths, map_tensors, unflatten
+
+LearningRate = float | Callable[[int], float]
+
+
+class Optimizer(NamedTuple):
+    """A functional optimizer over per-stage parameter pytrees (``fpipe.optim.adamw``, ``fpipe.optim.sgd``).
+
+    Attributes:
+        init: ``state = init(params)``: zero buffers shaped like ``params`` (one pytree per
+            stage, ``None`` for stages held elsewhere) and step counters at 0.
+        update: ``params, state = update(params, grads, state, lr=None)``: new tensors, the
+            arguments untouched. ``lr`` overrides the optimizer's learning rate for this update.
+        update_: ``update_(params, grads, state, lr=None)``: the same update written into the
+            tensors of ``params`` and ``state`` (no copies: for memory). Returns ``None``.
+    """
+
+    init: Callable[[Sequence[PyTree]], list[PyTree]]
+    update: Callable[..., tuple[list[PyTree], list[PyTree]]]
+    update_: Callable[..., None]
+
+
+class Kernel(Protocol):
+    """One in-place call of a ``torch.optim`` functional entry point on flat lists of tensors."""
+
+    def __call__(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        buffers: dict[str, list[torch.Tensor]],
+        steps: list[torch.Tensor],
+        *,
+        lr: float,
+        weight_decay: float,
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What distinguishes one optimizer: its name, its buffers' keys and its kernel."""
+
+    name: str
+    buffers: tuple[str, ...]
+    kernel: Kernel
+    learning_rate: LearningRate
+    weight_decay: float
+    weight_decay_mask: Sequence[PyTree] | None
+
+
+def make_optimizer(spec: Spec) -> Optimizer:
+    """The ``Optimizer`` of ``spec``: ``init``, a pure ``update`` and an in-place ``update_``."""
+    where = f"fpipe.optim.{spec.name}"
+
+    def init(params: Sequence[PyTree], /) -> list[PyTree]:
+        _check_sequence(where, "params", params)
+        out: list[PyTree] = []
+        for s, stage in enumerate(params):
+            if stage is None:
+                out.append(None)
+                continue
+            paths, leaves, tree_spec = leaves_with_paths(stage)
+            for path, leaf in zip(paths, leaves):
+                if isinstance(leaf, torch.Tensor):
+                    _check_param(where, s, path, leaf)
+            state: dict[str, PyTree] = {"step": torch.zeros((), dtype=torch.float32)}
+            for key in spec.buffers:
+                state[key] = unflatten(tree_spec, [_zeros(x) for x in leaves])
+            out.append(state)
+        return out
+
+    def update_(
+        params: Sequence[PyTree], grads: Sequence[PyTree], state: Sequence[PyTree], /, *, lr: float | None = None
+    ) -> None:
+        held = _held_stages(where, params, grads, state)
+        groups: dict[bool, _Group] = {}
+        for s in held:
+            counter = _check_state_keys(where, s, state[s], spec.buffers)
+            paths, p_leaves, p_spec = leaves_with_paths(params[s])
+            g_leaves = _same_structure(where, f"grads[{s}]", paths, p_spec, grads[s])
+            b_leaves = {
+                key: _same_structure(where, f"state[{s}][{key!r}]", paths, p_spec, state[s][key])
+                for key in spec.buffers
+            }
+            decay = _decay_mask(where, s, spec.weight_decay_mask, params[s])
+            for k, (path, p) in enumerate(zip(paths, p_leaves)):
+                if not isinstance(p, torch.Tensor):
+                    continue  # None, strings: nothing to optimize
+                _check_param(where, s, path, p)
+                group = groups.setdefault(decay[k], _Group([], [], {key: [] for key in spec.buffers}, []))
+                group.params.append(p)
+                group.grads.append(_check_like(where, f"grads[{s}]{path}", p, g_leaves[k]))
+                for key in spec.buffers:
+                    group.buffers[key].append(_check_like(where, f"state[{s}][{key!r}]{path}", p, b_leaves[key][k]))
+                group.steps.append(counter.detach().clone())
+        rate = _learning_rate(where, spec.learning_rate, lr, held, state)
+        with torch.no_grad():
+            for decay_on, group in groups.items():
+                spec.kernel(
+                    group.params,
+                    group.grads,
+                    group.buffers,
+                    group.steps,
+                    lr=rate,
+                    weight_decay=spec.weight_decay if decay_on else 0.0,
+                )
+            for s in held:
+                state[s]["step"].add_(1)
+
+    def update(
+        params: Sequence[PyTree], grads: Sequence[PyTree], state: Sequence[PyTree], /, *, lr: float | None = None
+    ) -> tuple[list[PyTree], list[PyTree]]:
+        _held_stages(where, params, grads, state)
+        new_params = [None if p is None else map_tensors(_copy, p) for p in params]
+        new_state = [None if t is None else map_tensors(_copy, t) for t in state]
+        update_(new_params, grads, new_state, lr=lr)
+        return new_params, new_state
+
+    return Optimizer(init, update, update_)
+
+
+@dataclass
+class _Group:
+    """The leaves of one weight decay group, over all held stages, as the kernel takes them."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    buffers: dict[str, list[torch.Tensor]]
+    steps: list[torch.Tensor]
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone(memory_format=torch.preserve_format)
+
+
+def _zeros(leaf: object) -> torch.Tensor | None:
+    if isinstance(leaf, torch.Tensor):
+        return torch.zeros_like(leaf, memory_format=torch.preserve_format)
+    return None
+
+
+def _check_sequence(where: str, name: str, value: object) -> None:
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise TypeError(
+            f"{where}: {name} must be a list with one pytree per stage ({name}: {type(value).__name__}). "
+            "Pass the per-stage list that step(params, batch) takes, None for stages held elsewhere."
+        )
+
+
+def _held_stages(where: str, params: Sequence[PyTree], grads: Sequence[PyTree], state: Sequence[PyTree]) -> list[int]:
+    """The stages this rank holds (``params[s]`` not ``None``), after checking the three lists agree."""
+    for name, value in [("params", params), ("grads", grads), ("state", state)]:
+        _check_sequence(where, name, value)
+    for name, value in [("grads", grads), ("state", state)]:
+        if len(value) != len(params):
+            raise ValueError(
+                f"{where}: {name} has {len(value)} entries but params has {len(params)} ({name}: {len(value)}). "
+                "Pass one entry per stage, as step(params, batch) returns them."
+            )
+    held = [s for s, p in enumerate(params) if p is not None]
+    for s in held:
+        for name, value in [("grads", grads), ("state", state)]:
+            if value[s] is None:
+                fix = (
+                    "Pass the grads step(params, batch) returned." if name == "grads" else "Build it with init(params)."
+                )
+                raise ValueError(f"{where}: stage {s} has parameters but no {name} ({name}[{s}]: None). {fix}")
+    return held
+
+
+def _check_param(where: str, s: int, path: str, leaf: torch.Tensor) -> None:
+    if not (leaf.is_floating_point() or leaf.is_complex()):
+        raise TypeError(
+            f"{where}: stage {s} has a parameter that is not floating point (params[{s}]{path}: {leaf.dtype}). "
+            "Keep integer and bool tensors out of the parameters you optimize (a buffer, a constant in the stage)."
+        )
+
+
+def _check_state_keys(where: str, s: int, stage_state: PyTree, buffers: tuple[str, ...]) -> torch.Tensor:
+    """The stage's step counter, after checking the state's keys."""
+    expected = {"step", *buffers}
+    if not isinstance(stage_state, dict) or set(stage_state) != expected:
+        found = sorted(stage_state) if isinstance(stage_state, dict) else type(stage_state).__name__
+        raise ValueError(
+            f"{where}: the state of stage {s} does not have the keys {sorted(expected)} (state[{s}]: {found}). "
+            "Build the state with this optimizer's init(params)."
+        )
+    step = stage_state["step"]
+    if not isinstance(step, torch.Tensor) or step.shape != ():
+        raise ValueError(
+            f"{where}: the step counter of stage {s} is not a scalar tensor (state[{s}]['step']: {step!r}). "
+            "Build the state with this optimizer's init(params)."
+        )
+    return step
+
+
+def _same_structure(where: str, name: str, paths: list[str], spec: object, tree: PyTree) -> list[object]:
+    """The leaves of ``tree``, after checking it has the structure of the parameters (``spec``)."""
+    other_paths, leaves, other_spec = leaves_with_paths(tree)
+    if other_spec != spec:
+        extra = sorted(set(other_paths) - set(paths))
+        missing = sorted(set(paths) - set(other_paths))
+        detail = f"not in params: {extra}; missing: {missing}" if extra or missing else f"{other_spec} != {spec}"
+        raise ValueError(
+            f"{where}: {name} does not have the structure of the parameters ({name}: {detail}). "
+            "Pass gradients and state made for these parameters (a state from init(params), loaded with fpipe.load)."
+        )
+    return leaves
+
+
+def _check_like(where: str, name: str, param: torch.Tensor, leaf: object) -> torch.Tensor:
+    """``leaf`` after checking it is a tensor of ``param``'s shape and dtype."""
+    if not isinstance(leaf, torch.Tensor) or leaf.shape != param.shape or leaf.dtype != param.dtype:
+        found = f"{leaf.dtype} {list(leaf.shape)}" if isinstance(leaf, torch.Tensor) else repr(leaf)
+        raise ValueError(
+            f"{where}: {name} is not a tensor of its parameter's dtype and shape "
+            f"({name}: {found}, parameter: {param.dtype} {list(param.shape)}). "
+            "Pass gradients and state made for these parameters (sharded params take sharded grads and state)."
+        )
+    return leaf
+
+
+def _decay_mask(where: str, s: int, mask: Sequence[PyTree] | None, stage_params: PyTree) -> list[bool]:
+    """Whether each leaf of the stage's parameters gets weight decay (all of them without a mask)."""
+    leaves = flatten(stage_params)[0]
+    if mask is None:
+        return [True] * len(leaves)
+    if len(mask) <= s:
+        raise ValueError(
+            f"{where}: weight_decay_mask has no entry for stage {s} (weight_decay_mask: {len(mask)} entries). "
+            "Pass one bool pytree per stage."
+        )
+    try:
+        flags = broadcast_prefix(mask[s], stage_params)
+    except ValueError as error:
+        raise ValueError(
+            f"{where}: weight_decay_mask[{s}] is not a prefix of the stage's parameters ({error}). "
+            "Give a bool (or a tree of bools) for each parameter."
+        ) from error
+    if not all(isinstance(f, bool) for f in flags):
+        raise TypeError(
+            f"{where}: weight_decay_mask[{s}] has leaves that are not bools "
+            f"(weight_decay_mask[{s}]: {mask[s]!r}). Use True for decay, False for none."
+        )
+    return flags
+
+
+def _learning_rate(
+    where: str, learning_rate: LearningRate, lr: float | None, held: list[int], state: Sequence[PyTree]
+) -> float:
+    """``lr`` if given, else the optimizer's rate, a schedule evaluated at the number of updates done."""
+    if lr is not None:
+        return float(lr)
+    if not callable(learning_rate):
+        return learning_rate
+    counts = {int(state[s]["step"]) for s in held}
+    if len(counts) > 1:
+        raise ValueError(
+            f"{where}: the stages' step counters differ (steps: {sorted(counts)}), so the schedule has no single step. "
+            "Update every stage together, or pass lr= explicitly."
+        )
+    return float(learning_rate(counts.pop() if counts else 0))
+
+
+def check_learning_rate(name: str, learning_rate: object) -> None:
+    """Raise ``TypeError`` unless ``learning_rate`` is a number or a schedule (a callable)."""
+    if isinstance(learning_rate, bool) or not (isinstance(learning_rate, (int, float)) or callable(learning_rate)):
+        raise TypeError(
+            f"fpipe.optim.{name}: learning_rate must be a float or a function of the step "
+            f"(learning_rate: {learning_rate!r}). Pass e.g. 1e-3 or fpipe.optim.warmup_cosine(...)."
+        )

@@ -1,0 +1,145 @@
+"""Every optimizer of ``fpipe.optim`` equals its ``torch.optim`` class, bitwise, over random pytrees.
+
+One battery runs over ``OPTIMIZERS`` (optax's way: a new variant is tested the moment it is
+listed): K updates of random per-stage pytrees, pure and in place, against the ``torch.optim``
+optimizer on the same tensors as a flat list with ``.grad`` set. Both run torch's own kernel
+with the same ``foreach``, so every bit agrees. Then the state's checks and error messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fpipe.optim
+
+K = 3  # updates per comparison
+
+# (fpipe optimizer, the torch.optim optimizer of the same options on a list of tensors)
+OPTIMIZERS: dict[str, tuple[Callable[..., fpipe.optim.Optimizer], Callable[..., torch.optim.Optimizer]]] = {}
+for foreach in (True, False):
+    OPTIMIZERS |= {
+        f"adamw foreach={foreach}": (
+            lambda f=foreach, **kw: fpipe.optim.adamw(0.1, betas=(0.8, 0.9), weight_decay=0.1, foreach=f, **kw),
+            lambda p, f=foreach: torch.optim.AdamW(p, lr=0.1, betas=(0.8, 0.9), weight_decay=0.1, foreach=f),
+        ),
+        f"adamw amsgrad maximize foreach={foreach}": (
+            lambda f=foreach, **kw: fpipe.optim.adamw(0.01, amsgrad=True, maximize=True, foreach=f, **kw),
+            lambda p, f=foreach: torch.optim.AdamW(p, lr=0.01, amsgrad=True, maximize=True, foreach=f),
+        ),
+        f"sgd foreach={foreach}": (
+            lambda f=foreach, **kw: fpipe.optim.sgd(0.1, foreach=f, **kw),
+            lambda p, f=foreach: torch.optim.SGD(p, lr=0.1, foreach=f),
+        ),
+        f"sgd momentum dampening weight_decay foreach={foreach}": (
+            lambda f=foreach, **kw: fpipe.optim.sgd(
+                0.1, momentum=0.9, dampening=0.3, weight_decay=0.1, foreach=f, **kw
+            ),
+            lambda p, f=foreach: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.1, foreach=f),
+        ),
+        f"sgd nesterov maximize foreach={foreach}": (
+            lambda f=foreach, **kw: fpipe.optim.sgd(0.1, momentum=0.8, nesterov=True, maximize=True, foreach=f, **kw),
+            lambda p, f=foreach: torch.optim.SGD(p, lr=0.1, momentum=0.8, nesterov=True, maximize=True, foreach=f),
+        ),
+    }
+
+SHAPES = st.lists(st.integers(0, 3), min_size=0, max_size=3).map(tuple)
+DTYPES = st.sampled_from([torch.float64, torch.float32, torch.complex128])
+# A stage: a dict of leaves, some nested in a list; None: a stage held by another rank.
+STAGE = st.one_of(
+    st.none(),
+    st.dictionaries(st.sampled_from("abcd"), st.tuples(SHAPES, DTYPES), min_size=1, max_size=3),
+    st.lists(st.tuples(SHAPES, DTYPES), min_size=1, max_size=2).map(lambda leaves: {"layers": leaves}),
+)
+
+
+def _materialize(stages: list[Any], seed: int) -> list[Any]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        None
+        if stage is None
+        else optree.tree_map(lambda leaf: torch.randn(leaf[0], dtype=leaf[1], generator=g), stage, is_leaf=_is_spec)
+        for stage in stages
+    ]
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
+
+
+def _leaves(trees: list[Any]) -> list[torch.Tensor]:
+    return [t for tree in trees if tree is not None for t in optree.tree_leaves(tree)]
+
+
+def assert_bitwise(actual: Any, expected: Any) -> None:
+    a, a_spec = optree.tree_flatten(actual, none_is_leaf=True)
+    e, e_spec = optree.tree_flatten(expected, none_is_leaf=True)
+    assert a_spec == e_spec
+    for x, y in zip(a, e):
+        if isinstance(y, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(
+                torch.view_as_real(x) if x.is_complex() else x, torch.view_as_real(y) if y.is_complex() else y
+            )
+            assert x.view(-1).view(torch.uint8).tolist() == y.view(-1).view(torch.uint8).tolist()
+        else:
+            assert x is y
+
+
+def torch_reference(
+    make: Callable[..., torch.optim.Optimizer],
+    params: list[Any],
+    grads: list[list[Any]],
+    lrs: list[float] | None = None,
+) -> tuple[list[torch.Tensor], dict[int, dict[str, Any]]]:
+    """``make`` run on ``params``' leaves as one flat list: the leaves after ``len(grads)`` steps, and the state."""
+    flat = [t.clone().requires_grad_() for t in _leaves(params)]
+    optimizer = make(flat)
+    for k, step_grads in enumerate(grads):
+        for p, g in zip(flat, _leaves(step_grads)):
+            p.grad = g.clone()
+        if lrs is not None:
+            optimizer.param_groups[0]["lr"] = lrs[k]
+        optimizer.step()
+    return [p.detach() for p in flat], {i: optimizer.state[p] for i, p in enumerate(flat)}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@given(
+    stages=st.lists(STAGE, min_size=1, max_size=3).filter(lambda s: s != [None] * len(s)), seed=st.integers(0, 2**16)
+)
+def test_updates_equal_torch_optim_bitwise(name: str, stages: list[Any], seed: int) -> None:
+    make, make_torch = OPTIMIZERS[name]
+    opt = make()
+    params = _materialize(stages, seed)
+    grads = [_materialize(stages, seed + 1 + k) for k in range(K)]
+    expected, torch_state = torch_reference(make_torch, params, grads)
+
+    state = opt.init(params)
+    in_place = [None if p is None else optree.tree_map(torch.clone, p) for p in params]
+    in_place_state = opt.init(in_place)
+    pure = params
+    for k in range(K):
+        inputs = (pure, grads[k], state)
+        snapshot = [optree.tree_map(torch.clone, t) for t in inputs]
+        pure, state = opt.update(*inputs)
+        assert_bitwise(list(inputs), snapshot)  # nothing passed to update is modified
+        assert opt.update_(in_place, grads[k], in_place_state) is None
+    assert_bitwise(_leaves(pure), expected)
+    assert_bitwise(in_place, pure)
+    assert_bitwise(in_place_state, state)
+    held = [s for s, p in enumerate(params) if p is not None]
+    assert [s for s, t in enumerate(state) if t is not None] == held
+    for s in held:
+        assert torch.equal(state[s]["step"], torch.tensor(float(K), dtype=torch.float32))
+    # torch's state, buffer by buffer, in the same order as the leaves.
+    for key in [
+        k for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer") if held and k in state[held[0]]
+    ]:
+        assert_bitwise(_leaves([state[s][key] for s in held]), [torch_state[i][key] for i in range(len(expected))])
