@@ -29,7 +29,8 @@ from torch import nn
 from ._pytree import flatten, is_differentiable, map_tensors
 from ._split import Adapter, lookup
 
-Layers = Sequence[nn.Module] | Sequence[float] | Mapping[str, nn.Module] | Mapping[str, float]
+Containers = nn.Sequential | nn.ModuleList | nn.ModuleDict
+Layers = Sequence[nn.Module] | Sequence[float] | Mapping[str, nn.Module] | Mapping[str, float] | Containers
 
 
 @overload
@@ -47,7 +48,7 @@ def balance(
 
 @overload
 def balance(
-    layers: Mapping[str, nn.Module] | Mapping[str, float],
+    layers: Mapping[str, nn.Module] | Mapping[str, float] | Containers,
     num_stages: int,
     /,
     *,
@@ -73,7 +74,9 @@ def balance(
     Args:
         layers: the layers in order: modules, or their costs as non-negative numbers. A list
             gives ``range``s of indices; a dict from names to modules or costs gives lists of
-            names, ready for ``fpipe.split_module``.
+            names, ready for ``fpipe.split_module``; an ``nn.Sequential``, ``nn.ModuleList`` or
+            ``nn.ModuleDict`` gives lists of its children's names (``"0"``, ``"1"``, ...), ready
+            for ``fpipe.split_module`` of that module itself.
         num_stages: how many stages; at most ``len(layers)`` (no stage is empty).
         by: how modules are costed. ``"params"``: the number of trainable parameter elements.
             ``"time"``: the median wall time of a forward and a backward of each layer on
@@ -92,6 +95,9 @@ def balance(
     Example:
         >>> fpipe.balance([1, 1, 1, 1, 4], 2)
         [range(0, 4), range(4, 5)]
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        >>> fpipe.balance(model, 2)
+        [['0', '1'], ['2']]
         >>> layers = {"embed": model.embed, **{f"layers.{i}": l for i, l in enumerate(model.layers)}}
         >>> stages, params = fpipe.split_module(model, fpipe.balance(layers, 4), call=adapters)
 
@@ -100,6 +106,8 @@ def balance(
         ValueError: for negative or non-finite costs, more stages than layers, a missing
             ``sample_input`` or ``repeats < 1``.
     """
+    if isinstance(layers, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+        layers = dict(layers.named_children())  # names, as split_module of the container takes them
     names = list(layers) if isinstance(layers, Mapping) else [str(i) for i in range(len(layers))]
     items = list(layers.values()) if isinstance(layers, Mapping) else list(layers)
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= len(items):

@@ -259,6 +259,12 @@ def lookup(adapters: Mapping[str, Adapter], name: str) -> Adapter:
 def _parse_stage(modules: Mapping[str, nn.Module], s: int, spec: Any) -> list[_Segment]:
     if isinstance(spec, str):
         texts = [t.strip() for t in spec.split("+")]
+    elif isinstance(spec, range):  # what fpipe.balance returns for a list of layers
+        raise TypeError(
+            f"fpipe.split_module: stage {s} is a range of indices, not module names (stages[{s}]: {spec!r}). "
+            f'Name the layers: "layers[{spec.start}:{spec.stop}]" for a ModuleList named layers, or pass '
+            "fpipe.balance a dict of named layers (or the nn.Sequential itself), which gives names."
+        )
     elif isinstance(spec, Sequence) and all(isinstance(t, str) for t in spec):
         texts = [t.strip() for t in spec]
     else:

@@ -66,6 +66,31 @@ def test_names_in_give_names_out() -> None:
     assert fpipe.balance(costs, 3) == [["embed", "layers.0"], ["layers.1", "layers.2"], ["head"]]
 
 
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("container", ["Sequential", "ModuleList"])
+def test_a_container_gives_what_split_module_takes(container: str, num_stages: int) -> None:
+    """``balance(model, k)`` names the container's children, so ``split_module(model, ...)`` takes it whole."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)]
+    model = nn.Sequential(*layers) if container == "Sequential" else nn.ModuleList(layers)
+    cut = fpipe.balance(model, num_stages)
+    assert [name for stage in cut for name in stage] == ["0", "1", "2", "3", "4"]
+    stages, params = fpipe.split_module(model, cut)
+    x = torch.randn(3, 4)
+    y = x
+    for stage, p in zip(stages, params):
+        y = stage(p, y)
+    expected = x
+    for layer in layers:
+        expected = layer(expected)
+    torch.testing.assert_close(y, expected)
+
+
+def test_a_module_dict_gives_its_keys() -> None:
+    model = nn.ModuleDict({"embed": nn.Linear(4, 8), "act": nn.Tanh(), "head": nn.Linear(8, 8)})
+    assert fpipe.balance(model, 2) == [["embed", "act"], ["head"]]
+
+
 def test_by_params_counts_trainable_elements() -> None:
     layers = [nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 30), nn.Tanh(), nn.Linear(30, 1)]
     # parameter counts: 110, 110, 330, 0, 31

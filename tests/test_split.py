@@ -402,6 +402,8 @@ def test_bad_arguments() -> None:
         fpipe.split_module(TinyLM(), "embed + layers")
     with pytest.raises(TypeError, match=r"stage 1 must be a list of module names"):
         fpipe.split_module(TinyLM(), ["embed", [0, 1]])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"stage 0 is a range of indices, not module names.*\"layers\[0:2\]\""):
+        fpipe.split_module(TinyLM(), [range(0, 2), "layers[2:] + norm + head"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"adapter for 'layer', which names no module.*Did you mean 'layers'"):
         fpipe.split_module(TinyLM(), ["embed + layers + norm + head"], call={"layer": lambda m, x: m(x)})
     with pytest.raises(TypeError, match=r"the adapter for 'norm' is not callable"):
