@@ -109,6 +109,9 @@ def make_optimizer(spec: Spec) -> Optimizer:
         for s in held:
             counter = _check_state_keys(where, s, state[s], spec.buffers)
             paths, p_leaves, p_spec = leaves_with_paths(params[s])
+            for path, p in zip(paths, p_leaves):
+                if isinstance(p, torch.Tensor):
+                    _check_param(where, s, path, p)
             g_leaves = _same_structure(where, f"grads[{s}]", paths, p_spec, grads[s])
             b_leaves = {
                 key: _same_structure(where, f"state[{s}][{key!r}]", paths, p_spec, state[s][key])
@@ -118,7 +121,6 @@ def make_optimizer(spec: Spec) -> Optimizer:
             for k, (path, p) in enumerate(zip(paths, p_leaves)):
                 if not isinstance(p, torch.Tensor):
                     continue  # None, strings: nothing to optimize
-                _check_param(where, s, path, p)
                 group = groups.setdefault(decay[k], _Group([], [], {key: [] for key in spec.buffers}, []))
                 group.params.append(p)
                 group.grads.append(_check_like(where, f"grads[{s}]{path}", p, g_leaves[k]))
@@ -232,7 +234,8 @@ def _same_structure(where: str, name: str, paths: list[str], spec: object, tree:
     if other_spec != spec:
         extra = sorted(set(other_paths) - set(paths))
         missing = sorted(set(paths) - set(other_paths))
-        detail = f"not in params: {extra}; missing: {missing}" if extra or missing else f"{other_spec} != {spec}"
+        parts = [f"{what}: {found}" for what, found in [("not in params", extra), ("missing", missing)] if found]
+        detail = "; ".join(parts) or f"{other_spec} != {spec}"
         raise ValueError(
             f"{where}: {name} does not have the structure of the parameters ({name}: {detail}). "
             "Pass gradients and state made for these parameters (a state from init(params), loaded with fpipe.load)."

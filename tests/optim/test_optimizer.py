@@ -143,3 +143,119 @@ def test_updates_equal_torch_optim_bitwise(name: str, stages: list[Any], seed: i
         k for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer") if held and k in state[held[0]]
     ]:
         assert_bitwise(_leaves([state[s][key] for s in held]), [torch_state[i][key] for i in range(len(expected))])
+
+
+def _model_params() -> list[Any]:
+    return [
+        {"w": torch.randn(3, 4), "b": torch.randn(4)},
+        None,
+        {"head": {"w": torch.randn(4, 2), "gain": torch.randn(())}},
+    ]
+
+
+def test_weight_decay_mask_equals_two_torch_param_groups() -> None:
+    params = _model_params()
+    grads = [[None if p is None else optree.tree_map(torch.randn_like, p) for p in params] for _ in range(K)]
+    mask = [{"w": True, "b": False}, None, {"head": {"w": True, "gain": False}}]
+    opt = fpipe.optim.adamw(0.1, weight_decay=0.5, weight_decay_mask=mask)
+    state = opt.init(params)
+    new = params
+    for g in grads:
+        new, state = opt.update(new, g, state)
+    flat = [t.clone().requires_grad_() for t in _leaves(params)]  # b, w, gain, w (sorted keys)
+    reference = torch.optim.AdamW(
+        [{"params": [flat[1], flat[3]]}, {"params": [flat[0], flat[2]], "weight_decay": 0.0}], lr=0.1, weight_decay=0.5
+    )
+    for g in grads:
+        for p, dp in zip(flat, _leaves(g)):
+            p.grad = dp.clone()
+        reference.step()
+    assert_bitwise(_leaves(new), [p.detach() for p in flat])
+
+
+def test_learning_rate_schedule_and_override() -> None:
+    params = _model_params()
+    grads = [[None if p is None else optree.tree_map(torch.randn_like, p) for p in params] for _ in range(K)]
+    schedule = fpipe.optim.warmup_cosine(0.1, warmup_steps=K, total_steps=10)
+    rates = [schedule(k) for k in range(K)]
+    assert len(set(rates)) == K
+    for opt, lrs in [(fpipe.optim.adamw(schedule), rates), (fpipe.optim.adamw(1.0), [0.3] * K)]:
+        state, new = opt.init(params), params
+        for g in grads:
+            new, state = opt.update(new, g, state, lr=None if lrs is rates else 0.3)
+        expected, _ = torch_reference(lambda p: torch.optim.AdamW(p), params, grads, lrs)
+        assert_bitwise(_leaves(new), expected)
+
+
+def _message(error: type[Exception], fn: Callable[[], Any]) -> str:
+    with pytest.raises(error) as info:
+        fn()
+    return str(info.value)
+
+
+def test_errors_name_the_stage_and_key_path() -> None:
+    params = _model_params()
+    grads = [None if p is None else optree.tree_map(torch.ones_like, p) for p in params]
+    opt = fpipe.optim.adamw(0.1)
+    state = opt.init(params)
+    wrong = [state[0], None, {**state[2], "exp_avg": {"head": {"w": torch.zeros(4, 2)}}}]
+    assert "state[2]['exp_avg'] does not have the structure" in _message(
+        ValueError, lambda: opt.update(params, grads, wrong)
+    )
+    assert "missing: [\"['head']['gain']\"]" in _message(ValueError, lambda: opt.update(params, grads, wrong))
+    keys = [state[0], None, {"step": state[2]["step"], "m": state[2]["exp_avg"]}]
+    assert "the state of stage 2 does not have the keys" in _message(
+        ValueError, lambda: opt.update(params, grads, keys)
+    )
+    sgd_state = fpipe.optim.sgd(0.1, momentum=0.9).init(params)
+    assert "['exp_avg', 'exp_avg_sq', 'step'] (state[0]: ['momentum_buffer', 'step'])" in _message(
+        ValueError, lambda: opt.update(params, grads, sgd_state)
+    )
+    step = [{**state[0], "step": 3}, None, state[2]]
+    assert "step counter of stage 0 is not a scalar tensor" in _message(
+        ValueError, lambda: opt.update(params, grads, step)
+    )
+    shapes = [{"w": torch.ones(12), "b": grads[0]["b"]}, None, grads[2]]
+    assert "grads[0]['w'] is not a tensor of its parameter's dtype and shape (grads[0]['w']: torch.float64 [12]" in (
+        _message(ValueError, lambda: opt.update(params, shapes, state))
+    )
+    floats = [state[0], None, {**state[2], "exp_avg_sq": optree.tree_map(lambda t: t.float(), state[2]["exp_avg_sq"])}]
+    assert "state[2]['exp_avg_sq']['head']['gain'] is not a tensor" in _message(
+        ValueError, lambda: opt.update(params, grads, floats)
+    )
+    assert "grads has 2 entries but params has 3" in _message(ValueError, lambda: opt.update(params, grads[:2], state))
+    assert "stage 2 has parameters but no grads" in _message(
+        ValueError, lambda: opt.update(params, [*grads[:2], None], state)
+    )
+    assert "stage 0 has parameters but no state" in _message(ValueError, lambda: opt.update(params, grads, [None] * 3))
+    assert "params must be a list with one pytree per stage (params: dict)" in _message(
+        TypeError, lambda: opt.init(params[0])
+    )
+    ints = [{**params[0], "n": torch.tensor([1, 2])}]
+    for call in (lambda: opt.init(ints), lambda: opt.update(ints, [{**grads[0], "n": None}], opt.init(params[:1]))):
+        assert "not floating point (params[0]['n']: torch.int64)" in _message(TypeError, call)
+    after = opt.update(params, grads, state)[1]
+    uneven = [after[0], None, state[2]]
+    assert "step counters differ (steps: [0, 1])" in _message(
+        ValueError, lambda: fpipe.optim.adamw(lambda step: 0.1).update(params, grads, uneven)
+    )
+    opt.update(params, grads, uneven)  # a float rate needs no common step
+
+
+def test_option_errors() -> None:
+    params = _model_params()
+    grads = [None if p is None else optree.tree_map(torch.ones_like, p) for p in params]
+    assert "learning_rate must be a float or a function of the step (learning_rate: '1e-3')" in _message(
+        TypeError,
+        lambda: fpipe.optim.adamw("1e-3"),  # type: ignore[arg-type]
+    )
+    assert "nesterov needs a positive momentum and no dampening (momentum: 0.0" in _message(
+        ValueError, lambda: fpipe.optim.sgd(0.1, nesterov=True)
+    )
+    for mask, error, fragment in [
+        ([{"w": True, "b": False}], ValueError, "weight_decay_mask has no entry for stage 2"),
+        ([True, None, {"tail": True}], ValueError, "weight_decay_mask[2] is not a prefix"),
+        ([{"w": 1, "b": True}, None, True], TypeError, "weight_decay_mask[0] has leaves that are not bools"),
+    ]:
+        opt = fpipe.optim.adamw(0.1, weight_decay_mask=mask)
+        assert fragment in _message(error, lambda opt=opt: opt.update(params, grads, opt.init(params)))
