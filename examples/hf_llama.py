@@ -27,11 +27,17 @@ random digits, a separator, the same digits again; the loss is scored on the cop
 """
 
 import argparse
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+
+try:
+    from tqdm import tqdm
+    from transformers import LlamaConfig, LlamaForCausalLM
+except ImportError as missing:
+    sys.exit(f"examples/hf_llama.py needs {missing.name}, which the hf extra installs: pip install -e '.[hf]'")
 
 import fpipe
 from fpipe.schedules import GPipe, OneFOneB
@@ -131,18 +137,20 @@ def loss_fn(logits, microbatch):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--digits", type=int, default=6)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quiet", action="store_true")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=150, help="training steps")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b", help="pipeline schedule")
+    parser.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    parser.add_argument("--digits", type=int, default=6, help="K, the number of digits to copy")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (stages 0 and 1 get half each)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--quiet", action="store_true", help="print nothing but the final summary")
     return parser.parse_args(argv)
 
 
@@ -163,6 +171,8 @@ def main(argv=None):
     named = dict(model.named_parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     losses = []
+    # A bar on a terminal; in a log file (not a terminal) a plain line every 10 steps instead.
+    bar = tqdm(total=args.steps, unit="step", file=sys.stdout, disable=True if args.quiet else None)
     start = time.perf_counter()
     for it in range(args.steps):
         batch = get_batch(args.batch_size, args.digits, generator)
@@ -172,8 +182,11 @@ def main(argv=None):
                 named[name].grad = g
         optimizer.step()  # in place: params[s][name] alias the model's parameters
         losses.append(loss.item())
-        if not args.quiet and (it % 10 == 9 or it == args.steps - 1):
+        bar.set_postfix_str(f"loss {losses[-1]:.4f}", refresh=False)
+        bar.update()
+        if not args.quiet and bar.disable and (it % 10 == 9 or it == args.steps - 1):
             print(f"step {it + 1}/{args.steps}: loss {losses[-1]:.4f}")
+    bar.close()
     elapsed = time.perf_counter() - start
 
     # Evaluate the unsplit model itself: the pipeline trained its parameters.

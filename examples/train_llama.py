@@ -47,6 +47,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+try:
+    from tqdm import tqdm
+except ImportError:
+    sys.exit("examples/train_llama.py needs tqdm, which the examples extra installs: pip install -e '.[examples]'")
+
 import fpipe
 from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB, chrome_trace
 
@@ -205,17 +210,21 @@ def lr_at(it, steps, lr, warmup=10):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=150, help="training steps")
+    parser.add_argument(
+        "--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b", help="pipeline schedule"
+    )
+    parser.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data")
     parser.add_argument("--quiet", action="store_true", help="print nothing but the final summary")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--head-dim", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    parser.add_argument("--dim", type=int, default=64, help="model width")
+    parser.add_argument("--head-dim", type=int, default=16, help="width of an attention head")
     parser.add_argument("--digits", type=int, default=8, help="K, the number of digits to copy")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine decay)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument(
         "--trace", metavar="PATH", help="write the last step's measured timeline as a Chrome trace (Perfetto) JSON"
@@ -224,12 +233,6 @@ def parse_args(argv):
     if args.dim % args.head_dim or args.head_dim % 2:
         parser.error(f"--dim ({args.dim}) must be a multiple of --head-dim ({args.head_dim}), which must be even")
     return args
-
-
-def progress_bar(it, steps, loss, width=30):
-    done = width * (it + 1) // steps
-    sys.stdout.write(f"\rstep {it + 1:>{len(str(steps))}}/{steps} [{'#' * done}{'.' * (width - done)}] loss {loss:.4f}")
-    sys.stdout.flush()
 
 
 def main(argv=None):
@@ -267,6 +270,8 @@ def main(argv=None):
         print(f"{num_params:,} parameters, copy {args.digits} digits, batch {args.batch_size}")
 
     losses = []
+    # A bar on a terminal; in a log file (not a terminal) a plain line every 10 steps instead.
+    bar = tqdm(total=args.steps, unit="step", file=sys.stdout, disable=None if chatty else True)
     start = time.perf_counter()
     for it in range(args.steps):
         batch = get_batch(args.batch_size, args.digits, freqs_cis, generator)
@@ -276,11 +281,12 @@ def main(argv=None):
             loss, grads = step(params, batch)  # the per-rank part: forwards and backwards of the pipeline
         params, opt_state = adamw_update(params, grads, opt_state, lr=lr_at(it, args.steps, args.lr))
         losses.append(loss.item())
-        if chatty:
-            progress_bar(it, args.steps, losses[-1])
+        bar.set_postfix_str(f"loss {losses[-1]:.4f}", refresh=False)
+        bar.update()
+        if chatty and bar.disable and (it % 10 == 9 or it == args.steps - 1):
+            print(f"step {it + 1}/{args.steps}: loss {losses[-1]:.4f}")
+    bar.close()
     elapsed = time.perf_counter() - start
-    if chatty:
-        print()
 
     summary = f"{args.steps} steps in {elapsed:.1f}s: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
     if step.rank is None:

@@ -30,6 +30,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+try:
+    from tqdm import tqdm
+except ImportError:
+    sys.exit("examples/train_sharded.py needs tqdm, which the examples extra installs: pip install -e '.[examples]'")
+
 import fpipe
 from fpipe.schedules import OneFOneB
 
@@ -124,15 +129,19 @@ def nbytes(tree):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Needs several processes: torchrun --standalone --nproc-per-node 4 examples/train_sharded.py",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--steps", type=int, default=100, help="training steps")
+    parser.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
     parser.add_argument("--batch-size", type=int, default=32, help="per replica")
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dim", type=int, default=64, help="width between stages")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden width inside a stage")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     parser.add_argument("--max-norm", type=float, default=1.0, help="clip the global gradient norm to this")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data")
     parser.add_argument("--pp", type=int, default=2, help="pipeline ranks; the rest of the world is data parallel")
     parser.add_argument("--no-shard", action="store_true", help="replicate parameters instead (plain data parallel)")
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
@@ -163,6 +172,9 @@ def main(argv=None):
     teacher_params = teacher(torch.Generator().manual_seed(1234))  # the same on every rank
     data = torch.Generator().manual_seed(args.seed + 1 + replica)  # each replica its own batches
     losses = []
+    chatty = not args.quiet and dist.get_rank() == 0
+    # A bar on a terminal; in a log file (not a terminal) a plain line every 10 steps instead.
+    bar = tqdm(total=args.steps, unit="step", file=sys.stdout, disable=None if chatty else True)
     start = time.perf_counter()
     for it in range(args.steps):
         batch = get_batch(teacher_params, args.batch_size, data)
@@ -170,10 +182,13 @@ def main(argv=None):
         grads = clip(grads, step.global_norm(grads), args.max_norm)
         params, opt_state = adamw_update(params, grads, opt_state, decay, lr=args.lr)
         losses.append(loss.item())
-        if not args.quiet and dist.get_rank() == 0 and (it % 10 == 0 or it == args.steps - 1):
-            print(f"step {it:>4}: loss {losses[-1]:.4f}")
+        bar.set_postfix_str(f"loss {losses[-1]:.6f}", refresh=False)
+        bar.update()
+        if chatty and bar.disable and (it % 10 == 9 or it == args.steps - 1):
+            print(f"step {it + 1}/{args.steps}: loss {losses[-1]:.6f}")
         if it == 0:
             memory = nbytes(params) + nbytes(grads) + nbytes(opt_state["m"]) + nbytes(opt_state["v"])
+    bar.close()
     elapsed = time.perf_counter() - start
 
     # What each rank keeps between steps: parameters, gradients and the two AdamW moments.

@@ -52,7 +52,7 @@ def test_train_llama_prints_grid_and_progress(llama: ModuleType, capsys: pytest.
     llama.main(["--steps", "2", "--microbatches", "2", *TINY])
     out = capsys.readouterr().out
     assert "rank 3 | " in out  # the schedule's grid, one row per rank
-    assert "\rstep 2/2 [" in out  # the progress bar
+    assert "step 2/2: loss " in out and "\r" not in out  # not a terminal: plain lines, no bar
 
 
 def test_train_llama_learns(llama: ModuleType) -> None:
@@ -109,3 +109,39 @@ def test_train_llama_writes_a_measured_trace(llama: ModuleType, tmp_path: Path) 
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}
     assert {"0F0", "3B3"} <= names, sorted(n for n in names if n)[:10]
+
+
+@pytest.mark.parametrize("name", ["train_llama", "train_sharded", "hf_llama"])
+def test_help_shows_defaults(name: str) -> None:
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    options = run.stdout.split("\noptions:\n", 1)[1].split("\n  -")[1:]  # after -h/--help
+    assert options and all("(default: " in " ".join(option.split()) for option in options), run.stdout
+    if name == "train_sharded":
+        assert "torchrun --standalone --nproc-per-node 4" in run.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "missing", "extra"), [("hf_llama", "transformers", "hf"), ("train_llama", "tqdm", "examples")]
+)
+def test_a_missing_extra_is_one_line_naming_it(name: str, missing: str, extra: str) -> None:
+    """Without the extra's package, an example says what to install, with no traceback."""
+    import subprocess
+    import sys
+
+    path = str(EXAMPLES / f"{name}.py")
+    hide = f"import sys, runpy; sys.modules[{missing!r}] = None; runpy.run_path({path!r}, run_name='__main__')"
+    run = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 1
+    assert (
+        run.stderr
+        == f"examples/{name}.py needs {missing}, which the {extra} extra installs: pip install -e '.[{extra}]'\n"
+    )
