@@ -1,0 +1,31 @@
+"""``fpipe.optim.clip_by_global_norm`` scales as ``torch.nn.utils.clip_grad_norm_`` does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fpipe.optim
+
+
+def test_scales_like_clip_grad_norm() -> None:
+    grads = [{"w": torch.randn(3, 4), "n": None}, None, {"b": torch.randn(5)}]
+    leaves = [grads[0]["w"], grads[2]["b"]]
+    norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in leaves]))
+    for max_norm in (0.5, 1e9):
+        copies = [g.clone().requires_grad_() for g in leaves]
+        for c, g in zip(copies, leaves):
+            c.grad = g.clone()
+        torch.nn.utils.clip_grad_norm_(copies, max_norm, foreach=False)
+        clipped = fpipe.optim.clip_by_global_norm(grads, norm, max_norm=max_norm)
+        assert clipped[1] is None and clipped[0]["n"] is None
+        assert torch.equal(clipped[0]["w"], copies[0].grad) and torch.equal(clipped[2]["b"], copies[1].grad)
+    assert torch.linalg.vector_norm(fpipe.optim.clip_by_global_norm(grads, norm, max_norm=0.5)[2]["b"]) < 0.5
+    assert torch.equal(grads[0]["w"], leaves[0])  # not modified
+
+
+def test_errors() -> None:
+    with pytest.raises(TypeError, match="norm must be a scalar"):
+        fpipe.optim.clip_by_global_norm([], torch.ones(2), max_norm=1.0)
+    with pytest.raises(ValueError, match="max_norm must be positive"):
+        fpipe.optim.clip_by_global_norm([], torch.tensor(1.0), max_norm=0.0)
