@@ -7,7 +7,10 @@ default namespace (and optree's built-in types) are honoured.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import sys
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
@@ -88,3 +91,210 @@ def map_tensors(fn: Any, tree: PyTree) -> PyTree:
     """Apply ``fn`` to every tensor leaf of ``tree``; other leaves are kept as they are."""
     leaves, spec = flatten(tree)
     return unflatten(spec, [fn(x) if isinstance(x, torch.Tensor) else x for x in leaves])
+
+
+# NOTE [structure as data]
+# A pytree's structure crosses processes (the wire's header) as plain data, never as pickled
+# classes, so that a peer can only name classes this process already has:
+#
+#   leaf -> its index in ``flatten`` order
+#   node -> [kind, data, children]
+#     "tuple", "list"            data None
+#     "dict", "OrderedDict"      data: the keys, children in the keys' (insertion) order
+#     "defaultdict"              data: [the default factory's name (a builtin type) or None, keys]
+#     "deque"                    data: maxlen
+#     "namedtuple", "structseq"  data: [module, qualname, fields], found among the modules this
+#                                process has already imported: a peer never makes it import one
+#     "custom"                   data: [module, qualname, node data], found among the classes
+#                                registered with optree in the namespace fpipe flattens with
+#
+# Keys and node data go through the caller's ``encode``/``decode`` (the wire's plain values). A
+# class is built from its children by its own constructor or registered ``unflatten``, first with
+# stand-ins for children, to read the structure (optree's and JAX's docs ask that ``unflatten``
+# accept any children).
+
+_FACTORIES: dict[str, Any] = {f.__name__: f for f in (list, dict, set, tuple, int, float, complex, str, bytes, bool)}
+_KINDS = {
+    optree.PyTreeKind.TUPLE: "tuple",
+    optree.PyTreeKind.LIST: "list",
+    optree.PyTreeKind.DICT: "dict",
+    optree.PyTreeKind.ORDEREDDICT: "OrderedDict",
+    optree.PyTreeKind.DEFAULTDICT: "defaultdict",
+    optree.PyTreeKind.DEQUE: "deque",
+    optree.PyTreeKind.NAMEDTUPLE: "namedtuple",
+    optree.PyTreeKind.STRUCTSEQUENCE: "structseq",
+    optree.PyTreeKind.CUSTOM: "custom",
+}
+_MAPPINGS = ("dict", "OrderedDict", "defaultdict")
+_CLASSES = ("namedtuple", "structseq", "custom")
+
+
+def structure_data(tree: PyTree, spec: TreeSpec, encode: Callable[[Any, str], Any]) -> Any:
+    """The structure ``spec`` of ``tree`` as plain data (NOTE [structure as data]).
+
+    ``encode(value, path)`` turns a key or a node's data found at key path ``path`` into plain data.
+
+    Raises:
+        TypeError: naming the key path, for a node that cannot be named to another process (a
+            namedtuple defined in a function, a ``defaultdict`` whose factory is not a builtin
+            type), or what ``encode`` raises.
+    """
+    counter = itertools.count()
+
+    def walk(node: Any, spec: TreeSpec, path: str) -> Any:
+        if spec.is_leaf():
+            return next(counter)
+        children, meta, entries, _ = optree.tree_flatten_one_level(node, **_OPTIONS)
+        subtrees = [walk(c, s, f"{path}[{e!r}]") for c, s, e in zip(children, spec.children(), entries, strict=True)]
+        kind, cls, here = _KINDS.get(spec.kind), spec.type, path or "<root>"
+        data: Any = None
+        if kind in _MAPPINGS:
+            index = {key: i for i, key in enumerate(entries)}
+            subtrees = [subtrees[index[key]] for key in node]  # in insertion order, as ``unflatten`` keeps it
+            data = [encode(key, here) for key in node]
+            if kind == "defaultdict":
+                data = [_factory_name(node.default_factory, here), data]
+        elif kind == "deque":
+            data = encode(meta, here)
+        elif kind in _CLASSES and cls is not None:
+            if kind != "custom" and "<locals>" in cls.__qualname__:
+                raise TypeError(
+                    f"fpipe.step: a {kind} defined inside a function cannot be named to another rank "
+                    f"(at {here}: {cls.__module__}.{cls.__qualname__}). Define it at module level."
+                )
+            data = [cls.__module__, cls.__qualname__, encode(meta, here) if kind == "custom" else _fields(cls)]
+        elif kind is None:
+            raise TypeError(f"fpipe.step: a pytree node of this kind cannot travel between ranks (at {here}: {cls}).")
+        return [kind, data, subtrees]
+
+    return walk(tree, spec, "")
+
+
+def _factory_name(factory: Any, path: str) -> str | None:
+    name = getattr(factory, "__name__", "")
+    if factory is not None and _FACTORIES.get(name) is not factory:
+        raise TypeError(
+            f"fpipe.step: a defaultdict's default factory cannot be named to another rank (at {path}: "
+            f"{factory!r}). Use a builtin type such as list as the factory, or a dict."
+        )
+    return None if factory is None else str(name)
+
+
+class _Slot:
+    """A stand-in leaf: the ``index``-th leaf of a structure read from plain data."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def structure_from_data(data: Any, decode: Callable[[Any], Any]) -> TreeSpec:
+    """Inverse of ``structure_data``; ``decode`` inverts its ``encode``.
+
+    Raises:
+        ValueError: ``data`` is no such structure (``decode`` raises it too), or its leaves are not
+            numbered in the order this process flattens them.
+        TypeError: it names a class this process does not have or has not registered with optree,
+            or a namedtuple or structseq with other fields.
+    """
+
+    def build(data: Any, path: str) -> Any:
+        if type(data) is int:
+            return _Slot(data)
+        here = path or "<root>"
+        if not (type(data) is list and len(data) == 3 and type(data[2]) is list):
+            raise ValueError(f"at {here}: neither a leaf index nor a [kind, data, children] node: {data!r:.80}")
+        kind, meta, subtrees = data
+        if kind in _MAPPINGS:
+            factory, keys = _mapping_data(kind, meta, here)
+            if len(keys) != len(subtrees):
+                raise ValueError(f"at {here}: a {kind} of {len(subtrees)} children with {len(keys)} keys")
+            keys = [_hashable(decode(key), here) for key in keys]
+            items = [(key, build(c, f"{path}[{key!r}]")) for key, c in zip(keys, subtrees, strict=True)]
+            if kind == "defaultdict":
+                return defaultdict(factory, items)
+            return dict(items) if kind == "dict" else OrderedDict(items)
+        children = [build(c, f"{path}[{i}]") for i, c in enumerate(subtrees)]
+        if kind in ("tuple", "list") and meta is None:
+            return tuple(children) if kind == "tuple" else children
+        if kind == "deque":
+            maxlen = decode(meta)
+            if not (maxlen is None or (type(maxlen) is int and maxlen >= len(children))):
+                raise ValueError(f"at {here}: a deque of {len(children)} children with maxlen {maxlen!r:.80}")
+            return deque(children, maxlen)
+        if kind in _CLASSES and type(meta) is list and len(meta) == 3:
+            module, qualname, more = meta
+            if type(module) is not str or type(qualname) is not str:
+                raise ValueError(f"at {here}: a {kind}'s module and qualname are not strings")
+            if kind == "custom":
+                return _registered(f"{module}.{qualname}", here).unflatten_func(decode(more), children)
+            cls = _imported(kind, module, qualname, here)
+            if more != _fields(cls) or len(children) != len(more):
+                raise TypeError(
+                    f"fpipe.step: a {kind} from the peer does not match the class here (at {here}: "
+                    f"{module}.{qualname} with fields {more!r:.200} and {len(children)} children, here fields "
+                    f"{_fields(cls)}). Run the same code on every rank."
+                )
+            return cls(*children) if kind == "namedtuple" else cls(children)
+        raise ValueError(f"at {here}: not a node: {data!r:.80}")
+
+    slots, spec = flatten(build(data, ""))
+    if [s.index if isinstance(s, _Slot) else None for s in slots] != list(range(len(slots))):
+        raise ValueError("its leaves are not numbered 0, 1, ... in the order this rank flattens them")
+    return spec
+
+
+def _mapping_data(kind: str, meta: Any, path: str) -> tuple[Any, list[Any]]:
+    """The default factory (``None`` but for a ``defaultdict``) and keys of a mapping node's data."""
+    factory = None
+    if kind == "defaultdict":
+        named = type(meta) is list and len(meta) == 2 and (meta[0] is None or type(meta[0]) is str)
+        if not (named and (meta[0] is None or meta[0] in _FACTORIES)):
+            raise ValueError(f"at {path}: not a defaultdict's [factory, keys]: {meta!r:.80}")
+        factory, meta = _FACTORIES.get(meta[0]), meta[1]
+    if type(meta) is not list:
+        raise ValueError(f"at {path}: a {kind}'s keys are not a list: {meta!r:.80}")
+    return factory, meta
+
+
+def _hashable(key: Any, path: str) -> Any:
+    try:
+        hash(key)
+    except TypeError:
+        raise ValueError(f"at {path}: an unhashable key {key!r:.80}") from None
+    return key
+
+
+def _registered(name: str, path: str) -> Any:
+    """The optree registry entry of the class registered as ``name`` (``module.qualname``)."""
+    registry = optree.register_pytree_node.get(None, namespace="")  # type: ignore[arg-type]  # None: all of them
+    assert isinstance(registry, dict)
+    entries = [entry for cls, entry in registry.items() if f"{cls.__module__}.{cls.__qualname__}" == name]
+    if len(entries) != 1:
+        raise TypeError(
+            f"fpipe.step: a pytree node from the peer is not registered here (at {path}: {name}, registered "
+            f"{len(entries)} times). Register the class with optree on every rank, in optree's global "
+            f"namespace, before the step."
+        )
+    return entries[0]
+
+
+def _imported(kind: str, module: str, qualname: str, path: str) -> type:
+    """The namedtuple or structseq class ``module.qualname``, if that module is already imported."""
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = vars(found).get(part) if hasattr(found, "__dict__") else None  # no __getattr__ hook runs
+    is_kind = optree.is_namedtuple_class if kind == "namedtuple" else optree.is_structseq_class
+    if not (isinstance(found, type) and is_kind(found)):
+        raise TypeError(
+            f"fpipe.step: a {kind} from the peer is not defined here (at {path}: {module}.{qualname}). Import "
+            f"the module that defines it on every rank before the step: fpipe never imports a module a peer names."
+        )
+    return found
+
+
+def _fields(cls: type) -> list[str]:
+    if optree.is_namedtuple_class(cls):
+        return list(optree.namedtuple_fields(cls))
+    return list(optree.structseq_fields(cls))

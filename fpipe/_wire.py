@@ -9,8 +9,7 @@ A message is a few tensors sent in this order on one (sender, receiver) pair:
    bytes have the expected size they travel right behind the meta (inline); otherwise that
    space is zero padding and they follow on their own.
 2. ``header``: ``uint8[header_nbytes]``, only when the pytree's layout differs from the previous
-   message on the same channel: the pickled ``Layout`` (treespec, each tensor leaf's dtype,
-   shape, where it travels and whether it carries the sender's graph, the non-tensor leaves).
+   message on the same channel: the ``Layout`` as JSON, data only (NOTE [header]).
 3. ``packed``: ``uint8[packed_nbytes]``, only when not inline and not empty.
 4. Every large tensor leaf (``INLINE_LIMIT`` bytes or more), in leaf order: its own bytes, sent
    from the leaf's storage and received straight into the arriving tensor, no copy on either
@@ -32,17 +31,43 @@ other. Sender and receiver each keep the last layout and packed size per channel
 knows the size of the next ``first`` without being told: a value of small leaves is one message,
 and a header travels only when a pytree first appears or its structure, a shape, a dtype or a
 non-tensor leaf changes.
+
+NOTE [header]
+A header is ASCII JSON, never a pickle: a peer's bytes are read as data and can name only
+classes this process already has. It is ``{"tree": structure, "leaves": [leaf, ...]}``:
+
+- ``structure``: the pytree's structure (NOTE [structure as data] in fpipe/_pytree.py): builtin
+  containers by kind, a namedtuple or structseq by module and qualname among the modules already
+  imported, any other node by module and qualname among the classes registered with optree.
+- a tensor leaf: ``["tensor", dtype name, shape, requires_grad]``. Offsets are not sent: both
+  sides place the small leaves by one rule (``_placed``), and the receiver checks their total
+  against the packed size that the meta announces.
+- any other leaf, dict key or node data: a plain value, ``[type, ...]``: ``["None"]``,
+  ``["bool", b]``, ``["int", n]``, ``["str", s]``, ``["float", bits]`` and ``["complex", bits,
+  bits]`` (the IEEE-754 bits in hex: -0.0 and every nan exact), ``["bytes", hex]``, ``["dtype",
+  "float32"]``, ``["device", "cuda:0"]``, ``["Size", dims]``, and ``["tuple", values]``,
+  ``["list", values]`` (as node data). Only these exact types travel (not subclasses, which
+  would arrive as their base); the sender raises for others, naming the leaf's key path.
+
+Whether a header travels is decided without writing one: the new layout is compared to the
+last one, and its non-tensor leaves' plain values to the last ones, where the type is part of
+the value (``1``, ``True`` and ``1.0`` differ, so do ``0.0`` and ``-0.0``; ``nan`` equals
+itself).
 """
 
 from __future__ import annotations
 
-import pickle
+import json
+import math
+import string
+import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._pytree import PyTree, TreeSpec, flatten, unflatten
+from ._pytree import PyTree, TreeSpec, flatten, leaves_with_paths, structure_data, structure_from_data, unflatten
 
 META_WORDS = 6
 META_BYTES = 8 * META_WORDS  # a multiple of 16: an inline payload keeps its leaves aligned
@@ -66,21 +91,201 @@ class Layout:
 def layout_of(tree: PyTree) -> tuple[Layout, list[Any]]:
     """The layout of ``tree`` and its leaves."""
     leaves, spec = flatten(tree)
-    tensors, values, offset = [], [], 0
-    for k, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            size = leaf.numel() * leaf.element_size()
-            packed = size < INLINE_LIMIT
-            tensors.append((k, leaf.dtype, tuple(leaf.shape), offset if packed else -1, size, leaf.requires_grad))
-            offset += -(-size // _ALIGN) * _ALIGN if packed else 0
-        else:
-            values.append((k, leaf))
-    return Layout(spec, tuple(tensors), tuple(values), offset), leaves
+    tensors, nbytes = _placed(
+        (k, x.dtype, tuple(x.shape), x.requires_grad) for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)
+    )
+    values = tuple((k, x) for k, x in enumerate(leaves) if not isinstance(x, torch.Tensor))
+    return Layout(spec, tensors, values, nbytes), leaves
+
+
+def _placed(
+    tensors: Iterable[tuple[int, torch.dtype, tuple[int, ...], bool]],
+) -> tuple[tuple[tuple[int, torch.dtype, tuple[int, ...], int, int, bool], ...], int]:
+    """``Layout.tensors`` and ``Layout.nbytes`` of tensor leaves ``(leaf, dtype, shape, requires_grad)``."""
+    placed, offset = [], 0
+    for k, dtype, shape, requires_grad in tensors:
+        size = math.prod(shape) * dtype.itemsize
+        packed = size < INLINE_LIMIT
+        placed.append((k, dtype, shape, offset if packed else -1, size, requires_grad))
+        offset += -(-size // _ALIGN) * _ALIGN if packed else 0
+    return tuple(placed), offset
 
 
 def _same(a: Layout | None, b: Layout) -> bool:
-    """Whether ``b``'s tree and tensors are ``a``'s (its non-tensor leaves are compared pickled)."""
+    """Whether ``b``'s tree and tensors are ``a``'s (its non-tensor leaves are compared as plain values)."""
     return a is not None and (a.spec, a.tensors, a.nbytes) == (b.spec, b.tensors, b.nbytes)
+
+
+# -- the header (NOTE [header]) -----------------------------------------------------------------
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_SUPPORTED = (
+    "Pass it as a tensor, or as None, a bool, int, float, complex, str, bytes, torch.dtype, torch.device or "
+    "torch.Size, or register its class with optree as a pytree node whose children are such values"
+)
+
+
+class _NotPlain(Exception):
+    """``value`` has no plain value (NOTE [header])."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a plain value (NOTE [header]); raises ``_NotPlain``."""
+    kind = type(value)
+    if value is None:
+        return ["None"]
+    if kind is bool or kind is int or kind is str:
+        return [kind.__name__, value]
+    if kind is float:
+        return ["float", _bits(value)]
+    if kind is complex:
+        return ["complex", _bits(value.real), _bits(value.imag)]
+    if kind is bytes:
+        return ["bytes", value.hex()]
+    if kind is torch.dtype:
+        return ["dtype", str(value).removeprefix("torch.")]
+    if kind is torch.device:
+        return ["device", str(value)]
+    if kind is torch.Size:
+        return ["Size", list(value)]
+    if kind is tuple or kind is list:
+        return [kind.__name__, [_plain(v) for v in value]]
+    raise _NotPlain(value)
+
+
+def _bits(x: float) -> str:
+    return struct.pack(">d", x).hex()
+
+
+def _unbits(bits: Any) -> float:
+    if not (type(bits) is str and len(bits) == 16 and set(bits) <= set(string.hexdigits)):
+        raise ValueError(f"not the 16 hex digits of a float: {bits!r:.80}")
+    x: float = struct.unpack(">d", bytes.fromhex(bits))[0]
+    return x
+
+
+def _value(term: Any) -> Any:
+    """Inverse of ``_plain``; raises ``ValueError`` for anything else."""
+    tag, *args = term if type(term) is list and term else [None]
+    arg = args[0] if len(args) == 1 else None
+    if tag == "None" and not args:
+        return None
+    if (tag, type(arg)) in (("bool", bool), ("int", int), ("str", str)):
+        return arg
+    if tag == "float" and len(args) == 1:
+        return _unbits(arg)
+    if tag == "complex" and len(args) == 2:
+        return complex(_unbits(args[0]), _unbits(args[1]))
+    if tag == "bytes" and type(arg) is str:
+        return bytes.fromhex(arg)
+    if tag == "dtype" and type(arg) is str and arg in _DTYPES:
+        return _DTYPES[arg]
+    if tag == "device" and type(arg) is str:
+        try:
+            return torch.device(arg)
+        except RuntimeError as e:
+            raise ValueError(f"not a device: {arg!r:.80} ({e})") from None
+    if tag == "Size" and type(arg) is list and all(type(d) is int and d >= 0 for d in arg):
+        return torch.Size(arg)
+    if tag in ("tuple", "list") and type(arg) is list:
+        values = [_value(v) for v in arg]
+        return tuple(values) if tag == "tuple" else values
+    raise ValueError(f"not a value: {term!r:.80}")
+
+
+def _plain_at(value: Any, path: str) -> Any:
+    """``_plain`` for a dict key or a node's data at key path ``path`` (``structure_data``)."""
+    try:
+        return _plain(value)
+    except _NotPlain as e:
+        raise TypeError(
+            f"fpipe.step: a dict key or pytree node's data cannot travel between ranks (at {path}: {e.value!r:.80} "
+            f"of type {type(e.value).__qualname__}). {_SUPPORTED}."
+        ) from None
+
+
+def _plain_leaves(tree: PyTree, layout: Layout) -> list[Any]:
+    """The plain values of ``layout``'s non-tensor leaves; raises ``TypeError`` naming a leaf that has none."""
+    values = []
+    for k, value in layout.values:
+        try:
+            values.append(_plain(value))
+        except _NotPlain:
+            raise TypeError(
+                f"fpipe.step: a non-tensor leaf cannot travel between ranks (leaf {leaves_with_paths(tree)[0][k]}: "
+                f"{value!r:.80} of type {type(value).__qualname__}). {_SUPPORTED}."
+            ) from None
+    return values
+
+
+def _header(tree: PyTree, layout: Layout, values: list[Any]) -> bytes:
+    """The header of ``layout``, the layout of ``tree`` whose non-tensor leaves are ``values``."""
+    leaves: list[Any] = [None] * (len(layout.tensors) + len(layout.values))
+    for k, dtype, shape, _, _, requires_grad in layout.tensors:
+        leaves[k] = ["tensor", str(dtype).removeprefix("torch."), list(shape), requires_grad]
+    for (k, _), value in zip(layout.values, values, strict=True):
+        leaves[k] = value
+    header = {"tree": structure_data(tree, layout.spec, _plain_at), "leaves": leaves}
+    return json.dumps(header, separators=(",", ":"), allow_nan=False).encode("ascii")
+
+
+def _invalid(detail: str) -> ValueError:
+    return ValueError(
+        f"fpipe.step: a message from the peer is not valid ({detail}). Run the same fpipe on every rank, and let "
+        f"only the job's ranks reach its ports."
+    )
+
+
+def _layout_from(header: bytes, nbytes: int) -> Layout:
+    """The layout a header describes, checked against the packed size ``nbytes`` announced in the meta.
+
+    Raises:
+        ValueError: the header is not one, or does not describe ``nbytes`` packed bytes.
+        TypeError: it names a class this process does not have (``structure_from_data``).
+    """
+    try:
+        return _parse(header, nbytes)
+    except RecursionError:
+        raise _invalid("a header nested too deeply") from None
+    except ValueError as e:  # UnicodeDecodeError and json.JSONDecodeError are ValueErrors too
+        raise _invalid(f"header: {e}") from None
+
+
+def _parse(header: bytes, nbytes: int) -> Layout:
+    data = json.loads(header.decode("ascii"), parse_constant=_value)  # NaN, Infinity: "not a value"
+    if not (type(data) is dict and data.keys() == {"tree", "leaves"} and type(data["leaves"]) is list):
+        raise ValueError("not an object of a tree and a list of leaves")
+    spec = structure_from_data(data["tree"], _value)
+    if spec.num_leaves != len(data["leaves"]):
+        raise ValueError(f"{len(data['leaves'])} leaves for a tree of {spec.num_leaves}")
+    tensors, values = [], []
+    for k, leaf in enumerate(data["leaves"]):
+        if type(leaf) is list and leaf[:1] == ["tensor"]:
+            tensors.append((k, *_tensor(leaf)))
+        else:
+            values.append((k, _value(leaf)))
+    placed, total = _placed(tensors)
+    if total != nbytes:
+        raise ValueError(f"its small tensor leaves take {total} bytes, the message announces {nbytes}")
+    return Layout(spec, placed, tuple(values), total)
+
+
+def _tensor(leaf: list[Any]) -> tuple[torch.dtype, tuple[int, ...], bool]:
+    """``(dtype, shape, requires_grad)`` of a tensor leaf in a header, checked."""
+    _, dtype, shape, requires_grad = leaf if len(leaf) == 4 else (None, None, None, None)
+    if not (type(dtype) is str and dtype in _DTYPES):
+        raise ValueError(f"not a tensor leaf: {leaf!r:.80}")
+    if not (type(shape) is list and all(type(n) is int and n >= 0 for n in shape)):
+        raise ValueError(f"not a shape: {shape!r:.80}")
+    if math.prod(shape) * _DTYPES[dtype].itemsize >= 1 << 63:
+        raise ValueError(f"a tensor too large to exist: {dtype}{shape}")
+    differentiable = _DTYPES[dtype].is_floating_point or _DTYPES[dtype].is_complex
+    if not (requires_grad is False or (requires_grad is True and differentiable)):
+        raise ValueError(f"requires_grad {requires_grad!r:.80} for a {dtype} tensor")
+    return _DTYPES[dtype], tuple(shape), requires_grad
 
 
 def meta_of(first: torch.Tensor) -> list[int]:
@@ -126,10 +331,10 @@ class Encoder:
 
     def __init__(self) -> None:
         self._last: Layout | None = None
-        # The non-tensor leaves of ``_last`` as they were sent: pickled, because ``==`` does not
-        # tell the receiver's copy from the new value (``1 == True == 1.0``, ``-0.0 == 0.0``, an
-        # object changed in place equals itself, an array's ``==`` is no bool).
-        self._values = b""
+        # The non-tensor leaves of ``_last`` as they were sent, as plain values (NOTE [header]):
+        # ``==`` on the leaves themselves would not tell the receiver's copy from the new value
+        # (``1 == True == 1.0``, ``-0.0 == 0.0``).
+        self._values: list[Any] = []
         self.expected = 0  # the packed size the receiver's next ``first`` buffer has room for
 
     @property
@@ -139,9 +344,9 @@ class Encoder:
 
     def encode(self, tree: PyTree, device: torch.device) -> list[torch.Tensor]:
         layout, leaves = layout_of(tree)
-        header, values = None, pickle.dumps(layout.values)
+        header, values = None, _plain_leaves(tree, layout)
         if not _same(self._last, layout) or values != self._values:
-            header = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8).to(device)
+            header = torch.frombuffer(bytearray(_header(tree, layout, values)), dtype=torch.uint8).to(device)
         inline = layout.nbytes == self.expected
         words = [DATA, 0 if header is None else header.numel(), layout.nbytes, self.expected]
         first = _first(words, self.expected, device, inline=inline)
@@ -188,6 +393,8 @@ class Decoder:
         """Buffers for the header and the packed bytes that follow a DATA ``first`` (``None``: none)."""
         _, header_nbytes, packed_nbytes, expected = meta[:4]
         assert expected == self.expected, f"fpipe wire: the sender expects {expected} inline bytes, we {self.expected}"
+        if header_nbytes < 0 or packed_nbytes < 0:
+            raise _invalid(f"a meta announcing {header_nbytes} header and {packed_nbytes} packed bytes")
         header = torch.empty(header_nbytes, dtype=torch.uint8, device=device) if header_nbytes else None
         packed = None
         if packed_nbytes != expected:
@@ -199,7 +406,7 @@ class Decoder:
         """Read a new header if there is one; new tensors for the large leaves, in leaf order, to
         receive into (``as_bytes``) and hand to ``decode``."""
         if header is not None:
-            self._layout = pickle.loads(bytes(header.cpu().tolist()))
+            self._layout = _layout_from(header.cpu().numpy().tobytes(), self.expected)
         assert self._layout is not None, "fpipe wire: a message without header on a new channel"
         return [torch.empty(shape, dtype=dtype, device=device) for dtype, shape, _ in _large(self._layout)]
 

@@ -4,8 +4,19 @@ sent from and received into their own storage."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import json
+import pickle
+import re
+import struct
+import sys
+from collections import OrderedDict, defaultdict, deque
+from enum import IntEnum
+from typing import Any, NamedTuple
 
+import optree
+import optree.dataclasses
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -91,24 +102,28 @@ def test_a_non_tensor_leaf_that_changes_type_travels() -> None:
         assert (type(received), received) == (type(value), value)
 
 
-class _Settings:
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Settings) and self.rate == other.rate
+def _bits(x: float) -> bytes:
+    return struct.pack(">d", x)
 
 
-def test_a_non_tensor_leaf_arrives_as_it_was_sent_even_when_equal_to_the_last() -> None:
-    """``-0.0 == 0.0``, and an object changed in place equals itself: neither may arrive as the
-    value the receiver kept from an earlier header."""
+def test_a_float_leaf_arrives_bit_for_bit_and_a_header_travels_when_its_bits_change() -> None:
+    """``-0.0 == 0.0`` and ``nan != nan``: neither may arrive as the value the receiver kept from
+    an earlier header, and a repeated nan needs no header."""
     encoder, decoder = Encoder(), Decoder()
-    settings = _Settings(0.1)
-    for scale, rate in ((0.0, 0.1), (-0.0, 0.1), (-0.0, 0.2)):
-        settings.rate = rate
-        out, _ = roundtrip(encoder, decoder, {"h": torch.ones(2), "scale": scale, "settings": settings})
-        assert math.copysign(1.0, out["scale"]) == math.copysign(1.0, scale)  # type: ignore[index]
-        assert out["settings"].rate == rate  # type: ignore[index]
+    nan, inf = float("nan"), float("inf")
+    steps = [
+        (0.0, True),
+        (-0.0, True),
+        (-0.0, False),
+        (nan, True),
+        (nan, False),
+        (-nan, True),
+        (inf, True),
+    ]
+    assert _bits(nan) != _bits(-nan)
+    for scale, header in steps:
+        out, sent = roundtrip(encoder, decoder, {"h": torch.ones(2), "scale": scale})
+        assert (_bits(out["scale"]), sent) == (_bits(scale), header), scale  # type: ignore[index]
 
 
 def test_a_steady_channel_sends_one_tensor_with_the_payload_inline() -> None:
@@ -256,3 +271,255 @@ def test_a_new_layout_on_a_channel_of_large_leaves_pads_what_was_posted_ahead() 
     assert torch.equal(out["h"], torch.ones(2 * n, dtype=torch.float32))  # type: ignore[index]
     out, sent = transfer(encoder, decoder, {"h": torch.zeros(3)})  # small again: posted when needed after
     assert [t.numel() for t in sent[:2]] == [META_BYTES, 2 * INLINE_LIMIT] and not decoder.ahead
+
+
+# -- the header is data (NOTE [header] in fpipe/_wire.py) --------------------------------------
+
+GLOBAL = optree.registry.__GLOBAL_NAMESPACE  # the namespace fpipe flattens with
+
+
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+class Box:
+    """A class registered with optree: its items are children, its label is node data."""
+
+    def __init__(self, items: list[Any], label: Any) -> None:
+        self.items, self.label = items, label
+
+
+optree.register_pytree_node(
+    Box, lambda b: (b.items, b.label), lambda label, items: Box(list(items), label), namespace=GLOBAL
+)
+
+
+@optree.dataclasses.dataclass(namespace=GLOBAL)
+class Record:
+    x: Any
+    name: str = dataclasses.field(default="r", metadata={"pytree_node": False})
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether ``b`` is ``a`` as it was sent: the same type, floats bit for bit."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, float):
+        return _bits(a) == _bits(b)
+    if isinstance(a, complex):
+        return _bits(a.real) == _bits(b.real) and _bits(a.imag) == _bits(b.imag)
+    return bool(a == b)
+
+
+def assert_arrived(tree: Any, out: Any) -> None:
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    out_leaves, out_spec = optree.tree_flatten(out, none_is_leaf=True)
+    assert out_spec == spec
+    for k, (a, b) in enumerate(zip(leaves, out_leaves, strict=True)):
+        assert _same(a, b), (k, a, b)
+
+
+_plain = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),  # nan, inf, -0.0 included
+    st.complex_numbers(),
+    st.text(),
+    st.binary(),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.complex128, torch.bool, torch.float8_e4m3fn]),
+    st.sampled_from([torch.device("cpu"), torch.device("cuda", 1), torch.device("meta")]),
+    st.lists(st.integers(0, 9), max_size=3).map(torch.Size),
+)
+_tensors = st.tuples(st.sampled_from([torch.float64, torch.int32, torch.bool]), st.integers(0, 4)).map(
+    lambda spec: torch.zeros(spec[1], dtype=spec[0])
+)
+_keys = st.one_of(st.text(max_size=3), st.integers(), st.booleans(), st.none(), st.tuples(st.integers(), st.text()))
+
+
+def _nodes(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(_keys, children, max_size=3),
+        st.dictionaries(st.text(max_size=2), children, max_size=3).map(OrderedDict),
+        st.dictionaries(st.integers(), children, max_size=3).map(lambda d: defaultdict(list, d)),
+        st.tuples(st.lists(children, max_size=3), st.one_of(st.none(), st.just(3))).map(lambda a: deque(*a)),
+        st.tuples(children, children).map(lambda a: Pair(*a)),
+        st.tuples(children, children).map(torch.return_types.max),
+        st.tuples(st.lists(children, max_size=2), _plain).map(lambda a: Box(*a)),
+        st.tuples(children, st.text(max_size=3)).map(lambda a: Record(*a)),
+    )
+
+
+@given(st.lists(st.recursive(st.one_of(_plain, _tensors), _nodes, max_leaves=8), min_size=1, max_size=3))
+def test_every_kind_of_leaf_and_node_travels_as_it_was_sent(trees: list[Any]) -> None:
+    """Plain values of every supported type (floats bit for bit), builtin containers, namedtuples,
+    structseqs and classes registered with optree arrive with their type and node data."""
+    encoder, decoder = Encoder(), Decoder()
+    for tree in trees:
+        out, _ = roundtrip(encoder, decoder, tree)
+        assert_arrived(tree, out)
+
+
+def test_containers_arrive_with_their_key_order_factory_and_maxlen() -> None:
+    tree = {
+        "b": OrderedDict(y=torch.ones(1), x=2),
+        "a": defaultdict(list, {3: "s"}),
+        "q": deque([1.5], maxlen=4),
+        "box": Box([torch.ones(1)], ("label", -0.0)),
+        "record": Record(torch.ones(1), name="n"),
+    }
+    out, _ = roundtrip(Encoder(), Decoder(), tree)
+    assert isinstance(out, dict) and list(out) == ["b", "a", "q", "box", "record"]
+    assert list(out["b"]) == ["y", "x"] and out["a"].default_factory is list and out["q"].maxlen == 4
+    assert out["box"].label == ("label", -0.0) and _bits(out["box"].label[1]) == _bits(-0.0)
+    assert out["record"].name == "n" and torch.equal(out["record"].x, torch.ones(1))
+
+
+def test_a_header_is_json() -> None:
+    _, sent = transfer(Encoder(), Decoder(), {"h": torch.ones(2, dtype=torch.float32), "p": Pair(1, None)})
+    header = json.loads(bytes(sent[1].tolist()))
+    assert header["leaves"] == [["tensor", "float32", [2], False], ["int", 1], ["None"]]
+    assert header["tree"] == [
+        "dict",
+        [["str", "h"], ["str", "p"]],
+        [0, ["namedtuple", [__name__, "Pair", ["first", "second"]], [1, 2]]],
+    ]
+
+
+class Level(IntEnum):
+    LOW = 1
+
+
+class _Settings:
+    pass
+
+
+def _local_namedtuple() -> Any:
+    class Local(NamedTuple):
+        x: int
+
+    return Local(1)
+
+
+@pytest.mark.parametrize(
+    ("tree", "fragment"),
+    [
+        ({"h": torch.ones(1), "s": _Settings()}, "non-tensor leaf cannot travel between ranks (leaf ['s']: <"),
+        ({"level": Level.LOW}, "(leaf ['level']: <Level.LOW: 1> of type Level)"),  # would arrive as an int
+        ({"a": [1, {"b": 2.0, "c": object()}]}, "leaf ['a'][1]['c']"),
+        ({_Settings(): torch.ones(1)}, "a dict key or pytree node's data cannot travel"),
+        (Box([], object()), "(at <root>: <object object"),
+        (defaultdict(lambda: 0, {}), "a defaultdict's default factory cannot be named"),
+        (_local_namedtuple(), "a namedtuple defined inside a function cannot be named to another rank (at <root>:"),
+    ],
+)
+def test_a_value_that_cannot_travel_is_an_error_naming_its_key_path(tree: Any, fragment: str) -> None:
+    encoder = Encoder()
+    with pytest.raises(TypeError, match=re.escape(fragment)):
+        encoder.encode(tree, CPU)
+    assert encoder.expected == 0 and not encoder.ahead  # nothing was sent: the channel is as it was
+
+
+def _receive(header: bytes, packed_nbytes: int = 0) -> Any:
+    """A decoder's reading of a message whose header is ``header``."""
+    decoder = Decoder()
+    decoder.opened([DATA, len(header), packed_nbytes, 0, 0, 0], CPU)
+    return decoder.large_leaves(torch.frombuffer(bytearray(header), dtype=torch.uint8), CPU)
+
+
+def _header(tree: Any, leaves: list[Any]) -> bytes:
+    return json.dumps({"tree": tree, "leaves": leaves}).encode()
+
+
+_TENSOR = ["tensor", "float32", [4], False]
+
+
+@pytest.mark.parametrize(
+    ("header", "fragment"),
+    [
+        (b"\x80\x03cposix\nsystem\n", "not valid (header: 'ascii' codec can't decode"),  # a pickle
+        (b"garbage", "not valid (header: Expecting value"),
+        (b"[1, 2]", "not an object of a tree and a list of leaves"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"tree": 0, "leaves": [NaN]}', "not a value: 'NaN'"),
+        (_header(0, [["int", 1], ["int", 2]]), "2 leaves for a tree of 1"),
+        (_header(["tuple", None, [1, 0]], [["int", 1], ["int", 2]]), "numbered 0, 1, ..."),
+        (_header(["set", None, []], []), "not a node"),
+        (_header(0, [["tensor", "float99", [1], False]]), "not a tensor leaf"),
+        (_header(0, [["tensor", "float32", [-1], False]]), "not a shape"),
+        (_header(0, [["tensor", "float32", [1 << 40, 1 << 40], False]]), "a tensor too large to exist"),
+        (_header(0, [["tensor", "int64", [1], True]]), "requires_grad True for a int64 tensor"),
+        (_header(0, [_TENSOR]), "its small tensor leaves take 16 bytes, the message announces 0"),
+        (_header(["list", None, [0]], [["bytes", "zz"]]), "non-hexadecimal"),
+        (_header(0, [["float", "00"]]), "not the 16 hex digits of a float"),
+        (_header(0, [["device", "warp:9"]]), "not a device"),
+        (_header(["dict", [["list", []]], [0]], [["None"]]), "an unhashable key"),
+        (_header(["dict", [["str", "a"]], [0, 1]], [["None"], ["None"]]), "a dict of 2 children with 1 keys"),
+        (_header(["deque", ["int", 1], [0, 1]], [["None"], ["None"]]), "a deque of 2 children with maxlen 1"),
+        (_header(["defaultdict", ["eval", []], []], []), "not a defaultdict's [factory, keys]"),
+    ],
+)
+def test_a_corrupt_header_is_a_clear_error(header: bytes, fragment: str) -> None:
+    with pytest.raises(ValueError, match=r"fpipe\.step: a message from the peer is not valid") as info:
+        _receive(header)
+    assert fragment in str(info.value)
+
+
+def test_a_header_naming_an_unknown_class_is_a_clear_error_and_imports_nothing() -> None:
+    assert "this" not in sys.modules  # importing it would print the Zen of Python
+    with pytest.raises(TypeError, match=r"a namedtuple from the peer is not defined here \(at <root>: this.s\)"):
+        _receive(_header(["namedtuple", ["this", "s", []], []], []))
+    with pytest.raises(TypeError, match=r"a namedtuple from the peer is not defined here \(at <root>: os.system\)"):
+        _receive(_header(["namedtuple", ["os", "system", []], []], []))
+    with pytest.raises(TypeError, match=r"pytree node from the peer is not registered here \(at \[0\]: builtins.eval"):
+        _receive(_header(["tuple", None, [["custom", ["builtins", "eval", ["None"]], []]]], []))
+    with pytest.raises(TypeError, match=r"does not match the class here .* with fields \['x'\]"):
+        _receive(_header(["namedtuple", [__name__, "Pair", ["x"]], [0]], [["None"]]))
+    assert "this" not in sys.modules
+
+
+def test_a_meta_announcing_negative_sizes_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="a meta announcing -5 header and 0 packed bytes"):
+        Decoder().opened([DATA, -5, 0, 0, 0, 0], CPU)
+
+
+@given(
+    st.binary(min_size=1, max_size=64)
+    | st.text(alphabet='[]{}",:0123456789abcdefghijklmnopqrstuvwxyz-.', min_size=1, max_size=64).map(str.encode)
+)
+def test_no_bytes_make_a_header_fail_otherwise_than_clearly(header: bytes) -> None:
+    try:
+        _receive(header)
+    except (ValueError, TypeError) as e:
+        assert str(e).startswith("fpipe.step: "), e
+
+
+@given(st.data())
+def test_no_edit_of_a_real_header_makes_it_fail_otherwise_than_clearly(data: st.DataObject) -> None:
+    tree = {"h": torch.ones(2, dtype=torch.float32), "p": Pair(deque([1.5], maxlen=2), [None, "s"]), "n": (True, b"x")}
+    _, sent = transfer(Encoder(), Decoder(), tree)
+    header = bytearray(sent[1].tolist())
+    for _ in range(data.draw(st.integers(1, 3))):
+        header[data.draw(st.integers(0, len(header) - 1))] = data.draw(st.sampled_from(b'[]{}",:0123456789-aeflnrstu'))
+    try:
+        _receive(bytes(header), 16)
+    except (ValueError, TypeError) as e:
+        assert str(e).startswith("fpipe.step: "), e
+
+
+def test_pickle_is_not_used_on_the_wire(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("pickle used on the wire")
+
+    for name in ("dumps", "loads", "dump", "load", "Pickler", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    encoder, decoder = Encoder(), Decoder()
+    tree = {"h": torch.ones(3), "p": Pair(Box([1], "b"), torch.return_types.max((2.5, None))), "d": torch.float16}
+    for n in (1, 2, 2):
+        out, _ = roundtrip(encoder, decoder, {**tree, "n": n})
+        assert_arrived({**tree, "n": n}, out)
