@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ._distributed import Topology, all_reduce_sum, resolve_topology
+from ._plural import plural
 from ._pytree import PyTree, flatten, leaves_with_paths
 from ._run import plan_for, run_distributed, run_local
 from ._shard_layout import data_parallel
@@ -162,8 +163,8 @@ def pipeline(
     validate(program)
     if topology is not None and program.num_ranks != topology.size:
         raise ScheduleError(
-            f"fpipe.pipeline: the program has {program.num_ranks} ranks but the pipeline group has "
-            f"{topology.size} processes. Use a schedule and stage count that fit the group size."
+            f"fpipe.pipeline: the program has {plural(program.num_ranks, 'rank')} but the pipeline group has "
+            f"{plural(topology.size, 'process')}. Use a schedule and stage count that fit the group size."
         )
     return Step(
         loss_fn,
@@ -200,8 +201,9 @@ def _program(
         )
     if program.num_stages != num_stages:
         raise ScheduleError(
-            f"fpipe.pipeline: the schedule's program has {program.num_stages} stages but {num_stages} "
-            "stage functions were given. Give one stage function per stage of the program."
+            f"fpipe.pipeline: the schedule's program has {plural(program.num_stages, 'stage')} but stages has "
+            f"{plural(num_stages, 'function')} (len(stages): {num_stages}). Give one stage function per stage of "
+            "the program."
         )
     return program
 
@@ -269,7 +271,10 @@ class Step:
 
     def __repr__(self) -> str:
         p = self.program
-        return f"<fpipe.Step: {p.num_stages} stages, {p.num_microbatches} microbatches, {p.num_ranks} ranks>"
+        return (
+            f"<fpipe.Step: {plural(p.num_stages, 'stage')}, {plural(p.num_microbatches, 'microbatch')}, "
+            f"{plural(p.num_ranks, 'rank')}>"
+        )
 
     # The step is an interpreter of Python data (programs, pytrees, autograd calls): dynamo gains
     # nothing tracing it, so torch.compile(step) runs it eagerly; compile the stages instead.
@@ -293,8 +298,8 @@ class Step:
             )
         if len(params) != self.num_stages:
             raise ValueError(
-                f"fpipe.step: params has {len(params)} entries but the pipeline has {self.num_stages} "
-                "stages. Pass one parameter pytree per stage."
+                f"fpipe.step: params has {plural(len(params), 'entry')} but the pipeline has "
+                f"{plural(self.num_stages, 'stage')}. Pass one parameter pytree per stage."
             )
         _check_not_meta(params, batch, self.local_stages)
         with torch.inference_mode(False):  # results are plain tensors whatever the ambient mode
@@ -366,7 +371,10 @@ class Step:
         if not self._plan.layouts or self._topology is None:
             raise ValueError("fpipe.step.unshard: the step has no layouts; cut the parameters with step.shard first.")
         if len(shards) != self.num_stages:
-            raise ValueError(f"fpipe.step.unshard: shards has {len(shards)} entries for {self.num_stages} stages.")
+            raise ValueError(
+                f"fpipe.step.unshard: shards has {plural(len(shards), 'entry')} for "
+                f"{plural(self.num_stages, 'stage')}."
+            )
         return gather_stages(
             data_parallel(self._topology, self.timeout), self._plan.layouts, shards, "fpipe.step.unshard"
         )

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from ._plural import plural
 from .schedules import (
     Costs,
     DualPipeV,
@@ -77,7 +78,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
         return 2
     color = args.color == "always" or (args.color == "auto" and _color_by_default(out))
     print(
-        f"{schedule}: {program.num_ranks} ranks, {program.num_stages} stages, {program.num_microbatches} microbatches",
+        f"{schedule}: {plural(program.num_ranks, 'rank')}, {plural(program.num_stages, 'stage')}, "
+        f"{plural(program.num_microbatches, 'microbatch')}",
         file=out,
     )
     print(

@@ -32,6 +32,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ._functionalize import buffers_of
+from ._plural import plural
 
 Adapter = Callable[[Callable[..., Any], Any], Any]
 StageSpec = str | Sequence[str]
@@ -318,7 +319,8 @@ def _resolve(modules: Mapping[str, nn.Module], s: int, text: str) -> _Segment:
     stop = _bound(match["stop"], n, n, text, s) if match["colon"] else start + 1
     if stop > n:
         raise ValueError(
-            f"fpipe.split_module: {text!r} of stage {s} is out of range: its list has {n} modules (0 to {n - 1})."
+            f"fpipe.split_module: {text!r} of stage {s} is out of range: its list has {plural(n, 'module')} "
+            f"(0 to {n - 1})."
         )
     if start >= stop:
         raise ValueError(
@@ -349,7 +351,8 @@ def _bound(digits: str, default: int, n: int, text: str, s: int) -> int:
     value = value + n if value < 0 else value
     if not 0 <= value <= n:
         raise ValueError(
-            f"fpipe.split_module: {text!r} of stage {s} is out of range: its list has {n} modules (0 to {n - 1})."
+            f"fpipe.split_module: {text!r} of stage {s} is out of range: its list has {plural(n, 'module')} "
+            f"(0 to {n - 1})."
         )
     return value
 

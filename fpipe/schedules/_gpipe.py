@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._plural import plural
 from ._action import BACKWARD, FORWARD, Action
 from ._program import Program, ScheduleError
 
@@ -13,7 +14,7 @@ def looped_ranks(name: str, num_stages: int, num_ranks: int | None, default: int
     p = default if num_ranks is None else num_ranks
     if p < 1 or num_stages < 1 or num_stages % p:
         raise ScheduleError(
-            f"fpipe.schedules.{name}: {num_stages} stages cannot be laid out on {p} ranks "
+            f"fpipe.schedules.{name}: {plural(num_stages, 'stage')} cannot be laid out on {plural(p, 'rank')} "
             f"(num_stages: {num_stages}, num_ranks: {p}). Use a stage count that is a positive multiple "
             "of the number of ranks."
         )

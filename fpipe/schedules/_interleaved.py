@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._plural import plural
 from ._action import BACKWARD, FORWARD, Action
 from ._gpipe import check_microbatches, looped_ranks
 from ._program import Program, ScheduleError
@@ -55,7 +56,7 @@ class Interleaved1F1B:
         m = self.num_microbatches
         if num_ranks is None and num_stages % self.stages_per_rank:
             raise ScheduleError(
-                f"fpipe.schedules.Interleaved1F1B: {num_stages} stages cannot be spread "
+                f"fpipe.schedules.Interleaved1F1B: {plural(num_stages, 'stage')} cannot be spread "
                 f"{self.stages_per_rank} per rank (stages_per_rank: {self.stages_per_rank}). "
                 f"Use a stage count divisible by {self.stages_per_rank}."
             )

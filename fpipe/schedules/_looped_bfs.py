@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._plural import plural
 from ._action import BACKWARD, FORWARD, Action
 from ._gpipe import check_microbatches, looped_ranks
 from ._program import Program, ScheduleError
@@ -53,7 +54,7 @@ class LoopedBFS:
         v, m = self.stages_per_rank, self.num_microbatches
         if num_ranks is None and num_stages % v:
             raise ScheduleError(
-                f"fpipe.schedules.LoopedBFS: {num_stages} stages cannot be spread {v} per rank "
+                f"fpipe.schedules.LoopedBFS: {plural(num_stages, 'stage')} cannot be spread {v} per rank "
                 f"(num_stages: {num_stages}, stages_per_rank: {v}). Use a stage count divisible by {v}."
             )
         p = looped_ranks("LoopedBFS", num_stages, num_ranks, num_stages // v)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from .._plural import plural
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KINDS, Action
 
 
@@ -229,7 +230,7 @@ def timeline(program: Program) -> list[list[int]]:
                 for r, k in sorted(stuck)
             )
             raise ScheduleError(
-                f"fpipe.schedules: the program deadlocks after {t} ticks: {waits}. "
+                f"fpipe.schedules: the program deadlocks after {plural(t, 'tick')}: {waits}. "
                 "Reorder the actions so that every dependency can run first.\n"
                 + render(program, marks=stuck, ticks=ticks)
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._plural import plural
 from ._action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from ._gpipe import check_microbatches
 from ._program import Program, ScheduleError
@@ -48,8 +49,9 @@ class ZeroBubbleH1:
         """
         if num_ranks is not None and num_ranks != num_stages:
             raise ScheduleError(
-                f"fpipe.schedules.ZeroBubbleH1: the schedule runs one stage per rank but {num_stages} stages "
-                f"were asked on {num_ranks} ranks (num_stages: {num_stages}, num_ranks: {num_ranks}). "
+                f"fpipe.schedules.ZeroBubbleH1: the schedule runs one stage per rank but was asked for "
+                f"{plural(num_stages, 'stage')} on {plural(num_ranks, 'rank')} "
+                f"(num_stages: {num_stages}, num_ranks: {num_ranks}). "
                 "Use as many stages as ranks, or ZeroBubbleV for two stages per rank."
             )
         m, p = self.num_microbatches, num_stages

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._plural import plural
 from ._action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from ._gpipe import check_microbatches
 from ._program import Program, ScheduleError
@@ -20,7 +21,7 @@ def v_ranks(name: str, num_stages: int, num_ranks: int | None) -> int:
     p = num_stages // 2
     if num_ranks is not None and num_ranks != p:
         raise ScheduleError(
-            f"fpipe.schedules.{name}: {num_stages} stages in a V need {p} ranks "
+            f"fpipe.schedules.{name}: {num_stages} stages in a V need {plural(p, 'rank')} "
             f"(num_stages: {num_stages}, num_ranks: {num_ranks}). Use 2 x {num_ranks} = {2 * num_ranks} stages."
         )
     return p
