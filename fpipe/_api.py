@@ -372,8 +372,7 @@ class Step:
             raise ValueError("fpipe.step.unshard: the step has no layouts; cut the parameters with step.shard first.")
         if len(shards) != self.num_stages:
             raise ValueError(
-                f"fpipe.step.unshard: shards has {plural(len(shards), 'entry')} for "
-                f"{plural(self.num_stages, 'stage')}."
+                f"fpipe.step.unshard: shards has {plural(len(shards), 'entry')} for {plural(self.num_stages, 'stage')}."
             )
         return gather_stages(
             data_parallel(self._topology, self.timeout), self._plan.layouts, shards, "fpipe.step.unshard"
