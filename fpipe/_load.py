@@ -19,8 +19,9 @@ import torch
 
 from ._api import Step
 from ._pytree import PyTree, leaves_with_names, unflatten
+from ._save_directory import committed
 from ._save_ranks import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
-from ._store import DTYPES, MAPS, committed, cut_range, entry, numel_of, read_index, read_tensors
+from ._store import DTYPES, MAPS, cut_range, entry, numel_of, read_index, read_tensors
 
 
 class Loaded(NamedTuple):

@@ -22,7 +22,7 @@ On each pipeline rank (one process: a single rank, and the all-gathers are no-op
    metadata), so all ranks fail together, and assigns each name to the lowest rank holding it.
 2. Write the owned tensors into ``directory/.tmp-<version>/`` (one file per rank and kind, all
    ranks in parallel), fsync; all-gather the file sizes.
-3. Rank 0 writes the index and commits (NOTE [the save directory] in ``fpipe/_store.py``).
+3. Rank 0 writes the index and commits (NOTE [the save directory] in ``fpipe/_save_directory.py``).
 4. A last all-gather over the pipeline group, then over the data-parallel group (whose other
    replicas write nothing and wait here), so ``save`` returns on every rank only once committed.
 
@@ -46,21 +46,9 @@ import torch
 
 from ._api import Step
 from ._pytree import PyTree, leaves_with_names
+from ._save_directory import commit, fsync_directory, locked, next_version
 from ._save_ranks import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
-from ._store import (
-    CODES,
-    DTYPES,
-    Entry,
-    commit,
-    cut_range,
-    file_name,
-    fsync_directory,
-    make_index,
-    next_version,
-    numel_of,
-    sha256,
-    write_safetensors,
-)
+from ._store import CODES, DTYPES, Entry, cut_range, file_name, make_index, numel_of, sha256, write_safetensors
 
 
 def save(
@@ -84,10 +72,13 @@ def save(
     size). Nothing is pickled. ``directory`` holds versioned subdirectories and a ``latest``
     pointer that is replaced atomically: a save that fails or is killed leaves the previous save
     complete and loadable, and the previous version is removed only once the new one is
-    committed (NOTE [the save directory] in ``fpipe/_store.py``).
+    committed (NOTE [the save directory] in ``fpipe/_save_directory.py``).
 
     Args:
-        directory: where to save; created if needed. Do not load from it while saving to it.
+        directory: where to save; created if needed. Saves to one directory from several
+            processes at once (each rank of a job calling ``save`` without ``group=``) take turns
+            on a lock file in it, and the last to commit is the one loaded (NOTE [save
+            concurrency] in ``fpipe/_save_directory.py``). Do not load from it while saving to it.
         params: one parameter pytree per stage, as passed to ``step``. Leaves are dense tensors
             (any device; a dtype safetensors stores: not complex128) or ``None`` (skipped); a
             stage that is ``None`` is not held by this rank. A name in several stages (a tied
@@ -109,7 +100,8 @@ def save(
             every replica writes its own, with the full shapes ``step.shard`` recorded
             (NOTE [sharded saves] in ``fpipe/_store.py``).
         timeout: seconds a rank waits for the others at each of the save's all-gathers, which
-            includes the time the slowest rank takes to hash or write its tensors.
+            includes the time the slowest rank takes to hash or write its tensors, and the
+            seconds rank 0 waits for another save to the same directory to finish.
 
     Returns:
         The committed version's directory, such as ``directory/v000003-1a2b3c4d``. ``load``
@@ -141,7 +133,8 @@ def save(
         ValueError: two leaves of a stage have the same name, a leaf is named ``__metadata__`` (safetensors
             reserves it), a tied name has different values,
             or ranks disagree (stage count, metadata) or hold the same stage.
-        OSError: writing failed (the previous save is kept).
+        OSError: writing failed (the previous save is kept); ``TimeoutError``: another save to
+            ``directory`` held its lock for longer than ``timeout``.
         RuntimeError: another rank failed; its own error says why.
     """
     trees = {"params": stage_list("save", "params", params)}
@@ -305,63 +298,68 @@ def _save_pipeline(
     me, num_stages = ranks.writer, len(trees["params"])
     local: dict[str, dict[str, _Tensor]] = {}
     version, problem = None, None
-    try:
-        if held is None:
-            held = tuple(s for s in range(num_stages) if any(t[s] is not None for t in trees.values()))
-        for kind, kind_trees in trees.items():
-            for s, tree in enumerate(kind_trees):
-                if s not in held and tree is not None:
-                    raise ValueError(
-                        f"fpipe.save: rank {me} holds stages {list(held)} but {kind}[{s}] is not None. "
-                        "Pass None for the stages of other ranks."
-                    )
-        local = {kind: _collect(kind, kind_trees, held, sharding) for kind, kind_trees in trees.items()}
-        if me == 0:
-            version = next_version(root)
-            (root / f".tmp-{version}").mkdir(parents=True)
-    except (TypeError, ValueError, OSError) as error:
-        problem = error
-    replica = (ranks.replica, ranks.data_size) if sharding is not None else None
-    my_files = {kind: file_name(kind, ranks.rank, ranks.size, *(replica or (None, 1))) for kind in trees}
-    mine: dict[str, Any] = {
-        "version": version,
-        "rank": ranks.rank,
-        "replica": ranks.replica,
-        "files": my_files,
-        "num_stages": num_stages,
-        "stages": list(held or ()),
-        "metadata": json.dumps(user, sort_keys=True),
-        "manifest": {kind: {n: t.manifest() for n, t in tensors.items()} for kind, tensors in local.items()},
-    }
-    try:
-        # 1. Agree on names, owners and the version.
-        statuses = agree(ranks, problem, mine, "naming their tensors")
-        version = statuses[0]["version"]
-        owners = _plan(statuses)
-        # 2. Write the tensors this rank owns.
-        tmp, files, problem = root / f".tmp-{version}", {}, None
+    with contextlib.ExitStack() as lock:
         try:
-            tmp.mkdir(parents=True, exist_ok=True)
-            for kind, tensors in local.items():
-                owned = {n: t.data for n, t in tensors.items() if owners[kind][n][t.shard[0] if t.shard else 0] == me}
-                if owned:
-                    files[my_files[kind]] = write_safetensors(tmp / my_files[kind], owned)
-            fsync_directory(tmp)
-        except OSError as error:
+            if held is None:
+                held = tuple(s for s in range(num_stages) if any(t[s] is not None for t in trees.values()))
+            for kind, kind_trees in trees.items():
+                for s, tree in enumerate(kind_trees):
+                    if s not in held and tree is not None:
+                        raise ValueError(
+                            f"fpipe.save: rank {me} holds stages {list(held)} but {kind}[{s}] is not None. "
+                            "Pass None for the stages of other ranks."
+                        )
+            local = {kind: _collect(kind, kind_trees, held, sharding) for kind, kind_trees in trees.items()}
+            if me == 0:  # NOTE [save concurrency] in fpipe/_save_directory.py: hold the lock until cleaned up
+                root.mkdir(parents=True, exist_ok=True)
+                lock.enter_context(locked(root, ranks.timeout))
+                version = next_version(root)
+                (root / f".tmp-{version}").mkdir()
+        except (TypeError, ValueError, OSError) as error:
             problem = error
-        written = agree(ranks, problem, {"files": files}, "writing their files")
-        # 3. Rank 0 writes the index and commits; 4. every rank returns once it is committed.
-        if me == 0:
+        replica = (ranks.replica, ranks.data_size) if sharding is not None else None
+        my_files = {kind: file_name(kind, ranks.rank, ranks.size, *(replica or (None, 1))) for kind in trees}
+        mine: dict[str, Any] = {
+            "version": version,
+            "rank": ranks.rank,
+            "replica": ranks.replica,
+            "files": my_files,
+            "num_stages": num_stages,
+            "stages": list(held or ()),
+            "metadata": json.dumps(user, sort_keys=True),
+            "manifest": {kind: {n: t.manifest() for n, t in tensors.items()} for kind, tensors in local.items()},
+        }
+        try:
+            # 1. Agree on names, owners and the version.
+            statuses = agree(ranks, problem, mine, "naming their tensors")
+            version = statuses[0]["version"]
+            owners = _plan(statuses)
+            # 2. Write the tensors this rank owns.
+            tmp, files, problem = root / f".tmp-{version}", {}, None
             try:
-                commit(root, str(version), _index(statuses, written, owners, user))
+                tmp.mkdir(parents=True, exist_ok=True)
+                for kind, tensors in local.items():
+                    owned = {
+                        n: t.data for n, t in tensors.items() if owners[kind][n][t.shard[0] if t.shard else 0] == me
+                    }
+                    if owned:
+                        files[my_files[kind]] = write_safetensors(tmp / my_files[kind], owned)
+                fsync_directory(tmp)
             except OSError as error:
                 problem = error
-        agree(ranks, problem, {}, "committing the save")
-    except BaseException:
-        if me == 0 and version is not None:
-            shutil.rmtree(root / f".tmp-{version}", ignore_errors=True)
-        raise
-    return str(version)
+            written = agree(ranks, problem, {"files": files}, "writing their files")
+            # 3. Rank 0 writes the index and commits; 4. every rank returns once it is committed.
+            if me == 0:
+                try:
+                    commit(root, str(version), _index(statuses, written, owners, user))
+                except OSError as error:
+                    problem = error
+            agree(ranks, problem, {}, "committing the save")
+        except BaseException:
+            if me == 0 and version is not None:
+                shutil.rmtree(root / f".tmp-{version}", ignore_errors=True)
+            raise
+        return str(version)
 
 
 def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:

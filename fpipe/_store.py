@@ -1,24 +1,7 @@
-"""The on-disk format of ``fpipe.save``: safetensors files, their index, versions and the commit.
+"""The format of ``fpipe.save``: safetensors files and their index, written, checked and read.
 
-NOTE [the save directory]
-``save`` never modifies a committed save: it writes a new version next to it and commits by
-atomically replacing one small pointer file::
-
-    directory/
-      latest                             "v000008-5e6f7a8b\\n": the commit point
-      v000008-5e6f7a8b/                  the committed save
-        model.safetensors.index.json     written last: names -> files, dtypes, shapes, sha256s, sizes
-        model-rank-00000-of-00002.safetensors      parameters written by pipeline rank 0
-        model-rank-00001-of-00002.safetensors
-        optimizer-rank-00000-of-00002.safetensors  optimizer state written by rank 0
-      .tmp-v000009-9c0d1e2f/             a save in progress, or a killed one: never read
-
-The commit (``commit``): write the index into ``.tmp-<version>/`` (through a temporary file and
-``os.replace``), fsync; rename ``.tmp-<version>`` to ``<version>``, fsync the directory; write
-``latest.tmp-<random>``, fsync, ``os.replace`` it onto ``latest`` (atomic on POSIX), fsync the
-directory. Only then are older versions and stale ``.tmp-*`` directories removed. A save killed
-anywhere before the last ``os.replace`` leaves ``latest`` on the previous version, complete and
-loadable; ``committed`` follows ``latest`` and refuses a directory without an index.
+Where the files go (versions, the lock, the commit) is NOTE [the save directory] in
+``fpipe/_save_directory.py``.
 
 The index follows Hugging Face's ``model.safetensors.index.json`` (``metadata`` and
 ``weight_map``), plus ``optimizer_state_map`` (optimizer state has its own names and files),
@@ -40,6 +23,17 @@ full tensor (all pieces, concatenated, padding dropped) or piece ``q'`` of any `
 saved pieces overlapping it are read, each whole so that its hash is checked). Leaves that are
 not shards (a step counter) are saved whole, once, by the first replica that holds them, and
 every replica must hold the same bytes. Unsharded saves are unchanged: a name maps to one file.
+
+NOTE [trust model]
+A save directory may come from elsewhere (a download, an unpacked archive), so ``load`` trusts
+neither the index nor the links in it. ``read_index`` checks the type of every field that
+loading reads and that every file name is plain (``model-rank-00000-of-00001.safetensors``: no
+separator, no leading ``.``, so no ``..`` and no absolute path), raising a ``ValueError`` that
+says which field is wrong, never a ``KeyError``. Every path opened (``latest``, the version, the
+index, each file) must resolve into the directory it is in (``inside`` in
+``fpipe/_save_directory.py``): a symbolic link leading elsewhere is refused before anything
+about its target is looked at, so no message tells whether a file outside exists or its size.
+The directory's contents are assumed not to change while loading (notes/saving.md).
 """
 
 from __future__ import annotations
@@ -49,8 +43,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
-import shutil
 import struct
 import sys
 from collections.abc import Sequence
@@ -60,14 +52,14 @@ from typing import IO, Any, NamedTuple
 import safetensors
 import torch
 
-INDEX = "model.safetensors.index.json"
-LATEST = "latest"
+from ._save_directory import INDEX, inside
+
 FORMAT, FORMAT_VERSION = "fpipe", 1
+_PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 KINDS = ("params", "optimizer_state")
 MAPS = {"params": "weight_map", "optimizer_state": "optimizer_state_map"}
 _PREFIXES = {"params": "model", "optimizer_state": "optimizer"}
-_VERSION = re.compile(r"v(\d{6,})-[0-9a-f]{8}")
-_STALE = re.compile(r"\.tmp-v\d{6,}-[0-9a-f]{8}|v\d{6,}-[0-9a-f]{8}|latest\.tmp-[0-9a-f]{8}")
 
 CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -215,93 +207,129 @@ def numel_of(shape: Sequence[int]) -> int:
     return n
 
 
-def next_version(root: Path) -> str:
-    """``v<n>-<random>``, ``n`` one more than any version or tmp directory in ``root``."""
-    numbers = [-1]
-    if root.is_dir():
-        for entry in os.listdir(root):
-            match = _VERSION.fullmatch(entry.removeprefix(".tmp-"))
-            if match:
-                numbers.append(int(match.group(1)))
-    return f"v{max(numbers) + 1:06d}-{secrets.token_hex(4)}"
-
-
-def commit(root: Path, version: str, index: dict[str, Any]) -> None:
-    """Write the index into ``.tmp-<version>`` and commit it (NOTE [the save directory])."""
-    tmp = root / f".tmp-{version}"
-    write_atomic(tmp / INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
-    os.replace(tmp, root / version)
-    fsync_directory(root)
-    write_atomic(root / LATEST, f"{version}\n".encode())
-    for entry in os.listdir(root):
-        if entry != version and _STALE.fullmatch(entry):
-            path = root / entry
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` so that it is either the old file or the complete new one, durably."""
-    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_directory(path.parent)
-
-
-def fsync_directory(path: Path) -> None:
-    """Make renames and new entries in ``path`` durable."""
-    if not hasattr(os, "O_DIRECTORY"):  # Windows cannot open a directory; NTFS journals renames
-        return
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # --- Reading ----------------------------------------------------------------------------------
 
 
-def committed(directory: Path) -> Path:
-    """The committed save in ``directory``: the version ``latest`` names, or ``directory`` itself."""
-    pointer = directory / LATEST
-    if pointer.is_file():
-        version = pointer.read_text().strip()
-        if not _VERSION.fullmatch(version) or not (directory / version / INDEX).is_file():
-            raise ValueError(
-                f"fpipe.load: {pointer} names {version!r}, which is not a committed save (no {INDEX} there). "
-                "Something other than fpipe.save changed the directory."
-            )
-        return directory / version
-    if (directory / INDEX).is_file():
-        return directory
-    raise FileNotFoundError(
-        f"fpipe.load: no committed save in {directory} (neither a '{LATEST}' file nor {INDEX}). A save that "
-        "was interrupted leaves only a '.tmp-*' directory, which is never loaded."
-    )
-
-
 def read_index(root: Path) -> dict[str, Any]:
-    """The index in ``root``, checked to be one that ``fpipe.save`` wrote."""
-    path = root / INDEX
+    """The index in ``root``, checked to be one that ``fpipe.save`` wrote (NOTE [trust model])."""
+    path = inside(root, INDEX)
     try:
         index = json.loads(path.read_bytes())
-        meta = index["metadata"]
-        if (meta["format"], meta["format_version"]) != (FORMAT, FORMAT_VERSION):
-            raise ValueError(f"format {meta['format']!r} version {meta['format_version']!r}")
-        for key in ("weight_map", "tensors", "files"):
-            if not isinstance(index[key], dict):
-                raise ValueError(f"{key!r} is not a mapping")
-        return dict(index)
-    except (ValueError, KeyError, TypeError) as error:
+        _check_index(index)
+    except (ValueError, RecursionError, _Invalid) as error:  # RecursionError: JSON nested too deep
+        what = str(error) if isinstance(error, _Invalid) else f"it is not JSON ({type(error).__name__}: {error})"
         raise ValueError(
-            f"fpipe.load: {path} is not an index written by fpipe.save ({type(error).__name__}: {error})."
-        ) from error
+            f"fpipe.load: {path} is not an index written by fpipe.save: {what}. Load an intact save."
+        ) from None
+    return dict(index)
+
+
+class _Invalid(Exception):
+    """What is wrong with an index: ``<what> (<where in the index>: <value>)``."""
+
+
+def _check_index(index: Any) -> None:
+    """Check the type of every field that loading reads, and that every file name is plain."""
+    _expect(index, dict, "a JSON object", "the index")
+    meta = _field(index, "metadata", dict, "a JSON object")
+    if (meta.get("format"), meta.get("format_version")) != (FORMAT, FORMAT_VERSION):
+        raise _Invalid(
+            f"it is not in format {FORMAT!r} version {FORMAT_VERSION} (metadata: format "
+            f"{_show(meta.get('format'))}, version {_show(meta.get('format_version'))})"
+        )
+    _field(meta, "user", dict, "a JSON object", "metadata")
+    files = _field(index, "files", dict, "a JSON object")
+    for file, info in files.items():
+        _plain(file, "files")
+        at = f"files[{file!r}]"
+        _natural(_field(_expect(info, dict, "a JSON object", at), "bytes", int, "an int >= 0", at), f"{at}['bytes']")
+    tensors = _field(index, "tensors", dict, "a JSON object")
+    for file, infos in tensors.items():
+        _plain(file, "tensors")
+        _expect(infos, dict, "a JSON object", f"tensors[{file!r}]")
+    for kind, key in MAPS.items():
+        if kind == "params" or key in index:
+            for name, where in _field(index, key, dict, "a JSON object").items():
+                _check_entry(files, tensors, key, name, where)
+
+
+def _check_entry(files: dict[str, Any], tensors: dict[str, Any], key: str, name: str, where: Any) -> None:
+    """Check what ``index[key][name]`` says: its files, and each piece's dtype, shape, sha256 (and shard)."""
+    at = f"{key}[{name!r}]"
+    pieces = [where] if isinstance(where, str) else where
+    if not isinstance(pieces, list) or not pieces or not all(isinstance(file, str) for file in pieces):
+        raise _Invalid(f"{at} should be a file name or a non-empty list of them ({at}: {_show(where)})")
+    first = None
+    for q, file in enumerate(pieces):
+        _plain(file, at)
+        if file not in files:
+            raise _Invalid(f"{at} names a file that 'files' does not list ({at}: {file!r})")
+        info_at = f"tensors[{file!r}]"
+        info = _field(tensors.get(file, {}), name, dict, "a JSON object", info_at)
+        info_at += f"[{name!r}]"
+        dtype = _field(info, "dtype", str, "a safetensors dtype code", info_at)
+        if dtype not in DTYPES:
+            raise _Invalid(f"{info_at}['dtype'] should be one of {sorted(DTYPES)} ({info_at}['dtype']: {_show(dtype)})")
+        shape = _shape(info, "shape", info_at)
+        sha = _field(info, "sha256", str, "64 hex digits", info_at)
+        if not _SHA256.fullmatch(sha):
+            raise _Invalid(f"{info_at}['sha256'] should be 64 hex digits ({info_at}['sha256']: {_show(sha)})")
+        if isinstance(where, list):
+            shard = _field(info, "shard", list, f"[{q}, {len(pieces)}]", info_at)
+            if shard != [q, len(pieces)]:
+                raise _Invalid(
+                    f"{info_at}['shard'] should be [{q}, {len(pieces)}] ({info_at}['shard']: {_show(shard)})"
+                )
+            full = _shape(info, "full_shape", info_at)
+            first = first or (dtype, full)
+            size = -(-numel_of(full) // len(pieces))
+            if (dtype, full, shape) != (*first, [size]):
+                raise _Invalid(
+                    f"the pieces of {name!r} disagree: each should have the dtype and full shape of the first, "
+                    f"{first}, and shape [{size}] ({info_at}: {_show(info)})"
+                )
+
+
+def _expect(value: Any, kind: type, what: str, where: str) -> Any:
+    """``value``, found at ``where`` in the index, which must be a ``kind`` (a bool is not an int)."""
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise _Invalid(f"{where} should be {what} ({where}: {_show(value)})")
+    return value
+
+
+def _field(parent: dict[str, Any], key: str, kind: type, what: str, where: str = "") -> Any:
+    """``parent[key]``, which must be a ``kind``; ``where`` is ``parent``'s place in the index."""
+    at = f"{where}[{key!r}]" if where else repr(key)
+    if key not in parent:
+        raise _Invalid(f"{at} is missing (keys there: {_show(sorted(parent))})")
+    return _expect(parent[key], kind, what, at)
+
+
+def _natural(value: int, where: str) -> None:
+    if value < 0:
+        raise _Invalid(f"{where} should be an int >= 0 ({where}: {value})")
+
+
+def _shape(info: dict[str, Any], key: str, where: str) -> list[int]:
+    shape = _field(info, key, list, "a list of ints >= 0", where)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise _Invalid(f"{where}[{key!r}] should be a list of ints >= 0 ({where}[{key!r}]: {_show(shape)})")
+    return list(shape)
+
+
+def _plain(file: str, where: str) -> None:
+    """Refuse a file name that is not a plain name inside the save directory (NOTE [trust model])."""
+    if not _PLAIN.fullmatch(file):
+        raise _Invalid(
+            f"{where} names a file that is not a plain file name in the save directory (letters, digits, "
+            f"'_', '-' and '.', not first, ending in '.safetensors') ({where}: {_show(file)})"
+        )
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, cut short: an index may hold anything."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def entry(index: dict[str, Any], kind: str, name: str) -> Entry:
@@ -348,7 +376,7 @@ def read_tensors(
         plans[name, shard] = (e, pieces, start, stop, size)
     got: dict[tuple[str, str], torch.Tensor] = {}
     for file, names in sorted(needed.items()):
-        path = root / file
+        path = inside(root, file)
         expected = index["files"][file]["bytes"]
         on_disk = path.stat().st_size if path.is_file() else None
         if on_disk != expected:

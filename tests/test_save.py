@@ -23,7 +23,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 import fpipe
-from fpipe._store import INDEX, LATEST, tensor_bytes
+from fpipe._save_directory import INDEX, LATEST, LOCK
+from fpipe._store import tensor_bytes
 from fpipe.schedules import Interleaved1F1B, OneFOneB
 from tests._multiprocess import run_ranks
 
@@ -230,7 +231,7 @@ def test_a_killed_save_keeps_the_previous_one(tmp_path: Path) -> None:
     # The next save commits and clears the debris of the killed one and the previous version.
     params[0]["w"] = torch.full((1000,), 3.0)
     third = fpipe.save(tmp_path / "save", params)
-    assert sorted(p.name for p in (tmp_path / "save").iterdir()) == sorted([LATEST, third.name])
+    assert sorted(p.name for p in (tmp_path / "save").iterdir()) == sorted([LOCK, LATEST, third.name])
     assert int(third.name[1:7]) == int(first.name[1:7]) + 2  # numbered after the killed one
     assert_bitwise(fpipe.load(tmp_path / "save", params).params, params)
 
@@ -516,3 +517,130 @@ def test_data_parallel_replicas_write_nothing(tmp_path: Path) -> None:
     assert len({version for _, version in results}) == 1
     assert {f["rank"] for f in read_index(tmp_path)["files"].values()} == {0, 1}
     assert_bitwise(fpipe.load(tmp_path, template(layout(model(), TWO))).params, layout(model(), TWO))
+
+
+# --- Hostile indexes (NOTE [trust model]) -------------------------------------------------------
+
+FILE = "model-rank-00000-of-00001.safetensors"
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> tuple[Path, dict[str, Any], Path]:
+    """A save of ``{"w": ones(3)}``, its index, and outside it a copy of its file that would load."""
+    version = fpipe.save(tmp_path / "save", [{"w": torch.ones(3)}])
+    secret = tmp_path / "secret.safetensors"
+    secret.write_bytes((version / FILE).read_bytes())
+    return version, json.loads((version / INDEX).read_text()), secret
+
+
+def _rename(index: dict[str, Any], name: str) -> dict[str, Any]:
+    """``index`` with its one file called ``name``."""
+    out = json.loads(json.dumps(index))
+    out["weight_map"]["w"] = name
+    out["tensors"] = {name: out["tensors"][FILE]}
+    out["files"] = {name: out["files"][FILE]}
+    return out
+
+
+def test_file_names_that_leave_the_save_directory_are_refused_unread(
+    hostile: tuple[Path, dict[str, Any], Path],
+) -> None:
+    version, index, secret = hostile
+    (version / FILE).unlink()
+    size = secret.stat().st_size
+    for name in ["../../secret.safetensors", str(secret), "..\\..\\secret.safetensors", ".secret.safetensors"]:
+        (version / INDEX).write_text(json.dumps(_rename(index, name)))
+        with pytest.raises(ValueError, match="files names a file that is not a plain file name") as info:
+            fpipe.load(version.parent, [{"w": torch.empty(3)}])
+        assert str(size) not in str(info.value)
+    (version / INDEX).write_text(json.dumps(_rename(index, "secret.safetensors")))  # where a plain name leads
+    with pytest.raises(ValueError, match="it is missing"):
+        fpipe.load(version.parent, [{"w": torch.empty(3)}])
+
+
+def test_a_file_linked_outside_is_refused_without_a_word_about_its_target(
+    hostile: tuple[Path, dict[str, Any], Path],
+) -> None:
+    version, _, secret = hostile
+    (version / FILE).unlink()
+    (version / FILE).symlink_to(secret)
+    with pytest.raises(ValueError, match=f"{FILE} is a symbolic link leading outside") as info:
+        fpipe.load(version.parent, [{"w": torch.empty(3)}])
+    (version / FILE).unlink()
+    (version / FILE).symlink_to(secret.with_name("missing.safetensors"))
+    with pytest.raises(ValueError) as missing:
+        fpipe.load(version.parent, [{"w": torch.empty(3)}])
+    assert str(info.value) == str(missing.value)  # whether the target exists does not show
+    assert str(secret.stat().st_size) not in str(info.value)
+
+
+def _set(path: list[Any], value: Any) -> Any:
+    def edit(index: dict[str, Any]) -> None:
+        parent = index
+        for key in path[:-1]:
+            parent = parent[key]
+        if value is KeyError:
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = value
+
+    return edit
+
+
+W = ["tensors", FILE, "w"]
+MALFORMED: list[tuple[Any, str]] = [
+    (b'{"a": "\xff"}', r"it is not JSON \(UnicodeDecodeError"),
+    (b'{"metadata": ', r"it is not JSON \(JSONDecodeError"),
+    (b"[" * 100_000, r"it is not JSON \(RecursionError"),
+    (b"[1, 2]", r"the index should be a JSON object \(the index: \[1, 2\]\)"),
+    (_set(["metadata"], KeyError), r"'metadata' is missing \(keys there: \['files', 'tensors', 'weight_map'\]\)"),
+    (
+        _set(["metadata", "format"], "other"),
+        r"it is not in format 'fpipe' version 1 \(metadata: format 'other', version 1\)",
+    ),
+    (_set(["metadata", "user"], []), r"metadata\['user'\] should be a JSON object \(metadata\['user'\]: \[\]\)"),
+    (_set(["files"], []), r"'files' should be a JSON object"),
+    (_set(["files", FILE], KeyError), rf"weight_map\['w'\] names a file that 'files' does not list \(.*: '{FILE}'\)"),
+    (_set(["files", FILE, "bytes"], "12"), rf"files\['{FILE}'\]\['bytes'\] should be an int >= 0 \(.*: '12'\)"),
+    (_set(["files", FILE, "bytes"], -1), r"\['bytes'\] should be an int >= 0 \(.*: -1\)"),
+    (_set(["files", FILE, "bytes"], True), r"\['bytes'\] should be an int >= 0 \(.*: True\)"),
+    (_set(["tensors", FILE], KeyError), rf"tensors\['{FILE}'\]\['w'\] is missing"),
+    (_set(["tensors", FILE], 3), rf"tensors\['{FILE}'\] should be a JSON object"),
+    (_set(["weight_map"], KeyError), r"'weight_map' is missing"),
+    (_set(["weight_map"], None), r"'weight_map' should be a JSON object \('weight_map': None\)"),
+    (_set(["weight_map", "w"], 3), r"weight_map\['w'\] should be a file name or a non-empty list of them"),
+    (_set(["weight_map", "w"], []), r"weight_map\['w'\] should be a file name or a non-empty list"),
+    (_set(["optimizer_state_map"], "x"), r"'optimizer_state_map' should be a JSON object"),
+    (_set([*W, "dtype"], "F99"), r"\['dtype'\] should be one of \[.*\] \(.*\['dtype'\]: 'F99'\)"),
+    (_set([*W, "dtype"], KeyError), r"\['w'\]\['dtype'\] is missing \(keys there: \['sha256', 'shape'\]\)"),
+    (_set([*W, "shape"], "abc"), r"\['shape'\] should be a list of ints >= 0 \(.*: 'abc'\)"),
+    (_set([*W, "shape"], [3, -1]), r"\['shape'\] should be a list of ints >= 0 \(.*: \[3, -1\]\)"),
+    (_set([*W, "sha256"], 5), r"\['sha256'\] should be 64 hex digits \(.*: 5\)"),
+    (_set([*W, "sha256"], "../x"), r"\['sha256'\] should be 64 hex digits"),
+    (_set(["weight_map", "w"], [FILE]), r"\['w'\]\['shard'\] is missing"),  # a sharded entry: pieces
+    (_set([*W, "shard"], [1, 1]), r"\['shard'\] should be \[0, 1\]"),
+]
+
+
+def test_malformed_indexes_say_which_field_is_wrong(hostile: tuple[Path, dict[str, Any], Path]) -> None:
+    version, index, _ = hostile
+    for malformed, fragment in MALFORMED:
+        if isinstance(malformed, bytes):
+            (version / INDEX).write_bytes(malformed)
+        else:
+            edited = json.loads(json.dumps(index))
+            if fragment.startswith(r"\['shard'\]"):
+                edited["weight_map"]["w"] = [FILE]
+            malformed(edited)
+            (version / INDEX).write_text(json.dumps(edited))
+        with pytest.raises(ValueError, match=r"is not an index written by fpipe\.save: (.*\])?" + fragment):
+            fpipe.load(version.parent, [{"w": torch.empty(3)}])
+    sharded = json.loads(json.dumps(index))
+    sharded["weight_map"]["w"] = [FILE]
+    sharded["tensors"][FILE]["w"].update(shard=[0, 1], full_shape=[4])
+    (version / INDEX).write_text(json.dumps(sharded))
+    with pytest.raises(ValueError, match=r"the pieces of 'w' disagree: .* shape \[4\]"):
+        fpipe.load(version.parent, [{"w": torch.empty(3)}])
+    sharded["tensors"][FILE]["w"]["full_shape"] = [3]  # one piece of a tensor of 3: a valid index
+    (version / INDEX).write_text(json.dumps(sharded))
+    assert_bitwise(fpipe.load(version.parent, [{"w": torch.empty(3)}]).params, [{"w": torch.ones(3)}])

@@ -1,0 +1,201 @@
+"""The save directory of ``fpipe.save``: versions, the lock, the commit, and the committed save.
+
+NOTE [the save directory]
+``save`` never modifies a committed save: it writes a new version next to it and commits by
+atomically replacing one small pointer file::
+
+    directory/
+      .lock                              held by the writer from choosing a version to cleaning up
+      latest                             "v000008-5e6f7a8b\\n": the commit point
+      v000008-5e6f7a8b/                  the committed save
+        model.safetensors.index.json     written last (NOTE [sharded saves] in fpipe/_store.py)
+        model-rank-00000-of-00002.safetensors      parameters written by pipeline rank 0
+        model-rank-00001-of-00002.safetensors
+        optimizer-rank-00000-of-00002.safetensors  optimizer state written by rank 0
+      .tmp-v000009-9c0d1e2f/             a save in progress, or a killed one: never read
+
+The commit (``commit``): write the index into ``.tmp-<version>/`` (through a temporary file and
+``os.replace``), fsync; rename ``.tmp-<version>`` to ``<version>``, fsync the directory; write
+``latest.tmp-<random>``, fsync, ``os.replace`` it onto ``latest`` (atomic on POSIX), fsync the
+directory. Only then is what is older removed. A save killed anywhere before the last
+``os.replace`` leaves ``latest`` on the previous version, complete and loadable; ``committed``
+follows ``latest`` and refuses a directory without an index.
+
+NOTE [save concurrency]
+Several processes may save to one directory at once (every rank of a ``torchrun`` job calling
+``save`` without ``group=``). The writer (pipeline rank 0) holds an exclusive ``fcntl.flock`` on
+``directory/.lock`` from choosing its version (one more than any in the directory or in
+``latest``) to the end of its cleanup, so saves to one directory take turns: each completes,
+and the last to commit is the one ``latest`` names. Holding the lock, the writer removes only
+what is numbered below its own version (older versions and the ``.tmp-`` directories of killed
+saves, whose writers released the lock when they died) and stale ``latest.tmp-*`` files; the
+lock file itself is never removed. A writer waits at most ``timeout`` seconds for the lock. On
+a filesystem without ``flock`` (some FUSE and Lustre mounts) ``save`` warns and goes on
+unlocked. notes/saving.md says more, including what happens on NFS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+INDEX = "model.safetensors.index.json"
+LATEST = "latest"
+LOCK = ".lock"
+_VERSION = re.compile(r"v(\d{6,})-[0-9a-f]{8}")
+_STALE = re.compile(r"(?:\.tmp-)?v(\d{6,})-[0-9a-f]{8}")
+_POINTER_TMP = re.compile(r"latest\.tmp-[0-9a-f]{8}")
+# flock errors that mean "this filesystem has no locks", not "someone else holds it"
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+@contextlib.contextmanager
+def locked(root: Path, timeout: float) -> Iterator[None]:
+    """Hold the save lock of ``root`` (NOTE [save concurrency]), waiting at most ``timeout`` seconds."""
+    import fcntl  # POSIX only: imported here so that the package imports on every platform
+
+    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"fpipe.save: another save to {root} has held its lock ({root / LOCK}) for longer than "
+                        f"timeout (timeout: {timeout}). Let it finish, pass a longer timeout=, or save elsewhere."
+                    ) from None
+                time.sleep(0.01)
+            except OSError as error:
+                if error.errno not in _NO_LOCKS:
+                    raise
+                warnings.warn(
+                    f"fpipe.save: {root} does not support file locks ({error.strerror}), so saves to it from "
+                    "several processes at once are not kept apart. Save from one process (or pass group=) "
+                    "there, or save to a filesystem with locks (NOTE [save concurrency]).",
+                    RuntimeWarning,
+                    stacklevel=6,  # the caller of fpipe.save
+                )
+                break
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def next_version(root: Path) -> str:
+    """``v<n>-<random>``, ``n`` one more than any version in ``root`` or in its ``latest``."""
+    numbers = [-1]
+    names = os.listdir(root)
+    with contextlib.suppress(OSError):  # a stale directory listing (NFS) still shows latest's version
+        names.append(read_pointer(root / LATEST))
+    for name in names:
+        match = _STALE.fullmatch(name)
+        if match:
+            numbers.append(int(match.group(1)))
+    return f"v{max(numbers) + 1:06d}-{secrets.token_hex(4)}"
+
+
+def commit(root: Path, version: str, index: dict[str, Any]) -> None:
+    """Write the index into ``.tmp-<version>``, commit it and clean up (NOTE [the save directory]),
+    holding the lock (NOTE [save concurrency])."""
+    tmp = root / f".tmp-{version}"
+    write_atomic(tmp / INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
+    os.replace(tmp, root / version)
+    fsync_directory(root)
+    write_atomic(root / LATEST, f"{version}\n".encode())
+    mine = _number(version)
+    for name in os.listdir(root):
+        match = _STALE.fullmatch(name)
+        if (match and int(match.group(1)) < mine) or _POINTER_TMP.fullmatch(name):
+            path = root / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _number(version: str) -> int:
+    match = _VERSION.fullmatch(version)
+    assert match is not None
+    return int(match.group(1))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` so that it is either the old file or the complete new one, durably."""
+    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(path: Path) -> None:
+    """Make renames and new entries in ``path`` durable."""
+    if not hasattr(os, "O_DIRECTORY"):  # Windows cannot open a directory; NTFS journals renames
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- Reading ----------------------------------------------------------------------------------
+
+
+def read_pointer(pointer: Path) -> str:
+    """The version ``latest`` names (its first line; a pointer is a few bytes)."""
+    with open(pointer, "rb") as f:
+        return f.read(64).decode(errors="replace").strip()
+
+
+def committed(directory: Path) -> Path:
+    """The committed save in ``directory``: the version ``latest`` names, or ``directory`` itself.
+
+    Every path followed stays inside ``directory`` (``inside``), so a hostile ``latest`` or a
+    symbolic link tells nothing about files elsewhere (NOTE [trust model] in ``fpipe/_store.py``).
+    """
+    if os.path.lexists(directory / LATEST):
+        pointer = inside(directory, LATEST)
+        version = read_pointer(pointer) if pointer.is_file() else ""
+        if not _VERSION.fullmatch(version) or not inside(inside(directory, version), INDEX).is_file():
+            raise ValueError(
+                f"fpipe.load: {pointer} names {version[:40]!r}, which is not a committed save (no {INDEX} there). "
+                "Something other than fpipe.save changed the directory."
+            )
+        return directory / version
+    if inside(directory, INDEX).is_file():
+        return directory
+    raise FileNotFoundError(
+        f"fpipe.load: no committed save in {directory} (neither a '{LATEST}' file nor {INDEX}). A save that "
+        "was interrupted leaves only a '.tmp-*' directory, which is never loaded."
+    )
+
+
+def inside(directory: Path, name: str) -> Path:
+    """``directory / name`` (``name`` a plain name), checked to resolve to an entry of ``directory``.
+
+    A symbolic link to another entry of ``directory`` is followed; one leading anywhere else is
+    refused without saying where it leads or whether that exists.
+    """
+    path = directory / name
+    if os.path.dirname(os.path.realpath(path)) != os.path.realpath(directory):
+        raise ValueError(
+            f"fpipe.load: {path} is a symbolic link leading outside {directory}; fpipe.load reads only files "
+            "inside the save directory. Replace the link by the file itself."
+        )
+    return path

@@ -1,0 +1,135 @@
+"""The save directory: concurrent saves take turns on its lock; ``latest`` and links stay inside it.
+
+NOTE [save concurrency] and NOTE [the save directory] in ``fpipe/_save_directory.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fpipe
+from fpipe._save_directory import INDEX, LATEST, LOCK
+from tests._multiprocess import run_ranks
+from tests.test_save import assert_bitwise
+
+ROUNDS, N = 8, 50_000
+
+
+def _params(round_: int, rank: int) -> list[dict[str, torch.Tensor]]:
+    """A save that is recognisable whole: every element of both stages is ``100 * round + rank``."""
+    value = float(100 * round_ + rank)
+    return [{"w": torch.full((N,), value)}, {"b": torch.full((N // 7,), value)}]
+
+
+def _hammer(rank: int, world: int, directory: str) -> list[Any]:
+    """Every rank saves to one directory at once, without group= (as each rank of a torchrun job
+    calling fpipe.save alone), round after round; rank 0 loads what the round left."""
+    out: list[Any] = []
+    template = [{"w": torch.empty(N)}, {"b": torch.empty(N // 7)}]
+    for round_ in range(ROUNDS):
+        dist.barrier()
+        try:
+            out.append(str(fpipe.save(directory, _params(round_, rank), metadata={"round": round_, "rank": rank})))
+        except Exception as error:  # the test accepts only the lock's timeout here
+            out.append(f"{type(error).__name__}: {error}")
+        dist.barrier()
+        if rank == 0:
+            loaded = fpipe.load(directory, template)
+            assert loaded.metadata["round"] == round_  # the last to commit in this round
+            assert_bitwise(loaded.params, _params(round_, loaded.metadata["rank"]))
+            latest = (Path(directory) / LATEST).read_text().strip()
+            assert sorted(os.listdir(directory)) == sorted([LOCK, LATEST, latest])  # the older ones are gone
+        dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_saves_to_one_directory_each_commit_and_the_last_one_wins(tmp_path: Path) -> None:
+    results = run_ranks(3, _hammer, str(tmp_path), timeout=50)
+    versions = [Path(v).name for rank in results for v in rank]
+    assert all(Path(v).parent == tmp_path for rank in results for v in rank), results  # no call failed
+    assert len(set(versions)) == 3 * ROUNDS  # each save is a version of its own
+    last = max(versions)
+    assert (tmp_path / LATEST).read_text() == f"{last}\n"
+    assert sorted(os.listdir(tmp_path)) == sorted([LOCK, LATEST, last])
+
+
+def test_a_save_waits_for_the_lock_at_most_timeout_seconds(tmp_path: Path) -> None:
+    previous = [{"w": torch.ones(3)}]
+    fpipe.save(tmp_path, previous)
+    fd = os.open(tmp_path / LOCK, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another save, holding the lock
+        with pytest.raises(TimeoutError, match=r"another save to .* has held its lock .* \(timeout: 0.2\)"):
+            fpipe.save(tmp_path, [{"w": torch.zeros(3)}], timeout=0.2)
+    finally:
+        os.close(fd)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert_bitwise(fpipe.load(tmp_path, previous).params, previous)
+
+
+def test_a_filesystem_without_locks_saves_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    params = [{"w": torch.ones(3)}]
+    with pytest.warns(RuntimeWarning, match="does not support file locks") as record:
+        fpipe.save(tmp_path, params)
+    assert record[0].filename == __file__  # the warning points at the call to save
+    assert_bitwise(fpipe.load(tmp_path, params).params, params)
+
+
+def test_a_save_is_numbered_after_everything_in_the_directory_and_removes_what_is_older(tmp_path: Path) -> None:
+    params = [{"w": torch.ones(3)}]
+    fpipe.save(tmp_path, params)
+    (tmp_path / "v000009-0badf00d").mkdir()  # e.g. a version renamed into place, never committed
+    (tmp_path / ".tmp-v000008-0badf00d").mkdir()  # a killed save
+    (tmp_path / "latest.tmp-0badf00d").write_text("v000009-0badf00d\n")  # a killed commit's pointer
+    version = fpipe.save(tmp_path, params)
+    assert version.name.startswith("v000010-")
+    assert sorted(os.listdir(tmp_path)) == sorted([LOCK, LATEST, version.name])
+    # A directory listing that is behind (NFS) still shows latest, so numbers never go back.
+    (tmp_path / LATEST).write_text("v000041-0badf00d\n")
+    assert fpipe.save(tmp_path, params).name.startswith("v000042-")
+
+
+# --- Links ------------------------------------------------------------------------------------
+
+
+def test_latest_the_version_and_the_index_may_not_lead_outside(tmp_path: Path) -> None:
+    params = [{"w": torch.ones(3)}]
+    elsewhere = fpipe.save(tmp_path / "elsewhere", [{"w": torch.full((3,), 7.0)}])
+    save = tmp_path / "save"
+    version = fpipe.save(save, params)
+    pointer = save / LATEST
+    pointer.unlink()
+    pointer.symlink_to(tmp_path / "elsewhere" / LATEST)  # would name a version that exists here too
+    with pytest.raises(ValueError, match=r"latest is a symbolic link leading outside"):
+        fpipe.load(save, params)
+    pointer.unlink()
+    pointer.write_text(f"{elsewhere.name}\n")
+    (save / elsewhere.name).symlink_to(elsewhere)  # a version that is a link to another save
+    with pytest.raises(ValueError, match=rf"{elsewhere.name} is a symbolic link leading outside"):
+        fpipe.load(save, params)
+    pointer.write_text(f"{version.name}\n")
+    (version / INDEX).rename(save / "index")
+    (version / INDEX).symlink_to(elsewhere / INDEX)
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json is a symbolic link leading outside"):
+        fpipe.load(save, params)
+    (version / INDEX).unlink()
+    (version / INDEX).symlink_to(save / "index")  # leads to the save directory, not into the version
+    with pytest.raises(ValueError, match="leading outside"):
+        fpipe.load(save, params)
+    (version / INDEX).unlink()
+    (save / "index").rename(version / "index")
+    (version / INDEX).symlink_to("index")  # a link to another file of the version is followed
+    assert_bitwise(fpipe.load(save, params).params, params)
