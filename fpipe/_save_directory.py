@@ -30,8 +30,8 @@ and the last to commit is the one ``latest`` names. Holding the lock, the writer
 what is numbered below its own version (older versions and the ``.tmp-`` directories of killed
 saves, whose writers released the lock when they died) and stale ``latest.tmp-*`` files; the
 lock file itself is never removed. A writer waits at most ``timeout`` seconds for the lock. On
-a filesystem without ``flock`` (some FUSE and Lustre mounts) ``save`` warns and goes on
-unlocked. notes/saving.md says more, including what happens on NFS.
+a filesystem without ``flock`` (some FUSE and Lustre mounts) and on Windows ``save`` warns and
+goes on unlocked. notes/saving.md says more, including what happens on NFS.
 """
 
 from __future__ import annotations
@@ -62,36 +62,47 @@ _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 @contextlib.contextmanager
 def locked(root: Path, timeout: float) -> Iterator[None]:
     """Hold the save lock of ``root`` (NOTE [save concurrency]), waiting at most ``timeout`` seconds."""
-    import fcntl  # POSIX only: imported here so that the package imports on every platform
-
     fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"fpipe.save: another save to {root} has held its lock ({root / LOCK}) for longer than "
-                        f"timeout (timeout: {timeout}). Let it finish, pass a longer timeout=, or save elsewhere."
-                    ) from None
-                time.sleep(0.01)
-            except OSError as error:
-                if error.errno not in _NO_LOCKS:
-                    raise
-                warnings.warn(
-                    f"fpipe.save: {root} does not support file locks ({error.strerror}), so saves to it from "
-                    "several processes at once are not kept apart. Save from one process (or pass group=) "
-                    "there, or save to a filesystem with locks (NOTE [save concurrency]).",
-                    RuntimeWarning,
-                    stacklevel=6,  # the caller of fpipe.save
-                )
-                break
+        _lock(fd, root, timeout)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _lock(fd: int, root: Path, timeout: float) -> None:
+    try:
+        import fcntl  # POSIX only: imported here so that the package imports on every platform
+    except ImportError:
+        _unlocked(root, "this platform has no fcntl")
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"fpipe.save: another save to {root} has held its lock ({root / LOCK}) for longer than "
+                    f"timeout (timeout: {timeout}). Let it finish, pass a longer timeout=, or save elsewhere."
+                ) from None
+            time.sleep(0.01)
+        except OSError as error:
+            if error.errno not in _NO_LOCKS:
+                raise
+            _unlocked(root, error.strerror or str(error))
+            return
+
+
+def _unlocked(root: Path, why: str) -> None:
+    warnings.warn(
+        f"fpipe.save: {root} cannot be locked ({why}), so saves to it from several processes at once are "
+        "not kept apart. Save from one process (or pass group=) there, or save to a filesystem with file "
+        "locks (NOTE [save concurrency] in fpipe/_save_directory.py).",
+        RuntimeWarning,
+        stacklevel=8,  # the caller of fpipe.save
+    )
 
 
 def next_version(root: Path) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,16 +77,21 @@ def test_a_save_waits_for_the_lock_at_most_timeout_seconds(tmp_path: Path) -> No
     assert_bitwise(fpipe.load(tmp_path, previous).params, previous)
 
 
-def test_a_filesystem_without_locks_saves_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_file_locks_a_save_warns_and_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_locks(fd: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(fcntl, "flock", no_locks)
     params = [{"w": torch.ones(3)}]
-    with pytest.warns(RuntimeWarning, match="does not support file locks") as record:
-        fpipe.save(tmp_path, params)
+    with monkeypatch.context() as patch:
+        patch.setattr(fcntl, "flock", no_locks)
+        with pytest.warns(RuntimeWarning, match=r"cannot be locked \(No locks available\)") as record:
+            fpipe.save(tmp_path / "filesystem", params)
     assert record[0].filename == __file__  # the warning points at the call to save
-    assert_bitwise(fpipe.load(tmp_path, params).params, params)
+    assert_bitwise(fpipe.load(tmp_path / "filesystem", params).params, params)
+    monkeypatch.setitem(sys.modules, "fcntl", None)  # Windows: import fcntl fails
+    with pytest.warns(RuntimeWarning, match=r"cannot be locked \(this platform has no fcntl\)"):
+        fpipe.save(tmp_path / "platform", params)
+    assert_bitwise(fpipe.load(tmp_path / "platform", params).params, params)
 
 
 def test_a_save_is_numbered_after_everything_in_the_directory_and_removes_what_is_older(tmp_path: Path) -> None:
