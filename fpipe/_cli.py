@@ -1,7 +1,8 @@
 """The command line: ``python -m fpipe show SCHEDULE --ranks R --microbatches M``.
 
 Prints a schedule's grid as simulated with the given costs, with its bubble and peak activations
-per rank, and optionally writes a Chrome trace (open it in https://ui.perfetto.dev) or an SVG::
+per rank (in microbatches of a rank's layers, the README's unit: NOTE [activation units] in
+``fpipe/schedules/_simulate.py``), and optionally writes a Chrome trace (open it in https://ui.perfetto.dev) or an SVG::
 
     python -m fpipe show zbv --ranks 4 --microbatches 8 --trace zbv.json --svg zbv.svg
 """
@@ -91,9 +92,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     print(legend(color=color), file=out)
     print(sim.summary(), file=out)
     if v > 1:
-        print(
-            f"(peak activations count stages: with {v} stages per rank, each holds ~1/{v} of a rank's layers)", file=out
-        )
+        print(f"(peak activations in microbatches of a rank's layers: each of its {v} stages counts 1/{v})", file=out)
     try:
         if args.trace:
             with open(args.trace, "w", encoding="utf-8") as f:

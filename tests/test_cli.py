@@ -42,7 +42,8 @@ def test_show_zbv_notes_stage_units() -> None:
     assert status == 0
     assert "ZeroBubbleV(num_microbatches=4): 2 ranks, 4 stages, 4 microbatches" in text
     assert "rank 0 | 0F0 0F1 0F2 3F0 3I0 3W0" in text
-    assert "peak activations count stages: with 2 stages per rank" in text
+    assert "rank 0: bubble 4.0%, peak activations 2\n" in text  # 4 half-size chunks: 1F1B's peak of p
+    assert "(peak activations in microbatches of a rank's layers: each of its 2 stages counts 1/2)" in text
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

@@ -17,7 +17,7 @@ from typing import Any
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KIND_NAMES
 from ._program import Program, ScheduleError
-from ._simulate import Costs, Simulation, _checked, simulate
+from ._simulate import Costs, Simulation, _checked, simulate, stages_held
 
 UNIT = Costs(forward=1, backward=1, backward_input=1, backward_weight=1)
 
@@ -93,7 +93,8 @@ def chrome_trace(timeline: Program | Simulation, *, microseconds_per_unit: float
 
     One track (thread) per rank with a complete event (``"ph": "X"``) per action, named like
     ``2F0``, whose ``args`` hold the stage, microbatch and kind; plus, per rank, a counter of the
-    stage activations alive (``F`` to ``B``/``W``). One cost unit lasts
+    activations alive (``F`` to ``B``/``W``) in microbatches of the rank's layers, as
+    ``Simulation.peak_activations`` counts them (NOTE [activation units]). One cost unit lasts
     ``microseconds_per_unit`` (default 1 ms).
     """
     sim = as_simulation(timeline, "chrome_trace")
@@ -118,7 +119,7 @@ def chrome_trace(timeline: Program | Simulation, *, microseconds_per_unit: float
             }
         )
     for r, row in enumerate(sim.program.ranks):
-        alive = 0
+        alive, held = 0, stages_held(sim.program, r)
         for a, start, end in zip(row, sim.starts[r], sim.ends[r]):
             if a.kind == FORWARD:
                 alive += 1
@@ -130,7 +131,7 @@ def chrome_trace(timeline: Program | Simulation, *, microseconds_per_unit: float
                 continue
             events.append(
                 {"name": f"activations rank {r}", "ph": "C", "pid": 0, "tid": r, "ts": t * scale,
-                 "args": {"alive": alive}}
+                 "args": {"alive": alive / held}}
             )  # fmt: skip
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 

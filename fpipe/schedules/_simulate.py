@@ -2,8 +2,15 @@
 
 ``timeline`` replays a program with unit cost; ``simulate`` replays it with a cost per kind of
 action and a latency per message between ranks, and measures the two figures that tell
-schedules apart: the bubble (the fraction of the step a rank idles) and the peak number of
-stage activations a rank holds.
+schedules apart: the bubble (the fraction of the step a rank idles) and the peak activations a
+rank holds, in microbatches of the rank's layers (NOTE [activation units]).
+
+NOTE [activation units]
+    One unit is the activations one microbatch leaves in all the layers a rank holds: a stage of
+    a one-stage-per-rank pipeline. A rank holding ``v`` stages counts each of its
+    ``(stage, microbatch)`` activations as ``1/v``, so schedules with different stages per rank
+    compare directly (1F1B's rank 0 peaks at ``p``, ZB-V's at ``p`` too, from ``2p`` half-size
+    chunks). The CLI, the Chrome trace's counters and the README's table use this unit.
 
 The replay is "as soon as possible": each rank runs its actions in program order, and an action
 starts when the rank is free and every action it depends on (see ``fpipe.schedules._program``)
@@ -136,15 +143,15 @@ class Simulation:
         return sum(fractions) / len(fractions)
 
     @property
-    def peak_activations(self) -> tuple[int, ...]:
-        """Per rank, the peak count of ``(stage, microbatch)`` activations alive at once.
+    def peak_activations(self) -> tuple[float, ...]:
+        """Per rank, the most activations alive at once, in microbatches of the rank's layers.
 
         An activation is alive from the start of its forward ``F`` to the end of its ``B`` (or of
         its ``W``, which still needs it). Ranks run actions one at a time, so this depends only on
-        the program's order, not on the costs. With ``v`` equal stages per rank, divide by ``v``
-        to compare with a one-stage-per-rank schedule.
+        the program's order, not on the costs. A rank holding ``v`` stages counts each
+        ``(stage, microbatch)`` activation as ``1/v`` (NOTE [activation units]).
         """
-        return tuple(peak_activations(row) for row in self.program.ranks)
+        return tuple(peak_activations(row) / stages_held(self.program, r) for r, row in enumerate(self.program.ranks))
 
     def intervals(self) -> list[tuple[int, Action, float, float]]:
         """Every action as ``(rank, action, start, end)``, sorted by start time, then rank."""
@@ -159,8 +166,13 @@ class Simulation:
         """Makespan, bubble and peak activations per rank, one line each, for printing under a grid."""
         lines = [f"makespan {self.makespan:g}, bubble {self.bubble_fraction:.1%} (mean over ranks)"]
         for r, (bubble, peak) in enumerate(zip(self.bubble_fractions, self.peak_activations)):
-            lines.append(f"rank {r}: bubble {bubble:.1%}, peak activations {peak}")
+            lines.append(f"rank {r}: bubble {bubble:.1%}, peak activations {peak:g}")
         return "\n".join(lines)
+
+
+def stages_held(program: Program, rank: int) -> int:
+    """How many stages ``rank`` holds (at least 1: the divisor of its activation counts)."""
+    return max(1, len(program.stages_of(rank)))
 
 
 def peak_activations(row: tuple[Action, ...]) -> int:
@@ -190,8 +202,8 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
         >>> sim = simulate(OneFOneB(num_microbatches=8).program(4), Costs(backward=2))
         >>> sim.makespan, sim.bubble_fractions[0]  # (m+p-1)(T_F+T_B) and (p-1)/(m+p-1)
         (33.0, 0.2727272727272727)
-        >>> sim.peak_activations
-        (4, 3, 2, 1)
+        >>> sim.peak_activations  # microbatches of a rank's layers: p - r
+        (4.0, 3.0, 2.0, 1.0)
         >>> heavy_ends = [Costs(backward=2), Costs(backward=2), Costs(forward=2, backward=4)]
         >>> simulate(OneFOneB(num_microbatches=8).program(3), heavy_ends).makespan
         54.0
