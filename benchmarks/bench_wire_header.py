@@ -10,9 +10,10 @@ A message's layout is compared to its channel's last one on every send (NOTE [he
 fpipe/_wire.py); a header is written only when it changed. This measures, per ``encode`` of a
 pytree like a stage boundary's (a hidden state, positions, a complex rotary table, a tag string
 and a float), the time when the layout is unchanged (the steady state: no header) and when every
-message changes it (alternating sequence lengths: a header each time), with the header's size.
-Median of ``--repeats`` rounds of ``--number`` encodes each, the modules' rounds interleaved (the
-machine's load drifts).
+message changes it (alternating sequence lengths: a header each time), the receiver's reading of
+one header (``Decoder.large_leaves``), and the header's size.
+Median of ``--repeats`` rounds of ``--number`` each, in this process's CPU time (the machine may be
+shared), the modules' rounds interleaved (its load drifts).
 """
 
 from __future__ import annotations
@@ -58,19 +59,33 @@ def _round(wire: ModuleType, trees: list[dict[str, Any]], number: int) -> float:
     """Seconds per ``encode`` on a channel that has sent ``trees[0]``, cycling through ``trees``."""
     encoder, cpu = wire.Encoder(), torch.device("cpu")
     encoder.encode(trees[0], cpu)
-    start = time.perf_counter()
+    start = time.process_time()
     for i in range(number):
         encoder.encode(trees[i % len(trees)], cpu)
-    return (time.perf_counter() - start) / number
+    return (time.process_time() - start) / number
+
+
+def _read(wire: ModuleType, trees: list[dict[str, Any]], number: int) -> float:
+    """Seconds per reading of the header of ``trees[0]`` by a receiver."""
+    cpu = torch.device("cpu")
+    first, header, *_ = wire.Encoder().encode(trees[0], cpu)
+    meta = wire.meta_of(first)
+    start = time.process_time()
+    for _ in range(number):
+        decoder = wire.Decoder()
+        decoder.opened(meta, cpu)
+        decoder.large_leaves(header, cpu)
+    return (time.process_time() - start) / number
 
 
 def measure(wires: dict[str, ModuleType], number: int, repeats: int) -> dict[str, dict[str, float]]:
     """Per module: median microseconds per ``encode``, unchanged and changed, and the header's bytes."""
-    cases = {"unchanged_us": [_tree(16)], "changed_us": [_tree(16), _tree(17)]}
+    cases = {"unchanged_us": [_tree(16)], "changed_us": [_tree(16), _tree(17)], "read_header_us": [_tree(16)]}
     rounds: dict[tuple[str, str], list[float]] = {(name, case): [] for name in wires for case in cases}
     for _ in range(repeats):
         for (name, case), times in rounds.items():
-            times.append(_round(wires[name], cases[case], number))
+            timer = _read if case == "read_header_us" else _round
+            times.append(timer(wires[name], cases[case], number))
     cpu = torch.device("cpu")
     return {
         name: {
@@ -91,9 +106,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     torch.manual_seed(0)
     wires = {"new": fpipe._wire, **({"old": _load(args.old)} if args.old else {})}
     results = measure(wires, args.number, args.repeats)
-    print(f"{'':>4} {'unchanged (us)':>15} {'changed (us)':>13} {'header (bytes)':>15}")
-    for name, row in results.items():
-        print(f"{name:>4} {row['unchanged_us']:15.1f} {row['changed_us']:13.1f} {row['header_bytes']:15d}")
+    print(f"{'':>4} {'unchanged (us)':>15} {'changed (us)':>13} {'read header (us)':>17} {'header (bytes)':>15}")
+    for name, r in results.items():
+        print(
+            f"{name:>4} {r['unchanged_us']:15.1f} {r['changed_us']:13.1f} {r['read_header_us']:17.1f} "
+            f"{r['header_bytes']:15.0f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results
