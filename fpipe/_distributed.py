@@ -25,6 +25,7 @@ differs from one process. The protocol (notes/wire.md), per step:
 from __future__ import annotations
 
 import contextlib
+import time
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ._errors import PipelineError, PipelineTimeoutError
+from ._faults import BEAT, DIED, RAISED, SILENT, STALE, WATCHDOG, Board, Failure, waiting
 from ._pytree import PyTree
 from ._wire import ERROR, Decoder, Encoder, as_bytes, error_message, meta_of
 from .schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD, KINDS, Action
@@ -54,6 +56,7 @@ class Topology:
     data_group: Any | None
     data_size: int
     device: torch.device
+    board: Board  # the job's failure board (NOTE [failure board] in fpipe/_faults.py)
 
 
 _PIPELINE_DIMS = ("pp", "pipeline")
@@ -72,6 +75,7 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
             "torch.distributed.init_process_group() first (torchrun sets up the environment)."
         )
     data_group = None
+    where: dict[int, tuple[int, int | None]] = {}  # global rank -> (pipeline rank, replica)
     if mesh is not None:
         names = tuple(mesh.mesh_dim_names or ())
         if mesh.ndim == 1 and not names:
@@ -85,17 +89,23 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
             )
         group = mesh.get_group(pipe[0])
         data_group = mesh.get_group(data[0]) if data else None
+        rows = mesh.mesh.permute(*(names.index(n) for n in (*data, pipe[0])))
+        for replica, row in enumerate(rows.reshape(-1, rows.shape[-1]).tolist()):
+            where.update({g: (r, replica if data else None) for r, g in enumerate(row)})
     size = dist.get_world_size(group)
+    global_ranks = tuple(dist.get_global_rank(group, r) for r in range(size))
+    where = where or {g: (r, None) for r, g in enumerate(global_ranks)}
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return Topology(
         group=group,
         rank=dist.get_rank(group),
         size=size,
-        global_ranks=tuple(dist.get_global_rank(group, r) for r in range(size)),
+        global_ranks=global_ranks,
         data_group=data_group,
         data_size=1 if data_group is None else dist.get_world_size(data_group),
         device=device,
+        board=WATCHDOG.board(tuple(sorted(where)), [g for g in (group, data_group) if g is not None], where),
     )
 
 
@@ -243,31 +253,55 @@ class DistributedTransport:
         for peer in self.peers.values():
             assert peer.next_in == len(peer.incoming) and not peer.buffered, "fpipe: unread messages"
 
-    def abort(self, error: BaseException) -> None:
-        """Tell every peer that still expects a message from this rank that the step failed."""
-        rank, action = self.me, None
-        if isinstance(error, PipelineError):
-            rank, action = error.rank, error.action
+    def abort(self, error: BaseException, action: Action | None) -> None:
+        """Tell the other ranks that the step failed: ``error``, raised on this rank in ``action``.
+
+        The board gets the failure first (the record that stands: an earlier one, when
+        ``error`` comes from a failure elsewhere); then every peer that still expects a message
+        from this rank gets an ERROR meta saying so, and when every rank is alive (a stage
+        raised) the closing all-gather tells the rest.
+        """
+        board = self.topology.board
+        standing = WATCHDOG.report(board, self._failure(error, action))
+        rank = -1 if standing.rank is None or standing.replica not in (None, self._replica()) else standing.rank
         code = [rank, -1, -1, -1]
-        if action is not None:
-            code = [rank, action.stage, KINDS.index(action.kind), action.microbatch]
+        if standing.action is not None:
+            code = [rank, standing.action.stage, KINDS.index(standing.action.kind), standing.action.microbatch]
         works: list[Any] = []
         for peer in self.peers.values():
             if peer.next_out < len(peer.outgoing):
                 # Sized as the receive the peer posts for the message it expects next.
                 expected = self._wire.encoders[_channel(peer.rank, peer.outgoing[peer.next_out])].expected
                 message = error_message(code, expected, self.topology.device)
-                works.append(dist.isend(message, self.topology.global_ranks[peer.rank], group=self.topology.group))
-        if not self._concluded and not isinstance(error, PipelineTimeoutError):  # (a hung peer never joins)
-            with contextlib.suppress(PipelineError):  # a lost peer: the others see it too
+                with contextlib.suppress(RuntimeError):  # that peer is gone: the board tells the others
+                    works.append(dist.isend(message, self.topology.global_ranks[peer.rank], group=self.topology.group))
+        if not self._concluded and standing.kind == RAISED:  # (a lost rank never joins)
+            with contextlib.suppress(PipelineError):  # the board tells those this misses
                 self._conclude(code)
                 # Every rank has stopped its row: a peer that has not read its error meta by now
                 # never will (the failed rank itself), and waiting for it would only time out.
                 works = []
         for work in works:
-            with contextlib.suppress(RuntimeError):  # the peer is gone or stuck: it times out on its own
+            with contextlib.suppress(RuntimeError):  # the peer is gone or stuck: it learns from the board
                 work.wait(timeout=timedelta(seconds=min(self._seconds, 10.0)))
         self._wire.reset()
+
+    def _failure(self, error: BaseException, action: Action | None) -> Failure:
+        """This rank's failure for ``error`` raised in ``action`` (an error from a failure
+        elsewhere names that one, which the board already holds)."""
+        replica = self._replica()
+        if isinstance(error, PipelineError) and error.action is not None:
+            action = error.action
+        if action is None:
+            return Failure(self.me, None, RAISED, f"failed outside any action ({type(error).__name__})", replica)
+        what = "loss_fn failed in" if isinstance(error, PipelineError) and error.in_loss_fn else "failed in"
+        if isinstance(error, KeyboardInterrupt):
+            what = "was interrupted (KeyboardInterrupt) in"
+        return Failure(self.me, action, RAISED, f"{what} {action.describe()}; its own error says why", replica)
+
+    def _replica(self) -> int | None:
+        me = self.topology.global_ranks[self.me]
+        return self.topology.board.names.get(me, (self.me, None))[1]
 
     def _conclude(self, failure: list[int] | None) -> list[int] | None:
         """The step's closing all-gather of ``[failed, rank, stage, kind, microbatch]`` over the
@@ -297,7 +331,12 @@ class DistributedTransport:
         peer.next_out += 1
         to, group = self.topology.global_ranks[dst], self.topology.group
         for tensor in tensors:
-            self._sends.append((dist.isend(tensor, to, group=group), (tensor,)))
+            try:
+                work = dist.isend(tensor, to, group=group)
+            except RuntimeError as error:  # the peer is gone: not the stage's fault
+                what = f"{_describe(key)} to be sent to rank {dst}"
+                raise lost(WATCHDOG.current, error, self.me, what, to, self._timeout) from error
+            self._sends.append((work, (tensor,)))
 
     def _recv(self, src: int, key: Key) -> PyTree:
         peer = self.peers[src]
@@ -349,41 +388,98 @@ class DistributedTransport:
         self._post_ahead(peer)
 
     def _remote_failure(self, rank: int, stage: int, kind_index: int, microbatch: int) -> None:
-        if kind_index < 0:
-            raise PipelineError(
-                f"fpipe: rank {self.me} stopped because rank {rank} failed outside any action; "
-                f"rank {rank}'s own error says why.",
-                rank=rank,
-            )
-        action = Action(stage, KINDS[kind_index], microbatch)
-        raise PipelineError(
-            f"fpipe: rank {self.me} stopped because rank {rank} failed in {action.describe()}; "
-            f"rank {rank}'s own error says why.",
-            rank=rank,
-            action=action,
-        )
+        """Raise the failure an ERROR meta or the closing all-gather reports: the board's record,
+        or the sender's code when the board does not answer."""
+        standing = WATCHDOG.read(self.topology.board)
+        if standing is None:
+            action = None if kind_index < 0 else Action(stage, KINDS[kind_index], microbatch)
+            where = "outside any action" if action is None else f"in {action.describe()}"
+            subject = None if rank < 0 else self.topology.global_ranks[rank]
+            standing = self.topology.board.failure_of(subject, RAISED, f"failed {where}; its own error says why")
+            standing = Failure(standing.rank, action, RAISED, standing.what, standing.replica)
+        raise standing.error(self.me)
 
     def _wait(self, work: Any, what: str, peer: int | None) -> None:
-        wait(work, self._timeout, self.me, f"{what}" + ("" if peer is None else f" from rank {peer}"))
+        if peer is None:
+            wait(work, self._timeout, self.me, what)
+        else:
+            wait(work, self._timeout, self.me, f"{what} from rank {peer}", self.topology.global_ranks[peer])
 
 
-def wait(work: Any, timeout: timedelta, rank: int, what: str) -> None:
-    """``work.wait`` with a timeout, turning backend errors into ``PipelineError``s that say what was awaited."""
+def wait(work: Any, timeout: timedelta, rank: int, what: str, peer: int | None = None) -> None:
+    """``work.wait`` with a timeout. A failure raises a ``PipelineError`` that says what ``rank``
+    was waiting for and names the rank that failed (NOTE [failure board] in fpipe/_faults.py);
+    the backend's error is chained. ``peer``: the global rank a receive waits on (``None``: a
+    collective)."""
+    board = WATCHDOG.current
     try:
-        work.wait(timeout=timeout)
+        with waiting(board):
+            work.wait(timeout=timeout)
     except RuntimeError as error:
-        text = str(error)
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            raise PipelineTimeoutError(
-                f"fpipe: rank {rank} timed out after {timeout.total_seconds():g} s waiting for {what}. A peer "
-                "has probably died or hung; if stages are just slow, raise pipeline(..., timeout=).",
+        raise lost(board, error, rank, what, peer, timeout) from error
+
+
+def lost(
+    board: Board | None, error: BaseException, rank: int, what: str, peer: int | None, timeout: timedelta
+) -> PipelineError:
+    """The error for a backend ``error`` while pipeline rank ``rank`` waited for ``what``.
+
+    In a step, the board's record if there is one (the failure that aborted this wait), else
+    this rank's finding, written on the board for the others: a silent rank (the wait timed
+    out: the ranks whose heartbeat stopped, or unknown) or a dead one (its connection closed).
+    """
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+    seconds = f"{timeout.total_seconds():g}"
+    if board is None:
+        if timed_out:
+            return PipelineTimeoutError(
+                f"fpipe: rank {rank} timed out after {seconds} s waiting for {what}. A peer has probably died "
+                "or hung; if it is just slow, raise pipeline(..., timeout=).",
                 rank=rank,
-            ) from error
-        raise PipelineError(
-            f"fpipe: rank {rank} lost a peer while waiting for {what} ({text.splitlines()[0]}). "
-            "That peer has probably died; its own error or log says why.",
-            rank=rank,
-        ) from error
+            )
+        return PipelineError(f"fpipe: rank {rank} lost a peer while waiting for {what} ({text}).", rank=rank)
+    standing = WATCHDOG.read(board)
+    if standing is not None:
+        return standing.error(rank, what)
+    if timed_out:
+        silent = board.silent()
+        if silent:
+            also = "" if len(silent) == 1 else f" (so did global ranks {silent[1:]})"
+            failure = board.failure_of(
+                silent[0],
+                SILENT,
+                f"stopped answering{also}: no heartbeat for {STALE:g} s or more, so it is frozen or dead; "
+                f"rank {rank} timed out after {seconds} s",
+            )
+        else:
+            why = "every rank still answers" if silent == [] else "the job's store does not answer"
+            failure = board.failure_of(
+                None,
+                SILENT,
+                f"went silent: rank {rank} timed out after {seconds} s and {why} "
+                "(if stages are just slow, raise pipeline(..., timeout=))",
+            )
+    else:
+        failure = board.failure_of(
+            peer if peer is not None else _first_silent(board),
+            DIED,
+            f"died: a connection closed while rank {rank} waited",
+        )
+    return WATCHDOG.report(board, failure).error(rank, what)
+
+
+def _first_silent(board: Board) -> int | None:
+    """The first rank whose heartbeat stops within ``2 * STALE`` seconds (``None``: none does):
+    which rank of a collective died, as its connection closing does not say."""
+    deadline = time.monotonic() + 2 * STALE
+    with waiting(board):
+        while time.monotonic() < deadline:
+            silent = board.silent()
+            if silent:
+                return silent[0]
+            time.sleep(BEAT / 2)
+    return None
 
 
 def _channel(peer: int, key: Key) -> tuple[int, str, int]:

@@ -81,6 +81,7 @@ class Executor:
         self.auxes: dict[int, Any] = {}
         self._pullbacks: dict[tuple[int, int], Pullback] = {}
         self._ready = 0.0  # when the current action's inputs had arrived
+        self.current: Action | None = None  # the action running, or that raised
 
     def run(self, order: Sequence[tuple[int, Action]], *, times: Times | None = None) -> None:
         """Interpret ``(rank, action)`` pairs in order; failures become ``PipelineError``.
@@ -98,14 +99,26 @@ class Executor:
         }
         for rank, action in order:
             self._ready = clock() if times is not None else 0.0
+            self.current = action
             try:
                 handlers[action.kind](action)
             except PipelineError:
                 raise
+            except _LossFnFailed as error:
+                cause = error.__cause__ or error
+                raise PipelineError.from_exception(rank, action, cause, in_loss_fn=True) from cause
             except Exception as error:
                 raise PipelineError.from_exception(rank, action, error) from error
+            self.current = None
             if times is not None:
                 times.append((self._ready, clock()))
+
+    def _loss_fn(self, y: Any, microbatch: Any) -> Any:
+        """``loss_fn``, its errors marked as its own (not the last stage's)."""
+        try:
+            return self.loss_fn(y, microbatch)
+        except Exception as error:
+            raise _LossFnFailed from error
 
     def _arrived(self) -> None:
         self._ready = clock()
@@ -118,7 +131,7 @@ class Executor:
         self._arrived()
         if s == self.last:
             loss, aux, pullback = stage.forward_loss(
-                x, microbatch, self.loss_fn, has_aux=self.has_aux, differentiate_input=s > 0
+                x, microbatch, self._loss_fn, has_aux=self.has_aux, differentiate_input=s > 0
             )
             self.losses[i] = loss
             self.auxes[i] = aux
@@ -152,3 +165,7 @@ class Executor:
     def _backward_weight(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
         self.stages[s].backward_weight(self._pullbacks.pop((s, i)), i)
+
+
+class _LossFnFailed(Exception):
+    """``loss_fn`` raised (the error is the ``__cause__``)."""

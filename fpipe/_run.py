@@ -28,6 +28,7 @@ from ._distributed import (
 )
 from ._errors import PipelineError
 from ._executor import Executor, LocalTransport
+from ._faults import WATCHDOG
 from ._microbatch import sizes_of, split, stack
 from ._pytree import PyTree, flatten
 from ._record import active, clock, measured
@@ -106,8 +107,22 @@ def run_distributed(
        data-parallel group, so replicas fail together);
     2. run the row, exchanging activations and cotangents with the peers;
     3. receive (or send) the loss, and average over data-parallel replicas.
+
+    Any rank's failure fails every rank (NOTE [failure board] in fpipe/_faults.py).
     """
     check_usable(topology)
+    with WATCHDOG.step(topology.board):
+        try:
+            return _run_row(step, plan, topology, params, batch)
+        except PipelineError as error:
+            mark_broken(topology, error)
+            raise
+
+
+def _run_row(
+    step: Step, plan: Plan, topology: Topology, params: Sequence[PyTree], batch: PyTree
+) -> tuple[torch.Tensor, Any, list[PyTree]]:
+    """``run_distributed`` in the step's failure board."""
     me, placement, m = topology.rank, step.program.placement(), step.num_microbatches
     first, last = placement[0], placement[-1]
     # 1. Local input checks, then the handshake, so every rank fails together.
@@ -185,16 +200,14 @@ def run_distributed(
             recording.timelines.append(measured(step.program, plan.order, times, start, topology.group))
     except BaseException as error:
         mark_broken(topology, error)
-        transport.abort(error)
-        if topology.data_group is not None:
-            _average_replicas(step, topology, runs, None)
+        transport.abort(error, executor.current)
         raise
     if isinstance(runs, ShardedRuns):
-        loss = _average_replicas(step, topology, runs, (loss, []))
+        loss = _average_replicas(step, topology, runs, loss, [])
         return loss, aux, runs.grads(step.num_stages)
     grads = [runs[s].grads() if s in runs else None for s in range(step.num_stages)]
     if topology.data_group is not None:
-        loss = _average_replicas(step, topology, runs, (loss, grads))
+        loss = _average_replicas(step, topology, runs, loss, grads)
     return loss, aux, grads
 
 
@@ -232,40 +245,24 @@ def _check_params(step: Step, params: Sequence[PyTree], placement: tuple[int, ..
 
 
 def _average_replicas(
-    step: Step,
-    topology: Topology,
-    runs: dict[int, StageRun] | ShardedRuns,
-    result: tuple[torch.Tensor, list[PyTree]] | None,
+    step: Step, topology: Topology, runs: dict[int, StageRun] | ShardedRuns, loss: torch.Tensor, grads: list[PyTree]
 ) -> torch.Tensor:
-    """Average loss and grads over data-parallel replicas in place (one all-reduce per dtype).
-
-    A flag rides along, so a replica that failed (``result is None``: it still joins, with
-    whatever partial gradients it has) makes every other replica raise instead of waiting. Sharded grads are averaged by
-    their reduce-scatters instead, which ``runs.finish`` completes (fpipe/_sharding.py).
+    """Average ``loss`` and ``grads`` over data-parallel replicas in place (one all-reduce per
+    dtype); the averaged loss. Sharded grads are averaged by their reduce-scatters instead,
+    which ``runs.finish`` completes (fpipe/_sharding.py). A replica that fails does not join:
+    the failure board fails the others (NOTE [failure board] in fpipe/_faults.py).
     """
-    loss = torch.zeros((), dtype=torch.float32, device=topology.device) if result is None else result[0]
-    grads: list[Any] = []
     if isinstance(runs, ShardedRuns):
-        runs.finish(failed=result is None)
-    elif result is None:
-        grads = [runs[s].grads() for s in sorted(runs)]
-    else:
-        grads = [result[1][s] for s in sorted(runs)]
-    leaves = [g for tree in grads for g in flatten(tree)[0] if isinstance(g, torch.Tensor)]
-    # Loss and flag in float64 whatever the loss dtype: a failed replica has no loss to take a
-    # dtype from, and a narrower one would round the loss. With float64 grads this is one
-    # all-reduce; otherwise a second, two-element one.
-    extra = torch.tensor([loss.item(), float(result is None)], dtype=torch.float64, device=topology.device)
-    all_reduce_sum(topology, topology.data_group, [*leaves, extra], step.timeout, "the data-parallel all-reduce")
-    if result is not None and extra[1].item() > 0:
-        raise PipelineError(
-            f"fpipe: rank {topology.rank} stopped because another data-parallel replica failed this step; "
-            "its ranks' errors say why.",
-            rank=topology.rank,
-        )
+        runs.finish()
+        grads = []
+    leaves = [g for s in sorted(runs) if grads for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)]
+    # The loss in float64 whatever its dtype, so that averaging does not round it: with
+    # float64 grads this is one all-reduce; otherwise a second, one-element one.
+    total = loss.detach().to(torch.float64).reshape(1).to(topology.device)
+    all_reduce_sum(topology, topology.data_group, [*leaves, total], step.timeout, "the data-parallel all-reduce")
     for g in leaves:
         g.div_(topology.data_size)
-    return (extra[0] / topology.data_size).to(loss.device, loss.dtype).reshape(())
+    return (total[0] / topology.data_size).to(loss.device, loss.dtype).reshape(())
 
 
 def _weighted_sum(losses: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:

@@ -173,15 +173,9 @@ class ShardedRuns(Mapping[int, StageRun]):
         self._full.pop(stage, None)
         self._reductions[stage] = ReduceScatter(self.dp, stage, grads, self._layouts[stage])
 
-    def finish(self, *, failed: bool) -> None:
-        """Wait for every reduce-scatter; a failed replica first joins those it has not posted."""
-        for stage in list(self._gathers):  # a failure before the stage's first forward
-            self._gathers.pop(stage).wait()
-        for stage in self._finish_order:
-            if stage not in self._reductions:
-                assert failed, f"fpipe: stage {stage} was never finished"
-                self._runs.pop(stage, None)
-                self._reductions[stage] = ReduceScatter(self.dp, stage, None, self._layouts[stage])
+    def finish(self) -> None:
+        """Wait for every reduce-scatter (a replica that fails does not join: the failure board
+        fails the others, NOTE [failure board] in fpipe/_faults.py)."""
         for stage in self._finish_order:
             self._grads[stage] = self._reductions.pop(stage).wait()
 

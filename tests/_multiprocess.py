@@ -90,7 +90,9 @@ def run_ranks(
             f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout} s ({error!r})"
         )
     finally:
-        for p in procs:
+        for r, p in enumerate(procs):
+            if r in may_die and p.is_alive():
+                p.kill()  # stopped or hung on purpose
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()

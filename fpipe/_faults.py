@@ -1,0 +1,293 @@
+"""Failure detection across the ranks of a distributed job (NOTE [failure board]).
+
+NOTE [failure board]
+A process that dies closes its connections, so a peer receiving from it fails at once; one that
+freezes (SIGSTOP, a hung kernel, a lost machine) does not, and torch.distributed cannot interrupt
+a pending gloo receive from Python. Waiting ranks learn of a failure they are not waiting on
+through a board in torch.distributed's own store (the job's TCPStore), per step:
+
+1. A rank that fails (a stage or ``loss_fn`` raised, a peer died, a wait timed out) writes the
+   step's failure record before raising: compare-and-set, so the first record wins and every
+   rank reports the same failure.
+2. A watchdog thread per process reads the record while its rank has been waiting longer than
+   ``POLL`` seconds. When there is one, it aborts the job's process groups on this rank (gloo:
+   a receive that times out at once, which closes every pair of the group; other backends:
+   ``ProcessGroup.abort``), so the pending wait raises at once, and the rank raises the record.
+3. Every watchdog beats a counter in the store every ``BEAT`` seconds while its process lives,
+   so a rank whose wait times out names the ranks whose counter stopped (frozen or dead)
+   instead of blaming the peer it was waiting for, which may itself be waiting. It says
+   "unknown" when every rank still beats.
+
+Store operations run only on the watchdog thread, through its own client of the store: a rank's
+main thread never blocks on a store whose host is frozen (it gives up after ``ASK`` seconds).
+So every survivor raises within the ``timeout`` of its own wait plus about ``2 * POLL``, and
+within ``POLL`` of the first report when it waits on something else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+from ._errors import PipelineError, PipelineTimeoutError
+from .schedules._action import KINDS, Action
+
+POLL = 0.05  # seconds a wait lasts before the watchdog reads the board, and between readings
+BEAT = 0.25  # seconds between heartbeats
+STALE = 1.5  # seconds without a heartbeat after which a rank counts as silent
+ASK = 1.0  # seconds the main thread waits for the watchdog to read or write the board
+_ABORT_TAG = 0x7FFF0000  # a tag no message uses: the receive that aborts a gloo group
+
+
+RAISED = "raised"  # a stage, loss_fn or the runtime raised on that rank (its own error says why)
+DIED = "died"  # its connection closed
+SILENT = "silent"  # a wait for it timed out
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What failed in a step, as written on the board.
+
+    ``rank`` is the pipeline rank that failed (``None``: unknown), ``replica`` its data-parallel
+    replica when the job has several, ``action`` where it failed, ``kind`` one of ``RAISED``,
+    ``DIED``, ``SILENT``, and ``what`` a phrase that completes "rank r ...".
+    """
+
+    rank: int | None
+    action: Action | None
+    kind: str
+    what: str
+    replica: int | None = None
+
+    def to_json(self) -> str:
+        action = self.action
+        code = None if action is None else [action.stage, KINDS.index(action.kind), action.microbatch]
+        return json.dumps([self.rank, code, self.kind, self.what, self.replica])
+
+    @classmethod
+    def from_json(cls, text: str) -> Failure:
+        rank, code, kind, what, replica = json.loads(text)
+        action = None if code is None else Action(code[0], KINDS[code[1]], code[2])
+        return cls(rank, action, kind, what, replica)
+
+    def subject(self) -> str:
+        """``rank 3`` (or ``rank 1 of data-parallel replica 0``, or ``an unknown rank``)."""
+        if self.rank is None:
+            return "an unknown rank"
+        return f"rank {self.rank}" + ("" if self.replica is None else f" of data-parallel replica {self.replica}")
+
+    def error(self, me: int, while_: str | None = None) -> PipelineError:
+        """The error another rank raises for this failure (``while_``: what it was waiting for)."""
+        where = "" if while_ is None else f" while waiting for {while_}"
+        cls = PipelineTimeoutError if self.kind == SILENT else PipelineError
+        return cls(
+            f"fpipe: rank {me} stopped{where} because {self.subject()} {self.what}.",
+            rank=me if self.rank is None else self.rank,
+            action=self.action,
+        )
+
+
+class Board:
+    """The failure board of one job (a pipeline group, or a whole dp x pp mesh) in the store."""
+
+    def __init__(
+        self, job: tuple[int, ...], me: int, groups: list[Any], names: dict[int, tuple[int, int | None]]
+    ) -> None:
+        self.job = job  # the global ranks of the job
+        self.me = me  # this process's global rank
+        self.groups = groups  # the process groups to abort on a failure
+        self.names = names  # global rank -> (pipeline rank, replica or None)
+        self.prefix = "fpipe/" + ",".join(map(str, job)) + "/"
+        self.step = 0
+        self.failure: Failure | None = None  # the current step's record, once read
+        self.beats: dict[int, tuple[int, float]] = {}  # global rank -> (counter, when it last changed)
+        self.since: float | None = None  # when this rank's current wait began
+        self.read_at = 0.0  # when the heartbeats were last read
+        self.aborted = False
+
+    def key(self) -> str:
+        return f"{self.prefix}{self.step}/failed"
+
+    def failure_of(self, global_rank: int | None, kind: str, what: str) -> Failure:
+        """A failure of the process of global rank ``global_rank`` (``None``: unknown)."""
+        if global_rank is None:
+            return Failure(None, None, kind, what)
+        rank, replica = self.names.get(global_rank, (global_rank, None))
+        return Failure(rank, None, kind, what, replica)
+
+    def silent(self) -> list[int] | None:
+        """The global ranks of the job whose heartbeat has not changed for ``STALE`` seconds
+        (``None``: unknown, the store has not answered for that long)."""
+        now = time.monotonic()
+        if now - self.read_at > STALE:
+            return None
+        return [g for g in self.job if g != self.me and (g not in self.beats or now - self.beats[g][1] > STALE)]
+
+
+class Watchdog:
+    """One daemon thread per process: heartbeats, board readings and writes (NOTE [failure board])."""
+
+    def __init__(self) -> None:
+        self._boards: dict[str, Board] = {}
+        self._requests: queue.Queue[tuple[Callable[[Any], Any], Future[Any]]] = queue.Queue()
+        self._store: Any = None  # the watchdog thread's own client of ``_serves``
+        self._serves: Any = None  # the default process group's store
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.current: Board | None = None  # the board of the step this process is running
+
+    def board(self, job: tuple[int, ...], groups: list[Any], names: dict[int, tuple[int, int | None]]) -> Board:
+        """The board of ``job`` in the current process group's store (beaten from now on)."""
+        prefix = "fpipe/" + ",".join(map(str, job)) + "/"
+        default = dist.distributed_c10d._get_default_store()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive() or self._serves is not default:
+                # A new thread for a new store (after destroy_process_group and a new init).
+                self._serves, self._store, self._boards = default, None, {}
+                self._requests = queue.Queue()
+                self._thread = threading.Thread(target=self._loop, args=(default,), name="fpipe-watchdog", daemon=True)
+                self._thread.start()
+            if prefix not in self._boards:
+                self._boards[prefix] = Board(job, dist.get_rank(), groups, names)
+            return self._boards[prefix]
+
+    @contextlib.contextmanager
+    def step(self, board: Board) -> Iterator[None]:
+        """Run one step on ``board``: a new record key, read while this rank waits."""
+        board.step += 1
+        board.failure, board.since, self.current = None, None, board
+        try:
+            yield
+        finally:
+            self.current, board.since = None, None
+
+    # -- the main thread's side --------------------------------------------------------------
+
+    def ask(self, board: Board, job: Callable[[Any], Any]) -> Any:
+        """Run ``job(store)`` on the watchdog thread; its result, or ``TimeoutError`` after ``ASK`` s."""
+        done: Future[Any] = Future()
+        if self._thread is None or not self._thread.is_alive():
+            raise TimeoutError("fpipe: the watchdog has stopped: the job's store is gone")
+        self._requests.put((job, done))
+        return done.result(timeout=ASK)
+
+    def read(self, board: Board) -> Failure | None:
+        """The board's record for this step, read now (``None``: none, or the store does not answer)."""
+        if board.failure is not None:
+            return board.failure
+        with contextlib.suppress(Exception):
+            self.ask(board, lambda store: self._check(board, store, abort=False))
+        return board.failure
+
+    def report(self, board: Board, failure: Failure) -> Failure:
+        """Write ``failure`` unless a record is there already; the record that stands."""
+
+        def write(store: Any) -> Failure:
+            key = board.key()
+            standing = store.compare_set(key, "", failure.to_json()).decode()
+            return failure if not standing else Failure.from_json(standing)
+
+        with contextlib.suppress(Exception):
+            board.failure = self.ask(board, write)
+        return board.failure or failure
+
+    # -- the watchdog thread ---------------------------------------------------------------
+
+    def _loop(self, serves: Any) -> None:
+        """Serve requests, beat and read the board until the store is gone or replaced."""
+        requests, last_beat = self._requests, 0.0
+        while self._serves is serves and dist.is_initialized():
+            job: tuple[Callable[[Any], Any], Future[Any]] | None = None
+            with contextlib.suppress(queue.Empty):
+                job = requests.get(timeout=POLL)
+            try:
+                if self._store is None:
+                    self._store = _own_client(serves)
+                store = self._store
+                if job is not None:
+                    try:
+                        job[1].set_result(job[0](store))
+                    except Exception as error:
+                        job[1].set_exception(error)
+                now = time.monotonic()
+                if now - last_beat >= BEAT:
+                    last_beat = now
+                    for board in list(self._boards.values()):
+                        store.add(f"{board.prefix}beat/{board.me}", 1)
+                current = self.current
+                if current is not None and current.since is not None and now - current.since > POLL:
+                    self._check(current, store, abort=True)
+                    self._read_beats(current, store)
+            except Exception:  # the store is gone (its host exited): nothing left to watch
+                return
+
+    def _check(self, board: Board, store: Any, *, abort: bool) -> None:
+        if board.failure is None and store.check([board.key()]):
+            board.failure = Failure.from_json(store.get(board.key()).decode())
+        if abort and board.failure is not None and not board.aborted:
+            board.aborted = True
+            for group in board.groups:
+                abort_group(group)
+
+    def _read_beats(self, board: Board, store: Any) -> None:
+        now = time.monotonic()
+        for g in board.job:
+            if g != board.me:
+                count = store.add(f"{board.prefix}beat/{g}", 0)
+                if count and (g not in board.beats or board.beats[g][0] != count):
+                    board.beats[g] = (count, now)
+        board.read_at = now
+
+
+def _own_client(store: Any) -> Any:
+    """A client of the job's TCPStore of our own (so a stuck request blocks only the watchdog),
+    or the store itself when it is not a TCPStore (a FileStore or HashStore is local)."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    if isinstance(store, TCPStore):
+        return TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=60))
+    return store
+
+
+def abort_group(group: Any) -> None:
+    """Make every pending and future operation of ``group`` on this rank fail at once."""
+    if group is None or dist.get_world_size(group) < 2:
+        return
+    if dist.get_backend(group) == "gloo":
+        # A gloo receive that times out closes every pair of the group's context
+        # ("Application timeout caused pair closure"), failing whatever waits on them.
+        peer = dist.get_global_rank(group, (dist.get_rank(group) + 1) % dist.get_world_size(group))
+        work = dist.irecv(torch.empty(1), peer, group=group, tag=_ABORT_TAG)
+        with contextlib.suppress(RuntimeError):
+            if work is not None:
+                work.wait(timeout=timedelta(milliseconds=1))
+    else:
+        group.abort()
+
+
+WATCHDOG = Watchdog()
+
+
+@contextlib.contextmanager
+def waiting(board: Board | None) -> Iterator[None]:
+    """Mark this rank as waiting (the watchdog reads the board after ``POLL`` seconds)."""
+    if board is None:
+        yield
+        return
+    board.since = time.monotonic()
+    try:
+        yield
+    finally:
+        board.since = None
