@@ -8,7 +8,7 @@ Run::
 
 fpipe's distributed transport posts the receives of a message whose channel carries large
 leaves (activations, cotangents) as soon as the previous message from that peer has been read
-(``fpipe/_wire.py``, NOTE [receives ahead]). This benchmark measures that design decision: 2
+(``fpipe/_distributed/_wire.py``, NOTE [receives ahead]). This benchmark measures that design decision: 2
 gloo processes, one thread each, the Llama-style model and split of ``bench_vs_torch.py``, and
 for each schedule two fpipe steps, one as shipped ("ahead") and one with every receive posted
 when needed ("needed": ``Encoder.ahead`` and ``Decoder.ahead`` patched to ``False`` on both
@@ -37,7 +37,7 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     import torch.distributed as dist
 
     import fpipe
-    import fpipe._wire as wire
+    import fpipe._distributed._wire as wire
     from fpipe.schedules import GPipe, OneFOneB
 
     cfg = opts["model"]

@@ -2,12 +2,12 @@
 
 Run::
 
-    python benchmarks/bench_wire_header.py                        # the current fpipe/_wire.py
-    git show <commit>:fpipe/_wire.py > /tmp/old_wire.py           # an earlier one (e.g. with pickle)
+    python benchmarks/bench_wire_header.py                        # the current fpipe/_distributed/_wire.py
+    git show <commit>:fpipe/_distributed/_wire.py > /tmp/old_wire.py           # an earlier one (e.g. with pickle)
     python benchmarks/bench_wire_header.py --old /tmp/old_wire.py  # both, side by side
 
 A message's layout is compared to its channel's last one on every send (NOTE [header] in
-fpipe/_wire.py); a header is written only when it changed. This measures, per ``encode`` of a
+fpipe/_distributed/_wire.py); a header is written only when it changed. This measures, per ``encode`` of a
 pytree like a stage boundary's (a hidden state, positions, a complex rotary table, a tag string
 and a float), the time when the layout is unchanged (the steady state: no header) and when every
 message changes it (alternating sequence lengths: a header each time), the receiver's reading of
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-import fpipe._wire
+import fpipe._distributed._wire
 
 
 def _load(path: str) -> ModuleType:
@@ -98,13 +98,13 @@ def measure(wires: dict[str, ModuleType], number: int, repeats: int) -> dict[str
 
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--old", help="another fpipe/_wire.py to measure side by side")
+    parser.add_argument("--old", help="another fpipe/_distributed/_wire.py to measure side by side")
     parser.add_argument("--number", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    wires = {"new": fpipe._wire, **({"old": _load(args.old)} if args.old else {})}
+    wires = {"new": fpipe._distributed._wire, **({"old": _load(args.old)} if args.old else {})}
     results = measure(wires, args.number, args.repeats)
     print(f"{'':>4} {'unchanged (us)':>15} {'changed (us)':>13} {'read header (us)':>17} {'header (bytes)':>15}")
     for name, r in results.items():

@@ -8,18 +8,18 @@
 from . import schedules as schedules
 from ._api import Step as Step
 from ._api import pipeline as pipeline
-from ._balance import balance as balance
 from ._errors import PipelineError as PipelineError
 from ._errors import PipelineTimeoutError as PipelineTimeoutError
-from ._functionalize import functionalize as functionalize
-from ._load import load as load
+from ._modules._balance import balance as balance
+from ._modules._functionalize import functionalize as functionalize
+from ._modules._split import split_module as split_module
+from ._modules._tied import sum_tied as sum_tied
 from ._record import Recording as Recording
 from ._record import record as record
-from ._save import save as save
-from ._sharding import gather as gather
-from ._sharding import shard as shard
-from ._split import split_module as split_module
-from ._tied import sum_tied as sum_tied
+from ._saving._load import load as load
+from ._saving._save import save as save
+from ._sharding._runs import gather as gather
+from ._sharding._runs import shard as shard
 
 __all__ = [
     "PipelineError",

@@ -8,12 +8,13 @@ from typing import Any
 
 import torch
 
-from ._distributed import Topology, all_reduce_sum, resolve_topology
+from ._distributed._collectives import all_reduce_sum
+from ._distributed._topology import Topology, resolve_topology
 from ._plural import plural
 from ._pytree import PyTree, flatten, leaves_with_paths
 from ._run import plan_for, run_distributed, run_local
-from ._shard_layout import data_parallel
-from ._sharding import gather_stages, shard_stages
+from ._sharding._layout import data_parallel
+from ._sharding._runs import gather_stages, shard_stages
 from .schedules._action import Action
 from .schedules._program import Program, Schedule, ScheduleError, validate
 
@@ -336,7 +337,7 @@ class Step:
         ``params`` has one full pytree per stage, as an unsharded step takes them (entries for
         stages held elsewhere are ignored and may be ``None``). Each tensor leaf of ``n`` elements
         becomes a 1-D tensor of ``ceil(n / d)`` elements (NOTE [shard layout] in
-        ``fpipe/_sharding.py``). The full shapes and dtypes are recorded in the step, which
+        ``fpipe/_sharding/_runs.py``). The full shapes and dtypes are recorded in the step, which
         needs them to gather; tensors on the ``meta`` device will do when only shapes are known.
         No communication.
 

@@ -16,24 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._distributed import (
-    DistributedTransport,
-    Topology,
-    WireState,
-    all_reduce_sum,
-    check_usable,
-    checksum,
-    handshake,
-    mark_broken,
-)
+from ._distributed._collectives import all_reduce_sum, check_usable, handshake, mark_broken
+from ._distributed._faults import WATCHDOG
+from ._distributed._topology import Topology
+from ._distributed._transport import DistributedTransport, WireState, checksum
 from ._errors import PipelineError
 from ._executor import Executor, LocalTransport
-from ._faults import WATCHDOG
 from ._microbatch import sizes_of, split, stack
 from ._pytree import PyTree, flatten
 from ._record import active, clock, measured
-from ._shard_layout import StageLayout, check_shards, data_parallel
-from ._sharding import ShardedRuns, segments
+from ._sharding._layout import StageLayout, check_shards, data_parallel
+from ._sharding._runs import ShardedRuns, segments
 from ._stage import StageRun
 from .schedules._action import Action
 from .schedules._program import Program, ScheduleError, execution_order
@@ -108,7 +101,7 @@ def run_distributed(
     2. run the row, exchanging activations and cotangents with the peers;
     3. receive (or send) the loss, and average over data-parallel replicas.
 
-    Any rank's failure fails every rank (NOTE [failure board] in fpipe/_faults.py).
+    Any rank's failure fails every rank (NOTE [failure board] in fpipe/_distributed/_faults.py).
     """
     check_usable(topology)
     with WATCHDOG.step(topology.board):
@@ -249,8 +242,8 @@ def _average_replicas(
 ) -> torch.Tensor:
     """Average ``loss`` and ``grads`` over data-parallel replicas in place (one all-reduce per
     dtype); the averaged loss. Sharded grads are averaged by their reduce-scatters instead,
-    which ``runs.finish`` completes (fpipe/_sharding.py). A replica that fails does not join:
-    the failure board fails the others (NOTE [failure board] in fpipe/_faults.py).
+    which ``runs.finish`` completes (fpipe/_sharding/_runs.py). A replica that fails does not join:
+    the failure board fails the others (NOTE [failure board] in fpipe/_distributed/_faults.py).
     """
     if isinstance(runs, ShardedRuns):
         runs.finish()

@@ -148,8 +148,8 @@ def _train_large(rank, world):
 
 def test_large_leaves_travel_on_their_own_and_equal_local():
     """Activations, cotangents and the last stage's targets of 64 KiB or more travel as messages of
-    their own (fpipe/_wire.py), beside small inline leaves, across a change of sequence length."""
-    from fpipe._wire import INLINE_LIMIT
+    their own (fpipe/_distributed/_wire.py), beside small inline leaves, across a change of sequence length."""
+    from fpipe._distributed._wire import INLINE_LIMIT
 
     assert 5 * LARGE_LENGTHS[0] * 2 * 16 >= INLINE_LIMIT
     results = run_ranks(2, _train_large)

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 import fpipe
-from fpipe._save_directory import INDEX, LATEST, LOCK
-from fpipe._store import tensor_bytes
+from fpipe._saving._directory import INDEX, LATEST, LOCK
+from fpipe._saving._store import tensor_bytes
 from fpipe.schedules import Interleaved1F1B, OneFOneB
 from tests._multiprocess import run_ranks
 
@@ -194,7 +194,7 @@ def test_optimizer_state_and_metadata_round_trip(tmp_path: Path) -> None:
 # --- Atomicity --------------------------------------------------------------------------------
 
 _KILLED_SAVE = """
-import os, sys, time, torch, fpipe, fpipe._store as store
+import os, sys, time, torch, fpipe, fpipe._saving._store as store
 written = []
 def slow(f, data):
     f.write(data[: len(data) // 2])
@@ -243,7 +243,7 @@ def test_a_failed_save_keeps_the_previous_one_and_cleans_up(tmp_path: Path, monk
     def failing(f: Any, data: memoryview) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("fpipe._store._write", failing)
+    monkeypatch.setattr("fpipe._saving._store._write", failing)
     with pytest.raises(OSError, match="No space left"):
         fpipe.save(tmp_path, [{"w": torch.zeros(3)}])
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]

@@ -1,6 +1,6 @@
 """The save directory: concurrent saves take turns on its lock; ``latest`` and links stay inside it.
 
-NOTE [save concurrency] and NOTE [the save directory] in ``fpipe/_save_directory.py``.
+NOTE [save concurrency] and NOTE [the save directory] in ``fpipe/_saving/_directory.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import fpipe
-from fpipe._save_directory import INDEX, LATEST, LOCK
+from fpipe._saving._directory import INDEX, LATEST, LOCK
 from tests._multiprocess import run_ranks
 from tests.test_save import assert_bitwise
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import fpipe
-from fpipe._shard_layout import LeafLayout, StageLayout, cut, layout_of
-from fpipe._sharding import segments
+from fpipe._sharding._layout import LeafLayout, StageLayout, cut, layout_of
+from fpipe._sharding._runs import segments
 from fpipe.schedules import Interleaved1F1B, OneFOneB
 from tests._multiprocess import run_ranks
 

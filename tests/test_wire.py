@@ -21,7 +21,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fpipe._wire import DATA, ERROR, INLINE_LIMIT, META_BYTES, Decoder, Encoder, as_bytes, error_message, meta_of
+from fpipe._distributed._wire import DATA, ERROR, INLINE_LIMIT, META_BYTES, Decoder, Encoder, as_bytes, error_message, meta_of
 
 CPU = torch.device("cpu")
 
@@ -273,7 +273,7 @@ def test_a_new_layout_on_a_channel_of_large_leaves_pads_what_was_posted_ahead() 
     assert [t.numel() for t in sent[:2]] == [META_BYTES, 2 * INLINE_LIMIT] and not decoder.ahead
 
 
-# -- the header is data (NOTE [header] in fpipe/_wire.py) --------------------------------------
+# -- the header is data (NOTE [header] in fpipe/_distributed/_wire.py) --------------------------------------
 
 GLOBAL = optree.registry.__GLOBAL_NAMESPACE  # the namespace fpipe flattens with
 

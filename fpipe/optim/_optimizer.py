@@ -11,7 +11,7 @@ the stage's parameters' structure::
 So ``fpipe.save(..., optimizer_state=state)`` names a buffer ``exp_avg.<parameter name>``; with
 sharded parameters its leaves are 1-D shards of the parameter's shard size, which is how save
 recognises them as shards and reshards them on load (NOTE [sharded saves] in
-``fpipe/_store.py``). The step is one float32 scalar per stage, equal in every stage, which save
+``fpipe/_saving/_store.py``). The step is one float32 scalar per stage, equal in every stage, which save
 writes once. Non-tensor leaves of the parameters (``None``, strings) get ``None`` buffers.
 
 NOTE [torch kernels]

@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from ._pytree import PyTree, TreeSpec, flatten, leaves_with_paths, structure_data, structure_from_data, unflatten
+from .._pytree import PyTree, TreeSpec, flatten, leaves_with_paths, structure_data, structure_from_data, unflatten
 
 META_WORDS = 6
 META_BYTES = 8 * META_WORDS  # a multiple of 16: an inline payload keeps its leaves aligned

@@ -26,7 +26,7 @@ from typing import Any, Literal, overload
 import torch
 from torch import nn
 
-from ._pytree import flatten, is_differentiable, map_tensors
+from .._pytree import flatten, is_differentiable, map_tensors
 from ._split import Adapter, lookup
 
 Containers = nn.Sequential | nn.ModuleList | nn.ModuleDict

@@ -22,7 +22,7 @@ On each pipeline rank (one process: a single rank, and the all-gathers are no-op
    metadata), so all ranks fail together, and assigns each name to the lowest rank holding it.
 2. Write the owned tensors into ``directory/.tmp-<version>/`` (one file per rank and kind, all
    ranks in parallel), fsync; all-gather the file sizes.
-3. Rank 0 writes the index and commits (NOTE [the save directory] in ``fpipe/_save_directory.py``).
+3. Rank 0 writes the index and commits (NOTE [the save directory] in ``fpipe/_saving/_directory.py``).
 4. A last all-gather over the pipeline group, then over the data-parallel group (whose other
    replicas write nothing and wait here), so ``save`` returns on every rank only once committed.
 
@@ -44,10 +44,10 @@ from typing import Any
 
 import torch
 
-from ._api import Step
-from ._pytree import PyTree, leaves_with_names
-from ._save_directory import commit, fsync_directory, locked, next_version
-from ._save_ranks import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
+from .._api import Step
+from .._pytree import PyTree, leaves_with_names
+from ._directory import commit, fsync_directory, locked, next_version
+from ._ranks import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
 from ._store import CODES, DTYPES, Entry, cut_range, file_name, make_index, numel_of, sha256, write_safetensors
 
 
@@ -66,19 +66,19 @@ def save(
     """Save parameters (and optimizer state and metadata) to ``directory``, atomically.
 
     Tensors go to safetensors files under their global names (NOTE [names] in
-    ``fpipe/_save.py``: a tensor's key path inside its stage's pytree, joined by ``.``), with a
+    ``fpipe/_saving/_save.py``: a tensor's key path inside its stage's pytree, joined by ``.``), with a
     Hugging Face style index ``model.safetensors.index.json`` (``{"metadata": ...,
     "weight_map": {name: file}}``, plus every tensor's dtype, shape and sha256 and every file's
     size). Nothing is pickled. ``directory`` holds versioned subdirectories and a ``latest``
     pointer that is replaced atomically: a save that fails or is killed leaves the previous save
     complete and loadable, and the previous version is removed only once the new one is
-    committed (NOTE [the save directory] in ``fpipe/_save_directory.py``).
+    committed (NOTE [the save directory] in ``fpipe/_saving/_directory.py``).
 
     Args:
         directory: where to save; created if needed. Saves to one directory from several
             processes at once (each rank of a job calling ``save`` without ``group=``) take turns
             on a lock file in it, and the last to commit is the one loaded (NOTE [save
-            concurrency] in ``fpipe/_save_directory.py``). Do not load from it while saving to it.
+            concurrency] in ``fpipe/_saving/_directory.py``). Do not load from it while saving to it.
         params: one parameter pytree per stage, as passed to ``step``. Leaves are dense tensors
             (any device; a dtype safetensors stores: not complex128) or ``None`` (skipped); a
             stage that is ``None`` is not held by this rank. A name in several stages (a tied
@@ -98,7 +98,7 @@ def save(
             With a step built with ``shard_params=True``, ``params`` (and optimizer state leaves
             named ``<prefix>.<parameter name>`` of the shard size) are this rank's shards, and
             every replica writes its own, with the full shapes ``step.shard`` recorded
-            (NOTE [sharded saves] in ``fpipe/_store.py``).
+            (NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
         timeout: seconds a rank waits for the others at each of the save's all-gathers, which
             includes the time the slowest rank takes to hash or write its tensors, and the
             seconds rank 0 waits for another save to the same directory to finish.
@@ -310,7 +310,7 @@ def _save_pipeline(
                             "Pass None for the stages of other ranks."
                         )
             local = {kind: _collect(kind, kind_trees, held, sharding) for kind, kind_trees in trees.items()}
-            if me == 0:  # NOTE [save concurrency] in fpipe/_save_directory.py: hold the lock until cleaned up
+            if me == 0:  # NOTE [save concurrency] in fpipe/_saving/_directory.py: hold the lock until cleaned up
                 root.mkdir(parents=True, exist_ok=True)
                 lock.enter_context(locked(root, ranks.timeout))
                 version = next_version(root)

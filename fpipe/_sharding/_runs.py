@@ -56,11 +56,11 @@ from typing import Any
 import torch
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
-from ._distributed import Topology, resolve_topology
-from ._pytree import PyTree, flatten, map_tensors
-from ._shard_layout import DataParallel, Gather, LeafLayout, ReduceScatter, StageLayout, cut, data_parallel, layout_of
-from ._stage import StageRun
-from .schedules._action import Action
+from .._distributed._topology import Topology, resolve_topology
+from .._pytree import PyTree, flatten, map_tensors
+from .._stage import StageRun
+from ..schedules._action import Action
+from ._layout import DataParallel, Gather, LeafLayout, ReduceScatter, StageLayout, cut, data_parallel, layout_of
 
 # -- the stages of one sharded step -------------------------------------------------------------
 
@@ -175,7 +175,7 @@ class ShardedRuns(Mapping[int, StageRun]):
 
     def finish(self) -> None:
         """Wait for every reduce-scatter (a replica that fails does not join: the failure board
-        fails the others, NOTE [failure board] in fpipe/_faults.py)."""
+        fails the others, NOTE [failure board] in fpipe/_distributed/_faults.py)."""
         for stage in self._finish_order:
             self._grads[stage] = self._reductions.pop(stage).wait()
 
@@ -234,7 +234,7 @@ def gather_tree(dp: DataParallel, tree: PyTree, layout: StageLayout, caller: str
 
 
 def _data_parallel_of(over: Any, caller: str) -> DataParallel:
-    from ._api import Step  # a cycle at import time: _api uses this module
+    from .._api import Step  # a cycle at import time: _api uses this module
 
     topology: Topology | None = None
     timeout = 300.0

@@ -1,10 +1,10 @@
 """The ranks of a save or load: who takes part, what each holds, and agreeing among them.
 
-``fpipe.save`` (``fpipe/_save.py``) and ``fpipe.load`` (``fpipe/_load.py``) both find their ranks
+``fpipe.save`` (``fpipe/_saving/_save.py``) and ``fpipe.load`` (``fpipe/_saving/_load.py``) both find their ranks
 from ``step=``, ``group=`` or ``mesh=`` (``resolve``), all-gather JSON values among them
 (``Ranks``, ``agree``: an error on one rank raises on every rank), check the per-stage arguments
 (``stage_list``) and, for a step built with ``shard_params=True``, describe this rank's shards
-(``Sharding``, ``sharded_leaves``, ``full_shapes``; NOTE [sharded saves] in ``fpipe/_store.py``).
+(``Sharding``, ``sharded_leaves``, ``full_shapes``; NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._api import Step
-from ._distributed import Topology, resolve_topology, wait
-from ._pytree import PyTree, leaves_with_names, unflatten
-from ._shard_layout import StageLayout
+from .._api import Step
+from .._distributed._collectives import wait
+from .._distributed._topology import Topology, resolve_topology
+from .._pytree import PyTree, leaves_with_names, unflatten
+from .._sharding._layout import StageLayout
 from ._store import tensor_bytes
 
 # --- Shards -----------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Shards and their collectives: how a stage's parameters are cut over the data-parallel ranks
-(NOTE [shard layout] in ``fpipe/_sharding.py``), and the all-gather and reduce-scatter that
+(NOTE [shard layout] in ``fpipe/_sharding/_runs.py``), and the all-gather and reduce-scatter that
 move them, one flat buffer per dtype per stage.
 """
 
@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._distributed import Topology, wait
-from ._pytree import PyTree, TreeSpec, detached, flatten, leaves_with_paths, unflatten
+from .._distributed._collectives import wait
+from .._distributed._topology import Topology
+from .._pytree import PyTree, TreeSpec, detached, flatten, leaves_with_paths, unflatten
 
 # torch 2.13 deprecates ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (FutureWarning)
 # in favour of these names, which older releases lack; both are the same collective.

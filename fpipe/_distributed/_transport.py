@@ -1,4 +1,4 @@
-"""One pipeline rank per process over torch.distributed: topology, transport, collectives.
+"""The distributed transport: the messages between pipeline ranks in one step, and their failure path.
 
 Every rank runs its own row of the program with the shared ``Executor``; only the transport
 differs from one process. The protocol (notes/wire.md), per step:
@@ -9,7 +9,7 @@ differs from one process. The protocol (notes/wire.md), per step:
    messages the sender will send (activations, cotangents, microbatches for a last stage that
    has no batch, the final loss). Sends are non-blocking; the receiver reads each peer's
    messages in that order (buffering any it does not need yet); each receive is posted when
-   the message is needed, with its size known in advance (fpipe/_wire.py). As sends never
+   the message is needed, with its size known in advance (fpipe/_distributed/_wire.py). As sends never
    block and the program replays without deadlock (``validate``), no schedule can deadlock on
    any backend.
 3. Failure: a rank that fails sends an ERROR meta (failing rank and action) as its next
@@ -25,88 +25,24 @@ differs from one process. The protocol (notes/wire.md), per step:
 from __future__ import annotations
 
 import contextlib
-import time
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._errors import PipelineError, PipelineTimeoutError
-from ._faults import BEAT, DIED, RAISED, SILENT, STALE, WATCHDOG, Board, Failure, waiting
-from ._pytree import PyTree
+from .._errors import PipelineError
+from .._pytree import PyTree
+from ..schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD, KINDS, Action
+from ..schedules._program import Program
+from ._collectives import handshake, lost, wait
+from ._faults import RAISED, WATCHDOG, Failure
+from ._topology import Topology
 from ._wire import ERROR, Decoder, Encoder, as_bytes, error_message, meta_of
-from .schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD, KINDS, Action
-from .schedules._program import Program
 
 Key = tuple[str, int, int]  # ("act" | "cot" | "mb" | "result", stage, microbatch)
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where this process sits: its pipeline group and, optionally, its data-parallel group."""
-
-    group: Any  # the pipeline ProcessGroup
-    rank: int  # position in the pipeline group = pipeline rank
-    size: int
-    global_ranks: tuple[int, ...]  # pipeline rank -> global rank
-    data_group: Any | None
-    data_size: int
-    device: torch.device
-    board: Board  # the job's failure board (NOTE [failure board] in fpipe/_faults.py)
-
-
-_PIPELINE_DIMS = ("pp", "pipeline")
-_DATA_DIMS = ("dp", "data")
-
-
-def resolve_topology(mesh: Any, group: Any) -> Topology | None:
-    """The topology for ``pipeline(..., mesh=...)`` or ``group=...``; ``None`` for one process."""
-    if mesh is None and group is None:
-        return None
-    if mesh is not None and group is not None:
-        raise TypeError("fpipe.pipeline: pass mesh= or group=, not both.")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "fpipe.pipeline: torch.distributed is not initialized. Call "
-            "torch.distributed.init_process_group() first (torchrun sets up the environment)."
-        )
-    data_group = None
-    where: dict[int, tuple[int, int | None]] = {}  # global rank -> (pipeline rank, replica)
-    if mesh is not None:
-        names = tuple(mesh.mesh_dim_names or ())
-        if mesh.ndim == 1 and not names:
-            names = ("pp",)
-        pipe = [n for n in names if n in _PIPELINE_DIMS]
-        data = [n for n in names if n in _DATA_DIMS]
-        if len(pipe) != 1 or len(pipe) + len(data) != mesh.ndim:
-            raise ValueError(
-                f"fpipe.pipeline: the mesh needs one pipeline dimension named 'pp' and at most one data "
-                f"dimension named 'dp' (mesh_dim_names: {mesh.mesh_dim_names!r})."
-            )
-        group = mesh.get_group(pipe[0])
-        data_group = mesh.get_group(data[0]) if data else None
-        rows = mesh.mesh.permute(*(names.index(n) for n in (*data, pipe[0])))
-        for replica, row in enumerate(rows.reshape(-1, rows.shape[-1]).tolist()):
-            where.update({g: (r, replica if data else None) for r, g in enumerate(row)})
-    size = dist.get_world_size(group)
-    global_ranks = tuple(dist.get_global_rank(group, r) for r in range(size))
-    where = where or {g: (r, None) for r, g in enumerate(global_ranks)}
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    return Topology(
-        group=group,
-        rank=dist.get_rank(group),
-        size=size,
-        global_ranks=global_ranks,
-        data_group=data_group,
-        data_size=1 if data_group is None else dist.get_world_size(data_group),
-        device=device,
-        board=WATCHDOG.board(tuple(sorted(where)), [g for g in (group, data_group) if g is not None], where),
-    )
 
 
 def checksum(program: Program) -> int:
@@ -148,7 +84,7 @@ class _Peer:
         self.outgoing = outgoing
         self.next_out = 0
         self.buffered: dict[Key, PyTree] = {}
-        # The next message's receives, when posted ahead (NOTE [receives ahead] in fpipe/_wire.py):
+        # The next message's receives, when posted ahead (NOTE [receives ahead] in fpipe/_distributed/_wire.py):
         # its first tensor, its large leaves, and the works of both.
         self.ahead: tuple[torch.Tensor, list[torch.Tensor], list[Any]] | None = None
 
@@ -346,7 +282,7 @@ class DistributedTransport:
 
     def _post_ahead(self, peer: _Peer) -> None:
         """Post the receives of the peer's next message now if its channel carries large leaves
-        (NOTE [receives ahead] in fpipe/_wire.py): they land while this rank computes."""
+        (NOTE [receives ahead] in fpipe/_distributed/_wire.py): they land while this rank computes."""
         if peer.next_in == len(peer.incoming):
             return
         decoder = self._wire.decoders[_channel(peer.rank, peer.incoming[peer.next_in])]
@@ -406,82 +342,6 @@ class DistributedTransport:
             wait(work, self._timeout, self.me, f"{what} from rank {peer}", self.topology.global_ranks[peer])
 
 
-def wait(work: Any, timeout: timedelta, rank: int, what: str, peer: int | None = None) -> None:
-    """``work.wait`` with a timeout. A failure raises a ``PipelineError`` that says what ``rank``
-    was waiting for and names the rank that failed (NOTE [failure board] in fpipe/_faults.py);
-    the backend's error is chained. ``peer``: the global rank a receive waits on (``None``: a
-    collective)."""
-    board = WATCHDOG.current
-    try:
-        with waiting(board):
-            work.wait(timeout=timeout)
-    except RuntimeError as error:
-        raise lost(board, error, rank, what, peer, timeout) from error
-
-
-def lost(
-    board: Board | None, error: BaseException, rank: int, what: str, peer: int | None, timeout: timedelta
-) -> PipelineError:
-    """The error for a backend ``error`` while pipeline rank ``rank`` waited for ``what``.
-
-    In a step, the board's record if there is one (the failure that aborted this wait), else
-    this rank's finding, written on the board for the others: a silent rank (the wait timed
-    out: the ranks whose heartbeat stopped, or unknown) or a dead one (its connection closed).
-    """
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-    seconds = f"{timeout.total_seconds():g}"
-    if board is None:
-        if timed_out:
-            return PipelineTimeoutError(
-                f"fpipe: rank {rank} timed out after {seconds} s waiting for {what}. A peer has probably died "
-                "or hung; if it is just slow, raise pipeline(..., timeout=).",
-                rank=rank,
-            )
-        return PipelineError(f"fpipe: rank {rank} lost a peer while waiting for {what} ({text}).", rank=rank)
-    standing = WATCHDOG.read(board)
-    if standing is not None:
-        return standing.error(rank, what)
-    if timed_out:
-        silent = board.silent()
-        if silent:
-            also = "" if len(silent) == 1 else f" (so did global ranks {silent[1:]})"
-            failure = board.failure_of(
-                silent[0],
-                SILENT,
-                f"stopped answering{also}: no heartbeat for {STALE:g} s or more, so it is frozen or dead; "
-                f"rank {rank} timed out after {seconds} s",
-            )
-        else:
-            why = "every rank still answers" if silent == [] else "the job's store does not answer"
-            failure = board.failure_of(
-                None,
-                SILENT,
-                f"went silent: rank {rank} timed out after {seconds} s and {why} "
-                "(if stages are just slow, raise pipeline(..., timeout=))",
-            )
-    else:
-        failure = board.failure_of(
-            peer if peer is not None else _first_silent(board),
-            DIED,
-            f"died: a connection closed while rank {rank} waited",
-        )
-    return WATCHDOG.report(board, failure).error(rank, what)
-
-
-def _first_silent(board: Board) -> int | None:
-    """The first rank whose heartbeat stops within ``2 * STALE`` seconds (``None``: none does):
-    which rank of a collective died, as its connection closing does not say."""
-    deadline = time.monotonic() + 2 * STALE
-    with waiting(board):
-        while time.monotonic() < deadline:
-            silent = board.silent()
-            if silent:
-                return silent[0]
-            time.sleep(BEAT / 2)
-    return None
-
-
 def _channel(peer: int, key: Key) -> tuple[int, str, int]:
     """The wire channel a message travels on: the peer, the kind and the stage (one layout history each)."""
     return peer, key[0], key[1]
@@ -495,53 +355,3 @@ def _describe(key: Key) -> str:
         "mb": f"microbatch {i} (for the last stage's loss_fn)",
         "result": "the loss from the last stage",
     }[kind]
-
-
-_BROKEN: dict[int, str] = {}  # id(pipeline group) -> why it can no longer be used
-
-
-def mark_broken(topology: Topology, error: BaseException) -> None:
-    """Remember that a step failed mid-flight on this group (see ``check_usable``)."""
-    _BROKEN[id(topology.group)] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-
-
-def check_usable(topology: Topology) -> None:
-    """Raise if an earlier step failed on this group: its messages may still be on the wire."""
-    why = _BROKEN.get(id(topology.group))
-    if why is not None:
-        raise PipelineError(
-            f"fpipe: rank {topology.rank} cannot run a step: an earlier step failed on this process group "
-            f"({why}), and that step's messages may still be in flight. Re-create the process group "
-            "(destroy_process_group, init_process_group) and the pipeline, or restart the job.",
-            rank=topology.rank,
-        )
-
-
-def handshake(
-    topology: Topology,
-    status: list[int],
-    timeout: float,
-    what: str = "the other pipeline ranks at the start of the step",
-) -> list[list[int]]:
-    """All-gather each pipeline rank's ``status`` vector (same length on every rank)."""
-    mine = torch.tensor(status, dtype=torch.int64, device=topology.device)
-    every = [torch.empty_like(mine) for _ in range(topology.size)]
-    work = dist.all_gather(every, mine, group=topology.group, async_op=True)
-    wait(work, timedelta(seconds=timeout), topology.rank, what)
-    return [t.tolist() for t in every]
-
-
-def all_reduce_sum(topology: Topology, group: Any, tensors: list[torch.Tensor], timeout: float, what: str) -> None:
-    """Sum ``tensors`` in place over ``group``, one all-reduce per dtype (complex as real)."""
-    buckets: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
-        real = torch.view_as_real(t) if t.is_complex() else t
-        buckets[real.dtype].append(real)
-    for members in buckets.values():
-        flat = torch.cat([t.reshape(-1) for t in members])
-        work = dist.all_reduce(flat, group=group, async_op=True)
-        wait(work, timedelta(seconds=timeout), topology.rank, what)
-        offset = 0
-        for t in members:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()

@@ -8,7 +8,7 @@ atomically replacing one small pointer file::
       .lock                              held by the writer from choosing a version to cleaning up
       latest                             "v000008-5e6f7a8b\\n": the commit point
       v000008-5e6f7a8b/                  the committed save
-        model.safetensors.index.json     written last (NOTE [sharded saves] in fpipe/_store.py)
+        model.safetensors.index.json     written last (NOTE [sharded saves] in fpipe/_saving/_store.py)
         model-rank-00000-of-00002.safetensors      parameters written by pipeline rank 0
         model-rank-00001-of-00002.safetensors
         optimizer-rank-00000-of-00002.safetensors  optimizer state written by rank 0
@@ -99,7 +99,7 @@ def _unlocked(root: Path, why: str) -> None:
     warnings.warn(
         f"fpipe.save: {root} cannot be locked ({why}), so saves to it from several processes at once are "
         "not kept apart. Save from one process (or pass group=) there, or save to a filesystem with file "
-        "locks (NOTE [save concurrency] in fpipe/_save_directory.py).",
+        "locks (NOTE [save concurrency] in fpipe/_saving/_directory.py).",
         RuntimeWarning,
         stacklevel=8,  # the caller of fpipe.save
     )
@@ -178,7 +178,7 @@ def committed(directory: Path) -> Path:
     """The committed save in ``directory``: the version ``latest`` names, or ``directory`` itself.
 
     Every path followed stays inside ``directory`` (``inside``), so a hostile ``latest`` or a
-    symbolic link tells nothing about files elsewhere (NOTE [trust model] in ``fpipe/_store.py``).
+    symbolic link tells nothing about files elsewhere (NOTE [trust model] in ``fpipe/_saving/_store.py``).
     """
     if os.path.lexists(directory / LATEST):
         pointer = inside(directory, LATEST)

@@ -1,7 +1,7 @@
 """The format of ``fpipe.save``: safetensors files and their index, written, checked and read.
 
 Where the files go (versions, the lock, the commit) is NOTE [the save directory] in
-``fpipe/_save_directory.py``.
+``fpipe/_saving/_directory.py``.
 
 The index follows Hugging Face's ``model.safetensors.index.json`` (``metadata`` and
 ``weight_map``), plus ``optimizer_state_map`` (optimizer state has its own names and files),
@@ -13,7 +13,7 @@ hashes only the tensors it reads.
 
 NOTE [sharded saves]
 With a step built with ``shard_params=True`` (``save``/``load`` with ``step=``), tensors are
-shards (NOTE [shard layout] in ``fpipe/_sharding.py``: flattened, zero-padded to ``d * c``,
+shards (NOTE [shard layout] in ``fpipe/_sharding/_runs.py``: flattened, zero-padded to ``d * c``,
 ``c = ceil(n / d)``, piece ``q`` on data-parallel rank ``q``). Every rank of the mesh writes
 its own pieces, in parallel, to ``model-rank-0000r-of-0000p-dp-0000q-of-0000d.safetensors``
 (``optimizer-...`` likewise); no tensor is gathered. In the index a sharded name maps to the
@@ -31,7 +31,7 @@ loading reads and that every file name is plain (``model-rank-00000-of-00001.saf
 separator, no leading ``.``, so no ``..`` and no absolute path), raising a ``ValueError`` that
 says which field is wrong, never a ``KeyError``. Every path opened (``latest``, the version, the
 index, each file) must resolve into the directory it is in (``inside`` in
-``fpipe/_save_directory.py``): a symbolic link leading elsewhere is refused before anything
+``fpipe/_saving/_directory.py``): a symbolic link leading elsewhere is refused before anything
 about its target is looked at, so no message tells whether a file outside exists or its size.
 The directory's contents are assumed not to change while loading (notes/saving.md).
 """
@@ -52,7 +52,7 @@ from typing import IO, Any, NamedTuple
 import safetensors
 import torch
 
-from ._save_directory import INDEX, inside
+from ._directory import INDEX, inside
 
 FORMAT, FORMAT_VERSION = "fpipe", 1
 _PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors")
@@ -345,7 +345,7 @@ def entry(index: dict[str, Any], kind: str, name: str) -> Entry:
 
 def cut_range(numel: int, shard: tuple[int, int] | None) -> tuple[int, int, int]:
     """``(start, stop, size)``: the elements of a flattened tensor that shard ``(q, d)`` holds and
-    its length with padding (NOTE [shard layout] in ``fpipe/_sharding.py``); ``None``: all of it."""
+    its length with padding (NOTE [shard layout] in ``fpipe/_sharding/_runs.py``); ``None``: all of it."""
     if shard is None:
         return 0, numel, numel
     q, d = shard

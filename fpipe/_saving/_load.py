@@ -1,9 +1,9 @@
 """``fpipe.load``: a save read into the layout of a template, checked against it and the files.
 
 A template is a params-shaped list, one pytree per stage, whose tensor leaves say what to read
-(NOTE [names] in ``fpipe/_save.py``: the stage index is not part of a name, so any number of
+(NOTE [names] in ``fpipe/_saving/_save.py``: the stage index is not part of a name, so any number of
 stages and any grouping of them loads the same save) and what it must look like. Each rank reads
-only the tensors its template names, verified by ``fpipe/_store.py`` (sizes, dtypes, shapes,
+only the tensors its template names, verified by ``fpipe/_saving/_store.py`` (sizes, dtypes, shapes,
 sha256). Loading needs no communication; with ``step=``, ``group=`` or ``mesh=`` the ranks
 all-gather their names once, so that names in the save that no rank loads are found.
 """
@@ -17,10 +17,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._api import Step
-from ._pytree import PyTree, leaves_with_names, unflatten
-from ._save_directory import committed
-from ._save_ranks import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
+from .._api import Step
+from .._pytree import PyTree, leaves_with_names, unflatten
+from ._directory import committed
+from ._ranks import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
 from ._store import DTYPES, MAPS, cut_range, entry, numel_of, read_index, read_tensors
 
 
@@ -48,7 +48,7 @@ def load(
 
     ``template`` says which tensors to read and where they go: one pytree per stage, for any
     number of stages (a save made with 4 stages loads into 2, 1, or an interleaved layout: only
-    names matter, NOTE [names] in ``fpipe/_save.py``), ``None`` for the stages this rank does not
+    names matter, NOTE [names] in ``fpipe/_saving/_save.py``), ``None`` for the stages this rank does not
     hold. Before anything is read, every name of the template must be in the save with the same
     shape and dtype; then each rank reads only its tensors (safetensors' ``safe_open`` reads them
     one by one), checks each file's size and each tensor's dtype, shape and sha256 against the
@@ -69,7 +69,7 @@ def load(
             With a step built with ``shard_params=True``, the template is this rank's shards
             (``step.shard`` of meta tensors of the full shapes) and the result is the step's
             shards, re-cut from a save made with any data-parallel size or none
-            (NOTE [sharded saves] in ``fpipe/_store.py``).
+            (NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
         timeout: seconds a rank waits for the others while gathering names.
 
     Returns:
@@ -131,7 +131,7 @@ def load(
 
 class _Use(NamedTuple):
     """A template leaf to fill: its key path, stage, position among the stage's leaves, itself,
-    and, for a shard (NOTE [sharded saves] in ``fpipe/_store.py``), its ``(q, d)`` and full shape."""
+    and, for a shard (NOTE [sharded saves] in ``fpipe/_saving/_store.py``), its ``(q, d)`` and full shape."""
 
     where: str
     stage: int

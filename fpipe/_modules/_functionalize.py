@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ._stage import replaying
+from .._stage import replaying
 
 
 def buffers_of(module: nn.Module, *, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from .._plural import plural
 from ._functionalize import buffers_of
-from ._plural import plural
 
 Adapter = Callable[[Callable[..., Any], Any], Any]
 StageSpec = str | Sequence[str]
@@ -60,7 +60,7 @@ def split_module(
             (which has no ``forward``), named whole or in a range, stands for all its modules,
             nested ``ModuleList``s expanded too. A stage calls its segments' modules in the
             order written.
-        call: how each module is called (NOTE [adapters] in ``fpipe/_split.py``): one adapter
+        call: how each module is called (NOTE [adapters] in ``fpipe/_modules/_split.py``): one adapter
             ``call(module, x) -> x`` for every module, or a mapping from module names to
             adapters, looked up by the longest dotted prefix of the called module's name
             (``"layers"`` serves ``layers.0``; ``""`` is the default). Without an adapter, a

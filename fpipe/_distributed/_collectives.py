@@ -1,0 +1,146 @@
+"""Waiting on torch.distributed work with a timeout, and the collectives built on it.
+
+Every wait of the distributed runtime, sharding and saving goes through ``wait``: a failure or a
+timeout becomes a ``PipelineError`` that says what was awaited and names the rank that failed
+(NOTE [failure board] in fpipe/_distributed/_faults.py); the backend's error stays chained.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._errors import PipelineError, PipelineTimeoutError
+from ._faults import BEAT, DIED, SILENT, STALE, WATCHDOG, Board, waiting
+from ._topology import Topology
+
+
+def wait(work: Any, timeout: timedelta, rank: int, what: str, peer: int | None = None) -> None:
+    """``work.wait`` with a timeout. A failure raises a ``PipelineError`` that says what ``rank``
+    was waiting for and names the rank that failed (NOTE [failure board] in fpipe/_distributed/_faults.py);
+    the backend's error is chained. ``peer``: the global rank a receive waits on (``None``: a
+    collective)."""
+    board = WATCHDOG.current
+    try:
+        with waiting(board):
+            work.wait(timeout=timeout)
+    except RuntimeError as error:
+        raise lost(board, error, rank, what, peer, timeout) from error
+
+
+def lost(
+    board: Board | None, error: BaseException, rank: int, what: str, peer: int | None, timeout: timedelta
+) -> PipelineError:
+    """The error for a backend ``error`` while pipeline rank ``rank`` waited for ``what``.
+
+    In a step, the board's record if there is one (the failure that aborted this wait), else
+    this rank's finding, written on the board for the others: a silent rank (the wait timed
+    out: the ranks whose heartbeat stopped, or unknown) or a dead one (its connection closed).
+    """
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+    seconds = f"{timeout.total_seconds():g}"
+    if board is None:
+        if timed_out:
+            return PipelineTimeoutError(
+                f"fpipe: rank {rank} timed out after {seconds} s waiting for {what}. A peer has probably died "
+                "or hung; if it is just slow, raise pipeline(..., timeout=).",
+                rank=rank,
+            )
+        return PipelineError(f"fpipe: rank {rank} lost a peer while waiting for {what} ({text}).", rank=rank)
+    standing = WATCHDOG.read(board)
+    if standing is not None:
+        return standing.error(rank, what)
+    if timed_out:
+        silent = board.silent()
+        if silent:
+            also = "" if len(silent) == 1 else f" (so did global ranks {silent[1:]})"
+            failure = board.failure_of(
+                silent[0],
+                SILENT,
+                f"stopped answering{also}: no heartbeat for {STALE:g} s or more, so it is frozen or dead; "
+                f"rank {rank} timed out after {seconds} s",
+            )
+        else:
+            why = "every rank still answers" if silent == [] else "the job's store does not answer"
+            failure = board.failure_of(
+                None,
+                SILENT,
+                f"went silent: rank {rank} timed out after {seconds} s and {why} "
+                "(if stages are just slow, raise pipeline(..., timeout=))",
+            )
+    else:
+        failure = board.failure_of(
+            peer if peer is not None else _first_silent(board),
+            DIED,
+            f"died: a connection closed while rank {rank} waited",
+        )
+    return WATCHDOG.report(board, failure).error(rank, what)
+
+
+def _first_silent(board: Board) -> int | None:
+    """The first rank whose heartbeat stops within ``2 * STALE`` seconds (``None``: none does):
+    which rank of a collective died, as its connection closing does not say."""
+    deadline = time.monotonic() + 2 * STALE
+    with waiting(board):
+        while time.monotonic() < deadline:
+            silent = board.silent()
+            if silent:
+                return silent[0]
+            time.sleep(BEAT / 2)
+    return None
+
+
+_BROKEN: dict[int, str] = {}  # id(pipeline group) -> why it can no longer be used
+
+
+def mark_broken(topology: Topology, error: BaseException) -> None:
+    """Remember that a step failed mid-flight on this group (see ``check_usable``)."""
+    _BROKEN[id(topology.group)] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+
+
+def check_usable(topology: Topology) -> None:
+    """Raise if an earlier step failed on this group: its messages may still be on the wire."""
+    why = _BROKEN.get(id(topology.group))
+    if why is not None:
+        raise PipelineError(
+            f"fpipe: rank {topology.rank} cannot run a step: an earlier step failed on this process group "
+            f"({why}), and that step's messages may still be in flight. Re-create the process group "
+            "(destroy_process_group, init_process_group) and the pipeline, or restart the job.",
+            rank=topology.rank,
+        )
+
+
+def handshake(
+    topology: Topology,
+    status: list[int],
+    timeout: float,
+    what: str = "the other pipeline ranks at the start of the step",
+) -> list[list[int]]:
+    """All-gather each pipeline rank's ``status`` vector (same length on every rank)."""
+    mine = torch.tensor(status, dtype=torch.int64, device=topology.device)
+    every = [torch.empty_like(mine) for _ in range(topology.size)]
+    work = dist.all_gather(every, mine, group=topology.group, async_op=True)
+    wait(work, timedelta(seconds=timeout), topology.rank, what)
+    return [t.tolist() for t in every]
+
+
+def all_reduce_sum(topology: Topology, group: Any, tensors: list[torch.Tensor], timeout: float, what: str) -> None:
+    """Sum ``tensors`` in place over ``group``, one all-reduce per dtype (complex as real)."""
+    buckets: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        real = torch.view_as_real(t) if t.is_complex() else t
+        buckets[real.dtype].append(real)
+    for members in buckets.values():
+        flat = torch.cat([t.reshape(-1) for t in members])
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        wait(work, timedelta(seconds=timeout), topology.rank, what)
+        offset = 0
+        for t in members:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
