@@ -7,9 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
-from ._gpipe import check_microbatches
+from ._placement import check_positive, v_ranks
 from ._program import Program
-from ._zero_bubble_v import v_ranks
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class DualPipeV:
     num_microbatches: int
 
     def __post_init__(self) -> None:
-        check_microbatches("DualPipeV", self.num_microbatches)
+        check_positive("DualPipeV", "num_microbatches", self.num_microbatches)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_stages // 2`` ranks.

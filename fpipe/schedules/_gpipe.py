@@ -4,29 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._plural import plural
 from ._action import BACKWARD, FORWARD, Action
-from ._program import Program, ScheduleError
-
-
-def looped_ranks(name: str, num_stages: int, num_ranks: int | None, default: int) -> int:
-    """Check that ``num_stages`` stages can be laid out looped (stage ``s`` on rank ``s % p``)."""
-    p = default if num_ranks is None else num_ranks
-    if p < 1 or num_stages < 1 or num_stages % p:
-        raise ScheduleError(
-            f"fpipe.schedules.{name}: {plural(num_stages, 'stage')} cannot be laid out on {plural(p, 'rank')} "
-            f"(num_stages: {num_stages}, num_ranks: {p}). Use a stage count that is a positive multiple "
-            "of the number of ranks."
-        )
-    return p
-
-
-def check_microbatches(name: str, num_microbatches: int) -> None:
-    """Reject a microbatch count that is not a positive int."""
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ScheduleError(
-            f"fpipe.schedules.{name}: num_microbatches must be a positive int (num_microbatches: {num_microbatches!r})."
-        )
+from ._placement import check_positive, looped_ranks
+from ._program import Program
 
 
 @dataclass(frozen=True)
@@ -47,12 +27,12 @@ class GPipe:
     num_microbatches: int
 
     def __post_init__(self) -> None:
-        check_microbatches("GPipe", self.num_microbatches)
+        check_positive("GPipe", "num_microbatches", self.num_microbatches)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_ranks`` ranks (default: one stage per rank)."""
         m = self.num_microbatches
-        p = looped_ranks("GPipe", num_stages, num_ranks, num_stages)
+        p = looped_ranks("GPipe", num_stages, num_ranks)
         ranks = []
         for r in range(p):
             local = range(r, num_stages, p)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._plural import plural
 from ._action import BACKWARD, FORWARD, Action
-from ._gpipe import check_microbatches, looped_ranks
-from ._program import Program, ScheduleError
+from ._placement import check_positive, looped_ranks
+from ._program import Program
 
 
 @dataclass(frozen=True)
@@ -40,27 +39,13 @@ class Interleaved1F1B:
     stages_per_rank: int = 2
 
     def __post_init__(self) -> None:
-        check_microbatches("Interleaved1F1B", self.num_microbatches)
-        if (
-            isinstance(self.stages_per_rank, bool)
-            or not isinstance(self.stages_per_rank, int)
-            or self.stages_per_rank < 1
-        ):
-            raise ScheduleError(
-                "fpipe.schedules.Interleaved1F1B: stages_per_rank must be a positive int "
-                f"(stages_per_rank: {self.stages_per_rank!r})."
-            )
+        check_positive("Interleaved1F1B", "num_microbatches", self.num_microbatches)
+        check_positive("Interleaved1F1B", "stages_per_rank", self.stages_per_rank)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_ranks`` ranks (default: ``num_stages // stages_per_rank``)."""
         m = self.num_microbatches
-        if num_ranks is None and num_stages % self.stages_per_rank:
-            raise ScheduleError(
-                f"fpipe.schedules.Interleaved1F1B: {plural(num_stages, 'stage')} cannot be spread "
-                f"{self.stages_per_rank} per rank (stages_per_rank: {self.stages_per_rank}). "
-                f"Use a stage count divisible by {self.stages_per_rank}."
-            )
-        p = looped_ranks("Interleaved1F1B", num_stages, num_ranks, num_stages // self.stages_per_rank)
+        p = looped_ranks("Interleaved1F1B", num_stages, num_ranks, self.stages_per_rank)
         v = num_stages // p
         n = -(-m // p) * p  # laid out in full groups; the actions of microbatches >= m are dropped
         ranks = []

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._plural import plural
 from ._action import BACKWARD, FORWARD, Action
-from ._gpipe import check_microbatches, looped_ranks
-from ._program import Program, ScheduleError
+from ._placement import check_positive, looped_ranks
+from ._program import Program
 
 
 @dataclass(frozen=True)
@@ -38,12 +37,8 @@ class LoopedBFS:
     stages_per_rank: int = 2
 
     def __post_init__(self) -> None:
-        check_microbatches("LoopedBFS", self.num_microbatches)
-        v = self.stages_per_rank
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ScheduleError(
-                f"fpipe.schedules.LoopedBFS: stages_per_rank must be a positive int (stages_per_rank: {v!r})."
-            )
+        check_positive("LoopedBFS", "num_microbatches", self.num_microbatches)
+        check_positive("LoopedBFS", "stages_per_rank", self.stages_per_rank)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_ranks`` ranks (default: ``num_stages // stages_per_rank``).
@@ -52,12 +47,7 @@ class LoopedBFS:
             ScheduleError: if the stages cannot be spread evenly over the ranks.
         """
         v, m = self.stages_per_rank, self.num_microbatches
-        if num_ranks is None and num_stages % v:
-            raise ScheduleError(
-                f"fpipe.schedules.LoopedBFS: {plural(num_stages, 'stage')} cannot be spread {v} per rank "
-                f"(num_stages: {num_stages}, stages_per_rank: {v}). Use a stage count divisible by {v}."
-            )
-        p = looped_ranks("LoopedBFS", num_stages, num_ranks, num_stages // v)
+        p = looped_ranks("LoopedBFS", num_stages, num_ranks, v)
         ranks = []
         for r in range(p):
             local = range(r, num_stages, p)

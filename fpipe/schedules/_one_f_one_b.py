@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._action import BACKWARD, FORWARD, Action
-from ._gpipe import check_microbatches, looped_ranks
 from ._interleaved import Interleaved1F1B
+from ._placement import check_positive, looped_ranks
 from ._program import Program
 
 
@@ -32,12 +32,12 @@ class OneFOneB:
     num_microbatches: int
 
     def __post_init__(self) -> None:
-        check_microbatches("OneFOneB", self.num_microbatches)
+        check_positive("OneFOneB", "num_microbatches", self.num_microbatches)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_ranks`` ranks (default: one stage per rank)."""
         m = self.num_microbatches
-        p = looped_ranks("OneFOneB", num_stages, num_ranks, num_stages)
+        p = looped_ranks("OneFOneB", num_stages, num_ranks)
         if p != num_stages:
             return Interleaved1F1B(m, stages_per_rank=num_stages // p).program(num_stages, p)
         ranks = []

@@ -17,7 +17,7 @@ from typing import Any
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KIND_NAMES
 from ._program import Program, ScheduleError
-from ._simulate import Costs, Simulation, _checked, simulate, stages_held
+from ._simulate import Costs, Simulation, _checked, activations_alive, simulate, stages_held
 
 UNIT = Costs(forward=1, backward=1, backward_input=1, backward_weight=1)
 
@@ -119,16 +119,9 @@ def chrome_trace(timeline: Program | Simulation, *, microseconds_per_unit: float
             }
         )
     for r, row in enumerate(sim.program.ranks):
-        alive, held = 0, stages_held(sim.program, r)
-        for a, start, end in zip(row, sim.starts[r], sim.ends[r]):
-            if a.kind == FORWARD:
-                alive += 1
-                t = start
-            elif a.kind in (BACKWARD, BACKWARD_WEIGHT):
-                alive -= 1
-                t = end
-            else:
-                continue
+        held = stages_held(sim.program, r)
+        for k, alive in activations_alive(row):
+            t = sim.starts[r][k] if row[k].kind == FORWARD else sim.ends[r][k]
             events.append(
                 {"name": f"activations rank {r}", "ph": "C", "pid": 0, "tid": r, "ts": t * scale,
                  "args": {"alive": alive / held}}

@@ -13,7 +13,7 @@ Dependencies between actions (``s`` stage, ``i`` microbatch, ``S`` stages)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -205,40 +205,62 @@ def timeline(program: Program) -> list[list[int]]:
     """Replay a program with unit cost per action: ``timeline(p)[r][k]`` is the tick of ``p.ranks[r][k]``.
 
     At each tick every rank runs its next action if everything it depends on finished at an
-    earlier tick. Raises ``ScheduleError`` (with the grid so far and the stuck actions marked)
-    if at some tick no rank can move: the program deadlocks.
+    earlier tick (``as_soon_as_possible`` with unit durations). Raises ``ScheduleError`` (with
+    the grid so far and the stuck actions marked) if at some tick no rank can move: the program
+    deadlocks.
+    """
+    starts, _ = as_soon_as_possible(program, lambda r, k, a: 1.0, lambda d: 0.0)
+    ticks = [[int(t) for t in row] for row in starts]
+    stuck = {(r, len(ticks[r])) for r, row in enumerate(program.ranks) if len(ticks[r]) < len(row)}
+    if stuck:
+        done, split = {a for row, t in zip(program.ranks, ticks) for a in row[: len(t)]}, split_backwards(program)
+        waits = "; ".join(
+            f"rank {r} waits at {program.ranks[r][k]} for "
+            + ", ".join(str(d) for d in dependencies(program.ranks[r][k], program.num_stages, split) if d not in done)
+            for r, k in sorted(stuck)
+        )
+        t = max((row[-1] + 1 for row in ticks if row), default=0)
+        raise ScheduleError(
+            f"fpipe.schedules: the program deadlocks after {plural(t, 'tick')}: {waits}. "
+            "Reorder the actions so that every dependency can run first.\n" + render(program, marks=stuck, ticks=ticks)
+        )
+    return ticks
+
+
+Times = tuple[tuple[float, ...], ...]
+
+
+def as_soon_as_possible(
+    program: Program, duration: Callable[[int, int, Action], float], send: Callable[[Action], float]
+) -> tuple[Times, Times]:
+    """Starts and ends per rank of ``program`` replayed as soon as possible.
+
+    Each rank runs its actions in program order; action ``k`` of rank ``r`` starts when the rank
+    is free and every action it depends on has ended (plus ``send(d)`` for a dependency ``d`` on
+    another rank), and lasts ``duration(r, k, action)``. A deadlocked program's rows stop at the
+    first action that can never start (``timeline`` reports it; ``validate`` rules it out).
     """
     split = split_backwards(program)
-    done: dict[Action, int] = {}
-    ticks: list[list[int]] = [[] for _ in program.ranks]
-    total = sum(len(row) for row in program.ranks)
-    t = 0
-    while len(done) < total:
-        ready = [
-            r
-            for r, row in enumerate(program.ranks)
-            if len(ticks[r]) < len(row)
-            and all(done.get(d, t) < t for d in dependencies(row[len(ticks[r])], program.num_stages, split))
-        ]
-        if not ready:
-            stuck = {(r, len(ticks[r])) for r, row in enumerate(program.ranks) if len(ticks[r]) < len(row)}
-            waits = "; ".join(
-                f"rank {r} waits at {program.ranks[r][k]} for "
-                + ", ".join(
-                    str(d) for d in dependencies(program.ranks[r][k], program.num_stages, split) if d not in done
-                )
-                for r, k in sorted(stuck)
-            )
-            raise ScheduleError(
-                f"fpipe.schedules: the program deadlocks after {plural(t, 'tick')}: {waits}. "
-                "Reorder the actions so that every dependency can run first.\n"
-                + render(program, marks=stuck, ticks=ticks)
-            )
-        for r in ready:
-            done[program.ranks[r][len(ticks[r])]] = t
-            ticks[r].append(t)
-        t += 1
-    return ticks
+    rank_of = {a.stage: r for r, row in enumerate(program.ranks) for a in row}
+    ends: dict[Action, float] = {}
+    starts_of: list[list[float]] = [[] for _ in program.ranks]
+    ends_of: list[list[float]] = [[] for _ in program.ranks]
+    moved = True
+    while moved:
+        moved = False
+        for r, row in enumerate(program.ranks):
+            while len(ends_of[r]) < len(row):
+                k = len(ends_of[r])
+                deps = dependencies(row[k], program.num_stages, split)
+                if any(d not in ends for d in deps):
+                    break
+                ready = max((ends[d] + (send(d) if rank_of[d.stage] != r else 0.0) for d in deps), default=0.0)
+                start = max(ends_of[r][-1] if k else 0.0, ready)
+                ends[row[k]] = start + duration(r, k, row[k])
+                starts_of[r].append(start)
+                ends_of[r].append(ends[row[k]])
+                moved = True
+    return tuple(map(tuple, starts_of)), tuple(map(tuple, ends_of))
 
 
 def execution_order(program: Program) -> tuple[tuple[int, Action], ...]:

@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
-from ._program import Program, ScheduleError, dependencies, split_backwards, validate
+from ._program import Program, ScheduleError, as_soon_as_possible, dependencies, split_backwards, validate
 
 
 @dataclass(frozen=True)
@@ -177,14 +177,17 @@ def stages_held(program: Program, rank: int) -> int:
 
 def peak_activations(row: tuple[Action, ...]) -> int:
     """The most ``(stage, microbatch)`` activations alive at once on a rank running ``row`` in order."""
-    alive = peak = 0
-    for a in row:
-        if a.kind == FORWARD:
-            alive += 1
-            peak = max(peak, alive)
-        elif a.kind in (BACKWARD, BACKWARD_WEIGHT):
-            alive -= 1
-    return peak
+    return max((alive for _, alive in activations_alive(row)), default=0)
+
+
+def activations_alive(row: tuple[Action, ...]) -> Iterator[tuple[int, int]]:
+    """``(k, alive)`` for each action ``row[k]`` that makes (``F``) or frees (``B``, ``W``) an
+    activation: how many ``(stage, microbatch)`` activations are alive after it."""
+    alive = 0
+    for k, a in enumerate(row):
+        if a.kind in (FORWARD, BACKWARD, BACKWARD_WEIGHT):
+            alive += 1 if a.kind == FORWARD else -1
+            yield k, alive
 
 
 def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> Simulation:
@@ -216,7 +219,7 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
     costs = Costs() if costs is None else costs
     validate(program)
     per_stage = _per_stage(program, costs)
-    starts, ends = _as_soon_as_possible(
+    starts, ends = as_soon_as_possible(
         program, lambda r, k, a: per_stage[a.stage].of(a.kind), lambda d: per_stage[d.stage].send
     )
     return Simulation(program, costs if isinstance(costs, Costs) else per_stage, starts, ends)
@@ -248,43 +251,10 @@ def replay(timeline: Simulation, send: float = 0.0) -> Simulation:
     if isinstance(send, bool) or not isinstance(send, (int, float)) or not math.isfinite(send) or send < 0:
         raise ValueError(f"fpipe.schedules.replay: send must be a finite number >= 0 (send: {send!r}).")
     validate(timeline.program)
-    starts, ends = _as_soon_as_possible(
+    starts, ends = as_soon_as_possible(
         timeline.program, lambda r, k, a: timeline.ends[r][k] - timeline.starts[r][k], lambda d: float(send)
     )
     return Simulation(timeline.program, None, starts, ends)
-
-
-def _as_soon_as_possible(
-    program: Program, duration: Callable[[int, int, Action], float], send: Callable[[Action], float]
-) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
-    """Starts and ends per rank of a valid ``program`` replayed as the module docstring says:
-    action ``k`` of rank ``r`` lasts ``duration(r, k, action)``; a message from ``d`` to another
-    rank travels ``send(d)``."""
-    split = split_backwards(program)
-    rank_of = program.placement()
-    ends: dict[Action, float] = {}
-    starts_per_rank: list[list[float]] = [[] for _ in program.ranks]
-    ends_per_rank: list[list[float]] = [[] for _ in program.ranks]
-    free = [0.0] * program.num_ranks
-    remaining = sum(len(row) for row in program.ranks)
-    while remaining:
-        moved = False
-        for r, row in enumerate(program.ranks):
-            while len(ends_per_rank[r]) < len(row):
-                k = len(ends_per_rank[r])
-                action = row[k]
-                deps = dependencies(action, program.num_stages, split)
-                if any(d not in ends for d in deps):
-                    break
-                ready = max((ends[d] + (send(d) if rank_of[d.stage] != r else 0.0) for d in deps), default=0.0)
-                start = max(free[r], ready)
-                free[r] = ends[action] = start + duration(r, k, action)
-                starts_per_rank[r].append(start)
-                ends_per_rank[r].append(free[r])
-                remaining -= 1
-                moved = True
-        assert moved, "validate() guarantees that a valid program always makes progress"
-    return tuple(tuple(row) for row in starts_per_rank), tuple(tuple(row) for row in ends_per_rank)
 
 
 def _per_stage(program: Program, costs: Costs | Sequence[Costs]) -> tuple[Costs, ...]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .._plural import plural
 from ._action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
-from ._gpipe import check_microbatches
+from ._placement import check_positive
 from ._program import Program, ScheduleError
 
 
@@ -39,7 +39,7 @@ class ZeroBubbleH1:
     num_microbatches: int
 
     def __post_init__(self) -> None:
-        check_microbatches("ZeroBubbleH1", self.num_microbatches)
+        check_positive("ZeroBubbleH1", "num_microbatches", self.num_microbatches)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on as many ranks.

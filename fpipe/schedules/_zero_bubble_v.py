@@ -5,26 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._plural import plural
 from ._action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
-from ._gpipe import check_microbatches
-from ._program import Program, ScheduleError
-
-
-def v_ranks(name: str, num_stages: int, num_ranks: int | None) -> int:
-    """The rank count of a V placement (rank ``r`` holds stages ``r`` and ``2p-1-r``), checked."""
-    if num_stages < 2 or num_stages % 2:
-        raise ScheduleError(
-            f"fpipe.schedules.{name}: the V places two stages on each rank, so the stage count must "
-            f"be even (num_stages: {num_stages}). Split the model into 2 x (number of ranks) stages."
-        )
-    p = num_stages // 2
-    if num_ranks is not None and num_ranks != p:
-        raise ScheduleError(
-            f"fpipe.schedules.{name}: {num_stages} stages in a V need {plural(p, 'rank')} "
-            f"(num_stages: {num_stages}, num_ranks: {num_ranks}). Use 2 x {num_ranks} = {2 * num_ranks} stages."
-        )
-    return p
+from ._placement import check_positive, v_ranks
+from ._program import Program
 
 
 @dataclass(frozen=True)
@@ -64,7 +47,7 @@ class ZeroBubbleV:
     num_microbatches: int
 
     def __post_init__(self) -> None:
-        check_microbatches("ZeroBubbleV", self.num_microbatches)
+        check_positive("ZeroBubbleV", "num_microbatches", self.num_microbatches)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_stages // 2`` ranks.
