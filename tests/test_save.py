@@ -23,8 +23,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 import fpipe
+from fpipe._distributed._wire import tensor_bytes
 from fpipe._saving._directory import INDEX, LATEST, LOCK
-from fpipe._saving._store import tensor_bytes
 from fpipe.schedules import Interleaved1F1B, OneFOneB
 from tests._multiprocess import run_ranks
 

@@ -57,10 +57,12 @@ itself).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import string
 import struct
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -309,6 +311,18 @@ def error_message(code: list[int], expected: int, device: torch.device) -> torch
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor, as a flat ``uint8`` view to send or receive."""
     return t.reshape(-1).view(torch.uint8)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """``as_bytes`` of a contiguous CPU tensor as a ``memoryview``, without a copy (``t`` must
+    outlive it): what files, hashes and ``bytes()`` take, where a collective takes a tensor.
+    Through ctypes, as a tensor's ``numpy()`` would need NumPy."""
+    data = as_bytes(t)
+    if sys.byteorder != "little":
+        raise NotImplementedError("fpipe: safetensors files are little-endian; this machine is not.")
+    if not data.numel():
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * data.numel()).from_address(data.data_ptr())).cast("B")
 
 
 def _bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -10,6 +10,7 @@ all-gather their names once, so that names in the save that no rank loads are fo
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,9 +20,10 @@ import torch
 
 from .._api import Step
 from .._pytree import PyTree, leaves_with_names, unflatten
+from .._sharding._layout import cut_range
 from ._directory import committed
 from ._ranks import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
-from ._store import DTYPES, MAPS, cut_range, entry, numel_of, read_index, read_tensors
+from ._store import DTYPES, MAPS, entry, read_index, read_tensors
 
 
 class Loaded(NamedTuple):
@@ -175,7 +177,7 @@ def _wanted(
                 )
             if name in full:
                 assert sharding is not None
-                _, _, size = cut_range(numel_of(full[name]), sharding.shard)
+                _, _, size = cut_range(math.prod(full[name]), sharding.shard)
                 if list(leaf.shape) != [size]:
                     raise ValueError(
                         f"fpipe.load: {where} should be this rank's shard of a tensor of shape {full[name]}, a 1-D "

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from .._api import Step
 from .._distributed._collectives import wait
 from .._distributed._topology import Topology, resolve_topology
+from .._distributed._wire import tensor_bytes
 from .._pytree import PyTree, leaves_with_names, unflatten
 from .._sharding._layout import StageLayout
-from ._store import tensor_bytes
 
 # --- Shards -----------------------------------------------------------------------------------
 

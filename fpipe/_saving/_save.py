@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Sequence
@@ -46,9 +47,10 @@ import torch
 
 from .._api import Step
 from .._pytree import PyTree, leaves_with_names
+from .._sharding._layout import cut_range
 from ._directory import commit, fsync_directory, locked, next_version
 from ._ranks import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
-from ._store import CODES, DTYPES, Entry, cut_range, file_name, make_index, numel_of, sha256, write_safetensors
+from ._store import CODES, DTYPES, Entry, file_name, make_index, sha256, write_safetensors
 
 
 def save(
@@ -259,7 +261,7 @@ def _tensor(name: str, where: str, stage: int, leaf: Any) -> _Tensor:
 
 def _as_shard(tensor: _Tensor, shape: list[int], sharding: Sharding) -> None:
     """Mark ``tensor`` as this rank's shard of a tensor of ``shape``, which it must be."""
-    _, _, size = cut_range(numel_of(shape), sharding.shard)
+    _, _, size = cut_range(math.prod(shape), sharding.shard)
     if list(tensor.data.shape) != [size]:
         raise ValueError(
             f"fpipe.save: {tensor.where} should be this rank's shard of a tensor of shape {shape}, a 1-D tensor of "

@@ -38,13 +38,12 @@ The directory's contents are assumed not to change while loading (notes/saving.m
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
+import math
 import os
 import re
 import struct
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -52,6 +51,8 @@ from typing import IO, Any, NamedTuple
 import safetensors
 import torch
 
+from .._distributed._wire import tensor_bytes
+from .._sharding._layout import cut_range
 from ._directory import INDEX, inside
 
 FORMAT, FORMAT_VERSION = "fpipe", 1
@@ -103,12 +104,12 @@ class Entry(NamedTuple):
 
     @property
     def numel(self) -> int:
-        return numel_of(self.shape)
+        return math.prod(self.shape)
 
     @property
     def shard_size(self) -> int:
         """Elements per piece: ``ceil(n / d)`` for a sharded tensor, ``n`` for a whole one."""
-        return -(-self.numel // len(self.files)) if self.sharded else self.numel
+        return cut_range(self.numel, (0, len(self.files)) if self.sharded else None)[2]
 
     def piece_shape(self) -> list[int]:
         """The shape of a piece as its file stores it."""
@@ -120,16 +121,6 @@ def file_name(kind: str, rank: int, num_ranks: int, replica: int | None = None, 
     writes its tensors of ``kind`` to."""
     shard = "" if replica is None else f"-dp-{replica:05d}-of-{num_replicas:05d}"
     return f"{_PREFIXES[kind]}-rank-{rank:05d}-of-{num_ranks:05d}{shard}.safetensors"
-
-
-def tensor_bytes(data: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (``data`` must outlive the view)."""
-    if sys.byteorder != "little":
-        raise NotImplementedError("fpipe: safetensors files are little-endian; this machine is not.")
-    nbytes = data.numel() * data.element_size()
-    if nbytes == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(data.data_ptr())).cast("B")
 
 
 def sha256(data: torch.Tensor) -> str:
@@ -198,13 +189,6 @@ def make_index(
                     info.update(shard=[q, len(e.files)], full_shape=e.shape)
                 index["tensors"].setdefault(file, {})[name] = info
     return index
-
-
-def numel_of(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 # --- Reading ----------------------------------------------------------------------------------
@@ -282,7 +266,7 @@ def _check_entry(files: dict[str, Any], tensors: dict[str, Any], key: str, name:
                 )
             full = _shape(info, "full_shape", info_at)
             first = first or (dtype, full)
-            size = -(-numel_of(full) // len(pieces))
+            size = cut_range(math.prod(full), (0, len(pieces)))[2]
             if (dtype, full, shape) != (*first, [size]):
                 raise _Invalid(
                     f"the pieces of {name!r} disagree: each should have the dtype and full shape of the first, "
@@ -341,16 +325,6 @@ def entry(index: dict[str, Any], kind: str, name: str) -> Entry:
     pieces = [index["tensors"][file][name] for file in where]
     first = pieces[0]
     return Entry(tuple(where), first["dtype"], list(first["full_shape"]), tuple(p["sha256"] for p in pieces), True)
-
-
-def cut_range(numel: int, shard: tuple[int, int] | None) -> tuple[int, int, int]:
-    """``(start, stop, size)``: the elements of a flattened tensor that shard ``(q, d)`` holds and
-    its length with padding (NOTE [shard layout] in ``fpipe/_sharding/_runs.py``); ``None``: all of it."""
-    if shard is None:
-        return 0, numel, numel
-    q, d = shard
-    size = -(-numel // d)
-    return min(q * size, numel), min((q + 1) * size, numel), size
 
 
 def read_tensors(

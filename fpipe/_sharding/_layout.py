@@ -5,6 +5,7 @@ move them, one flat buffer per dtype per stage.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from .._distributed._collectives import wait
 from .._distributed._topology import Topology
+from .._distributed._wire import as_bytes
 from .._pytree import PyTree, TreeSpec, detached, flatten, leaves_with_paths, unflatten
 
 # torch 2.13 deprecates ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (FutureWarning)
@@ -61,10 +63,7 @@ class LeafLayout:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for dim in self.shape:
-            n *= dim
-        return n
+        return math.prod(self.shape)
 
     @property
     def differentiable(self) -> bool:
@@ -89,7 +88,9 @@ def layout_of(tree: PyTree, num_shards: int) -> StageLayout:
         spec,
         tuple(paths),
         tuple(
-            LeafLayout(tuple(x.shape), x.dtype, -(-x.numel() // num_shards)) if isinstance(x, torch.Tensor) else None
+            LeafLayout(tuple(x.shape), x.dtype, cut_range(x.numel(), (0, num_shards))[2])
+            if isinstance(x, torch.Tensor)
+            else None
             for x in leaves
         ),
         num_shards,
@@ -104,10 +105,20 @@ def cut(tree: PyTree, layout: StageLayout, rank: int) -> PyTree:
         if shape is None:
             out.append(leaf)
             continue
-        flat = detached(leaf).reshape(-1)
-        piece = flat[min(rank * shape.size, flat.numel()) : (rank + 1) * shape.size]
-        out.append(torch.cat([piece, piece.new_zeros(shape.size - piece.numel())]))
+        start, stop, size = cut_range(shape.numel, (rank, layout.num_shards))
+        piece = detached(leaf).reshape(-1)[start:stop]
+        out.append(torch.cat([piece, piece.new_zeros(size - piece.numel())]))
     return unflatten(spec, out)
+
+
+def cut_range(numel: int, shard: tuple[int, int] | None) -> tuple[int, int, int]:
+    """``(start, stop, size)``: the elements of a flattened tensor of ``numel`` that shard ``(q, d)``
+    holds, and its length with padding (NOTE [shard layout]); ``None``: all of it."""
+    if shard is None:
+        return 0, numel, numel
+    q, d = shard
+    size = -(-numel // d)
+    return min(q * size, numel), min((q + 1) * size, numel), size
 
 
 def check_shards(stage: int, tree: PyTree, layout: StageLayout | None) -> None:
@@ -149,7 +160,7 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     if t.is_complex():
         return torch.view_as_real(t.resolve_conj()).reshape(-1)
     if t.dtype == torch.bool:
-        return t.reshape(-1).view(torch.uint8)
+        return as_bytes(t)
     return t.reshape(-1)
 
 
