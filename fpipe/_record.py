@@ -20,10 +20,9 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
 
-import torch.distributed as dist
-
+from ._distributed._collectives import all_gather_json
+from ._distributed._topology import Topology
 from .schedules._action import Action
 from .schedules._program import Program
 from .schedules._simulate import Simulation
@@ -70,21 +69,25 @@ def clock() -> float:
 
 
 def measured(
-    program: Program, order: Sequence[tuple[int, Action]], times: Times, start: float, group: Any = None
+    program: Program,
+    order: Sequence[tuple[int, Action]],
+    times: Times,
+    start: float,
+    topology: Topology | None = None,
+    timeout: float = 300.0,
 ) -> Simulation:
     """The ``Simulation`` of what ran: ``times[k]`` is when ``order[k]`` started and ended.
 
-    With ``group``, each rank contributes its own row and the rows are all-gathered.
+    With ``topology``, each pipeline rank contributes its own row and the rows are all-gathered
+    (as JSON, which gives floats back exactly), each rank waiting at most ``timeout`` seconds.
     """
     starts: list[list[float]] = [[] for _ in program.ranks]
     ends: list[list[float]] = [[] for _ in program.ranks]
     for (rank, _), (t0, t1) in zip(order, times):
         starts[rank].append(t0 - start)
         ends[rank].append(t1 - start)
-    if group is not None:
-        rows: list[object] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(rows, (starts, ends), group=group)
-        for rank, row in enumerate(rows):
-            assert isinstance(row, tuple)
-            starts[rank], ends[rank] = row[0][rank], row[1][rank]
+    if topology is not None:
+        mine = [starts[topology.rank], ends[topology.rank]]
+        rows = all_gather_json(topology, topology.group, mine, timeout, "the other ranks' recorded timelines")
+        starts, ends = [row[0] for row in rows], [row[1] for row in rows]
     return Simulation(program, None, tuple(map(tuple, starts)), tuple(map(tuple, ends)))

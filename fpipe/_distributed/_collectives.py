@@ -7,6 +7,7 @@ timeout becomes a ``PipelineError`` that says what was awaited and names the ran
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from datetime import timedelta
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from .._errors import PipelineError, PipelineTimeoutError
 from ._faults import BEAT, DIED, SILENT, STALE, WATCHDOG, Board, waiting
 from ._topology import Topology
+from ._wire import tensor_bytes
 
 
 def wait(work: Any, timeout: timedelta, rank: int, what: str, peer: int | None = None) -> None:
@@ -123,21 +125,41 @@ def handshake(
     what: str = "the other pipeline ranks at the start of the step",
 ) -> list[list[int]]:
     """All-gather each pipeline rank's ``status`` vector (same length on every rank)."""
-    mine = torch.tensor(status, dtype=torch.int64, device=topology.device)
-    every = [torch.empty_like(mine) for _ in range(topology.size)]
-    work = dist.all_gather(every, mine, group=topology.group, async_op=True)
-    wait(work, timedelta(seconds=timeout), topology.rank, what)
-    return [t.tolist() for t in every]
+    return all_gather_ints(topology, topology.group, status, timeout, what)
+
+
+def all_gather_ints(topology: Topology, group: Any, values: list[int], timeout: float, what: str) -> list[list[int]]:
+    """Each rank of ``group``'s ``values`` (an int vector of the same length on every rank)."""
+    mine = torch.tensor(values, dtype=torch.int64, device=topology.device)
+    return [t.tolist() for t in _all_gather(topology, group, mine, timeout, what)]
+
+
+def all_gather_json(topology: Topology, group: Any, value: Any, timeout: float, what: str) -> list[Any]:
+    """Each rank of ``group``'s ``value``, as JSON gives it back: the lengths, then the bytes."""
+    data = json.dumps(value).encode()
+    sizes = [n for (n,) in all_gather_ints(topology, group, [len(data)], timeout, what)]
+    buffer = torch.zeros(max(sizes), dtype=torch.uint8)
+    buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    every = _all_gather(topology, group, buffer.to(topology.device), timeout, what)
+    hosts = [t[:n].cpu().contiguous() for t, n in zip(every, sizes)]  # named: they outlive the views
+    return [json.loads(bytes(tensor_bytes(host))) for host in hosts]
+
+
+def _all_gather(topology: Topology, group: Any, mine: torch.Tensor, timeout: float, what: str) -> list[torch.Tensor]:
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    wait(dist.all_gather(every, mine, group=group, async_op=True), timedelta(seconds=timeout), topology.rank, what)
+    return every
 
 
 def all_reduce_sum(topology: Topology, group: Any, tensors: list[torch.Tensor], timeout: float, what: str) -> None:
-    """Sum ``tensors`` in place over ``group``, one all-reduce per dtype (complex as real)."""
+    """Sum ``tensors`` in place over ``group``, one all-reduce per dtype (complex as real), on
+    ``topology.device`` (CUDA for NCCL). All ranks must pass the same dtypes in the same order."""
     buckets: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         real = torch.view_as_real(t) if t.is_complex() else t
         buckets[real.dtype].append(real)
     for members in buckets.values():
-        flat = torch.cat([t.reshape(-1) for t in members])
+        flat = torch.cat([t.reshape(-1).to(topology.device) for t in members])
         work = dist.all_reduce(flat, group=group, async_op=True)
         wait(work, timedelta(seconds=timeout), topology.rank, what)
         offset = 0

@@ -19,7 +19,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from .._distributed._collectives import all_reduce_sum
+from .._distributed._topology import resolve_topology
 
 
 def sum_tied(
@@ -28,6 +30,7 @@ def sum_tied(
     *,
     params: Sequence[Mapping[str, torch.Tensor]] | None = None,
     group: Any = None,
+    timeout: float = 300.0,
 ) -> list[dict[str, torch.Tensor | None] | None]:
     """Sum the gradients of names that appear in several stages; every stage gets the sum.
 
@@ -41,6 +44,8 @@ def sum_tied(
             pipeline's group). Every rank of it must call ``sum_tied`` with its own ``grads``;
             the tied gradients are summed with one all-reduce per dtype, ranks holding no copy of
             a name contributing zeros. Without ``group``, all stages are summed in this process.
+        timeout: with ``group``, seconds a rank waits for the others at each all-reduce before
+            raising ``fpipe.PipelineTimeoutError`` (as ``fpipe.pipeline``'s ``timeout=``).
 
     Returns:
         A new list like ``grads``: the tied names' entries replaced by the sum over stages (in
@@ -94,8 +99,10 @@ def sum_tied(
     if not tied:
         return result
     totals = _local_sums(tied, result, layout)
-    if group is not None:
-        _all_reduce(list(totals.values()), group)
+    if group is not None:  # the tied names' order, from the same params, is the same on every rank
+        topology = resolve_topology(None, group)
+        assert topology is not None
+        all_reduce_sum(topology, group, list(totals.values()), timeout, "the other ranks' tied gradients")
     for name, total in totals.items():
         for s in tied[name]:
             entry = result[s]
@@ -136,23 +143,3 @@ def _local_sums(
             total = torch.zeros(copies[0][1].shape, dtype=dtype)
         totals[name] = total
     return totals
-
-
-def _all_reduce(tensors: list[torch.Tensor], group: Any) -> None:
-    """Sum ``tensors`` in place over ``group``, one all-reduce per dtype (complex as real).
-
-    The buckets follow the tied names' order, which every rank derives from the same ``params``,
-    so all ranks issue the same collectives. They run on the group's device (CUDA for NCCL).
-    """
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    buckets: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
-        real = torch.view_as_real(t) if t.is_complex() else t
-        buckets[real.dtype].append(real)
-    for members in buckets.values():
-        flat = torch.cat([t.reshape(-1).to(device or "cpu") for t in members])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for t in members:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()

@@ -12,16 +12,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._api import Step
-from .._distributed._collectives import wait
+from .._distributed._collectives import all_gather_json
 from .._distributed._topology import Topology, resolve_topology
-from .._distributed._wire import tensor_bytes
 from .._pytree import PyTree, leaves_with_names, unflatten
 from .._sharding._layout import StageLayout
 
@@ -117,34 +115,16 @@ class Ranks:
         """``value`` of every pipeline rank, as JSON gives it back."""
         if self.topology is None:
             return [json.loads(json.dumps(value))]
+        gather, topology, timeout = all_gather_json, self.topology, self.timeout
         if self.sharded:
-            row = self._gather(self.topology.data_group, self.data_size, value, what)
-            return [v for rows in self._gather(self.topology.group, self.size, row, what) for v in rows]
-        return self._gather(self.topology.group, self.size, value, what)
+            row = gather(topology, topology.data_group, value, timeout, what)
+            return [v for rows in gather(topology, topology.group, row, timeout, what) for v in rows]
+        return gather(topology, topology.group, value, timeout, what)
 
     def gather_replicas(self, value: Any, what: str) -> list[Any]:
         """``value`` of every data-parallel replica of this pipeline rank."""
         assert self.topology is not None
-        return self._gather(self.topology.data_group, self.topology.data_size, value, what)
-
-    def _gather(self, group: Any, size: int, value: Any, what: str) -> list[Any]:
-        assert self.topology is not None
-        device, timeout = self.topology.device, timedelta(seconds=self.timeout)
-        data = json.dumps(value).encode()
-        length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        lengths = [torch.empty_like(length) for _ in range(size)]
-        wait(dist.all_gather(lengths, length, group=group, async_op=True), timeout, self.rank, what)
-        sizes = [int(n.item()) for n in lengths]
-        buffer = torch.zeros(max(sizes), dtype=torch.uint8)
-        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        buffer = buffer.to(device)
-        every = [torch.empty_like(buffer) for _ in range(size)]
-        wait(dist.all_gather(every, buffer, group=group, async_op=True), timeout, self.rank, what)
-        out = []
-        for t, n in zip(every, sizes):
-            host = t[:n].cpu().contiguous()  # named: it must outlive the view of its bytes
-            out.append(json.loads(bytes(tensor_bytes(host))))
-        return out
+        return all_gather_json(self.topology, self.topology.data_group, value, self.timeout, what)
 
 
 def agree(ranks: Ranks, problem: BaseException | None, value: dict[str, Any], what: str) -> list[Any]:
