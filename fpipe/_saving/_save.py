@@ -39,7 +39,7 @@ import math
 import os
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +184,23 @@ def save(
 # --- Naming and hashing the local stages ------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Manifest:
+    """What the other ranks learn of a named tensor (no data); sent as JSON, a list of the fields."""
+
+    where: str  # "params[2]['layers'][0]"
+    stage: int
+    dtype: str  # a safetensors code: "F32"
+    shape: list[int]  # the full shape
+    sha256: str
+    shard: list[int] | None = None  # [q, d] (NOTE [sharded saves])
+
+    @property
+    def value(self) -> tuple[Any, ...]:
+        """What holders of one name must agree on, bitwise (NOTE [names])."""
+        return self.dtype, self.shape, self.sha256, self.shard
+
+
 @dataclass
 class _Tensor:
     """A named tensor of this rank: where it is, and its contents as a contiguous CPU tensor."""
@@ -196,10 +213,9 @@ class _Tensor:
     shape: list[int]  # the full shape: data's, or for a shard the shape of the tensor it was cut from
     shard: list[int] | None = None  # [q, d]: data is shard q of d (NOTE [sharded saves])
 
-    def manifest(self) -> list[Any]:
-        """What the other ranks learn of it: ``[where, stage, dtype code, shape, sha256]``, then
-        ``q, d`` for a shard."""
-        return [self.where, self.stage, CODES[self.data.dtype], self.shape, self.sha256, *(self.shard or [])]
+    def manifest(self) -> Manifest:
+        """What the other ranks learn of it."""
+        return Manifest(self.where, self.stage, CODES[self.data.dtype], self.shape, self.sha256, self.shard)
 
 
 def _collect(
@@ -271,15 +287,15 @@ def _as_shard(tensor: _Tensor, shape: list[int], sharding: Sharding) -> None:
     tensor.shape, tensor.shard = shape, list(sharding.shard)
 
 
-def check_tie(name: str, a: list[Any], b: list[Any], ranks: str = "") -> None:
-    """Two holders of ``name`` (manifest entries) must agree bitwise (NOTE [names])."""
-    if a[2:] != b[2:]:
+def check_tie(name: str, a: Manifest, b: Manifest, ranks: str = "") -> None:
+    """Two holders of ``name`` must agree bitwise (NOTE [names])."""
+    if a.value != b.value:
 
-        def show(m: list[Any]) -> str:
-            return f"{str(DTYPES[m[2]]).removeprefix('torch.')}{m[3]} sha256 {m[4][:12]}"
+        def show(m: Manifest) -> str:
+            return f"{str(DTYPES[m.dtype]).removeprefix('torch.')}{m.shape} sha256 {m.sha256[:12]}"
 
         raise ValueError(
-            f"fpipe.save: {a[0]} and {b[0]}{ranks} have the same name {name!r} but different values "
+            f"fpipe.save: {a.where} and {b.where}{ranks} have the same name {name!r} but different values "
             f"({show(a)} vs {show(b)}). A name in several stages is a tied parameter, saved once, so its "
             "values must be bitwise equal; if they are different parameters, give them different key paths."
         )
@@ -329,12 +345,16 @@ def _save_pipeline(
             "num_stages": num_stages,
             "stages": list(held or ()),
             "metadata": json.dumps(user, sort_keys=True),
-            "manifest": {kind: {n: t.manifest() for n, t in tensors.items()} for kind, tensors in local.items()},
+            "manifest": {
+                kind: {n: astuple(t.manifest()) for n, t in tensors.items()} for kind, tensors in local.items()
+            },
         }
         try:
             # 1. Agree on names, owners and the version.
             statuses = agree(ranks, problem, mine, "naming their tensors")
             version = statuses[0]["version"]
+            for st in statuses:  # the manifests, JSON lists on the way, back as Manifests
+                st["manifest"] = {k: {n: Manifest(*m) for n, m in ms.items()} for k, ms in st["manifest"].items()}
             owners = _plan(statuses)
             # 2. Write the tensors this rank owns.
             tmp, files, problem = root / f".tmp-{version}", {}, None
@@ -383,21 +403,22 @@ def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
         )
     owners: dict[str, dict[str, list[int]]] = {}
     for kind in statuses[0]["manifest"]:
-        first: dict[tuple[str, int], tuple[list[Any], int]] = {}  # (name, shard) -> manifest, writer
+        first: dict[tuple[str, int], tuple[Manifest, int]] = {}  # (name, shard) -> manifest, writer
         for w, st in enumerate(statuses):
             for name, manifest in st["manifest"][kind].items():
-                key = (name, manifest[5] if len(manifest) > 5 else 0)
+                key = (name, manifest.shard[0] if manifest.shard else 0)
                 if key not in first:
                     first[key] = manifest, w
                     continue
                 other, v = first[key]
-                if len(other) != len(manifest) or (statuses[v]["rank"] == st["rank"] and other[2:] != manifest[2:]):
+                whole = (other.shard is None) != (manifest.shard is None)
+                if whole or (statuses[v]["rank"] == st["rank"] and other.value != manifest.value):
                     raise ValueError(
-                        f"fpipe.save: {other[0]} ({_writer(statuses[v])}) and {manifest[0]} ({_writer(st)}) have the "
-                        f"same name {name!r} but one is a shard and the other a whole tensor, or data-parallel "
-                        "replicas hold different whole tensors. Leaves of optimizer state are shards when they are "
-                        "1-D, of a parameter's shard size, and named <prefix>.<parameter name> (NOTE [sharded saves]); "
-                        "other leaves are saved whole and must be the same on every replica."
+                        f"fpipe.save: {other.where} ({_writer(statuses[v])}) and {manifest.where} ({_writer(st)}) "
+                        f"have the same name {name!r} but one is a shard and the other a whole tensor, or "
+                        "data-parallel replicas hold different whole tensors. Leaves of optimizer state are shards "
+                        "when they are 1-D, of a parameter's shard size, and named <prefix>.<parameter name> (NOTE "
+                        "[sharded saves]); other leaves are saved whole and must be the same on every replica."
                     )
                 check_tie(name, other, manifest, f" ({_writer(statuses[v])} and {_writer(st)})")
         owners[kind] = {}
@@ -420,10 +441,10 @@ def _index(
             pieces = [statuses[w]["manifest"][kind][name] for w in writers]
             entries[kind][name] = Entry(
                 tuple(statuses[w]["files"][kind] for w in writers),
-                pieces[0][2],
-                pieces[0][3],
-                tuple(m[4] for m in pieces),
-                len(pieces[0]) > 5,
+                pieces[0].dtype,
+                pieces[0].shape,
+                tuple(m.sha256 for m in pieces),
+                pieces[0].shard is not None,
             )
     files = {
         file: {"bytes": nbytes, "rank": st["rank"], **({"replica": st["replica"]} if "dp-" in file else {})}
