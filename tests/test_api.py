@@ -13,11 +13,12 @@ from typing import Any
 import optree
 import pytest
 import torch
-from test_transparency import CONFORMANCE, Conformance, assert_close, reference, some_stage_count
+from test_transparency import assert_close, reference, some_stage_count
 from torch import nn
 
 import fpipe
 from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB, Program, ScheduleError
+from tests.conformance import CONFORMANCE, Conformance
 
 GPIPE, ZERO_BUBBLE_H1 = (next(e for e in CONFORMANCE if e.name == name) for name in ("GPipe", "ZeroBubbleH1"))
 

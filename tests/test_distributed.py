@@ -14,24 +14,17 @@ import torch
 import torch.distributed as dist
 
 import fpipe
-from fpipe.schedules import DualPipeV, GPipe, Interleaved1F1B, LoopedBFS, OneFOneB, ZeroBubbleH1, ZeroBubbleV
+from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleV
 from tests._multiprocess import run_ranks
+from tests.conformance import CONFORMANCE
 
 pytestmark = pytest.mark.timeout(180)
 
 D, V = 4, 11
 BATCH_DIMS = {"tokens": 0, "pos": 0, "freqs": None, "tag": None, "target": 0}
-SCHEDULES = {
-    "gpipe": (GPipe(4), 2),
-    "1f1b": (OneFOneB(5), 2),
-    "interleaved": (Interleaved1F1B(4, stages_per_rank=2), 4),
-    "1f1b-4": (OneFOneB(6), 4),
-    "interleaved-4": (Interleaved1F1B(4, stages_per_rank=2), 8),
-    "zbh1": (ZeroBubbleH1(4), 2),
-    "zbv": (ZeroBubbleV(4), 4),
-    "dualpipev": (DualPipeV(4), 4),
-    "bfs": (LoopedBFS(3, stages_per_rank=2), 4),
-}
+# name -> (ranks, schedule, stages): every distributed size of every entry of the conformance list
+RUNS = {f"{e.name}-{p}x{S}": (p, e.make(S, M), S) for e in CONFORMANCE for p, S, M in e.ranks}
+SCHEDULES = {name: (schedule, S) for name, (_, schedule, S) in RUNS.items()}
 
 
 def _first(p, mb):
@@ -98,20 +91,7 @@ def _train(rank, world, name):
     return step.local_stages, out, (timeline.starts, timeline.ends, timeline.bubble_fractions)
 
 
-@pytest.mark.parametrize(
-    ("world", "name"),
-    [
-        (2, "gpipe"),
-        (2, "1f1b"),
-        (2, "interleaved"),
-        (2, "zbh1"),
-        (2, "zbv"),
-        (2, "dualpipev"),
-        (2, "bfs"),
-        (4, "1f1b-4"),
-        (4, "interleaved-4"),
-    ],
-)
+@pytest.mark.parametrize(("world", "name"), [(p, name) for name, (p, _, _) in RUNS.items()])
 def test_distributed_equals_local_bitwise(world, name):
     schedule, num_stages = SCHEDULES[name]
     results = run_ranks(world, _train, name)

@@ -4,7 +4,8 @@ The oracle is ``torch.func.grad_and_value`` of ``loss_fn(compose(stages)(params,
 on the whole batch, in float64, to a relative error of 1e-10. Every entry of ``CONFORMANCE`` runs
 the same battery over stage counts, microbatch counts (uneven splits included), random batch
 pytrees (leaves split along dim 0, dim 1 or not at all), recomputed stages and ``has_aux``, and
-must equal GPipe bitwise, so a new schedule is tested the moment it is listed there.
+must equal GPipe bitwise, so a new schedule is tested the moment it is listed there
+(tests/conformance.py, which tests/test_api.py and tests/test_distributed.py run too).
 """
 
 from __future__ import annotations
@@ -21,63 +22,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fpipe
-from fpipe.schedules import DualPipeV, GPipe, Interleaved1F1B, LoopedBFS, OneFOneB, ZeroBubbleH1, ZeroBubbleV
+from fpipe.schedules import GPipe, OneFOneB
+from tests.conformance import CONFORMANCE, Conformance
 
 TOLERANCE = 1e-10
 
 
 # --- The conformance list ---------------------------------------------------------------------
-
-
-def gpipe_backwards_reversed(num_stages: int, num_microbatches: int) -> list[list[str]]:
-    """Hand-written: GPipe, but each rank runs its backwards last microbatch first."""
-    m = num_microbatches
-    return [[f"{s}F{i}" for i in range(m)] + [f"{s}B{i}" for i in reversed(range(m))] for s in range(num_stages)]
-
-
-def one_f_one_b_split_backward(num_stages: int, num_microbatches: int) -> list[list[str]]:
-    """Hand-written: 1F1B with every backward split into input (I) and weight (W) parts.
-
-    Rank ``r`` runs 1F1B with ``I`` in place of ``B`` and defers all its ``W`` to the end,
-    the way zero-bubble schedules fill the cool-down.
-    """
-    m, p = num_microbatches, num_stages
-    ranks = []
-    for r in range(p):
-        warmup = min(p - r - 1, m)
-        row = [f"{r}F{i}" for i in range(warmup)]
-        for i in range(m - warmup):
-            row += [f"{r}F{warmup + i}", f"{r}I{i}"]
-        row += [f"{r}I{i}" for i in range(m - warmup, m)]
-        row += [f"{r}W{i}" for i in range(m)]
-        ranks.append(row)
-    return ranks
-
-
-@dataclass(frozen=True)
-class Conformance:
-    """A way to schedule: ``make(num_stages, num_microbatches)`` is what ``fpipe.pipeline`` takes."""
-
-    name: str
-    make: Callable[[int, int], Any]
-    stage_counts: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
-
-    def __str__(self) -> str:
-        return self.name
-
-
-CONFORMANCE: list[Conformance] = [
-    Conformance("GPipe", lambda S, M: GPipe(num_microbatches=M)),
-    Conformance("OneFOneB", lambda S, M: OneFOneB(num_microbatches=M)),
-    Conformance("Interleaved1F1B-2", lambda S, M: Interleaved1F1B(num_microbatches=M, stages_per_rank=2), (2, 4, 6)),
-    Conformance("Interleaved1F1B-3", lambda S, M: Interleaved1F1B(num_microbatches=M, stages_per_rank=3), (3, 6)),
-    Conformance("LoopedBFS-2", lambda S, M: LoopedBFS(num_microbatches=M, stages_per_rank=2), (2, 4, 6)),
-    Conformance("ZeroBubbleH1", lambda S, M: ZeroBubbleH1(num_microbatches=M)),
-    Conformance("ZeroBubbleV", lambda S, M: ZeroBubbleV(num_microbatches=M), (2, 4, 6)),
-    Conformance("DualPipeV", lambda S, M: DualPipeV(num_microbatches=M), (2, 4, 6)),
-    Conformance("program-backwards-reversed", gpipe_backwards_reversed),
-    Conformance("program-split-backward", one_f_one_b_split_backward),
-]
 
 
 def some_stage_count(entry: Conformance, at_least: int) -> int:
