@@ -18,8 +18,8 @@ from ._record import Recording as Recording
 from ._record import record as record
 from ._saving._load import load as load
 from ._saving._save import save as save
-from ._sharding._runs import gather as gather
-from ._sharding._runs import shard as shard
+from ._sharding._public import gather as gather
+from ._sharding._public import shard as shard
 
 __all__ = [
     "PipelineError",

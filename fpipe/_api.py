@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from ._distributed._collectives import all_reduce_sum
+from ._distributed._runtime import run_distributed
 from ._distributed._topology import Topology, resolve_topology
+from ._distributed._transport import WireState
 from ._plural import plural
 from ._pytree import PyTree, flatten, leaves_with_paths
-from ._run import plan_for, run_distributed, run_local
-from ._sharding._layout import data_parallel
-from ._sharding._runs import gather_stages, shard_stages
+from ._run import ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
+from ._sharding._layout import StageLayout, check_shards, data_parallel
+from ._sharding._runs import ShardedRuns, gather_stages, shard_stages
+from ._stage import StageFn, StageRun
 from .schedules._action import Action
 from .schedules._program import Program, Schedule, ScheduleError, validate
-
-StageFn = Callable[[Any, Any], Any]
 
 
 def pipeline(
@@ -262,6 +264,8 @@ class Step:
         self.shard_params = shard_params
         self.regather = regather
         self._topology = topology
+        self._wire = WireState()  # the distributed channels' layouts, kept from step to step
+        self._layouts: dict[int, StageLayout] = {}  # with shard_params: the full shapes, set by shard()
         if topology is None:
             self.rank: int | None = None
             self.local_stages = tuple(range(self.num_stages))
@@ -307,8 +311,48 @@ class Step:
             if self._topology is None:
                 loss, aux, grads = run_local(self, self._plan, params, batch)
             else:
-                loss, aux, grads = run_distributed(self, self._plan, self._topology, params, batch)
+                loss, aux, grads = run_distributed(
+                    self,
+                    self._plan,
+                    self._topology,
+                    self._wire,
+                    params,
+                    batch,
+                    runs_for=self._runs_for,
+                    check_params=self._check_shards,
+                )
         return ((loss, aux), grads) if self.has_aux else (loss, grads)
+
+    @property
+    def topology(self) -> Topology | None:
+        """Where this process sits (its pipeline and data-parallel groups, its device); ``None``
+        in one process. Read-only: saving and sharding read it."""
+        return self._topology
+
+    @property
+    def shard_layouts(self) -> Mapping[int, StageLayout]:
+        """With ``shard_params``: the full shapes and dtypes of the local stages' parameters,
+        recorded by ``shard`` (empty before). A read-only view."""
+        return MappingProxyType(self._layouts)
+
+    def _runs_for(self, params: Sequence[PyTree]) -> StageRuns:
+        """This rank's stages for a run; with ``shard_params``, every stage's all-gather is posted
+        here and waited for at the stage's first forward (NOTE [gather overlap])."""
+        if not self.shard_params:
+            return ReplicatedRuns(self, params)
+        assert self._topology is not None
+        dp = data_parallel(self._topology, self.timeout)
+        order = self._plan.order
+
+        def make_run(s: int, stage_params: PyTree) -> StageRun:
+            return stage_run(self, s, stage_params)
+
+        return ShardedRuns(dp, make_run, params, self._layouts, order, regather=self.regather)
+
+    def _check_shards(self, params: Sequence[PyTree]) -> None:
+        if self.shard_params:
+            for s in self.local_stages:
+                check_shards(s, params[s], self._layouts.get(s))
 
     def global_norm(self, grads: Sequence[PyTree], /) -> torch.Tensor:
         """The 2-norm of all gradients of the pipeline, for clipping, on every rank.
@@ -359,7 +403,7 @@ class Step:
             if params[s] is None:
                 raise ValueError(f"fpipe.step.shard: params[{s}] is None but this rank holds stage {s}. Pass it.")
         dp = data_parallel(self._topology, self.timeout)
-        shards, self._plan.layouts = shard_stages(dp, self.local_stages, params)
+        shards, self._layouts = shard_stages(dp, self.local_stages, params)
         return shards
 
     def unshard(self, shards: Sequence[PyTree], /) -> list[PyTree]:
@@ -369,12 +413,10 @@ class Step:
         ``None`` leaves (the grads of non-float leaves) stay ``None``; stages held elsewhere are
         ``None``.
         """
-        if not self._plan.layouts or self._topology is None:
+        if not self._layouts or self._topology is None:
             raise ValueError("fpipe.step.unshard: the step has no layouts; cut the parameters with step.shard first.")
         if len(shards) != self.num_stages:
             raise ValueError(
                 f"fpipe.step.unshard: shards has {plural(len(shards), 'entry')} for {plural(self.num_stages, 'stage')}."
             )
-        return gather_stages(
-            data_parallel(self._topology, self.timeout), self._plan.layouts, shards, "fpipe.step.unshard"
-        )
+        return gather_stages(data_parallel(self._topology, self.timeout), self._layouts, shards, "fpipe.step.unshard")

@@ -7,7 +7,7 @@ distributed one sends over torch.distributed. The executor knows nothing of any 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -32,6 +32,12 @@ class Transport(Protocol):
     def send_cotangent(self, stage: int, microbatch: int, value: Grads) -> None: ...
 
     def recv_cotangent(self, stage: int, microbatch: int) -> Grads: ...
+
+
+class Stages(Protocol):
+    """The stages an executor runs, by stage index (a mapping, or a ``StageRuns``)."""
+
+    def __getitem__(self, stage: int, /) -> StageRun: ...
 
 
 class LocalTransport:
@@ -63,7 +69,7 @@ class Executor:
 
     def __init__(
         self,
-        stages: Mapping[int, StageRun],
+        stages: Stages,
         num_stages: int,
         loss_fn: Callable[[Any, Any], Any],
         *,

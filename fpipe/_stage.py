@@ -73,6 +73,8 @@ from ._pytree import (
 )
 from ._weight_grad import DeferredWeightGrad, input_grad
 
+StageFn = Callable[[Any, Any], Any]  # stage(stage_params, x) -> y
+
 Grads = list[torch.Tensor | None]
 
 

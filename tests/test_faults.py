@@ -103,6 +103,109 @@ def test_every_survivor_fails_fast_naming_the_victim(setup, victim, where, sig, 
             assert kind == "PipelineTimeoutError" and f"because {names} stopped answering" in message, (rank, message)
 
 
+def _two_stages(rank, timeout, stage_fault=None, loss_fault=None):
+    def stage(p, x):
+        if stage_fault is not None:
+            stage_fault(x)
+        return torch.tanh(x @ p)
+
+    def loss_fn(y, mb):
+        if loss_fault is not None:
+            loss_fault()
+        return (y**2).mean()
+
+    step = fpipe.pipeline(loss_fn, [stage, stage], OneFOneB(4), group=dist.group.WORLD, timeout=timeout)
+    params = [torch.eye(3, dtype=torch.float64) if s == rank else None for s in range(2)]
+    batch = torch.ones(8, 3, dtype=torch.float64) if rank == 0 else None
+    return step, params, batch
+
+
+def _late(rank, world):
+    step, params, batch = _two_stages(rank, timeout=2)
+    if rank == 1:
+        time.sleep(3)  # rank 0 has given up on this step by now
+    start = time.monotonic()
+    with pytest.raises(fpipe.PipelineError) as info:
+        step(params, batch)
+    took = time.monotonic() - start
+    if rank == 0:
+        time.sleep(3)  # keep the store (hosted here) up while rank 1 arrives
+    return took, type(info.value).__name__, str(info.value)
+
+
+def test_a_rank_that_arrives_after_the_others_gave_up_fails_at_its_handshake():
+    (took0, kind0, message0), (took1, _, message1) = run_ranks(2, _late, timeout=60)
+    assert kind0 == "PipelineTimeoutError" and "timed out after 2 s" in message0 and took0 < 4
+    assert "went silent" in message0 and "every rank still answers" in message0
+    assert took1 < 1.0 and "rank 1 stopped while waiting for the other pipeline ranks" in message1
+
+
+def _raises_in(rank, world, where):
+    def fault(*_):
+        if where == "interrupt" and rank == 1:
+            raise KeyboardInterrupt
+        if where == "stage" and rank == 1:
+            raise ValueError("bad stage")
+
+    def loss_fault():
+        if where == "loss_fn":
+            raise ValueError("bad loss")
+
+    step, params, batch = _two_stages(rank, timeout=30, stage_fault=fault, loss_fault=loss_fault)
+    try:
+        step(params, batch)
+    except (fpipe.PipelineError, KeyboardInterrupt) as error:
+        return type(error).__name__, str(error), getattr(error, "in_loss_fn", None)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("where", "own", "others"),
+    [
+        (
+            "loss_fn",
+            "fpipe: loss_fn in forward of stage 1 on microbatch 0 (1F0) failed on rank 1: ValueError: bad loss",
+            "rank 1 loss_fn failed in forward of stage 1 on microbatch 0 (1F0)",
+        ),
+        (
+            "stage",
+            "fpipe: forward of stage 1 on microbatch 0 (1F0) failed on rank 1: ValueError: bad stage",
+            "rank 1 failed in forward of stage 1 on microbatch 0 (1F0)",
+        ),
+        ("interrupt", "", "rank 1 was interrupted (KeyboardInterrupt) in forward of stage 1 on microbatch 0 (1F0)"),
+    ],
+)
+def test_the_other_ranks_are_told_what_failed_where(where, own, others):
+    (kind0, message0, _), (kind1, message1, in_loss_fn) = run_ranks(2, _raises_in, where, timeout=60)
+    assert kind0 == "PipelineError" and "rank 0 stopped" in message0 and others in message0, message0
+    if where == "interrupt":
+        assert kind1 == "KeyboardInterrupt"
+    else:
+        assert message1.startswith(own) and in_loss_fn == (where == "loss_fn")
+
+
+def _send_fails(rank, world):
+    step, params, batch = _two_stages(rank, timeout=10)
+    step(params, batch)
+    if rank == 0:
+
+        def isend(*args, **kwargs):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
+
+        dist.isend = isend  # this process only, after the healthy step
+    with pytest.raises(fpipe.PipelineError) as info:
+        step(params, batch)
+    return str(info.value)
+
+
+def test_a_failed_send_blames_the_peer_not_the_stage():
+    message, _ = run_ranks(2, _send_fails, timeout=60)
+    assert (
+        "rank 0 stopped while waiting for microbatch 0 (for the last stage's loss_fn) to be sent to rank 1" in message
+    )
+    assert "because rank 1 died" in message and "failed on rank 0" not in message
+
+
 def matrix(timeouts=(4, DEFAULT)):
     """Every setup x fault place x signal x timeout: the survivors' seconds, as a markdown table."""
     setups = [(2, 1), (3, 2), (4, 3), ((2, 2), 1)]

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import fpipe
+from fpipe._run import segments
 from fpipe._sharding._layout import LeafLayout, StageLayout, cut, layout_of
-from fpipe._sharding._runs import segments
 from fpipe.schedules import Interleaved1F1B, OneFOneB
 from tests._multiprocess import run_ranks
 
@@ -300,9 +300,11 @@ def test_errors(ranks):
 def test_a_failing_replica_fails_the_other(ranks):
     # mesh coordinates: global rank 2 * replica + pipeline rank
     assert "failed on rank 1" in ranks[1]["failure"] and "boom" in ranks[1]["failure"]
-    assert "rank 0 stopped because rank 1 failed" in ranks[0]["failure"]
-    for r in (2, 3):
-        assert "another data-parallel replica failed" in ranks[r]["failure"]
+    # Every other rank names the failed one, its replica and its action (the failure board).
+    for r in (0, 2, 3):
+        expected = f"rank {r % 2} stopped" if r else "rank 0 stopped because"
+        assert expected in ranks[r]["failure"], ranks[r]["failure"]
+        assert "because rank 1 of data-parallel replica 0 failed in forward of stage 1" in ranks[r]["failure"]
 
 
 def _mixed_precision(rank, world):

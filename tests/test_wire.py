@@ -21,7 +21,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fpipe._distributed._wire import DATA, ERROR, INLINE_LIMIT, META_BYTES, Decoder, Encoder, as_bytes, error_message, meta_of
+from fpipe._distributed._wire import (
+    DATA,
+    ERROR,
+    INLINE_LIMIT,
+    META_BYTES,
+    Decoder,
+    Encoder,
+    as_bytes,
+    error_message,
+    meta_of,
+)
 
 CPU = torch.device("cpu")
 

@@ -103,7 +103,7 @@ _BROKEN: dict[int, str] = {}  # id(pipeline group) -> why it can no longer be us
 
 def mark_broken(topology: Topology, error: BaseException) -> None:
     """Remember that a step failed mid-flight on this group (see ``check_usable``)."""
-    _BROKEN[id(topology.group)] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    _BROKEN[id(topology.group)] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
 def check_usable(topology: Topology) -> None:

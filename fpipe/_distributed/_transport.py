@@ -25,7 +25,6 @@ differs from one process. The protocol (notes/wire.md), per step:
 from __future__ import annotations
 
 import contextlib
-import zlib
 from collections import defaultdict
 from datetime import timedelta
 from typing import Any
@@ -43,14 +42,6 @@ from ._topology import Topology
 from ._wire import ERROR, Decoder, Encoder, as_bytes, error_message, meta_of
 
 Key = tuple[str, int, int]  # ("act" | "cot" | "mb" | "result", stage, microbatch)
-
-
-def checksum(program: Program) -> int:
-    """A checksum of the program, equal on every rank that built the same one."""
-    text = f"{program.num_stages}/{program.num_microbatches}/" + "|".join(
-        ",".join(map(str, row)) for row in program.ranks
-    )
-    return zlib.crc32(text.encode())
 
 
 def messages(program: Program, sender: int, send_microbatches: bool) -> dict[int, list[Key]]:

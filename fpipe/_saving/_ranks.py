@@ -36,17 +36,17 @@ class Sharding:
 
 def sharded_leaves(function: str, step: Step | None, trees: dict[str, list[PyTree]]) -> Sharding | None:
     """The ``Sharding`` of a step built with ``shard_params=True`` (``None`` otherwise)."""
-    if step is None or not step.shard_params or step._topology is None:
+    topology = None if step is None else step.topology
+    if step is None or not step.shard_params or topology is None:
         return None
-    missing = [s for s in step.local_stages if s not in step._plan.layouts]
+    missing = [s for s in step.local_stages if s not in step.shard_layouts]
     if missing:
         raise ValueError(
             f"fpipe.{function}: the step shards parameters but has no layout for stage(s) {missing} (their full "
             "shapes). Cut the parameters with step.shard(params) first (meta tensors of the full shapes will do)."
         )
-    topology = step._topology
     assert topology.data_group is not None
-    return Sharding((dist.get_rank(topology.data_group), topology.data_size), dict(step._plan.layouts))
+    return Sharding((dist.get_rank(topology.data_group), topology.data_size), dict(step.shard_layouts))
 
 
 def full_shapes(kind: str, tree: PyTree, layout: StageLayout) -> dict[str, list[int]]:
@@ -85,7 +85,7 @@ def resolve(function: str, step: Step | None, group: Any, mesh: Any) -> tuple[To
     if step is not None:
         if not isinstance(step, Step):
             raise TypeError(f"fpipe.{function}: step must be a Step from fpipe.pipeline (step: {step!r}).")
-        return step._topology, step.local_stages
+        return step.topology, step.local_stages
     if (group is not None or mesh is not None) and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             f"fpipe.{function}: torch.distributed is not initialized. Call torch.distributed.init_process_group() "

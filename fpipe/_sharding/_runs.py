@@ -51,31 +51,17 @@ of other stages, and its full parameters and gradients are freed at once:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
 
 import torch
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
-from .._distributed._topology import Topology, resolve_topology
 from .._pytree import PyTree, flatten, map_tensors
+from .._run import segments
 from .._stage import StageRun
 from ..schedules._action import Action
-from ._layout import DataParallel, Gather, LeafLayout, ReduceScatter, StageLayout, cut, data_parallel, layout_of
+from ._layout import DataParallel, Gather, LeafLayout, ReduceScatter, StageLayout, cut, layout_of
 
 # -- the stages of one sharded step -------------------------------------------------------------
-
-
-def segments(order: Sequence[tuple[int, Action]]) -> list[tuple[Sequence[tuple[int, Action]], list[int]]]:
-    """``order`` cut after each stage's last action: ``(actions, stages finished by them)`` pairs."""
-    last = {action.stage: k for k, (_, action) in enumerate(order)}
-    out: list[tuple[Sequence[tuple[int, Action]], list[int]]] = []
-    start = 0
-    for k in sorted(set(last.values())):
-        out.append((order[start : k + 1], [s for s, end in last.items() if end == k]))
-        start = k + 1
-    if start < len(order):
-        out.append((order[start:], []))
-    return out
 
 
 class ShardedRuns(Mapping[int, StageRun]):
@@ -173,11 +159,13 @@ class ShardedRuns(Mapping[int, StageRun]):
         self._full.pop(stage, None)
         self._reductions[stage] = ReduceScatter(self.dp, stage, grads, self._layouts[stage])
 
-    def finish(self) -> None:
-        """Wait for every reduce-scatter (a replica that fails does not join: the failure board
-        fails the others, NOTE [failure board] in fpipe/_distributed/_faults.py)."""
+    def finish(self) -> list[torch.Tensor]:
+        """Wait for every reduce-scatter: the gradients are averaged, none is left to average
+        (a replica that fails does not join: the failure board fails the others, NOTE [failure
+        board] in fpipe/_distributed/_faults.py)."""
         for stage in self._finish_order:
             self._grads[stage] = self._reductions.pop(stage).wait()
+        return []
 
     def grads(self, num_stages: int) -> list[PyTree]:
         """The averaged gradient shards, one pytree per stage (``None`` for stages held elsewhere)."""
@@ -231,61 +219,3 @@ def gather_tree(dp: DataParallel, tree: PyTree, layout: StageLayout, caller: str
         present.append(LeafLayout(shape.shape, leaf.dtype, shape.size))
     partial = StageLayout(spec, layout.paths, tuple(present), layout.num_shards)
     return Gather(dp, name, tree, partial).wait()
-
-
-def _data_parallel_of(over: Any, caller: str) -> DataParallel:
-    from .._api import Step  # a cycle at import time: _api uses this module
-
-    topology: Topology | None = None
-    timeout = 300.0
-    if isinstance(over, Step):
-        topology, timeout = over._topology, over.timeout
-    elif hasattr(over, "mesh_dim_names"):  # a DeviceMesh
-        topology = resolve_topology(over, None)
-    if topology is None or topology.data_group is None:
-        raise ValueError(
-            f"{caller}: shards are cut over the data-parallel ranks of a mesh, and this has none "
-            f"(got: {over!r:.120}). Pass the DeviceMesh with dimensions ('dp', 'pp') given to "
-            "fpipe.pipeline, or its step."
-        )
-    return data_parallel(topology, timeout)
-
-
-def shard(tree: PyTree, over: Any, /) -> PyTree:
-    """This rank's shards of a full pytree, cut over the data-parallel ranks of ``over``.
-
-    Each tensor leaf of ``n`` elements becomes a 1-D tensor of ``ceil(n / d)`` elements: the
-    rank's slice of the flattened leaf, zero-padded at the end on the last ranks (``d``: the
-    data-parallel size); nothing is dropped. Other leaves are kept whole. Only the rank's own
-    data is read; no communication. ``step.shard(params)`` does this for every local stage and
-    records the full shapes a sharded step needs.
-
-    Args:
-        tree: a full pytree, the same on every data-parallel replica (parameters, or anything
-            shaped like them, such as optimizer state).
-        over: the ``DeviceMesh`` (dimensions ``"dp"`` and ``"pp"``) or a ``Step`` built on one.
-
-    Example:
-        >>> shards = fpipe.shard({"w": torch.ones(5, 3)}, mesh)  # doctest: +SKIP
-        >>> shards["w"].shape  # with 2 data-parallel ranks: 15 elements, 8 per rank
-        torch.Size([8])
-    """
-    dp = _data_parallel_of(over, "fpipe.shard")
-    return cut(tree, layout_of(tree, dp.size), dp.rank)
-
-
-def gather(shards: PyTree, like: PyTree, over: Any, /) -> PyTree:
-    """The full pytree of ``shards`` (cut by ``fpipe.shard``), gathered from every data-parallel rank.
-
-    A collective: every rank of the data-parallel group calls it with the same structure.
-    ``None`` leaves in ``shards`` (gradients of non-float leaves) stay ``None``.
-
-    Args:
-        shards: this rank's shards.
-        like: a pytree with the full shapes: the full tensors, or tensors on the ``meta`` device.
-            The result has the dtypes of ``shards`` (optimizer state kept in float32 for
-            bfloat16 parameters gathers as float32 with the parameters as ``like``).
-        over: the ``DeviceMesh`` or the ``Step``, as for ``fpipe.shard``.
-    """
-    dp = _data_parallel_of(over, "fpipe.gather")
-    return gather_tree(dp, shards, layout_of(like, dp.size), "fpipe.gather", "shards")

@@ -13,6 +13,7 @@ Dependencies between actions (``s`` stage, ``i`` microbatch, ``S`` stages)::
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -322,3 +323,11 @@ def placement(schedule: Schedule, num_stages: int, num_ranks: int | None = None)
     program = schedule.program(num_stages, num_ranks)
     validate(program)
     return program.placement()
+
+
+def checksum(program: Program) -> int:
+    """A checksum of ``program``, equal on every rank that built the same one."""
+    text = f"{program.num_stages}/{program.num_microbatches}/" + "|".join(
+        ",".join(map(str, row)) for row in program.ranks
+    )
+    return zlib.crc32(text.encode())

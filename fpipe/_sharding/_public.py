@@ -1,0 +1,68 @@
+"""``fpipe.shard`` and ``fpipe.gather``: cut a pytree over a mesh's data-parallel ranks, and
+gather it back (NOTE [shard layout] in fpipe/_sharding/_runs.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._api import Step
+from .._distributed._topology import Topology, resolve_topology
+from .._pytree import PyTree
+from ._layout import DataParallel, cut, data_parallel, layout_of
+from ._runs import gather_tree
+
+
+def _data_parallel_of(over: Any, caller: str) -> DataParallel:
+    topology: Topology | None = None
+    timeout = 300.0
+    if isinstance(over, Step):
+        topology, timeout = over.topology, over.timeout
+    elif hasattr(over, "mesh_dim_names"):  # a DeviceMesh
+        topology = resolve_topology(over, None)
+    if topology is None or topology.data_group is None:
+        raise ValueError(
+            f"{caller}: shards are cut over the data-parallel ranks of a mesh, and this has none "
+            f"(got: {over!r:.120}). Pass the DeviceMesh with dimensions ('dp', 'pp') given to "
+            "fpipe.pipeline, or its step."
+        )
+    return data_parallel(topology, timeout)
+
+
+def shard(tree: PyTree, over: Any, /) -> PyTree:
+    """This rank's shards of a full pytree, cut over the data-parallel ranks of ``over``.
+
+    Each tensor leaf of ``n`` elements becomes a 1-D tensor of ``ceil(n / d)`` elements: the
+    rank's slice of the flattened leaf, zero-padded at the end on the last ranks (``d``: the
+    data-parallel size); nothing is dropped. Other leaves are kept whole. Only the rank's own
+    data is read; no communication. ``step.shard(params)`` does this for every local stage and
+    records the full shapes a sharded step needs.
+
+    Args:
+        tree: a full pytree, the same on every data-parallel replica (parameters, or anything
+            shaped like them, such as optimizer state).
+        over: the ``DeviceMesh`` (dimensions ``"dp"`` and ``"pp"``) or a ``Step`` built on one.
+
+    Example:
+        >>> shards = fpipe.shard({"w": torch.ones(5, 3)}, mesh)  # doctest: +SKIP
+        >>> shards["w"].shape  # with 2 data-parallel ranks: 15 elements, 8 per rank
+        torch.Size([8])
+    """
+    dp = _data_parallel_of(over, "fpipe.shard")
+    return cut(tree, layout_of(tree, dp.size), dp.rank)
+
+
+def gather(shards: PyTree, like: PyTree, over: Any, /) -> PyTree:
+    """The full pytree of ``shards`` (cut by ``fpipe.shard``), gathered from every data-parallel rank.
+
+    A collective: every rank of the data-parallel group calls it with the same structure.
+    ``None`` leaves in ``shards`` (gradients of non-float leaves) stay ``None``.
+
+    Args:
+        shards: this rank's shards.
+        like: a pytree with the full shapes: the full tensors, or tensors on the ``meta`` device.
+            The result has the dtypes of ``shards`` (optimizer state kept in float32 for
+            bfloat16 parameters gathers as float32 with the parameters as ``like``).
+        over: the ``DeviceMesh`` or the ``Step``, as for ``fpipe.shard``.
+    """
+    dp = _data_parallel_of(over, "fpipe.gather")
+    return gather_tree(dp, shards, layout_of(like, dp.size), "fpipe.gather", "shards")
