@@ -5,6 +5,7 @@
 ``loss, grads = step(params, batch)``.
 """
 
+from . import optim as optim
 from . import schedules as schedules
 from ._api import Step as Step
 from ._api import pipeline as pipeline
@@ -30,6 +31,7 @@ __all__ = [
     "functionalize",
     "gather",
     "load",
+    "optim",
     "pipeline",
     "record",
     "save",

@@ -33,6 +33,7 @@ def test_public_names() -> None:
         "functionalize",
         "gather",
         "load",
+        "optim",
         "pipeline",
         "record",
         "save",
