@@ -186,7 +186,9 @@ class DistributedTransport:
         The board gets the failure first (the record that stands: an earlier one, when
         ``error`` comes from a failure elsewhere); then every peer that still expects a message
         from this rank gets an ERROR meta saying so, and when every rank is alive (a stage
-        raised) the closing all-gather tells the rest.
+        raised) the closing all-gather tells the rest. The error metas are a fast path, not
+        waited for: a peer that has stopped reading (it left on the board's word, or it is the
+        lost rank) would hold this rank for the timeout, and the board reaches every rank anyway.
         """
         board = self.topology.board
         standing = WATCHDOG.report(board, self._failure(error, action))
@@ -194,23 +196,17 @@ class DistributedTransport:
         code = [rank, -1, -1, -1]
         if standing.action is not None:
             code = [rank, standing.action.stage, KINDS.index(standing.action.kind), standing.action.microbatch]
-        works: list[Any] = []
         for peer in self.peers.values():
             if peer.next_out < len(peer.outgoing):
                 # Sized as the receive the peer posts for the message it expects next.
                 expected = self._wire.encoders[_channel(peer.rank, peer.outgoing[peer.next_out])].expected
                 message = error_message(code, expected, self.topology.device)
                 with contextlib.suppress(RuntimeError):  # that peer is gone: the board tells the others
-                    works.append(dist.isend(message, self.topology.global_ranks[peer.rank], group=self.topology.group))
+                    work = dist.isend(message, self.topology.global_ranks[peer.rank], group=self.topology.group)
+                    self._sends.append((work, (message,)))
         if not self._concluded and standing.kind == RAISED:  # (a lost rank never joins)
             with contextlib.suppress(PipelineError):  # the board tells those this misses
                 self._conclude(code)
-                # Every rank has stopped its row: a peer that has not read its error meta by now
-                # never will (the failed rank itself), and waiting for it would only time out.
-                works = []
-        for work in works:
-            with contextlib.suppress(RuntimeError):  # the peer is gone or stuck: it learns from the board
-                work.wait(timeout=timedelta(seconds=min(self._seconds, 10.0)))
         self._wire.reset()
 
     def _failure(self, error: BaseException, action: Action | None) -> Failure:
