@@ -139,7 +139,10 @@ def test_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
-    """Each rank exports its stage of the model; the tied embedding is held by both."""
+    """Each rank exports its stage of the model (the tied embedding is held by both); then, as the
+    data-parallel ranks of a sharded step, both export their shards of the whole model."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     torch.set_default_dtype(torch.float64)  # as the tests' process: the same random weights
     hf = example()
     model = hf.build_model(**SIZE)
@@ -147,6 +150,9 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     step = fpipe.pipeline(hf.loss_fn, stages, OneFOneB(3), group=dist.group.WORLD)
     mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
     out = {"path": str(fpipe.save_hf(directory, mine, config=model.config, max_shard_size="20KB", step=step))}
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
+    sharded = fpipe.pipeline(hf.loss_fn, stages, OneFOneB(3), mesh=mesh, shard_params=True)
+    fpipe.save_hf(Path(directory).parent / "sharded", sharded.shard(params), config=model.config, step=sharded)
     bad = [None if p is None else {**p, "model.norm.weight": torch.full((16,), float(rank))} for p in mine]
     try:
         fpipe.save_hf(Path(directory).parent / "bad", bad, group=dist.group.WORLD)
@@ -171,5 +177,6 @@ def test_every_rank_writes_its_own_stages(hf: ModuleType, tmp_path: Path) -> Non
     # A tied name with different values on two ranks fails on both, and nothing is left.
     assert "have the same name 'model.norm.weight' but different values" in results[0]["error"]
     assert "have the same name 'model.norm.weight' but different values" in results[1]["error"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "sharded"]
     assert_same_logits(tmp_path / "out", model, hf)
+    assert_same_logits(tmp_path / "sharded", model, hf)

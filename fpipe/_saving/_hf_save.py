@@ -43,7 +43,8 @@ from typing import Any
 import torch
 
 from .._api import Step
-from .._pytree import PyTree, leaves_with_names
+from .._pytree import PyTree, leaves_with_names, unflatten
+from .._sharding._public import gather
 from ._directory import fsync_directory, write_atomic
 from ._hf_load import HF_INDEX
 from ._ranks import Ranks, agree, resolve, stage_list
@@ -98,8 +99,10 @@ def save_hf(
             or ``"100MiB"``; a larger tensor gets a file of its own.
         step, group, mesh: export from many processes, as ``fpipe.save``: every pipeline rank
             calls ``save_hf`` with the same arguments and writes only its stages; data-parallel
-            replicas other than the first write nothing. A step built with ``shard_params=True``
-            is refused: gather its shards first (``fpipe.gather``).
+            replicas other than the first write nothing. With a step built with
+            ``shard_params=True``, ``params`` are this rank's shards: each local stage is gathered
+            whole (one at a time, a collective over the data-parallel ranks) and the first replica
+            writes it.
         timeout: seconds a rank waits for the others at each all-gather.
 
     Returns:
@@ -118,7 +121,7 @@ def save_hf(
     Raises:
         TypeError: a leaf is neither a tensor nor ``None``; a bad ``config`` or ``max_shard_size``.
         ValueError: ``directory`` exists and is not empty; two leaves of a stage share a name; a
-            tied name has different values; stages held by several ranks; a sharded step.
+            tied name has different values; stages held by several ranks.
         OSError: writing failed (nothing is left at ``directory``).
         RuntimeError: another rank failed; its own error says why.
     """
@@ -126,17 +129,13 @@ def save_hf(
     limit = _shard_size(max_shard_size)
     config_files = _config_files(config)
     topology, held = resolve("save_hf", step, group, mesh)
-    if step is not None and step.shard_params:
-        raise ValueError(
-            "fpipe.save_hf: the step shards parameters (shard_params=True), and a Hugging Face checkpoint holds "
-            "whole tensors. Gather each stage first (fpipe.gather(shards, like, step)) and pass the full params "
-            "with group= (the pipeline group)."
-        )
     if step is not None and len(trees) != step.num_stages:
         raise ValueError(
             f"fpipe.save_hf: params has {len(trees)} entries but the step has {step.num_stages} stages. "
             "Pass one parameter pytree per stage (None for the stages of other ranks)."
         )
+    if step is not None and step.shard_params:
+        trees = _gathered(trees, step)
     ranks = Ranks("save_hf", topology, timeout)
     root = Path(directory)
     if ranks.replica != 0:  # the first replica writes; wait for it
@@ -156,6 +155,29 @@ def save_hf(
     if ranks.replicas:
         ranks.gather_replicas({"error": False}, "the other data-parallel replicas")
     return root
+
+
+def _gathered(trees: list[PyTree], step: Step) -> list[PyTree]:
+    """The full stages of a step built with ``shard_params=True``, gathered one at a time from the
+    data-parallel ranks' shards (NOTE [shard layout] in ``fpipe/_sharding/_runs.py``)."""
+    missing = [s for s in step.local_stages if s not in step.shard_layouts or trees[s] is None]
+    if missing:
+        raise ValueError(
+            f"fpipe.save_hf: the step shards parameters but has no shards or no layout for stage(s) {missing}. "
+            "Pass the shards step.shard(params) returned (or updates of them)."
+        )
+    out = list(trees)
+    for s in step.local_stages:
+        layout = step.shard_layouts[s]
+        like = unflatten(
+            layout.spec,
+            [
+                None if leaf is None else torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
+                for leaf in layout.leaves
+            ],
+        )
+        out[s] = gather(trees[s], like, step)
+    return out
 
 
 def _shard_size(value: Any) -> int:
