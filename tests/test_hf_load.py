@@ -260,6 +260,14 @@ def test_malformed_checkpoints_raise_value_errors(tmp_path: Path) -> None:
         fpipe.load_hf(tmp_path, [{"w": torch.empty(1)}])
 
 
+def test_a_dtype_fpipe_does_not_read_is_named(tmp_path: Path) -> None:
+    header = json.dumps({"w": {"dtype": "F8_E8M0", "shape": [1], "data_offsets": [0, 1]}}).encode()
+    header += b" " * (-len(header) % 8)
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\x00")
+    with pytest.raises(ValueError, match=r"stores 'w' as 'F8_E8M0', a dtype fpipe does not read"):
+        fpipe.load_hf(tmp_path, [{"w": torch.empty(1)}])
+
+
 # --- Reading a range ----------------------------------------------------------------------------
 
 
@@ -304,6 +312,10 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     out["shards"] = shards = fpipe.load_hf(directory, sharded.shard(meta), step=sharded)
     out["shards read"] = dict(spy.read)
     out["sharded loss"], _ = sharded(shards, batch)
+    try:
+        fpipe.load_hf(directory, meta, step=sharded)
+    except ValueError as error:
+        out["error"] = str(error)
     return out
 
 
@@ -344,3 +356,7 @@ def test_two_ranks_load_their_own_stages_and_shards_and_train_like_the_model(hf:
         torch.testing.assert_close(result["sharded loss"], loss.detach(), rtol=1e-10, atol=0)
     for name, p in named.items():
         assert sum(result["shards read"][name] for result in results) == p.numel()
+    assert results[0]["error"].startswith(
+        "fpipe.load_hf: template[0]['model.embed_tokens.weight'] should be this rank's shard of a tensor of shape "
+        "[17, 16], a 1-D tensor of 136 elements (got: shape [17, 16])."
+    )

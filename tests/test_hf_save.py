@@ -125,6 +125,10 @@ def test_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         fpipe.save_hf(tmp_path / "a", [{"w": torch.ones(1)}], max_shard_size="5 parsecs")
     with pytest.raises(TypeError, match=r"config must be a checkpoint directory, a path to a config.json, a dict"):
         fpipe.save_hf(tmp_path / "a", [{"w": torch.ones(1)}], config=3)
+    with pytest.raises(FileNotFoundError, match=r"config names a directory without config.json"):
+        fpipe.save_hf(tmp_path / "a", [{"w": torch.ones(1)}], config=tmp_path / "full")
+    with pytest.raises(ValueError, match=r"gets the name '__metadata__', which safetensors reserves"):
+        fpipe.save_hf(tmp_path / "a", [{"__metadata__": torch.ones(1)}])
 
     def fail(path: Path, tensors: Any) -> int:
         raise OSError("disk full")
@@ -153,6 +157,14 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
     sharded = fpipe.pipeline(hf.loss_fn, stages, OneFOneB(3), mesh=mesh, shard_params=True)
     fpipe.save_hf(Path(directory).parent / "sharded", sharded.shard(params), config=model.config, step=sharded)
+    for name, wrong, where in [
+        ("twice", params, {"group": dist.group.WORLD}),
+        ("other", params if rank == 0 else [None, None], {"step": step}),
+    ]:
+        try:
+            fpipe.save_hf(Path(directory).parent / name, wrong, **where)
+        except (ValueError, RuntimeError) as error:
+            out[name] = str(error)
     bad = [None if p is None else {**p, "model.norm.weight": torch.full((16,), float(rank))} for p in mine]
     try:
         fpipe.save_hf(Path(directory).parent / "bad", bad, group=dist.group.WORLD)
@@ -177,6 +189,12 @@ def test_every_rank_writes_its_own_stages(hf: ModuleType, tmp_path: Path) -> Non
     # A tied name with different values on two ranks fails on both, and nothing is left.
     assert "have the same name 'model.norm.weight' but different values" in results[0]["error"]
     assert "have the same name 'model.norm.weight' but different values" in results[1]["error"]
+    assert (
+        "fpipe.save_hf: stages are held by several ranks ({stage: ranks}: {0: [0, 1], 1: [0, 1]})"
+        in (results[0]["twice"])
+    )
+    assert results[0]["other"].startswith("fpipe.save_hf: rank 0 holds stages [0] but params[1] is not None.")
+    assert results[1]["other"].startswith("fpipe.save_hf: rank(s) [0] failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "sharded"]
     assert_same_logits(tmp_path / "out", model, hf)
     assert_same_logits(tmp_path / "sharded", model, hf)

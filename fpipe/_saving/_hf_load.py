@@ -101,9 +101,10 @@ def load_hf(
     but each rank reads only its own names (and shards).
 
     Example:
-        >>> model = LlamaForCausalLM.from_pretrained(path, device_map="meta")  # doctest: +SKIP
+        >>> with torch.device("meta"):  # doctest: +SKIP
+        ...     model = LlamaForCausalLM(LlamaConfig.from_pretrained(path))
         >>> stages, template = fpipe.split_module(model, ["model.embed_tokens + model.layers[0:2]", ...])
-        >>> params = fpipe.load_hf(path, [template[0], None], step=step)    # this rank holds stage 0
+        >>> params = fpipe.load_hf(path, [template[0], None], step=step)  # this rank holds stage 0
 
     Raises:
         FileNotFoundError: ``directory`` holds no safetensors checkpoint.
@@ -289,7 +290,10 @@ def _wanted(
             )
         code, shape = headers[file][name]
         if code not in DTYPES:
-            raise ValueError(f"fpipe.load_hf: {root / file} stores {name!r} as {code!r}, a dtype torch does not have.")
+            raise ValueError(
+                f"fpipe.load_hf: {root / file} stores {name!r} as {code!r}, a dtype fpipe does not read (it reads "
+                f"{sorted(DTYPES)}). Convert the checkpoint."
+            )
         on_disk = DTYPES[code]
         converted = dtype if dtype is not None and on_disk.is_floating_point else on_disk
         for use, expected in found:

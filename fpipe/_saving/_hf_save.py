@@ -241,6 +241,11 @@ def _local(trees: Sequence[PyTree], held: tuple[int, ...]) -> dict[str, tuple[st
             if not parts:
                 raise TypeError(f"fpipe.save_hf: params[{s}] is a tensor, not a pytree of named tensors.")
             name = ".".join(parts)
+            if name == "__metadata__":
+                raise ValueError(
+                    f"fpipe.save_hf: {where} gets the name '__metadata__', which safetensors reserves for its header. "
+                    "Rename its key."
+                )
             if name in seen:
                 raise ValueError(
                     f"fpipe.save_hf: {seen[name]} and {where} both get the name {name!r} (names are key paths "
