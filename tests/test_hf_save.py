@@ -23,6 +23,9 @@ from tests.test_save import assert_bitwise
 transformers = pytest.importorskip("transformers")
 
 __all__ = ["hf"]  # the fixture, imported
+# from_pretrained's dtype argument: dtype= since transformers 4.56, torch_dtype= (deprecated since) before
+_NEW = tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (4, 56)
+DTYPE = {"dtype" if _NEW else "torch_dtype": torch.float64}
 
 
 def logits(model: Any, hf: ModuleType) -> torch.Tensor:
@@ -38,7 +41,7 @@ def from_pretrained(directory: Path) -> Any:
     alignment in a mapped file depends on what precedes it: the same weights read from two files
     can give logits 1e-17 apart.
     """
-    model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float64, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM.from_pretrained(directory, **DTYPE, attn_implementation="eager")
     for p in model.parameters():
         p.data = p.data.clone()
     return model
