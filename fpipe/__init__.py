@@ -17,6 +17,8 @@ from ._modules._split import split_module as split_module
 from ._modules._tied import sum_tied as sum_tied
 from ._record import Recording as Recording
 from ._record import record as record
+from ._saving._hf_load import load_hf as load_hf
+from ._saving._hf_save import save_hf as save_hf
 from ._saving._load import load as load
 from ._saving._save import save as save
 from ._sharding._public import gather as gather
@@ -31,10 +33,12 @@ __all__ = [
     "functionalize",
     "gather",
     "load",
+    "load_hf",
     "optim",
     "pipeline",
     "record",
     "save",
+    "save_hf",
     "schedules",
     "shard",
     "split_module",

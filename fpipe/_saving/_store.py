@@ -301,9 +301,14 @@ def _shape(info: dict[str, Any], key: str, where: str) -> list[int]:
     return list(shape)
 
 
+def is_plain(file: str) -> bool:
+    """Whether ``file`` is a plain ``.safetensors`` name: no separator, no leading ``.`` (NOTE [trust model])."""
+    return _PLAIN.fullmatch(file) is not None
+
+
 def _plain(file: str, where: str) -> None:
     """Refuse a file name that is not a plain name inside the save directory (NOTE [trust model])."""
-    if not _PLAIN.fullmatch(file):
+    if not is_plain(file):
         raise _Invalid(
             f"{where} names a file that is not a plain file name in the save directory (letters, digits, "
             f"'_', '-' and '.', not first, ending in '.safetensors') ({where}: {_show(file)})"

@@ -1,0 +1,418 @@
+"""``fpipe.load_hf``: a Hugging Face checkpoint directory read into one rank's stages.
+
+NOTE [Hugging Face checkpoints]
+A Hugging Face checkpoint directory holds ``model.safetensors``, or shards
+``model-00001-of-0000n.safetensors`` with ``model.safetensors.index.json``
+(``{"metadata": {...}, "weight_map": {name: file}}``), plus ``config.json``. Names are the
+model's ``state_dict`` names, which are the keys of ``fpipe.split_module``'s per-stage params
+(NOTE [names] in ``fpipe/_saving/_save.py``: a leaf's key path joined by ``.``), so a template
+of split_module's params is matched name by name.
+
+What a rank reads: only the names its template holds. Each needed file is opened once with
+``safetensors.safe_open`` (a memory map: nothing is read until asked for); a whole tensor is
+``get_tensor``, and a shard of a step built with ``shard_params=True`` (NOTE [shard layout] in
+``fpipe/_sharding/_runs.py``: elements ``[q * c, (q + 1) * c)`` of the flattened tensor) is read
+with ``get_slice`` as at most two partial rows per dimension and one block of whole rows
+(``read_range``), so exactly the shard's bytes are touched, then zero-padded to ``c``.
+
+Tied weights: ``save_pretrained`` leaves out a weight tied to another (``lm_head.weight`` when
+``tie_word_embeddings``), and ``split_module`` names a tied parameter by its first name
+(``model.embed_tokens.weight``) in every stage that uses it, so neither side has the second name.
+A name in several stages of a template is read once and copied.
+
+The checkpoint is trusted no more than an fpipe save (NOTE [trust model] in
+``fpipe/_saving/_store.py``): the index must be JSON of the expected shape, every file it names a
+plain ``.safetensors`` name resolving inside the directory, and pickled checkpoints
+(``pytorch_model.bin``) are refused, never unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import safetensors
+import torch
+
+from .._api import Step
+from .._pytree import PyTree, leaves_with_names, unflatten
+from .._sharding._layout import cut_range
+from ._directory import inside
+from ._ranks import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
+from ._store import DTYPES, is_plain
+
+HF_INDEX = "model.safetensors.index.json"
+HF_SINGLE = "model.safetensors"
+_PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def load_hf(
+    directory: str | os.PathLike[str],
+    template: Sequence[PyTree],
+    /,
+    *,
+    dtype: torch.dtype | None = None,
+    strict: bool = True,
+    step: Step | None = None,
+    group: Any = None,
+    mesh: Any = None,
+    timeout: float = 300.0,
+) -> list[PyTree]:
+    """Load a Hugging Face checkpoint directory into the layout of ``template``, reading only its tensors.
+
+    Each rank reads only the tensors its template names, from memory-mapped safetensors files
+    (with ``shard_params=True``, only its shard's bytes of each), NOTE [Hugging Face checkpoints]
+    in ``fpipe/_saving/_hf_load.py``.
+
+    Args:
+        directory: a directory with ``model.safetensors`` or ``model.safetensors.index.json`` and
+            the files it names, as ``save_pretrained`` (or ``fpipe.save_hf``) writes.
+        template: one pytree per stage, ``None`` for the stages this rank does not hold; leaves
+            are tensors named as the checkpoint names them (the params of ``fpipe.split_module``,
+            keyed by ``state_dict`` names), giving the expected shape and dtype and the device of
+            the result (``device="meta"`` loads to the CPU: nothing is allocated before loading),
+            or ``None`` (kept). With a step built with ``shard_params=True``, the template is this
+            rank's shards (``step.shard`` of meta tensors of the full shapes).
+        dtype: convert the checkpoint's floating-point tensors to this dtype (a bfloat16 checkpoint
+            into a float32 model); the template's floating leaves must then have it. ``None``: the
+            dtypes must match.
+        strict: names of the checkpoint that no stage of the template has (on any rank, when
+            distributed) are an error; ``strict=False`` ignores them. Names of the template
+            missing from the checkpoint are always an error.
+        step, group, mesh: when distributed, the ranks whose templates together cover the
+            checkpoint (as in ``fpipe.load``); ``step=`` is needed for sharded templates.
+        timeout: seconds a rank waits for the others while gathering names.
+
+    Returns:
+        The template's structure with new tensors (not requiring grad; a name in several stages
+        gives each stage its own copy).
+
+    Conceptually, on one process, this is::
+
+        tensors = {}
+        for file in set(index["weight_map"].values()):
+            tensors.update(safetensors.torch.load_file(file))
+        params = [{name: tensors[name].to(dtype) for name in stage} for stage in template]
+
+    but each rank reads only its own names (and shards).
+
+    Example:
+        >>> with torch.device("meta"):  # doctest: +SKIP
+        ...     model = LlamaForCausalLM(LlamaConfig.from_pretrained(path))
+        >>> stages, template = fpipe.split_module(model, ["model.embed_tokens + model.layers[0:2]", ...])
+        >>> params = fpipe.load_hf(path, [template[0], None], step=step)  # this rank holds stage 0
+
+    Raises:
+        FileNotFoundError: ``directory`` holds no safetensors checkpoint.
+        TypeError: a template leaf is neither a tensor nor ``None``.
+        ValueError: a pickled checkpoint, a malformed index or file, names missing or (with
+            ``strict``) unexpected, or a shape or dtype that differs (named with its key path, the
+            value on disk and the expected one).
+        RuntimeError: another rank failed; its own error says why.
+    """
+    trees = stage_list("load_hf", "template", template)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"fpipe.load_hf: dtype must be a floating-point torch.dtype or None (dtype: {dtype!r}).")
+    topology, _ = resolve("load_hf", step, group, mesh)
+    ranks = Ranks("load_hf", topology, timeout)
+    root, weight_map, wanted, problem = Path(directory), {}, {}, None
+    try:
+        sharding = sharded_leaves("load_hf", step, {"params": trees})
+        weight_map = read_weight_map(root)
+        wanted = _wanted(root, weight_map, trees, sharding, dtype)
+    except (TypeError, ValueError, OSError) as error:
+        problem = error
+    statuses = agree(ranks, problem, {"names": sorted(wanted)}, "reading their templates")
+    if strict:
+        everywhere = {name for st in statuses for name in st["names"]}
+        extra = sorted(set(weight_map) - everywhere)
+        if extra:
+            any_rank = " on any rank" if ranks.size > 1 else ""
+            raise ValueError(
+                f"fpipe.load_hf: the checkpoint at {root} has {len(extra)} name(s) that no stage of the "
+                f"template{any_rank} has: {_listing([repr(n) for n in extra])}. Add them to the template, or pass "
+                "strict=False to leave them out."
+            )
+    return _fill(trees, wanted, _read(root, weight_map, wanted, dtype))
+
+
+# --- The directory ----------------------------------------------------------------------------
+
+
+def read_weight_map(root: Path) -> dict[str, str]:
+    """``name -> file`` of the checkpoint in ``root``, checked (NOTE [Hugging Face checkpoints])."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"fpipe.load_hf: {root} is not a directory. Pass a Hugging Face checkpoint directory.")
+    if os.path.lexists(root / HF_INDEX):
+        path = inside(root, HF_INDEX)
+        try:
+            index = json.loads(path.read_bytes())
+        except (ValueError, RecursionError) as error:
+            raise ValueError(f"fpipe.load_hf: {path} is not JSON ({type(error).__name__}: {error}).") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError(
+                f"fpipe.load_hf: {path} should be a JSON object whose 'weight_map' maps tensor names to file names "
+                f"(weight_map: {_show(weight_map)}). Load an intact checkpoint."
+            )
+        for name, file in weight_map.items():
+            if file.endswith(".bin"):
+                raise ValueError(_pickled(root, file))
+            if not is_plain(file):
+                raise ValueError(
+                    f"fpipe.load_hf: {path} names a file that is not a plain file name in the checkpoint directory "
+                    f"(letters, digits, '_', '-' and '.', not first, ending in '.safetensors') "
+                    f"(weight_map[{_show(name)}]: {_show(file)}). Load an intact checkpoint."
+                )
+        return dict(weight_map)
+    if os.path.lexists(root / HF_SINGLE):
+        return dict.fromkeys(_header(root, HF_SINGLE), HF_SINGLE)
+    pickled = [name for name in _PICKLED if os.path.lexists(root / name)]
+    if pickled:
+        raise ValueError(_pickled(root, pickled[0]))
+    raise FileNotFoundError(
+        f"fpipe.load_hf: no Hugging Face safetensors checkpoint in {root} (neither {HF_SINGLE} nor {HF_INDEX}). "
+        "Pass the directory save_pretrained wrote."
+    )
+
+
+def _pickled(root: Path, file: str) -> str:
+    return (
+        f"fpipe.load_hf: the checkpoint at {root} is pickled ({file}), and unpickling runs arbitrary code, so "
+        "fpipe.load_hf does not read it. Convert it to safetensors once, where you trust it: "
+        "model = AutoModelForCausalLM.from_pretrained(path); model.save_pretrained(new_path, safe_serialization=True)."
+    )
+
+
+def _header(root: Path, file: str) -> dict[str, tuple[str, list[int]]]:
+    """``name -> (dtype code, shape)`` of every tensor in ``file``, from its header alone."""
+    path = inside(root, file)
+    if not path.is_file():
+        raise ValueError(f"fpipe.load_hf: {path} is missing. Load an intact checkpoint.")
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
+            slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 (a safe_open handle is not iterable)
+            return {name: (piece.get_dtype(), list(piece.get_shape())) for name, piece in slices.items()}
+    except safetensors.SafetensorError as error:
+        raise ValueError(f"fpipe.load_hf: {path} is not a valid safetensors file ({error}).") from error
+
+
+# --- What the template wants ------------------------------------------------------------------
+
+
+class _Use(NamedTuple):
+    """A template leaf to fill: its key path, stage, position among the stage's leaves, itself,
+    and, for a shard (NOTE [shard layout]), its ``(q, d)``."""
+
+    where: str
+    stage: int
+    position: int
+    leaf: torch.Tensor
+    shard: tuple[int, int] | None
+
+
+class _Want(NamedTuple):
+    """A name to read: its file, dtype code and full shape on disk, and the leaves it fills."""
+
+    file: str
+    code: str
+    shape: list[int]
+    uses: list[_Use]
+
+
+def _wanted(
+    root: Path,
+    weight_map: dict[str, str],
+    trees: Sequence[PyTree],
+    sharding: Sharding | None,
+    dtype: torch.dtype | None,
+) -> dict[str, _Want]:
+    """Each name the template needs, with the leaves it fills, checked against the files' headers."""
+    uses: dict[str, list[tuple[_Use, list[int]]]] = {}
+    for s, tree in enumerate(trees):
+        names, codes, leaves, _ = leaves_with_names(tree)
+        layout = None if sharding is None else sharding.layouts.get(s)
+        full = {} if layout is None or tree is None else full_shapes("params", tree, layout)
+        for position, (parts, code, leaf) in enumerate(zip(names, codes, leaves)):
+            where = f"template[{s}]{code}"
+            if leaf is None:
+                continue
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"fpipe.load_hf: {where} is a {type(leaf).__name__}; template leaves are tensors (they give the "
+                    "shape, dtype and device; meta tensors work) or None."
+                )
+            if not parts:
+                raise TypeError(f"fpipe.load_hf: {where} is a tensor at the root of stage {s}, so it has no name.")
+            name = ".".join(parts)
+            mine = uses.setdefault(name, [])
+            if any(use.stage == s for use, _ in mine):
+                raise ValueError(
+                    f"fpipe.load_hf: {mine[0][0].where} and {where} both get the name {name!r} (names are key paths "
+                    "joined by '.'). Rename a key so that every name in a stage is unique."
+                )
+            if name in full:
+                assert sharding is not None
+                size = cut_range(math.prod(full[name]), sharding.shard)[2]
+                if list(leaf.shape) != [size]:
+                    raise ValueError(
+                        f"fpipe.load_hf: {where} should be this rank's shard of a tensor of shape {full[name]}, a 1-D "
+                        f"tensor of {size} elements (got: shape {list(leaf.shape)}). With a sharded step, pass the "
+                        "template step.shard returns (meta tensors of the full shapes will do)."
+                    )
+                mine.append((_Use(where, s, position, leaf, sharding.shard), full[name]))
+            else:
+                mine.append((_Use(where, s, position, leaf, None), list(leaf.shape)))
+    missing = [f"{name!r} ({found[0][0].where})" for name, found in sorted(uses.items()) if name not in weight_map]
+    if missing:
+        raise ValueError(
+            f"fpipe.load_hf: {len(missing)} name(s) of the template are missing from the checkpoint at {root}: "
+            f"{_listing(missing)}. The checkpoint has {_listing([repr(n) for n in sorted(weight_map)])}. "
+            "Build the template from the same model (split_module's params are keyed by state_dict names)."
+        )
+    headers: dict[str, dict[str, tuple[str, list[int]]]] = {}
+    wanted: dict[str, _Want] = {}
+    mismatches = []
+    for name, found in sorted(uses.items()):
+        file = weight_map[name]
+        if file not in headers:
+            headers[file] = _header(root, file)
+        if name not in headers[file]:
+            raise ValueError(
+                f"fpipe.load_hf: {root / HF_INDEX} puts {name!r} in {file}, which has no tensor of that name. "
+                "Load an intact checkpoint."
+            )
+        code, shape = headers[file][name]
+        if code not in DTYPES:
+            raise ValueError(
+                f"fpipe.load_hf: {root / file} stores {name!r} as {code!r}, a dtype fpipe does not read (it reads "
+                f"{sorted(DTYPES)}). Convert the checkpoint."
+            )
+        on_disk = DTYPES[code]
+        converted = dtype if dtype is not None and on_disk.is_floating_point else on_disk
+        for use, expected in found:
+            if shape != expected:
+                mismatches.append(f"  {use.where} (name {name!r}): shape on disk {shape}, expected {expected}")
+            if converted != use.leaf.dtype:
+                hint = ""
+                if dtype is None and on_disk.is_floating_point and use.leaf.dtype.is_floating_point:
+                    hint = f" (pass dtype={use.leaf.dtype} to convert)"
+                mismatches.append(
+                    f"  {use.where} (name {name!r}): dtype on disk {_dtype(on_disk)}"
+                    f"{f' converted to {_dtype(converted)}' if converted != on_disk else ''}, expected "
+                    f"{_dtype(use.leaf.dtype)}{hint}"
+                )
+        wanted[name] = _Want(file, code, shape, [use for use, _ in found])
+    if mismatches:
+        raise ValueError(
+            f"fpipe.load_hf: the template does not match the checkpoint at {root}:\n" + "\n".join(mismatches)
+        )
+    return wanted
+
+
+# --- Reading ----------------------------------------------------------------------------------
+
+
+def _read(
+    root: Path, weight_map: dict[str, str], wanted: dict[str, _Want], dtype: torch.dtype | None
+) -> dict[tuple[str, tuple[int, int] | None], torch.Tensor]:
+    """Each ``(name, shard)`` the template needs, file by file (each opened once, memory-mapped)."""
+    by_file: dict[str, list[str]] = {}
+    for name, want in sorted(wanted.items()):
+        by_file.setdefault(want.file, []).append(name)
+    out: dict[tuple[str, tuple[int, int] | None], torch.Tensor] = {}
+    for file, names in sorted(by_file.items()):
+        path = inside(root, file)
+        try:
+            with safetensors.safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
+                for name in names:
+                    want = wanted[name]
+                    for shard in dict.fromkeys(use.shard for use in want.uses):
+                        if shard is None:
+                            tensor = f.get_tensor(name)
+                        else:
+                            start, stop, size = cut_range(math.prod(want.shape), shard)
+                            data = (
+                                read_range(f.get_slice(name), want.shape, start, stop)
+                                if stop > start
+                                else torch.empty(0, dtype=DTYPES[want.code])
+                            )
+                            tensor = torch.cat([data, data.new_zeros(size - data.numel())])
+                        if dtype is not None and tensor.dtype.is_floating_point:
+                            tensor = tensor.to(dtype)
+                        out[name, shard] = tensor
+        except safetensors.SafetensorError as error:
+            raise ValueError(f"fpipe.load_hf: {path} is corrupt ({error}). Load an intact checkpoint.") from error
+    return out
+
+
+def read_range(piece: Any, shape: Sequence[int], start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` (``start < stop``) of the flattened tensor behind ``piece`` (a safetensors slice),
+    reading only those: per dimension, a partial first row, a block of whole rows, a partial last row.
+
+    For a (4, 3) tensor and elements [2, 10)::
+
+        row 0: . . x      piece[0, 2:3]     a partial row (recursing into the row)
+        row 1: x x x      piece[1:3]        whole rows, one read
+        row 2: x x x
+        row 3: x . .      piece[3, 0:1]     a partial row
+    """
+    parts: list[torch.Tensor] = []
+
+    def visit(prefix: tuple[Any, ...], dims: Sequence[int], a: int, b: int) -> None:
+        if a >= b:
+            return
+        if a == 0 and b == math.prod(dims):
+            parts.append(piece[prefix].reshape(-1))
+            return
+        row = math.prod(dims[1:])  # elements per row of the first dimension
+        first_full = -(-a // row)
+        if a % row:  # 1. a partial first row
+            visit((*prefix, a // row), dims[1:], a % row, min(row, b - (a // row) * row))
+        if first_full < b // row:  # 2. whole rows
+            parts.append(piece[(*prefix, slice(first_full, b // row))].reshape(-1))
+        if b % row and b // row >= first_full:  # 3. a partial last row
+            visit((*prefix, b // row), dims[1:], 0, b % row)
+
+    visit((), list(shape), start, stop)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _fill(
+    trees: Sequence[PyTree],
+    wanted: dict[str, _Want],
+    tensors: dict[tuple[str, tuple[int, int] | None], torch.Tensor],
+) -> list[PyTree]:
+    """The template trees with their tensor leaves replaced by the loaded tensors."""
+    flat = [leaves_with_names(tree)[2:] for tree in trees]
+    leaves_of = [list(leaves) for leaves, _ in flat]
+    for name, want in wanted.items():
+        for k, use in enumerate(want.uses):
+            tensor = tensors[name, use.shard]
+            if any(other.shard == use.shard for other in want.uses[:k]):
+                tensor = tensor.clone()
+            if use.leaf.device.type != "meta":
+                tensor = tensor.to(use.leaf.device)
+            leaves_of[use.stage][use.position] = tensor
+    return [unflatten(spec, leaves) for (_, spec), leaves in zip(flat, leaves_of)]
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, cut short: an index may hold anything."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _listing(items: Sequence[str], limit: int = 10) -> str:
+    shown = ", ".join(items[:limit])
+    return f"[{shown}, ... {len(items) - limit} more]" if len(items) > limit else f"[{shown}]"
