@@ -334,6 +334,51 @@ def test_two_processes_agree_with_one_bitwise_and_skip_together() -> None:
     assert "rank(s) [1] rejected their inputs" in ranks[0]["error"]
 
 
+def _replicas(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "pp"))
+    policy = fpipe.Precision(grads=F32)
+    params, batch = _params(2, BF16), _batch(10, BF16, seed=rank)
+    out: dict[str, Any] = {
+        "replicated": fpipe.pipeline(_loss, _stages(2), OneFOneB(3), mesh=mesh, precision=policy)(params, batch)
+    }
+    sharded = fpipe.pipeline(_loss, _stages(2), OneFOneB(3), mesh=mesh, shard_params=True, precision=policy)
+    _, shards = sharded(sharded.shard(params), batch)
+    out["shard dtypes"] = [g.dtype for p in shards for g in p.values()]
+    out["sharded"] = sharded.unshard(shards)
+    # The scalar z lives in replica 0's shard; replica 1 holds its padding and sees no nan itself.
+    scaled = fpipe.pipeline(
+        _loss,
+        [_poisoned, _middle],
+        GPipe(2),
+        mesh=mesh,
+        shard_params=True,
+        precision=fpipe.Precision(loss_scale=fpipe.LossScale(init=4.0)),
+    )
+    poisoned = _params(2, F16)
+    poisoned[0]["z"] = torch.zeros((), dtype=F16)
+    scaled(scaled.shard(poisoned), _batch(4, F16, seed=rank))
+    out["scaled"] = (scaled.last_skipped, scaled.loss_scale)
+    return out
+
+
+def test_replicas_sum_in_float32_sharded_or_not() -> None:
+    """Data parallel: the replicas' float32 sums are averaged in float32, by the all-reduce or
+    the reduce-scatter, bitwise the average of the one-process results; a nan in one replica's
+    shard skips the step on both."""
+    ranks = run_ranks(2, _replicas, timeout=90)
+    policy = fpipe.Precision(grads=F32)
+    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(3), precision=policy)
+    alone = [step(_params(2, BF16), _batch(10, BF16, seed=r))[1] for r in range(2)]
+    expected = [{k: (a[k] + b[k]) / 2 for k in a} for a, b in zip(*alone)]
+    for result in ranks:
+        assert _equal(result["replicated"][1], expected)
+        assert _equal(result["sharded"], expected)
+        assert result["shard dtypes"] == [F32] * 4
+        assert result["scaled"] == (True, fpipe.LossScaleState(2.0, 0))
+
+
 # --- errors --------------------------------------------------------------------------------------
 
 
