@@ -161,11 +161,6 @@ class _OrderedSum:
                 total.add_(g)  # the narrow gradient is widened exactly, then added in ``dtype``
 
     @property
-    def dtypes(self) -> Sequence[torch.dtype] | None:
-        """The sums' dtypes when they are not the leaves' own (``None`` when they are)."""
-        return self._dtypes
-
-    @property
     def fused(self) -> bool:
         """Whether the engine may accumulate into ``.grad`` (not with wider sums: ``.grad`` has the
         leaf's dtype)."""
@@ -369,13 +364,9 @@ class StageRun:
         Differentiable leaves that no microbatch reached get zeros; other leaves get ``None``.
         """
         out: list[Any] = [None] * len(self._param_leaves)
-        dtypes = self._grads.dtypes
         with _not_inference():
-            for n, (k, g) in enumerate(zip(self._param_index, self._grads.total)):
-                if g is None:  # zeros in the sum's dtype (NOTE [precision of a leaf])
-                    dtype = self._param_inputs[n].dtype if dtypes is None else dtypes[n]
-                    g = torch.zeros_like(self._param_leaves[k], dtype=dtype)
-                out[k] = g
+            for k, g in zip(self._param_index, self._grads.total):
+                out[k] = torch.zeros_like(self._param_leaves[k]) if g is None else g
         return unflatten(self._spec, out)
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import fpipe
 from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1
@@ -168,6 +170,25 @@ def test_master_weights_equal_the_hand_written_loop(compute: torch.dtype) -> Non
     assert torch.equal(loss, expected_loss)
     assert _equal(grads, expected)
     assert all(p["w"].dtype == F32 and p["w"].requires_grad is False for p in params)  # untouched
+
+
+@given(
+    num_stages=st.integers(1, 4),
+    num_microbatches=st.integers(1, 6),
+    extra_examples=st.integers(0, 9),
+    entry=st.sampled_from(CONFORMANCE),
+    compute=st.sampled_from([BF16, F16]),
+    seed=st.integers(0, 2**16),
+)
+def test_master_weights_equal_the_loop_for_any_sizes(
+    num_stages: int, num_microbatches: int, extra_examples: int, entry: Any, compute: torch.dtype, seed: int
+) -> None:
+    """Any schedule, stage count, microbatch count and uneven split: bitwise the hand-written loop."""
+    num_stages = min(s for s in entry.stage_counts if s >= num_stages)
+    params, batch = _params(num_stages, F32, seed=seed), _batch(num_microbatches + extra_examples, compute, seed=seed)
+    schedule = entry.make(num_stages, num_microbatches)
+    step = fpipe.pipeline(_loss, _stages(num_stages), schedule, precision=fpipe.Precision(compute=compute))
+    assert _equal(step(params, batch), _reference_loop(params, batch, num_microbatches, compute))
 
 
 def test_grads_dtype_is_what_the_policy_says() -> None:
