@@ -435,6 +435,8 @@ def test_bad_loss_scales(kwargs: dict[str, Any], fragment: str) -> None:
         fpipe.LossScale(**kwargs)
     with pytest.raises(ValueError, match="scale must be a positive finite number"):
         fpipe.LossScaleState(float("inf"))
+    with pytest.raises(ValueError, match="good_steps must be an int >= 0"):
+        fpipe.LossScaleState(1.0, -1)
 
 
 def test_bad_precision_argument_and_state() -> None:
