@@ -15,6 +15,9 @@ from ._modules._balance import balance as balance
 from ._modules._functionalize import functionalize as functionalize
 from ._modules._split import split_module as split_module
 from ._modules._tied import sum_tied as sum_tied
+from ._precision import LossScale as LossScale
+from ._precision import LossScaleState as LossScaleState
+from ._precision import Precision as Precision
 from ._record import Recording as Recording
 from ._record import record as record
 from ._saving._hf_load import load_hf as load_hf
@@ -25,8 +28,11 @@ from ._sharding._public import gather as gather
 from ._sharding._public import shard as shard
 
 __all__ = [
+    "LossScale",
+    "LossScaleState",
     "PipelineError",
     "PipelineTimeoutError",
+    "Precision",
     "Recording",
     "Step",
     "balance",

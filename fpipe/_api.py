@@ -14,9 +14,10 @@ from ._distributed._runtime import run_distributed
 from ._distributed._topology import Topology, resolve_topology
 from ._distributed._transport import WireState
 from ._plural import plural
+from ._precision import LossScaleState, Precision, check_params, finish_grads
 from ._pytree import PyTree, flatten, leaves_with_paths
 from ._run import ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
-from ._sharding._layout import StageLayout, check_shards, data_parallel
+from ._sharding._layout import LeafLayout, StageLayout, check_shards, data_parallel
 from ._sharding._runs import ShardedRuns, gather_stages, shard_stages
 from ._stage import StageFn, StageRun
 from .schedules._action import Action
@@ -37,6 +38,7 @@ def pipeline(
     shard_params: bool = False,
     regather: bool = False,
     timeout: float = 300.0,
+    precision: Precision | None = None,
 ) -> Step:
     """Turn stage functions and a schedule into ``step(params, batch) -> (loss, grads)``.
 
@@ -81,6 +83,10 @@ def pipeline(
             actions runs and gather them again for the next (one all-gather per action instead
             of per step; at most one stage's full parameters alive; results bitwise unchanged).
         timeout: seconds a rank waits for a peer before raising ``PipelineTimeoutError``.
+        precision: an ``fpipe.Precision``: the dtype stages compute in (master weights), the
+            dtype gradients are summed in over microbatches (and replicas), the dtype they are
+            returned in, and float16 loss scaling (``step.loss_scale``, ``step.last_skipped``).
+            ``None`` (default): everything in the parameters' own dtypes.
 
     When distributed, every rank calls ``step(params, batch)``: ``params[s]`` is ``None`` for
     the stages the rank does not hold (``step.local_stages`` lists those it does), ``batch``
@@ -120,7 +126,8 @@ def pipeline(
 
     Raises:
         TypeError: if ``loss_fn`` or a stage is not callable, ``schedule`` is a class rather than
-            a schedule value, or ``has_aux`` or ``shard_params`` is not a bool.
+            a schedule value, ``has_aux`` or ``shard_params`` is not a bool, or ``precision`` is
+            not an ``fpipe.Precision``.
         ValueError: if ``timeout`` is not a positive finite number, ``recompute`` names no
             stages, or the sharding options do not fit the mesh.
         ScheduleError: if the schedule cannot run with ``len(stages)`` stages (a hand-written
@@ -155,6 +162,11 @@ def pipeline(
         raise TypeError(f"fpipe.pipeline: shard_params must be True or False (shard_params: {shard_params!r}).")
     if regather and not shard_params:
         raise ValueError("fpipe.pipeline: regather=True re-gathers sharded parameters; it needs shard_params=True.")
+    if precision is not None and not isinstance(precision, Precision):
+        raise TypeError(
+            f"fpipe.pipeline: precision must be an fpipe.Precision (precision: {precision!r}). "
+            "Pass e.g. fpipe.Precision(compute=torch.bfloat16, accumulate=torch.float32)."
+        )
     topology = resolve_topology(mesh, group)
     if shard_params and (topology is None or topology.data_group is None):
         raise ValueError(
@@ -180,6 +192,7 @@ def pipeline(
         shard_params=shard_params,
         regather=regather,
         timeout=timeout,
+        precision=precision,
     )
 
 
@@ -236,6 +249,13 @@ class Step:
         num_microbatches: how many microbatches each batch is split into.
         rank: this process's pipeline rank (``None`` in one process).
         local_stages: the stages this process holds (all of them in one process).
+        precision: the ``fpipe.Precision`` policy, or ``None``.
+        loss_scale: with ``Precision(loss_scale=...)``, the ``LossScaleState`` the next call
+            scales its backward by, updated by each call (``None`` without loss scaling). A
+            plain value: save it with the parameters and assign it back to resume.
+        last_skipped: whether the last call found ``inf``/``nan`` in a gradient (of any stage,
+            on any rank) under loss scaling: the caller must then skip its update. Every rank
+            reports the same. Always ``False`` without loss scaling.
     """
 
     def __init__(
@@ -251,6 +271,7 @@ class Step:
         shard_params: bool = False,
         regather: bool = False,
         timeout: float,
+        precision: Precision | None = None,
     ) -> None:
         self.loss_fn = loss_fn
         self.stages = stages
@@ -263,6 +284,10 @@ class Step:
         self.num_microbatches = program.num_microbatches
         self.shard_params = shard_params
         self.regather = regather
+        self.precision = precision
+        scaling = None if precision is None else precision.loss_scale
+        self._loss_scale = None if scaling is None else scaling.start()
+        self.last_skipped = False
         self._topology = topology
         self._wire = WireState()  # the distributed channels' layouts, kept from step to step
         self._layouts: dict[int, StageLayout] = {}  # with shard_params: the full shapes, set by shard()
@@ -309,6 +334,7 @@ class Step:
         _check_not_meta(params, batch, self.local_stages)
         with torch.inference_mode(False):  # results are plain tensors whatever the ambient mode
             if self._topology is None:
+                self._check_precision(params)
                 loss, aux, grads = run_local(self, self._plan, params, batch)
             else:
                 loss, aux, grads = run_distributed(
@@ -319,9 +345,57 @@ class Step:
                     params,
                     batch,
                     runs_for=self._runs_for,
-                    check_params=self._check_shards,
+                    check_params=self._check_params,
                 )
+            if self.precision is not None:
+                grads = self._finish_precision(params, grads)
         return ((loss, aux), grads) if self.has_aux else (loss, grads)
+
+    @property
+    def loss_scale(self) -> LossScaleState | None:
+        """The loss scaling state of the next call (see the class docstring); assignable to resume."""
+        return self._loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, state: LossScaleState) -> None:
+        if self._loss_scale is None:
+            raise ValueError(
+                "fpipe.Step.loss_scale: this step does not scale its loss. Build it with "
+                "pipeline(..., precision=fpipe.Precision(compute=torch.float16, loss_scale=fpipe.LossScale()))."
+            )
+        if not isinstance(state, LossScaleState):
+            raise TypeError(f"fpipe.Step.loss_scale: expected an fpipe.LossScaleState (loss_scale: {state!r}).")
+        self._loss_scale = state
+
+    def _check_precision(self, params: Sequence[PyTree]) -> None:
+        if self.precision is not None:
+            for s in self.local_stages:
+                check_params(self.precision, s, params[s])
+
+    def _check_params(self, params: Sequence[PyTree]) -> None:
+        self._check_shards(params)
+        self._check_precision(params)
+
+    def _finish_precision(self, params: Sequence[PyTree], grads: list[PyTree]) -> list[PyTree]:
+        """Unscale and cast the summed gradients (NOTE [precision of a leaf]); under loss scaling,
+        agree with every rank on whether any gradient is ``inf``/``nan`` and update the scale."""
+        assert self.precision is not None
+        state, scaling = self._loss_scale, self.precision.loss_scale
+        grads, found = finish_grads(
+            self.precision, params, grads, self.local_stages, None if state is None else state.scale
+        )
+        if state is None or scaling is None:
+            return grads
+        if self._topology is not None:
+            flag = torch.tensor([float(found)], dtype=torch.float64, device=self._topology.device)
+            topology, what = self._topology, "the loss scaling's inf/nan check"
+            all_reduce_sum(topology, topology.group, [flag], self.timeout, what)
+            if topology.data_group is not None:
+                all_reduce_sum(topology, topology.data_group, [flag], self.timeout, what)
+            found = flag.item() > 0
+        self.last_skipped = found
+        self._loss_scale = scaling.update(state, found)
+        return grads
 
     @property
     def topology(self) -> Topology | None:
@@ -347,7 +421,26 @@ class Step:
         def make_run(s: int, stage_params: PyTree) -> StageRun:
             return stage_run(self, s, stage_params)
 
-        return ShardedRuns(dp, make_run, params, self._layouts, order, regather=self.regather)
+        grad_layouts = None
+        if self.precision is not None:  # the sums' dtypes (NOTE [precision of a leaf])
+            precision = self.precision
+            grad_layouts = {
+                s: StageLayout(
+                    layout.spec,
+                    layout.paths,
+                    tuple(
+                        None
+                        if leaf is None
+                        else LeafLayout(leaf.shape, precision.accumulate_dtype(leaf.dtype), leaf.size)
+                        for leaf in layout.leaves
+                    ),
+                    layout.num_shards,
+                )
+                for s, layout in self._layouts.items()
+            }
+        return ShardedRuns(
+            dp, make_run, params, self._layouts, order, regather=self.regather, grad_layouts=grad_layouts
+        )
 
     def _check_shards(self, params: Sequence[PyTree]) -> None:
         if self.shard_params:

@@ -76,6 +76,7 @@ class Executor:
         has_aux: bool,
         weights: Sequence[float],
         transport: Transport,
+        loss_scale: float | None = None,
     ) -> None:
         self.stages = stages
         self.last = num_stages - 1
@@ -83,6 +84,7 @@ class Executor:
         self.has_aux = has_aux
         self.weights = weights
         self.transport = transport
+        self.loss_scale = loss_scale  # the backward's seed is scaled by it (fpipe.LossScale)
         self.losses: dict[int, torch.Tensor] = {}
         self.auxes: dict[int, Any] = {}
         self._pullbacks: dict[tuple[int, int], Pullback] = {}
@@ -149,7 +151,8 @@ class Executor:
     def _output_cotangents(self, s: int, i: int) -> Grads:
         if s == self.last:
             loss = self.losses[i]
-            return [torch.full((), self.weights[i], dtype=loss.dtype, device=loss.device)]
+            seed = self.weights[i] if self.loss_scale is None else self.weights[i] * self.loss_scale
+            return [torch.full((), seed, dtype=loss.dtype, device=loss.device)]
         return self.transport.recv_cotangent(s, i)
 
     def _backward(self, action: Action) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from ._executor import Executor, LocalTransport
 from ._microbatch import split, stack
+from ._precision import LossScaleState, Precision
 from ._pytree import PyTree, flatten
 from ._record import active, clock, measured
 from ._stage import StageFn, StageRun
@@ -50,6 +51,10 @@ class StepSpec(Protocol):
     def rank(self) -> int | None: ...
     @property
     def timeout(self) -> float: ...
+    @property
+    def precision(self) -> Precision | None: ...
+    @property
+    def loss_scale(self) -> LossScaleState | None: ...
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,9 @@ class ReplicatedRuns(Mapping[int, StageRun]):
 
 def stage_run(spec: StepSpec, stage: int, stage_params: PyTree) -> StageRun:
     """The ``StageRun`` of ``stage`` with ``stage_params``."""
-    return StageRun(stage, spec.stages[stage], stage_params, recompute=stage in spec.recompute)
+    return StageRun(
+        stage, spec.stages[stage], stage_params, recompute=stage in spec.recompute, precision=spec.precision
+    )
 
 
 def segments(order: Sequence[tuple[int, Action]]) -> list[tuple[Sequence[tuple[int, Action]], list[int]]]:
@@ -156,6 +163,7 @@ def run_local(
         has_aux=spec.has_aux,
         weights=[n / total for n in sizes],
         transport=LocalTransport(microbatches),
+        loss_scale=seed_scale(spec),
     )
     start = clock()
     times = interpret(executor, runs, plan.order)
@@ -164,6 +172,11 @@ def run_local(
         recording.timelines.append(measured(spec.program, plan.order, times, start))
     loss, aux = result(spec, executor)
     return loss, aux, runs.grads(spec.num_stages)
+
+
+def seed_scale(spec: StepSpec) -> float | None:
+    """The factor the backward's seed is scaled by: the loss scale, if the step scales."""
+    return None if spec.loss_scale is None else spec.loss_scale.scale
 
 
 def result(spec: StepSpec, executor: Executor) -> tuple[torch.Tensor, Any]:

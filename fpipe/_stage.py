@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from ._precision import Precision
 from ._pytree import (
     PyTree,
     TreeSpec,
@@ -108,10 +109,14 @@ class _OrderedSum:
     takes a contribution computed apart and adds it once its predecessors are in.
     """
 
-    def __init__(self, leaves: list[torch.Tensor]) -> None:
+    def __init__(self, leaves: list[torch.Tensor], dtypes: Sequence[torch.dtype] | None = None) -> None:
         self._leaves = leaves
         self._next = 0
         self._pending: dict[int, Grads] = {}
+        # With a precision policy whose sums are wider than the leaves (NOTE [precision of a leaf]),
+        # the sums live here in their own dtypes, every contribution is added by ``_flush``.
+        self._dtypes = dtypes
+        self._sums: Grads = [None] * len(leaves)
 
     def next_in_order(self, microbatch: int) -> bool:
         """Whether every earlier microbatch's contribution is already in the sum."""
@@ -130,6 +135,10 @@ class _OrderedSum:
 
     def _flush(self) -> None:
         while self._next in self._pending:
+            if self._dtypes is not None:
+                self._add_wide(self._pending.pop(self._next), self._dtypes)
+                self._next += 1
+                continue
             for leaf, g in zip(self._leaves, self._pending.pop(self._next)):
                 if g is None:
                     continue
@@ -141,16 +150,42 @@ class _OrderedSum:
                     leaf.grad.add_(g)
             self._next += 1
 
+    def _add_wide(self, grads: Grads, dtypes: Sequence[torch.dtype]) -> None:
+        for k, (g, dtype) in enumerate(zip(grads, dtypes)):
+            if g is None:
+                continue
+            total = self._sums[k]
+            if total is None:
+                self._sums[k] = g.to(dtype, copy=True)  # a copy, as in _flush
+            else:
+                total.add_(g)  # the narrow gradient is widened exactly, then added in ``dtype``
+
+    @property
+    def fused(self) -> bool:
+        """Whether the engine may accumulate into ``.grad`` (not with wider sums: ``.grad`` has the
+        leaf's dtype)."""
+        return self._dtypes is None
+
     @property
     def total(self) -> Grads:
         """The sum so far, one per leaf (``None`` where nothing was added)."""
+        if self._dtypes is not None:
+            return list(self._sums)
         return [leaf.grad for leaf in self._leaves]
 
 
 class StageRun:
     """Stage ``index`` for the duration of one step: prepared parameters and the gradient sum."""
 
-    def __init__(self, index: int, fn: Callable[[Any, Any], Any], params: PyTree, *, recompute: bool = False) -> None:
+    def __init__(
+        self,
+        index: int,
+        fn: Callable[[Any, Any], Any],
+        params: PyTree,
+        *,
+        recompute: bool = False,
+        precision: Precision | None = None,
+    ) -> None:
         self.index = index
         self.fn = fn
         self.recompute = recompute
@@ -158,12 +193,20 @@ class StageRun:
         self._param_leaves = leaves
         self._param_index = [k for k, leaf in enumerate(leaves) if is_differentiable(leaf)]
         prepared = [detached(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        dtypes: list[torch.dtype] | None = None
+        if precision is not None:  # NOTE [precision of a leaf]
+            for k in self._param_index:
+                # A cast, not a view: the stage differentiates its compute copy, never the cast.
+                prepared[k] = prepared[k].to(precision.compute_dtype(leaves[k].dtype))
+            dtypes = [precision.accumulate_dtype(leaves[k].dtype) for k in self._param_index]
+            if all(dtype == prepared[k].dtype for dtype, k in zip(dtypes, self._param_index)):
+                dtypes = None  # sums in the leaves' own dtype: the engine may accumulate into .grad
         for k in self._param_index:
             prepared[k].requires_grad_()
         self._param_inputs = [prepared[k] for k in self._param_index]
         self.params = unflatten(self._spec, prepared)
         self.device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
-        self._grads = _OrderedSum(self._param_inputs)
+        self._grads = _OrderedSum(self._param_inputs, dtypes)
 
     def to_device(self, tree: PyTree) -> PyTree:
         """``tree`` with its tensors on this stage's device (no-op where already there)."""
@@ -289,7 +332,7 @@ class StageRun:
         inputs, params = pullback.inputs, self._param_inputs
         wrt = inputs + params
         with _not_inference():  # gradients are plain tensors, whatever the ambient mode
-            if not self._grads.next_in_order(microbatch):
+            if not (self._grads.fused and self._grads.next_in_order(microbatch)):
                 grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
                 if outputs and wrt:
                     grads = _vjp(outputs, wrt, grad_outputs)

@@ -25,7 +25,7 @@ from .._executor import Executor
 from .._microbatch import sizes_of, split
 from .._pytree import PyTree
 from .._record import active, clock, measured
-from .._run import Plan, StageRuns, StepSpec, interpret, result
+from .._run import Plan, StageRuns, StepSpec, interpret, result, seed_scale
 from ..schedules._program import ScheduleError
 from ._collectives import all_reduce_sum, check_usable, handshake, mark_broken
 from ._faults import WATCHDOG
@@ -129,7 +129,15 @@ def _run_row(
         topology, spec.program, microbatches, send_microbatches=send_microbatches, wire=wire, timeout=spec.timeout
     )
     weights = [n / size for n in sizes_of(size, spec.num_microbatches)]
-    executor = Executor(runs, spec.num_stages, spec.loss_fn, has_aux=spec.has_aux, weights=weights, transport=transport)
+    executor = Executor(
+        runs,
+        spec.num_stages,
+        spec.loss_fn,
+        has_aux=spec.has_aux,
+        weights=weights,
+        transport=transport,
+        loss_scale=seed_scale(spec),
+    )
     start = clock()
     try:
         times = interpret(executor, runs, plan.order)

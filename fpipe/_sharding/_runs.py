@@ -89,10 +89,14 @@ class ShardedRuns(Mapping[int, StageRun]):
         order: Sequence[tuple[int, Action]],
         *,
         regather: bool = False,
+        grad_layouts: Mapping[int, StageLayout] | None = None,
     ) -> None:
         self.dp = dp
         self._make_run = make_run  # (stage, full params) -> StageRun
         self._layouts = layouts
+        # The gradients' layouts: the parameters', in the dtypes the sums are kept in (a
+        # precision policy may sum bfloat16 parameters' gradients in float32).
+        self._grad_layouts = layouts if grad_layouts is None else grad_layouts
         self._shards = shards
         self._regather = regather
         first_use = list(dict.fromkeys(action.stage for _, action in order))
@@ -157,7 +161,7 @@ class ShardedRuns(Mapping[int, StageRun]):
         grads = None if run is None else run.grads()
         self._release(stage)
         self._full.pop(stage, None)
-        self._reductions[stage] = ReduceScatter(self.dp, stage, grads, self._layouts[stage])
+        self._reductions[stage] = ReduceScatter(self.dp, stage, grads, self._grad_layouts[stage])
 
     def finish(self) -> list[torch.Tensor]:
         """Wait for every reduce-scatter: the gradients are averaged, none is left to average
