@@ -16,23 +16,31 @@ from ._modules._split import split_module as split_module
 from ._modules._tied import sum_tied as sum_tied
 from ._record import Recording as Recording
 from ._record import record as record
+from ._saving._async import AsyncSaver as AsyncSaver
 from ._saving._load import load as load
 from ._saving._save import save as save
+from ._saving._state import TrainState as TrainState
+from ._saving._state import load_state as load_state
+from ._saving._state import save_state as save_state
 from ._sharding._public import gather as gather
 from ._sharding._public import shard as shard
 
 __all__ = [
+    "AsyncSaver",
     "PipelineError",
     "PipelineTimeoutError",
     "Recording",
     "Step",
+    "TrainState",
     "balance",
     "functionalize",
     "gather",
     "load",
+    "load_state",
     "pipeline",
     "record",
     "save",
+    "save_state",
     "schedules",
     "shard",
     "split_module",

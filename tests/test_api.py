@@ -25,17 +25,21 @@ GPIPE, ZERO_BUBBLE_H1 = (next(e for e in CONFORMANCE if e.name == name) for name
 
 def test_public_names() -> None:
     assert fpipe.__all__ == [
+        "AsyncSaver",
         "PipelineError",
         "PipelineTimeoutError",
         "Recording",
         "Step",
+        "TrainState",
         "balance",
         "functionalize",
         "gather",
         "load",
+        "load_state",
         "pipeline",
         "record",
         "save",
+        "save_state",
         "schedules",
         "shard",
         "split_module",
