@@ -74,7 +74,7 @@ def assert_bitwise(a: Any, b: Any) -> None:
         assert a.keys() == b.keys()
         for k in a:
             assert_bitwise(a[k], b[k])
-    elif isinstance(a, list):
+    elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
         for x, y in zip(a, b):
             assert_bitwise(x, y)
@@ -92,9 +92,9 @@ def kill_and_resume(tmp_path: Path, world: int, *flags: str) -> tuple[list[dict[
     return outputs(tmp_path / "full", world), outputs(tmp_path / "resumed", world)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_a_killed_run_resumes_bitwise(tmp_path: Path, world: int) -> None:
-    full, resumed = kill_and_resume(tmp_path, world)
+@pytest.mark.parametrize(("world", "flags"), [(1, ()), (2, ()), (2, ("--asynchronous",))])
+def test_a_killed_run_resumes_bitwise(tmp_path: Path, world: int, flags: tuple[str, ...]) -> None:
+    full, resumed = kill_and_resume(tmp_path, world, *flags)
     for f, r in zip(full, resumed):
         assert sorted(r["losses"]) == list(range(RESUMED_AT, STEPS))
         assert_bitwise({i: f["losses"][i] for i in r["losses"]}, r["losses"])
