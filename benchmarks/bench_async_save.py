@@ -3,8 +3,8 @@
 Run::
 
     PYTHONPATH=. python benchmarks/bench_async_save.py            # about a minute on 2 CPU cores
-    python benchmarks/bench_async_save.py --quick    # tiny sizes, a few seconds
-    python benchmarks/bench_async_save.py --json out.json
+    PYTHONPATH=. python benchmarks/bench_async_save.py --quick    # tiny sizes, a few seconds
+    PYTHONPATH=. python benchmarks/bench_async_save.py --json out.json
 
 One process trains a 4-stage residual MLP (float32, ``h + tanh(h W1 + b1) W2`` per stage, 1F1B,
 4 microbatches) with ``fpipe.optim.adamw`` for ``--steps`` steps and saves parameters and
@@ -12,8 +12,9 @@ optimizer state every ``--every`` steps into a temporary directory (its disk: th
 fsync of this machine), in three modes timed in turn, one loop each, repeated ``--repeats``
 times: ``none``, ``sync`` (``fpipe.save``) and ``async`` (``AsyncSaver.save``, waited for once
 after the loop). For each mode it reports the mean time per step over the loop (saves included,
-and for ``async`` the final wait), the median step without a save, and the median time of the
-steps that save (the call, for ``async``: the snapshot). Before timing it checks that the async
+and for ``async`` the final wait), the median step without a save, the mean of the
+steps without a save (those an asynchronous write overlaps), the median time of the steps that
+save (the call, for ``async``: the snapshot) and the final wait after the loop. Before timing it checks that the async
 save loads bitwise equal to the sync one.
 """
 
@@ -91,10 +92,16 @@ def loop(mode: str, steps: int, every: int, width: int, batch_size: int, directo
             saving.append(time.perf_counter() - t0)
         else:
             plain.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
     if saver is not None:
         saver.wait()
-    total = time.perf_counter() - start
-    return {"mean_step_s": total / steps, "plain_steps": plain, "saving_steps": saving}
+    end = time.perf_counter()
+    return {
+        "mean_step_s": (end - start) / steps,
+        "plain_steps": plain,
+        "saving_steps": saving,
+        "final_wait_s": end - t0,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -135,17 +142,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         results[mode] = {
             "mean_step_s": statistics.median(row["mean_step_s"] for row in rows),
             "median_plain_step_s": statistics.median(t for row in rows for t in row["plain_steps"]),
+            "mean_plain_step_s": statistics.mean(t for row in rows for t in row["plain_steps"]),
+            "final_wait_s": statistics.median(row["final_wait_s"] for row in rows),
             "median_saving_step_s": (
                 statistics.median(t for row in rows for t in row["saving_steps"]) if mode != "none" else None
             ),
         }
     print(f"save: {results['save_megabytes']} MB (params + AdamW state), every {args.every} of {args.steps} steps")
     print(f"async save loads bitwise equal to sync: {same}")
-    print(f"{'mode':<6} {'mean step':>10} {'plain step':>11} {'saving step':>12}")
+    print(f"{'mode':<6} {'mean step':>10} {'plain step':>11} {'(mean)':>10} {'saving step':>12} {'final wait':>11}")
     for mode in runs:
         row = results[mode]
         saving = "-" if row["median_saving_step_s"] is None else f"{row['median_saving_step_s'] * 1e3:.1f} ms"
-        print(f"{mode:<6} {row['mean_step_s'] * 1e3:>7.1f} ms {row['median_plain_step_s'] * 1e3:>8.1f} ms {saving:>12}")
+        print(
+            f"{mode:<6} {row['mean_step_s'] * 1e3:>7.1f} ms {row['median_plain_step_s'] * 1e3:>8.1f} ms "
+            f"{row['mean_plain_step_s'] * 1e3:>7.1f} ms {saving:>12} {row['final_wait_s'] * 1e3:>8.1f} ms"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
