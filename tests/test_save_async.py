@@ -108,6 +108,8 @@ def test_argument_errors_are_raised_at_the_call(tmp_path: Path) -> None:
         saver.save(tmp_path, [{"w": torch.ones(1)}], metadata={"x": object()})
     with pytest.raises(TypeError, match=r"state must be a fpipe\.TrainState"):
         saver.save_state(tmp_path, [{"w": torch.ones(1)}])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"state\.extra must be a dict of tensors by name \(not: 'scale'\)"):
+        saver.save_state(tmp_path, fpipe.TrainState([{"w": torch.ones(1)}], extra={"scale": 2.0}))  # type: ignore[dict-item]
     with pytest.raises(TypeError, match="pass one of step=, group= and mesh="):
         fpipe.AsyncSaver(group=object(), mesh=object())
     assert saver.wait() is None

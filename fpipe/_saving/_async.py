@@ -115,7 +115,7 @@ class AsyncSaver:
                 state,
                 params=_snapshot("params", state.params),
                 optimizer_state=None if optimizer_state is None else _snapshot("optimizer_state", optimizer_state),
-                extra={k: v.detach().to("cpu", copy=True) for k, v in state.extra.items()},
+                extra=_snapshot("extra", [state.extra])[0] if isinstance(state.extra, dict) else state.extra,
             )
         prepared, mine = prepare_state(directory, state, **self._where)
         ranks = self._ranks(prepared.sharding is not None)
