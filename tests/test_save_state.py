@@ -22,7 +22,7 @@ import torch
 import fpipe
 import fpipe.optim
 from fpipe._saving._directory import INDEX, LATEST
-from tests._multiprocess import free_port
+from tests._multiprocess import free_port, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 12, 3
@@ -207,3 +207,28 @@ def test_save_state_errors(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="metadata must be JSON-serializable"):
         fpipe.save_state(tmp_path, fpipe.TrainState(params, metadata={"x": object()}))
     assert not (tmp_path / LATEST).exists()
+
+
+def _mesh_state(rank: int, world: int, directory: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fpipe.schedules import OneFOneB
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    step = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), mesh=mesh)
+    params = [p if s in step.local_stages else None for s, p in enumerate(state_of(0).params)]
+    torch.manual_seed(100 + rank)  # every process its own generator
+    fpipe.save_state(directory, fpipe.TrainState(params, step=1), step=step)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    loaded = fpipe.load_state(directory, params, step=step)
+    return expected, torch.rand(3), loaded.step
+
+
+def test_every_process_of_a_mesh_saves_and_restores_its_own_generator(tmp_path: Path) -> None:
+    results = run_ranks(4, _mesh_state, str(tmp_path), timeout=120)
+    for expected, drawn, number in results:
+        assert torch.equal(expected, drawn) and number == 1
+    assert len({tuple(e.tolist()) for e, _, _ in results}) == 4  # four different generators
+    index = json.loads((tmp_path / (tmp_path / LATEST).read_text().strip() / INDEX).read_text())
+    assert sorted(index["metadata"]["user"]["fpipe_train_state"]["rng"]) == ["0", "1", "2", "3"]
