@@ -2,7 +2,7 @@
 
 Run::
 
-    PYTHONPATH=. python benchmarks/bench_async_save.py            # about a minute on 2 CPU cores
+    PYTHONPATH=. python benchmarks/bench_async_save.py            # about 3 minutes on 2 busy CPU cores
     PYTHONPATH=. python benchmarks/bench_async_save.py --quick    # tiny sizes, a few seconds
     PYTHONPATH=. python benchmarks/bench_async_save.py --json out.json
 
