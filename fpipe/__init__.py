@@ -20,14 +20,19 @@ from ._precision import LossScaleState as LossScaleState
 from ._precision import Precision as Precision
 from ._record import Recording as Recording
 from ._record import record as record
+from ._saving._async import AsyncSaver as AsyncSaver
 from ._saving._hf_load import load_hf as load_hf
 from ._saving._hf_save import save_hf as save_hf
 from ._saving._load import load as load
 from ._saving._save import save as save
+from ._saving._state import TrainState as TrainState
+from ._saving._state import load_state as load_state
+from ._saving._state import save_state as save_state
 from ._sharding._public import gather as gather
 from ._sharding._public import shard as shard
 
 __all__ = [
+    "AsyncSaver",
     "LossScale",
     "LossScaleState",
     "PipelineError",
@@ -35,16 +40,19 @@ __all__ = [
     "Precision",
     "Recording",
     "Step",
+    "TrainState",
     "balance",
     "functionalize",
     "gather",
     "load",
     "load_hf",
+    "load_state",
     "optim",
     "pipeline",
     "record",
     "save",
     "save_hf",
+    "save_state",
     "schedules",
     "shard",
     "split_module",

@@ -25,6 +25,7 @@ GPIPE, ZERO_BUBBLE_H1 = (next(e for e in CONFORMANCE if e.name == name) for name
 
 def test_public_names() -> None:
     assert fpipe.__all__ == [
+        "AsyncSaver",
         "LossScale",
         "LossScaleState",
         "PipelineError",
@@ -32,16 +33,19 @@ def test_public_names() -> None:
         "Precision",
         "Recording",
         "Step",
+        "TrainState",
         "balance",
         "functionalize",
         "gather",
         "load",
         "load_hf",
+        "load_state",
         "optim",
         "pipeline",
         "record",
         "save",
         "save_hf",
+        "save_state",
         "schedules",
         "shard",
         "split_module",

@@ -47,3 +47,13 @@ def test_bench_compile_quick() -> None:
     results = _load("bench_compile").main(["--quick"])
     for name in ("OneFOneB", "ZeroBubbleH1"):
         assert results[name]["grads_match"] and results[name]["compiled_ms"] > 0
+
+
+def test_bench_async_save_quick(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    results = _load("bench_async_save").main(["--quick", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    assert results["async_equals_sync"] is True
+    for mode in ("none", "sync", "async"):
+        assert results[mode]["mean_step_s"] > 0 and results[mode]["median_plain_step_s"] > 0
+    assert results["none"]["median_saving_step_s"] is None and results["async"]["median_saving_step_s"] > 0

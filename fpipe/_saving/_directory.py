@@ -101,7 +101,7 @@ def _unlocked(root: Path, why: str) -> None:
         "not kept apart. Save from one process (or pass group=) there, or save to a filesystem with file "
         "locks (NOTE [save concurrency] in fpipe/_saving/_directory.py).",
         RuntimeWarning,
-        stacklevel=8,  # the caller of fpipe.save
+        stacklevel=9,  # the caller of fpipe.save (save_state and AsyncSaver: a frame inside fpipe)
     )
 
 

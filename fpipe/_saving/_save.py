@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from .._api import Step
+from .._distributed._topology import Topology
 from .._pytree import PyTree, leaves_with_names
 from .._sharding._layout import cut_range
 from ._directory import commit, fsync_directory, locked, next_version
@@ -139,6 +140,32 @@ def save(
             ``directory`` held its lock for longer than ``timeout``.
         RuntimeError: another rank failed; its own error says why.
     """
+    prepared = prepare(directory, params, optimizer_state, metadata, step, group, mesh)
+    return write(prepared, Ranks("save", prepared.topology, timeout, sharded=prepared.sharding is not None))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A save checked and resolved, before anything is written: what ``write`` needs."""
+
+    root: Path
+    trees: dict[str, list[PyTree]]
+    user: Any  # the metadata, as JSON gives it back
+    topology: Topology | None
+    held: tuple[int, ...] | None
+    sharding: Sharding | None
+
+
+def prepare(
+    directory: str | os.PathLike[str],
+    params: Sequence[PyTree],
+    optimizer_state: Sequence[PyTree] | None,
+    metadata: dict[str, Any] | None,
+    step: Step | None,
+    group: Any,
+    mesh: Any,
+) -> Prepared:
+    """Check ``save``'s arguments and find its ranks (no communication, nothing written)."""
     trees = {"params": stage_list("save", "params", params)}
     if optimizer_state is not None:
         trees["optimizer_state"] = stage_list("save", "optimizer_state", optimizer_state)
@@ -160,8 +187,12 @@ def save(
             "Pass one parameter pytree per stage (None for the stages of other ranks)."
         )
     sharding = sharded_leaves("save", step, trees)
-    ranks = Ranks("save", topology, timeout, sharded=sharding is not None)
-    root = Path(directory)
+    return Prepared(Path(directory), trees, user, topology, held, sharding)
+
+
+def write(prepared: Prepared, ranks: Ranks) -> Path:
+    """Write and commit a prepared save among ``ranks`` (NOTE [the save protocol]); its version's directory."""
+    root, trees, user, held, sharding = prepared.root, prepared.trees, prepared.user, prepared.held, prepared.sharding
     if sharding is not None:  # NOTE [sharded saves]: every replica writes its own shards
         return root / _save_pipeline(root, trees, user, held, ranks, sharding)
     if ranks.replica != 0:  # NOTE [the save protocol], 4: wait for the first replica

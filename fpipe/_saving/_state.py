@@ -1,0 +1,295 @@
+"""``fpipe.save_state``, ``fpipe.load_state``: the whole training state, for an exact resume.
+
+NOTE [train state]
+A run resumed from a save goes on bitwise as if it had never stopped when everything its next
+steps read is restored: the parameters, the optimizer state (its step counter included), the
+number of steps done, the random generators every process draws from (dropout inside a stage),
+the position in the data stream, and whatever else is kept from step to step (a loss scale).
+``save_state`` saves a ``TrainState`` through ``fpipe.save``, so with the same files, checksums
+and atomic commit: parameters and optimizer state as ``save`` names them, everything else in the
+index's metadata under ``"fpipe_train_state"``::
+
+    {"step": 120, "metadata": {...the user's...}, "extra": "<base64 safetensors>",
+     "rng": {"0": "<base64 safetensors: cpu, cuda:0...>", "1": ...}, "num_ranks": 2}
+
+Random states are per process, keyed by global rank: each process's own generators, captured
+when ``save_state`` is called (or ``TrainState.rng``), all-gathered over the pipeline and
+data-parallel groups (5 KB each for the CPU generator) so that the metadata every rank passes
+to ``save`` is the same. ``load_state`` on global rank ``r`` restores what rank ``r`` saved;
+loading on another number of processes restores what exists and warns about the rest
+(randomness drawn inside stages then differs from the saved run's: one process draws every
+stage's numbers from one generator, in the schedule's order).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+
+from .._api import Step
+from .._pytree import PyTree
+from ._load import load
+from ._ranks import Ranks
+from ._save import Prepared, prepare, write
+
+KEY = "fpipe_train_state"
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Everything a training loop needs to go on exactly where it was (NOTE [train state]).
+
+    Attributes:
+        params: one parameter pytree per stage (``None`` for stages of other ranks), as ``step`` takes.
+        optimizer_state: one optimizer state pytree per stage (``fpipe.optim``'s ``init``), or ``None``.
+        step: the number of training steps done.
+        metadata: a JSON-serializable dict: the data position (``{"epoch": 2, "batch": 310}``),
+            a config; the same on every rank.
+        extra: tensors kept between steps that affect results (a loss scale, an EMA decay
+            counter), by name; the same on every rank. Loaded back on the CPU.
+        rng: this process's random generator states (``"cpu"``, ``"cuda:<i>"``). ``None`` when
+            saving captures the generators as they are at the call; ``load_state`` returns
+            what it restored, or ``None`` when the save has nothing for this rank.
+    """
+
+    params: list[PyTree]
+    optimizer_state: list[PyTree] | None = None
+    step: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    rng: dict[str, torch.Tensor] | None = None
+
+
+def save_state(
+    directory: str | os.PathLike[str],
+    state: TrainState,
+    /,
+    *,
+    step: Step | None = None,
+    group: Any = None,
+    mesh: Any = None,
+    timeout: float = 300.0,
+) -> Path:
+    """Save a whole training state atomically: ``fpipe.save`` plus step, RNG, extra tensors.
+
+    Every process's random generators are saved (its own, keyed by global rank), so that
+    ``load_state`` followed by the same loop reproduces the uninterrupted run bit for bit
+    (NOTE [train state] in ``fpipe/_saving/_state.py``). Everything ``save`` guarantees holds:
+    one file per rank and kind, sha256 of every tensor, an atomic commit.
+
+    Args:
+        directory: as for ``fpipe.save``.
+        state: the ``TrainState`` to save; with ``state.rng`` ``None`` (the default) the
+            generators are captured now.
+        step, group, mesh: as for ``fpipe.save``; every process of the job calls
+            ``save_state`` (data-parallel replicas too: their random states are saved).
+        timeout: as for ``fpipe.save``.
+
+    Returns:
+        The committed version's directory.
+
+    Example:
+        >>> import tempfile, torch, fpipe
+        >>> directory = tempfile.mkdtemp()
+        >>> params = [{"w": torch.ones(2)}]
+        >>> _ = fpipe.save_state(directory, fpipe.TrainState(params, step=7, metadata={"batch": 70}))
+        >>> state = fpipe.load_state(directory, params)
+        >>> state.step, state.metadata
+        (7, {'batch': 70})
+
+    Raises:
+        TypeError: ``state`` is not a ``TrainState``, or one of its fields has the wrong type;
+            otherwise as ``fpipe.save``.
+    """
+    prepared, mine = prepare_state(directory, state, step, group, mesh)
+    return write_state(prepared, mine, Ranks("save", prepared.topology, timeout, sharded=prepared.sharding is not None))
+
+
+def prepare_state(
+    directory: str | os.PathLike[str], state: TrainState, step: Step | None, group: Any, mesh: Any
+) -> tuple[Prepared, dict[str, Any]]:
+    """Check ``state``, capture this process's generators; the save and what this rank contributes."""
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"fpipe.save_state: state must be a fpipe.TrainState (got: {type(state).__name__}). "
+            "Wrap it: fpipe.TrainState(params, optimizer_state, step=...)."
+        )
+    if isinstance(state.step, bool) or not isinstance(state.step, int) or state.step < 0:
+        raise TypeError(f"fpipe.save_state: state.step must be an int >= 0 (step: {state.step!r}).")
+    for name, tensors in [("extra", state.extra), ("rng", state.rng or {})]:
+        bad = (
+            [repr(tensors)]
+            if not isinstance(tensors, dict)
+            else [f"{k!r}" for k, t in tensors.items() if not isinstance(k, str) or not isinstance(t, torch.Tensor)]
+        )
+        if bad:
+            raise TypeError(
+                f"fpipe.save_state: state.{name} must be a dict of tensors by name (not: {', '.join(bad)}). "
+                "Put other values in metadata."
+            )
+    rng = capture_rng() if state.rng is None else state.rng
+    saved = {"step": state.step, "metadata": state.metadata, "extra": _encode(state.extra)}
+    prepared = prepare(directory, state.params, state.optimizer_state, {KEY: saved}, step, group, mesh)
+    return prepared, {"rank": 0 if prepared.topology is None else dist.get_rank(), "rng": _encode(rng)}
+
+
+def write_state(prepared: Prepared, mine: dict[str, Any], ranks: Ranks) -> Path:
+    """All-gather every process's random states into the metadata, then ``write`` the save."""
+    every = _every_process(ranks, mine)
+    saved = dict(prepared.user[KEY], rng={str(v["rank"]): v["rng"] for v in every}, num_ranks=len(every))
+    return write(replace(prepared, user={KEY: saved}), ranks)
+
+
+def load_state(
+    directory: str | os.PathLike[str],
+    template: list[PyTree],
+    /,
+    *,
+    optimizer_state: list[PyTree] | None = None,
+    strict: bool = True,
+    restore_rng: bool = True,
+    step: Step | None = None,
+    group: Any = None,
+    mesh: Any = None,
+    timeout: float = 300.0,
+) -> TrainState:
+    """Load a ``save_state`` save and restore this process's random generators.
+
+    Parameters and optimizer state load as with ``fpipe.load`` (checked names, shapes, dtypes,
+    checksums; any number of stages or ranks). Only once everything is read and checked are the
+    generators restored, so a save of another model raises with nothing changed.
+
+    Args:
+        directory, template, optimizer_state, strict, step, group, mesh, timeout: as for ``fpipe.load``.
+        restore_rng: set this process's generators to those its global rank saved. A rank the
+            save has no state for keeps its generators, and rank 0 names the saved ranks that
+            no process restores (``RuntimeWarning``s).
+
+    Returns:
+        The ``TrainState``: params and optimizer state in the templates' structure, the step,
+        metadata and extra tensors saved, and ``rng`` this rank's saved generator states
+        (``None`` if the save has none for it).
+
+    Raises:
+        ValueError: the save was written by ``fpipe.save`` (no training state) or its training
+            state is malformed; otherwise as ``fpipe.load``.
+    """
+    loaded = load(
+        directory, template, optimizer_state=optimizer_state, strict=strict, step=step, group=group, mesh=mesh,
+        timeout=timeout,
+    )  # fmt: skip
+    saved = loaded.metadata.get(KEY)
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"fpipe.load_state: the save at {directory} holds no training state (it was written by fpipe.save, not "
+            "fpipe.save_state). Load it with fpipe.load."
+        )
+    number, metadata, num_ranks = saved.get("step"), saved.get("metadata"), saved.get("num_ranks")
+    states = saved.get("rng")
+    for what, value, ok in [
+        ("step", number, isinstance(number, int) and number >= 0),
+        ("metadata", metadata, isinstance(metadata, dict)),
+        ("num_ranks", num_ranks, isinstance(num_ranks, int)),
+        ("rng", states, isinstance(states, dict) and all(isinstance(v, str) for v in states.values())),
+    ]:
+        if not ok:
+            raise ValueError(
+                f"fpipe.load_state: the training state at {directory} is malformed ({what}: {str(value)[:80]}). "
+                "Load an intact save written by fpipe.save_state."
+            )
+    assert isinstance(number, int) and isinstance(metadata, dict) and isinstance(states, dict)
+    extra = _decode(directory, "extra", saved.get("extra"))
+    distributed = _distributed(step, group, mesh)
+    me = dist.get_rank() if distributed else 0
+    rng = _decode(directory, f"rng of rank {me}", states[str(me)]) if str(me) in states else None
+    if restore_rng:
+        _restore(rng, me, states, dist.get_world_size() if distributed else 1)
+    return TrainState(loaded.params, loaded.optimizer_state, number, metadata, extra, rng)
+
+
+# --- Random generators ------------------------------------------------------------------------
+
+
+def capture_rng() -> dict[str, torch.Tensor]:
+    """This process's generator states: the CPU's, and each CUDA device's once CUDA is in use."""
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # no CUDA start
+        states.update({f"cuda:{i}": torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())})
+    return states
+
+
+def _restore(rng: dict[str, torch.Tensor] | None, me: int, states: dict[str, Any], world_size: int) -> None:
+    if rng is None:
+        warnings.warn(
+            f"fpipe.load_state: the save has random states for ranks {sorted(int(r) for r in states)} but not for "
+            f"this process (rank {me}); its generators are left as they are.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    left = []
+    for name, state in rng.items():
+        if name == "cpu":
+            torch.set_rng_state(state)
+        elif name.startswith("cuda:") and torch.cuda.is_available() and int(name[5:]) < torch.cuda.device_count():
+            torch.cuda.set_rng_state(state, int(name[5:]))
+        else:
+            left.append(name)
+    if left:
+        warnings.warn(
+            f"fpipe.load_state: this process (rank {me}) has no device for the saved generator states {left}; "
+            "they are not restored.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    unused = sorted(r for r in (int(k) for k in states) if r >= world_size)
+    if me == 0 and unused:
+        warnings.warn(
+            f"fpipe.load_state: the save holds the random states of {len(states)} processes and this job has "
+            f"{world_size}: those of ranks {unused} are not restored.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+# --- Ranks and encoding -----------------------------------------------------------------------
+
+
+def _every_process(ranks: Ranks, value: dict[str, Any]) -> list[dict[str, Any]]:
+    """``value`` of every process of the save, pipeline ranks and data-parallel replicas."""
+    if ranks.topology is None:
+        return [value]
+    what = "the other ranks to gather their random states"
+    row = ranks.gather_replicas(value, what) if ranks.replicas and not ranks.sharded else [value]
+    every = [v for rows in ranks.gather(row, what) for v in rows]
+    return sorted(every, key=lambda v: int(v["rank"]))
+
+
+def _distributed(step: Step | None, group: Any, mesh: Any) -> bool:
+    return (step is not None and step.topology is not None) or group is not None or mesh is not None
+
+
+def _encode(tensors: dict[str, torch.Tensor]) -> str:
+    data = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+    return base64.b64encode(safetensors.torch.save(data)).decode("ascii")
+
+
+def _decode(directory: Any, what: str, text: Any) -> dict[str, torch.Tensor]:
+    try:
+        if not isinstance(text, str):
+            raise TypeError(type(text).__name__)
+        return safetensors.torch.load(base64.b64decode(text, validate=True))
+    except (TypeError, ValueError, binascii.Error, safetensors.SafetensorError) as error:
+        raise ValueError(
+            f"fpipe.load_state: the training state at {directory} is malformed ({what}: {error}). "
+            "Load an intact save written by fpipe.save_state."
+        ) from error
