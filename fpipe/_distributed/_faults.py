@@ -26,6 +26,7 @@ within ``POLL`` of the first report when it waits on something else.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import queue
@@ -163,6 +164,15 @@ class Watchdog:
                 self._boards[prefix] = Board(job, dist.get_rank(), groups, names)
             return self._boards[prefix]
 
+    def stop(self) -> None:
+        """Stop the thread and wait for it (at exit: a daemon thread caught inside a store call
+        while the interpreter finalizes aborts the process, "terminate called without an active
+        exception")."""
+        with self._lock:
+            thread, self._serves = self._thread, None
+        if thread is not None and thread.is_alive():
+            thread.join(timeout=2 * ASK)
+
     @contextlib.contextmanager
     def step(self, board: Board) -> Iterator[None]:
         """Run one step on ``board``: a new record key, read while this rank waits."""
@@ -278,6 +288,7 @@ def abort_group(group: Any) -> None:
 
 
 WATCHDOG = Watchdog()
+atexit.register(WATCHDOG.stop)
 
 
 @contextlib.contextmanager
