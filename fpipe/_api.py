@@ -15,7 +15,7 @@ from ._distributed._topology import Topology, resolve_topology
 from ._distributed._transport import WireState
 from ._plural import plural
 from ._pytree import PyTree, flatten, leaves_with_paths
-from ._run import ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
+from ._run import Plan, ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
 from ._sharding._layout import StageLayout, check_shards, data_parallel
 from ._sharding._runs import ShardedRuns, gather_stages, shard_stages
 from ._stage import StageFn, StageRun
@@ -273,6 +273,7 @@ class Step:
             self.rank = topology.rank
             self.local_stages = program.stages_of(topology.rank)
         self._plan = plan_for(program, self.rank)
+        self._forward_plan = plan_for(program, self.rank, forward=True)
 
     def __repr__(self) -> str:
         p = self.program
@@ -296,6 +297,62 @@ class Step:
                 stage this process holds or a batch leaf is on the ``meta`` device, or the batch
                 cannot be split as ``batch_dims`` says.
         """
+        (loss, aux, _), grads = self._run(self._plan, params, batch, keep_outputs=False)
+        return ((loss, aux), grads) if self.has_aux else (loss, grads)
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def evaluate(self, params: Sequence[PyTree], batch: PyTree, /, *, outputs: bool = False) -> Any:
+        """The loss (or ``(loss, aux)``) of a forward-only step, and with ``outputs`` the last stage's outputs.
+
+        Runs the forwards of the step's schedule in its order (each rank's row kept to its
+        ``F`` actions) with no graph recorded: no activation is kept past the next stage, no
+        backward runs, no gradient is made, so a rank holds one microbatch's activations at a
+        time. The loss is bitwise that of ``step(params, batch)`` (same microbatches, same
+        weights, same order of the sum), and averaged over data-parallel replicas like it.
+
+        Conceptually::
+
+            loss, ys = 0, []
+            for i, mb in enumerate(split(batch, num_microbatches, batch_dims)):
+                with torch.no_grad():
+                    y = compose(stages)(params, mb)
+                loss += n_i / N * loss_fn(y, mb)
+                ys.append(y)
+            outputs = torch.cat(ys)             # per tensor leaf, along dim 0
+
+        Args:
+            params: one parameter pytree per stage, as ``step`` takes them.
+            batch: the batch, as ``step`` takes it.
+            outputs: also return the last stage's outputs for the whole batch: the microbatches'
+                outputs stitched back in example order (tensor leaves concatenated along dim 0,
+                which must be their batch dimension; other leaves as a tuple per microbatch).
+                Distributed, they are returned on every rank, as the loss is (the rank of the
+                first stage, which holds the batch, can then build the next batch from them,
+                as greedy sampling does); data-parallel replicas each get their own batch's.
+
+        Returns:
+            ``loss`` (``(loss, aux)`` with ``has_aux``), or ``(loss, outputs)`` (``((loss, aux),
+            outputs)``) with ``outputs=True``.
+
+        Raises:
+            TypeError, ValueError: as ``step`` does for its inputs, and if the pipeline shards
+                its parameters (``shard_params=True``: not supported by evaluate yet).
+        """
+        if not isinstance(outputs, bool):
+            raise TypeError(f"fpipe.step.evaluate: outputs must be True or False (outputs: {outputs!r}).")
+        if self.shard_params:
+            raise ValueError(
+                "fpipe.step.evaluate: a pipeline with shard_params=True cannot evaluate yet. Evaluate with a "
+                "pipeline built without shard_params, on the parameters gathered by step.unshard."
+            )
+        (loss, aux, ys), _ = self._run(self._forward_plan, params, batch, keep_outputs=outputs)
+        result = (loss, aux) if self.has_aux else loss
+        return (result, ys) if outputs else result
+
+    def _run(
+        self, plan: Plan, params: Sequence[PyTree], batch: PyTree, *, keep_outputs: bool
+    ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
+        """Check the inputs and run ``plan`` here or distributed: ``((loss, aux, outputs), grads)``."""
         if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence):
             raise TypeError(
                 f"fpipe.step: params must be a list with one pytree per stage (got: {type(params).__name__}). "
@@ -309,19 +366,18 @@ class Step:
         _check_not_meta(params, batch, self.local_stages)
         with torch.inference_mode(False):  # results are plain tensors whatever the ambient mode
             if self._topology is None:
-                loss, aux, grads = run_local(self, self._plan, params, batch)
-            else:
-                loss, aux, grads = run_distributed(
-                    self,
-                    self._plan,
-                    self._topology,
-                    self._wire,
-                    params,
-                    batch,
-                    runs_for=self._runs_for,
-                    check_params=self._check_shards,
-                )
-        return ((loss, aux), grads) if self.has_aux else (loss, grads)
+                return run_local(self, plan, params, batch, keep_outputs=keep_outputs)
+            return run_distributed(
+                self,
+                plan,
+                self._topology,
+                self._wire,
+                params,
+                batch,
+                runs_for=self._runs_for,
+                check_params=self._check_shards,
+                keep_outputs=keep_outputs,
+            )
 
     @property
     def topology(self) -> Topology | None:

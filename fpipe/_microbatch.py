@@ -120,3 +120,34 @@ def stack(trees: list[PyTree]) -> PyTree:
         else:  # tensors among other leaves are detached too: results carry no graph
             out.append(tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in column))
     return unflatten(spec, out)
+
+
+def concat(trees: list[PyTree]) -> PyTree:
+    """The last stage's per-microbatch outputs stitched back in example order: the inverse of
+    ``split`` for outputs whose batch dimension is 0 (tensor leaves concatenated along it, others
+    gathered in tuples with one entry per microbatch).
+
+    Raises:
+        ValueError: if the pytrees differ in structure or a tensor leaf has no batch dimension.
+    """
+    flat = [flatten(tree) for tree in trees]
+    spec = flat[0][1]
+    for i, (_, other) in enumerate(flat):
+        if other != spec:
+            raise ValueError(
+                f"fpipe.step.evaluate: the last stage's output for microbatch {i} has structure {other}, "
+                f"but microbatch 0's has {spec}. Return the same structure for every microbatch."
+            )
+    out: list[Any] = []
+    for column in zip(*(leaves for leaves, _ in flat)):
+        if all(isinstance(x, torch.Tensor) for x in column):
+            if any(x.dim() == 0 for x in column):
+                raise ValueError(
+                    "fpipe.step.evaluate: a tensor of the last stage's output is a scalar, so it has no batch "
+                    "dimension to stitch the microbatches along. Return outputs with the batch along dim 0, "
+                    "or call evaluate without outputs=True."
+                )
+            out.append(torch.cat([x.detach() for x in column]))
+        else:
+            out.append(tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in column))
+    return unflatten(spec, out)

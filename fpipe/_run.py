@@ -17,12 +17,12 @@ from typing import Any, Protocol
 import torch
 
 from ._executor import Executor, LocalTransport
-from ._microbatch import split, stack
+from ._microbatch import concat, split, stack
 from ._pytree import PyTree, flatten
 from ._record import active, clock, measured
 from ._stage import StageFn, StageRun
 from .schedules._action import Action
-from .schedules._program import Program, checksum, execution_order
+from .schedules._program import Program, checksum, execution_order, forward_only
 
 
 class StepSpec(Protocol):
@@ -57,20 +57,27 @@ class Plan:
     """What a step fixes when it is built and each of its runs reads (``plan_for``).
 
     Attributes:
+        program: the program it runs: the step's, or its forwards alone (``forward_only``).
         order: the ``(rank, action)`` pairs this process runs, in order: every rank's row
             interleaved in one process, its own row on a pipeline rank.
         checksum: the program's checksum, which the distributed handshake compares (0 in one process).
+        forward_only: an evaluation: forwards with no graph, no backward, no gradients.
     """
 
+    program: Program
     order: tuple[tuple[int, Action], ...]
     checksum: int = 0
+    forward_only: bool = False
 
 
-def plan_for(program: Program, rank: int | None) -> Plan:
-    """The ``Plan`` of ``program`` in one process (``rank=None``) or on pipeline rank ``rank``."""
+def plan_for(program: Program, rank: int | None, *, forward: bool = False) -> Plan:
+    """The ``Plan`` of ``program`` in one process (``rank=None``) or on pipeline rank ``rank``;
+    with ``forward``, of its forwards alone (``forward_only``: an evaluation)."""
+    if forward:
+        program = forward_only(program)
     if rank is None:
-        return Plan(execution_order(program))
-    return Plan(tuple((rank, a) for a in program.ranks[rank]), checksum(program))
+        return Plan(program, execution_order(program), forward_only=forward)
+    return Plan(program, tuple((rank, a) for a in program.ranks[rank]), checksum(program), forward)
 
 
 class StageRuns(Protocol):
@@ -143,9 +150,10 @@ def interpret(executor: Executor, runs: StageRuns, order: Sequence[tuple[int, Ac
 
 
 def run_local(
-    spec: StepSpec, plan: Plan, params: Sequence[PyTree], batch: PyTree
-) -> tuple[torch.Tensor, Any, list[PyTree]]:
-    """A step in this process: every stage, the program's ranks virtual; ``(loss, aux, grads)``."""
+    spec: StepSpec, plan: Plan, params: Sequence[PyTree], batch: PyTree, *, keep_outputs: bool = False
+) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
+    """A step in this process: every stage, the program's ranks virtual; ``((loss, aux,
+    outputs), grads)`` (``outputs`` with ``keep_outputs``, grads empty for a forward-only plan)."""
     microbatches, sizes = split(batch, spec.num_microbatches, spec.batch_dims)
     total = sum(sizes)
     runs = ReplicatedRuns(spec, params)
@@ -156,21 +164,24 @@ def run_local(
         has_aux=spec.has_aux,
         weights=[n / total for n in sizes],
         transport=LocalTransport(microbatches),
+        forward_only=plan.forward_only,
+        keep_outputs=keep_outputs,
     )
     start = clock()
     times = interpret(executor, runs, plan.order)
     recording = active()
     if recording is not None:
-        recording.timelines.append(measured(spec.program, plan.order, times, start))
-    loss, aux = result(spec, executor)
-    return loss, aux, runs.grads(spec.num_stages)
+        recording.timelines.append(measured(plan.program, plan.order, times, start))
+    return result(spec, executor), [] if plan.forward_only else runs.grads(spec.num_stages)
 
 
-def result(spec: StepSpec, executor: Executor) -> tuple[torch.Tensor, Any]:
-    """The weighted loss (and gathered aux) of the last stage, summed in microbatch order."""
+def result(spec: StepSpec, executor: Executor) -> tuple[torch.Tensor, Any, Any]:
+    """The weighted loss (and gathered aux) of the last stage, summed in microbatch order, and
+    its outputs stitched back in example order (``None`` unless the executor kept them)."""
     m = range(spec.num_microbatches)
     loss = _weighted_sum([executor.losses[i] for i in m], executor.weights)
-    return loss, stack([executor.auxes[i] for i in m]) if spec.has_aux else None
+    aux = stack([executor.auxes[i] for i in m]) if spec.has_aux else None
+    return loss, aux, concat([executor.outputs[i] for i in m]) if executor.keep_outputs else None
 
 
 def _weighted_sum(losses: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:

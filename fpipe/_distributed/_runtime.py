@@ -45,8 +45,10 @@ def run_distributed(
     *,
     runs_for: RunsFor,
     check_params: Callable[[Sequence[PyTree]], None],
-) -> tuple[torch.Tensor, Any, list[PyTree]]:
-    """A step as pipeline rank ``topology.rank``: its row of the program; ``(loss, aux, grads)``.
+    keep_outputs: bool = False,
+) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
+    """A step as pipeline rank ``topology.rank``: its row of the program; ``((loss, aux,
+    outputs), grads)`` (``outputs`` with ``keep_outputs``; no grads for a forward-only plan).
 
     ``wire`` keeps the channels' layouts from step to step; ``runs_for(params)`` builds this
     rank's stages once every rank has agreed; ``check_params(params)`` raises ``ValueError`` for
@@ -60,11 +62,13 @@ def run_distributed(
                 raise late.error(topology.rank, "the other pipeline ranks at the start of the step")
             microbatches, size, send_microbatches = _agree(spec, plan, topology, params, batch, check_params)
             runs = runs_for(params)
-            loss, aux = _run_row(spec, plan, topology, wire, runs, microbatches, size, send_microbatches)
-            unaveraged = runs.finish()
+            loss, aux, outputs = _run_row(
+                spec, plan, topology, wire, runs, microbatches, size, send_microbatches, keep_outputs
+            )
+            unaveraged = [] if plan.forward_only else runs.finish()
             if topology.data_group is not None:
                 loss = _average_replicas(spec, topology, loss, unaveraged)
-            return loss, aux, runs.grads(spec.num_stages)
+            return (loss, aux, outputs), [] if plan.forward_only else runs.grads(spec.num_stages)
         except PipelineError as error:
             mark_broken(topology, error)
             raise
@@ -122,27 +126,37 @@ def _run_row(
     microbatches: list[PyTree] | None,
     size: int,
     send_microbatches: bool,
-) -> tuple[torch.Tensor, Any]:
-    """Run this rank's row; the loss (and aux), received from the last stage's rank."""
+    keep_outputs: bool,
+) -> tuple[torch.Tensor, Any, Any]:
+    """Run this rank's row; the loss, aux and outputs, received from the last stage's rank."""
     last = spec.program.placement()[-1]
     transport = DistributedTransport(
-        topology, spec.program, microbatches, send_microbatches=send_microbatches, wire=wire, timeout=spec.timeout
+        topology, plan.program, microbatches, send_microbatches=send_microbatches, wire=wire, timeout=spec.timeout
     )
     weights = [n / size for n in sizes_of(size, spec.num_microbatches)]
-    executor = Executor(runs, spec.num_stages, spec.loss_fn, has_aux=spec.has_aux, weights=weights, transport=transport)
+    executor = Executor(
+        runs,
+        spec.num_stages,
+        spec.loss_fn,
+        has_aux=spec.has_aux,
+        weights=weights,
+        transport=transport,
+        forward_only=plan.forward_only,
+        keep_outputs=keep_outputs,
+    )
     start = clock()
     try:
         times = interpret(executor, runs, plan.order)
-        loss, aux = transport.exchange_result(result(spec, executor) if topology.rank == last else None)
+        loss, aux, outputs = transport.exchange_result(result(spec, executor) if topology.rank == last else None)
         transport.finish()
         recording = active()
         if recording is not None:
-            recording.timelines.append(measured(spec.program, plan.order, times, start, topology, spec.timeout))
+            recording.timelines.append(measured(plan.program, plan.order, times, start, topology, spec.timeout))
     except BaseException as error:
         mark_broken(topology, error)
         transport.abort(error, executor.current)
         raise
-    return loss, aux
+    return loss, aux, outputs
 
 
 def _disagreement(checksum: int, statuses: list[list[int]], first: int, last: int) -> Exception | None:
