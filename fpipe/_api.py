@@ -31,6 +31,7 @@ def pipeline(
     *,
     has_aux: bool = False,
     batch_dims: PyTree = 0,
+    weight_fn: Callable[[Any], Any] | None = None,
     recompute: bool | Collection[int] = False,
     mesh: Any = None,
     group: Any = None,
@@ -60,7 +61,15 @@ def pipeline(
         batch_dims: where to split the batch: an int for every tensor leaf (default 0), or a
             prefix pytree of the batch with an int or ``None`` per subtree (``None``: pass the
             leaf whole to every microbatch, e.g. a RoPE table). Non-tensor leaves always pass
-            whole.
+            whole. ``batch`` may also be ``fpipe.Microbatches([mb0, mb1, ...])``: the microbatches
+            as given (shapes may differ between them), one per microbatch of the schedule.
+        weight_fn: ``weight_fn(microbatch) -> count`` (a non-negative int, or an integer tensor
+            such as ``mask.sum()``): how many tokens of the microbatch count. ``loss_fn`` then
+            returns the *sum* of its per-token losses, and the step divides by the count of the
+            whole batch, summed over data-parallel replicas too: loss and grads are the per-token
+            mean of everything, a replica with more tokens counting more (NOTE [loss weights] in
+            ``fpipe/_run.py``). Evaluated on each microbatch, before the step runs, on the rank
+            that holds the batch. Default: microbatches weigh by their number of examples.
         recompute: activation recomputation: ``True`` for every stage, or the indices of the
             stages that keep only their inputs after a forward and recompute it inside their
             backward (less memory, one more forward; results bitwise unchanged).
@@ -139,6 +148,10 @@ def pipeline(
         raise ValueError(f"fpipe.pipeline: timeout must be a positive number of seconds (timeout: {timeout!r}).")
     if not isinstance(has_aux, bool):
         raise TypeError(f"fpipe.pipeline: has_aux must be True or False (has_aux: {has_aux!r}).")
+    if weight_fn is not None and not callable(weight_fn):
+        raise TypeError(
+            f"fpipe.pipeline: weight_fn must be callable, weight_fn(microbatch) -> count (weight_fn: {weight_fn!r})."
+        )
     if isinstance(recompute, bool):
         recompute = range(len(stages)) if recompute else ()
     if (
@@ -175,6 +188,7 @@ def pipeline(
         program,
         has_aux=has_aux,
         batch_dims=batch_dims,
+        weight_fn=weight_fn,
         recompute=recompute,
         topology=topology,
         shard_params=shard_params,
@@ -246,6 +260,7 @@ class Step:
         *,
         has_aux: bool,
         batch_dims: PyTree,
+        weight_fn: Callable[[Any], Any] | None = None,
         recompute: frozenset[int],
         topology: Topology | None,
         shard_params: bool = False,
@@ -257,6 +272,7 @@ class Step:
         self.program = program
         self.has_aux = has_aux
         self.batch_dims = batch_dims
+        self.weight_fn = weight_fn
         self.recompute = recompute
         self.timeout = timeout
         self.num_stages = program.num_stages
@@ -325,7 +341,8 @@ class Step:
             batch: the batch, as ``step`` takes it.
             outputs: also return the last stage's outputs for the whole batch: the microbatches'
                 outputs stitched back in example order (tensor leaves concatenated along dim 0,
-                which must be their batch dimension; other leaves as a tuple per microbatch).
+                which must be their batch dimension; other leaves as a tuple per microbatch), or
+                for a batch given as ``fpipe.Microbatches``, a list of each microbatch's output.
                 Distributed, they are returned on every rank, as the loss is (the rank of the
                 first stage, which holds the batch, can then build the next batch from them,
                 as greedy sampling does); data-parallel replicas each get their own batch's.

@@ -25,6 +25,7 @@ GPIPE, ZERO_BUBBLE_H1 = (next(e for e in CONFORMANCE if e.name == name) for name
 
 def test_public_names() -> None:
     assert fpipe.__all__ == [
+        "Microbatches",
         "PipelineError",
         "PipelineTimeoutError",
         "Recording",
