@@ -47,3 +47,11 @@ def test_bench_compile_quick() -> None:
     results = _load("bench_compile").main(["--quick"])
     for name in ("OneFOneB", "ZeroBubbleH1"):
         assert results[name]["grads_match"] and results[name]["compiled_ms"] > 0
+
+
+def test_bench_evaluate_quick() -> None:
+    results = _load("bench_evaluate").main(["--quick"])
+    for name in ("GPipe", "OneFOneB"):
+        row = results[name]
+        assert row["loss_match"] and row["train_ms"] > 0 and row["evaluate_ms"] > 0
+        assert 0 < row["evaluate_peak_MiB"] < row["train_peak_MiB"]  # forward only holds less
