@@ -13,6 +13,7 @@ from ._distributed._collectives import all_reduce_sum
 from ._distributed._runtime import run_distributed
 from ._distributed._topology import Topology, resolve_topology
 from ._distributed._transport import WireState
+from ._microbatch import Microbatches
 from ._plural import plural
 from ._pytree import PyTree, flatten, leaves_with_paths
 from ._run import Plan, ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
@@ -229,6 +230,8 @@ def _check_not_meta(params: Sequence[PyTree], batch: PyTree, local_stages: Seque
     """Raise if a parameter of a local stage or a batch leaf is on the ``meta`` device: it holds
     no data, and the step would return meta results without complaint."""
     trees = [(f"stage {s}'s parameter", f"params[{s}]", params[s]) for s in local_stages]
+    if isinstance(batch, Microbatches):  # an opaque leaf to the pytree library: look inside
+        batch = list(batch.microbatches)
     for what, name, tree in [*trees, ("stage 0's batch leaf", "batch", batch)]:
         if not any(isinstance(x, torch.Tensor) and x.is_meta for x in flatten(tree)[0]):
             continue  # key paths are built only for the error

@@ -153,6 +153,12 @@ def test_bad_weights_and_microbatches(options: dict[str, Any], batch: Any, error
         step.evaluate(weights(2), batch)
 
 
+def test_a_meta_tensor_in_explicit_microbatches_is_an_error() -> None:
+    batch = fpipe.Microbatches([padded([1]), {**padded([1]), "h": torch.empty(1, 9, D, device="meta")}])
+    with pytest.raises(ValueError, match=r"batch leaf \[1\]\['h'\] is on the meta device"):
+        fpipe.pipeline(token_mean, [block, block], GPipe(2))(weights(2), batch)
+
+
 def test_weight_fn_must_be_callable() -> None:
     with pytest.raises(TypeError, match="weight_fn must be callable"):
         fpipe.pipeline(token_sum, [block], GPipe(1), weight_fn=3)
