@@ -254,3 +254,11 @@ def test_data_parallel_evaluate_averages_the_loss_and_keeps_each_replicas_output
     for replica, (loss, outputs) in run_ranks(4, _mesh_evaluate):
         assert torch.equal(loss, (local[0][0] + local[1][0]) / 2)
         assert torch.equal(outputs["z"], local[replica][1]["z"])
+
+
+def test_a_recorded_evaluation_times_the_forwards_alone() -> None:
+    params, batch = model(2)
+    step = fpipe.pipeline(loss_fn, [layer, layer], OneFOneB(4))
+    with fpipe.record() as recording:
+        step.evaluate(params, batch)
+    assert [len(row) for row in recording.timeline.starts] == [4, 4]
