@@ -32,6 +32,11 @@ look ``K`` tokens back, which RoPE makes easy.
 ``loss, grads = step(params, batch)`` followed by a functional AdamW update: new tensors each step,
 nothing mutated. ``step`` runs every stage here, on virtual ranks, in the schedule's order; the
 schedule's rank x time grid is printed at start.
+
+After training, ``step.evaluate(params, batch)`` runs the same pipeline forward only (no graph,
+no gradients) for a validation loss, and ``step.evaluate(..., outputs=True)``, which also returns
+the logits of the whole batch on every rank, drives greedy sampling: a few prompts ``digits SEP``
+are continued one token at a time (recomputing the prefix each time) and printed.
 """
 
 import argparse
@@ -209,6 +214,25 @@ def lr_at(it, steps, lr, warmup=10):
 # training
 
 
+def greedy(step, params, prompts, steps, freqs_cis, first_rank):
+    """Continue ``prompts`` (B, T) greedily by ``steps`` tokens with forward-only pipeline calls.
+
+    Each call runs the whole prefix again (no KV cache): simple, and the pipeline's logits come
+    back on every rank, so every rank appends the same tokens and stays in step.
+    """
+    seq = prompts
+    for _ in range(steps):
+        batch = {
+            "tokens": seq,
+            "positions": torch.arange(seq.shape[1]).expand_as(seq),
+            "targets": torch.zeros_like(seq),  # loss_fn needs targets; this loss is not used
+            "freqs_cis": freqs_cis,
+        }
+        _, logits = step.evaluate(params, batch if step.rank in (None, first_rank) else None, outputs=True)
+        seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return seq[:, prompts.shape[1] :]
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -226,6 +250,7 @@ def parse_args(argv):
     parser.add_argument("--digits", type=int, default=8, help="K, the number of digits to copy")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine decay)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--samples", type=int, default=3, help="greedy continuations printed after training")
     parser.add_argument(
         "--trace", metavar="PATH", help="write the last step's measured timeline as a Chrome trace (Perfetto) JSON"
     )
@@ -289,6 +314,16 @@ def main(argv=None):
     elapsed = time.perf_counter() - start
 
     summary = f"{args.steps} steps in {elapsed:.1f}s: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+    # A validation loss: the same pipeline, forward only, on a batch it was not trained on.
+    validation = get_batch(args.batch_size, args.digits, freqs_cis, generator)
+    val_loss = step.evaluate(params, validation if step.rank in (None, first_rank) else None)
+    summary += f", validation loss {val_loss.item():.4f}"
+    if args.samples > 0:
+        digits = torch.randint(NUM_DIGITS, (max(args.samples, args.microbatches), args.digits), generator=generator)
+        prompts = torch.cat([digits, torch.full((digits.shape[0], 1), SEP)], dim=1)
+        copies = greedy(step, params, prompts, args.digits, freqs_cis, first_rank)
+        for row, copy in list(zip(digits, copies))[: args.samples] if chatty else []:
+            print(f"greedy: {' '.join(map(str, row.tolist()))} | -> {' '.join(map(str, copy.tolist()))}")
     if step.rank is None:
         # Evaluate without the pipeline: composing the stage functions is the unsplit model.
         batch = get_batch(256, args.digits, freqs_cis, generator)

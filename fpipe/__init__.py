@@ -11,6 +11,7 @@ from ._api import Step as Step
 from ._api import pipeline as pipeline
 from ._errors import PipelineError as PipelineError
 from ._errors import PipelineTimeoutError as PipelineTimeoutError
+from ._microbatch import Microbatches as Microbatches
 from ._modules._balance import balance as balance
 from ._modules._functionalize import functionalize as functionalize
 from ._modules._split import split_module as split_module
@@ -35,6 +36,7 @@ __all__ = [
     "AsyncSaver",
     "LossScale",
     "LossScaleState",
+    "Microbatches",
     "PipelineError",
     "PipelineTimeoutError",
     "Precision",

@@ -13,10 +13,11 @@ from ._distributed._collectives import all_reduce_sum
 from ._distributed._runtime import run_distributed
 from ._distributed._topology import Topology, resolve_topology
 from ._distributed._transport import WireState
+from ._microbatch import Microbatches
 from ._plural import plural
 from ._precision import LossScaleState, Precision, check_params, finish_grads
 from ._pytree import PyTree, flatten, leaves_with_paths
-from ._run import ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
+from ._run import Plan, ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
 from ._sharding._layout import LeafLayout, StageLayout, check_shards, data_parallel
 from ._sharding._runs import ShardedRuns, gather_stages, shard_stages
 from ._stage import StageFn, StageRun
@@ -32,6 +33,7 @@ def pipeline(
     *,
     has_aux: bool = False,
     batch_dims: PyTree = 0,
+    weight_fn: Callable[[Any], Any] | None = None,
     recompute: bool | Collection[int] = False,
     mesh: Any = None,
     group: Any = None,
@@ -62,7 +64,15 @@ def pipeline(
         batch_dims: where to split the batch: an int for every tensor leaf (default 0), or a
             prefix pytree of the batch with an int or ``None`` per subtree (``None``: pass the
             leaf whole to every microbatch, e.g. a RoPE table). Non-tensor leaves always pass
-            whole.
+            whole. ``batch`` may also be ``fpipe.Microbatches([mb0, mb1, ...])``: the microbatches
+            as given (shapes may differ between them), one per microbatch of the schedule.
+        weight_fn: ``weight_fn(microbatch) -> count`` (a non-negative int, or an integer tensor
+            such as ``mask.sum()``): how many tokens of the microbatch count. ``loss_fn`` then
+            returns the *sum* of its per-token losses, and the step divides by the count of the
+            whole batch, summed over data-parallel replicas too: loss and grads are the per-token
+            mean of everything, a replica with more tokens counting more (NOTE [loss weights] in
+            ``fpipe/_run.py``). Evaluated on each microbatch, before the step runs, on the rank
+            that holds the batch. Default: microbatches weigh by their number of examples.
         recompute: activation recomputation: ``True`` for every stage, or the indices of the
             stages that keep only their inputs after a forward and recompute it inside their
             backward (less memory, one more forward; results bitwise unchanged).
@@ -146,6 +156,10 @@ def pipeline(
         raise ValueError(f"fpipe.pipeline: timeout must be a positive number of seconds (timeout: {timeout!r}).")
     if not isinstance(has_aux, bool):
         raise TypeError(f"fpipe.pipeline: has_aux must be True or False (has_aux: {has_aux!r}).")
+    if weight_fn is not None and not callable(weight_fn):
+        raise TypeError(
+            f"fpipe.pipeline: weight_fn must be callable, weight_fn(microbatch) -> count (weight_fn: {weight_fn!r})."
+        )
     if isinstance(recompute, bool):
         recompute = range(len(stages)) if recompute else ()
     if (
@@ -187,6 +201,7 @@ def pipeline(
         program,
         has_aux=has_aux,
         batch_dims=batch_dims,
+        weight_fn=weight_fn,
         recompute=recompute,
         topology=topology,
         shard_params=shard_params,
@@ -228,6 +243,8 @@ def _check_not_meta(params: Sequence[PyTree], batch: PyTree, local_stages: Seque
     """Raise if a parameter of a local stage or a batch leaf is on the ``meta`` device: it holds
     no data, and the step would return meta results without complaint."""
     trees = [(f"stage {s}'s parameter", f"params[{s}]", params[s]) for s in local_stages]
+    if isinstance(batch, Microbatches):  # an opaque leaf to the pytree library: look inside
+        batch = list(batch.microbatches)
     for what, name, tree in [*trees, ("stage 0's batch leaf", "batch", batch)]:
         if not any(isinstance(x, torch.Tensor) and x.is_meta for x in flatten(tree)[0]):
             continue  # key paths are built only for the error
@@ -266,6 +283,7 @@ class Step:
         *,
         has_aux: bool,
         batch_dims: PyTree,
+        weight_fn: Callable[[Any], Any] | None = None,
         recompute: frozenset[int],
         topology: Topology | None,
         shard_params: bool = False,
@@ -278,6 +296,7 @@ class Step:
         self.program = program
         self.has_aux = has_aux
         self.batch_dims = batch_dims
+        self.weight_fn = weight_fn
         self.recompute = recompute
         self.timeout = timeout
         self.num_stages = program.num_stages
@@ -298,6 +317,7 @@ class Step:
             self.rank = topology.rank
             self.local_stages = program.stages_of(topology.rank)
         self._plan = plan_for(program, self.rank)
+        self._forward_plan = plan_for(program, self.rank, forward=True)
 
     def __repr__(self) -> str:
         p = self.program
@@ -321,6 +341,65 @@ class Step:
                 stage this process holds or a batch leaf is on the ``meta`` device, or the batch
                 cannot be split as ``batch_dims`` says.
         """
+        (loss, aux, _), grads = self._run(self._plan, params, batch, keep_outputs=False)
+        if self.precision is not None:
+            grads = self._finish_precision(params, grads)
+        return ((loss, aux), grads) if self.has_aux else (loss, grads)
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def evaluate(self, params: Sequence[PyTree], batch: PyTree, /, *, outputs: bool = False) -> Any:
+        """The loss (or ``(loss, aux)``) of a forward-only step, and with ``outputs`` the last stage's outputs.
+
+        Runs the forwards of the step's schedule in its order (each rank's row kept to its
+        ``F`` actions) with no graph recorded: no activation is kept past the next stage, no
+        backward runs, no gradient is made, so a rank holds one microbatch's activations at a
+        time. The loss is bitwise that of ``step(params, batch)`` (same microbatches, same
+        weights, same order of the sum), and averaged over data-parallel replicas like it.
+
+        Conceptually::
+
+            loss, ys = 0, []
+            for i, mb in enumerate(split(batch, num_microbatches, batch_dims)):
+                with torch.no_grad():
+                    y = compose(stages)(params, mb)
+                loss += n_i / N * loss_fn(y, mb)
+                ys.append(y)
+            outputs = torch.cat(ys)             # per tensor leaf, along dim 0
+
+        Args:
+            params: one parameter pytree per stage, as ``step`` takes them.
+            batch: the batch, as ``step`` takes it.
+            outputs: also return the last stage's outputs for the whole batch: the microbatches'
+                outputs stitched back in example order (tensor leaves concatenated along dim 0,
+                which must be their batch dimension; other leaves as a tuple per microbatch), or
+                for a batch given as ``fpipe.Microbatches``, a list of each microbatch's output.
+                Distributed, they are returned on every rank, as the loss is (the rank of the
+                first stage, which holds the batch, can then build the next batch from them,
+                as greedy sampling does); data-parallel replicas each get their own batch's.
+
+        Returns:
+            ``loss`` (``(loss, aux)`` with ``has_aux``), or ``(loss, outputs)`` (``((loss, aux),
+            outputs)``) with ``outputs=True``.
+
+        Raises:
+            TypeError, ValueError: as ``step`` does for its inputs, and if the pipeline shards
+                its parameters (``shard_params=True``: not supported by evaluate yet).
+        """
+        if not isinstance(outputs, bool):
+            raise TypeError(f"fpipe.step.evaluate: outputs must be True or False (outputs: {outputs!r}).")
+        if self.shard_params:
+            raise ValueError(
+                "fpipe.step.evaluate: a pipeline with shard_params=True cannot evaluate yet. Evaluate with a "
+                "pipeline built without shard_params, on the parameters gathered by step.unshard."
+            )
+        (loss, aux, ys), _ = self._run(self._forward_plan, params, batch, keep_outputs=outputs)
+        result = (loss, aux) if self.has_aux else loss
+        return (result, ys) if outputs else result
+
+    def _run(
+        self, plan: Plan, params: Sequence[PyTree], batch: PyTree, *, keep_outputs: bool
+    ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
+        """Check the inputs and run ``plan`` here or distributed: ``((loss, aux, outputs), grads)``."""
         if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence):
             raise TypeError(
                 f"fpipe.step: params must be a list with one pytree per stage (got: {type(params).__name__}). "
@@ -335,21 +414,18 @@ class Step:
         with torch.inference_mode(False):  # results are plain tensors whatever the ambient mode
             if self._topology is None:
                 self._check_precision(params)
-                loss, aux, grads = run_local(self, self._plan, params, batch)
-            else:
-                loss, aux, grads = run_distributed(
-                    self,
-                    self._plan,
-                    self._topology,
-                    self._wire,
-                    params,
-                    batch,
-                    runs_for=self._runs_for,
-                    check_params=self._check_params,
-                )
-            if self.precision is not None:
-                grads = self._finish_precision(params, grads)
-        return ((loss, aux), grads) if self.has_aux else (loss, grads)
+                return run_local(self, plan, params, batch, keep_outputs=keep_outputs)
+            return run_distributed(
+                self,
+                plan,
+                self._topology,
+                self._wire,
+                params,
+                batch,
+                runs_for=self._runs_for,
+                check_params=self._check_params,
+                keep_outputs=keep_outputs,
+            )
 
     @property
     def loss_scale(self) -> LossScaleState | None:

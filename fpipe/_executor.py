@@ -77,6 +77,8 @@ class Executor:
         weights: Sequence[float],
         transport: Transport,
         loss_scale: float | None = None,
+        forward_only: bool = False,
+        keep_outputs: bool = False,
     ) -> None:
         self.stages = stages
         self.last = num_stages - 1
@@ -87,6 +89,9 @@ class Executor:
         self.loss_scale = loss_scale  # the backward's seed is scaled by it (fpipe.LossScale)
         self.losses: dict[int, torch.Tensor] = {}
         self.auxes: dict[int, Any] = {}
+        self.forward_only = forward_only  # evaluation: no graph recorded, no pullback kept
+        self.keep_outputs = keep_outputs
+        self.outputs: dict[int, Any] = {}  # the last stage's outputs, with keep_outputs
         self._pullbacks: dict[tuple[int, int], Pullback] = {}
         self._ready = 0.0  # when the current action's inputs had arrived
         self.current: Action | None = None  # the action running, or that raised
@@ -137,6 +142,15 @@ class Executor:
         x = self.transport.microbatch(i) if s == 0 else self.transport.recv_activation(s, i)
         microbatch = self.transport.microbatch(i) if s == self.last and s > 0 else x  # for loss_fn
         self._arrived()
+        if self.forward_only:
+            if s == self.last:
+                loss, aux, y = stage.evaluate_loss(x, microbatch, self._loss_fn, has_aux=self.has_aux)
+                self.losses[i], self.auxes[i] = loss, aux
+                if self.keep_outputs:
+                    self.outputs[i] = y
+            else:
+                self.transport.send_activation(s, i, stage.evaluate(x))
+            return
         if s == self.last:
             loss, aux, pullback = stage.forward_loss(
                 x, microbatch, self._loss_fn, has_aux=self.has_aux, differentiate_input=s > 0

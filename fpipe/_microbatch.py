@@ -12,6 +12,7 @@ part of a graph.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,14 +20,54 @@ import torch
 from ._pytree import PyTree, boundary_layout, broadcast_prefix, detached, flatten, leaves_with_paths, unflatten
 
 
+class Microbatches:
+    """A batch given as its microbatches, for ``step`` and ``step.evaluate`` to take as they are.
+
+    ``step(params, fpipe.Microbatches([mb0, mb1, ...]))`` runs microbatch ``i`` as given, instead
+    of cutting a batch with ``torch.tensor_split``: their shapes may differ (packed sequences of
+    different lengths, bucketed batches), and there must be as many as the schedule has. Each
+    counts by its number of examples (the size of its leaves along ``batch_dims``), or by
+    ``weight_fn`` when the pipeline has one; ``step.evaluate(..., outputs=True)`` returns their
+    outputs as a list, one per microbatch.
+
+    Example:
+        >>> import torch, fpipe
+        >>> batch = fpipe.Microbatches([torch.zeros(2, 5), torch.zeros(3, 7)])  # two lengths
+        >>> len(batch)
+        2
+    """
+
+    def __init__(self, microbatches: Sequence[PyTree], /) -> None:
+        if isinstance(microbatches, (str, bytes)) or not isinstance(microbatches, Sequence) or not microbatches:
+            raise TypeError(
+                f"fpipe.Microbatches: give a non-empty list of microbatch pytrees (got: {type(microbatches).__name__})."
+            )
+        self.microbatches = tuple(microbatches)
+
+    def __len__(self) -> int:
+        return len(self.microbatches)
+
+    def __repr__(self) -> str:
+        return f"fpipe.Microbatches({len(self)} microbatches)"
+
+
 def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[list[PyTree], list[int]]:
-    """Split ``batch`` into ``num_microbatches`` pytrees of the same structure, and their sizes.
+    """Split ``batch`` into ``num_microbatches`` pytrees of the same structure, and their sizes;
+    a ``Microbatches`` batch is taken as it is (each microbatch checked and laid out alone).
 
     Raises:
         ValueError: if ``batch_dims`` is not a prefix of ``batch``, a dim is out of range, the
-            split leaves disagree on the batch size (listed by size and key path), or the batch
-            is smaller than ``num_microbatches``.
+            split leaves disagree on the batch size (listed by size and key path), the batch
+            is smaller than ``num_microbatches``, or ``Microbatches`` are not as many.
     """
+    if isinstance(batch, Microbatches):
+        if len(batch) != num_microbatches:
+            raise ValueError(
+                f"fpipe.step: the batch has {len(batch)} microbatches but the schedule runs {num_microbatches} "
+                f"(len(batch): {len(batch)}). Give fpipe.Microbatches one microbatch per microbatch of the schedule."
+            )
+        each = [split(mb, 1, batch_dims) for mb in batch.microbatches]
+        return [mbs[0] for mbs, _ in each], [sizes[0] for _, sizes in each]
     paths, leaves, spec = leaves_with_paths(batch)
     try:
         dims = broadcast_prefix(batch_dims, batch)
@@ -87,9 +128,28 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
     return microbatches, sizes
 
 
-def sizes_of(total: int, num_microbatches: int) -> list[int]:
-    """The microbatch sizes ``split`` gives a batch of ``total`` (``torch.tensor_split``'s rule)."""
-    return [total // num_microbatches + (i < total % num_microbatches) for i in range(num_microbatches)]
+def counts(microbatches: Sequence[PyTree], weight_fn: Callable[[Any], Any]) -> list[int]:
+    """``weight_fn`` of each microbatch: how many of its tokens (or examples) count.
+
+    Raises:
+        ValueError: if ``weight_fn`` raises or returns anything but a non-negative integer
+            (an int, or an integer tensor of one element), naming the microbatch.
+    """
+    out = []
+    for i, microbatch in enumerate(microbatches):
+        try:
+            count = weight_fn(microbatch)
+        except Exception as error:
+            raise ValueError(f"fpipe.step: weight_fn raised on microbatch {i}: {error!r}.") from error
+        if isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_floating_point():
+            count = int(count.item())
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(
+                f"fpipe.step: weight_fn must return a count, a non-negative integer, but returned {count!r} "
+                f"for microbatch {i}. Return e.g. mask.sum() (an integer tensor) or len(...)."
+            )
+        out.append(count)
+    return out
 
 
 def stack(trees: list[PyTree]) -> PyTree:
@@ -118,5 +178,36 @@ def stack(trees: list[PyTree]) -> PyTree:
                 )
             out.append(torch.stack([x.detach() for x in column]))
         else:  # tensors among other leaves are detached too: results carry no graph
+            out.append(tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in column))
+    return unflatten(spec, out)
+
+
+def concat(trees: list[PyTree]) -> PyTree:
+    """The last stage's per-microbatch outputs stitched back in example order: the inverse of
+    ``split`` for outputs whose batch dimension is 0 (tensor leaves concatenated along it, others
+    gathered in tuples with one entry per microbatch).
+
+    Raises:
+        ValueError: if the pytrees differ in structure or a tensor leaf has no batch dimension.
+    """
+    flat = [flatten(tree) for tree in trees]
+    spec = flat[0][1]
+    for i, (_, other) in enumerate(flat):
+        if other != spec:
+            raise ValueError(
+                f"fpipe.step.evaluate: the last stage's output for microbatch {i} has structure {other}, "
+                f"but microbatch 0's has {spec}. Return the same structure for every microbatch."
+            )
+    out: list[Any] = []
+    for column in zip(*(leaves for leaves, _ in flat)):
+        if all(isinstance(x, torch.Tensor) for x in column):
+            if any(x.dim() == 0 for x in column):
+                raise ValueError(
+                    "fpipe.step.evaluate: a tensor of the last stage's output is a scalar, so it has no batch "
+                    "dimension to stitch the microbatches along. Return outputs with the batch along dim 0, "
+                    "or call evaluate without outputs=True."
+                )
+            out.append(torch.cat([x.detach() for x in column]))
+        else:
             out.append(tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in column))
     return unflatten(spec, out)

@@ -17,13 +17,13 @@ from typing import Any, Protocol
 import torch
 
 from ._executor import Executor, LocalTransport
-from ._microbatch import split, stack
+from ._microbatch import Microbatches, concat, counts, split, stack
 from ._precision import LossScaleState, Precision
-from ._pytree import PyTree, flatten
+from ._pytree import PyTree, flatten, map_tensors
 from ._record import active, clock, measured
 from ._stage import StageFn, StageRun
 from .schedules._action import Action
-from .schedules._program import Program, checksum, execution_order
+from .schedules._program import Program, checksum, execution_order, forward_only
 
 
 class StepSpec(Protocol):
@@ -39,6 +39,8 @@ class StepSpec(Protocol):
     def has_aux(self) -> bool: ...
     @property
     def batch_dims(self) -> PyTree: ...
+    @property
+    def weight_fn(self) -> Callable[[Any], Any] | None: ...
     @property
     def recompute(self) -> frozenset[int]: ...
     @property
@@ -62,20 +64,27 @@ class Plan:
     """What a step fixes when it is built and each of its runs reads (``plan_for``).
 
     Attributes:
+        program: the program it runs: the step's, or its forwards alone (``forward_only``).
         order: the ``(rank, action)`` pairs this process runs, in order: every rank's row
             interleaved in one process, its own row on a pipeline rank.
         checksum: the program's checksum, which the distributed handshake compares (0 in one process).
+        forward_only: an evaluation: forwards with no graph, no backward, no gradients.
     """
 
+    program: Program
     order: tuple[tuple[int, Action], ...]
     checksum: int = 0
+    forward_only: bool = False
 
 
-def plan_for(program: Program, rank: int | None) -> Plan:
-    """The ``Plan`` of ``program`` in one process (``rank=None``) or on pipeline rank ``rank``."""
+def plan_for(program: Program, rank: int | None, *, forward: bool = False) -> Plan:
+    """The ``Plan`` of ``program`` in one process (``rank=None``) or on pipeline rank ``rank``;
+    with ``forward``, of its forwards alone (``forward_only``: an evaluation)."""
+    if forward:
+        program = forward_only(program)
     if rank is None:
-        return Plan(execution_order(program))
-    return Plan(tuple((rank, a) for a in program.ranks[rank]), checksum(program))
+        return Plan(program, execution_order(program), forward_only=forward)
+    return Plan(program, tuple((rank, a) for a in program.ranks[rank]), checksum(program), forward)
 
 
 class StageRuns(Protocol):
@@ -150,28 +159,32 @@ def interpret(executor: Executor, runs: StageRuns, order: Sequence[tuple[int, Ac
 
 
 def run_local(
-    spec: StepSpec, plan: Plan, params: Sequence[PyTree], batch: PyTree
-) -> tuple[torch.Tensor, Any, list[PyTree]]:
-    """A step in this process: every stage, the program's ranks virtual; ``(loss, aux, grads)``."""
+    spec: StepSpec, plan: Plan, params: Sequence[PyTree], batch: PyTree, *, keep_outputs: bool = False
+) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
+    """A step in this process: every stage, the program's ranks virtual; ``((loss, aux,
+    outputs), grads)`` (``outputs`` with ``keep_outputs``, grads empty for a forward-only plan)."""
     microbatches, sizes = split(batch, spec.num_microbatches, spec.batch_dims)
-    total = sum(sizes)
+    count = None if spec.weight_fn is None else sum(counts(microbatches, spec.weight_fn))
+    weights = loss_weights(sizes, count)
     runs = ReplicatedRuns(spec, params)
     executor = Executor(
         runs,
         spec.num_stages,
         spec.loss_fn,
         has_aux=spec.has_aux,
-        weights=[n / total for n in sizes],
+        weights=weights,
         transport=LocalTransport(microbatches),
         loss_scale=seed_scale(spec),
+        forward_only=plan.forward_only,
+        keep_outputs=keep_outputs,
     )
     start = clock()
     times = interpret(executor, runs, plan.order)
     recording = active()
     if recording is not None:
-        recording.timelines.append(measured(spec.program, plan.order, times, start))
-    loss, aux = result(spec, executor)
-    return loss, aux, runs.grads(spec.num_stages)
+        recording.timelines.append(measured(plan.program, plan.order, times, start))
+    explicit = isinstance(batch, Microbatches)
+    return result(spec, executor, explicit=explicit), [] if plan.forward_only else runs.grads(spec.num_stages)
 
 
 def seed_scale(spec: StepSpec) -> float | None:
@@ -179,11 +192,46 @@ def seed_scale(spec: StepSpec) -> float | None:
     return None if spec.loss_scale is None else spec.loss_scale.scale
 
 
-def result(spec: StepSpec, executor: Executor) -> tuple[torch.Tensor, Any]:
-    """The weighted loss (and gathered aux) of the last stage, summed in microbatch order."""
+def loss_weights(sizes: Sequence[int], count: int | None) -> list[float]:
+    """Each microbatch's weight in the step's loss, from its size, or from ``weight_fn``'s total.
+
+    NOTE [loss weights]
+    Without ``weight_fn``, microbatch ``i`` of ``n_i`` examples out of ``N`` weighs ``n_i / N``
+    and ``loss_fn`` returns a mean over its examples: the step is the batch's mean. With
+    ``weight_fn``, ``loss_fn`` returns a sum over the microbatch's tokens and every microbatch
+    weighs ``1 / C``, ``C`` the count of tokens of the whole batch, and over data-parallel
+    replicas of all of theirs: the step is the per-token mean of everything. ``C`` must be known
+    before the first backward seeds its cotangent with the weight, which 1F1B runs before the
+    last forwards, so it comes from the batch (``weight_fn`` of each microbatch, up front on the
+    rank that holds it, agreed in the handshake and summed over replicas), never from
+    ``loss_fn``'s results. A microbatch with no tokens adds a sum of zero; a batch with none at
+    all has no mean.
+
+    Raises:
+        ValueError: if ``count`` is 0.
+    """
+    if count is None:
+        total = sum(sizes)
+        return [n / total for n in sizes]
+    if count == 0:
+        raise ValueError(
+            "fpipe.step: weight_fn counts 0 in every microbatch (and every data-parallel replica), so the "
+            "per-token mean has nothing to divide by (count: 0). Give a batch with at least one counted token."
+        )
+    return [1 / count] * len(sizes)
+
+
+def result(spec: StepSpec, executor: Executor, *, explicit: bool = False) -> tuple[torch.Tensor, Any, Any]:
+    """The weighted loss (and gathered aux) of the last stage, summed in microbatch order, and
+    its outputs (``None`` unless the executor kept them): stitched back in example order, or a
+    list of them when the batch came as ``explicit`` microbatches (``fpipe.Microbatches``)."""
     m = range(spec.num_microbatches)
     loss = _weighted_sum([executor.losses[i] for i in m], executor.weights)
-    return loss, stack([executor.auxes[i] for i in m]) if spec.has_aux else None
+    aux = stack([executor.auxes[i] for i in m]) if spec.has_aux else None
+    if not executor.keep_outputs:
+        return loss, aux, None
+    outputs = [executor.outputs[i] for i in m]
+    return loss, aux, [map_tensors(torch.Tensor.detach, y) for y in outputs] if explicit else concat(outputs)
 
 
 def _weighted_sum(losses: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:

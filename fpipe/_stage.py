@@ -242,6 +242,23 @@ class StageRun:
         loss, pullback = self._trace(run, leaves, input_index)
         return loss.detach(), auxes[0], pullback
 
+    def evaluate(self, x: PyTree) -> Any:
+        """Run the stage on ``x`` recording no graph (a forward-only step): its output alone."""
+        leaves, spec, _ = self._inputs(x, False)
+        with _not_inference(), torch.no_grad():
+            return self.fn(self.params, unflatten(spec, leaves))
+
+    def evaluate_loss(
+        self, x: PyTree, microbatch: PyTree, loss_fn: Callable[[Any, Any], Any], *, has_aux: bool
+    ) -> tuple[torch.Tensor, Any, Any]:
+        """Run the (last) stage and ``loss_fn`` on ``x`` recording no graph: loss, aux and the output."""
+        leaves, spec, _ = self._inputs(x, False)
+        microbatch = self.to_device(microbatch)
+        with _not_inference(), torch.no_grad():
+            y = self.fn(self.params, unflatten(spec, leaves))
+            loss, aux = _split_aux(loss_fn(y, microbatch), has_aux)
+        return loss.reshape(()), aux, y
+
     def _inputs(self, x: PyTree, differentiate_input: bool) -> tuple[list[Any], TreeSpec, list[int]]:
         """The input leaves, those to differentiate replaced by graph leaves (NOTE [differentiable leaves])."""
         flat, spec = flatten(x)

@@ -28,6 +28,7 @@ def test_public_names() -> None:
         "AsyncSaver",
         "LossScale",
         "LossScaleState",
+        "Microbatches",
         "PipelineError",
         "PipelineTimeoutError",
         "Precision",

@@ -57,3 +57,11 @@ def test_bench_async_save_quick(tmp_path: Path) -> None:
     for mode in ("none", "sync", "async"):
         assert results[mode]["mean_step_s"] > 0 and results[mode]["median_plain_step_s"] > 0
     assert results["none"]["median_saving_step_s"] is None and results["async"]["median_saving_step_s"] > 0
+
+
+def test_bench_evaluate_quick() -> None:
+    results = _load("bench_evaluate").main(["--quick"])
+    for name in ("GPipe", "OneFOneB"):
+        row = results[name]
+        assert row["loss_match"] and row["train_ms"] > 0 and row["evaluate_ms"] > 0
+        assert 0 < row["evaluate_peak_MiB"] < row["train_peak_MiB"]  # forward only holds less

@@ -53,6 +53,8 @@ def test_train_llama_prints_grid_and_progress(llama: ModuleType, capsys: pytest.
     out = capsys.readouterr().out
     assert "rank 3 | " in out  # the schedule's grid, one row per rank
     assert "step 2/2: loss " in out and "\r" not in out  # not a terminal: plain lines, no bar
+    assert ", validation loss " in out  # step.evaluate, forward only
+    assert sum(line.startswith("greedy: ") for line in out.splitlines()) == 3  # --samples 3 by default
 
 
 def test_train_llama_learns(llama: ModuleType) -> None:

@@ -156,14 +156,6 @@ def test_pipeline_splits_along_batch_dims() -> None:
     assert_close(grads, expected_grads)
 
 
-def test_sizes_of_is_the_split_rule() -> None:
-    from fpipe._microbatch import sizes_of
-
-    for total in range(1, 20):
-        for m in range(1, total + 1):
-            assert sizes_of(total, m) == split(torch.zeros(total), m, 0)[1], (total, m)
-
-
 def test_stack_detaches_tensors_in_mixed_columns() -> None:
     """An aux leaf that is a tensor on some microbatches and None on others carries no graph."""
     w = torch.ones(2, requires_grad=True)

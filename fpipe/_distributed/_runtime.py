@@ -16,16 +16,16 @@ Any rank's failure fails every rank (NOTE [failure board] in fpipe/_distributed/
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .._errors import PipelineError
 from .._executor import Executor
-from .._microbatch import sizes_of, split
+from .._microbatch import Microbatches, counts, split
 from .._pytree import PyTree
 from .._record import active, clock, measured
-from .._run import Plan, StageRuns, StepSpec, interpret, result, seed_scale
+from .._run import Plan, StageRuns, StepSpec, interpret, loss_weights, result, seed_scale
 from ..schedules._program import ScheduleError
 from ._collectives import all_reduce_sum, check_usable, handshake, mark_broken
 from ._faults import WATCHDOG
@@ -45,8 +45,10 @@ def run_distributed(
     *,
     runs_for: RunsFor,
     check_params: Callable[[Sequence[PyTree]], None],
-) -> tuple[torch.Tensor, Any, list[PyTree]]:
-    """A step as pipeline rank ``topology.rank``: its row of the program; ``(loss, aux, grads)``.
+    keep_outputs: bool = False,
+) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
+    """A step as pipeline rank ``topology.rank``: its row of the program; ``((loss, aux,
+    outputs), grads)`` (``outputs`` with ``keep_outputs``; no grads for a forward-only plan).
 
     ``wire`` keeps the channels' layouts from step to step; ``runs_for(params)`` builds this
     rank's stages once every rank has agreed; ``check_params(params)`` raises ``ValueError`` for
@@ -58,16 +60,26 @@ def run_distributed(
             late = WATCHDOG.read(topology.board)  # the others gave up on this step before this rank came
             if late is not None:
                 raise late.error(topology.rank, "the other pipeline ranks at the start of the step")
-            microbatches, size, send_microbatches = _agree(spec, plan, topology, params, batch, check_params)
+            agreed = _agree(spec, plan, topology, params, batch, check_params)
             runs = runs_for(params)
-            loss, aux = _run_row(spec, plan, topology, wire, runs, microbatches, size, send_microbatches)
-            unaveraged = runs.finish()
+            loss, aux, outputs = _run_row(spec, plan, topology, wire, runs, agreed, keep_outputs)
+            unaveraged = [] if plan.forward_only else runs.finish()
             if topology.data_group is not None:
-                loss = _average_replicas(spec, topology, loss, unaveraged)
-            return loss, aux, runs.grads(spec.num_stages)
+                # Weighted by weight_fn, each replica's share is already over the total count.
+                loss = _average_replicas(spec, topology, loss, unaveraged, divide=spec.weight_fn is None)
+            return (loss, aux, outputs), [] if plan.forward_only else runs.grads(spec.num_stages)
         except PipelineError as error:
             mark_broken(topology, error)
             raise
+
+
+class _Agreed(NamedTuple):
+    """What every rank of a step agreed on before it runs (``_agree``)."""
+
+    microbatches: list[PyTree] | None  # this rank's (None if it holds no batch)
+    weights: list[float]  # each microbatch's weight in the loss (NOTE [loss weights] in fpipe/_run.py)
+    explicit: bool  # the batch came as fpipe.Microbatches
+    send_microbatches: bool  # the last stage's rank holds no batch: stage 0's rank sends them
 
 
 def _agree(
@@ -77,12 +89,15 @@ def _agree(
     params: Sequence[PyTree],
     batch: PyTree,
     check_params: Callable[[Sequence[PyTree]], None],
-) -> tuple[list[PyTree] | None, int, bool]:
-    """Check the local inputs and agree with every rank: this rank's microbatches (``None`` if it
-    holds no batch), the batch size, and whether the last stage needs the microbatches sent."""
+) -> _Agreed:
+    """Check the local inputs and agree with every rank (and replica) on what the step runs.
+
+    The handshake carries the first stage's microbatch sizes and ``weight_fn`` count, so every
+    rank weighs the microbatches alike; the replicas' counts are summed with their failure flags.
+    """
     me, placement, m = topology.rank, spec.program.placement(), spec.num_microbatches
     first, last = placement[0], placement[-1]
-    microbatches, size = None, 0
+    microbatches, size, sizes, count = None, 0, [0] * m, 0
     problem: Exception | None = None
     try:
         _check_held(spec, params, placement)
@@ -90,6 +105,8 @@ def _agree(
         if batch is not None and me in (first, last):
             microbatches, sizes = split(batch, m, spec.batch_dims)
             size = sum(sizes)
+            if spec.weight_fn is not None and me == first:
+                count = sum(counts(microbatches, spec.weight_fn))
         elif me == first:
             raise ValueError(
                 f"fpipe.step: rank {me} holds stage 0 but was given batch=None. Pass the batch on "
@@ -97,20 +114,29 @@ def _agree(
             )
     except (TypeError, ValueError) as error:
         problem = error
-    statuses = handshake(topology, [plan.checksum, microbatches is not None, problem is not None, size], spec.timeout)
+    explicit = isinstance(batch, Microbatches)
+    status = [plan.checksum, microbatches is not None, problem is not None, size, explicit, count, *sizes]
+    statuses = handshake(topology, status, spec.timeout)
     problem = problem or _disagreement(plan.checksum, statuses, first, last)
+    count = statuses[first][5]
     if topology.data_group is not None:
         # Replicas must fail together too, or a healthy replica's gradient all-reduce would meet
-        # another replica's next step.
-        flag = torch.tensor([float(problem is not None)], dtype=torch.float64, device=topology.device)
+        # another replica's next step; and weight_fn's total is every replica's tokens.
+        flag = torch.tensor([float(problem is not None), count], dtype=torch.float64, device=topology.device)
         all_reduce_sum(topology, topology.data_group, [flag], spec.timeout, "the other data-parallel replicas")
-        if problem is None and flag.item() > 0:
+        if problem is None and flag[0].item() > 0:
             problem = ValueError(
                 "fpipe.step: another data-parallel replica rejected its inputs; its ranks' errors say why."
             )
+        count = int(flag[1].item())
+    if problem is None:
+        try:
+            weights = loss_weights(statuses[first][6:], count if spec.weight_fn is not None else None)
+        except ValueError as error:  # every rank knows the same count: all raise together
+            problem = error
     if problem is not None:
         raise problem
-    return microbatches, statuses[first][3], not statuses[last][1]
+    return _Agreed(microbatches, weights, bool(statuses[first][4]), not statuses[last][1])
 
 
 def _run_row(
@@ -119,38 +145,44 @@ def _run_row(
     topology: Topology,
     wire: WireState,
     runs: StageRuns,
-    microbatches: list[PyTree] | None,
-    size: int,
-    send_microbatches: bool,
-) -> tuple[torch.Tensor, Any]:
-    """Run this rank's row; the loss (and aux), received from the last stage's rank."""
+    agreed: _Agreed,
+    keep_outputs: bool,
+) -> tuple[torch.Tensor, Any, Any]:
+    """Run this rank's row; the loss, aux and outputs, received from the last stage's rank."""
     last = spec.program.placement()[-1]
     transport = DistributedTransport(
-        topology, spec.program, microbatches, send_microbatches=send_microbatches, wire=wire, timeout=spec.timeout
+        topology,
+        plan.program,
+        agreed.microbatches,
+        send_microbatches=agreed.send_microbatches,
+        wire=wire,
+        timeout=spec.timeout,
     )
-    weights = [n / size for n in sizes_of(size, spec.num_microbatches)]
     executor = Executor(
         runs,
         spec.num_stages,
         spec.loss_fn,
         has_aux=spec.has_aux,
-        weights=weights,
+        weights=agreed.weights,
         transport=transport,
+        forward_only=plan.forward_only,
+        keep_outputs=keep_outputs,
         loss_scale=seed_scale(spec),
     )
     start = clock()
     try:
         times = interpret(executor, runs, plan.order)
-        loss, aux = transport.exchange_result(result(spec, executor) if topology.rank == last else None)
+        mine = result(spec, executor, explicit=agreed.explicit) if topology.rank == last else None
+        loss, aux, outputs = transport.exchange_result(mine)
         transport.finish()
         recording = active()
         if recording is not None:
-            recording.timelines.append(measured(spec.program, plan.order, times, start, topology, spec.timeout))
+            recording.timelines.append(measured(plan.program, plan.order, times, start, topology, spec.timeout))
     except BaseException as error:
         mark_broken(topology, error)
         transport.abort(error, executor.current)
         raise
-    return loss, aux
+    return loss, aux, outputs
 
 
 def _disagreement(checksum: int, statuses: list[list[int]], first: int, last: int) -> Exception | None:
@@ -188,16 +220,20 @@ def _check_held(step: StepSpec, params: Sequence[PyTree], placement: tuple[int, 
 
 
 def _average_replicas(
-    spec: StepSpec, topology: Topology, loss: torch.Tensor, leaves: list[torch.Tensor]
+    spec: StepSpec, topology: Topology, loss: torch.Tensor, leaves: list[torch.Tensor], *, divide: bool = True
 ) -> torch.Tensor:
     """Average ``loss`` and the gradient ``leaves`` over data-parallel replicas, the leaves in
     place (one all-reduce per dtype); the averaged loss. A replica that fails does not join: the
     failure board fails the others (NOTE [failure board] in fpipe/_distributed/_faults.py).
+    Without ``divide`` the replicas' shares are summed (``weight_fn``: each is already a share
+    of the total count, so a replica with more tokens counts more).
     """
+    d = topology.data_size if divide else 1
     # The loss in float64 whatever its dtype, so that averaging does not round it: with
     # float64 grads this is one all-reduce; otherwise a second, one-element one.
     total = loss.detach().to(torch.float64).reshape(1).to(topology.device)
     all_reduce_sum(topology, topology.data_group, [*leaves, total], spec.timeout, "the data-parallel all-reduce")
-    for g in leaves:
-        g.div_(topology.data_size)
-    return (total[0] / topology.data_size).to(loss.device, loss.dtype).reshape(())
+    if d != 1:
+        for g in leaves:
+            g.div_(d)
+    return (total[0] / d).to(loss.device, loss.dtype).reshape(())

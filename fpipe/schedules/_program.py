@@ -197,6 +197,19 @@ def validate(program: Program) -> None:
     timeline(program)
 
 
+def forward_only(program: Program) -> Program:
+    """``program`` with each rank's row kept to its forwards, in order: what an evaluation runs.
+
+    A forward depends only on the same microbatch's forward one stage earlier, which a training
+    program that replays (``validate``) runs earlier in the same rows; the filtered rows are
+    replayed again all the same (``timeline``), so a forward-only program never deadlocks.
+    """
+    rows = tuple(tuple(a for a in row if a.kind == FORWARD) for row in program.ranks)
+    forwards = Program(rows, program.num_stages, program.num_microbatches)
+    timeline(forwards)
+    return forwards
+
+
 def _positional(program: Program, marks: set[tuple[int, int]]) -> str:
     """The grid of a program that cannot be replayed: each rank's actions in order, ``marks`` drawn."""
     return render(program, marks=marks, ticks=[list(range(len(row))) for row in program.ranks])
