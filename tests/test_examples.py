@@ -113,7 +113,50 @@ def test_train_llama_writes_a_measured_trace(llama: ModuleType, tmp_path: Path) 
     assert {"0F0", "3B3"} <= names, sorted(n for n in names if n)[:10]
 
 
-@pytest.mark.parametrize("name", ["train_llama", "train_sharded", "hf_llama"])
+GPT_TINY = ["--dim", "32", "--heads", "2", "--context", "16", "--batch-size", "8", "--corpus-bytes", "50000", "--warmup", "2"]
+
+
+@pytest.fixture
+def gpt() -> Iterator[ModuleType]:
+    threads = torch.get_num_threads()
+    try:
+        yield _load("train_gpt")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_train_gpt_learns_and_resumes_exactly(gpt: ModuleType, tmp_path: Path) -> None:
+    """The loss falls on real text; a run stopped at step 6 (its last save) and resumed with
+    --resume gives bitwise the losses of the run that never stopped; metrics are JSON lines."""
+    import json
+
+    args = [*GPT_TINY, "--steps", "12", "--save-every", "3", "--eval-every", "6", "--quiet"]
+    whole = gpt.main([*args, "--out", str(tmp_path / "whole")])
+    assert len(whole) == 12 and whole[-1] < whole[0] - 0.5
+    first = gpt.main([*args, "--out", str(tmp_path / "parts"), "--stop-at", "6"])
+    rest = gpt.main([*args, "--out", str(tmp_path / "parts"), "--resume"])
+    assert first + rest == whole
+    rows = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13)) and [r["loss"] for r in rows] == whole
+    assert {"lr", "grad_norm", "tokens_per_s"} <= rows[0].keys() and "val_loss" in rows[5]
+
+
+@pytest.mark.timeout(240)
+def test_train_gpt_runs_unchanged_under_torchrun(gpt: ModuleType, tmp_path: Path) -> None:
+    """Two processes, 2 stages each (interleaved 1F1B): the same losses as one process, bitwise."""
+    import subprocess
+    import sys
+
+    args = [*GPT_TINY, "--steps", "3", "--save-every", "2", "--eval-every", "3"]
+    local = gpt.main([*args, "--quiet", "--out", str(tmp_path / "one")])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    script = [str(EXAMPLES / "train_gpt.py"), *args, "--out", str(tmp_path / "two")]
+    run = subprocess.run([*command, *script], capture_output=True, text=True, timeout=200, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"loss {local[0]:.3f} -> {local[-1]:.3f}" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("name", ["train_llama", "train_sharded", "hf_llama", "train_gpt"])
 def test_help_shows_defaults(name: str) -> None:
     import subprocess
     import sys
