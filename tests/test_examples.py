@@ -113,7 +113,20 @@ def test_train_llama_writes_a_measured_trace(llama: ModuleType, tmp_path: Path) 
     assert {"0F0", "3B3"} <= names, sorted(n for n in names if n)[:10]
 
 
-GPT_TINY = "--dim 32 --heads 2 --context 16 --batch-size 8 --corpus-bytes 50000 --warmup 2".split()
+GPT_TINY = [
+    "--dim",
+    "32",
+    "--heads",
+    "2",
+    "--context",
+    "16",
+    "--batch-size",
+    "8",
+    "--corpus-bytes",
+    "50000",
+    "--warmup",
+    "2",
+]
 
 
 @pytest.fixture
