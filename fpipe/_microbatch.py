@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ._plural import plural
 from ._pytree import PyTree, boundary_layout, broadcast_prefix, detached, flatten, leaves_with_paths, unflatten
 
 
@@ -48,7 +49,7 @@ class Microbatches:
         return len(self.microbatches)
 
     def __repr__(self) -> str:
-        return f"fpipe.Microbatches({len(self)} microbatches)"
+        return f"fpipe.Microbatches({plural(len(self), 'microbatch')})"
 
 
 def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[list[PyTree], list[int]]:
@@ -63,7 +64,8 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
     if isinstance(batch, Microbatches):
         if len(batch) != num_microbatches:
             raise ValueError(
-                f"fpipe.step: the batch has {len(batch)} microbatches but the schedule runs {num_microbatches} "
+                f"fpipe.step: the batch has {plural(len(batch), 'microbatch')} but the schedule runs "
+                f"{num_microbatches} "
                 f"(len(batch): {len(batch)}). Give fpipe.Microbatches one microbatch per microbatch of the schedule."
             )
         each = [split(mb, 1, batch_dims) for mb in batch.microbatches]
@@ -100,7 +102,7 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
             return [unflatten(spec, leaves)], [1]
         raise ValueError(
             f"fpipe.step: no tensor leaf of the batch is split, so it cannot be cut into "
-            f"{num_microbatches} microbatches (batch_dims: {batch_dims!r}). "
+            f"{plural(num_microbatches, 'microbatch')} (batch_dims: {batch_dims!r}). "
             "Give a batch dim for at least one tensor leaf."
         )
     if len(by_size) > 1:
@@ -112,7 +114,7 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
     ((size, sized_paths),) = by_size.items()
     if size < num_microbatches:
         raise ValueError(
-            f"fpipe.step: a batch of {size} cannot be split into {num_microbatches} microbatches "
+            f"fpipe.step: a batch of {size} cannot be split into {plural(num_microbatches, 'microbatch')} "
             f"(leaves: {', '.join(sized_paths)}). Use a batch of at least {num_microbatches} or fewer microbatches."
         )
     pieces: list[Any] = [

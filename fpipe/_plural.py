@@ -6,13 +6,18 @@ from __future__ import annotations
 def plural(count: int, noun: str) -> str:
     """``count`` and ``noun``, the noun in the plural unless ``count`` is 1.
 
-    Regular English plurals: ``"stage"`` gives ``"stages"``, ``"entry"`` ``"entries"``,
-    ``"process"`` ``"processes"``, ``"microbatch"`` ``"microbatches"``.
+    English plurals: ``"stage"`` gives ``"stages"``, ``"entry"`` ``"entries"``,
+    ``"process"`` ``"processes"``, ``"microbatch"`` ``"microbatches"``, ``"leaf"`` ``"leaves"``.
     """
     if count == 1:
         return f"1 {noun}"
+    if noun in _IRREGULAR:
+        return f"{count} {_IRREGULAR[noun]}"
     if noun.endswith(("s", "x", "ch", "sh")):
         return f"{count} {noun}es"
     if noun.endswith("y") and noun[-2:-1] not in ("a", "e", "i", "o", "u"):
         return f"{count} {noun[:-1]}ies"
     return f"{count} {noun}s"
+
+
+_IRREGULAR = {"leaf": "leaves", "child": "children"}

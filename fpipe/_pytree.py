@@ -16,6 +16,8 @@ from typing import Any
 import optree
 import torch
 
+from ._plural import plural
+
 PyTree = Any
 TreeSpec = optree.PyTreeSpec
 
@@ -209,7 +211,9 @@ def structure_from_data(data: Any, decode: Callable[[Any], Any]) -> TreeSpec:
         if kind in _MAPPINGS:
             factory, keys = _mapping_data(kind, meta, here)
             if len(keys) != len(subtrees):
-                raise ValueError(f"at {here}: a {kind} of {len(subtrees)} children with {len(keys)} keys")
+                raise ValueError(
+                    f"at {here}: a {kind} of {plural(len(subtrees), 'child')} with {plural(len(keys), 'key')}"
+                )
             keys = [_hashable(decode(key), here) for key in keys]
             items = [(key, build(c, f"{path}[{key!r}]")) for key, c in zip(keys, subtrees, strict=True)]
             if kind == "defaultdict":
@@ -221,7 +225,7 @@ def structure_from_data(data: Any, decode: Callable[[Any], Any]) -> TreeSpec:
         if kind == "deque":
             maxlen = decode(meta)
             if not (maxlen is None or (type(maxlen) is int and maxlen >= len(children))):
-                raise ValueError(f"at {here}: a deque of {len(children)} children with maxlen {maxlen!r:.80}")
+                raise ValueError(f"at {here}: a deque of {plural(len(children), 'child')} with maxlen {maxlen!r:.80}")
             return deque(children, maxlen)
         if kind in _CLASSES and type(meta) is list and len(meta) == 3:
             module, qualname, more = meta
@@ -233,7 +237,7 @@ def structure_from_data(data: Any, decode: Callable[[Any], Any]) -> TreeSpec:
             if more != _fields(cls) or len(children) != len(more):
                 raise TypeError(
                     f"fpipe.step: a {kind} from the peer does not match the class here (at {here}: "
-                    f"{module}.{qualname} with fields {more!r:.200} and {len(children)} children, here fields "
+                    f"{module}.{qualname} with fields {more!r:.200} and {plural(len(children), 'child')}, here fields "
                     f"{_fields(cls)}). Run the same code on every rank."
                 )
             return cls(*children) if kind == "namedtuple" else cls(children)
@@ -274,7 +278,7 @@ def _registered(name: str, path: str) -> Any:
     if len(entries) != 1:
         raise TypeError(
             f"fpipe.step: a pytree node from the peer is not registered here (at {path}: {name}, registered "
-            f"{len(entries)} times). Register the class with optree on every rank, in optree's global "
+            f"{plural(len(entries), 'time')}). Register the class with optree on every rank, in optree's global "
             f"namespace, before the step."
         )
     return entries[0]

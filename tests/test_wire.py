@@ -469,7 +469,7 @@ _TENSOR = ["tensor", "float32", [4], False]
         (_header(0, [["float", "00"]]), "not the 16 hex digits of a float"),
         (_header(0, [["device", "warp:9"]]), "not a device"),
         (_header(["dict", [["list", []]], [0]], [["None"]]), "an unhashable key"),
-        (_header(["dict", [["str", "a"]], [0, 1]], [["None"], ["None"]]), "a dict of 2 children with 1 keys"),
+        (_header(["dict", [["str", "a"]], [0, 1]], [["None"], ["None"]]), "a dict of 2 children with 1 key"),
         (_header(["deque", ["int", 1], [0, 1]], [["None"], ["None"]]), "a deque of 2 children with maxlen 1"),
         (_header(["defaultdict", ["eval", []], []], []), "not a defaultdict's [factory, keys]"),
     ],

@@ -23,6 +23,7 @@ import torch
 from .._errors import PipelineError
 from .._executor import Executor
 from .._microbatch import Microbatches, counts, split
+from .._plural import plural
 from .._pytree import PyTree
 from .._record import active, clock, measured
 from .._run import Plan, StageRuns, StepSpec, interpret, loss_weights, result, seed_scale
@@ -197,7 +198,8 @@ def _disagreement(checksum: int, statuses: list[list[int]], first: int, last: in
         return ValueError(f"fpipe.step: rank(s) {rejected} rejected their inputs; their own errors say why.")
     if statuses[last][1] and statuses[last][3] != statuses[first][3]:
         return ValueError(
-            f"fpipe.step: the batch on rank {first} has {statuses[first][3]} examples but the one on rank {last} "
+            f"fpipe.step: the batch on rank {first} has {plural(statuses[first][3], 'example')} but the one "
+            f"on rank {last} "
             f"has {statuses[last][3]}. Pass the same batch, or None on rank {last}."
         )
     return None

@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 
+from .._plural import plural
 from .._pytree import PyTree, TreeSpec, flatten, leaves_with_paths, structure_data, structure_from_data, unflatten
 
 META_WORDS = 6
@@ -262,7 +263,7 @@ def _parse(header: bytes, nbytes: int) -> Layout:
         raise ValueError("not an object of a tree and a list of leaves")
     spec = structure_from_data(data["tree"], _value)
     if spec.num_leaves != len(data["leaves"]):
-        raise ValueError(f"{len(data['leaves'])} leaves for a tree of {spec.num_leaves}")
+        raise ValueError(f"{plural(len(data['leaves']), 'leaf')} for a tree of {spec.num_leaves}")
     tensors, values = [], []
     for k, leaf in enumerate(data["leaves"]):
         if type(leaf) is list and leaf[:1] == ["tensor"]:
@@ -271,7 +272,7 @@ def _parse(header: bytes, nbytes: int) -> Layout:
             values.append((k, _value(leaf)))
     placed, total = _placed(tensors)
     if total != nbytes:
-        raise ValueError(f"its small tensor leaves take {total} bytes, the message announces {nbytes}")
+        raise ValueError(f"its small tensor leaves take {plural(total, 'byte')}, the message announces {nbytes}")
     return Layout(spec, placed, tuple(values), total)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from .._distributed._collectives import all_reduce_sum
 from .._distributed._topology import resolve_topology
+from .._plural import plural
 
 
 def sum_tied(
@@ -82,7 +83,7 @@ def sum_tied(
     layout: Sequence[Mapping[str, Any] | None] = grads if params is None else params
     if params is not None and len(params) != len(grads):
         raise ValueError(
-            f"fpipe.sum_tied: params has {len(params)} stages but grads has {len(grads)}. "
+            f"fpipe.sum_tied: params has {plural(len(params), 'stage')} but grads has {len(grads)}. "
             "Pass the parameters of every stage, as split_module returned them."
         )
     if group is not None and params is None:

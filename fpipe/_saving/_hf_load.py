@@ -39,6 +39,7 @@ import safetensors
 import torch
 
 from .._api import Step
+from .._plural import plural
 from .._pytree import PyTree, leaves_with_names, unflatten
 from .._sharding._layout import cut_range
 from ._directory import inside
@@ -263,7 +264,8 @@ def _wanted(
                 if list(leaf.shape) != [size]:
                     raise ValueError(
                         f"fpipe.load_hf: {where} should be this rank's shard of a tensor of shape {full[name]}, a 1-D "
-                        f"tensor of {size} elements (got: shape {list(leaf.shape)}). With a sharded step, pass the "
+                        f"tensor of {plural(size, 'element')} (got: shape {list(leaf.shape)}). With a sharded "
+                        "step, pass the "
                         "template step.shard returns (meta tensors of the full shapes will do)."
                     )
                 mine.append((_Use(where, s, position, leaf, sharding.shard), full[name]))

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from .._api import Step
+from .._plural import plural
 from .._pytree import PyTree, leaves_with_names, unflatten
 from .._sharding._public import gather
 from ._directory import fsync_directory, write_atomic
@@ -131,7 +132,8 @@ def save_hf(
     topology, held = resolve("save_hf", step, group, mesh)
     if step is not None and len(trees) != step.num_stages:
         raise ValueError(
-            f"fpipe.save_hf: params has {len(trees)} entries but the step has {step.num_stages} stages. "
+            f"fpipe.save_hf: params has {plural(len(trees), 'entry')} but the step has "
+            f"{plural(step.num_stages, 'stage')}. "
             "Pass one parameter pytree per stage (None for the stages of other ranks)."
         )
     if step is not None and step.shard_params:

@@ -47,6 +47,7 @@ import torch
 
 from .._api import Step
 from .._distributed._topology import Topology
+from .._plural import plural
 from .._pytree import PyTree, leaves_with_names
 from .._sharding._layout import cut_range
 from ._directory import commit, fsync_directory, locked, next_version
@@ -171,7 +172,8 @@ def prepare(
         trees["optimizer_state"] = stage_list("save", "optimizer_state", optimizer_state)
         if len(optimizer_state) != len(params):
             raise ValueError(
-                f"fpipe.save: optimizer_state has {len(optimizer_state)} entries but params has {len(params)}. "
+                f"fpipe.save: optimizer_state has {plural(len(optimizer_state), 'entry')} but params has "
+                f"{len(params)}. "
                 "Pass one optimizer state pytree per stage."
             )
     if metadata is not None and not isinstance(metadata, dict):
@@ -183,7 +185,8 @@ def prepare(
     topology, held = resolve("save", step, group, mesh)
     if step is not None and len(params) != step.num_stages:
         raise ValueError(
-            f"fpipe.save: params has {len(params)} entries but the step has {step.num_stages} stages. "
+            f"fpipe.save: params has {plural(len(params), 'entry')} but the step has "
+            f"{plural(step.num_stages, 'stage')}. "
             "Pass one parameter pytree per stage (None for the stages of other ranks)."
         )
     sharding = sharded_leaves("save", step, trees)
@@ -312,7 +315,7 @@ def _as_shard(tensor: _Tensor, shape: list[int], sharding: Sharding) -> None:
     if list(tensor.data.shape) != [size]:
         raise ValueError(
             f"fpipe.save: {tensor.where} should be this rank's shard of a tensor of shape {shape}, a 1-D tensor of "
-            f"{size} elements (got: shape {list(tensor.data.shape)}). Pass the shards step.shard returned "
+            f"{plural(size, 'element')} (got: shape {list(tensor.data.shape)}). Pass the shards step.shard returned "
             "(or updates of them), not full tensors."
         )
     tensor.shape, tensor.shard = shape, list(sharding.shard)

@@ -52,6 +52,7 @@ import safetensors
 import torch
 
 from .._distributed._wire import tensor_bytes
+from .._plural import plural
 from .._sharding._layout import cut_range
 from ._directory import INDEX, inside
 
@@ -361,7 +362,7 @@ def read_tensors(
         if on_disk != expected:
             found = "it is missing" if on_disk is None else f"it has {on_disk}"
             raise ValueError(
-                f"fpipe.load: {path} should have {expected} bytes but {found}: the file is truncated or "
+                f"fpipe.load: {path} should have {plural(expected, 'byte')} but {found}: the file is truncated or "
                 "corrupt. Load an intact save."
             )
         try:

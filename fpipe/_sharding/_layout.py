@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .._distributed._collectives import wait
 from .._distributed._topology import Topology
 from .._distributed._wire import as_bytes
+from .._plural import plural
 from .._pytree import PyTree, TreeSpec, detached, flatten, leaves_with_paths, unflatten
 
 # torch 2.13 deprecates ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (FutureWarning)
@@ -147,7 +148,7 @@ def check_shards(stage: int, tree: PyTree, layout: StageLayout | None) -> None:
             )
             raise ValueError(
                 f"fpipe.step: params[{stage}]{path} should be this rank's shard of a {shape.dtype} tensor of "
-                f"shape {shape.shape}, a 1-D {shape.dtype} tensor of {shape.size} elements (got: {got}). "
+                f"shape {shape.shape}, a 1-D {shape.dtype} tensor of {plural(shape.size, 'element')} (got: {got}). "
                 "Cut full parameters with step.shard(params)."
             )
 

@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
+from .._plural import plural
 from .._pytree import PyTree, flatten, map_tensors
 from .._run import segments
 from .._stage import StageRun
@@ -205,7 +206,7 @@ def gather_tree(dp: DataParallel, tree: PyTree, layout: StageLayout, caller: str
     leaves, spec = flatten(tree)
     if spec.num_leaves != len(layout.leaves):
         raise ValueError(
-            f"{caller}: {name} has {spec.num_leaves} leaves but the full pytree has {len(layout.leaves)} "
+            f"{caller}: {name} has {plural(spec.num_leaves, 'leaf')} but the full pytree has {len(layout.leaves)} "
             f"({name}: {spec}; full: {layout.spec}). Pass shards cut from it."
         )
     present: list[LeafLayout | None] = []
@@ -216,7 +217,7 @@ def gather_tree(dp: DataParallel, tree: PyTree, layout: StageLayout, caller: str
         if not (isinstance(leaf, torch.Tensor) and tuple(leaf.shape) == (shape.size,)):
             got = f"shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
             raise ValueError(
-                f"{caller}: {name}{path} should be a shard of {shape.size} elements of a tensor of shape "
+                f"{caller}: {name}{path} should be a shard of {plural(shape.size, 'element')} of a tensor of shape "
                 f"{shape.shape} (got: {got}). Pass shards cut from the same full pytree."
             )
         # The shards' own dtype: float32 optimizer state of bfloat16 parameters gathers as float32.

@@ -31,6 +31,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from .._plural import plural
 from .._pytree import PyTree, broadcast_prefix, flatten, leaves_with_paths, map_tensors, unflatten
 
 LearningRate = float | Callable[[int], float]
@@ -188,7 +189,8 @@ def _held_stages(where: str, params: Sequence[PyTree], grads: Sequence[PyTree], 
     for name, value in [("grads", grads), ("state", state)]:
         if len(value) != len(params):
             raise ValueError(
-                f"{where}: {name} has {len(value)} entries but params has {len(params)} ({name}: {len(value)}). "
+                f"{where}: {name} has {plural(len(value), 'entry')} but params has {len(params)} ({name}: "
+                f"{len(value)}). "
                 "Pass one entry per stage, as step(params, batch) returns them."
             )
     held = [s for s, p in enumerate(params) if p is not None]
@@ -262,7 +264,7 @@ def _decay_mask(where: str, s: int, mask: Sequence[PyTree] | None, stage_params:
         return [True] * len(leaves)
     if len(mask) <= s:
         raise ValueError(
-            f"{where}: weight_decay_mask has no entry for stage {s} (weight_decay_mask: {len(mask)} entries). "
+            f"{where}: weight_decay_mask has no entry for stage {s} (weight_decay_mask: {plural(len(mask), 'entry')}). "
             "Pass one bool pytree per stage."
         )
     try:
