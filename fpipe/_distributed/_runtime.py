@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
+from .._dtensor import check_mesh, is_dtensor, local
 from .._errors import PipelineError
 from .._executor import Executor
 from .._microbatch import sizes_of, split
-from .._pytree import PyTree
+from .._pytree import PyTree, leaves_with_paths
 from .._record import active, clock, measured
 from .._run import Plan, StageRuns, StepSpec, interpret, result
 from ..schedules._program import ScheduleError
@@ -86,6 +87,7 @@ def _agree(
     problem: Exception | None = None
     try:
         _check_held(spec, params, placement)
+        _check_dtensors(spec, params, topology)
         check_params(params)
         if batch is not None and me in (first, last):
             microbatches, sizes = split(batch, m, spec.batch_dims)
@@ -99,15 +101,18 @@ def _agree(
         problem = error
     statuses = handshake(topology, [plan.checksum, microbatches is not None, problem is not None, size], spec.timeout)
     problem = problem or _disagreement(plan.checksum, statuses, first, last)
-    if topology.data_group is not None:
-        # Replicas must fail together too, or a healthy replica's gradient all-reduce would meet
-        # another replica's next step.
+    # Replicas must fail together too, or a healthy replica's gradient all-reduce would meet
+    # another replica's next step; so must tensor-parallel ranks, whose stages' collectives would
+    # wait for the rank that stopped. After the pipeline's handshake, the data-parallel flag
+    # reaches every rank of the same tensor-parallel index, and the tensor-parallel one every rank.
+    groups = ((topology.data_group, "data-parallel replica"), (topology.tensor_group, "tensor-parallel rank"))
+    for group, what in groups:
+        if group is None:
+            continue
         flag = torch.tensor([float(problem is not None)], dtype=torch.float64, device=topology.device)
-        all_reduce_sum(topology, topology.data_group, [flag], spec.timeout, "the other data-parallel replicas")
+        all_reduce_sum(topology, group, [flag], spec.timeout, f"the other {what}s")
         if problem is None and flag.item() > 0:
-            problem = ValueError(
-                "fpipe.step: another data-parallel replica rejected its inputs; its ranks' errors say why."
-            )
+            problem = ValueError(f"fpipe.step: another {what} rejected its inputs; its ranks' errors say why.")
     if problem is not None:
         raise problem
     return microbatches, statuses[first][3], not statuses[last][1]
@@ -179,6 +184,16 @@ def _check_held(step: StepSpec, params: Sequence[PyTree], placement: tuple[int, 
             )
 
 
+def _check_dtensors(step: StepSpec, params: Sequence[PyTree], topology: Topology) -> None:
+    """Raise unless every DTensor parameter lives on this rank's tensor-parallel sub-mesh."""
+    ranks = None if topology.tensor_ranks is None else list(topology.tensor_ranks)
+    for s in step.local_stages:
+        paths, leaves, _ = leaves_with_paths(params[s])
+        for path, leaf in zip(paths, leaves, strict=True):
+            if is_dtensor(leaf):
+                check_mesh(leaf, ranks, f"params[{s}] leaf {path} (stage {s}, rank {step.rank})")
+
+
 def _average_replicas(
     spec: StepSpec, topology: Topology, loss: torch.Tensor, leaves: list[torch.Tensor]
 ) -> torch.Tensor:
@@ -189,7 +204,8 @@ def _average_replicas(
     # The loss in float64 whatever its dtype, so that averaging does not round it: with
     # float64 grads this is one all-reduce; otherwise a second, one-element one.
     total = loss.detach().to(torch.float64).reshape(1).to(topology.device)
-    all_reduce_sum(topology, topology.data_group, [*leaves, total], spec.timeout, "the data-parallel all-reduce")
-    for g in leaves:
+    pieces = [local(g) for g in leaves]  # a DTensor's own piece: its ranks in other replicas hold the same one
+    all_reduce_sum(topology, topology.data_group, [*pieces, total], spec.timeout, "the data-parallel all-reduce")
+    for g in pieces:
         g.div_(topology.data_size)
     return (total[0] / topology.data_size).to(loss.device, loss.dtype).reshape(())
