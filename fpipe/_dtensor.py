@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+_REDUCE_OPS = ("sum", "avg", "max", "min", "product")  # of a Partial placement (c10d's names)
+
 # A DTensor's description on the wire: (placements as plain data, global shape, global stride).
 DTensorSpec = tuple[tuple[tuple[Any, ...], ...], tuple[int, ...], tuple[int, ...]]
 
@@ -41,7 +43,7 @@ def placements_data(placements: Any, where: str) -> tuple[tuple[Any, ...], ...]:
             out.append(("Shard", p.dim))
         elif type(p) is Replicate:
             out.append(("Replicate",))
-        elif type(p) is Partial and isinstance(p.reduce_op, str):
+        elif type(p) is Partial and p.reduce_op in _REDUCE_OPS:
             out.append(("Partial", p.reduce_op))
         else:
             raise TypeError(
@@ -62,7 +64,7 @@ def placements_from(data: Any) -> tuple[Any, ...]:
             out.append(Shard(args[0]))
         elif kind == "Replicate" and not args:
             out.append(Replicate())
-        elif kind == "Partial" and len(args) == 1 and type(args[0]) is str:
+        elif kind == "Partial" and len(args) == 1 and args[0] in _REDUCE_OPS:
             out.append(Partial(args[0]))
         else:
             raise ValueError(f"not a placement: {p!r:.80}")

@@ -21,7 +21,7 @@ from tests._multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
-DIM, HEADS, HIDDEN, VOCAB = 8, 4, 16, 13
+DIM, HEAD_DIM, HIDDEN, VOCAB = 8, 2, 16, 13  # 4 heads
 TP = ("wq", "wk", "wv", "wo", "w1", "w3", "w2", "n1", "n2")  # the DTensor weights of a block
 
 
@@ -65,8 +65,8 @@ def _block(p, x):
     b, t, _ = x.shape
     h = _column_input(_rms(x, p["n1"]))
     wq, wk, wv = _local(p["wq"]), _local(p["wk"]), _local(p["wv"])
-    heads = wq.shape[0] // (DIM // HEADS)  # this rank's heads
-    q, k, v = (F.linear(h, w).view(b, t, heads, DIM // HEADS).transpose(1, 2) for w in (wq, wk, wv))
+    heads = wq.shape[0] // HEAD_DIM  # this rank's heads
+    q, k, v = (F.linear(h, w).view(b, t, heads, HEAD_DIM).transpose(1, 2) for w in (wq, wk, wv))
     a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
     x = x + _replicated(_row_output(F.linear(a, _local(p["wo"])), p["wo"]))
     h = _column_input(_rms(x, p["n2"]))
@@ -223,3 +223,74 @@ def test_data_times_pipeline_times_tensor_parallel():
     """dp 2 x pp 2 x tp 2 on 8 processes: equal to the average of the replicas' references."""
     results = run_ranks(8, _train, ("dp", "pp", "tp"), (2, 2, 2), [OneFOneB(2)], 2, timeout=240)
     _check(results, 2, replicas=2)
+
+
+def _bad_inputs(rank, world):
+    """On pp 2 x tp 2: DTensor params on the wrong mesh on one rank, then a good step, then a
+    stage returning DTensors on another sub-mesh; what every rank raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    DTensor, _, Replicate, _ = _dtensor_api()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp, tp = mesh.get_coordinate()
+    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), mesh=mesh, timeout=30)
+    params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(_params(2))]
+    batch = _batch(1) if pp == 0 else None
+    messages = {}
+    wrong = [dict(p) if p is not None else None for p in params]
+    if (pp, tp) == (1, 1):  # one rank: its tp partner and its pipeline peer must hear of it too
+        wrong[1]["wq"] = DTensor.from_local(wrong[1]["wq"].to_local(), mesh["pp"], [Replicate()])
+    with pytest.raises(ValueError) as info:
+        step(wrong, batch)
+    messages["wrong mesh"] = str(info.value)
+    messages["after"] = float(step(params, batch)[0])  # input errors leave the mesh usable
+
+    def elsewhere(p, mb):  # returns a DTensor on the pipeline sub-mesh
+        y = _first(p, mb)
+        return {"x": DTensor.from_local(y["x"].to_local(), mesh["pp"], [Replicate()]), "mlp": y["mlp"]}
+
+    failing = fpipe.pipeline(_loss, [elsewhere, _last], OneFOneB(2), mesh=mesh, timeout=30)
+    with pytest.raises(fpipe.PipelineError) as info:
+        failing(params, batch)
+    messages["output elsewhere"] = (str(info.value), repr(info.value.__cause__))
+    return messages
+
+
+def test_bad_dtensor_inputs_fail_on_every_rank():
+    results = run_ranks(4, _bad_inputs, timeout=120)
+    wrong = [r["wrong mesh"] for r in results]  # global rank = 2 * pp + tp
+    assert "params[1] leaf ['wq'] (stage 1, rank 1) is a DTensor on the wrong mesh" in wrong[3]
+    assert "this rank's tensor-parallel sub-mesh has ranks [2, 3]" in wrong[3]
+    assert "another tensor-parallel rank rejected its inputs" in wrong[2]
+    assert "rank(s) [1] rejected their inputs" in wrong[1]
+    assert "another tensor-parallel rank rejected its inputs" in wrong[0]
+    assert len({r["after"] for r in results}) == 1
+    for rank, r in enumerate(results):
+        message, cause = r["output elsewhere"]
+        assert "forward of stage 0 on microbatch 0 (0F0)" in message, (rank, message)
+        if rank < 2:  # the senders: their own error says which leaf and why
+            assert "the leaf ['x'] is a DTensor on the wrong mesh" in cause
+
+
+def _uneven_heads(rank, world):
+    """3 heads on 2 tensor-parallel ranks: the stage cannot split them, on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp = mesh.get_coordinate()[0]
+    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), mesh=mesh, timeout=30)
+    full = _params(2)
+    for p in full:  # 3 heads of HEAD_DIM: 6 rows of q, k, v, 3 on each rank
+        p.update({n: p[n][: 3 * HEAD_DIM] for n in ("wq", "wk", "wv")}, wo=p["wo"][:, : 3 * HEAD_DIM])
+    params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
+    with pytest.raises(fpipe.PipelineError) as info:
+        step(params, _batch(1) if pp == 0 else None)
+    return str(info.value), repr(info.value.__cause__)
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_fails_every_rank():
+    results = run_ranks(4, _uneven_heads, timeout=120)
+    for rank, (message, cause) in enumerate(results):
+        assert "forward of stage 0 on microbatch 0 (0F0)" in message, (rank, message)
+        if rank < 2:
+            assert "is invalid for input of size" in cause, cause
