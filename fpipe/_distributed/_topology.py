@@ -72,10 +72,13 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
         if tensor:
             tensor_group, tensor_mesh = mesh.get_group(tensor[0]), mesh[tensor[0]]
             tensor_ranks = tuple(tensor_mesh.mesh.reshape(-1).tolist())
-        # One pipeline per (data, tensor) coordinate: its "replica" in failure messages.
+        # One pipeline per (data, tensor) coordinate; failure messages name a rank by its
+        # pipeline rank and data-parallel replica (the tensor-parallel ranks of one pipeline rank
+        # run the same stages, and fail together).
         rows = mesh.mesh.permute(*(names.index(n) for n in (*data, *tensor, pipe[0])))
-        for replica, row in enumerate(rows.reshape(-1, rows.shape[-1]).tolist()):
-            where.update({g: (r, replica if data or tensor else None) for r, g in enumerate(row)})
+        per_replica = mesh.size(names.index(tensor[0])) if tensor else 1
+        for k, row in enumerate(rows.reshape(-1, rows.shape[-1]).tolist()):
+            where.update({g: (r, k // per_replica if data else None) for r, g in enumerate(row)})
     size = dist.get_world_size(group)
     global_ranks = tuple(dist.get_global_rank(group, r) for r in range(size))
     where = where or {g: (r, None) for r, g in enumerate(global_ranks)}
