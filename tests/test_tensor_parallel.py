@@ -294,3 +294,37 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_heads_fails_every_rank(
         assert "forward of stage 0 on microbatch 0 (0F0)" in message, (rank, message)
         if rank < 2:
             assert "is invalid for input of size" in cause, cause
+
+
+def _one_tp_rank_fails(rank, world):
+    """On pp 2 x tp 2, stage 0 raises on tp rank 1 only, while its partner waits in the stage's
+    all-reduce: every rank raises, in seconds, not at the process group's timeout."""
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp, tp = mesh.get_coordinate()
+
+    def first(p, mb):
+        if tp == 1:
+            raise ValueError("boom on tp rank 1")
+        return _first(p, mb)
+
+    step = fpipe.pipeline(_loss, [first, _last], OneFOneB(2), mesh=mesh, timeout=30)
+    params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(_params(2))]
+    start = time.monotonic()
+    with pytest.raises(fpipe.PipelineError) as info:
+        step(params, _batch(1) if pp == 0 else None)
+    return time.monotonic() - start, str(info.value), repr(info.value.__cause__)
+
+
+def test_a_failure_on_one_tensor_parallel_rank_fails_its_partners_in_their_collectives():
+    results = run_ranks(4, _one_tp_rank_fails, timeout=120)
+    for rank, (seconds, message, _) in enumerate(results):
+        assert seconds < 10, (rank, seconds)
+        assert "forward of stage 0 on microbatch 0 (0F0)" in message, (rank, message)
+    assert "boom on tp rank 1" in results[1][2]
+    # its partner, in the stage's all-reduce; the next pipeline rank, in fpipe's own waits
+    assert "rank 0 stopped while waiting for a collective inside its stage because rank 0" in results[0][1]
+    assert "rank 1 stopped while waiting for the activation of stage 0" in results[2][1]

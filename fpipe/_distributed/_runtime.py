@@ -29,7 +29,7 @@ from .._record import active, clock, measured
 from .._run import Plan, StageRuns, StepSpec, interpret, result
 from ..schedules._program import ScheduleError
 from ._collectives import all_reduce_sum, check_usable, handshake, mark_broken
-from ._faults import WATCHDOG
+from ._faults import WATCHDOG, waiting
 from ._topology import Topology
 from ._transport import DistributedTransport, WireState
 
@@ -137,17 +137,33 @@ def _run_row(
     executor = Executor(runs, spec.num_stages, spec.loss_fn, has_aux=spec.has_aux, weights=weights, transport=transport)
     start = clock()
     try:
-        times = interpret(executor, runs, plan.order)
+        # NOTE [tensor-parallel waits]: with a tp dimension, stages wait in collectives of their
+        # own (DTensor's), which fpipe's waits do not see; the whole row counts as waiting, so the
+        # watchdog reads the board every POLL and aborts the groups when another rank failed.
+        with waiting(topology.board if topology.tensor_group is not None else None):
+            times = interpret(executor, runs, plan.order)
         loss, aux = transport.exchange_result(result(spec, executor) if topology.rank == last else None)
         transport.finish()
         recording = active()
         if recording is not None:
             recording.timelines.append(measured(spec.program, plan.order, times, start, topology, spec.timeout))
     except BaseException as error:
+        aborted = topology.board.aborted  # by the watchdog, for another rank's failure
         mark_broken(topology, error)
         transport.abort(error, executor.current)
+        # A stage's own collective that the board aborted fails inside the stage, so the error
+        # names this rank's action; the board's record says why (fpipe's own waits say so already).
+        own = aborted and topology.tensor_group is not None and not _from_board(error, topology.rank)
+        standing = WATCHDOG.read(topology.board) if own else None
+        if standing is not None:
+            raise standing.error(topology.rank, "a collective inside its stage") from error
         raise
     return loss, aux
+
+
+def _from_board(error: BaseException, rank: int) -> bool:
+    """Whether ``error`` already reports the board's record (``Failure.error``) on ``rank``."""
+    return isinstance(error, PipelineError) and str(error).startswith(f"fpipe: rank {rank} stopped")
 
 
 def _disagreement(checksum: int, statuses: list[list[int]], first: int, last: int) -> Exception | None:
