@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import fpipe
-from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1
+from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 from tests._multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
@@ -186,8 +186,10 @@ def _check(results, num_stages, replicas=1, split_backward=()):
     loss = sum(r[0] for r in refs) / replicas
     grads = [{k: sum(r[1][s][k] for r in refs) / replicas for k in refs[0][1][s]} for s in range(num_stages)]
     norm = torch.cat([g.reshape(-1) for tree in grads for g in tree.values()]).norm()
+    first = {}  # (stage, name) -> the gradient of the first schedule, from the rank that held it
+    for local_stages, _, d_grads, _ in (per_rank[0] for per_rank in results):
+        first.update({(s, k): g for s in local_stages for k, (g, _, _) in d_grads[s].items()})
     for per_rank in results:
-        first = per_rank[0]
         for j, (local_stages, d_loss, d_grads, d_norm) in enumerate(per_rank):
             torch.testing.assert_close(d_loss, loss, rtol=1e-13, atol=0)
             torch.testing.assert_close(d_norm, norm, rtol=1e-13, atol=0)
@@ -199,10 +201,10 @@ def _check(results, num_stages, replicas=1, split_backward=()):
                     if j in split_backward and placements == "(Replicate(),)":
                         # A split backward sums a replicated weight's partial gradients in
                         # another order (measured: 1.4e-17 apart); everything else is bitwise.
-                        torch.testing.assert_close(g, first[2][s][k][0], rtol=1e-14, atol=1e-16)
+                        torch.testing.assert_close(g, first[s, k], rtol=1e-14, atol=1e-16)
                     else:
-                        assert torch.equal(g, first[2][s][k][0]), (j, s, k)  # bitwise across schedules
-            assert torch.equal(d_loss, first[1])
+                        assert torch.equal(g, first[s, k]), (j, s, k)  # bitwise across schedules
+            assert torch.equal(d_loss, results[0][0][1])
 
 
 def test_pipeline_times_tensor_parallel_equals_the_unsplit_model():
@@ -212,10 +214,10 @@ def test_pipeline_times_tensor_parallel_equals_the_unsplit_model():
     _check(results, 2, split_backward=(2,))
 
 
-def test_interleaved_stages_with_tensor_parallel():
-    """pp 2 x tp 2, 4 stages laid out looped: interleaved 1F1B."""
-    results = run_ranks(4, _train, ("pp", "tp"), (2, 2), [OneFOneB(4)], 4, timeout=180)
-    _check(results, 4)
+def test_two_stages_per_rank_with_tensor_parallel():
+    """pp 2 x tp 2, 4 stages: looped (interleaved 1F1B) and in a V (ZB-V, split backward)."""
+    results = run_ranks(4, _train, ("pp", "tp"), (2, 2), [OneFOneB(4), ZeroBubbleV(4)], 4, timeout=180)
+    _check(results, 4, split_backward=(1,))
 
 
 @pytest.mark.slow
@@ -253,6 +255,10 @@ def _bad_inputs(rank, world):
     with pytest.raises(fpipe.PipelineError) as info:
         failing(params, batch)
     messages["output elsewhere"] = (str(info.value), repr(info.value.__cause__))
+    for function in (fpipe.save, lambda d, p, *, step: fpipe.load(d, p, step=step)):
+        with pytest.raises(NotImplementedError) as info:
+            function("/nonexistent", params, step=step)
+        messages.setdefault("save and load", []).append(str(info.value))
     return messages
 
 
@@ -270,6 +276,9 @@ def test_bad_dtensor_inputs_fail_on_every_rank():
         assert "forward of stage 0 on microbatch 0 (0F0)" in message, (rank, message)
         if rank < 2:  # the senders: their own error says which leaf and why
             assert "the leaf ['x'] is a DTensor on the wrong mesh" in cause
+        save, load = r["save and load"]
+        assert "fpipe.save: saving and loading on a mesh with a tensor-parallel dimension is not supp" in save
+        assert "fpipe.load: saving and loading on a mesh with a tensor-parallel dimension is not supp" in load
 
 
 def _uneven_heads(rank, world):
