@@ -13,6 +13,7 @@ from ._distributed._collectives import all_reduce_sum
 from ._distributed._runtime import run_distributed
 from ._distributed._topology import Topology, resolve_topology
 from ._distributed._transport import WireState
+from ._dtensor import square_sum
 from ._microbatch import Microbatches
 from ._plural import plural
 from ._precision import LossScaleState, Precision, check_params, finish_grads
@@ -182,6 +183,11 @@ def pipeline(
             "Pass e.g. fpipe.Precision(compute=torch.bfloat16, accumulate=torch.float32)."
         )
     topology = resolve_topology(mesh, group)
+    if shard_params and topology is not None and topology.tensor_group is not None:
+        raise ValueError(
+            f"fpipe.pipeline: shard_params=True does not compose with a tensor-parallel mesh dimension yet (mesh: "
+            f"{mesh!r}). Drop shard_params, or the 'tp' dimension."
+        )
     if shard_params and (topology is None or topology.data_group is None):
         raise ValueError(
             "fpipe.pipeline: shard_params=True cuts parameters over the data-parallel ranks, but this pipeline "
@@ -529,15 +535,21 @@ class Step:
         Each rank holds only its stages' gradients, so the local sums of squares are summed over
         the pipeline group (data-parallel replicas hold the same averaged gradients). With
         ``shard_params`` each replica holds only its shards of them, so the sums are also summed
-        over the data-parallel group (padding is zero and adds nothing).
+        over the data-parallel group (padding is zero and adds nothing). With a ``"tp"`` mesh
+        dimension the sums are also summed over the tensor-parallel group, each DTensor shard
+        counted once and each replicated gradient (plain, or ``Replicate``) on one rank only.
         """
         leaves = [g for s in self.local_stages for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)]
+        tensor_group = None if self._topology is None else self._topology.tensor_group
         total = torch.zeros((), dtype=torch.float64)
         for g in leaves:
-            total = total + g.detach().abs().double().square().sum().cpu()
+            total = total + square_sum(g, tensor_group)
         if self._topology is not None:
             buffer = total.reshape(1).to(self._topology.device)
             all_reduce_sum(self._topology, self._topology.group, [buffer], self.timeout, "the global norm all-reduce")
+            if tensor_group is not None:
+                what = "the global norm all-reduce over the tensor-parallel group"
+                all_reduce_sum(self._topology, tensor_group, [buffer], self.timeout, what)
             if self.shard_params:
                 what = "the global norm all-reduce over the data-parallel group"
                 all_reduce_sum(self._topology, self._topology.data_group, [buffer], self.timeout, what)

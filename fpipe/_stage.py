@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from ._dtensor import is_dtensor, like_param
 from ._precision import Precision
 from ._pytree import (
     PyTree,
@@ -379,11 +380,16 @@ class StageRun:
         """The summed parameter gradients, shaped like the parameters.
 
         Differentiable leaves that no microbatch reached get zeros; other leaves get ``None``.
+        A DTensor's gradient gets its placements (``like_param``: a replicated weight's partial
+        sums are summed over the tensor-parallel ranks here, once per step).
         """
         out: list[Any] = [None] * len(self._param_leaves)
         with _not_inference():
-            for k, g in zip(self._param_index, self._grads.total):
-                out[k] = torch.zeros_like(self._param_leaves[k]) if g is None else g
+            for k, leaf, g in zip(self._param_index, self._param_inputs, self._grads.total):
+                param = self._param_leaves[k]
+                if g is not None and is_dtensor(g):  # kept, so that a second call sums nothing twice
+                    g = leaf.grad = like_param(g, param)
+                out[k] = torch.zeros_like(param) if g is None else g
         return unflatten(self._spec, out)
 
 
@@ -497,6 +503,8 @@ def _split_aux(result: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
         loss, aux = result
     else:
         loss, aux = result, None
+    if is_dtensor(loss):  # a loss computed with DTensor ops: its value, the same on every tensor-parallel rank
+        loss = loss.full_tensor()
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
         described = (
             f"tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"

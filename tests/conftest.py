@@ -23,6 +23,20 @@ settings.load_profile(os.environ.get("FPIPE_HYPOTHESIS", "fpipe"))
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (8 processes)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked slow (more processes than CI's 4) unless pytest runs with --slow."""
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="marked slow: run with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def float64_and_seed() -> Iterator[None]:
     """Run each test in float64 with ``torch.manual_seed(0)``; restore the default dtype after."""

@@ -32,19 +32,20 @@ from fpipe._distributed._wire import (
     error_message,
     meta_of,
 )
+from tests._multiprocess import run_ranks
 
 CPU = torch.device("cpu")
 
 
-def transfer(encoder: Encoder, decoder: Decoder, tree: object) -> tuple[object, list[torch.Tensor]]:
+def transfer(encoder: Encoder, decoder: Decoder, tree: object, mesh: Any = None) -> tuple[object, list[torch.Tensor]]:
     """Send ``tree`` over a simulated channel on which every tensor must fit the receive posted
     for it, in the order the transport posts them (NOTE [receives ahead]); returns what arrived
-    and what travelled."""
+    and what travelled. DTensor leaves live on ``mesh``, the tensor-parallel sub-mesh of both sides."""
     assert encoder.ahead == decoder.ahead  # both sides know what is posted before the send
     posted = [decoder.first_buffer(CPU)]
     large = decoder.large_leaves(None, CPU) if decoder.ahead else None
     posted += [as_bytes(t) for t in large or []]
-    sent = iter(encoder.encode(tree, CPU))
+    sent = iter(encoder.encode(tree, CPU, None if mesh is None else mesh.mesh.reshape(-1).tolist()))
     travelled: list[torch.Tensor] = []
 
     def deliver(buffer: torch.Tensor) -> None:
@@ -67,12 +68,12 @@ def transfer(encoder: Encoder, decoder: Decoder, tree: object) -> tuple[object, 
     for buffer in buffers:
         deliver(buffer)
     assert next(sent, None) is None
-    return decoder.decode(first, packed, large), travelled
+    return decoder.decode(first, packed, large, mesh), travelled
 
 
-def roundtrip(encoder: Encoder, decoder: Decoder, tree: object) -> tuple[object, bool]:
+def roundtrip(encoder: Encoder, decoder: Decoder, tree: object, mesh: Any = None) -> tuple[object, bool]:
     """What arrived, and whether a header travelled."""
-    out, sent = transfer(encoder, decoder, tree)
+    out, sent = transfer(encoder, decoder, tree, mesh)
     return out, meta_of(sent[0])[1] > 0
 
 
@@ -447,6 +448,7 @@ def _header(tree: Any, leaves: list[Any]) -> bytes:
 
 
 _TENSOR = ["tensor", "float32", [4], False]
+_DTENSOR = ["dtensor", "float32", [4], False, [["Shard", 0]], [8], [1]]
 
 
 @pytest.mark.parametrize(
@@ -472,12 +474,59 @@ _TENSOR = ["tensor", "float32", [4], False]
         (_header(["dict", [["str", "a"]], [0, 1]], [["None"], ["None"]]), "a dict of 2 children with 1 key"),
         (_header(["deque", ["int", 1], [0, 1]], [["None"], ["None"]]), "a deque of 2 children with maxlen 1"),
         (_header(["defaultdict", ["eval", []], []], []), "not a defaultdict's [factory, keys]"),
+        (_header(0, [[*_DTENSOR[:4], [["Shard", -1]], [2], [1]]]), "not a placement: ['Shard', -1]"),
+        (_header(0, [[*_DTENSOR[:4], [["Partial", "xor"]], [2], [1]]]), "not a placement: ['Partial', 'xor']"),
+        (_header(0, [[*_DTENSOR[:4], "R", [2], [1]]]), "not placements: 'R'"),
+        (_header(0, [[*_DTENSOR[:4], [["Replicate"]], [-2], [1]]]), "not a DTensor shape or stride: [-2]"),
     ],
 )
 def test_a_corrupt_header_is_a_clear_error(header: bytes, fragment: str) -> None:
     with pytest.raises(ValueError, match=r"fpipe\.step: a message from the peer is not valid") as info:
         _receive(header)
     assert fragment in str(info.value)
+
+
+def test_a_dtensor_leaf_on_a_rank_without_a_tensor_parallel_mesh_is_a_clear_error() -> None:
+    header = _header(0, [_DTENSOR])
+    decoder = Decoder()
+    _, packed = decoder.opened([DATA, len(header), 16, 0, 0, 0], CPU)
+    decoder.large_leaves(torch.frombuffer(bytearray(header), dtype=torch.uint8), CPU)
+    with pytest.raises(ValueError, match="a DTensor leaf, but this rank's mesh has no tensor-parallel dimension"):
+        decoder.decode(decoder.first_buffer(CPU), packed, [])
+
+
+def _dtensors_travel(rank: int, world: int) -> None:
+    """On a 1-rank mesh: DTensor leaves as local pieces, placements in the header only when they change."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    encoder, decoder = Encoder(), Decoder()
+    big = torch.randn(INLINE_LIMIT // 8, 2, dtype=torch.float64)
+    tree = {
+        "h": DTensor.from_local(big, mesh, [Shard(1)]).requires_grad_(),
+        "p": DTensor.from_local(torch.randn(3), mesh, [Partial()]),
+        "x": torch.arange(2),
+    }
+    out, sent = transfer(encoder, decoder, tree, mesh)
+    assert sent[-1].data_ptr() == big.data_ptr()  # the local piece travels from its own storage
+    for k in ("h", "p"):
+        assert isinstance(out[k], DTensor) and out[k].placements == tree[k].placements  # type: ignore[index]
+        assert out[k].shape == tree[k].shape and out[k].device_mesh == mesh  # type: ignore[index]
+        assert torch.equal(out[k].to_local(), tree[k].to_local())  # type: ignore[index]
+    assert out["h"].requires_grad and not out["p"].requires_grad  # type: ignore[index]
+    assert roundtrip(encoder, decoder, tree, mesh)[1] is False  # the same placements: no header
+    tree["p"] = DTensor.from_local(torch.randn(3), mesh, [Replicate()])
+    out, header = roundtrip(encoder, decoder, tree, mesh)
+    assert header and out["p"].placements == (Replicate(),)  # type: ignore[index]
+    with pytest.raises(ValueError, match=r"the leaf \['h'\] is a DTensor but the pipeline's mesh has no tensor-par"):
+        Encoder().encode(tree, CPU, None)
+    with pytest.raises(ValueError, match=r"the leaf \['h'\] is a DTensor on the wrong mesh"):
+        Encoder().encode(tree, CPU, [5])
+
+
+def test_dtensor_leaves_travel_as_local_pieces_with_their_placements() -> None:
+    run_ranks(1, _dtensors_travel)
 
 
 def test_a_header_naming_an_unknown_class_is_a_clear_error_and_imports_nothing() -> None:

@@ -293,8 +293,10 @@ atexit.register(WATCHDOG.stop)
 
 @contextlib.contextmanager
 def waiting(board: Board | None) -> Iterator[None]:
-    """Mark this rank as waiting (the watchdog reads the board after ``POLL`` seconds)."""
-    if board is None:
+    """Mark this rank as waiting (the watchdog reads the board after ``POLL`` seconds); inside
+    an outer ``waiting`` (a tensor-parallel row, NOTE [tensor-parallel waits] in
+    fpipe/_distributed/_runtime.py), the outer one goes on."""
+    if board is None or board.since is not None:
         yield
         return
     board.since = time.monotonic()

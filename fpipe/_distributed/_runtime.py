@@ -20,16 +20,17 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._dtensor import check_mesh, is_dtensor, local
 from .._errors import PipelineError
 from .._executor import Executor
 from .._microbatch import Microbatches, counts, split
 from .._plural import plural
-from .._pytree import PyTree
+from .._pytree import PyTree, leaves_with_paths
 from .._record import active, clock, measured
 from .._run import Plan, StageRuns, StepSpec, interpret, loss_weights, result, seed_scale
 from ..schedules._program import ScheduleError
 from ._collectives import all_reduce_sum, check_usable, handshake, mark_broken
-from ._faults import WATCHDOG
+from ._faults import WATCHDOG, waiting
 from ._topology import Topology
 from ._transport import DistributedTransport, WireState
 
@@ -102,6 +103,7 @@ def _agree(
     problem: Exception | None = None
     try:
         _check_held(spec, params, placement)
+        _check_dtensors(spec, params, topology)
         check_params(params)
         if batch is not None and me in (first, last):
             microbatches, sizes = split(batch, m, spec.batch_dims)
@@ -120,9 +122,12 @@ def _agree(
     statuses = handshake(topology, status, spec.timeout)
     problem = problem or _disagreement(plan.checksum, statuses, first, last)
     count = statuses[first][5]
+    # Replicas must fail together too, or a healthy replica's gradient all-reduce would meet
+    # another replica's next step (and weight_fn's total is every replica's tokens); so must
+    # tensor-parallel ranks, whose stages' collectives would wait for the rank that stopped.
+    # After the pipeline's handshake, the data-parallel flag reaches every rank of the same
+    # tensor-parallel index, and the tensor-parallel one every rank.
     if topology.data_group is not None:
-        # Replicas must fail together too, or a healthy replica's gradient all-reduce would meet
-        # another replica's next step; and weight_fn's total is every replica's tokens.
         flag = torch.tensor([float(problem is not None), count], dtype=torch.float64, device=topology.device)
         all_reduce_sum(topology, topology.data_group, [flag], spec.timeout, "the other data-parallel replicas")
         if problem is None and flag[0].item() > 0:
@@ -130,6 +135,13 @@ def _agree(
                 "fpipe.step: another data-parallel replica rejected its inputs; its ranks' errors say why."
             )
         count = int(flag[1].item())
+    if topology.tensor_group is not None:
+        flag = torch.tensor([float(problem is not None)], dtype=torch.float64, device=topology.device)
+        all_reduce_sum(topology, topology.tensor_group, [flag], spec.timeout, "the other tensor-parallel ranks")
+        if problem is None and flag.item() > 0:
+            problem = ValueError(
+                "fpipe.step: another tensor-parallel rank rejected its inputs; its ranks' errors say why."
+            )
     if problem is None:
         try:
             weights = loss_weights(statuses[first][6:], count if spec.weight_fn is not None else None)
@@ -172,7 +184,11 @@ def _run_row(
     )
     start = clock()
     try:
-        times = interpret(executor, runs, plan.order)
+        # NOTE [tensor-parallel waits]: with a tp dimension, stages wait in collectives of their
+        # own (DTensor's), which fpipe's waits do not see; the whole row counts as waiting, so the
+        # watchdog reads the board every POLL and aborts the groups when another rank failed.
+        with waiting(topology.board if topology.tensor_group is not None else None):
+            times = interpret(executor, runs, plan.order)
         mine = result(spec, executor, explicit=agreed.explicit) if topology.rank == last else None
         loss, aux, outputs = transport.exchange_result(mine)
         transport.finish()
@@ -180,10 +196,22 @@ def _run_row(
         if recording is not None:
             recording.timelines.append(measured(plan.program, plan.order, times, start, topology, spec.timeout))
     except BaseException as error:
+        aborted = topology.board.aborted  # by the watchdog, for another rank's failure
         mark_broken(topology, error)
         transport.abort(error, executor.current)
+        # A stage's own collective that the board aborted fails inside the stage, so the error
+        # names this rank's action; the board's record says why (fpipe's own waits say so already).
+        own = aborted and topology.tensor_group is not None and not _from_board(error, topology.rank)
+        standing = WATCHDOG.read(topology.board) if own else None
+        if standing is not None:
+            raise standing.error(topology.rank, "a collective inside its stage") from error
         raise
     return loss, aux, outputs
+
+
+def _from_board(error: BaseException, rank: int) -> bool:
+    """Whether ``error`` already reports the board's record (``Failure.error``) on ``rank``."""
+    return isinstance(error, PipelineError) and str(error).startswith(f"fpipe: rank {rank} stopped")
 
 
 def _disagreement(checksum: int, statuses: list[list[int]], first: int, last: int) -> Exception | None:
@@ -221,6 +249,16 @@ def _check_held(step: StepSpec, params: Sequence[PyTree], placement: tuple[int, 
             )
 
 
+def _check_dtensors(step: StepSpec, params: Sequence[PyTree], topology: Topology) -> None:
+    """Raise unless every DTensor parameter lives on this rank's tensor-parallel sub-mesh."""
+    ranks = None if topology.tensor_ranks is None else list(topology.tensor_ranks)
+    for s in step.local_stages:
+        paths, leaves, _ = leaves_with_paths(params[s])
+        for path, leaf in zip(paths, leaves, strict=True):
+            if is_dtensor(leaf):
+                check_mesh(leaf, ranks, f"params[{s}] leaf {path} (stage {s}, rank {step.rank})")
+
+
 def _average_replicas(
     spec: StepSpec, topology: Topology, loss: torch.Tensor, leaves: list[torch.Tensor], *, divide: bool = True
 ) -> torch.Tensor:
@@ -234,8 +272,9 @@ def _average_replicas(
     # The loss in float64 whatever its dtype, so that averaging does not round it: with
     # float64 grads this is one all-reduce; otherwise a second, one-element one.
     total = loss.detach().to(torch.float64).reshape(1).to(topology.device)
-    all_reduce_sum(topology, topology.data_group, [*leaves, total], spec.timeout, "the data-parallel all-reduce")
+    pieces = [local(g) for g in leaves]  # a DTensor's own piece: its ranks in other replicas hold the same one
+    all_reduce_sum(topology, topology.data_group, [*pieces, total], spec.timeout, "the data-parallel all-reduce")
     if d != 1:
-        for g in leaves:
+        for g in pieces:
             g.div_(d)
     return (total[0] / d).to(loss.device, loss.dtype).reshape(())

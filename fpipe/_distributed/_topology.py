@@ -1,4 +1,12 @@
-"""Where this process sits in a distributed job: its pipeline group, data-parallel group and device."""
+"""Where this process sits in a distributed job: its pipeline, data-parallel and tensor-parallel groups, its device.
+
+NOTE [mesh dimensions]
+A mesh has one pipeline dimension (``"pp"`` or ``"pipeline"``), at most one data-parallel one
+(``"dp"`` or ``"data"``) and at most one tensor-parallel one (``"tp"`` or ``"tensor"``), in any
+order. A process's pipeline group is the ranks with its own data and tensor coordinates, so the
+pipeline's messages go between ranks of the same tensor-parallel index; its tensor-parallel
+group (``mesh["tp"]``) is where its stages' DTensors live (notes/tensor_parallel.md).
+"""
 
 from __future__ import annotations
 
@@ -23,10 +31,14 @@ class Topology:
     data_size: int
     device: torch.device
     board: Board  # the job's failure board (NOTE [failure board] in fpipe/_distributed/_faults.py)
+    tensor_group: Any | None = None  # the tensor-parallel ProcessGroup (NOTE [mesh dimensions])
+    tensor_mesh: Any | None = None  # the tensor-parallel sub-mesh, where stage DTensors live
+    tensor_ranks: tuple[int, ...] | None = None  # its global ranks, in mesh order
 
 
 _PIPELINE_DIMS = ("pp", "pipeline")
 _DATA_DIMS = ("dp", "data")
+_TENSOR_DIMS = ("tp", "tensor")
 
 
 def resolve_topology(mesh: Any, group: Any) -> Topology | None:
@@ -40,7 +52,7 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
             "fpipe.pipeline: torch.distributed is not initialized. Call "
             "torch.distributed.init_process_group() first (torchrun sets up the environment)."
         )
-    data_group = None
+    data_group = tensor_group = tensor_mesh = tensor_ranks = None
     where: dict[int, tuple[int, int | None]] = {}  # global rank -> (pipeline rank, replica)
     if mesh is not None:
         names = tuple(mesh.mesh_dim_names or ())
@@ -48,16 +60,25 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
             names = ("pp",)
         pipe = [n for n in names if n in _PIPELINE_DIMS]
         data = [n for n in names if n in _DATA_DIMS]
-        if len(pipe) != 1 or len(pipe) + len(data) != mesh.ndim:
+        tensor = [n for n in names if n in _TENSOR_DIMS]
+        if len(pipe) != 1 or len(data) > 1 or len(tensor) > 1 or len(pipe) + len(data) + len(tensor) != mesh.ndim:
             raise ValueError(
-                f"fpipe.pipeline: the mesh needs one pipeline dimension named 'pp' and at most one data "
-                f"dimension named 'dp' (mesh_dim_names: {mesh.mesh_dim_names!r})."
+                f"fpipe.pipeline: the mesh needs one pipeline dimension named 'pp', at most one data dimension "
+                f"named 'dp' and at most one tensor-parallel dimension named 'tp' (mesh_dim_names: "
+                f"{mesh.mesh_dim_names!r})."
             )
         group = mesh.get_group(pipe[0])
         data_group = mesh.get_group(data[0]) if data else None
-        rows = mesh.mesh.permute(*(names.index(n) for n in (*data, pipe[0])))
-        for replica, row in enumerate(rows.reshape(-1, rows.shape[-1]).tolist()):
-            where.update({g: (r, replica if data else None) for r, g in enumerate(row)})
+        if tensor:
+            tensor_group, tensor_mesh = mesh.get_group(tensor[0]), mesh[tensor[0]]
+            tensor_ranks = tuple(tensor_mesh.mesh.reshape(-1).tolist())
+        # One pipeline per (data, tensor) coordinate; failure messages name a rank by its
+        # pipeline rank and data-parallel replica (the tensor-parallel ranks of one pipeline rank
+        # run the same stages, and fail together).
+        rows = mesh.mesh.permute(*(names.index(n) for n in (*data, *tensor, pipe[0])))
+        per_replica = mesh.size(names.index(tensor[0])) if tensor else 1
+        for k, row in enumerate(rows.reshape(-1, rows.shape[-1]).tolist()):
+            where.update({g: (r, k // per_replica if data else None) for r, g in enumerate(row)})
     size = dist.get_world_size(group)
     global_ranks = tuple(dist.get_global_rank(group, r) for r in range(size))
     where = where or {g: (r, None) for r, g in enumerate(global_ranks)}
@@ -71,5 +92,10 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
         data_group=data_group,
         data_size=1 if data_group is None else dist.get_world_size(data_group),
         device=device,
-        board=WATCHDOG.board(tuple(sorted(where)), [g for g in (group, data_group) if g is not None], where),
+        board=WATCHDOG.board(
+            tuple(sorted(where)), [g for g in (group, data_group, tensor_group) if g is not None], where
+        ),
+        tensor_group=tensor_group,
+        tensor_mesh=tensor_mesh,
+        tensor_ranks=tensor_ranks,
     )

@@ -250,7 +250,8 @@ class DistributedTransport:
     def _send(self, dst: int, key: Key, value: PyTree) -> None:
         peer = self.peers[dst]
         assert peer.outgoing[peer.next_out] == key, f"fpipe: sending {key}, expected {peer.outgoing[peer.next_out]}"
-        tensors = self._wire.encoders[_channel(dst, key)].encode(value, self.topology.device)
+        ranks = None if self.topology.tensor_ranks is None else list(self.topology.tensor_ranks)
+        tensors = self._wire.encoders[_channel(dst, key)].encode(value, self.topology.device, ranks)
         peer.next_out += 1
         to, group = self.topology.global_ranks[dst], self.topology.group
         for tensor in tensors:
@@ -307,7 +308,7 @@ class DistributedTransport:
         works += [dist.irecv(t, src, group=group) for t in buffers]
         for work in works:
             self._wait(work, what, peer.rank)
-        peer.buffered[key] = decoder.decode(first, packed, large)
+        peer.buffered[key] = decoder.decode(first, packed, large, self.topology.tensor_mesh)
         self._post_ahead(peer)
 
     def _remote_failure(self, rank: int, stage: int, kind_index: int, microbatch: int) -> None:

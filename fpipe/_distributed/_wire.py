@@ -42,12 +42,24 @@ classes this process already has. It is ``{"tree": structure, "leaves": [leaf, .
 - a tensor leaf: ``["tensor", dtype name, shape, requires_grad]``. Offsets are not sent: both
   sides place the small leaves by one rule (``_placed``), and the receiver checks their total
   against the packed size that the meta announces.
+- a DTensor leaf (NOTE [DTensor leaves]): ``["dtensor", dtype name, local shape, requires_grad,
+  placements, global shape, global stride]``, placements as ``["Shard", dim]``,
+  ``["Replicate"]`` or ``["Partial", op]``.
 - any other leaf, dict key or node data: a plain value, ``[type, ...]``: ``["None"]``,
   ``["bool", b]``, ``["int", n]``, ``["str", s]``, ``["float", bits]`` and ``["complex", bits,
   bits]`` (the IEEE-754 bits in hex: -0.0 and every nan exact), ``["bytes", hex]``, ``["dtype",
   "float32"]``, ``["device", "cuda:0"]``, ``["Size", dims]``, and ``["tuple", values]``,
   ``["list", values]`` (as node data). Only these exact types travel (not subclasses, which
   would arrive as their base); the sender raises for others, naming the leaf's key path.
+
+NOTE [DTensor leaves]
+A DTensor leaf travels as its local piece, from the sender to the rank with the same
+tensor-parallel index on the next pipeline rank (their pipeline group: NOTE [mesh dimensions]
+in fpipe/_distributed/_topology.py), like any tensor leaf of that shape: packed or on its own,
+never gathered, never copied. Its placements and global shape travel in the header, so only
+when they change, and the receiver rebuilds the DTensor on its own tensor-parallel sub-mesh
+around the piece it received (``DTensor.from_local``, no communication). The sender checks that
+the DTensor lives on its tensor-parallel sub-mesh, else the receiver would rebuild another one.
 
 Whether a header travels is decided without writing one: the new layout is compared to the
 last one, and its non-tensor leaves' plain values to the last ones, where the type is part of
@@ -69,6 +81,7 @@ from typing import Any
 
 import torch
 
+from .._dtensor import DTensorSpec, check_mesh, from_spec, is_dtensor, local, placements_from, spec_of
 from .._plural import plural
 from .._pytree import PyTree, TreeSpec, flatten, leaves_with_paths, structure_data, structure_from_data, unflatten
 
@@ -89,16 +102,28 @@ class Layout:
     tensors: tuple[tuple[int, torch.dtype, tuple[int, ...], int, int, bool], ...]
     values: tuple[tuple[int, Any], ...]  # (leaf, non-tensor value)
     nbytes: int  # of the packed leaves
+    # (leaf, its DTensor spec) for the DTensor leaves, whose ``tensors`` entry is the local piece's
+    dtensors: tuple[tuple[int, DTensorSpec], ...] = ()
 
 
-def layout_of(tree: PyTree) -> tuple[Layout, list[Any]]:
-    """The layout of ``tree`` and its leaves."""
+def layout_of(tree: PyTree, tensor_ranks: list[int] | None = None) -> tuple[Layout, list[Any]]:
+    """The layout of ``tree`` and its leaves, a DTensor's local piece in its place (NOTE [DTensor
+    leaves]; ``tensor_ranks``: the ranks of this rank's tensor-parallel sub-mesh, where they must live)."""
     leaves, spec = flatten(tree)
+    dtensors = []
+    for k, x in enumerate(leaves):
+        if is_dtensor(x):
+            where = f"the leaf {leaves_with_paths(tree)[0][k]}"
+            check_mesh(x, tensor_ranks, where)
+            dtensors.append((k, spec_of(x, where)))
+    pieces = [local(x) if isinstance(x, torch.Tensor) else x for x in leaves]
     tensors, nbytes = _placed(
-        (k, x.dtype, tuple(x.shape), x.requires_grad) for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)
+        (k, p.dtype, tuple(p.shape), x.requires_grad)
+        for k, (x, p) in enumerate(zip(leaves, pieces, strict=True))
+        if isinstance(x, torch.Tensor)
     )
     values = tuple((k, x) for k, x in enumerate(leaves) if not isinstance(x, torch.Tensor))
-    return Layout(spec, tensors, values, nbytes), leaves
+    return Layout(spec, tensors, values, nbytes, tuple(dtensors)), pieces
 
 
 def _placed(
@@ -116,7 +141,7 @@ def _placed(
 
 def _same(a: Layout | None, b: Layout) -> bool:
     """Whether ``b``'s tree and tensors are ``a``'s (its non-tensor leaves are compared as plain values)."""
-    return a is not None and (a.spec, a.tensors, a.nbytes) == (b.spec, b.tensors, b.nbytes)
+    return a is not None and (a.spec, a.tensors, a.nbytes, a.dtensors) == (b.spec, b.tensors, b.nbytes, b.dtensors)
 
 
 # -- the header (NOTE [header]) -----------------------------------------------------------------
@@ -229,6 +254,8 @@ def _header(tree: PyTree, layout: Layout, values: list[Any]) -> bytes:
     leaves: list[Any] = [None] * (len(layout.tensors) + len(layout.values))
     for k, dtype, shape, _, _, requires_grad in layout.tensors:
         leaves[k] = ["tensor", str(dtype).removeprefix("torch."), list(shape), requires_grad]
+    for k, (placements, shape, stride) in layout.dtensors:
+        leaves[k] = ["dtensor", *leaves[k][1:], [list(p) for p in placements], list(shape), list(stride)]
     for (k, _), value in zip(layout.values, values, strict=True):
         leaves[k] = value
     header = {"tree": structure_data(tree, layout.spec, _plain_at), "leaves": leaves}
@@ -264,16 +291,29 @@ def _parse(header: bytes, nbytes: int) -> Layout:
     spec = structure_from_data(data["tree"], _value)
     if spec.num_leaves != len(data["leaves"]):
         raise ValueError(f"{plural(len(data['leaves']), 'leaf')} for a tree of {spec.num_leaves}")
-    tensors, values = [], []
+    tensors, values, dtensors = [], [], []
     for k, leaf in enumerate(data["leaves"]):
         if type(leaf) is list and leaf[:1] == ["tensor"]:
             tensors.append((k, *_tensor(leaf)))
+        elif type(leaf) is list and leaf[:1] == ["dtensor"] and len(leaf) == 7:
+            tensors.append((k, *_tensor(["tensor", *leaf[1:4]])))
+            dtensors.append((k, _dtensor_spec(leaf[4:])))
         else:
             values.append((k, _value(leaf)))
     placed, total = _placed(tensors)
     if total != nbytes:
         raise ValueError(f"its small tensor leaves take {plural(total, 'byte')}, the message announces {nbytes}")
-    return Layout(spec, placed, tuple(values), total)
+    return Layout(spec, placed, tuple(values), total, tuple(dtensors))
+
+
+def _dtensor_spec(fields: list[Any]) -> DTensorSpec:
+    """``(placements, global shape, global stride)`` of a DTensor leaf in a header, checked."""
+    placements, shape, stride = fields
+    placements_from(placements)  # raises for anything but Shard, Replicate and Partial
+    for dims in (shape, stride):
+        if not (type(dims) is list and all(type(n) is int and n >= 0 for n in dims)):
+            raise ValueError(f"not a DTensor shape or stride: {dims!r:.80}")
+    return tuple(tuple(p) for p in placements), tuple(shape), tuple(stride)
 
 
 def _tensor(leaf: list[Any]) -> tuple[torch.dtype, tuple[int, ...], bool]:
@@ -357,8 +397,9 @@ class Encoder:
         """Whether the receiver posts the next message's receives ahead (NOTE [receives ahead])."""
         return bool(_large(self._last))
 
-    def encode(self, tree: PyTree, device: torch.device) -> list[torch.Tensor]:
-        layout, leaves = layout_of(tree)
+    def encode(self, tree: PyTree, device: torch.device, tensor_ranks: list[int] | None = None) -> list[torch.Tensor]:
+        """The tensors of ``tree``'s message (``tensor_ranks``: as in ``layout_of``)."""
+        layout, leaves = layout_of(tree, tensor_ranks)
         header, values = None, _plain_leaves(tree, layout)
         if not _same(self._last, layout) or values != self._values:
             header = torch.frombuffer(bytearray(_header(tree, layout, values)), dtype=torch.uint8).to(device)
@@ -425,8 +466,11 @@ class Decoder:
         assert self._layout is not None, "fpipe wire: a message without header on a new channel"
         return [torch.empty(shape, dtype=dtype, device=device) for dtype, shape, _ in _large(self._layout)]
 
-    def decode(self, first: torch.Tensor, packed: torch.Tensor | None, large: list[torch.Tensor]) -> PyTree:
-        """The pytree of a message whose buffers have all arrived."""
+    def decode(
+        self, first: torch.Tensor, packed: torch.Tensor | None, large: list[torch.Tensor], mesh: Any = None
+    ) -> PyTree:
+        """The pytree of a message whose buffers have all arrived; its DTensor leaves on ``mesh``,
+        this rank's tensor-parallel sub-mesh (NOTE [DTensor leaves])."""
         layout = self._layout
         assert layout is not None
         if packed is None:
@@ -438,6 +482,10 @@ class Decoder:
         for k, dtype, shape, offset, size, requires_grad in layout.tensors:
             leaf = next(own) if offset < 0 else packed[offset : offset + size].view(dtype).view(shape)
             leaves[k] = leaf.requires_grad_(requires_grad)
+        if layout.dtensors and mesh is None:
+            raise _invalid("a DTensor leaf, but this rank's mesh has no tensor-parallel dimension")
+        for k, dtensor in layout.dtensors:
+            leaves[k] = from_spec(leaves[k].detach(), mesh, dtensor).requires_grad_(leaves[k].requires_grad)
         for k, value in layout.values:
             leaves[k] = value
         return unflatten(layout.spec, leaves)

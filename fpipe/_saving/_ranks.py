@@ -85,13 +85,24 @@ def resolve(function: str, step: Step | None, group: Any, mesh: Any) -> tuple[To
     if step is not None:
         if not isinstance(step, Step):
             raise TypeError(f"fpipe.{function}: step must be a Step from fpipe.pipeline (step: {step!r}).")
-        return step.topology, step.local_stages
+        return _without_tensor_parallel(function, step.topology), step.local_stages
     if (group is not None or mesh is not None) and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             f"fpipe.{function}: torch.distributed is not initialized. Call torch.distributed.init_process_group() "
             "first, or leave out group= and mesh= in one process."
         )
-    return resolve_topology(mesh, group), None
+    return _without_tensor_parallel(function, resolve_topology(mesh, group)), None
+
+
+def _without_tensor_parallel(function: str, topology: Topology | None) -> Topology | None:
+    """``topology``, unless it has a tensor-parallel dimension (every rank raises, before any collective)."""
+    if topology is not None and topology.tensor_group is not None:
+        raise NotImplementedError(
+            f"fpipe.{function}: saving and loading on a mesh with a tensor-parallel dimension is not supported yet "
+            f"(tensor-parallel ranks: {list(topology.tensor_ranks or ())}). Convert DTensor parameters to plain "
+            "tensors (full_tensor()) first, or use torch.distributed.checkpoint."
+        )
+    return topology
 
 
 class Ranks:

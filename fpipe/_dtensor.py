@@ -1,0 +1,132 @@
+"""DTensor leaves (tensor parallelism, notes/tensor_parallel.md): local pieces and placements as data.
+
+A stage may hold ``torch.distributed.tensor.DTensor`` parameters on the mesh's tensor-parallel
+sub-mesh and return DTensors. fpipe never gathers them: the wire carries each rank's local
+piece with the placements in its header (``spec_of``, ``from_spec``), gradients are summed as
+DTensors and redistributed to their parameter's placements at the end of the step
+(``like_param``), and the global norm adds every piece once (``square_sum``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+_REDUCE_OPS = ("sum", "avg", "max", "min", "product")  # of a Partial placement (c10d's names)
+
+# A DTensor's description on the wire: (placements as plain data, global shape, global stride).
+DTensorSpec = tuple[tuple[tuple[Any, ...], ...], tuple[int, ...], tuple[int, ...]]
+
+
+def is_dtensor(leaf: Any) -> bool:
+    """Whether ``leaf`` is a DTensor."""
+    return isinstance(leaf, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local piece of a DTensor, detached and without a copy; any other tensor as it is."""
+    return t.to_local().detach() if isinstance(t, DTensor) else t
+
+
+def placements_data(placements: Any, where: str) -> tuple[tuple[Any, ...], ...]:
+    """Placements as plain data: ``("Shard", dim)``, ``("Replicate",)``, ``("Partial", op)``.
+
+    Raises:
+        TypeError: for any other placement (``where`` says which leaf), which the wire does not carry.
+    """
+    out: list[tuple[Any, ...]] = []
+    for p in placements:
+        if type(p) is Shard:
+            out.append(("Shard", p.dim))
+        elif type(p) is Replicate:
+            out.append(("Replicate",))
+        elif type(p) is Partial and p.reduce_op in _REDUCE_OPS:
+            out.append(("Partial", p.reduce_op))
+        else:
+            raise TypeError(
+                f"fpipe.step: a DTensor placement cannot travel between ranks ({where}: {p!r}). Use Shard, "
+                "Replicate or Partial placements for what a stage returns."
+            )
+    return tuple(out)
+
+
+def placements_from(data: Any) -> tuple[Any, ...]:
+    """Inverse of ``placements_data``; raises ``ValueError`` for anything else."""
+    if type(data) not in (list, tuple):
+        raise ValueError(f"not placements: {data!r:.80}")
+    out: list[Any] = []
+    for p in data:
+        kind, *args = p if type(p) in (list, tuple) and p else [None]
+        if kind == "Shard" and len(args) == 1 and type(args[0]) is int and args[0] >= 0:
+            out.append(Shard(args[0]))
+        elif kind == "Replicate" and not args:
+            out.append(Replicate())
+        elif kind == "Partial" and len(args) == 1 and args[0] in _REDUCE_OPS:
+            out.append(Partial(args[0]))
+        else:
+            raise ValueError(f"not a placement: {p!r:.80}")
+    return tuple(out)
+
+
+def mesh_ranks(mesh: Any) -> list[int]:
+    """The global ranks of a device mesh, in its order."""
+    ranks: list[int] = mesh.mesh.reshape(-1).tolist()
+    return ranks
+
+
+def check_mesh(leaf: torch.Tensor, tensor_ranks: list[int] | None, where: str) -> None:
+    """Raise unless DTensor ``leaf`` lives on the tensor-parallel sub-mesh whose ranks are
+    ``tensor_ranks`` (``None``: the step has no ``"tp"`` dimension)."""
+    mesh = leaf.device_mesh  # type: ignore[attr-defined]
+    if tensor_ranks is None:
+        raise ValueError(
+            f"fpipe.step: {where} is a DTensor but the pipeline's mesh has no tensor-parallel dimension "
+            f"(the DTensor's mesh: {mesh!r}). Build the pipeline with mesh= a DeviceMesh with a 'tp' dimension."
+        )
+    if mesh.ndim != 1 or mesh_ranks(mesh) != tensor_ranks:
+        raise ValueError(
+            f"fpipe.step: {where} is a DTensor on the wrong mesh (its mesh: {mesh!r}; this rank's tensor-parallel "
+            f"sub-mesh has ranks {tensor_ranks}). Make stage DTensors on mesh['tp'] of the pipeline's mesh."
+        )
+
+
+def spec_of(t: torch.Tensor, where: str) -> DTensorSpec:
+    """The description of DTensor ``t`` that its local piece travels with."""
+    placements = placements_data(t.placements, where)  # type: ignore[attr-defined]
+    return placements, tuple(t.shape), tuple(t.stride())
+
+
+def from_spec(piece: torch.Tensor, mesh: Any, spec: DTensorSpec) -> torch.Tensor:
+    """The DTensor on ``mesh`` whose local piece is ``piece`` (no copy, no communication)."""
+    placements, shape, stride = spec
+    out: torch.Tensor = DTensor.from_local(
+        piece, mesh, placements_from(placements), run_check=False, shape=torch.Size(shape), stride=stride
+    )
+    return out
+
+
+def like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``param``'s placements (a replicated weight's gradient comes out of autograd
+    as a ``Partial`` sum over the tensor-parallel ranks: this sums it); other tensors as they are."""
+    if not is_dtensor(grad) or tuple(grad.placements) == tuple(param.placements):  # type: ignore[attr-defined]
+        return grad
+    out: torch.Tensor = grad.redistribute(param.device_mesh, param.placements)  # type: ignore[attr-defined]
+    return out
+
+
+def square_sum(g: torch.Tensor, tensor_group: Any) -> torch.Tensor:
+    """This rank's share of ``sum(g ** 2)`` in float64 such that the shares of the ranks of
+    ``tensor_group`` add up to it: a piece replicated over them (a plain tensor, a ``Replicate``
+    DTensor) counts on the group's first rank only, a shard on every rank."""
+    if is_dtensor(g) and any(type(p) is Partial for p in g.placements):  # type: ignore[attr-defined]
+        raise ValueError(
+            f"fpipe.step.global_norm: a gradient with Partial placements ({g.placements}); pass the grads the step "  # type: ignore[attr-defined]
+            "returned, whose placements are their parameters'."
+        )
+    replicated = not is_dtensor(g) or all(type(p) is Replicate for p in g.placements)  # type: ignore[attr-defined]
+    if tensor_group is not None and replicated and dist.get_rank(tensor_group) != 0:
+        return torch.zeros((), dtype=torch.float64)
+    return local(g).abs().double().square().sum().cpu()

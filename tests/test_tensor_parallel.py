@@ -1,0 +1,388 @@
+"""Tensor-parallel stages (DTensor) on a pipeline x tensor (and data) mesh equal the unsplit model.
+
+A Llama-style block (RMSNorm, causal attention with its heads split column-wise and its output
+projection row-wise, a SwiGLU MLP split the same way) is written once over tensors: with plain
+weights it is the single-process float64 reference; with DTensor weights on the mesh's ``"tp"``
+sub-mesh each tensor-parallel rank computes its heads and hidden units, and the row-wise
+products are summed by DTensor (``Partial`` -> ``Replicate``). The sums over heads and hidden
+units are split in two, so results equal the reference to float64 rounding, not bitwise; across
+schedules on the same mesh they are bitwise equal (fixed accumulation order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fpipe
+from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1, ZeroBubbleV
+from tests._multiprocess import run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+DIM, HEAD_DIM, HIDDEN, VOCAB = 8, 2, 16, 13  # 4 heads
+TP = ("wq", "wk", "wv", "wo", "w1", "w3", "w2", "n1", "n2")  # the DTensor weights of a block
+
+
+def _dtensor_api():
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    return DTensor, Partial, Replicate, Shard
+
+
+def _rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def _column_input(h):
+    """``h`` for a column-parallel product: a replicated DTensor's local copy, whose gradient is a
+    partial sum (each rank's heads contribute their part)."""
+    DTensor, Partial, _, _ = _dtensor_api()
+    return h.to_local(grad_placements=[Partial()]) if isinstance(h, DTensor) else h
+
+
+def _row_output(y, like):
+    """The sum over tensor-parallel ranks of a row-parallel product ``y`` (as a ``Partial`` DTensor)."""
+    DTensor, Partial, _, _ = _dtensor_api()
+    return DTensor.from_local(y, like.device_mesh, [Partial()]) if isinstance(like, DTensor) else y
+
+
+def _local(w):
+    DTensor, _, _, _ = _dtensor_api()
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+def _replicated(x):
+    DTensor, _, Replicate, _ = _dtensor_api()
+    return x.redistribute(x.device_mesh, [Replicate()]) if isinstance(x, DTensor) else x
+
+
+def _block(p, x):
+    """One decoder block; ``x`` replicated. Returns the residual stream and the MLP's output,
+    the latter still a partial sum when tensor-parallel (it travels so, and is summed by the next
+    stage)."""
+    b, t, _ = x.shape
+    h = _column_input(_rms(x, p["n1"]))
+    wq, wk, wv = _local(p["wq"]), _local(p["wk"]), _local(p["wv"])
+    heads = wq.shape[0] // HEAD_DIM  # this rank's heads
+    q, k, v = (F.linear(h, w).view(b, t, heads, HEAD_DIM).transpose(1, 2) for w in (wq, wk, wv))
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+    x = x + _replicated(_row_output(F.linear(a, _local(p["wo"])), p["wo"]))
+    h = _column_input(_rms(x, p["n2"]))
+    mlp = F.linear(F.silu(F.linear(h, _local(p["w1"]))) * F.linear(h, _local(p["w3"])), _local(p["w2"]))
+    return {"x": x, "mlp": _row_output(mlp, p["w2"])}
+
+
+def _first(p, mb):
+    x = F.embedding(mb["tokens"], p["embed"])
+    DTensor, _, Replicate, _ = _dtensor_api()
+    if isinstance(p["wq"], DTensor):
+        x = DTensor.from_local(x, p["wq"].device_mesh, [Replicate()])
+    return _block(p, x)
+
+
+def _middle(p, y):
+    return _block(p, _replicated(y["x"] + y["mlp"]))
+
+
+def _last(p, y):
+    y = _block(p, _replicated(y["x"] + y["mlp"]))
+    x = _local(_replicated(y["x"] + y["mlp"]))
+    return F.linear(_rms(x, p["norm"]), p["head"])
+
+
+def _loss(logits, mb):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), mb["targets"].reshape(-1))
+
+
+def _stages(num_stages):
+    return [_first, *[_middle] * (num_stages - 2), _last]
+
+
+def _params(num_stages, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=0.3):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    params = []
+    for s in range(num_stages):
+        p = {n: w(DIM, DIM) for n in ("wq", "wk", "wv", "wo")}
+        p.update(w1=w(HIDDEN, DIM), w3=w(HIDDEN, DIM), w2=w(DIM, HIDDEN), n1=1 + w(DIM), n2=1 + w(DIM))
+        if s == 0:
+            p["embed"] = w(VOCAB, DIM, scale=1.0)
+        if s == num_stages - 1:
+            p.update(norm=1 + w(DIM), head=w(VOCAB, DIM))
+        params.append(p)
+    return params
+
+
+def _batch(seed, size=6, length=5):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "tokens": torch.randint(VOCAB, (size, length), generator=g),
+        "targets": torch.randint(VOCAB, (size, length), generator=g),
+    }
+
+
+def _reference(num_stages, batch):
+    stages = _stages(num_stages)
+
+    def full_loss(params):
+        y = batch
+        for stage, p in zip(stages, params, strict=True):
+            y = stage(p, y)
+        return _loss(y, batch)
+
+    grads, loss = torch.func.grad_and_value(full_loss)(_params(num_stages))
+    return loss, grads
+
+
+def _distribute(params, tensor_mesh):
+    """Column-wise (``Shard(0)``) q, k, v, w1, w3; row-wise (``Shard(1)``) wo, w2; replicated norms."""
+    _, _, Replicate, Shard = _dtensor_api()
+    from torch.distributed.tensor import distribute_tensor
+
+    placement = {"wo": Shard(1), "w2": Shard(1), "n1": Replicate(), "n2": Replicate()}
+    return {
+        k: distribute_tensor(v, tensor_mesh, [placement.get(k, Shard(0))]) if k in TP else v for k, v in params.items()
+    }
+
+
+def _full(tree):
+    DTensor, _, _, _ = _dtensor_api()
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v, type(v).__name__, str(getattr(v, "placements", "")))
+        for k, v in tree.items()
+    }
+
+
+def _train(rank, world, dims, shape, schedules, num_stages):
+    """Steps on a ``dims`` mesh, one per schedule; per schedule the loss, full grads and norm."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    replica = mesh.get_coordinate()[dims.index("dp")] if "dp" in dims else 0
+    out = []
+    for schedule in schedules:
+        step = fpipe.pipeline(_loss, _stages(num_stages), schedule, mesh=mesh, timeout=60)
+        full_params = _params(num_stages)
+        params = [_distribute(p, mesh["tp"]) if s in step.local_stages else None for s, p in enumerate(full_params)]
+        loss, grads = step(params, _batch(10 + replica) if step.rank == 0 else None)
+        for s in step.local_stages:  # the grads' placements are their params'
+            for k, g in grads[s].items():
+                assert type(g) is type(params[s][k]), (s, k)
+                assert getattr(g, "placements", None) == getattr(params[s][k], "placements", None), (s, k)
+        full = [_full(grads[s]) if s in step.local_stages else None for s in range(num_stages)]
+        out.append((step.local_stages, loss, full, step.global_norm(grads)))
+    return out
+
+
+def _check(results, num_stages, replicas=1, split_backward=()):
+    """Each rank's results (one per schedule) against the float64 reference, averaged over
+    ``replicas``; schedules at indices ``split_backward`` split their backward."""
+    refs = [_reference(num_stages, _batch(10 + r)) for r in range(replicas)]
+    loss = sum(r[0] for r in refs) / replicas
+    grads = [{k: sum(r[1][s][k] for r in refs) / replicas for k in refs[0][1][s]} for s in range(num_stages)]
+    norm = torch.cat([g.reshape(-1) for tree in grads for g in tree.values()]).norm()
+    first = {}  # (stage, name) -> the gradient of the first schedule, from the rank that held it
+    for local_stages, _, d_grads, _ in (per_rank[0] for per_rank in results):
+        first.update({(s, k): g for s in local_stages for k, (g, _, _) in d_grads[s].items()})
+    for per_rank in results:
+        for j, (local_stages, d_loss, d_grads, d_norm) in enumerate(per_rank):
+            torch.testing.assert_close(d_loss, loss, rtol=1e-13, atol=0)
+            torch.testing.assert_close(d_norm, norm, rtol=1e-13, atol=0)
+            for s in local_stages:
+                assert d_grads[s].keys() == grads[s].keys()
+                for k, (g, kind, placements) in d_grads[s].items():
+                    assert kind == ("DTensor" if k in TP else "Tensor"), (s, k, kind)
+                    torch.testing.assert_close(g, grads[s][k], rtol=1e-12, atol=1e-14)
+                    if j in split_backward and placements == "(Replicate(),)":
+                        # A split backward sums a replicated weight's partial gradients in
+                        # another order (measured: 1.4e-17 apart); everything else is bitwise.
+                        torch.testing.assert_close(g, first[s, k], rtol=1e-14, atol=1e-16)
+                    else:
+                        assert torch.equal(g, first[s, k]), (j, s, k)  # bitwise across schedules
+            assert torch.equal(d_loss, results[0][0][1])
+
+
+def test_pipeline_times_tensor_parallel_equals_the_unsplit_model():
+    """pp 2 x tp 2 (mesh declared tp-first); GPipe, 1F1B and ZB-H1 (split backward), 2 stages."""
+    schedules = [GPipe(3), OneFOneB(3), ZeroBubbleH1(3)]
+    results = run_ranks(4, _train, ("tp", "pp"), (2, 2), schedules, 2, timeout=180)
+    _check(results, 2, split_backward=(2,))
+
+
+def test_two_stages_per_rank_with_tensor_parallel():
+    """pp 2 x tp 2, 4 stages: looped (interleaved 1F1B) and in a V (ZB-V, split backward)."""
+    results = run_ranks(4, _train, ("pp", "tp"), (2, 2), [OneFOneB(4), ZeroBubbleV(4)], 4, timeout=180)
+    _check(results, 4, split_backward=(1,))
+
+
+@pytest.mark.slow
+def test_data_times_pipeline_times_tensor_parallel():
+    """dp 2 x pp 2 x tp 2 on 8 processes: equal to the average of the replicas' references."""
+    results = run_ranks(8, _train, ("dp", "pp", "tp"), (2, 2, 2), [OneFOneB(2)], 2, timeout=240)
+    _check(results, 2, replicas=2)
+
+
+def _bad_inputs(rank, world):
+    """On pp 2 x tp 2: DTensor params on the wrong mesh on one rank, then a good step, then a
+    stage returning DTensors on another sub-mesh; what every rank raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    DTensor, _, Replicate, _ = _dtensor_api()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp, tp = mesh.get_coordinate()
+    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), mesh=mesh, timeout=30)
+    params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(_params(2))]
+    batch = _batch(1) if pp == 0 else None
+    messages = {}
+    wrong = [dict(p) if p is not None else None for p in params]
+    if (pp, tp) == (1, 1):  # one rank: its tp partner and its pipeline peer must hear of it too
+        wrong[1]["wq"] = DTensor.from_local(wrong[1]["wq"].to_local(), mesh["pp"], [Replicate()])
+    with pytest.raises(ValueError) as info:
+        step(wrong, batch)
+    messages["wrong mesh"] = str(info.value)
+    messages["after"] = float(step(params, batch)[0])  # input errors leave the mesh usable
+
+    def elsewhere(p, mb):  # returns a DTensor on the pipeline sub-mesh
+        y = _first(p, mb)
+        return {"x": DTensor.from_local(y["x"].to_local(), mesh["pp"], [Replicate()]), "mlp": y["mlp"]}
+
+    failing = fpipe.pipeline(_loss, [elsewhere, _last], OneFOneB(2), mesh=mesh, timeout=30)
+    with pytest.raises(fpipe.PipelineError) as info:
+        failing(params, batch)
+    messages["output elsewhere"] = (str(info.value), repr(info.value.__cause__))
+    for function in (fpipe.save, lambda d, p, *, step: fpipe.load(d, p, step=step)):
+        with pytest.raises(NotImplementedError) as info:
+            function("/nonexistent", params, step=step)
+        messages.setdefault("save and load", []).append(str(info.value))
+    return messages
+
+
+def test_bad_dtensor_inputs_fail_on_every_rank():
+    results = run_ranks(4, _bad_inputs, timeout=120)
+    wrong = [r["wrong mesh"] for r in results]  # global rank = 2 * pp + tp
+    assert "params[1] leaf ['wq'] (stage 1, rank 1) is a DTensor on the wrong mesh" in wrong[3]
+    assert "this rank's tensor-parallel sub-mesh has ranks [2, 3]" in wrong[3]
+    assert "another tensor-parallel rank rejected its inputs" in wrong[2]
+    assert "rank(s) [1] rejected their inputs" in wrong[1]
+    assert "another tensor-parallel rank rejected its inputs" in wrong[0]
+    assert len({r["after"] for r in results}) == 1
+    for rank, r in enumerate(results):
+        message, cause = r["output elsewhere"]
+        assert "forward of stage 0 on microbatch 0 (0F0)" in message, (rank, message)
+        if rank < 2:  # the senders: their own error says which leaf and why
+            assert "the leaf ['x'] is a DTensor on the wrong mesh" in cause
+        save, load = r["save and load"]
+        assert "fpipe.save: saving and loading on a mesh with a tensor-parallel dimension is not supp" in save
+        assert "fpipe.load: saving and loading on a mesh with a tensor-parallel dimension is not supp" in load
+
+
+def _uneven_heads(rank, world):
+    """3 heads on 2 tensor-parallel ranks: the stage cannot split them, on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp = mesh.get_coordinate()[0]
+    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), mesh=mesh, timeout=30)
+    full = _params(2)
+    for p in full:  # 3 heads of HEAD_DIM: 6 rows of q, k, v, 3 on each rank
+        p.update({n: p[n][: 3 * HEAD_DIM] for n in ("wq", "wk", "wv")}, wo=p["wo"][:, : 3 * HEAD_DIM])
+    params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
+    with pytest.raises(fpipe.PipelineError) as info:
+        step(params, _batch(1) if pp == 0 else None)
+    return str(info.value), repr(info.value.__cause__)
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_fails_every_rank():
+    results = run_ranks(4, _uneven_heads, timeout=120)
+    for rank, (message, cause) in enumerate(results):
+        assert "forward of stage 0 on microbatch 0 (0F0)" in message, (rank, message)
+        if rank < 2:
+            assert "is invalid for input of size" in cause, cause
+
+
+def _one_tp_rank_fails(rank, world):
+    """On pp 2 x tp 2, stage 0 raises on tp rank 1 only, while its partner waits in the stage's
+    all-reduce: every rank raises, in seconds, not at the process group's timeout."""
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp, tp = mesh.get_coordinate()
+
+    def first(p, mb):
+        if tp == 1:
+            raise ValueError("boom on tp rank 1")
+        return _first(p, mb)
+
+    step = fpipe.pipeline(_loss, [first, _last], OneFOneB(2), mesh=mesh, timeout=30)
+    params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(_params(2))]
+    start = time.monotonic()
+    with pytest.raises(fpipe.PipelineError) as info:
+        step(params, _batch(1) if pp == 0 else None)
+    return time.monotonic() - start, str(info.value), repr(info.value.__cause__)
+
+
+def test_a_failure_on_one_tensor_parallel_rank_fails_its_partners_in_their_collectives():
+    results = run_ranks(4, _one_tp_rank_fails, timeout=120)
+    for rank, (seconds, message, _) in enumerate(results):
+        assert seconds < 10, (rank, seconds)
+        assert "forward of stage 0 on microbatch 0 (0F0)" in message, (rank, message)
+    assert "boom on tp rank 1" in results[1][2]
+    # its partner, in the stage's all-reduce; the next pipeline rank, in fpipe's own waits
+    assert "rank 0 stopped while waiting for a collective inside its stage because rank 0" in results[0][1]
+    assert "rank 1 stopped while waiting for the activation of stage 0" in results[2][1]
+
+
+def _mlp():
+    torch.manual_seed(0)
+    f64 = {"dtype": torch.float64}  # the same draws here and in the ranks, whatever the default dtype
+    layers = [nn.Linear(4, 8, **f64), nn.Tanh(), nn.Linear(8, 4, **f64), nn.Linear(4, 8, **f64), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(8, 3, **f64))
+
+
+def _mse(y, mb):
+    return ((y - mb["y"]) ** 2).mean()
+
+
+def _mlp_batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    return {"x": x, "y": torch.randn(6, 3, generator=g, dtype=torch.float64)}
+
+
+def _parallelized(rank, world):
+    """torch's ColwiseParallel / RowwiseParallel on a model's Linears, then split_module."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    model = _mlp()
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(), "5": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)
+    call = {"": lambda module, x: module(x), "0": lambda module, mb: module(mb["x"])}
+    stages, params = fpipe.split_module(model, ["0+1+2", "3+4+5"], call=call)
+    step = fpipe.pipeline(_mse, stages, OneFOneB(3), mesh=mesh, timeout=60)
+    loss, grads = step([p if s in step.local_stages else None for s, p in enumerate(params)], _mlp_batch())
+    full = {k: g.full_tensor() if isinstance(g, DTensor) else g for s in step.local_stages for k, g in grads[s].items()}
+    return loss, full
+
+
+def test_modules_parallelized_by_torch_then_split():
+    results = run_ranks(4, _parallelized, timeout=120)
+    model = _mlp()
+    batch = _mlp_batch()
+    loss = _mse(model(batch["x"]), batch)
+    loss.backward()
+    for d_loss, d_grads in results:
+        torch.testing.assert_close(d_loss, loss.detach(), rtol=1e-13, atol=0)
+        assert len(d_grads) == 4
+        for name, g in d_grads.items():
+            torch.testing.assert_close(g, model.get_parameter(name).grad, rtol=1e-12, atol=1e-15)
