@@ -10,7 +10,7 @@ data-parallel reduction (notes/wire.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,7 +19,7 @@ import torch
 from ._executor import Executor, LocalTransport
 from ._microbatch import split, stack
 from ._pytree import PyTree, flatten
-from ._record import active, clock, measured
+from ._record import Stopwatch, active, clock, measured
 from ._stage import StageFn, StageRun
 from .schedules._action import Action
 from .schedules._program import Program, checksum, execution_order
@@ -130,16 +130,22 @@ def segments(order: Sequence[tuple[int, Action]]) -> list[tuple[Sequence[tuple[i
     return out
 
 
-def interpret(executor: Executor, runs: StageRuns, order: Sequence[tuple[int, Action]]) -> list[tuple[float, float]]:
+def interpret(
+    executor: Executor, runs: StageRuns, order: Sequence[tuple[int, Action]], devices: Iterable[torch.device] = ()
+) -> list[tuple[float, float]]:
     """Run ``order``, telling ``runs`` as each stage's last action has run; the actions' times
-    when a recording is active (``fpipe.record``)."""
-    times: list[tuple[float, float]] = []
-    recording = active() is not None
+    when a recording is active (``fpipe.record``), on ``devices``' CUDA events if any
+    (``Stopwatch``; read after the last action)."""
+    marks: list[tuple[Any, Any]] = []
+    watch = Stopwatch(devices) if active() is not None else None
     for actions, finished in segments(order):
-        executor.run(actions, times=times if recording else None)
+        executor.run(actions, times=marks if watch is not None else None, watch=watch)
         for s in finished:
             runs.finish_stage(s)
-    return times
+    if watch is None:
+        return []
+    flat = watch.seconds([m for pair in marks for m in pair])
+    return list(zip(flat[::2], flat[1::2]))
 
 
 def run_local(
@@ -158,8 +164,9 @@ def run_local(
         transport=LocalTransport(microbatches),
     )
     start = clock()
-    times = interpret(executor, runs, plan.order)
     recording = active()
+    devices = [t.device for p in params for t in flatten(p)[0] if isinstance(t, torch.Tensor)] if recording else []
+    times = interpret(executor, runs, plan.order, devices)
     if recording is not None:
         recording.timelines.append(measured(spec.program, plan.order, times, start))
     loss, aux = result(spec, executor)

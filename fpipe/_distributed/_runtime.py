@@ -132,7 +132,7 @@ def _run_row(
     executor = Executor(runs, spec.num_stages, spec.loss_fn, has_aux=spec.has_aux, weights=weights, transport=transport)
     start = clock()
     try:
-        times = interpret(executor, runs, plan.order)
+        times = interpret(executor, runs, plan.order, [topology.device])
         loss, aux = transport.exchange_result(result(spec, executor) if topology.rank == last else None)
         transport.finish()
         recording = active()
