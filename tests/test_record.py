@@ -64,7 +64,7 @@ def test_a_profiler_trace_has_a_range_per_action(schedule: object) -> None:
     expected = sorted(f"fpipe {a}" for row in step.program.ranks for a in row)
     assert ranges == expected
     # the ranges hold the action's work
-    inside = [e for e in profile.events() if e.name == "fpipe 0F0"][0]
+    inside = next(e for e in profile.events() if e.name == "fpipe 0F0")
     assert any(child.name == "aten::tanh" for child in _descendants(inside))
 
 
