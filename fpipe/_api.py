@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ._distributed._collectives import all_reduce_sum
-from ._distributed._runtime import run_distributed
+from ._distributed._runtime import replica_mean, run_distributed
 from ._distributed._topology import Topology, resolve_topology
 from ._distributed._transport import WireState
 from ._plural import plural
@@ -339,7 +339,10 @@ class Step:
         """This rank's stages for a run; with ``shard_params``, every stage's all-gather is posted
         here and waited for at the stage's first forward (NOTE [gather overlap])."""
         if not self.shard_params:
-            return ReplicatedRuns(self, params)
+            topology = self._topology
+            if topology is None or topology.data_group is None:
+                return ReplicatedRuns(self, params)
+            return ReplicatedRuns(self, params, replica_mean(topology, self.timeout))
         assert self._topology is not None
         dp = data_parallel(self._topology, self.timeout)
         order = self._plan.order

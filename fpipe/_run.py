@@ -86,12 +86,30 @@ class StageRuns(Protocol):
     def grads(self, num_stages: int) -> list[PyTree]: ...
 
 
-class ReplicatedRuns(Mapping[int, StageRun]):
-    """Stages with their full parameters (``StageRuns``): gradients stay where they are computed;
-    ``finish`` returns their leaves, which data-parallel replicas still have to average."""
+class Pending(Protocol):
+    """A reduction posted and not yet waited for."""
 
-    def __init__(self, spec: StepSpec, params: Sequence[PyTree]) -> None:
+    def wait(self) -> None: ...
+
+
+# Posts the reduction of stage ``s``'s gradient leaves (averaged in place once waited for).
+Reduce = Callable[[int, list[torch.Tensor]], Pending]
+
+
+class ReplicatedRuns(Mapping[int, StageRun]):
+    """Stages with their full parameters (``StageRuns``): gradients stay where they are computed.
+
+    Without ``reduce``, ``finish`` returns their leaves, which data-parallel replicas still have
+    to average. With it, ``finish_stage(s)`` posts the reduction of stage ``s``'s gradients as
+    soon as its last action has run, so that it overlaps the rest of the pipeline, and
+    ``finish`` waits for them all (NOTE [reduction overlap] in fpipe/_distributed/_runtime.py).
+    """
+
+    def __init__(self, spec: StepSpec, params: Sequence[PyTree], reduce: Reduce | None = None) -> None:
         self._runs = {s: stage_run(spec, s, params[s]) for s in spec.local_stages}
+        self._reduce = reduce
+        self._grads: dict[int, PyTree] = {}  # with reduce: the gradients posted, by stage
+        self._pending: list[Pending] = []
 
     def __getitem__(self, stage: int) -> StageRun:
         return self._runs[stage]
@@ -103,13 +121,24 @@ class ReplicatedRuns(Mapping[int, StageRun]):
         return len(self._runs)
 
     def finish_stage(self, stage: int) -> None:
-        """Nothing to do before the step ends."""
+        """With ``reduce``, post the reduction of ``stage``'s gradients (else nothing to do yet)."""
+        if self._reduce is not None:
+            grads = self._grads[stage] = self._runs[stage].grads()
+            leaves = [g for g in flatten(grads)[0] if isinstance(g, torch.Tensor)]
+            self._pending.append(self._reduce(stage, leaves))
 
     def finish(self) -> list[torch.Tensor]:
+        if self._reduce is not None:
+            for pending in self._pending:
+                pending.wait()
+            return []
         return [g for s in sorted(self._runs) for g in flatten(self._runs[s].grads())[0] if isinstance(g, torch.Tensor)]
 
     def grads(self, num_stages: int) -> list[PyTree]:
-        return [self._runs[s].grads() if s in self._runs else None for s in range(num_stages)]
+        return [
+            self._grads[s] if s in self._grads else self._runs[s].grads() if s in self._runs else None
+            for s in range(num_stages)
+        ]
 
 
 def stage_run(spec: StepSpec, stage: int, stage_params: PyTree) -> StageRun:

@@ -25,9 +25,9 @@ from .._executor import Executor
 from .._microbatch import sizes_of, split
 from .._pytree import PyTree
 from .._record import active, clock, measured
-from .._run import Plan, StageRuns, StepSpec, interpret, result
+from .._run import Pending, Plan, Reduce, StageRuns, StepSpec, interpret, result
 from ..schedules._program import ScheduleError
-from ._collectives import all_reduce_sum, check_usable, handshake, mark_broken
+from ._collectives import PendingSum, all_reduce_sum, all_reduce_sum_async, check_usable, handshake, mark_broken
 from ._faults import WATCHDOG
 from ._topology import Topology
 from ._transport import DistributedTransport, WireState
@@ -193,3 +193,44 @@ def _average_replicas(
     for g in leaves:
         g.div_(topology.data_size)
     return (total[0] / topology.data_size).to(loss.device, loss.dtype).reshape(())
+
+
+# NOTE [reduction overlap]
+# With data-parallel replicas, a stage's gradients are final once its last backward (or weight
+# gradient) action has run; ``replica_mean`` posts their all-reduce right then (one per dtype,
+# async), so that it runs while this rank goes on with its other stages' actions, and the step
+# waits for them all only before it returns (``ReplicatedRuns.finish``); the loss is averaged
+# after that (``_average_replicas``). Sharded runs do the same with reduce-scatters
+# (fpipe/_sharding/_runs.py). Each replica runs the same row, so every replica posts the same
+# stages in the same order. The sums are those of the one all-reduce at the end that this
+# replaces: two replicas' sum is a + b either way; with three or more, the order of the backend's
+# additions is its own, as before. Each leaf is then divided by the number of replicas, as before.
+#
+#     rank  | 1B3 ... 1B7 | 0B5 0B6 0B7 |            (last actions of stages 1, then 0)
+#     dp    |             | all-reduce stage 1 | all-reduce stage 0 |
+#     wait  |                                          ^ step returns
+
+
+def replica_mean(topology: Topology, timeout: float) -> Reduce:
+    """The ``Reduce`` that averages a stage's gradient leaves over the data-parallel replicas,
+    posted now and waited for by the step's end (NOTE [reduction overlap])."""
+
+    def reduce(stage: int, leaves: list[torch.Tensor]) -> Pending:
+        what = f"the data-parallel all-reduce of stage {stage}'s gradients"
+        return _Mean(
+            all_reduce_sum_async(topology, topology.data_group, leaves, timeout, what), leaves, topology.data_size
+        )
+
+    return reduce
+
+
+class _Mean:
+    """A posted sum of ``leaves`` over ``size`` replicas; ``wait`` leaves their mean in them."""
+
+    def __init__(self, pending: PendingSum, leaves: list[torch.Tensor], size: int) -> None:
+        self._pending, self._leaves, self._size = pending, leaves, size
+
+    def wait(self) -> None:
+        self._pending.wait()
+        for g in self._leaves:
+            g.div_(self._size)
