@@ -26,7 +26,10 @@ def _loss(y: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
 def _params() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     f64 = torch.float64  # explicit: the ranks' processes keep torch's default dtype
-    return [{"w": torch.randn(6, 6, generator=g, dtype=f64), "b": torch.randn(6, generator=g, dtype=f64)} for _ in range(4)]
+    return [
+        {"w": torch.randn(6, 6, generator=g, dtype=f64), "b": torch.randn(6, generator=g, dtype=f64)}
+        for _ in range(NUM_STAGES)
+    ]
 
 
 def _batch(replica: int) -> torch.Tensor:
@@ -62,7 +65,6 @@ def _train(rank: int, world: int) -> tuple[Any, ...]:
     replica = mesh.get_coordinate()[0]
     loss, grads = step(params, _batch(replica) if 0 in step.local_stages or step.rank == 1 else None)
     return step.local_stages, loss, grads, log
-
 
 
 def test_reductions_are_posted_at_each_stages_last_action_and_bitwise_the_average() -> None:
