@@ -47,3 +47,11 @@ def test_bench_compile_quick() -> None:
     results = _load("bench_compile").main(["--quick"])
     for name in ("OneFOneB", "ZeroBubbleH1"):
         assert results[name]["grads_match"] and results[name]["compiled_ms"] > 0
+
+
+def test_bench_reduction_quick() -> None:
+    result = _load("bench_reduction").main(["--quick"])
+    assert len(result["ranks"]) == 4
+    for row in result["ranks"]:
+        for mode in ("end", "overlap"):
+            assert row[mode]["step_s"] > 0 and row[mode]["exposed_s"] >= 0

@@ -23,7 +23,7 @@ import torch
 from .._errors import PipelineError
 from .._executor import Executor
 from .._microbatch import sizes_of, split
-from .._pytree import PyTree
+from .._pytree import PyTree, leaves_with_paths
 from .._record import active, clock, measured
 from .._run import Pending, Plan, Reduce, StageRuns, StepSpec, interpret, result
 from ..schedules._program import ScheduleError
@@ -86,6 +86,7 @@ def _agree(
     problem: Exception | None = None
     try:
         _check_held(spec, params, placement)
+        check_devices(spec, params, topology.device)
         check_params(params)
         if batch is not None and me in (first, last):
             microbatches, sizes = split(batch, m, spec.batch_dims)
@@ -177,6 +178,25 @@ def _check_held(step: StepSpec, params: Sequence[PyTree], placement: tuple[int, 
                 f"{placement[s]}. Pass None for the stages this rank does not hold "
                 f"(step.local_stages: {step.local_stages})."
             )
+
+
+def check_devices(spec: StepSpec, params: Sequence[PyTree], device: torch.device) -> None:
+    """Raise unless every tensor of the local stages' ``params`` is on this rank's ``device``
+    (NOTE [the rank's device] in fpipe/_distributed/_topology.py); the ``meta`` device, which
+    holds no data, is reported elsewhere."""
+    for s in spec.local_stages:
+        paths, leaves, _ = leaves_with_paths(params[s])
+        for path, leaf in zip(paths, leaves):
+            if isinstance(leaf, torch.Tensor) and not leaf.is_meta and not _same_device(leaf.device, device):
+                raise ValueError(
+                    f"fpipe.step: stage {s}'s parameters are on {leaf.device} but rank {spec.rank} runs on {device} "
+                    f"(params[{s}]{path}: {leaf.device}). Move the parameters of every local stage to the "
+                    f"rank's device (step.topology.device: {device}) before the step."
+                )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def _average_replicas(
