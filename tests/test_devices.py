@@ -35,6 +35,7 @@ def test_stage_params_on_another_device_than_the_rank_fail() -> None:
     spec: Any = SimpleNamespace(local_stages=(1, 3), rank=1)
     params = [None, {"w": torch.zeros(2)}, None, {"w": torch.zeros(2)}]
     check_devices(spec, params, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"stage 1's parameters are on cpu but rank 1 runs on cuda:0 \(params\[1\]\['w'\]"):
+    fragment = r"stage 1's parameters are on cpu but rank 1 runs on cuda:0 \(params\[1\]\['w'\]"
+    with pytest.raises(ValueError, match=fragment):
         check_devices(spec, params, torch.device("cuda", 0))
     check_devices(spec, [None, {"w": torch.empty(2, device="meta")}, None, None], torch.device("cuda", 0))
