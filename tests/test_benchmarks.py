@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -49,7 +51,8 @@ def test_bench_compile_quick() -> None:
         assert results[name]["grads_match"] and results[name]["compiled_ms"] > 0
 
 
-def test_bench_reduction_quick() -> None:
+def test_bench_reduction_quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # its spawned ranks import it by name
     result = _load("bench_reduction").main(["--quick"])
     assert len(result["ranks"]) == 4
     for row in result["ranks"]:
