@@ -5,6 +5,7 @@ Run::
     python benchmarks/bench_overhead.py            # full sizes, about a minute on 2 cores
     python benchmarks/bench_overhead.py --quick    # tiny sizes, a few seconds (used by the tests)
     python benchmarks/bench_overhead.py --json out.json
+    python benchmarks/bench_overhead.py --device cuda   # on a GPU (benchmarks/gpu_check.sh)
 
 Three comparisons, each timed A/B interleaved (one step of A, one step of B, repeat) so that
 noise from other work on the machine hits both sides alike; the table reports medians:
@@ -93,19 +94,24 @@ def plain_step(params: Params, batch: dict[str, torch.Tensor], num_microbatches:
     leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
     xs = batch["x"].chunk(num_microbatches)
     targets = batch["target"].chunk(num_microbatches)
-    total = 0.0
+    total = torch.zeros((), device=batch["x"].device)
     for x, target in zip(xs, targets):
         loss = loss_fn(blocks(leaves, x), {"target": target}) / num_microbatches
         loss.backward()
-        total += loss.item()
-    return total, {k: v.grad for k, v in leaves.items()}  # type: ignore[misc]
+        total = total + loss.detach()  # read once, at the end: no device sync per microbatch
+    return total.item(), {k: v.grad for k, v in leaves.items()}  # type: ignore[misc]
 
 
 # Timing.
 
 
-def interleaved(fns: Sequence[Callable[[], Any]], repeats: int, warmup: int) -> list[list[float]]:
-    """Seconds per call of each function, calling them in turn ``repeats`` times."""
+def interleaved(
+    fns: Sequence[Callable[[], Any]], repeats: int, warmup: int, device: torch.device | None = None
+) -> list[list[float]]:
+    """Seconds per call of each function, calling them in turn ``repeats`` times (on CUDA, each
+    call waits for the device before the clock stops)."""
+    if device is not None and device.type == "cuda":
+        fns = [_synchronized(fn, device) for fn in fns]
     for _ in range(warmup):
         for fn in fns:
             fn()
@@ -116,6 +122,15 @@ def interleaved(fns: Sequence[Callable[[], Any]], repeats: int, warmup: int) -> 
             fn()
             times[k].append(time.perf_counter() - start)
     return times
+
+
+def _synchronized(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    def call() -> Any:
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+
+    return call
 
 
 def summary(times: list[float]) -> dict[str, float]:
@@ -134,7 +149,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (seconds)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     parser.add_argument("--repeats", type=int, help="timed steps per side (default 21, quick 3)")
+    parser.add_argument("--device", default="cpu", help="where parameters and batches live (default cpu)")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
 
     if args.quick:
         dim, hidden, num_layers, batch_size, seq = 16, 32, 4, 8, 4
@@ -145,11 +162,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     repeats = args.repeats or repeats
     num_stages, num_microbatches, tiny_stages = 4, 8, 4
 
-    params = init_params(num_layers, dim, hidden)
+    params = {k: v.to(device) for k, v in init_params(num_layers, dim, hidden).items()}
     generator = torch.Generator().manual_seed(1)
     batch = {
-        "x": torch.randn(batch_size, seq, dim, generator=generator),
-        "target": torch.randn(batch_size, seq, dim, generator=generator),
+        "x": torch.randn(batch_size, seq, dim, generator=generator).to(device),
+        "target": torch.randn(batch_size, seq, dim, generator=generator).to(device),
     }
     results: dict[str, Any] = {
         "config": {
@@ -162,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "repeats": repeats,
             "warmup": warmup,
             "quick": args.quick,
+            "device": str(device),
         },
         "machine": {
             "torch": torch.__version__,
@@ -177,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     loss_p, grads_p = plain_step(params, batch)
     check_grads(grads_f, grads_p)
     torch.testing.assert_close(loss_f.item(), loss_p, rtol=1e-5, atol=1e-6)
-    fp, pl = interleaved([lambda: step_1([params], batch), lambda: plain_step(params, batch)], repeats, warmup)
+    fp, pl = interleaved([lambda: step_1([params], batch), lambda: plain_step(params, batch)], repeats, warmup, device)
     results["one_stage"] = {
         "fpipe": summary(fp),
         "plain": summary(pl),
@@ -194,7 +212,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     check_grads(grads_f, grads_p)
     torch.testing.assert_close(loss_f.item(), loss_p, rtol=1e-5, atol=1e-6)
     fp, pl = interleaved(
-        [lambda: step_4(stage_params, batch), lambda: plain_step(params, batch, num_microbatches)], repeats, warmup
+        [lambda: step_4(stage_params, batch), lambda: plain_step(params, batch, num_microbatches)],
+        repeats,
+        warmup,
+        device,
     )
     results["four_stages"] = {
         "microbatches": num_microbatches,
@@ -207,8 +228,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # (c) Executor overhead per action on tiny stages.
     tiny = [lambda p, x: x * p] * tiny_stages
     step_tiny = fpipe.pipeline(lambda y, mb: y.mean(), tiny, OneFOneB(tiny_microbatches))
-    tiny_params = [torch.full((1,), 1.0 + s / 10) for s in range(tiny_stages)]
-    tiny_batch = torch.randn(tiny_microbatches, 1, generator=generator)
+    tiny_params = [torch.full((1,), 1.0 + s / 10, device=device) for s in range(tiny_stages)]
+    tiny_batch = torch.randn(tiny_microbatches, 1, generator=generator).to(device)
 
     def plain_tiny() -> None:  # the autograd floor: the same multiplies, one backward per microbatch
         leaves = [p.detach().requires_grad_() for p in tiny_params]
@@ -217,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 x = x * p
             (x.mean() / tiny_microbatches).backward()
 
-    tt, tp = interleaved([lambda: step_tiny(tiny_params, tiny_batch), plain_tiny], repeats, warmup)
+    tt, tp = interleaved([lambda: step_tiny(tiny_params, tiny_batch), plain_tiny], repeats, warmup, device)
     num_actions = 2 * tiny_stages * tiny_microbatches
     results["per_action"] = {
         "stages": tiny_stages,
@@ -239,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def print_table(results: dict[str, Any]) -> None:
     a, b, c = results["one_stage"], results["four_stages"], results["per_action"]
     m = results["machine"]
-    print(f"torch {m['torch']}, {m['torch_threads']} threads, config {results['config']}")
+    print(f"torch {m['torch']}, {m['torch_threads']} threads, config {results['config']}")  # with the device
     print("grads match plain autograd (assert_close rtol=1e-4, atol=1e-5): 1 stage yes, 4 stages yes")
     print()
     print(f"| {'comparison':<48} | {'fpipe ms':>9} | {'plain ms':>9} | {'ratio':>6} | target  |")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ._distributed._collectives import all_reduce_sum
-from ._distributed._runtime import run_distributed
+from ._distributed._runtime import replica_mean, run_distributed
 from ._distributed._topology import Topology, resolve_topology
 from ._distributed._transport import WireState
 from ._dtensor import square_sum
@@ -495,7 +495,10 @@ class Step:
         """This rank's stages for a run; with ``shard_params``, every stage's all-gather is posted
         here and waited for at the stage's first forward (NOTE [gather overlap])."""
         if not self.shard_params:
-            return ReplicatedRuns(self, params)
+            topology = self._topology
+            if topology is None or topology.data_group is None:
+                return ReplicatedRuns(self, params)
+            return ReplicatedRuns(self, params, replica_mean(topology, self.timeout, divide=self.weight_fn is None))
         assert self._topology is not None
         dp = data_parallel(self._topology, self.timeout)
         order = self._plan.order
@@ -520,8 +523,9 @@ class Step:
                 )
                 for s, layout in self._layouts.items()
             }
+        divide = self.weight_fn is None  # with weight_fn each replica's share is already over the total
         return ShardedRuns(
-            dp, make_run, params, self._layouts, order, regather=self.regather, grad_layouts=grad_layouts
+            dp, make_run, params, self._layouts, order, regather=self.regather, grad_layouts=grad_layouts, divide=divide
         )
 
     def _check_shards(self, params: Sequence[PyTree]) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from ._errors import PipelineError
 from ._pytree import PyTree
-from ._record import Times, clock
+from ._record import Stopwatch
 from ._stage import Grads, Pullback, StageRun
 from .schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 
@@ -93,14 +93,23 @@ class Executor:
         self.keep_outputs = keep_outputs
         self.outputs: dict[int, Any] = {}  # the last stage's outputs, with keep_outputs
         self._pullbacks: dict[tuple[int, int], Pullback] = {}
-        self._ready = 0.0  # when the current action's inputs had arrived
+        self._watch: Stopwatch | None = None  # while recording (``fpipe.record``)
+        self._ready: Any = 0.0  # when the current action's inputs had arrived (a ``Stopwatch`` mark)
         self.current: Action | None = None  # the action running, or that raised
 
-    def run(self, order: Sequence[tuple[int, Action]], *, times: Times | None = None) -> None:
+    def run(
+        self,
+        order: Sequence[tuple[int, Action]],
+        *,
+        times: list[tuple[Any, Any]] | None = None,
+        watch: Stopwatch | None = None,
+    ) -> None:
         """Interpret ``(rank, action)`` pairs in order; failures become ``PipelineError``.
 
-        With ``times``, each action's start (once its inputs have arrived: waiting for a peer is
-        idle time, as in a simulation) and end (``fpipe._record.clock``) are appended to it.
+        With ``times`` and ``watch``, each action's start (once its inputs have arrived: waiting
+        for a peer is idle time, as in a simulation) and end (``watch``'s marks) are appended to it.
+        Under ``torch.profiler`` each action runs in a ``record_function`` range named
+        ``fpipe 1F3``; when no profiler is active, no range is opened (NOTE [profiler ranges]).
         """
         # A local table, not an attribute: bound methods stored on self would make a reference
         # cycle that keeps the executor, its stages and their gradients alive until the next GC.
@@ -110,11 +119,16 @@ class Executor:
             BACKWARD_INPUT: self._backward_input,
             BACKWARD_WEIGHT: self._backward_weight,
         }
+        self._watch = watch if times is not None else None
         for rank, action in order:
-            self._ready = clock() if times is not None else 0.0
+            self._ready = self._watch.mark() if self._watch is not None else 0.0
             self.current = action
             try:
-                handlers[action.kind](action)
+                if _profiling():
+                    with torch.profiler.record_function(f"fpipe {action}"):
+                        handlers[action.kind](action)
+                else:
+                    handlers[action.kind](action)
             except PipelineError:
                 raise
             except _LossFnFailed as error:
@@ -123,8 +137,8 @@ class Executor:
             except Exception as error:
                 raise PipelineError.from_exception(rank, action, error) from error
             self.current = None
-            if times is not None:
-                times.append((self._ready, clock()))
+            if self._watch is not None and times is not None:
+                times.append((self._ready, self._watch.mark()))
 
     def _loss_fn(self, y: Any, microbatch: Any) -> Any:
         """``loss_fn``, its errors marked as its own (not the last stage's)."""
@@ -134,7 +148,8 @@ class Executor:
             raise _LossFnFailed from error
 
     def _arrived(self) -> None:
-        self._ready = clock()
+        if self._watch is not None:
+            self._ready = self._watch.mark()
 
     def _forward(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
@@ -188,6 +203,15 @@ class Executor:
     def _backward_weight(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
         self.stages[s].backward_weight(self._pullbacks.pop((s, i)), i)
+
+
+# NOTE [profiler ranges]
+# A ``record_function`` range costs about 7 us to open and close even with no profiler running
+# (torch 2.13, CPU; it builds a RecordFunction through the dispatcher), a third of an action's
+# whole overhead on a tiny stage. ``torch._C._autograd._profiler_enabled`` answers in 30 ns, so
+# ranges are opened only when some profiler (``torch.profiler.profile``, the legacy
+# ``torch.autograd.profiler.profile``, kineto's) is collecting: measured in notes/benchmarks.md.
+_profiling: Callable[[], bool] = torch._C._autograd._profiler_enabled
 
 
 class _LossFnFailed(Exception):

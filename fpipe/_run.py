@@ -10,7 +10,7 @@ data-parallel reduction (notes/wire.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,7 +20,7 @@ from ._executor import Executor, LocalTransport
 from ._microbatch import Microbatches, concat, counts, split, stack
 from ._precision import LossScaleState, Precision
 from ._pytree import PyTree, flatten, map_tensors
-from ._record import active, clock, measured
+from ._record import Stopwatch, active, clock, measured
 from ._stage import StageFn, StageRun
 from .schedules._action import Action
 from .schedules._program import Program, checksum, execution_order, forward_only
@@ -100,12 +100,30 @@ class StageRuns(Protocol):
     def grads(self, num_stages: int) -> list[PyTree]: ...
 
 
-class ReplicatedRuns(Mapping[int, StageRun]):
-    """Stages with their full parameters (``StageRuns``): gradients stay where they are computed;
-    ``finish`` returns their leaves, which data-parallel replicas still have to average."""
+class Pending(Protocol):
+    """A reduction posted and not yet waited for."""
 
-    def __init__(self, spec: StepSpec, params: Sequence[PyTree]) -> None:
+    def wait(self) -> None: ...
+
+
+# Posts the reduction of stage ``s``'s gradient leaves (averaged in place once waited for).
+Reduce = Callable[[int, list[torch.Tensor]], Pending]
+
+
+class ReplicatedRuns(Mapping[int, StageRun]):
+    """Stages with their full parameters (``StageRuns``): gradients stay where they are computed.
+
+    Without ``reduce``, ``finish`` returns their leaves, which data-parallel replicas still have
+    to average. With it, ``finish_stage(s)`` posts the reduction of stage ``s``'s gradients as
+    soon as its last action has run, so that it overlaps the rest of the pipeline, and
+    ``finish`` waits for them all (NOTE [reduction overlap] in fpipe/_distributed/_runtime.py).
+    """
+
+    def __init__(self, spec: StepSpec, params: Sequence[PyTree], reduce: Reduce | None = None) -> None:
         self._runs = {s: stage_run(spec, s, params[s]) for s in spec.local_stages}
+        self._reduce = reduce
+        self._grads: dict[int, PyTree] = {}  # with reduce: the gradients posted, by stage
+        self._pending: list[Pending] = []
 
     def __getitem__(self, stage: int) -> StageRun:
         return self._runs[stage]
@@ -117,13 +135,24 @@ class ReplicatedRuns(Mapping[int, StageRun]):
         return len(self._runs)
 
     def finish_stage(self, stage: int) -> None:
-        """Nothing to do before the step ends."""
+        """With ``reduce``, post the reduction of ``stage``'s gradients (else nothing to do yet)."""
+        if self._reduce is not None:
+            grads = self._grads[stage] = self._runs[stage].grads()
+            leaves = [g for g in flatten(grads)[0] if isinstance(g, torch.Tensor)]
+            self._pending.append(self._reduce(stage, leaves))
 
     def finish(self) -> list[torch.Tensor]:
+        if self._reduce is not None:
+            for pending in self._pending:
+                pending.wait()
+            return []
         return [g for s in sorted(self._runs) for g in flatten(self._runs[s].grads())[0] if isinstance(g, torch.Tensor)]
 
     def grads(self, num_stages: int) -> list[PyTree]:
-        return [self._runs[s].grads() if s in self._runs else None for s in range(num_stages)]
+        return [
+            self._grads[s] if s in self._grads else self._runs[s].grads() if s in self._runs else None
+            for s in range(num_stages)
+        ]
 
 
 def stage_run(spec: StepSpec, stage: int, stage_params: PyTree) -> StageRun:
@@ -146,16 +175,23 @@ def segments(order: Sequence[tuple[int, Action]]) -> list[tuple[Sequence[tuple[i
     return out
 
 
-def interpret(executor: Executor, runs: StageRuns, order: Sequence[tuple[int, Action]]) -> list[tuple[float, float]]:
+def interpret(
+    executor: Executor, runs: StageRuns, order: Sequence[tuple[int, Action]], devices: Iterable[torch.device] = ()
+) -> list[tuple[float, float]]:
     """Run ``order``, telling ``runs`` as each stage's last action has run; the actions' times
-    when a recording is active (``fpipe.record``)."""
-    times: list[tuple[float, float]] = []
-    recording = active() is not None
+    when a recording is active (``fpipe.record``), on ``devices``' CUDA events if any
+    (``Stopwatch``; read after the last action)."""
+    marks: list[tuple[Any, Any]] = []
+    watch = Stopwatch(devices) if active() is not None else None
     for actions, finished in segments(order):
-        executor.run(actions, times=times if recording else None)
-        for s in finished:
-            runs.finish_stage(s)
-    return times
+        executor.run(actions, times=marks if watch is not None else None, watch=watch)
+        if not executor.forward_only:  # a forward-only run makes no gradient to reduce
+            for s in finished:
+                runs.finish_stage(s)
+    if watch is None:
+        return []
+    flat = watch.seconds([m for pair in marks for m in pair])
+    return list(zip(flat[::2], flat[1::2]))
 
 
 def run_local(
@@ -179,8 +215,9 @@ def run_local(
         keep_outputs=keep_outputs,
     )
     start = clock()
-    times = interpret(executor, runs, plan.order)
     recording = active()
+    devices = [t.device for p in params for t in flatten(p)[0] if isinstance(t, torch.Tensor)] if recording else []
+    times = interpret(executor, runs, plan.order, devices)
     if recording is not None:
         recording.timelines.append(measured(plan.program, plan.order, times, start))
     explicit = isinstance(batch, Microbatches)

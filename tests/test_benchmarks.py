@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -65,3 +67,12 @@ def test_bench_evaluate_quick() -> None:
         row = results[name]
         assert row["loss_match"] and row["train_ms"] > 0 and row["evaluate_ms"] > 0
         assert 0 < row["evaluate_peak_MiB"] < row["train_peak_MiB"]  # forward only holds less
+
+
+def test_bench_reduction_quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # its spawned ranks import it by name
+    result = _load("bench_reduction").main(["--quick"])
+    assert len(result["ranks"]) == 4
+    for row in result["ranks"]:
+        for mode in ("end", "overlap"):
+            assert row[mode]["step_s"] > 0 and row[mode]["exposed_s"] >= 0

@@ -52,3 +52,41 @@ def test_nothing_is_recorded_outside_the_block() -> None:
     assert recording.timelines == []
     with pytest.raises(LookupError, match="no step ran inside the block"):
         _ = recording.timeline
+
+
+@pytest.mark.parametrize("schedule", [OneFOneB(4), ZeroBubbleH1(4)], ids=str)
+def test_a_profiler_trace_has_a_range_per_action(schedule: object) -> None:
+    step = fpipe.pipeline(loss_fn, [stage] * 3, schedule)
+    params = [torch.randn(8, 8) for _ in range(3)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        step(params, torch.randn(16, 8))
+    ranges = sorted(e.name for e in profile.events() if e.name.startswith("fpipe "))
+    expected = sorted(f"fpipe {a}" for row in step.program.ranks for a in row)
+    assert ranges == expected
+    # the ranges hold the action's work
+    inside = next(e for e in profile.events() if e.name == "fpipe 0F0")
+    assert any(child.name == "aten::tanh" for child in _descendants(inside))
+
+
+def test_no_range_is_opened_without_a_profiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    step = fpipe.pipeline(loss_fn, [stage] * 2, OneFOneB(2))
+    opened: list[str] = []
+    real = torch.profiler.record_function
+
+    def spy(name: str, *args: object) -> object:
+        opened.append(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(torch.profiler, "record_function", spy)
+    step([torch.randn(8, 8) for _ in range(2)], torch.randn(4, 8))
+    assert opened == []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        step([torch.randn(8, 8) for _ in range(2)], torch.randn(4, 8))
+    assert len(opened) == 8
+
+
+def _descendants(event: object) -> list[object]:
+    out: list[object] = []
+    for child in getattr(event, "cpu_children", []):
+        out += [child, *_descendants(child)]
+    return out

@@ -227,25 +227,32 @@ def test_distributed_weights_and_microbatches_equal_local_bitwise() -> None:
 REPLICA_LENGTHS = ([9, 9, 8, 9, 7, 9], [1, 0, 0, 2, 0, 1])  # replica 1 has far fewer tokens
 
 
-def _mesh(rank: int, world: int) -> Any:
+def _mesh(rank: int, world: int, shard_params: bool) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     replica = mesh.get_coordinate()[0]
-    step = fpipe.pipeline(token_sum, [block, block], OneFOneB(3), weight_fn=count, mesh=mesh, timeout=30)
+    step = fpipe.pipeline(
+        token_sum, [block, block], OneFOneB(3), weight_fn=count, mesh=mesh, timeout=30, shard_params=shard_params
+    )
     params = [p if s in step.local_stages else None for s, p in enumerate(weights(2))]
+    if shard_params:
+        params = step.shard(params)
     loss, grads = step(params, padded(REPLICA_LENGTHS[replica], seed=replica) if step.rank == 0 else None)
+    if shard_params:  # the summed shards, gathered whole to compare
+        grads = step.unshard(grads)
     with pytest.raises(ValueError) as info:
         step(params, padded([0] * 6, seed=replica) if step.rank == 0 else None)
     return loss, grads, str(info.value)
 
 
-def test_data_parallel_replicas_weigh_by_their_tokens() -> None:
+@pytest.mark.parametrize("shard_params", [False, True])
+def test_data_parallel_replicas_weigh_by_their_tokens(shard_params: bool) -> None:
     params = weights(2)
     expected_loss, expected_grads = per_token_reference(
         params, [padded(lengths, seed=r) for r, lengths in enumerate(REPLICA_LENGTHS)]
     )
-    for loss, grads, message in run_ranks(4, _mesh):
+    for loss, grads, message in run_ranks(4, _mesh, shard_params):
         assert_close(loss, expected_loss)
         for s, g in enumerate(grads):
             if g is not None:

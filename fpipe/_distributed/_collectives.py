@@ -154,15 +154,40 @@ def _all_gather(topology: Topology, group: Any, mine: torch.Tensor, timeout: flo
 def all_reduce_sum(topology: Topology, group: Any, tensors: list[torch.Tensor], timeout: float, what: str) -> None:
     """Sum ``tensors`` in place over ``group``, one all-reduce per dtype (complex as real), on
     ``topology.device`` (CUDA for NCCL). All ranks must pass the same dtypes in the same order."""
+    all_reduce_sum_async(topology, group, tensors, timeout, what).wait()
+
+
+class PendingSum:
+    """Posted all-reduces (``all_reduce_sum_async``); ``wait`` copies the sums into the tensors."""
+
+    def __init__(self, topology: Topology, timeout: float, what: str) -> None:
+        self._topology = topology
+        self._timeout = timedelta(seconds=timeout)
+        self._what = what
+        self._buckets: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+
+    def wait(self) -> None:
+        """Wait (with the timeout, failures through ``wait``) and copy the sums back, once."""
+        buckets, self._buckets = self._buckets, []
+        for work, flat, members in buckets:
+            wait(work, self._timeout, self._topology.rank, self._what)
+            offset = 0
+            for t in members:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def all_reduce_sum_async(
+    topology: Topology, group: Any, tensors: list[torch.Tensor], timeout: float, what: str
+) -> PendingSum:
+    """``all_reduce_sum`` posted, not waited for: the tensors hold the sums once the returned
+    ``PendingSum`` is waited for, and must not change before (their values are copied now)."""
     buckets: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         real = torch.view_as_real(t) if t.is_complex() else t
         buckets[real.dtype].append(real)
+    pending = PendingSum(topology, timeout, what)
     for members in buckets.values():
         flat = torch.cat([t.reshape(-1).to(topology.device) for t in members])
-        work = dist.all_reduce(flat, group=group, async_op=True)
-        wait(work, timedelta(seconds=timeout), topology.rank, what)
-        offset = 0
-        for t in members:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        pending._buckets.append((dist.all_reduce(flat, group=group, async_op=True), flat, members))
+    return pending

@@ -27,9 +27,9 @@ from .._microbatch import Microbatches, counts, split
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_paths
 from .._record import active, clock, measured
-from .._run import Plan, StageRuns, StepSpec, interpret, loss_weights, result, seed_scale
+from .._run import Pending, Plan, Reduce, StageRuns, StepSpec, interpret, loss_weights, result, seed_scale
 from ..schedules._program import ScheduleError
-from ._collectives import all_reduce_sum, check_usable, handshake, mark_broken
+from ._collectives import PendingSum, all_reduce_sum, all_reduce_sum_async, check_usable, handshake, mark_broken
 from ._faults import WATCHDOG, waiting
 from ._topology import Topology
 from ._transport import DistributedTransport, WireState
@@ -104,6 +104,7 @@ def _agree(
     try:
         _check_held(spec, params, placement)
         _check_dtensors(spec, params, topology)
+        check_devices(spec, params, topology.device)
         check_params(params)
         if batch is not None and me in (first, last):
             microbatches, sizes = split(batch, m, spec.batch_dims)
@@ -188,7 +189,7 @@ def _run_row(
         # own (DTensor's), which fpipe's waits do not see; the whole row counts as waiting, so the
         # watchdog reads the board every POLL and aborts the groups when another rank failed.
         with waiting(topology.board if topology.tensor_group is not None else None):
-            times = interpret(executor, runs, plan.order)
+            times = interpret(executor, runs, plan.order, [topology.device])
         mine = result(spec, executor, explicit=agreed.explicit) if topology.rank == last else None
         loss, aux, outputs = transport.exchange_result(mine)
         transport.finish()
@@ -259,6 +260,25 @@ def _check_dtensors(step: StepSpec, params: Sequence[PyTree], topology: Topology
                 check_mesh(leaf, ranks, f"params[{s}] leaf {path} (stage {s}, rank {step.rank})")
 
 
+def check_devices(spec: StepSpec, params: Sequence[PyTree], device: torch.device) -> None:
+    """Raise unless every tensor of the local stages' ``params`` is on this rank's ``device``
+    (NOTE [the rank's device] in fpipe/_distributed/_topology.py); the ``meta`` device, which
+    holds no data, is reported elsewhere."""
+    for s in spec.local_stages:
+        paths, leaves, _ = leaves_with_paths(params[s])
+        for path, leaf in zip(paths, leaves):
+            if isinstance(leaf, torch.Tensor) and not leaf.is_meta and not _same_device(leaf.device, device):
+                raise ValueError(
+                    f"fpipe.step: stage {s}'s parameters are on {leaf.device} but rank {spec.rank} runs on {device} "
+                    f"(params[{s}]{path}: {leaf.device}). Move the parameters of every local stage to the "
+                    f"rank's device (step.topology.device: {device}) before the step."
+                )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def _average_replicas(
     spec: StepSpec, topology: Topology, loss: torch.Tensor, leaves: list[torch.Tensor], *, divide: bool = True
 ) -> torch.Tensor:
@@ -278,3 +298,47 @@ def _average_replicas(
         for g in pieces:
             g.div_(d)
     return (total[0] / d).to(loss.device, loss.dtype).reshape(())
+
+
+# NOTE [reduction overlap]
+# With data-parallel replicas, a stage's gradients are final once its last backward (or weight
+# gradient) action has run; ``replica_mean`` posts their all-reduce right then (one per dtype,
+# async), so that it runs while this rank goes on with its other stages' actions, and the step
+# waits for them all only before it returns (``ReplicatedRuns.finish``); the loss is averaged
+# after that (``_average_replicas``). Sharded runs do the same with reduce-scatters
+# (fpipe/_sharding/_runs.py). Each replica runs the same row, so every replica posts the same
+# stages in the same order. The sums are those of the one all-reduce at the end that this
+# replaces: two replicas' sum is a + b either way; with three or more, the order of the backend's
+# additions is its own, as before. Each leaf is then divided by the number of replicas (not with
+# ``weight_fn``: each replica's share is already over the total count), as before.
+#
+#     rank  | 1B3 ... 1B7 | 0B5 0B6 0B7 |            (last actions of stages 1, then 0)
+#     dp    |             | all-reduce stage 1 | all-reduce stage 0 |
+#     wait  |                                          ^ step returns
+
+
+def replica_mean(topology: Topology, timeout: float, *, divide: bool = True) -> Reduce:
+    """The ``Reduce`` that averages a stage's gradient leaves over the data-parallel replicas
+    (sums them without ``divide``), posted now and waited for by the step's end (NOTE
+    [reduction overlap]). A DTensor leaf is reduced as its local piece."""
+
+    def reduce(stage: int, leaves: list[torch.Tensor]) -> Pending:
+        what = f"the data-parallel all-reduce of stage {stage}'s gradients"
+        pieces = [local(g) for g in leaves]
+        pending = all_reduce_sum_async(topology, topology.data_group, pieces, timeout, what)
+        return _Mean(pending, pieces, topology.data_size if divide else 1)
+
+    return reduce
+
+
+class _Mean:
+    """A posted sum of ``leaves`` over replicas; ``wait`` leaves it divided by ``size`` in them."""
+
+    def __init__(self, pending: PendingSum, leaves: list[torch.Tensor], size: int) -> None:
+        self._pending, self._leaves, self._size = pending, leaves, size
+
+    def wait(self) -> None:
+        self._pending.wait()
+        if self._size != 1:
+            for g in self._leaves:
+                g.div_(self._size)

@@ -36,6 +36,37 @@ class Topology:
     tensor_ranks: tuple[int, ...] | None = None  # its global ranks, in mesh order
 
 
+# NOTE [the rank's device]
+# A rank's device is where its messages and collectives live, and where its stages must be
+# (``check_devices`` in fpipe/_distributed/_runtime.py): with ``mesh=``, the mesh's device type;
+# with ``group=``, the backend's (nccl: cuda, xccl: xpu, hccl: hpu; gloo: cpu; a multi-device
+# backend such as "cpu:gloo,cuda:nccl" gives the accelerator's). An accelerator's index is its
+# module's current device (``torch.cuda.set_device(local_rank)`` before building the pipeline,
+# as torchrun scripts do): one process per device. On CPU the same code runs over gloo.
+_ACCELERATOR_BACKENDS = {"nccl": "cuda", "xccl": "xpu", "hccl": "hpu"}
+
+
+def device_of(backend: str, mesh_device_type: str | None) -> torch.device:
+    """This rank's device (NOTE [the rank's device]); ``mesh_device_type`` from ``mesh=``."""
+    named = {part.split(":")[-1]: part.split(":")[0] for part in backend.lower().split(",")}
+    types = [_ACCELERATOR_BACKENDS[b] for b in named if b in _ACCELERATOR_BACKENDS]
+    if mesh_device_type is not None:
+        cpu_only, accelerator_only = not types, "gloo" not in named
+        if (mesh_device_type != "cpu" and cpu_only) or (mesh_device_type == "cpu" and accelerator_only):
+            wanted = {v: k for k, v in _ACCELERATOR_BACKENDS.items()}.get(mesh_device_type, "gloo")
+            raise ValueError(
+                f"fpipe.pipeline: the mesh is on {mesh_device_type} but its process group's backend is {backend} "
+                f"(mesh.device_type: {mesh_device_type!r}). Build the mesh and the process group for one device "
+                f"type: init_process_group({wanted!r}) for a {mesh_device_type} mesh."
+            )
+        kind = mesh_device_type
+    else:
+        kind = types[0] if types else "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
 _PIPELINE_DIMS = ("pp", "pipeline")
 _DATA_DIMS = ("dp", "data")
 _TENSOR_DIMS = ("tp", "tensor")
@@ -82,8 +113,7 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
     size = dist.get_world_size(group)
     global_ranks = tuple(dist.get_global_rank(group, r) for r in range(size))
     where = where or {g: (r, None) for r, g in enumerate(global_ranks)}
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = device_of(dist.get_backend(group), None if mesh is None else mesh.device_type)
     return Topology(
         group=group,
         rank=dist.get_rank(group),

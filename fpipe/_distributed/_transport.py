@@ -18,8 +18,8 @@ differs from one process. The protocol (notes/wire.md), per step:
    a failed one. Every wait has the pipeline's ``timeout``; a dead peer surfaces as a lost connection.
    Messages of the failed step may still be in flight, so the group is marked broken and any
    later step on it raises at once (``check_usable``) instead of reading them as its own.
-4. Data parallel: grads (and the loss and a failure flag) of a replica are averaged with one
-   all-reduce per dtype over the data-parallel group.
+4. Data parallel: a replica's grads are averaged over the data-parallel group stage by stage,
+   each stage's all-reduce (per dtype) posted at its last action; then the loss.
 """
 
 from __future__ import annotations

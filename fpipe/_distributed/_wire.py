@@ -340,8 +340,22 @@ def meta_of(first: torch.Tensor) -> list[int]:
 def _first(words: list[int], expected: int, device: torch.device, *, inline: bool) -> torch.Tensor:
     """A ``first`` buffer opening with ``words``; its tail is left for an inline payload, else zeroed."""
     first = (torch.empty if inline else torch.zeros)(META_BYTES + expected, dtype=torch.uint8, device=device)
-    first[:META_BYTES].view(torch.int64).copy_(torch.tensor(words + [0] * (META_WORDS - len(words))))
+    first[:META_BYTES].view(torch.int64).copy_(upload(words + [0] * (META_WORDS - len(words)), device))
     return first
+
+
+def upload(data: list[int] | bytes, device: torch.device) -> torch.Tensor:
+    """Host data (int64 words, or bytes as uint8) as a tensor on ``device``, the host not waiting
+    for the copy: from pinned memory, non-blocking (the caching host allocator keeps the pinned
+    block until the copy has run). A plain ``torch.tensor(..., device=...)`` waits for it, on
+    every message sent (notes/wire.md, "Host synchronization")."""
+    if isinstance(data, list):
+        host = torch.tensor(data, dtype=torch.int64)
+    else:
+        host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def error_message(code: list[int], expected: int, device: torch.device) -> torch.Tensor:
@@ -402,7 +416,7 @@ class Encoder:
         layout, leaves = layout_of(tree, tensor_ranks)
         header, values = None, _plain_leaves(tree, layout)
         if not _same(self._last, layout) or values != self._values:
-            header = torch.frombuffer(bytearray(_header(tree, layout, values)), dtype=torch.uint8).to(device)
+            header = upload(_header(tree, layout, values), device)
         inline = layout.nbytes == self.expected
         words = [DATA, 0 if header is None else header.numel(), layout.nbytes, self.expected]
         first = _first(words, self.expected, device, inline=inline)

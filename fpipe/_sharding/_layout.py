@@ -236,12 +236,15 @@ class Gather:
 class ReduceScatter:
     """The reduce-scatters of one stage's full gradients, posted; ``wait`` returns the averaged shards.
 
-    ``grads`` is ``StageRun.grads()`` (``None`` for leaves without a gradient), or ``None`` on a
-    replica that failed: it still joins, with zeros, so that the others do not wait forever.
+    ``grads`` is ``StageRun.grads()`` (``None`` for leaves without a gradient). Without
+    ``divide`` the shards are summed over the replicas, not averaged (``weight_fn``: each replica's
+    share is already over the total count).
     """
 
-    def __init__(self, dp: DataParallel, stage: int, grads: PyTree | None, layout: StageLayout) -> None:
-        self.dp, self.stage, self.layout = dp, stage, layout
+    def __init__(
+        self, dp: DataParallel, stage: int, grads: PyTree | None, layout: StageLayout, *, divide: bool = True
+    ) -> None:
+        self.dp, self.stage, self.layout, self.divide = dp, stage, layout, divide
         leaves = [None] * len(layout.leaves) if grads is None else flatten(grads)[0]
         self._posted: list[tuple[list[_Member], torch.Tensor, torch.Tensor, Any]] = []
         for wire_dtype, members in _buckets(layout, lambda shape: shape.differentiable):
@@ -268,7 +271,8 @@ class ReduceScatter:
         what = f"the reduce-scatter of stage {self.stage}'s gradients over the data-parallel group"
         for members, _, out, work in self._posted:
             wait(work, self.dp.timeout, self.dp.pipeline_rank, what)
-            out.div_(self.dp.size)
+            if self.divide:
+                out.div_(self.dp.size)
             for m in members:
                 leaves[m.index] = _unwire(out[m.columns], m.shape.dtype)
         self._posted.clear()

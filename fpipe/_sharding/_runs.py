@@ -91,6 +91,7 @@ class ShardedRuns(Mapping[int, StageRun]):
         *,
         regather: bool = False,
         grad_layouts: Mapping[int, StageLayout] | None = None,
+        divide: bool = True,
     ) -> None:
         self.dp = dp
         self._make_run = make_run  # (stage, full params) -> StageRun
@@ -100,6 +101,7 @@ class ShardedRuns(Mapping[int, StageRun]):
         self._grad_layouts = layouts if grad_layouts is None else grad_layouts
         self._shards = shards
         self._regather = regather
+        self._divide = divide  # average the replicas' gradients (else sum them: weight_fn)
         first_use = list(dict.fromkeys(action.stage for _, action in order))
         self._finish_order = [s for _, done in segments(order) for s in done]
         # With regather, a gather is posted only when its stage is needed (NOTE [regather]).
@@ -162,7 +164,7 @@ class ShardedRuns(Mapping[int, StageRun]):
         grads = None if run is None else run.grads()
         self._release(stage)
         self._full.pop(stage, None)
-        self._reductions[stage] = ReduceScatter(self.dp, stage, grads, self._grad_layouts[stage])
+        self._reductions[stage] = ReduceScatter(self.dp, stage, grads, self._grad_layouts[stage], divide=self._divide)
 
     def finish(self) -> list[torch.Tensor]:
         """Wait for every reduce-scatter: the gradients are averaged, none is left to average

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The accelerator checks of issue 16, on one CUDA GPU, in a few minutes. From the repository root:
+#
+#     bash benchmarks/gpu_check.sh            # results in $OUT (default /tmp/fpipe-gpu)
+#
+# 1. tests/test_cuda.py: every schedule of the conformance list on the GPU equals
+#    torch.func.grad_and_value of the unsplit model (float64, 1e-10) and GPipe bitwise; a step
+#    issues no device-to-host synchronization (torch.cuda.set_sync_debug_mode("error"));
+#    fpipe.record() times with CUDA events; torch.profiler sees every action's range.
+# 2. tests/test_syncs.py and tests/test_record.py on CPU (the same checks, host side).
+# 3. benchmarks/bench_overhead.py --device cuda: fpipe vs plain autograd, 1 stage and 4 x 8, and
+#    the per-action cost on tiny stages.
+set -uo pipefail
+OUT="${OUT:-/tmp/fpipe-gpu}"
+mkdir -p "$OUT"
+PYTHON="${PYTHON:-python}"
+status=0
+
+"$PYTHON" - <<'PY' 2>&1 | tee "$OUT/machine.txt"
+import platform, torch
+assert torch.cuda.is_available(), "no CUDA device"
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}, Python {platform.python_version()}")
+PY
+
+FPIPE_TEST_DEVICE=cuda timeout 300 "$PYTHON" -m pytest tests/test_cuda.py -q -p no:cacheprovider -rs \
+    2>&1 | tee "$OUT/test_cuda.txt" || status=1
+timeout 120 "$PYTHON" -m pytest tests/test_record.py tests/test_syncs.py -q -p no:cacheprovider -k "not mesh" \
+    2>&1 | tee "$OUT/test_cpu_side.txt" || status=1
+timeout 240 "$PYTHON" benchmarks/bench_overhead.py --device cuda --json "$OUT/overhead_cuda.json" \
+    2>&1 | tee "$OUT/overhead_cuda.txt" || status=1
+exit $status
