@@ -464,3 +464,19 @@ def test_float8_parameters_need_float32_sums() -> None:
     params[0]["w"] = params[0]["w"].to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"stage 0's parameter \['w'\] is torch.float8_e4m3fn, whose gradients must"):
         step(params, _batch(4, BF16))
+
+
+def test_float8_parameters_compute_in_bfloat16_with_float32_sums() -> None:
+    """float8 parameters (storage only) run in bfloat16, their gradients summed in float32: bitwise
+    the step of their exact bfloat16 values (every float8_e4m3fn value is a bfloat16 value)."""
+    params, batch = _params(2, BF16), _batch(8, BF16)
+    float8 = [{k: v.to(torch.float8_e4m3fn) for k, v in p.items()} for p in params]
+    widened = [{k: v.to(BF16) for k, v in p.items()} for p in float8]
+    policy = fpipe.Precision(compute=BF16, grads=F32)
+    loss8, grads8 = fpipe.pipeline(_loss, _stages(2), OneFOneB(4), precision=policy)(float8, batch)
+    loss16, grads16 = fpipe.pipeline(_loss, _stages(2), OneFOneB(4), precision=fpipe.Precision(grads=F32))(
+        widened, batch
+    )
+    assert torch.equal(loss8, loss16) and grads8[0]["w"].dtype == F32
+    for g8, g16 in zip(grads8, grads16, strict=True):
+        assert all(torch.equal(g8[k], g16[k]) for k in g16)
