@@ -388,16 +388,12 @@ class Step:
             outputs)``) with ``outputs=True``.
 
         Raises:
-            TypeError, ValueError: as ``step`` does for its inputs, and if the pipeline shards
-                its parameters (``shard_params=True``: not supported by evaluate yet).
+            TypeError, ValueError: as ``step`` does for its inputs. With ``shard_params=True``
+                ``params`` are the shards, as ``step`` takes them (each stage is gathered for its
+                forwards; no reduce-scatter runs).
         """
         if not isinstance(outputs, bool):
             raise TypeError(f"fpipe.step.evaluate: outputs must be True or False (outputs: {outputs!r}).")
-        if self.shard_params:
-            raise ValueError(
-                "fpipe.step.evaluate: a pipeline with shard_params=True cannot evaluate yet. Evaluate with a "
-                "pipeline built without shard_params, on the parameters gathered by step.unshard."
-            )
         (loss, aux, ys), _ = self._run(self._forward_plan, params, batch, keep_outputs=outputs)
         result = (loss, aux) if self.has_aux else loss
         return (result, ys) if outputs else result

@@ -236,22 +236,27 @@ def test_distributed_evaluate_equals_local_bitwise_on_every_rank() -> None:
         assert "1F2" in message and rank == 1
 
 
-def _mesh_evaluate(rank: int, world: int) -> Any:
+def _mesh_evaluate(rank: int, world: int, shard_params: bool) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     stages, params = _model(2)
-    step = fpipe.pipeline(_loss, stages, OneFOneB(3), batch_dims=BATCH_DIMS, mesh=mesh, timeout=30)
+    step = fpipe.pipeline(
+        _loss, stages, OneFOneB(3), batch_dims=BATCH_DIMS, mesh=mesh, timeout=30, shard_params=shard_params
+    )
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    if shard_params:  # each rank holds its shards; evaluate gathers each stage for its forwards
+        params = step.shard(params)
     replica = mesh.get_coordinate()[0]
     return replica, _own(step.evaluate(params, _batch(6, seed=10 + replica) if step.rank == 0 else None, outputs=True))
 
 
-def test_data_parallel_evaluate_averages_the_loss_and_keeps_each_replicas_outputs() -> None:
+@pytest.mark.parametrize("shard_params", [False, True])
+def test_data_parallel_evaluate_averages_the_loss_and_keeps_each_replicas_outputs(shard_params: bool) -> None:
     stages, params = _model(2)
     step = fpipe.pipeline(_loss, stages, OneFOneB(3), batch_dims=BATCH_DIMS)
     local = [step.evaluate(params, _batch(6, seed=10 + r), outputs=True) for r in range(2)]
-    for replica, (loss, outputs) in run_ranks(4, _mesh_evaluate):
+    for replica, (loss, outputs) in run_ranks(4, _mesh_evaluate, shard_params):
         assert torch.equal(loss, (local[0][0] + local[1][0]) / 2)
         assert torch.equal(outputs["z"], local[replica][1]["z"])
 
