@@ -35,6 +35,7 @@ def pipeline(
     has_aux: bool = False,
     batch_dims: PyTree = 0,
     weight_fn: Callable[[Any], Any] | None = None,
+    split: Callable[[Any, int], Sequence[Any]] | None = None,
     recompute: bool | Collection[int] = False,
     mesh: Any = None,
     group: Any = None,
@@ -74,6 +75,9 @@ def pipeline(
             mean of everything, a replica with more tokens counting more (NOTE [loss weights] in
             ``fpipe/_run.py``). Evaluated on each microbatch, before the step runs, on the rank
             that holds the batch. Default: microbatches weigh by their number of examples.
+        split: ``split(batch, num_microbatches) -> [mb0, mb1, ...]``: your own split of a batch
+            (packing, length buckets), instead of cutting it along ``batch_dims``; the same as
+            passing ``fpipe.Microbatches(split(batch, num_microbatches))`` as the batch.
         recompute: activation recomputation: ``True`` for every stage, or the indices of the
             stages that keep only their inputs after a forward and recompute it inside their
             backward (less memory, one more forward; results bitwise unchanged).
@@ -161,6 +165,11 @@ def pipeline(
         raise TypeError(
             f"fpipe.pipeline: weight_fn must be callable, weight_fn(microbatch) -> count (weight_fn: {weight_fn!r})."
         )
+    if split is not None and not callable(split):
+        raise TypeError(
+            "fpipe.pipeline: split must be callable, split(batch, num_microbatches) -> microbatches "
+            f"(split: {split!r})."
+        )
     if isinstance(recompute, bool):
         recompute = range(len(stages)) if recompute else ()
     if (
@@ -208,6 +217,7 @@ def pipeline(
         has_aux=has_aux,
         batch_dims=batch_dims,
         weight_fn=weight_fn,
+        split=split,
         recompute=recompute,
         topology=topology,
         shard_params=shard_params,
@@ -290,6 +300,7 @@ class Step:
         has_aux: bool,
         batch_dims: PyTree,
         weight_fn: Callable[[Any], Any] | None = None,
+        split: Callable[[Any, int], Sequence[Any]] | None = None,
         recompute: frozenset[int],
         topology: Topology | None,
         shard_params: bool = False,
@@ -303,6 +314,7 @@ class Step:
         self.has_aux = has_aux
         self.batch_dims = batch_dims
         self.weight_fn = weight_fn
+        self.split = split
         self.recompute = recompute
         self.timeout = timeout
         self.num_stages = program.num_stages
@@ -412,6 +424,8 @@ class Step:
                 f"fpipe.step: params has {plural(len(params), 'entry')} but the pipeline has "
                 f"{plural(self.num_stages, 'stage')}. Pass one parameter pytree per stage."
             )
+        if self.split is not None and batch is not None and not isinstance(batch, Microbatches):
+            batch = Microbatches(self.split(batch, self.num_microbatches))
         _check_not_meta(params, batch, self.local_stages)
         with torch.inference_mode(False):  # results are plain tensors whatever the ambient mode
             if self._topology is None:

@@ -127,6 +127,30 @@ def test_explicit_microbatches_weigh_by_examples(entry: Conformance) -> None:
         assert_close(y, unsplit(params, mb))
 
 
+def test_a_split_function_is_explicit_microbatches() -> None:
+    """pipeline(..., split=fn) cuts each batch with fn, as fpipe.Microbatches(fn(batch, m)) would,
+    for training and evaluation; fn gets the schedule's microbatch count."""
+    params, explicit = weights(2), explicit_microbatches()
+    seen = []
+
+    def split(batch: Any, num_microbatches: int) -> list[Any]:
+        seen.append(num_microbatches)
+        return list(batch)  # the "batch" here is already the list of microbatches
+
+    step = fpipe.pipeline(token_mean, [block] * 2, OneFOneB(4), split=split)
+    reference = fpipe.pipeline(token_mean, [block] * 2, OneFOneB(4))
+    loss, grads = step(params, list(explicit.microbatches))
+    expected_loss, expected_grads = reference(params, explicit)
+    assert torch.equal(loss, expected_loss) and all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+    assert torch.equal(step.evaluate(params, list(explicit.microbatches)), expected_loss) and seen == [4, 4]
+    with pytest.raises(TypeError, match=r"split must be callable, split\(batch, num_microbatches\)"):
+        fpipe.pipeline(token_mean, [block] * 2, OneFOneB(4), split=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="the batch has 3 microbatches but the schedule runs 4"):
+        fpipe.pipeline(token_mean, [block] * 2, OneFOneB(4), split=lambda b, m: b[:3])(
+            params, list(explicit.microbatches)
+        )
+
+
 def test_explicit_microbatches_with_weight_fn_give_the_per_token_mean() -> None:
     params, batch = weights(2), explicit_microbatches()
     loss, grads = fpipe.pipeline(token_sum, [block, block], OneFOneB(4), weight_fn=count)(params, batch)
