@@ -39,12 +39,12 @@ import safetensors
 import torch
 
 from .._api import Step
-from .._plural import plural
-from .._pytree import PyTree, leaves_with_names, unflatten
+from .._pytree import PyTree
 from .._sharding._layout import cut_range
 from ._directory import inside
-from ._ranks import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
+from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves, stage_list
 from ._store import DTYPES, is_plain
+from ._template import Use, dtype_name, fill, listing, template_uses
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
@@ -135,10 +135,10 @@ def load_hf(
             any_rank = " on any rank" if ranks.size > 1 else ""
             raise ValueError(
                 f"fpipe.load_hf: the checkpoint at {root} has {len(extra)} name(s) that no stage of the "
-                f"template{any_rank} has: {_listing([repr(n) for n in extra])}. Add them to the template, or pass "
+                f"template{any_rank} has: {listing([repr(n) for n in extra])}. Add them to the template, or pass "
                 "strict=False to leave them out."
             )
-    return _fill(trees, wanted, _read(root, weight_map, wanted, dtype))
+    return fill(trees, {name: want.uses for name, want in wanted.items()}, _read(root, weight_map, wanted, dtype))
 
 
 # --- The directory ----------------------------------------------------------------------------
@@ -207,24 +207,13 @@ def _header(root: Path, file: str) -> dict[str, tuple[str, list[int]]]:
 # --- What the template wants ------------------------------------------------------------------
 
 
-class _Use(NamedTuple):
-    """A template leaf to fill: its key path, stage, position among the stage's leaves, itself,
-    and, for a shard (NOTE [shard layout]), its ``(q, d)``."""
-
-    where: str
-    stage: int
-    position: int
-    leaf: torch.Tensor
-    shard: tuple[int, int] | None
-
-
 class _Want(NamedTuple):
     """A name to read: its file, dtype code and full shape on disk, and the leaves it fills."""
 
     file: str
     code: str
     shape: list[int]
-    uses: list[_Use]
+    uses: list[Use]
 
 
 def _wanted(
@@ -235,47 +224,12 @@ def _wanted(
     dtype: torch.dtype | None,
 ) -> dict[str, _Want]:
     """Each name the template needs, with the leaves it fills, checked against the files' headers."""
-    uses: dict[str, list[tuple[_Use, list[int]]]] = {}
-    for s, tree in enumerate(trees):
-        names, codes, leaves, _ = leaves_with_names(tree)
-        layout = None if sharding is None else sharding.layouts.get(s)
-        full = {} if layout is None or tree is None else full_shapes("params", tree, layout)
-        for position, (parts, code, leaf) in enumerate(zip(names, codes, leaves)):
-            where = f"template[{s}]{code}"
-            if leaf is None:
-                continue
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
-                    f"fpipe.load_hf: {where} is a {type(leaf).__name__}; template leaves are tensors (they give the "
-                    "shape, dtype and device; meta tensors work) or None."
-                )
-            if not parts:
-                raise TypeError(f"fpipe.load_hf: {where} is a tensor at the root of stage {s}, so it has no name.")
-            name = ".".join(parts)
-            mine = uses.setdefault(name, [])
-            if any(use.stage == s for use, _ in mine):
-                raise ValueError(
-                    f"fpipe.load_hf: {mine[0][0].where} and {where} both get the name {name!r} (names are key paths "
-                    "joined by '.'). Rename a key so that every name in a stage is unique."
-                )
-            if name in full:
-                assert sharding is not None
-                size = cut_range(math.prod(full[name]), sharding.shard)[2]
-                if list(leaf.shape) != [size]:
-                    raise ValueError(
-                        f"fpipe.load_hf: {where} should be this rank's shard of a tensor of shape {full[name]}, a 1-D "
-                        f"tensor of {plural(size, 'element')} (got: shape {list(leaf.shape)}). With a sharded "
-                        "step, pass the "
-                        "template step.shard returns (meta tensors of the full shapes will do)."
-                    )
-                mine.append((_Use(where, s, position, leaf, sharding.shard), full[name]))
-            else:
-                mine.append((_Use(where, s, position, leaf, None), list(leaf.shape)))
-    missing = [f"{name!r} ({found[0][0].where})" for name, found in sorted(uses.items()) if name not in weight_map]
+    uses = template_uses("fpipe.load_hf", "params", trees, sharding)
+    missing = [f"{name!r} ({found[0].where})" for name, found in sorted(uses.items()) if name not in weight_map]
     if missing:
         raise ValueError(
             f"fpipe.load_hf: {len(missing)} name(s) of the template are missing from the checkpoint at {root}: "
-            f"{_listing(missing)}. The checkpoint has {_listing([repr(n) for n in sorted(weight_map)])}. "
+            f"{listing(missing)}. The checkpoint has {listing([repr(n) for n in sorted(weight_map)])}. "
             "Build the template from the same model (split_module's params are keyed by state_dict names)."
         )
     headers: dict[str, dict[str, tuple[str, list[int]]]] = {}
@@ -298,19 +252,19 @@ def _wanted(
             )
         on_disk = DTYPES[code]
         converted = dtype if dtype is not None and on_disk.is_floating_point else on_disk
-        for use, expected in found:
-            if shape != expected:
-                mismatches.append(f"  {use.where} (name {name!r}): shape on disk {shape}, expected {expected}")
+        for use in found:
+            if shape != use.full_shape:
+                mismatches.append(f"  {use.where} (name {name!r}): shape on disk {shape}, expected {use.full_shape}")
             if converted != use.leaf.dtype:
                 hint = ""
                 if dtype is None and on_disk.is_floating_point and use.leaf.dtype.is_floating_point:
                     hint = f" (pass dtype={use.leaf.dtype} to convert)"
                 mismatches.append(
-                    f"  {use.where} (name {name!r}): dtype on disk {_dtype(on_disk)}"
-                    f"{f' converted to {_dtype(converted)}' if converted != on_disk else ''}, expected "
-                    f"{_dtype(use.leaf.dtype)}{hint}"
+                    f"  {use.where} (name {name!r}): dtype on disk {dtype_name(on_disk)}"
+                    f"{f' converted to {dtype_name(converted)}' if converted != on_disk else ''}, expected "
+                    f"{dtype_name(use.leaf.dtype)}{hint}"
                 )
-        wanted[name] = _Want(file, code, shape, [use for use, _ in found])
+        wanted[name] = _Want(file, code, shape, found)
     if mismatches:
         raise ValueError(
             f"fpipe.load_hf: the template does not match the checkpoint at {root}:\n" + "\n".join(mismatches)
@@ -386,35 +340,7 @@ def read_range(piece: Any, shape: Sequence[int], start: int, stop: int) -> torch
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _fill(
-    trees: Sequence[PyTree],
-    wanted: dict[str, _Want],
-    tensors: dict[tuple[str, tuple[int, int] | None], torch.Tensor],
-) -> list[PyTree]:
-    """The template trees with their tensor leaves replaced by the loaded tensors."""
-    flat = [leaves_with_names(tree)[2:] for tree in trees]
-    leaves_of = [list(leaves) for leaves, _ in flat]
-    for name, want in wanted.items():
-        for k, use in enumerate(want.uses):
-            tensor = tensors[name, use.shard]
-            if any(other.shard == use.shard for other in want.uses[:k]):
-                tensor = tensor.clone()
-            if use.leaf.device.type != "meta":
-                tensor = tensor.to(use.leaf.device)
-            leaves_of[use.stage][use.position] = tensor
-    return [unflatten(spec, leaves) for (_, spec), leaves in zip(flat, leaves_of)]
-
-
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _show(value: Any) -> str:
     """``repr(value)``, cut short: an index may hold anything."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:77]}..."
-
-
-def _listing(items: Sequence[str], limit: int = 10) -> str:
-    shown = ", ".join(items[:limit])
-    return f"[{shown}, ... {len(items) - limit} more]" if len(items) > limit else f"[{shown}]"

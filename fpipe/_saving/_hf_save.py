@@ -43,12 +43,11 @@ from typing import Any
 import torch
 
 from .._api import Step
-from .._plural import plural
 from .._pytree import PyTree, leaves_with_names, unflatten
 from .._sharding._public import gather
 from ._directory import fsync_directory, write_atomic
 from ._hf_load import HF_INDEX
-from ._ranks import Ranks, agree, resolve, stage_list
+from ._ranks import Ranks, agree, check_stage_count, resolve, stage_list
 from ._store import CODES, DTYPES, sha256, write_safetensors
 
 _SIZE = re.compile(r"\s*(\d+)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*")
@@ -130,12 +129,7 @@ def save_hf(
     limit = _shard_size(max_shard_size)
     config_files = _config_files(config)
     topology, held = resolve("save_hf", step, group, mesh)
-    if step is not None and len(trees) != step.num_stages:
-        raise ValueError(
-            f"fpipe.save_hf: params has {plural(len(trees), 'entry')} but the step has "
-            f"{plural(step.num_stages, 'stage')}. "
-            "Pass one parameter pytree per stage (None for the stages of other ranks)."
-        )
+    check_stage_count("save_hf", trees, step)
     if step is not None and step.shard_params:
         trees = _gathered(trees, step)
     ranks = Ranks("save_hf", topology, timeout)

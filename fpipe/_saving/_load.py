@@ -10,21 +10,17 @@ all-gather their names once, so that names in the save that no rank loads are fo
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
-
 from .._api import Step
-from .._plural import plural
-from .._pytree import PyTree, leaves_with_names, unflatten
-from .._sharding._layout import cut_range
+from .._pytree import PyTree
 from ._directory import committed
-from ._ranks import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
+from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves, stage_list
 from ._store import DTYPES, MAPS, entry, read_index, read_tensors
+from ._template import Use, dtype_name, fill, label, listing, template_uses
 
 
 class Loaded(NamedTuple):
@@ -121,82 +117,30 @@ def load(
                 any_rank = " on any rank" if ranks.size > 1 else ""
                 raise ValueError(
                     f"fpipe.load: the save at {root} has {len(extra)} {_KIND_NAMES[kind]} name(s) that no stage of the "
-                    f"template{any_rank} has: {_listing([repr(n) for n in extra])}. Add them to the template, or "
+                    f"template{any_rank} has: {listing([repr(n) for n in extra])}. Add them to the template, or "
                     "pass strict=False to leave them out."
                 )
     out = {}
     for kind, kind_trees in trees.items():
         requests = list(dict.fromkeys((name, use.shard) for name, uses in sorted(wanted[kind].items()) for use in uses))
         tensors = read_tensors(root, index, kind, requests)
-        out[kind] = _fill(kind_trees, wanted[kind], tensors)
+        out[kind] = fill(kind_trees, wanted[kind], tensors)
     return Loaded(out["params"], out.get("optimizer_state"), dict(index["metadata"].get("user", {})))
-
-
-class _Use(NamedTuple):
-    """A template leaf to fill: its key path, stage, position among the stage's leaves, itself,
-    and, for a shard (NOTE [sharded saves] in ``fpipe/_saving/_store.py``), its ``(q, d)`` and full shape."""
-
-    where: str
-    stage: int
-    position: int
-    leaf: torch.Tensor
-    shard: tuple[int, int] | None = None
-    shape: list[int] | None = None
-
-    @property
-    def full_shape(self) -> list[int]:
-        return list(self.leaf.shape) if self.shape is None else self.shape
 
 
 def _wanted(
     root: Path, index: dict[str, Any], kind: str, trees: Sequence[PyTree], sharding: Sharding | None
-) -> dict[str, list[_Use]]:
+) -> dict[str, list[Use]]:
     """Each name the template of ``kind`` needs, with the leaves it fills, checked against the index."""
-    label = _label(kind)
-    wanted: dict[str, list[_Use]] = {}
-    for s, tree in enumerate(trees):
-        names, codes, leaves, _ = leaves_with_names(tree)
-        layout = None if sharding is None else sharding.layouts.get(s)
-        full = {} if layout is None or tree is None else full_shapes(kind, tree, layout)
-        for position, (parts, code, leaf) in enumerate(zip(names, codes, leaves)):
-            where = f"{label}[{s}]{code}"
-            if leaf is None:
-                continue
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
-                    f"fpipe.load: {where} is a {type(leaf).__name__}; template leaves are tensors (they give the "
-                    "shape, dtype and device; meta tensors work) or None."
-                )
-            if not parts:
-                raise TypeError(f"fpipe.load: {where} is a tensor at the root of stage {s}, so it has no name.")
-            name = ".".join(parts)
-            uses = wanted.setdefault(name, [])
-            if any(use.stage == s for use in uses):
-                raise ValueError(
-                    f"fpipe.load: {uses[0].where} and {where} both get the name {name!r} (names are key paths "
-                    "joined by '.'). Rename a key so that every name in a stage is unique."
-                )
-            if name in full:
-                assert sharding is not None
-                _, _, size = cut_range(math.prod(full[name]), sharding.shard)
-                if list(leaf.shape) != [size]:
-                    raise ValueError(
-                        f"fpipe.load: {where} should be this rank's shard of a tensor of shape {full[name]}, a 1-D "
-                        f"tensor of {plural(size, 'element')} (got: shape {list(leaf.shape)}). With a sharded "
-                        "step, pass the "
-                        "template step.shard returns (meta tensors of the full shapes will do)."
-                    )
-                uses.append(_Use(where, s, position, leaf, sharding.shard, full[name]))
-            else:
-                uses.append(_Use(where, s, position, leaf))
+    wanted = template_uses("fpipe.load", kind, trees, sharding)
     if MAPS[kind] not in index:
-        raise ValueError(f"fpipe.load: the save at {root} has no {_label(kind)}; it was saved without it.")
+        raise ValueError(f"fpipe.load: the save at {root} has no {label(kind)}; it was saved without it.")
     saved = index[MAPS[kind]]
     missing = [f"{name!r} ({uses[0].where})" for name, uses in sorted(wanted.items()) if name not in saved]
     if missing:
         raise ValueError(
-            f"fpipe.load: {len(missing)} name(s) of the {label} are missing from the save at {root}: "
-            f"{_listing(missing)}. The save has {_listing([repr(n) for n in sorted(saved)])}."
+            f"fpipe.load: {len(missing)} name(s) of the {label(kind)} are missing from the save at {root}: "
+            f"{listing(missing)}. The save has {listing([repr(n) for n in sorted(saved)])}."
         )
     mismatches = []
     for name, uses in sorted(wanted.items()):
@@ -204,45 +148,13 @@ def _wanted(
         for use in uses:
             for what, on_disk, expected in [
                 ("shape", e.shape, use.full_shape),
-                ("dtype", _dtype(DTYPES.get(e.dtype, e.dtype)), _dtype(use.leaf.dtype)),
+                ("dtype", dtype_name(DTYPES.get(e.dtype, e.dtype)), dtype_name(use.leaf.dtype)),
             ]:
                 if on_disk != expected:
                     mismatches.append(f"  {use.where} (name {name!r}): {what} on disk {on_disk}, expected {expected}")
     if mismatches:
-        raise ValueError(f"fpipe.load: the {label} does not match the save at {root}:\n" + "\n".join(mismatches))
+        raise ValueError(f"fpipe.load: the {label(kind)} does not match the save at {root}:\n" + "\n".join(mismatches))
     return wanted
 
 
-def _fill(
-    trees: Sequence[PyTree],
-    wanted: dict[str, list[_Use]],
-    tensors: dict[tuple[str, tuple[int, int] | None], torch.Tensor],
-) -> list[PyTree]:
-    """The template trees with their tensor leaves replaced by the loaded tensors."""
-    flat = [leaves_with_names(tree)[2:] for tree in trees]
-    leaves_of = [list(leaves) for leaves, _ in flat]
-    for name, uses in wanted.items():
-        for k, use in enumerate(uses):
-            tensor = tensors[name, use.shard]
-            if any(other.shard == use.shard for other in uses[:k]):
-                tensor = tensor.clone()
-            if use.leaf.device.type != "meta":
-                tensor = tensor.to(use.leaf.device)
-            leaves_of[use.stage][use.position] = tensor
-    return [unflatten(spec, leaves) for (_, spec), leaves in zip(flat, leaves_of)]
-
-
 _KIND_NAMES = {"params": "parameter", "optimizer_state": "optimizer state"}
-
-
-def _label(kind: str) -> str:
-    return "template" if kind == "params" else kind
-
-
-def _dtype(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _listing(items: Sequence[str], limit: int = 10) -> str:
-    shown = ", ".join(items[:limit])
-    return f"[{shown}, ... {len(items) - limit} more]" if len(items) > limit else f"[{shown}]"

@@ -3,8 +3,9 @@
 ``fpipe.save`` (``fpipe/_saving/_save.py``) and ``fpipe.load`` (``fpipe/_saving/_load.py``) both find their ranks
 from ``step=``, ``group=`` or ``mesh=`` (``resolve``), all-gather JSON values among them
 (``Ranks``, ``agree``: an error on one rank raises on every rank), check the per-stage arguments
-(``stage_list``) and, for a step built with ``shard_params=True``, describe this rank's shards
-(``Sharding``, ``sharded_leaves``, ``full_shapes``; NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
+(``stage_list``, ``check_stage_count``) and, for a step built with ``shard_params=True``,
+describe this rank's shards (``Sharding``, ``sharded_leaves``, ``full_shapes``; NOTE [sharded
+saves] in ``fpipe/_saving/_store.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from .._api import Step
 from .._distributed._collectives import all_gather_json
 from .._distributed._topology import Topology, resolve_topology
+from .._plural import plural
 from .._pytree import PyTree, leaves_with_names, unflatten
 from .._sharding._layout import StageLayout
 
@@ -156,3 +158,13 @@ def stage_list(function: str, argument: str, value: Any) -> list[PyTree]:
             f"fpipe.{function}: {argument} must be a list with one pytree per stage (got: {type(value).__name__})."
         )
     return list(value)
+
+
+def check_stage_count(function: str, params: Sequence[PyTree], step: Step | None) -> None:
+    """Raise ``ValueError`` unless ``params`` has one entry per stage of ``step`` (when given)."""
+    if step is not None and len(params) != step.num_stages:
+        raise ValueError(
+            f"fpipe.{function}: params has {plural(len(params), 'entry')} but the step has "
+            f"{plural(step.num_stages, 'stage')}. "
+            "Pass one parameter pytree per stage (None for the stages of other ranks)."
+        )

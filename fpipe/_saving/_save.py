@@ -51,7 +51,7 @@ from .._plural import plural
 from .._pytree import PyTree, leaves_with_names
 from .._sharding._layout import cut_range
 from ._directory import commit, fsync_directory, locked, next_version
-from ._ranks import Ranks, Sharding, agree, full_shapes, resolve, sharded_leaves, stage_list
+from ._ranks import Ranks, Sharding, agree, check_stage_count, full_shapes, resolve, sharded_leaves, stage_list
 from ._store import CODES, DTYPES, Entry, file_name, make_index, sha256, write_safetensors
 
 
@@ -183,12 +183,7 @@ def prepare(
     except (TypeError, ValueError) as error:
         raise TypeError(f"fpipe.save: metadata must be JSON-serializable ({error}).") from error
     topology, held = resolve("save", step, group, mesh)
-    if step is not None and len(params) != step.num_stages:
-        raise ValueError(
-            f"fpipe.save: params has {plural(len(params), 'entry')} but the step has "
-            f"{plural(step.num_stages, 'stage')}. "
-            "Pass one parameter pytree per stage (None for the stages of other ranks)."
-        )
+    check_stage_count("save", params, step)
     sharding = sharded_leaves("save", step, trees)
     return Prepared(Path(directory), trees, user, topology, held, sharding)
 

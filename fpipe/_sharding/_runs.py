@@ -66,19 +66,12 @@ from ._layout import DataParallel, Gather, LeafLayout, ReduceScatter, StageLayou
 
 
 class ShardedRuns(Mapping[int, StageRun]):
-    """The local stages of a sharded step, as the executor sees them (NOTE [regather]
-    With ``pipeline(..., shard_params=True, regather=True)`` a stage's full parameters are alive only
-    while one of its actions runs: looking up another stage frees them (their storage is resized to
-    nothing; the graphs of earlier microbatches keep aliases of them), and the next action of the
-    stage all-gathers them again into the same tensors, with the values those graphs saved. At
-    most one stage's full parameters are alive at a time, for one all-gather per action instead
-    of one per stage per step, and without overlap (each gather is waited for at once).
+    """The local stages of a sharded step, as the executor sees them (NOTE [gather overlap],
+    NOTE [regather]).
 
-    NOTE [gather overlap]).
-
-        Looking stage ``s`` up the first time waits for its all-gather and builds its ``StageRun``;
-        ``finish_stage(s)`` reduce-scatters its gradients and drops it; ``finish`` waits for all of
-        them (on a failed replica, joining the ones not posted yet with zeros).
+    Looking stage ``s`` up the first time waits for its all-gather and builds its ``StageRun``;
+    ``finish_stage(s)`` reduce-scatters its gradients and drops it; ``finish`` waits for all of
+    them (on a failed replica, joining the ones not posted yet with zeros).
     """
 
     def __init__(

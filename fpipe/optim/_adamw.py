@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch.optim.adamw import adamw as torch_adamw
 
 from .._pytree import PyTree
-from ._optimizer import LearningRate, Optimizer, Spec, check_learning_rate, make_optimizer
+from ._optimizer import Group, LearningRate, Optimizer, Spec, check_learning_rate, make_optimizer
 
 
 def adamw(
@@ -69,32 +68,25 @@ def adamw(
     check_learning_rate("adamw", learning_rate)
     beta1, beta2 = betas
 
-    def kernel(
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        buffers: dict[str, list[torch.Tensor]],
-        steps: list[torch.Tensor],
-        *,
-        lr: float,
-        weight_decay: float,
-    ) -> None:
+    def kernel(group: Group, *, lr: float) -> None:
+        steps = group.steps
         if fused:  # the fused kernel takes its step counters on the parameters' device
-            steps = [t.to(p.device) for t, p in zip(steps, params)]
+            steps = [t.to(p.device) for t, p in zip(steps, group.params)]
         torch_adamw(
-            params,
-            grads,
-            buffers["exp_avg"],
-            buffers["exp_avg_sq"],
-            buffers.get("max_exp_avg_sq", []),
+            group.params,
+            group.grads,
+            group.buffers["exp_avg"],
+            group.buffers["exp_avg_sq"],
+            group.buffers.get("max_exp_avg_sq", []),
             steps,
             foreach=foreach,
             fused=fused,
-            has_complex=any(p.is_complex() for p in params),
+            has_complex=any(p.is_complex() for p in group.params),
             amsgrad=amsgrad,
             beta1=beta1,
             beta2=beta2,
             lr=lr,
-            weight_decay=weight_decay,
+            weight_decay=group.weight_decay,
             eps=eps,
             maximize=maximize,
         )

@@ -26,7 +26,7 @@ stage, so each call gets a fresh copy per leaf, and the stage's counter is incre
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import torch
@@ -54,19 +54,21 @@ class Optimizer(NamedTuple):
     update_: Callable[..., None]
 
 
-class Kernel(Protocol):
-    """One in-place call of a ``torch.optim`` functional entry point on flat lists of tensors."""
+@dataclass
+class Group:
+    """The leaves of one weight decay group, over all held stages, as a ``Kernel`` takes them."""
 
-    def __call__(
-        self,
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        buffers: dict[str, list[torch.Tensor]],
-        steps: list[torch.Tensor],
-        *,
-        lr: float,
-        weight_decay: float,
-    ) -> None: ...
+    weight_decay: float
+    params: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    buffers: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    steps: list[torch.Tensor] = field(default_factory=list)
+
+
+class Kernel(Protocol):
+    """One in-place call of a ``torch.optim`` functional entry point on a group's flat lists."""
+
+    def __call__(self, group: Group, *, lr: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ def make_optimizer(spec: Spec) -> Optimizer:
         params: Sequence[PyTree], grads: Sequence[PyTree], state: Sequence[PyTree], /, *, lr: float | None = None
     ) -> None:
         held = _held_stages(where, params, grads, state)
-        groups: dict[bool, _Group] = {}
+        groups: dict[bool, Group] = {}
         for s in held:
             counter = _check_state_keys(where, s, state[s], spec.buffers)
             paths, p_leaves, p_spec = leaves_with_paths(params[s])
@@ -122,7 +124,8 @@ def make_optimizer(spec: Spec) -> Optimizer:
             for k, (path, p) in enumerate(zip(paths, p_leaves)):
                 if not isinstance(p, torch.Tensor):
                     continue  # None, strings: nothing to optimize
-                group = groups.setdefault(decay[k], _Group([], [], {key: [] for key in spec.buffers}, []))
+                decay_rate = spec.weight_decay if decay[k] else 0.0
+                group = groups.setdefault(decay[k], Group(decay_rate, buffers={key: [] for key in spec.buffers}))
                 group.params.append(p)
                 group.grads.append(_check_like(where, f"grads[{s}]{path}", p, g_leaves[k]))
                 for key in spec.buffers:
@@ -130,15 +133,8 @@ def make_optimizer(spec: Spec) -> Optimizer:
                 group.steps.append(counter.detach().clone())
         rate = _learning_rate(where, spec.learning_rate, lr, held, state)
         with torch.no_grad():
-            for decay_on, group in groups.items():
-                spec.kernel(
-                    group.params,
-                    group.grads,
-                    group.buffers,
-                    group.steps,
-                    lr=rate,
-                    weight_decay=spec.weight_decay if decay_on else 0.0,
-                )
+            for group in groups.values():
+                spec.kernel(group, lr=rate)
             for s in held:
                 state[s]["step"].add_(1)
 
@@ -152,16 +148,6 @@ def make_optimizer(spec: Spec) -> Optimizer:
         return new_params, new_state
 
     return Optimizer(init, update, update_)
-
-
-@dataclass
-class _Group:
-    """The leaves of one weight decay group, over all held stages, as the kernel takes them."""
-
-    params: list[torch.Tensor]
-    grads: list[torch.Tensor]
-    buffers: dict[str, list[torch.Tensor]]
-    steps: list[torch.Tensor]
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:

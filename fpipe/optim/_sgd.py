@@ -8,7 +8,7 @@ import torch
 from torch.optim.sgd import sgd as torch_sgd
 
 from .._pytree import PyTree
-from ._optimizer import LearningRate, Optimizer, Spec, check_learning_rate, make_optimizer
+from ._optimizer import Group, LearningRate, Optimizer, Spec, check_learning_rate, make_optimizer
 
 
 def sgd(
@@ -60,25 +60,17 @@ def sgd(
             f"(momentum: {momentum}, dampening: {dampening}). Set momentum > 0 and dampening=0, or nesterov=False."
         )
 
-    def kernel(
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        buffers: dict[str, list[torch.Tensor]],
-        steps: list[torch.Tensor],
-        *,
-        lr: float,
-        weight_decay: float,
-    ) -> None:
+    def kernel(group: Group, *, lr: float) -> None:
         # torch starts a buffer as a copy of the first gradient where its list holds None, and
         # puts the new buffer in the list; the state's buffer takes its value.
-        held: list[torch.Tensor | None] = [*buffers.get("momentum_buffer", [None] * len(params))]
-        started: list[torch.Tensor | None] = [b if int(t) > 0 else None for b, t in zip(held, steps)]
+        held: list[torch.Tensor | None] = [*group.buffers.get("momentum_buffer", [None] * len(group.params))]
+        started: list[torch.Tensor | None] = [b if int(t) > 0 else None for b, t in zip(held, group.steps)]
         torch_sgd(
-            params,
-            grads,
+            group.params,
+            group.grads,
             started,
             foreach=foreach,
-            weight_decay=weight_decay,
+            weight_decay=group.weight_decay,
             momentum=momentum,
             lr=lr,
             dampening=dampening,

@@ -1,0 +1,118 @@
+"""A load's template: the names its leaves want, checked, and the trees filled with what was read.
+
+``fpipe.load`` (``fpipe/_saving/_load.py``) and ``fpipe.load_hf`` (``fpipe/_saving/_hf_load.py``)
+read different directories into the same kind of template: one pytree per stage whose tensor
+leaves are named by their key paths (NOTE [names] in ``fpipe/_saving/_save.py``). Both walk it
+with ``template_uses`` before reading and put the tensors read into it with ``fill``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from .._plural import plural
+from .._pytree import PyTree, leaves_with_names, unflatten
+from .._sharding._layout import cut_range
+from ._ranks import Sharding, full_shapes
+
+
+class Use(NamedTuple):
+    """A template leaf to fill: its key path, stage, position among the stage's leaves, itself,
+    and, for a shard (NOTE [sharded saves] in ``fpipe/_saving/_store.py``), its ``(q, d)`` and full shape."""
+
+    where: str
+    stage: int
+    position: int
+    leaf: torch.Tensor
+    shard: tuple[int, int] | None = None
+    shape: list[int] | None = None
+
+    @property
+    def full_shape(self) -> list[int]:
+        return list(self.leaf.shape) if self.shape is None else self.shape
+
+
+def template_uses(function: str, kind: str, trees: Sequence[PyTree], sharding: Sharding | None) -> dict[str, list[Use]]:
+    """Each name the template of ``kind`` holds, with the leaves it fills; ``function``
+    (``fpipe.load``, ``fpipe.load_hf``) names the caller in errors.
+
+    Raises ``TypeError`` for a leaf that is neither a tensor nor ``None`` or a tensor without a
+    name, and ``ValueError`` for a name twice in a stage or a shard of the wrong size.
+    """
+    uses: dict[str, list[Use]] = {}
+    for s, tree in enumerate(trees):
+        names, codes, leaves, _ = leaves_with_names(tree)
+        layout = None if sharding is None else sharding.layouts.get(s)
+        full = {} if layout is None or tree is None else full_shapes(kind, tree, layout)
+        for position, (parts, code, leaf) in enumerate(zip(names, codes, leaves)):
+            where = f"{label(kind)}[{s}]{code}"
+            if leaf is None:
+                continue
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"{function}: {where} is a {type(leaf).__name__}; template leaves are tensors (they give the "
+                    "shape, dtype and device; meta tensors work) or None."
+                )
+            if not parts:
+                raise TypeError(f"{function}: {where} is a tensor at the root of stage {s}, so it has no name.")
+            name = ".".join(parts)
+            mine = uses.setdefault(name, [])
+            if any(use.stage == s for use in mine):
+                raise ValueError(
+                    f"{function}: {mine[0].where} and {where} both get the name {name!r} (names are key paths "
+                    "joined by '.'). Rename a key so that every name in a stage is unique."
+                )
+            if name in full:
+                assert sharding is not None
+                _, _, size = cut_range(math.prod(full[name]), sharding.shard)
+                if list(leaf.shape) != [size]:
+                    raise ValueError(
+                        f"{function}: {where} should be this rank's shard of a tensor of shape {full[name]}, a 1-D "
+                        f"tensor of {plural(size, 'element')} (got: shape {list(leaf.shape)}). With a sharded "
+                        "step, pass the "
+                        "template step.shard returns (meta tensors of the full shapes will do)."
+                    )
+                mine.append(Use(where, s, position, leaf, sharding.shard, full[name]))
+            else:
+                mine.append(Use(where, s, position, leaf))
+    return uses
+
+
+def fill(
+    trees: Sequence[PyTree],
+    uses: Mapping[str, Sequence[Use]],
+    tensors: Mapping[tuple[str, tuple[int, int] | None], torch.Tensor],
+) -> list[PyTree]:
+    """The template trees with their tensor leaves replaced by the loaded tensors (a copy for
+    each further use of one tensor, on the leaf's device unless that is ``meta``)."""
+    flat = [leaves_with_names(tree)[2:] for tree in trees]
+    leaves_of = [list(leaves) for leaves, _ in flat]
+    for name, name_uses in uses.items():
+        for k, use in enumerate(name_uses):
+            tensor = tensors[name, use.shard]
+            if any(other.shard == use.shard for other in name_uses[:k]):
+                tensor = tensor.clone()
+            if use.leaf.device.type != "meta":
+                tensor = tensor.to(use.leaf.device)
+            leaves_of[use.stage][use.position] = tensor
+    return [unflatten(spec, leaves) for (_, spec), leaves in zip(flat, leaves_of)]
+
+
+def label(kind: str) -> str:
+    """How messages call the template of ``kind`` (``params`` or ``optimizer_state``)."""
+    return "template" if kind == "params" else kind
+
+
+def dtype_name(dtype: Any) -> str:
+    """``float32`` for ``torch.float32``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def listing(items: Sequence[str], limit: int = 10) -> str:
+    """``[a, b, ... 3 more]``: at most ``limit`` items of a list for a message."""
+    shown = ", ".join(items[:limit])
+    return f"[{shown}, ... {len(items) - limit} more]" if len(items) > limit else f"[{shown}]"
