@@ -86,15 +86,16 @@ def lost(
 
 
 def _first_silent(board: Board) -> int | None:
-    """The first rank whose heartbeat stops within ``2 * STALE`` seconds (``None``: none does):
-    which rank of a collective died, as its connection closing does not say."""
+    """The first rank whose heartbeat stops within ``2 * STALE`` seconds (``None``: none does, or
+    another rank's finding reached the board first, which then stands): which rank of a
+    collective died, as its connection closing does not say."""
     deadline = time.monotonic() + 2 * STALE
     with waiting(board):
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and board.failure is None:
             silent = board.silent()
             if silent:
                 return silent[0]
-            time.sleep(BEAT / 2)
+            time.sleep(BEAT / 5)
     return None
 
 
