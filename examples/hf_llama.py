@@ -189,15 +189,17 @@ def main(argv=None):
     bar.close()
     elapsed = time.perf_counter() - start
 
-    # Evaluate the unsplit model itself: the pipeline trained its parameters.
+    # A validation loss through the forward-only pipeline, then the unsplit model itself: the
+    # pipeline trained its parameters.
+    val_loss = step.evaluate(params, get_batch(args.batch_size, args.digits, generator))
     batch = get_batch(256, args.digits, generator)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     scored = batch["labels"][:, 1:] != IGNORE
     accuracy = (logits[:, :-1].argmax(-1)[scored] == batch["labels"][:, 1:][scored]).float().mean().item()
     print(
-        f"{args.steps} steps in {elapsed:.1f}s: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-        f"copy accuracy {accuracy:.1%} ({args.schedule}, {args.microbatches} microbatches)"
+        f"{args.steps} steps in {elapsed:.1f}s: loss {losses[0]:.4f} -> {losses[-1]:.4f}, validation "
+        f"{val_loss.item():.4f}, copy accuracy {accuracy:.1%} ({args.schedule}, {args.microbatches} microbatches)"
     )
     return losses
 

@@ -207,7 +207,8 @@ def main(argv=None):
 
     params = mine(init_params(args.dim, args.context, args.blocks, torch.Generator().manual_seed(args.seed)))
     decay = [None if p is None else optree.tree_map(lambda t: t.dim() >= 2, p) for p in params]
-    schedule = fpipe.optim.warmup_cosine(args.lr, warmup_steps=args.warmup, total_steps=args.steps, min_lr=args.lr / 10)
+    warmup = min(args.warmup, args.steps)
+    schedule = fpipe.optim.warmup_cosine(args.lr, warmup_steps=warmup, total_steps=args.steps, min_lr=args.lr / 10)
     opt = fpipe.optim.adamw(schedule, betas=(0.9, 0.95), weight_decay=0.1, weight_decay_mask=decay)
     opt_state = opt.init(params)
     out = Path(args.out)

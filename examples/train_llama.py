@@ -29,9 +29,10 @@ per-token mean). It starts near ``ln(17) = 2.83`` and falls towards 0 once atten
 look ``K`` tokens back, which RoPE makes easy.
 
 ``fpipe.pipeline(loss_fn, stages, schedule)`` returns ``step``, and the training loop is
-``loss, grads = step(params, batch)`` followed by a functional AdamW update: new tensors each step,
-nothing mutated. ``step`` runs every stage here, on virtual ranks, in the schedule's order; the
-schedule's rank x time grid is printed at start.
+``loss, grads = step(params, batch)`` followed by a functional AdamW update (``fpipe.optim``, on
+torch.optim's own kernel): new tensors each step, nothing mutated. ``step`` runs every stage
+here, on virtual ranks, in the schedule's order; the schedule's rank x time grid is printed at
+start.
 
 After training, ``step.evaluate(params, batch)`` runs the same pipeline forward only (no graph,
 no gradients) for a validation loss, and ``step.evaluate(..., outputs=True)``, which also returns
@@ -181,36 +182,6 @@ def init_params(dim, generator):
 
 
 # -----------------------------------------------------------------------------
-# AdamW over the parameter pytrees: pure functions, new tensors every step
-
-
-def adamw_init(params):
-    return {"step": 0, "m": optree.tree_map(torch.zeros_like, params), "v": optree.tree_map(torch.zeros_like, params)}
-
-
-def adamw_update(params, grads, state, *, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
-    """Decoupled weight decay (Loshchilov & Hutter) on matrices only, not on norms' gains."""
-    b1, b2 = betas
-    t = state["step"] + 1
-    m = optree.tree_map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], grads)
-    v = optree.tree_map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], grads)
-
-    def update(p, m, v):
-        decay = weight_decay if p.dim() >= 2 else 0.0
-        return p * (1 - lr * decay) - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
-
-    return optree.tree_map(update, params, m, v), {"step": t, "m": m, "v": v}
-
-
-def lr_at(it, steps, lr, warmup=10):
-    """Linear warm-up, then cosine decay to lr / 10."""
-    if it < warmup:
-        return lr * (it + 1) / warmup
-    progress = (it - warmup) / max(1, steps - warmup)
-    return lr / 10 + (lr - lr / 10) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-# -----------------------------------------------------------------------------
 # training
 
 
@@ -288,7 +259,12 @@ def main(argv=None):
     params = init_params(args.dim, generator)
     num_params = sum(t.numel() for t in optree.tree_leaves(params))
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
-    opt_state = adamw_init(params)
+    # AdamW (torch.optim's own kernel) with decay on matrices only, warm-up then cosine decay to lr / 10.
+    decay = [None if p is None else optree.tree_map(lambda t: t.dim() >= 2, p) for p in params]
+    warmup = min(10, args.steps)
+    schedule = fpipe.optim.warmup_cosine(args.lr, warmup_steps=warmup, total_steps=args.steps, min_lr=args.lr / 10)
+    opt = fpipe.optim.adamw(schedule, betas=(0.9, 0.95), weight_decay=0.1, weight_decay_mask=decay)
+    opt_state = opt.init(params)
     freqs_cis = precompute_freqs_cis(args.head_dim, 2 * args.digits)
     first_rank = step.program.placement()[0]
     if chatty:
@@ -304,7 +280,7 @@ def main(argv=None):
             batch = None  # data only where it is used: the first stage's rank
         with fpipe.record() if args.trace and it == args.steps - 1 else contextlib.nullcontext() as recording:
             loss, grads = step(params, batch)  # the per-rank part: forwards and backwards of the pipeline
-        params, opt_state = adamw_update(params, grads, opt_state, lr=lr_at(it, args.steps, args.lr))
+        params, opt_state = opt.update(params, grads, opt_state)
         losses.append(loss.item())
         bar.set_postfix_str(f"loss {losses[-1]:.4f}", refresh=False)
         bar.update()

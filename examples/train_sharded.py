@@ -190,6 +190,8 @@ def main(argv=None):
             memory = nbytes(params) + nbytes(grads) + nbytes(opt_state["m"]) + nbytes(opt_state["v"])
     bar.close()
     elapsed = time.perf_counter() - start
+    # A validation loss through the forward-only pipeline, on the shards as the step takes them.
+    val_loss = step.evaluate(params, get_batch(teacher_params, args.batch_size, data) if step.rank == 0 else None)
 
     # What each rank keeps between steps: parameters, gradients and the two AdamW moments.
     rows = [None] * world
@@ -201,7 +203,8 @@ def main(argv=None):
                 print(f"rank {rank} (replica {rep}, stages {stages}): params + grads + AdamW state {size:,} bytes")
         print(
             f"{args.steps} steps in {elapsed:.1f}s ({kind}, dp {world // args.pp} x pp {args.pp}): "
-            f"loss {losses[0]:.6f} -> {losses[-1]:.6f}, {rows[0][3]:,} bytes of state on rank 0"
+            f"loss {losses[0]:.6f} -> {losses[-1]:.6f}, validation {val_loss.item():.6f}, "
+            f"{rows[0][3]:,} bytes of state on rank 0"
         )
     dist.destroy_process_group()
     return losses
