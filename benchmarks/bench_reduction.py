@@ -27,6 +27,7 @@ import io
 import json
 import os
 import platform
+import queue as queue_module
 import socket
 import statistics
 import time
@@ -99,7 +100,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     overlapping = _api.replica_mean
 
     def use(mode: str) -> None:
-        _api.replica_mean = overlapping if mode == "overlap" else lambda topology, timeout: None  # type: ignore[assignment]
+        _api.replica_mean = overlapping if mode == "overlap" else lambda topology, timeout, **_: None  # type: ignore[assignment]
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     replica = mesh.get_coordinate()[0]
@@ -174,8 +175,16 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     procs = [ctx.Process(target=_rank, args=(r, port, config, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + 600
     try:
-        payload = queue.get(timeout=600)
+        while True:  # a rank that dies fails the run at once instead of leaving it waiting
+            try:
+                payload = queue.get(timeout=1)
+                break
+            except queue_module.Empty:
+                failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"bench_reduction: ranks failed or hung (exit codes: {failed})") from None
     finally:
         for p in procs:
             p.join(timeout=30)
