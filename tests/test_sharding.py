@@ -192,7 +192,9 @@ def _ranks(rank, world):
     out = {name: _train(meshes[name], schedule, num_stages) for name, (_, num_stages, schedule) in MESHES.items()}
     out["errors"] = _errors(meshes["2x2"])
     out["failure"] = _failing_replica(meshes["2x2"])
-    dist.barrier()
+    # Every rank waits for the others before leaving (rank 0 hosts the store), on a group of its
+    # own: the failure above aborted the mesh's groups, and with gloo that may reach the default one.
+    dist.barrier(group=dist.new_group(backend="gloo"))
     return out
 
 

@@ -32,6 +32,7 @@ import json
 import queue
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -104,13 +105,18 @@ class Board:
     """The failure board of one job (a pipeline group, or a whole dp x pp mesh) in the store."""
 
     def __init__(
-        self, job: tuple[int, ...], me: int, groups: list[Any], names: dict[int, tuple[int, int | None]]
+        self,
+        prefix: str,
+        job: tuple[int, ...],
+        me: int,
+        groups: list[Any],
+        names: dict[int, tuple[int, int | None]],
     ) -> None:
         self.job = job  # the global ranks of the job
         self.me = me  # this process's global rank
         self.groups = groups  # the process groups to abort on a failure
         self.names = names  # global rank -> (pipeline rank, replica or None)
-        self.prefix = "fpipe/" + ",".join(map(str, job)) + "/"
+        self.prefix = prefix  # of its keys in the store
         self.step = 0
         self.failure: Failure | None = None  # the current step's record, once read
         self.beats: dict[int, tuple[int, float]] = {}  # global rank -> (counter, when it last changed)
@@ -150,8 +156,11 @@ class Watchdog:
         self.current: Board | None = None  # the board of the step this process is running
 
     def board(self, job: tuple[int, ...], groups: list[Any], names: dict[int, tuple[int, int | None]]) -> Board:
-        """The board of ``job`` in the current process group's store (beaten from now on)."""
-        prefix = "fpipe/" + ",".join(map(str, job)) + "/"
+        """The board of ``job`` laid out as ``names`` says, in the current process group's store
+        (beaten from now on). Two meshes over the same ranks (a 2 x 2 and a 4 x 1) get boards of
+        their own: their groups, rank names and step counts differ."""
+        layout = zlib.crc32(json.dumps(sorted(names.items())).encode())
+        prefix = "fpipe/" + ",".join(map(str, job)) + f"/{layout:08x}/"
         default = dist.distributed_c10d._get_default_store()
         with self._lock:
             if self._thread is None or not self._thread.is_alive() or self._serves is not default:
@@ -161,7 +170,7 @@ class Watchdog:
                 self._thread = threading.Thread(target=self._loop, args=(default,), name="fpipe-watchdog", daemon=True)
                 self._thread.start()
             if prefix not in self._boards:
-                self._boards[prefix] = Board(job, dist.get_rank(), groups, names)
+                self._boards[prefix] = Board(prefix, job, dist.get_rank(), groups, names)
             return self._boards[prefix]
 
     def stop(self) -> None:
