@@ -9,6 +9,8 @@ failing replica. Parameters have leaves that do not divide by the data-parallel 
 
 from __future__ import annotations
 
+import time
+
 import optree
 import pytest
 import torch
@@ -192,9 +194,12 @@ def _ranks(rank, world):
     out = {name: _train(meshes[name], schedule, num_stages) for name, (_, num_stages, schedule) in MESHES.items()}
     out["errors"] = _errors(meshes["2x2"])
     out["failure"] = _failing_replica(meshes["2x2"])
-    # Every rank waits for the others before leaving (rank 0 hosts the store), on a group of its
-    # own: the failure above aborted the mesh's groups, and with gloo that may reach the default one.
-    dist.barrier(group=dist.new_group(backend="gloo"))
+    # Every rank waits for the others before leaving (rank 0 hosts the store), through the store
+    # alone: the failure above aborted the mesh's groups, and with gloo that may reach the default one.
+    store = dist.distributed_c10d._get_default_store()
+    store.add("test_sharding/done", 1)
+    while store.add("test_sharding/done", 0) < world:
+        time.sleep(0.05)
     return out
 
 
