@@ -193,14 +193,22 @@ def _ranks(rank, world):
     meshes = {name: init_device_mesh("cpu", shape, mesh_dim_names=("dp", "pp")) for name, (shape, *_) in MESHES.items()}
     out = {name: _train(meshes[name], schedule, num_stages) for name, (_, num_stages, schedule) in MESHES.items()}
     out["errors"] = _errors(meshes["2x2"])
-    out["failure"] = _failing_replica(meshes["2x2"])
+    dist.barrier()
+    return out
+
+
+def _failing(rank, world):
+    """The failing-replica case in processes of its own: a failure aborts the mesh's groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    failure = _failing_replica(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")))
     # Every rank waits for the others before leaving (rank 0 hosts the store), through the store
-    # alone: the failure above aborted the mesh's groups, and with gloo that may reach the default one.
+    # alone: the groups are aborted, and with gloo that may reach the default one.
     store = dist.distributed_c10d._get_default_store()
     store.add("test_sharding/done", 1)
     while store.add("test_sharding/done", 0) < world:
         time.sleep(0.05)
-    return out
+    return failure
 
 
 @pytest.fixture(scope="module")
@@ -304,14 +312,15 @@ def test_errors(ranks):
         assert m["after"] > 0
 
 
-def test_a_failing_replica_fails_the_other(ranks):
+def test_a_failing_replica_fails_the_other():
+    failures = run_ranks(4, _failing, timeout=120)
     # mesh coordinates: global rank 2 * replica + pipeline rank
-    assert "failed on rank 1" in ranks[1]["failure"] and "boom" in ranks[1]["failure"]
+    assert "failed on rank 1" in failures[1] and "boom" in failures[1]
     # Every other rank names the failed one, its replica and its action (the failure board).
     for r in (0, 2, 3):
         expected = f"rank {r % 2} stopped" if r else "rank 0 stopped because"
-        assert expected in ranks[r]["failure"], ranks[r]["failure"]
-        assert "because rank 1 of data-parallel replica 0 failed in forward of stage 1" in ranks[r]["failure"]
+        assert expected in failures[r], failures[r]
+        assert "because rank 1 of data-parallel replica 0 failed in forward of stage 1" in failures[r]
 
 
 def _mixed_precision(rank, world):
