@@ -103,6 +103,54 @@ def test_train_llama_runs_unchanged_under_torchrun(llama: ModuleType) -> None:
     assert f"loss {local[0]:.4f} -> {local[-1]:.4f}" in run.stdout, run.stdout
 
 
+@pytest.mark.timeout(240)
+def test_train_llama_tensor_parallel_under_torchrun(llama: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    """``torchrun --nproc-per-node 4 ... --tp 2``: pp 2 x tp 2, each stage's heads and MLP split over
+    2 ranks. Every printed loss (training, validation) is within one unit of its last digit of one
+    process's, and the greedy samples are the same."""
+    import re
+    import subprocess
+    import sys
+
+    args = [*TINY, "--steps", "3", "--samples", "2"]
+    llama.main(args)
+    local = capsys.readouterr().out
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    run = subprocess.run(
+        [*command, str(EXAMPLES / "train_llama.py"), *args, "--tp", "2"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "2-way tensor parallel" in run.stdout and "rank 1 | " in run.stdout and "rank 2 | " not in run.stdout
+
+    def printed(out: str) -> tuple[list[float], list[str]]:
+        losses = [float(x) for x in re.findall(r"(?:loss|->) (\d+\.\d+)", out)]
+        return losses, [line for line in out.splitlines() if line.startswith("greedy: ")]
+
+    (expected, samples), (losses, tp_samples) = printed(local), printed(run.stdout)
+    assert len(losses) == len(expected) == 4, run.stdout  # step 3/3, the first and last, validation
+    # The row-parallel products are summed in two halves plus an all-reduce: float32 rounding, far
+    # below the printed digits (at these sizes, the first steps are even bitwise the same).
+    assert all(abs(a - b) < 1.5e-4 for a, b in zip(losses, expected, strict=True)), (losses, expected)
+    assert tp_samples == samples and len(samples) == 2, run.stdout
+
+
+def test_train_llama_tp_must_divide_the_heads_and_the_processes(
+    llama: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        llama.main([*TINY, "--tp", "4"])  # 2 heads of 8
+    assert "--tp (4) must divide the number of heads (2 = --dim / --head-dim) and the MLP's width (48)" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        llama.main([*TINY, "--tp", "2"])  # one process, no torchrun
+    assert "--tp (2) needs torchrun with a multiple of 2 processes (WORLD_SIZE: 1)" in capsys.readouterr().err
+
+
 def test_train_llama_writes_a_measured_trace(llama: ModuleType, tmp_path: Path) -> None:
     import json
 
