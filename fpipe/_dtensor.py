@@ -3,8 +3,9 @@
 A stage may hold ``torch.distributed.tensor.DTensor`` parameters on the mesh's tensor-parallel
 sub-mesh and return DTensors. fpipe never gathers them: the wire carries each rank's local
 piece with the placements in its header (``spec_of``, ``from_spec``), gradients are summed as
-DTensors and redistributed to their parameter's placements at the end of the step
-(``like_param``), and the global norm adds every piece once (``square_sum``).
+DTensors (``clone`` keeps a ``Partial`` sum partial) and redistributed to their parameter's
+placements at the end of the step (``like_param``), and the global norm adds every piece once
+(``square_sum``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,22 @@ def is_dtensor(leaf: Any) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local piece of a DTensor, detached and without a copy; any other tensor as it is."""
     return t.to_local().detach() if isinstance(t, DTensor) else t
+
+
+def clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``, with the same placements if it is a DTensor, without communication.
+
+    DTensor's own ``clone()`` of a ``Partial`` tensor sums it over the ranks first (an all-reduce
+    to ``Replicate``): a gradient sum started with it would all-reduce every microbatch's partial
+    gradient apart, in another order of additions than one all-reduce of their sum.
+    """
+    if not isinstance(t, DTensor):
+        return t.clone()
+    piece = t.to_local().clone()
+    out: torch.Tensor = DTensor.from_local(
+        piece, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+    )
+    return out
 
 
 def placements_data(placements: Any, where: str) -> tuple[tuple[Any, ...], ...]:

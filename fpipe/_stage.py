@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from ._dtensor import is_dtensor, like_param
+from ._dtensor import clone, is_dtensor, like_param
 from ._precision import Precision
 from ._pytree import (
     PyTree,
@@ -145,8 +145,9 @@ class _OrderedSum:
                     continue
                 if leaf.grad is None:
                     # A copy: autograd may hand back the cotangent itself (``x + p``) or an
-                    # expanded view of it (``p.sum()``), and later sums add in place.
-                    leaf.grad = g.clone()
+                    # expanded view of it (``p.sum()``), and later sums add in place. A
+                    # ``Partial`` DTensor stays one (``clone``), summed once in ``grads``.
+                    leaf.grad = clone(g)
                 else:
                     leaf.grad.add_(g)
             self._next += 1

@@ -6,7 +6,8 @@ weights it is the single-process float64 reference; with DTensor weights on the 
 sub-mesh each tensor-parallel rank computes its heads and hidden units, and the row-wise
 products are summed by DTensor (``Partial`` -> ``Replicate``). The sums over heads and hidden
 units are split in two, so results equal the reference to float64 rounding, not bitwise; across
-schedules on the same mesh they are bitwise equal (fixed accumulation order).
+schedules on the same mesh, fused or split backward, they are bitwise equal (fixed accumulation
+order, one all-reduce of a replicated weight's partial gradients per step).
 """
 
 from __future__ import annotations
@@ -180,9 +181,9 @@ def _train(rank, world, dims, shape, schedules, num_stages):
     return out
 
 
-def _check(results, num_stages, replicas=1, split_backward=()):
+def _check(results, num_stages, replicas=1):
     """Each rank's results (one per schedule) against the float64 reference, averaged over
-    ``replicas``; schedules at indices ``split_backward`` split their backward."""
+    ``replicas``, and bitwise equal across schedules (split backward or fused)."""
     refs = [_reference(num_stages, _batch(10 + r)) for r in range(replicas)]
     loss = sum(r[0] for r in refs) / replicas
     grads = [{k: sum(r[1][s][k] for r in refs) / replicas for k in refs[0][1][s]} for s in range(num_stages)]
@@ -199,12 +200,7 @@ def _check(results, num_stages, replicas=1, split_backward=()):
                 for k, (g, kind, placements) in d_grads[s].items():
                     assert kind == ("DTensor" if k in TP else "Tensor"), (s, k, kind)
                     torch.testing.assert_close(g, grads[s][k], rtol=1e-12, atol=1e-14)
-                    if j in split_backward and placements == "(Replicate(),)":
-                        # A split backward sums a replicated weight's partial gradients in
-                        # another order (measured: 1.4e-17 apart); everything else is bitwise.
-                        torch.testing.assert_close(g, first[s, k], rtol=1e-14, atol=1e-16)
-                    else:
-                        assert torch.equal(g, first[s, k]), (j, s, k)  # bitwise across schedules
+                    assert torch.equal(g, first[s, k]), (j, s, k, placements)  # bitwise across schedules
             assert torch.equal(d_loss, results[0][0][1])
 
 
@@ -212,13 +208,13 @@ def test_pipeline_times_tensor_parallel_equals_the_unsplit_model():
     """pp 2 x tp 2 (mesh declared tp-first); GPipe, 1F1B and ZB-H1 (split backward), 2 stages."""
     schedules = [GPipe(3), OneFOneB(3), ZeroBubbleH1(3)]
     results = run_ranks(4, _train, ("tp", "pp"), (2, 2), schedules, 2, timeout=180)
-    _check(results, 2, split_backward=(2,))
+    _check(results, 2)
 
 
 def test_two_stages_per_rank_with_tensor_parallel():
     """pp 2 x tp 2, 4 stages: looped (interleaved 1F1B) and in a V (ZB-V, split backward)."""
     results = run_ranks(4, _train, ("pp", "tp"), (2, 2), [OneFOneB(4), ZeroBubbleV(4)], 4, timeout=180)
-    _check(results, 4, split_backward=(1,))
+    _check(results, 4)
 
 
 @pytest.mark.slow
