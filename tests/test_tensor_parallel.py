@@ -11,6 +11,7 @@ schedules on the same mesh they are bitwise equal (fixed accumulation order).
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,7 +128,7 @@ def _batch(seed, size=6, length=5):
     }
 
 
-def _reference(num_stages, batch):
+def _reference(num_stages, batch, params=None):
     stages = _stages(num_stages)
 
     def full_loss(params):
@@ -136,7 +137,7 @@ def _reference(num_stages, batch):
             y = stage(p, y)
         return _loss(y, batch)
 
-    grads, loss = torch.func.grad_and_value(full_loss)(_params(num_stages))
+    grads, loss = torch.func.grad_and_value(full_loss)(_params(num_stages) if params is None else params)
     return loss, grads
 
 
@@ -221,11 +222,128 @@ def test_two_stages_per_rank_with_tensor_parallel():
     _check(results, 4, split_backward=(1,))
 
 
+# -- shard_params=True: each rank's DTensor params sharded over its dp group by their local pieces --
+
+MAX_NORM, LR = 0.5, 1e-2  # the norm is about 1.5: clipping scales
+
+
+def _same(a, b):
+    """Bitwise equal pytrees, DTensors compared by type, placements and local piece."""
+    leaves_a, leaves_b = optree.tree_leaves(a, none_is_leaf=True), optree.tree_leaves(b, none_is_leaf=True)
+    return len(leaves_a) == len(leaves_b) and all(
+        type(x) is type(y)
+        and getattr(x, "placements", None) == getattr(y, "placements", None)
+        and torch.equal(_local(x), _local(y))
+        for x, y in zip(leaves_a, leaves_b)
+    )
+
+
+def _sharded(rank, world, dims, shape, schedule, num_stages):
+    """The same step with ``shard_params=True`` (and ``regather=True``) next to the replicated one on a
+    mesh with dp, pp and tp; then a clipped AdamW update of the shards and a second step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    replica = mesh.get_coordinate()[dims.index("dp")]
+    plain, sharded, regathered = (
+        fpipe.pipeline(_loss, _stages(num_stages), schedule, mesh=mesh, timeout=60, **options)
+        for options in ({}, {"shard_params": True}, {"shard_params": True, "regather": True})
+    )
+    held = plain.local_stages
+    params = [_distribute(p, mesh["tp"]) if s in held else None for s, p in enumerate(_params(num_stages))]
+    shards, r_shards = sharded.shard(params), regathered.shard(params)
+    batch = _batch(10 + replica) if plain.rank == 0 else None
+    loss, grads = sharded(shards, batch)
+    p_loss, p_grads = plain(params, batch)
+    r_loss, r_grads = regathered(r_shards, batch)
+    gathered = sharded.unshard(grads)
+    checks = {
+        "shards are plain 1-D tensors": all(
+            type(x) is torch.Tensor and x.dim() == 1 for s in held for x in [*shards[s].values(), *grads[s].values()]
+        ),
+        "loss bitwise": torch.equal(loss, p_loss) and torch.equal(r_loss, loss),
+        # dp 2: each element is g_0 + g_1 in the reduce-scatter and in the all-reduce alike
+        "grads: the shards of the replicated run's, bitwise": all(
+            _same(grads[s], fpipe.shard(p_grads[s], mesh)) for s in held
+        ),
+        "regather bitwise": _same(r_grads, grads),
+        "unshard: the replicated run's grads, DTensors with their placements, bitwise": all(
+            _same(gathered[s], p_grads[s]) for s in held
+        ),
+        "fpipe.gather(step.shard(params)) == params": all(
+            _same(fpipe.gather(shards[s], params[s], sharded), params[s]) for s in held
+        ),
+        "evaluate bitwise": torch.equal(sharded.evaluate(shards, batch), plain.evaluate(params, batch)),
+    }
+    norm, p_norm = sharded.global_norm(grads), plain.global_norm(p_grads)
+    opt = fpipe.optim.adamw(LR)
+    state = opt.init(shards)
+    clipped = fpipe.optim.clip_by_global_norm(grads, norm, max_norm=MAX_NORM)
+    shards, state = opt.update(shards, clipped, state)
+    loss2 = sharded(shards, batch)[0]
+    updated = sharded.unshard(shards)
+    return {
+        "checks": checks,
+        "local_stages": held,
+        "loss": loss,
+        "norm": norm,
+        "plain_norm": p_norm,
+        "grads": [_full(gathered[s]) if s in held else None for s in range(num_stages)],
+        "updated": [_full(updated[s]) if s in held else None for s in range(num_stages)],
+        "loss2": loss2,
+    }
+
+
+def _check_sharded(results, num_stages, replicas):
+    """Against the float64 reference averaged over ``replicas``, clipped AdamW by torch.optim."""
+    batches = [_batch(10 + r) for r in range(replicas)]
+    refs = [_reference(num_stages, b) for b in batches]
+    loss = sum(r[0] for r in refs) / replicas
+    grads = [{k: sum(r[1][s][k] for r in refs) / replicas for k in refs[0][1][s]} for s in range(num_stages)]
+    norm = torch.cat([g.reshape(-1) for tree in grads for g in tree.values()]).norm()
+    params = _params(num_stages)
+    flat = [p for tree in params for p in tree.values()]
+    for p, g in zip(flat, [g for tree in grads for g in tree.values()]):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(flat, MAX_NORM)
+    torch.optim.AdamW(flat, lr=LR).step()
+    updated = [{k: p.detach() for k, p in tree.items()} for tree in params]
+    loss2 = sum(_reference(num_stages, b, updated)[0] for b in batches) / replicas
+    for rank, r in enumerate(results):
+        assert all(r["checks"].values()), (rank, r["checks"])
+        torch.testing.assert_close(r["loss"], loss, rtol=1e-13, atol=0)
+        torch.testing.assert_close(r["norm"], norm, rtol=1e-13, atol=0)
+        torch.testing.assert_close(r["norm"], r["plain_norm"], rtol=1e-14, atol=0)  # summed in another order
+        torch.testing.assert_close(r["loss2"], loss2, rtol=1e-12, atol=0)
+        for s in r["local_stages"]:
+            for k, (g, kind, _) in r["grads"][s].items():
+                assert kind == ("DTensor" if k in TP else "Tensor"), (s, k, kind)
+                torch.testing.assert_close(g, grads[s][k], rtol=1e-12, atol=1e-14)
+                p, p_kind, _ = r["updated"][s][k]
+                assert p_kind == kind
+                torch.testing.assert_close(p, updated[s][k], rtol=1e-12, atol=1e-14)
+
+
+def test_sharded_data_parallel_times_tensor_parallel():
+    """dp 2 x pp 1 x tp 2 (both stages on the one pipeline rank, interleaved): shard_params=True
+    gives the shards of the replicated run's grads bitwise, and the reference to rounding."""
+    results = run_ranks(4, _sharded, ("dp", "pp", "tp"), (2, 1, 2), OneFOneB(3), 2, timeout=180)
+    _check_sharded(results, 2, replicas=2)
+
+
+def _both(rank, world, dims, shape, schedule, num_stages):
+    return _train(rank, world, dims, shape, [schedule], num_stages), _sharded(
+        rank, world, dims, shape, schedule, num_stages
+    )
+
+
 @pytest.mark.slow
 def test_data_times_pipeline_times_tensor_parallel():
-    """dp 2 x pp 2 x tp 2 on 8 processes: equal to the average of the replicas' references."""
-    results = run_ranks(8, _train, ("dp", "pp", "tp"), (2, 2, 2), [OneFOneB(2)], 2, timeout=240)
-    _check(results, 2, replicas=2)
+    """dp 2 x pp 2 x tp 2 on 8 processes: equal to the average of the replicas' references,
+    replicated and with shard_params=True."""
+    results = run_ranks(8, _both, ("dp", "pp", "tp"), (2, 2, 2), OneFOneB(2), 2, timeout=400)
+    _check([r[0] for r in results], 2, replicas=2)
+    _check_sharded([r[1] for r in results], 2, replicas=2)
 
 
 def _bad_inputs(rank, world):

@@ -48,7 +48,7 @@ def shard(tree: PyTree, over: Any, /) -> PyTree:
         torch.Size([8])
     """
     dp = _data_parallel_of(over, "fpipe.shard")
-    return cut(tree, layout_of(tree, dp.size), dp.rank)
+    return cut(tree, layout_of(tree, dp.size, dp.tensor_ranks, caller="fpipe.shard", name="tree"), dp.rank)
 
 
 def gather(shards: PyTree, like: PyTree, over: Any, /) -> PyTree:
@@ -65,4 +65,5 @@ def gather(shards: PyTree, like: PyTree, over: Any, /) -> PyTree:
         over: the ``DeviceMesh`` or the ``Step``, as for ``fpipe.shard``.
     """
     dp = _data_parallel_of(over, "fpipe.gather")
-    return gather_tree(dp, shards, layout_of(like, dp.size), "fpipe.gather", "shards")
+    layout = layout_of(like, dp.size, dp.tensor_ranks, caller="fpipe.gather", name="like")
+    return gather_tree(dp, shards, layout, "fpipe.gather", "shards")
