@@ -245,10 +245,23 @@ def _sharded(rank, world, dims, shape, schedule, num_stages):
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
     replica = mesh.get_coordinate()[dims.index("dp")]
-    plain, sharded, regathered = (
+    plain, sharded = (
         fpipe.pipeline(_loss, _stages(num_stages), schedule, mesh=mesh, timeout=60, **options)
-        for options in ({}, {"shard_params": True}, {"shard_params": True, "regather": True})
+        for options in ({}, {"shard_params": True})
     )
+    # regather=True: inside a stage, the other stages' gathered local pieces are freed
+    seen, freed = {}, []
+
+    def watching(s, stage):
+        def run(p, x):
+            freed.extend(all(t.untyped_storage().size() == 0 for t in ts) for other, ts in seen.items() if other != s)
+            seen[s] = [_local(t) for t in p.values()]
+            return stage(p, x)
+
+        return run
+
+    stages = [watching(s, f) for s, f in enumerate(_stages(num_stages))]
+    regathered = fpipe.pipeline(_loss, stages, schedule, mesh=mesh, timeout=60, shard_params=True, regather=True)
     held = plain.local_stages
     params = [_distribute(p, mesh["tp"]) if s in held else None for s, p in enumerate(_params(num_stages))]
     shards, r_shards = sharded.shard(params), regathered.shard(params)
@@ -274,6 +287,8 @@ def _sharded(rank, world, dims, shape, schedule, num_stages):
             _same(fpipe.gather(shards[s], params[s], sharded), params[s]) for s in held
         ),
         "evaluate bitwise": torch.equal(sharded.evaluate(shards, batch), plain.evaluate(params, batch)),
+        "regather frees the other stages' pieces": len(freed) > 0 and all(freed),
+        **_uneven(mesh),
     }
     norm, p_norm = sharded.global_norm(grads), plain.global_norm(p_grads)
     opt = fpipe.optim.adamw(LR)
@@ -291,6 +306,21 @@ def _sharded(rank, world, dims, shape, schedule, num_stages):
         "grads": [_full(gathered[s]) if s in held else None for s in range(num_stages)],
         "updated": [_full(updated[s]) if s in held else None for s in range(num_stages)],
         "loss2": loss2,
+    }
+
+
+def _uneven(mesh):
+    """A DTensor of 5 x 3 split by rows over tp 2 (local pieces of 9 and 6 elements), cut over
+    dp 2 by fpipe.shard and gathered back by fpipe.gather."""
+    _, _, _, Shard = _dtensor_api()
+    from torch.distributed.tensor import distribute_tensor
+
+    tree = {"w": distribute_tensor(torch.arange(15.0, dtype=torch.float64).view(5, 3), mesh["tp"], [Shard(0)])}
+    shards = fpipe.shard(tree, mesh)
+    tp = mesh.get_local_rank("tp")
+    return {
+        "uneven: shard sizes by tp rank": tuple(shards["w"].shape) == ((5,), (3,))[tp],
+        "uneven: gather(shard) == tree": _same(fpipe.gather(shards, tree, mesh), tree),
     }
 
 
@@ -329,6 +359,58 @@ def test_sharded_data_parallel_times_tensor_parallel():
     gives the shards of the replicated run's grads bitwise, and the reference to rounding."""
     results = run_ranks(4, _sharded, ("dp", "pp", "tp"), (2, 1, 2), OneFOneB(3), 2, timeout=180)
     _check_sharded(results, 2, replicas=2)
+
+
+def _sharded_bad_inputs(rank, world):
+    """On dp 2 x pp 1 x tp 2 with shard_params=True: DTensors on the wrong mesh or on a mesh without
+    tp, full DTensor params given to the step on one rank, then a good step, then grads of the
+    wrong structure to global_norm; what each rank raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    DTensor, _, Replicate, _ = _dtensor_api()
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "pp", "tp"))
+    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), mesh=mesh, shard_params=True, timeout=30)
+    params = [_distribute(p, mesh["tp"]) for p in _params(2)]
+    messages = {}
+    wrong = [dict(p) for p in params]
+    wrong[0]["wq"] = DTensor.from_local(wrong[0]["wq"].to_local(), mesh["dp"], [Replicate()])
+    for name, call in {
+        "shard, wrong mesh": lambda: step.shard(wrong),
+        "gather, wrong mesh": lambda: fpipe.gather(fpipe.shard(params[0], mesh), wrong[0], mesh),
+        "shard, no tp": lambda: fpipe.shard(params[0], mesh["dp", "pp"]),
+    }.items():
+        with pytest.raises(ValueError) as info:
+            call()
+        messages[name] = str(info.value)
+    shards = step.shard(params)
+    batch = _batch(1) if step.rank == 0 else None
+    with pytest.raises(ValueError) as info:
+        # on one rank, a full DTensor where its shard belongs
+        step([{**shards[0], "wq": params[0]["wq"]}, shards[1]] if rank == 3 else shards, batch)
+    messages["full params"] = str(info.value)
+    loss, grads = step(shards, batch)  # input errors leave the mesh usable
+    messages["after"] = float(loss)
+    with pytest.raises(ValueError) as info:
+        step.global_norm([{"wq": g["wq"]} for g in grads])
+    messages["norm, wrong structure"] = str(info.value)
+    return messages
+
+
+def test_sharded_tensor_parallel_bad_inputs_fail_on_every_rank():
+    results = run_ranks(4, _sharded_bad_inputs, timeout=120)
+    for rank, m in enumerate(results):  # global rank = 2 * dp + tp
+        tp_ranks = [rank - rank % 2, rank - rank % 2 + 1]
+        assert "fpipe.step.shard: params[0]['wq'] is a DTensor on the wrong mesh" in m["shard, wrong mesh"]
+        assert f"this rank's tensor-parallel sub-mesh has ranks {tp_ranks}" in m["shard, wrong mesh"]
+        assert "fpipe.gather: like['wq'] is a DTensor on the wrong mesh" in m["gather, wrong mesh"]
+        assert "fpipe.shard: tree['n1'] is a DTensor but the pipeline's mesh has no tensor-par" in m["shard, no tp"]
+        assert "grads[0] has 1 leaf but stage 0's parameters have 10" in m["norm, wrong structure"]
+    full = "params[0]['wq'] should be this rank's shard of the local piece (shape (4, 8)) of a torch.float64 DTensor"
+    assert full + " of shape (8, 8), a 1-D torch.float64 tensor of 16 elements" in results[3]["full params"]
+    assert "another data-parallel replica rejected its inputs" in results[1]["full params"]
+    assert "another tensor-parallel rank rejected its inputs" in results[0]["full params"]
+    assert "another tensor-parallel rank rejected its inputs" in results[2]["full params"]
+    assert len({r["after"] for r in results}) == 1
 
 
 def _both(rank, world, dims, shape, schedule, num_stages):
