@@ -4,7 +4,9 @@ A stage may hold ``torch.distributed.tensor.DTensor`` parameters on the mesh's t
 sub-mesh and return DTensors. fpipe never gathers them: the wire carries each rank's local
 piece with the placements in its header (``spec_of``, ``from_spec``), gradients are summed as
 DTensors and redistributed to their parameter's placements at the end of the step
-(``like_param``), and the global norm adds every piece once (``square_sum``).
+(``like_param``), and the global norm adds every piece once (``square_sum``). Sharded data
+parallelism cuts a DTensor parameter's local piece and rebuilds the DTensor from its layout
+(``DTensorLayout``).
 """
 
 from __future__ import annotations
