@@ -393,6 +393,10 @@ def _sharded_bad_inputs(rank, world):
     with pytest.raises(ValueError) as info:
         step.global_norm([{"wq": g["wq"]} for g in grads])
     messages["norm, wrong structure"] = str(info.value)
+    unsharded = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), mesh=mesh, shard_params=True, timeout=30)
+    with pytest.raises(ValueError) as info:
+        unsharded.global_norm(grads)  # no step.shard yet: no layouts to read the placements from
+    messages["norm, no layout"] = str(info.value)
     return messages
 
 
@@ -405,6 +409,7 @@ def test_sharded_tensor_parallel_bad_inputs_fail_on_every_rank():
         assert "fpipe.gather: like['wq'] is a DTensor on the wrong mesh" in m["gather, wrong mesh"]
         assert "fpipe.shard: tree['n1'] is a DTensor but the pipeline's mesh has no tensor-par" in m["shard, no tp"]
         assert "grads[0] has 1 leaf but stage 0's parameters have 10" in m["norm, wrong structure"]
+        assert "fpipe.step.global_norm: the step has no layout for stage 0" in m["norm, no layout"]
     full = "params[0]['wq'] should be this rank's shard of the local piece (shape (4, 8)) of a torch.float64 DTensor"
     assert full + " of shape (8, 8), a 1-D torch.float64 tensor of 16 elements" in results[3]["full params"]
     assert "another data-parallel replica rejected its inputs" in results[1]["full params"]
