@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -19,7 +20,7 @@ from ._plural import plural
 from ._precision import LossScaleState, Precision, check_params, finish_grads
 from ._pytree import PyTree, flatten, leaves_with_paths
 from ._run import Plan, ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
-from ._sharding._layout import LeafLayout, StageLayout, check_shards, data_parallel
+from ._sharding._layout import StageLayout, check_shards, data_parallel, norm_leaves
 from ._sharding._runs import ShardedRuns, gather_stages, shard_stages
 from ._stage import StageFn, StageRun
 from .schedules._action import Action
@@ -93,7 +94,9 @@ def pipeline(
             to a multiple of the data-parallel size ``d`` and cut into ``d`` 1-D pieces), and
             ``grads[s]`` is the same shard of the replicas' average gradient. The step all-gathers
             a stage's parameters before its first forward and keeps them for the step, and
-            reduce-scatters its gradients after its last backward (``notes/sharding.md``).
+            reduce-scatters its gradients after its last backward (``notes/sharding.md``). With a
+            ``"tp"`` dimension too, a DTensor parameter's shards are cut from this rank's local
+            piece, and the step gathers the piece back into the DTensor (``notes/tensor_parallel.md``).
         regather: with ``shard_params``, keep a stage's gathered parameters only while one of its
             actions runs and gather them again for the next (one all-gather per action instead
             of per step; at most one stage's full parameters alive; results bitwise unchanged).
@@ -192,11 +195,6 @@ def pipeline(
             "Pass e.g. fpipe.Precision(compute=torch.bfloat16, accumulate=torch.float32)."
         )
     topology = resolve_topology(mesh, group)
-    if shard_params and topology is not None and topology.tensor_group is not None:
-        raise ValueError(
-            f"fpipe.pipeline: shard_params=True does not compose with a tensor-parallel mesh dimension yet (mesh: "
-            f"{mesh!r}). Drop shard_params, or the 'tp' dimension."
-        )
     if shard_params and (topology is None or topology.data_group is None):
         raise ValueError(
             "fpipe.pipeline: shard_params=True cuts parameters over the data-parallel ranks, but this pipeline "
@@ -524,9 +522,7 @@ class Step:
                     layout.spec,
                     layout.paths,
                     tuple(
-                        None
-                        if leaf is None
-                        else LeafLayout(leaf.shape, precision.accumulate_dtype(leaf.dtype), leaf.size)
+                        None if leaf is None else replace(leaf, dtype=precision.accumulate_dtype(leaf.dtype))
                         for leaf in layout.leaves
                     ),
                     layout.num_shards,
@@ -551,13 +547,18 @@ class Step:
         ``shard_params`` each replica holds only its shards of them, so the sums are also summed
         over the data-parallel group (padding is zero and adds nothing). With a ``"tp"`` mesh
         dimension the sums are also summed over the tensor-parallel group, each DTensor shard
-        counted once and each replicated gradient (plain, or ``Replicate``) on one rank only.
+        counted once and each replicated gradient (plain, or ``Replicate``) on one rank only
+        (with ``shard_params`` too: the plain shards of a DTensor's local piece count as it does).
         """
-        leaves = [g for s in self.local_stages for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)]
         tensor_group = None if self._topology is None else self._topology.tensor_group
         total = torch.zeros((), dtype=torch.float64)
-        for g in leaves:
-            total = total + square_sum(g, tensor_group)
+        for s in self.local_stages:
+            if self.shard_params and tensor_group is not None:  # shards are plain: the layout knows their DTensor
+                leaves = norm_leaves(s, grads[s], self._layouts.get(s))
+            else:
+                leaves = [(g, None) for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)]
+            for g, placements in leaves:
+                total = total + square_sum(g, tensor_group, placements)
         if self._topology is not None:
             buffer = total.reshape(1).to(self._topology.device)
             all_reduce_sum(self._topology, self._topology.group, [buffer], self.timeout, "the global norm all-reduce")

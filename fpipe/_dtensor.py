@@ -5,11 +5,14 @@ sub-mesh and return DTensors. fpipe never gathers them: the wire carries each ra
 piece with the placements in its header (``spec_of``, ``from_spec``), gradients are summed as
 DTensors (``clone`` keeps a ``Partial`` sum partial) and redistributed to their parameter's
 placements at the end of the step (``like_param``), and the global norm adds every piece once
-(``square_sum``).
+(``square_sum``). Sharded data parallelism cuts a DTensor parameter's local piece and rebuilds
+the DTensor from its layout (``DTensorLayout``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,19 +97,19 @@ def mesh_ranks(mesh: Any) -> list[int]:
     return ranks
 
 
-def check_mesh(leaf: torch.Tensor, tensor_ranks: list[int] | None, where: str) -> None:
+def check_mesh(leaf: torch.Tensor, tensor_ranks: Sequence[int] | None, where: str, caller: str = "fpipe.step") -> None:
     """Raise unless DTensor ``leaf`` lives on the tensor-parallel sub-mesh whose ranks are
     ``tensor_ranks`` (``None``: the step has no ``"tp"`` dimension)."""
     mesh = leaf.device_mesh  # type: ignore[attr-defined]
     if tensor_ranks is None:
         raise ValueError(
-            f"fpipe.step: {where} is a DTensor but the pipeline's mesh has no tensor-parallel dimension "
+            f"{caller}: {where} is a DTensor but the pipeline's mesh has no tensor-parallel dimension "
             f"(the DTensor's mesh: {mesh!r}). Build the pipeline with mesh= a DeviceMesh with a 'tp' dimension."
         )
-    if mesh.ndim != 1 or mesh_ranks(mesh) != tensor_ranks:
+    if mesh.ndim != 1 or mesh_ranks(mesh) != list(tensor_ranks):
         raise ValueError(
-            f"fpipe.step: {where} is a DTensor on the wrong mesh (its mesh: {mesh!r}; this rank's tensor-parallel "
-            f"sub-mesh has ranks {tensor_ranks}). Make stage DTensors on mesh['tp'] of the pipeline's mesh."
+            f"{caller}: {where} is a DTensor on the wrong mesh (its mesh: {mesh!r}; this rank's tensor-parallel "
+            f"sub-mesh has ranks {list(tensor_ranks)}). Make stage DTensors on mesh['tp'] of the pipeline's mesh."
         )
 
 
@@ -125,6 +128,32 @@ def from_spec(piece: torch.Tensor, mesh: Any, spec: DTensorSpec) -> torch.Tensor
     return out
 
 
+@dataclass(frozen=True)
+class DTensorLayout:
+    """A DTensor without its data: its mesh, placements, global shape and stride. Sharded data
+    parallelism keeps only a shard of a DTensor parameter's local piece (notes/sharding.md,
+    "With tensor parallelism"); ``wrap`` rebuilds the DTensor around the gathered piece."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def wrap(self, piece: torch.Tensor) -> torch.Tensor:
+        """The DTensor whose local piece is ``piece`` (no copy, no communication)."""
+        out: torch.Tensor = DTensor.from_local(
+            piece, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape), stride=self.stride
+        )
+        return out
+
+
+def dtensor_layout(t: torch.Tensor) -> DTensorLayout | None:
+    """The layout of DTensor ``t``; ``None`` for any other tensor."""
+    if not isinstance(t, DTensor):
+        return None
+    return DTensorLayout(t.device_mesh, tuple(t.placements), tuple(t.shape), tuple(t.stride()))
+
+
 def like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``grad`` with ``param``'s placements (a replicated weight's gradient comes out of autograd
     as a ``Partial`` sum over the tensor-parallel ranks: this sums it); other tensors as they are."""
@@ -134,16 +163,20 @@ def like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def square_sum(g: torch.Tensor, tensor_group: Any) -> torch.Tensor:
+def square_sum(g: torch.Tensor, tensor_group: Any, placements: Sequence[Any] | None = None) -> torch.Tensor:
     """This rank's share of ``sum(g ** 2)`` in float64 such that the shares of the ranks of
     ``tensor_group`` add up to it: a piece replicated over them (a plain tensor, a ``Replicate``
-    DTensor) counts on the group's first rank only, a shard on every rank."""
-    if is_dtensor(g) and any(type(p) is Partial for p in g.placements):  # type: ignore[attr-defined]
+    DTensor) counts on the group's first rank only, a shard on every rank. ``placements``: those
+    of the DTensor that ``g``, a plain tensor, is a data-parallel shard of the local piece of
+    (``shard_params``); ``None`` reads them from ``g``."""
+    if placements is None and is_dtensor(g):
+        placements = g.placements  # type: ignore[attr-defined]
+    if placements is not None and any(type(p) is Partial for p in placements):
         raise ValueError(
-            f"fpipe.step.global_norm: a gradient with Partial placements ({g.placements}); pass the grads the step "  # type: ignore[attr-defined]
+            f"fpipe.step.global_norm: a gradient with Partial placements ({placements}); pass the grads the step "
             "returned, whose placements are their parameters'."
         )
-    replicated = not is_dtensor(g) or all(type(p) is Replicate for p in g.placements)  # type: ignore[attr-defined]
+    replicated = placements is None or all(type(p) is Replicate for p in placements)
     if tensor_group is not None and replicated and dist.get_rank(tensor_group) != 0:
         return torch.zeros((), dtype=torch.float64)
     return local(g).abs().double().square().sum().cpu()

@@ -12,6 +12,7 @@ order, one all-reduce of a replicated weight's partial gradients per step).
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -128,7 +129,7 @@ def _batch(seed, size=6, length=5):
     }
 
 
-def _reference(num_stages, batch):
+def _reference(num_stages, batch, params=None):
     stages = _stages(num_stages)
 
     def full_loss(params):
@@ -137,7 +138,7 @@ def _reference(num_stages, batch):
             y = stage(p, y)
         return _loss(y, batch)
 
-    grads, loss = torch.func.grad_and_value(full_loss)(_params(num_stages))
+    grads, loss = torch.func.grad_and_value(full_loss)(_params(num_stages) if params is None else params)
     return loss, grads
 
 
@@ -217,11 +218,215 @@ def test_two_stages_per_rank_with_tensor_parallel():
     _check(results, 4)
 
 
+# -- shard_params=True: each rank's DTensor params sharded over its dp group by their local pieces --
+
+MAX_NORM, LR = 0.5, 1e-2  # the norm is about 1.5: clipping scales
+
+
+def _same(a, b):
+    """Bitwise equal pytrees, DTensors compared by type, placements and local piece."""
+    leaves_a, leaves_b = optree.tree_leaves(a, none_is_leaf=True), optree.tree_leaves(b, none_is_leaf=True)
+    return len(leaves_a) == len(leaves_b) and all(
+        type(x) is type(y)
+        and (x is None or torch.equal(_local(x), _local(y)))
+        and getattr(x, "placements", None) == getattr(y, "placements", None)
+        for x, y in zip(leaves_a, leaves_b)
+    )
+
+
+def _sharded(rank, world, dims, shape, schedule, num_stages):
+    """The same step with ``shard_params=True`` (and ``regather=True``) next to the replicated one on a
+    mesh with dp, pp and tp; then a clipped AdamW update of the shards and a second step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    replica = mesh.get_coordinate()[dims.index("dp")]
+    plain, sharded = (
+        fpipe.pipeline(_loss, _stages(num_stages), schedule, mesh=mesh, timeout=60, **options)
+        for options in ({}, {"shard_params": True})
+    )
+    # regather=True: inside a stage, the other stages' gathered local pieces are freed
+    seen, freed = {}, []
+
+    def watching(s, stage):
+        def run(p, x):
+            freed.extend(all(t.untyped_storage().size() == 0 for t in ts) for other, ts in seen.items() if other != s)
+            seen[s] = [_local(t) for t in p.values()]
+            return stage(p, x)
+
+        return run
+
+    stages = [watching(s, f) for s, f in enumerate(_stages(num_stages))]
+    regathered = fpipe.pipeline(_loss, stages, schedule, mesh=mesh, timeout=60, shard_params=True, regather=True)
+    held = plain.local_stages
+    params = [_distribute(p, mesh["tp"]) if s in held else None for s, p in enumerate(_params(num_stages))]
+    shards, r_shards = sharded.shard(params), regathered.shard(params)
+    batch = _batch(10 + replica) if plain.rank == 0 else None
+    loss, grads = sharded(shards, batch)
+    p_loss, p_grads = plain(params, batch)
+    r_loss, r_grads = regathered(r_shards, batch)
+    gathered = sharded.unshard(grads)
+    checks = {
+        "shards are plain 1-D tensors": all(
+            type(x) is torch.Tensor and x.dim() == 1 for s in held for x in [*shards[s].values(), *grads[s].values()]
+        ),
+        "loss bitwise": torch.equal(loss, p_loss) and torch.equal(r_loss, loss),
+        # dp 2: each element is g_0 + g_1 in the reduce-scatter and in the all-reduce alike
+        "grads: the shards of the replicated run's, bitwise": all(
+            _same(grads[s], fpipe.shard(p_grads[s], mesh)) for s in held
+        ),
+        "regather bitwise": _same(r_grads, grads),
+        "unshard: the replicated run's grads, DTensors with their placements, bitwise": all(
+            _same(gathered[s], p_grads[s]) for s in held
+        ),
+        "fpipe.gather(step.shard(params)) == params": all(
+            _same(fpipe.gather(shards[s], params[s], sharded), params[s]) for s in held
+        ),
+        "evaluate bitwise": torch.equal(sharded.evaluate(shards, batch), plain.evaluate(params, batch)),
+        "regather frees the other stages' pieces": all(freed) and (len(freed) > 0 or len(held) == 1),
+        **_uneven(mesh),
+    }
+    norm, p_norm = sharded.global_norm(grads), plain.global_norm(p_grads)
+    opt = fpipe.optim.adamw(LR)
+    state = opt.init(shards)
+    clipped = fpipe.optim.clip_by_global_norm(grads, norm, max_norm=MAX_NORM)
+    shards, state = opt.update(shards, clipped, state)
+    loss2 = sharded(shards, batch)[0]
+    updated = sharded.unshard(shards)
+    return {
+        "checks": checks,
+        "local_stages": held,
+        "loss": loss,
+        "norm": norm,
+        "plain_norm": p_norm,
+        "grads": [_full(gathered[s]) if s in held else None for s in range(num_stages)],
+        "updated": [_full(updated[s]) if s in held else None for s in range(num_stages)],
+        "loss2": loss2,
+    }
+
+
+def _uneven(mesh):
+    """A DTensor of 5 x 3 split by rows over tp 2 (local pieces of 9 and 6 elements), cut over
+    dp 2 by fpipe.shard and gathered back by fpipe.gather."""
+    _, _, _, Shard = _dtensor_api()
+    from torch.distributed.tensor import distribute_tensor
+
+    tree = {"w": distribute_tensor(torch.arange(15.0, dtype=torch.float64).view(5, 3), mesh["tp"], [Shard(0)])}
+    shards = fpipe.shard(tree, mesh)
+    tp = mesh.get_local_rank("tp")
+    return {
+        "uneven: shard sizes by tp rank": tuple(shards["w"].shape) == ((5,), (3,))[tp],
+        "uneven: gather(shard) == tree": _same(fpipe.gather(shards, tree, mesh), tree),
+    }
+
+
+def _check_sharded(results, num_stages, replicas):
+    """Against the float64 reference averaged over ``replicas``, clipped AdamW by torch.optim."""
+    batches = [_batch(10 + r) for r in range(replicas)]
+    refs = [_reference(num_stages, b) for b in batches]
+    loss = sum(r[0] for r in refs) / replicas
+    grads = [{k: sum(r[1][s][k] for r in refs) / replicas for k in refs[0][1][s]} for s in range(num_stages)]
+    norm = torch.cat([g.reshape(-1) for tree in grads for g in tree.values()]).norm()
+    params = _params(num_stages)
+    flat = [p for tree in params for p in tree.values()]
+    for p, g in zip(flat, [g for tree in grads for g in tree.values()]):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(flat, MAX_NORM)
+    torch.optim.AdamW(flat, lr=LR).step()
+    updated = [{k: p.detach() for k, p in tree.items()} for tree in params]
+    loss2 = sum(_reference(num_stages, b, updated)[0] for b in batches) / replicas
+    for rank, r in enumerate(results):
+        assert all(r["checks"].values()), (rank, [name for name, ok in r["checks"].items() if not ok])
+        torch.testing.assert_close(r["loss"], loss, rtol=1e-13, atol=0)
+        torch.testing.assert_close(r["norm"], norm, rtol=1e-13, atol=0)
+        torch.testing.assert_close(r["norm"], r["plain_norm"], rtol=1e-14, atol=0)  # summed in another order
+        torch.testing.assert_close(r["loss2"], loss2, rtol=1e-12, atol=0)
+        for s in r["local_stages"]:
+            for k, (g, kind, _) in r["grads"][s].items():
+                assert kind == ("DTensor" if k in TP else "Tensor"), (s, k, kind)
+                torch.testing.assert_close(g, grads[s][k], rtol=1e-12, atol=1e-14)
+                p, p_kind, _ = r["updated"][s][k]
+                assert p_kind == kind
+                torch.testing.assert_close(p, updated[s][k], rtol=1e-12, atol=1e-14)
+
+
+def test_sharded_data_parallel_times_tensor_parallel():
+    """dp 2 x pp 1 x tp 2 (both stages on the one pipeline rank, interleaved): shard_params=True
+    gives the shards of the replicated run's grads bitwise, and the reference to rounding."""
+    results = run_ranks(4, _sharded, ("dp", "pp", "tp"), (2, 1, 2), OneFOneB(3), 2, timeout=180)
+    _check_sharded(results, 2, replicas=2)
+
+
+def _sharded_bad_inputs(rank, world):
+    """On dp 2 x pp 1 x tp 2 with shard_params=True: DTensors on the wrong mesh or on a mesh without
+    tp, full DTensor params given to the step on one rank, then a good step, then grads of the
+    wrong structure to global_norm; what each rank raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    DTensor, _, Replicate, _ = _dtensor_api()
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "pp", "tp"))
+    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), mesh=mesh, shard_params=True, timeout=30)
+    params = [_distribute(p, mesh["tp"]) for p in _params(2)]
+    messages = {}
+    wrong = [dict(p) for p in params]
+    wrong[0]["wq"] = DTensor.from_local(wrong[0]["wq"].to_local(), mesh["dp"], [Replicate()])
+    for name, call in {
+        "shard, wrong mesh": lambda: step.shard(wrong),
+        "gather, wrong mesh": lambda: fpipe.gather(fpipe.shard(params[0], mesh), wrong[0], mesh),
+        "shard, no tp": lambda: fpipe.shard(params[0], mesh["dp", "pp"]),
+    }.items():
+        with pytest.raises(ValueError) as info:
+            call()
+        messages[name] = str(info.value)
+    shards = step.shard(params)
+    batch = _batch(1) if step.rank == 0 else None
+    with pytest.raises(ValueError) as info:
+        # on one rank, a full DTensor where its shard belongs
+        step([{**shards[0], "wq": params[0]["wq"]}, shards[1]] if rank == 3 else shards, batch)
+    messages["full params"] = str(info.value)
+    loss, grads = step(shards, batch)  # input errors leave the mesh usable
+    messages["after"] = float(loss)
+    with pytest.raises(ValueError) as info:
+        step.global_norm([{"wq": g["wq"]} for g in grads])
+    messages["norm, wrong structure"] = str(info.value)
+    unsharded = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), mesh=mesh, shard_params=True, timeout=30)
+    with pytest.raises(ValueError) as info:
+        unsharded.global_norm(grads)  # no step.shard yet: no layouts to read the placements from
+    messages["norm, no layout"] = str(info.value)
+    return messages
+
+
+def test_sharded_tensor_parallel_bad_inputs_fail_on_every_rank():
+    results = run_ranks(4, _sharded_bad_inputs, timeout=120)
+    for rank, m in enumerate(results):  # global rank = 2 * dp + tp
+        tp_ranks = [rank - rank % 2, rank - rank % 2 + 1]
+        assert "fpipe.step.shard: params[0]['wq'] is a DTensor on the wrong mesh" in m["shard, wrong mesh"]
+        assert f"this rank's tensor-parallel sub-mesh has ranks {tp_ranks}" in m["shard, wrong mesh"]
+        assert "fpipe.gather: like['wq'] is a DTensor on the wrong mesh" in m["gather, wrong mesh"]
+        assert "fpipe.shard: tree['n1'] is a DTensor but the pipeline's mesh has no tensor-par" in m["shard, no tp"]
+        assert "grads[0] has 1 leaf but stage 0's parameters have 10" in m["norm, wrong structure"]
+        assert "fpipe.step.global_norm: the step has no layout for stage 0" in m["norm, no layout"]
+    full = "params[0]['wq'] should be this rank's shard of the local piece (shape (4, 8)) of a torch.float64 DTensor"
+    assert full + " of shape (8, 8), a 1-D torch.float64 tensor of 16 elements" in results[3]["full params"]
+    assert "another data-parallel replica rejected its inputs" in results[1]["full params"]
+    assert "another tensor-parallel rank rejected its inputs" in results[0]["full params"]
+    assert "another tensor-parallel rank rejected its inputs" in results[2]["full params"]
+    assert len({r["after"] for r in results}) == 1
+
+
+def _both(rank, world, dims, shape, schedule, num_stages):
+    return _train(rank, world, dims, shape, [schedule], num_stages), _sharded(
+        rank, world, dims, shape, schedule, num_stages
+    )
+
+
 @pytest.mark.slow
 def test_data_times_pipeline_times_tensor_parallel():
-    """dp 2 x pp 2 x tp 2 on 8 processes: equal to the average of the replicas' references."""
-    results = run_ranks(8, _train, ("dp", "pp", "tp"), (2, 2, 2), [OneFOneB(2)], 2, timeout=240)
-    _check(results, 2, replicas=2)
+    """dp 2 x pp 2 x tp 2 on 8 processes: equal to the average of the replicas' references,
+    replicated and with shard_params=True."""
+    results = run_ranks(8, _both, ("dp", "pp", "tp"), (2, 2, 2), OneFOneB(2), 2, timeout=400)
+    _check([r[0] for r in results], 2, replicas=2)
+    _check_sharded([r[1] for r in results], 2, replicas=2)
 
 
 def _bad_inputs(rank, world):

@@ -6,7 +6,7 @@ move them, one flat buffer per dtype per stage.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .._distributed._collectives import wait
 from .._distributed._topology import Topology
 from .._distributed._wire import as_bytes
+from .._dtensor import DTensorLayout, check_mesh, dtensor_layout, local
 from .._plural import plural
 from .._pytree import PyTree, TreeSpec, detached, flatten, leaves_with_paths, unflatten
 
@@ -36,6 +37,7 @@ class DataParallel:
     device: torch.device  # where collective buffers live (cuda for NCCL)
     pipeline_rank: int  # for error messages
     timeout: timedelta
+    tensor_ranks: tuple[int, ...] | None = None  # the tensor-parallel sub-mesh DTensor leaves must live on
 
 
 def data_parallel(topology: Topology, timeout: float) -> DataParallel:
@@ -48,6 +50,7 @@ def data_parallel(topology: Topology, timeout: float) -> DataParallel:
         topology.device,
         topology.rank,
         timedelta(seconds=timeout),
+        topology.tensor_ranks,
     )
 
 
@@ -56,11 +59,15 @@ def data_parallel(topology: Topology, timeout: float) -> DataParallel:
 
 @dataclass(frozen=True)
 class LeafLayout:
-    """A tensor leaf: its full shape and dtype, and ``size`` = elements per shard."""
+    """A tensor leaf: its full shape and dtype, and ``size`` = elements per shard. For a DTensor
+    the full tensor is this rank's local piece (``shape`` is the piece's), and ``dtensor`` says
+    how to rebuild the DTensor around it (NOTE [tensor-parallel shards] in
+    ``fpipe/_sharding/_runs.py``)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     size: int
+    dtensor: DTensorLayout | None = None
 
     @property
     def numel(self) -> int:
@@ -82,24 +89,38 @@ class StageLayout:
     num_shards: int
 
 
-def layout_of(tree: PyTree, num_shards: int) -> StageLayout:
-    """The layout of ``tree`` cut into ``num_shards`` shards (only shapes and dtypes are read)."""
+def layout_of(
+    tree: PyTree,
+    num_shards: int,
+    tensor_ranks: Sequence[int] | None = None,
+    *,
+    caller: str = "fpipe.step.shard",
+    name: str = "params",
+) -> StageLayout:
+    """The layout of ``tree`` cut into ``num_shards`` shards (only shapes and dtypes are read).
+
+    Raises:
+        ValueError: naming ``caller`` and ``name`` with the key path, if a DTensor leaf does not
+            live on the tensor-parallel sub-mesh whose ranks are ``tensor_ranks`` (``None``: the
+            mesh has no ``"tp"`` dimension).
+    """
     paths, leaves, spec = leaves_with_paths(tree)
-    return StageLayout(
-        spec,
-        tuple(paths),
-        tuple(
-            LeafLayout(tuple(x.shape), x.dtype, cut_range(x.numel(), (0, num_shards))[2])
-            if isinstance(x, torch.Tensor)
-            else None
-            for x in leaves
-        ),
-        num_shards,
-    )
+    out: list[LeafLayout | None] = []
+    for path, x in zip(paths, leaves):
+        if not isinstance(x, torch.Tensor):
+            out.append(None)
+            continue
+        dtensor = dtensor_layout(x)
+        if dtensor is not None:
+            check_mesh(x, tensor_ranks, f"{name}{path}", caller)
+            x = local(x)  # NOTE [tensor-parallel shards]: the local piece is what is cut
+        out.append(LeafLayout(tuple(x.shape), x.dtype, cut_range(x.numel(), (0, num_shards))[2], dtensor))
+    return StageLayout(spec, tuple(paths), tuple(out), num_shards)
 
 
 def cut(tree: PyTree, layout: StageLayout, rank: int) -> PyTree:
-    """Shard ``rank`` of ``tree`` (NOTE [shard layout]): new tensors, the user's are not aliased."""
+    """Shard ``rank`` of ``tree`` (NOTE [shard layout]): new tensors, the user's are not aliased.
+    A DTensor leaf's shard is a plain tensor cut from its local piece."""
     leaves, spec = flatten(tree)
     out: list[Any] = []
     for leaf, shape in zip(leaves, layout.leaves):
@@ -107,7 +128,7 @@ def cut(tree: PyTree, layout: StageLayout, rank: int) -> PyTree:
             out.append(leaf)
             continue
         start, stop, size = cut_range(shape.numel, (rank, layout.num_shards))
-        piece = detached(leaf).reshape(-1)[start:stop]
+        piece = detached(local(leaf)).reshape(-1)[start:stop]
         out.append(torch.cat([piece, piece.new_zeros(size - piece.numel())]))
     return unflatten(spec, out)
 
@@ -146,11 +167,37 @@ def check_shards(stage: int, tree: PyTree, layout: StageLayout | None) -> None:
                 if isinstance(leaf, torch.Tensor)
                 else type(leaf).__name__
             )
+            full = f"a {shape.dtype} tensor of shape {shape.shape}"
+            if shape.dtensor is not None:
+                global_shape = shape.dtensor.shape
+                full = f"the local piece (shape {shape.shape}) of a {shape.dtype} DTensor of shape {global_shape}"
             raise ValueError(
-                f"fpipe.step: params[{stage}]{path} should be this rank's shard of a {shape.dtype} tensor of "
-                f"shape {shape.shape}, a 1-D {shape.dtype} tensor of {plural(shape.size, 'element')} (got: {got}). "
-                "Cut full parameters with step.shard(params)."
+                f"fpipe.step: params[{stage}]{path} should be this rank's shard of {full}, a 1-D {shape.dtype} "
+                f"tensor of {plural(shape.size, 'element')} (got: {got}). Cut full parameters with step.shard(params)."
             )
+
+
+def norm_leaves(stage: int, grads: PyTree, layout: StageLayout | None) -> list[tuple[torch.Tensor, Any]]:
+    """The tensor leaves of a stage's gradient shards, each with the placements of the DTensor
+    whose local piece it is a shard of (``None`` for a plain parameter's): ``step.global_norm``
+    counts a shard of a ``Shard`` DTensor on every tensor-parallel rank, the others once."""
+    if layout is None:
+        raise ValueError(
+            f"fpipe.step.global_norm: the step has no layout for stage {stage}; cut the parameters with "
+            "step.shard(params) first."
+        )
+    leaves, spec = flatten(grads)
+    if spec.num_leaves != len(layout.leaves):
+        raise ValueError(
+            f"fpipe.step.global_norm: grads[{stage}] has {plural(spec.num_leaves, 'leaf')} but stage {stage}'s "
+            f"parameters have {len(layout.leaves)} (grads[{stage}]: {spec}; parameters: {layout.spec}). Pass the "
+            "grads the step returned."
+        )
+    return [
+        (g, None if shape is None or shape.dtensor is None else shape.dtensor.placements)
+        for g, shape in zip(leaves, layout.leaves)
+        if isinstance(g, torch.Tensor)
+    ]
 
 
 # -- flat buffers -------------------------------------------------------------------------------
@@ -230,13 +277,17 @@ class Gather:
                 padded = grid[:, m.columns].reshape(-1)  # the column block, row by row
                 leaves[m.index] = _unwire(padded, m.shape.dtype)[: m.shape.numel].view(m.shape.shape)
         self._posted.clear()
+        for k, shape in enumerate(self.layout.leaves):
+            if shape is not None and shape.dtensor is not None:  # the gathered local piece, as its DTensor
+                leaves[k] = shape.dtensor.wrap(leaves[k])
         return unflatten(self._spec, leaves)
 
 
 class ReduceScatter:
     """The reduce-scatters of one stage's full gradients, posted; ``wait`` returns the averaged shards.
 
-    ``grads`` is ``StageRun.grads()`` (``None`` for leaves without a gradient). Without
+    ``grads`` is ``StageRun.grads()`` (``None`` for leaves without a gradient; a DTensor's
+    gradient, with its parameter's placements, is reduced as its local piece). Without
     ``divide`` the shards are summed over the replicas, not averaged (``weight_fn``: each replica's
     share is already over the total count).
     """
@@ -255,7 +306,7 @@ class ReduceScatter:
                 if g is None:
                     block.zero_()
                     continue
-                flat = _wire(g).to(dp.device)
+                flat = _wire(local(g)).to(dp.device)  # a DTensor's gradient: its local piece
                 if flat.numel() < block.numel():  # the padding of NOTE [shard layout]
                     flat = torch.cat([flat, flat.new_zeros(block.numel() - flat.numel())])
                 block.copy_(flat.view(block.shape))

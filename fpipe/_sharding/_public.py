@@ -33,14 +33,20 @@ def shard(tree: PyTree, over: Any, /) -> PyTree:
 
     Each tensor leaf of ``n`` elements becomes a 1-D tensor of ``ceil(n / d)`` elements: the
     rank's slice of the flattened leaf, zero-padded at the end on the last ranks (``d``: the
-    data-parallel size); nothing is dropped. Other leaves are kept whole. Only the rank's own
-    data is read; no communication. ``step.shard(params)`` does this for every local stage and
+    data-parallel size); nothing is dropped. A DTensor leaf (on the mesh's ``"tp"`` sub-mesh) is
+    cut by its local piece, into a plain 1-D tensor. Other leaves are kept whole. Only the rank's
+    own data is read; no communication. ``step.shard(params)`` does this for every local stage and
     records the full shapes a sharded step needs.
 
     Args:
         tree: a full pytree, the same on every data-parallel replica (parameters, or anything
             shaped like them, such as optimizer state).
-        over: the ``DeviceMesh`` (dimensions ``"dp"`` and ``"pp"``) or a ``Step`` built on one.
+        over: the ``DeviceMesh`` (dimensions ``"dp"`` and ``"pp"``, maybe ``"tp"``) or a ``Step``
+            built on one.
+
+    Raises:
+        ValueError: if ``over`` has no data-parallel dimension, or a DTensor leaf does not live
+            on its ``"tp"`` sub-mesh.
 
     Example:
         >>> shards = fpipe.shard({"w": torch.ones(5, 3)}, mesh)  # doctest: +SKIP
@@ -48,7 +54,7 @@ def shard(tree: PyTree, over: Any, /) -> PyTree:
         torch.Size([8])
     """
     dp = _data_parallel_of(over, "fpipe.shard")
-    return cut(tree, layout_of(tree, dp.size), dp.rank)
+    return cut(tree, layout_of(tree, dp.size, dp.tensor_ranks, caller="fpipe.shard", name="tree"), dp.rank)
 
 
 def gather(shards: PyTree, like: PyTree, over: Any, /) -> PyTree:
@@ -61,8 +67,11 @@ def gather(shards: PyTree, like: PyTree, over: Any, /) -> PyTree:
         shards: this rank's shards.
         like: a pytree with the full shapes: the full tensors, or tensors on the ``meta`` device.
             The result has the dtypes of ``shards`` (optimizer state kept in float32 for
-            bfloat16 parameters gathers as float32 with the parameters as ``like``).
+            bfloat16 parameters gathers as float32 with the parameters as ``like``). Where
+            ``like`` has a DTensor, the result has a DTensor with its placements, around the
+            gathered local piece.
         over: the ``DeviceMesh`` or the ``Step``, as for ``fpipe.shard``.
     """
     dp = _data_parallel_of(over, "fpipe.gather")
-    return gather_tree(dp, shards, layout_of(like, dp.size), "fpipe.gather", "shards")
+    layout = layout_of(like, dp.size, dp.tensor_ranks, caller="fpipe.gather", name="like")
+    return gather_tree(dp, shards, layout, "fpipe.gather", "shards")

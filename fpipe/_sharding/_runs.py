@@ -26,6 +26,20 @@ zero-padded, into its column block; the reduce-scatter sums the grids of all ran
 collective, in its own order; with ``d = 2`` that is ``g_a + g_b`` whatever the order (floating
 point addition commutes), so the result is bitwise that of the unsharded all-reduce.
 
+NOTE [tensor-parallel shards]
+On a mesh with a ``"tp"`` dimension too, a DTensor parameter is sharded over the data-parallel
+group by its local piece: the piece is what is flattened, padded and cut, and the shards are
+plain 1-D tensors like any other. The ranks of a data-parallel group share their tensor-parallel
+index, so their pieces have the same shape and the grid above lines up; the ranks of a
+tensor-parallel group cut pieces of their own (of different sizes if the DTensor splits
+unevenly). The layout keeps the DTensor's mesh, placements, global shape and stride
+(``LeafLayout.dtensor``), so the gather rebuilds the DTensor around the gathered piece without
+communication over ``tp``; its gradient (with the parameter's placements, ``like_param``) is
+reduce-scattered as its local piece. A plain parameter of a tensor-parallel stage is held whole
+by every rank of the tp group: their shards are copies, and ``step.global_norm`` counts them
+once, as it counts a shard of a ``Replicate`` DTensor; a shard of a ``Shard`` DTensor's piece
+counts on every rank.
+
 NOTE [regather]
 With ``pipeline(..., shard_params=True, regather=True)`` a stage's full parameters are alive only
 while one of its actions runs: looking up another stage frees them (their storage is resized to
@@ -51,10 +65,12 @@ of other stages, and its full parameters and gradients are freed at once:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
+from .._dtensor import local
 from .._plural import plural
 from .._pytree import PyTree, flatten, map_tensors
 from .._run import segments
@@ -119,7 +135,7 @@ class ShardedRuns(Mapping[int, StageRun]):
             params = (self._gathers.pop(stage) if stage in self._gathers else self._gather(stage)).wait()
             if self._regather:  # own storage per leaf, so that each can be freed and refilled alone
                 params = map_tensors(torch.clone, params)
-                self._full[stage] = [t for t in flatten(params)[0] if isinstance(t, torch.Tensor)]
+                self._full[stage] = _pieces(params)
                 self._resident.add(stage)
             run = self._runs[stage] = self._make_run(stage, params)
         elif self._regather and stage not in self._resident:
@@ -134,7 +150,7 @@ class ShardedRuns(Mapping[int, StageRun]):
 
     def _refill(self, stage: int) -> None:
         """Gather ``stage``'s parameters again, into the very tensors its saved graphs alias."""
-        fresh = [t for t in flatten(self._gather(stage).wait())[0] if isinstance(t, torch.Tensor)]
+        fresh = _pieces(self._gather(stage).wait())
         for t, value in zip(self._full[stage], fresh):
             t.untyped_storage().resize_(t.numel() * t.element_size())
             # The values are those the graphs saved: no version bump, or autograd would object.
@@ -172,6 +188,11 @@ class ShardedRuns(Mapping[int, StageRun]):
         return [self._grads.get(s) for s in range(num_stages)]
 
 
+def _pieces(params: PyTree) -> list[torch.Tensor]:
+    """The tensors holding ``params``' data: a DTensor's local piece, which its graphs alias too."""
+    return [local(t) for t in flatten(params)[0] if isinstance(t, torch.Tensor)]
+
+
 # -- cutting and gathering whole pytrees ---------------------------------------------------------
 
 
@@ -179,7 +200,7 @@ def shard_stages(
     dp: DataParallel, local_stages: Sequence[int], params: Sequence[PyTree]
 ) -> tuple[list[PyTree], dict[int, StageLayout]]:
     """``step.shard``: this rank's shards of the local stages' params, and their layouts."""
-    layouts = {s: layout_of(params[s], dp.size) for s in local_stages}
+    layouts = {s: layout_of(params[s], dp.size, dp.tensor_ranks, name=f"params[{s}]") for s in local_stages}
     return [cut(p, layouts[s], dp.rank) if s in layouts else None for s, p in enumerate(params)], layouts
 
 
@@ -216,6 +237,6 @@ def gather_tree(dp: DataParallel, tree: PyTree, layout: StageLayout, caller: str
                 f"{shape.shape} (got: {got}). Pass shards cut from the same full pytree."
             )
         # The shards' own dtype: float32 optimizer state of bfloat16 parameters gathers as float32.
-        present.append(LeafLayout(shape.shape, leaf.dtype, shape.size))
+        present.append(replace(shape, dtype=leaf.dtype))
     partial = StageLayout(spec, layout.paths, tuple(present), layout.num_shards)
     return Gather(dp, name, tree, partial).wait()
