@@ -41,9 +41,10 @@ import torch
 from .._api import Step
 from .._pytree import PyTree
 from .._sharding._layout import cut_range
+from ._boxes import Box, whole
 from ._directory import inside
 from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves, stage_list
-from ._store import DTYPES, is_plain
+from ._store import DTYPES, Part, is_plain
 from ._template import Use, dtype_name, fill, listing, template_uses
 
 HF_INDEX = "model.safetensors.index.json"
@@ -277,23 +278,29 @@ def _wanted(
 
 def _read(
     root: Path, weight_map: dict[str, str], wanted: dict[str, _Want], dtype: torch.dtype | None
-) -> dict[tuple[str, tuple[int, int] | None], torch.Tensor]:
-    """Each ``(name, shard)`` the template needs, file by file (each opened once, memory-mapped)."""
+) -> dict[tuple[str, Part], torch.Tensor]:
+    """Each ``(name, part)`` the template needs, file by file (each opened once, memory-mapped)."""
     by_file: dict[str, list[str]] = {}
     for name, want in sorted(wanted.items()):
         by_file.setdefault(want.file, []).append(name)
-    out: dict[tuple[str, tuple[int, int] | None], torch.Tensor] = {}
+    out: dict[tuple[str, Part], torch.Tensor] = {}
     for file, names in sorted(by_file.items()):
         path = inside(root, file)
         try:
             with safetensors.safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
                 for name in names:
                     want = wanted[name]
-                    for shard in dict.fromkeys(use.shard for use in want.uses):
-                        if shard is None:
+                    for part in dict.fromkeys(use.part for use in want.uses):
+                        if part is None:
                             tensor = f.get_tensor(name)
+                        elif isinstance(part, Box):  # a DTensor's piece: its box's bytes only
+                            tensor = (
+                                f.get_slice(name)[part.within(whole(want.shape))]
+                                if part.numel
+                                else torch.empty(part.shape, dtype=DTYPES[want.code])
+                            )
                         else:
-                            start, stop, size = cut_range(math.prod(want.shape), shard)
+                            start, stop, size = cut_range(math.prod(want.shape), part)
                             data = (
                                 read_range(f.get_slice(name), want.shape, start, stop)
                                 if stop > start
@@ -302,7 +309,7 @@ def _read(
                             tensor = torch.cat([data, data.new_zeros(size - data.numel())])
                         if dtype is not None and tensor.dtype.is_floating_point:
                             tensor = tensor.to(dtype)
-                        out[name, shard] = tensor
+                        out[name, part] = tensor
         except safetensors.SafetensorError as error:
             raise ValueError(f"fpipe.load_hf: {path} is corrupt ({error}). Load an intact checkpoint.") from error
     return out
