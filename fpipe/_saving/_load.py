@@ -122,7 +122,7 @@ def load(
                 )
     out = {}
     for kind, kind_trees in trees.items():
-        requests = list(dict.fromkeys((name, use.shard) for name, uses in sorted(wanted[kind].items()) for use in uses))
+        requests = list(dict.fromkeys((name, use.part) for name, uses in sorted(wanted[kind].items()) for use in uses))
         tensors = read_tensors(root, index, kind, requests)
         out[kind] = fill(kind_trees, wanted[kind], tensors)
     return Loaded(out["params"], out.get("optimizer_state"), dict(index["metadata"].get("user", {})))

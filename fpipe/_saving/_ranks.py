@@ -152,6 +152,13 @@ class Ranks:
             return [v for rows in gather(topology, topology.group, row, timeout, what) for v in rows]
         return gather(topology, topology.group, value, timeout, what)
 
+    def name(self, position: int) -> str:
+        """How messages name the rank at ``position`` in ``gather``'s result: ``1``, or ``1 (tp 0)``."""
+        if self.inner is None:
+            return str(position)
+        rank, index = divmod(position, self.inner_size)
+        return f"{rank} ({self.inner[0]} {index})"
+
     def gather_replicas(self, value: Any, what: str) -> list[Any]:
         """``value`` of every data-parallel replica of this pipeline rank."""
         assert self.topology is not None
@@ -163,9 +170,11 @@ def agree(ranks: Ranks, problem: BaseException | None, value: dict[str, Any], wh
     statuses = ranks.gather({**value, "error": problem is not None}, f"the other ranks to finish {what}")
     if problem is not None:
         raise problem
-    failed = [r for r, st in enumerate(statuses) if st["error"]]
+    failed = [ranks.name(r) for r, st in enumerate(statuses) if st["error"]]
     if failed:
-        raise RuntimeError(f"fpipe.{ranks.function}: rank(s) {failed} failed while {what}; their own errors say why.")
+        raise RuntimeError(
+            f"fpipe.{ranks.function}: rank(s) [{', '.join(failed)}] failed while {what}; their own errors say why."
+        )
     return statuses
 
 

@@ -296,9 +296,7 @@ def _check_entry(files: dict[str, Any], tensors: dict[str, Any], key: str, name:
                     f"the pieces of {name!r} disagree: each should have the dtype and full shape of the first, "
                     f"{first}, and shape [{size}] ({info_at}: {_show(info)})"
                 )
-    if boxes and (len(boxes) != len(pieces) or first is None):
-        raise _Invalid(f"the pieces of {name!r} should all have an 'offset' or none should ({at}: {_show(where)})")
-    if boxes and first is not None:
+    if boxes and first is not None:  # (a piece without an offset has failed above, as a shard without 'shard')
         problem = tiling_problem(first[1], boxes)
         if problem is not None:
             raise _Invalid(
