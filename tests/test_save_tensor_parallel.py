@@ -5,6 +5,8 @@ a tied DTensor held by both pipeline ranks, replicated norms and plain tensors w
 the save loads bitwise into the same layout (DTensor templates on the meta device, each rank
 reading only its pieces), into one process with plain tensors, and a plain save loads into the
 pp 2 x tp 2 DTensors. ``save_state``/``load_state`` and ``AsyncSaver`` take the same path.
+The same processes load a Hugging Face checkpoint into a tiny Llama parallelized by torch's
+``parallelize_module`` and split in two (``load_hf``), each rank reading only its pieces' bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import fpipe
 from fpipe._saving._directory import INDEX, LATEST
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.test_hf_load import Spy
+from tests.test_hf_load import TWO, Spy, checkpoint, example, meta_model
 from tests.test_save import assert_bitwise, template
 
 pytestmark = pytest.mark.timeout(120)
@@ -87,7 +89,7 @@ def _gathered(trees: list[Any]) -> list[Any]:
     return [None if t is None else walk(t) for t in trees]
 
 
-def _ranks(rank: int, world: int, directory: str, plain: str) -> dict[str, Any]:
+def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -137,14 +139,17 @@ def _ranks(rank: int, world: int, directory: str, plain: str) -> dict[str, Any]:
             errors[what] = f"{type(error).__name__}: {error}"
     out["errors"] = errors
     out["after"] = _gathered(fpipe.load(root / "tp", meta, mesh=mesh).params)
+    out["hf"] = _load_hf(mesh, hf)
     return out
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any], Any]:
     directory = tmp_path_factory.mktemp("tp")
     fpipe.save(directory / "plain", _full())
-    return directory, run_ranks(4, _ranks, str(directory), str(directory / "plain"), timeout=100)
+    model = checkpoint(example(), directory / "hf")
+    results = run_ranks(4, _ranks, str(directory), str(directory / "plain"), str(directory / "hf"), timeout=150)
+    return directory, results, model
 
 
 def _check_gathered(result: Any, full: list[dict[str, torch.Tensor]], pp: int, *, state: bool = False) -> None:
@@ -163,8 +168,8 @@ def _check_gathered(result: Any, full: list[dict[str, torch.Tensor]], pp: int, *
                 assert placements == (f"(Shard(dim={p[1]}),)" if p[0] == "Shard" else "(Replicate(),)"), name
 
 
-def test_a_tensor_parallel_save_reloads_bitwise_into_the_same_layout(saved: tuple[Path, list[Any]]) -> None:
-    _, results = saved
+def test_a_tensor_parallel_save_reloads_bitwise_into_the_same_layout(saved: tuple[Path, list[Any], Any]) -> None:
+    _, results, _ = saved
     full = _full()
     for r in results:
         params, state, metadata = r["same layout"]
@@ -181,8 +186,8 @@ def test_a_tensor_parallel_save_reloads_bitwise_into_the_same_layout(saved: tupl
         _check_gathered(r["after"], full, r["pp"])
 
 
-def test_each_rank_writes_and_reads_only_its_own_pieces(saved: tuple[Path, list[Any]]) -> None:
-    directory, results = saved
+def test_each_rank_writes_and_reads_only_its_own_pieces(saved: tuple[Path, list[Any], Any]) -> None:
+    directory, results, _ = saved
     root = directory / "tp"
     version = root / (root / LATEST).read_text().strip()
     index = json.loads((version / INDEX).read_text())
@@ -222,9 +227,9 @@ def _local_numel(name: str, t: torch.Tensor, tp: int) -> int:
 
 
 def test_a_tensor_parallel_save_loads_into_one_process_and_a_plain_save_into_tensor_parallel(
-    saved: tuple[Path, list[Any]],
+    saved: tuple[Path, list[Any], Any],
 ) -> None:
-    directory, results = saved
+    directory, results, _ = saved
     full = _full()
     loaded = fpipe.load(directory / "tp", template(full), optimizer_state=_state_template(template(full)))
     assert_bitwise(loaded.params, full)
@@ -236,7 +241,7 @@ def test_a_tensor_parallel_save_loads_into_one_process_and_a_plain_save_into_ten
         _check_gathered(r["async"], full, r["pp"])
 
 
-def test_save_state_round_trips_with_tensor_parallel(saved: tuple[Path, list[Any]]) -> None:
+def test_save_state_round_trips_with_tensor_parallel(saved: tuple[Path, list[Any], Any]) -> None:
     full = _full()
     for r in saved[1]:
         params, state, number, metadata = r["state"]
@@ -245,7 +250,7 @@ def test_save_state_round_trips_with_tensor_parallel(saved: tuple[Path, list[Any
         assert (number, metadata) == (5, {"at": 1})
 
 
-def test_bad_tensor_parallel_saves_fail_on_every_rank(saved: tuple[Path, list[Any]]) -> None:
+def test_bad_tensor_parallel_saves_fail_on_every_rank(saved: tuple[Path, list[Any], Any]) -> None:
     for r in saved[1]:
         errors = r["errors"]
         # bias0 is the first name checked, the same on every rank
@@ -269,6 +274,58 @@ def test_bad_tensor_parallel_saves_fail_on_every_rank(saved: tuple[Path, list[An
         for what in ("sharded save", "sharded load"):
             assert "NotImplementedError: fpipe." in errors[what] and "tensor-parallel dimension" in errors[what]
         assert "NotImplementedError: fpipe.save_hf: exporting from a mesh with a tensor-parallel" in errors["save_hf"]
+
+
+# --- load_hf -----------------------------------------------------------------------------------
+
+# Megatron's plan: q, k, v, gate and up cut by rows (their outputs), o and down by columns.
+TP_PLAN = {
+    **{f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def _load_hf(mesh: Any, directory: str) -> dict[str, Any]:
+    """On pp 2 x tp 2: a meta model parallelized by torch's ``parallelize_module``, split in two;
+    each rank loads its stage's pieces from a Hugging Face checkpoint."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    hf = example()
+    pp = mesh.get_coordinate()[0]
+    model = meta_model(hf)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, mesh["tp"], {k: styles[v]() for k, v in TP_PLAN.items()})
+    _, meta = fpipe.split_module(model, TWO, call=hf.CALL)
+    spy = Spy()
+    params = fpipe.load_hf(directory, [p if s == pp else None for s, p in enumerate(meta)], mesh=mesh)
+    local = {n: t.to_local() if isinstance(t, DTensor) else t for n, t in params[pp].items()}
+    full = {
+        n: (t.full_tensor() if isinstance(t, DTensor) else t, str(getattr(t, "placements", "")))
+        for n, t in params[pp].items()
+    }
+    return {"pp": pp, "read": dict(spy.read), "local": {n: t.numel() for n, t in local.items()}, "full": full}
+
+
+def test_load_hf_into_tensor_parallel_stages_reads_only_their_pieces(saved: tuple[Path, list[Any], Any]) -> None:
+    _, results, model = saved
+    hf = example()
+    results = [r["hf"] for r in results]
+    named = {n: p.detach() for n, p in model.named_parameters()}
+    _, params = fpipe.split_module(model, TWO, call=hf.CALL)
+    for result in results:
+        names = set(params[result["pp"]])
+        assert result["full"].keys() == names
+        for name, (tensor, placements) in result["full"].items():
+            assert_bitwise(tensor, named[name])
+            kind = next((v for k, v in TP_PLAN.items() if name.startswith(k.replace("*", name.split(".")[2]))), None)
+            assert placements == {"colwise": "(Shard(dim=0),)", "rowwise": "(Shard(dim=1),)", None: ""}[kind], name
+        # each rank read exactly the elements of its own pieces: half of each cut weight
+        assert result["read"] == result["local"]
+        assert sum(n for n in result["local"].values()) < sum(named[n].numel() for n in names)
 
 
 # --- Hostile indexes (NOTE [trust model]) -----------------------------------------------------
@@ -302,7 +359,7 @@ def _edits() -> list[tuple[Any, str]]:
     ]
 
 
-def test_hostile_boxes_are_refused(saved: tuple[Path, list[Any]]) -> None:
+def test_hostile_boxes_are_refused(saved: tuple[Path, list[Any], Any]) -> None:
     root = saved[0] / "tp"
     version = root / (root / LATEST).read_text().strip()
     original = (version / INDEX).read_text()
