@@ -91,13 +91,19 @@ def load_hf(
             keyed by ``state_dict`` names), giving the expected shape and dtype and the device of
             the result (``device="meta"`` loads to the CPU: nothing is allocated before loading),
             or ``None`` (kept). With a step built with ``shard_params=True``, the template is this
-            rank's shards (``step.shard`` of meta tensors of the full shapes).
+            rank's shards (``step.shard`` of meta tensors of the full shapes). A DTensor leaf
+            (``Shard`` or ``Replicate``, from ``parallelize_module`` or ``distribute_tensor``,
+            on the meta device too) reads only its local piece's bytes and comes back as a
+            DTensor with its mesh and placements.
         dtype: convert the checkpoint's floating-point tensors to this dtype (a bfloat16 checkpoint
             into a float32 model); the template's floating leaves must then have it. ``None``: the
             dtypes must match.
         strict: names of the checkpoint that no stage of the template has (on any rank, when
-            distributed) are an error; ``strict=False`` ignores them. Names of the template
-            missing from the checkpoint are always an error.
+            distributed) are an error, but for a word embedding stored under its tied name too
+            (``lm_head.weight`` with ``"tie_word_embeddings": true`` in ``config.json``), accepted
+            when bitwise equal to the template's (NOTE [Hugging Face checkpoints]);
+            ``strict=False`` ignores them all. Names of the template missing from the checkpoint
+            are always an error.
         step, group, mesh: when distributed, the ranks whose templates together cover the
             checkpoint (as in ``fpipe.load``); ``step=`` is needed for sharded templates.
         timeout: seconds a rank waits for the others while gathering names.
@@ -125,8 +131,9 @@ def load_hf(
         FileNotFoundError: ``directory`` holds no safetensors checkpoint.
         TypeError: a template leaf is neither a tensor nor ``None``.
         ValueError: a pickled checkpoint, a malformed index or file, names missing or (with
-            ``strict``) unexpected, or a shape or dtype that differs (named with its key path, the
-            value on disk and the expected one).
+            ``strict``) unexpected, a tied duplicate that differs from its partner, or a shape or
+            dtype that differs (named with its key path, the value on disk and the expected one).
+        NotImplementedError: a step with ``shard_params=True`` on a mesh with a ``"tp"`` dimension.
         RuntimeError: another rank failed; its own error says why.
     """
     trees = stage_list("load_hf", "template", template)

@@ -17,9 +17,11 @@ NOTE [the save protocol]
 On each pipeline rank (one process: a single rank, and the all-gathers are no-ops):
 
 1. Name and hash (sha256) the local stages' tensors; all-gather the manifests (names, dtypes,
-   shapes, hashes: no tensor data) over the pipeline group, with rank 0's choice of version. Every
-   rank checks the manifests the same way (tied names, stages held twice, stage counts,
-   metadata), so all ranks fail together, and assigns each name to the lowest rank holding it.
+   shapes, hashes, DTensor boxes: no tensor data) over the pipeline group (and the tensor-parallel
+   group first, on a mesh with one), with rank 0's choice of version. Every rank checks the
+   manifests the same way (tied names, stages held twice, stage counts, metadata, pieces that
+   tile their tensor), so all ranks fail together, and assigns each piece of each name (the
+   whole tensor, or a DTensor's box) to the lowest rank holding it.
 2. Write the owned tensors into ``directory/.tmp-<version>/`` (one file per rank and kind, all
    ranks in parallel), fsync; all-gather the file sizes.
 3. Rank 0 writes the index and commits (NOTE [the save directory] in ``fpipe/_saving/_directory.py``).
@@ -105,6 +107,13 @@ def save(
             named ``<prefix>.<parameter name>`` of the shard size) are this rank's shards, and
             every replica writes its own, with the full shapes ``step.shard`` recorded
             (NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
+            On a mesh with a ``"tp"`` dimension, leaves may be DTensors on ``mesh["tp"]`` with
+            ``Shard`` or ``Replicate`` placements: each tensor-parallel rank writes its own local
+            piece under the global name, with its offsets in the index, never gathered; plain
+            tensors and ``Replicate`` DTensors are written once, by tensor-parallel rank 0, and
+            must be bitwise equal on every tensor-parallel rank (NOTE [tensor-parallel saves] in
+            ``fpipe/_saving/_boxes.py``). ``shard_params=True`` with a ``"tp"`` dimension is not
+            supported yet (``NotImplementedError`` on every rank).
         timeout: seconds a rank waits for the others at each of the save's all-gathers, which
             includes the time the slowest rank takes to hash or write its tensors, and the
             seconds rank 0 waits for another save to the same directory to finish.
@@ -135,10 +144,13 @@ def save(
 
     Raises:
         TypeError: a leaf is neither a tensor nor ``None``, has a dtype safetensors cannot store,
-            or is the whole stage (it has no name); ``metadata`` is not JSON-serializable.
+            or is the whole stage (it has no name), or is a DTensor with a ``Partial`` placement;
+            ``metadata`` is not JSON-serializable.
         ValueError: two leaves of a stage have the same name, a leaf is named ``__metadata__`` (safetensors
-            reserves it), a tied name has different values,
-            or ranks disagree (stage count, metadata) or hold the same stage.
+            reserves it), a tied name has different values (or placements),
+            or ranks disagree (stage count, metadata) or hold the same stage; a DTensor not on the
+            mesh's ``"tp"`` sub-mesh, or a replicated leaf that differs between tensor-parallel ranks.
+        NotImplementedError: a step with ``shard_params=True`` on a mesh with a ``"tp"`` dimension.
         OSError: writing failed (the previous save is kept); ``TimeoutError``: another save to
             ``directory`` held its lock for longer than ``timeout``.
         RuntimeError: another rank failed; its own error says why.

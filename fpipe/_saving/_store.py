@@ -24,6 +24,16 @@ saved pieces overlapping it are read, each whole so that its hash is checked). L
 not shards (a step counter) are saved whole, once, by the first replica that holds them, and
 every replica must hold the same bytes. Unsharded saves are unchanged: a name maps to one file.
 
+On a mesh with a tensor-parallel dimension (NOTE [tensor-parallel saves] in
+``fpipe/_saving/_boxes.py``) every tensor-parallel rank writes its own file,
+``model-rank-0000r-of-0000p-tp-0000t-of-0000T.safetensors``. A DTensor cut by ``Shard``
+placements maps to the list of its pieces' files, and each piece's entry in ``tensors`` has
+``shape`` (the piece's), ``offset`` (where it starts in each dimension), ``full_shape`` and its
+``sha256``; the pieces must cover the full shape exactly once (``read_index`` checks it). A
+whole tensor (plain, ``Replicate``) maps to one file, as without tensor parallelism. Reading a
+box (a DTensor template's piece) or a whole tensor copies the overlap of each saved piece that
+overlaps it, each piece read whole so that its hash is checked.
+
 NOTE [trust model]
 A save directory may come from elsewhere (a download, an unpacked archive), so ``load`` trusts
 neither the index nor the links in it. ``read_index`` checks the type of every field that
