@@ -90,8 +90,9 @@ def _gathered(trees: list[Any]) -> list[Any]:
 
 
 def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[str, Any]:
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 
     root = Path(directory)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
@@ -123,19 +124,25 @@ def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[s
     other_layout = [None if p is None else dict(p) for p in params]
     if pp == 1:  # the tied parameter cut by columns here, by rows on pipeline rank 0
         other_layout[1]["tied"] = _distribute({"b.col": full[1]["tied"]}, mesh["tp"])["b.col"]
+    partial = [
+        None if p is None else {**p, f"b{pp}.wq": DTensor.from_local(torch.ones(2), mesh["tp"], [Partial()])}
+        for p in params
+    ]
     sharded = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), mesh=mesh)
     sharded.shard_params = True  # as a step of a release that shards over tp would be
     for what, call in [
         ("differ", lambda: fpipe.save(root / "bad", differ, mesh=mesh)),
         ("wrong mesh", lambda: fpipe.save(root / "bad", wrong_mesh, mesh=mesh)),
         ("other layout", lambda: fpipe.save(root / "bad", other_layout, mesh=mesh)),
+        ("no tp", lambda: fpipe.save(root / "bad", params, group=dist.group.WORLD)),
+        ("partial", lambda: fpipe.save(root / "bad", partial, mesh=mesh)),
         ("sharded save", lambda: fpipe.save(root / "bad", params, step=sharded)),
         ("sharded load", lambda: fpipe.load(root / "tp", meta, step=sharded)),
         ("save_hf", lambda: fpipe.save_hf(root / "hf", params, mesh=mesh)),
     ]:
         try:
             call()
-        except (ValueError, RuntimeError, NotImplementedError) as error:
+        except (TypeError, ValueError, RuntimeError, NotImplementedError) as error:
             errors[what] = f"{type(error).__name__}: {error}"
     out["errors"] = errors
     out["after"] = _gathered(fpipe.load(root / "tp", meta, mesh=mesh).params)
@@ -270,7 +277,16 @@ def test_bad_tensor_parallel_saves_fail_on_every_rank(saved: tuple[Path, list[An
             "the pieces of 'tied' held by params[0]['tied'] (rank 0), params[0]['tied'] (rank 0 tp 1)"
             in (errors["other layout"])
         )
-        assert "do not cover its shape [7, 4] exactly once: the boxes at offsets" in errors["other layout"]
+        assert "do not cover its shape [7, 4] exactly once: they cover 56 of its 28 elements" in errors["other layout"]
+        b = f"b{r['pp']}"
+        assert (
+            f"ValueError: fpipe.save: params[{r['pp']}]['{b}.col'] is a DTensor but the save has no tensor-"
+            in (errors["no tp"])
+        )
+        assert (
+            f"TypeError: fpipe.save: params[{r['pp']}]['{b}.wq'] is a DTensor with placement Partial"
+            in (errors["partial"])
+        )
         for what in ("sharded save", "sharded load"):
             assert "NotImplementedError: fpipe." in errors[what] and "tensor-parallel dimension" in errors[what]
         assert "NotImplementedError: fpipe.save_hf: exporting from a mesh with a tensor-parallel" in errors["save_hf"]
