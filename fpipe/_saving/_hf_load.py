@@ -171,7 +171,7 @@ def load_hf(
     elif problem is not None:
         raise problem
     if dtype is not None:
-        tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+        tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items() if k[0] in wanted}
     return fill(trees, {name: want.uses for name, want in wanted.items()}, tensors)
 
 
