@@ -292,6 +292,30 @@ def test_bad_tensor_parallel_saves_fail_on_every_rank(saved: tuple[Path, list[An
         assert "NotImplementedError: fpipe.save_hf: exporting from a mesh with a tensor-parallel" in errors["save_hf"]
 
 
+def _three_dimensions(rank: int, world: int, directory: str) -> tuple[int, list[Any]]:
+    """dp 2 x pp 2 x tp 2: the first replica's ranks write, the other replica waits; all load."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    pp = mesh.get_coordinate()[1]
+    full = _full()
+    params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
+    fpipe.save(directory, params, mesh=mesh)
+    meta = [_distribute(template(p), mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
+    return pp, _gathered(fpipe.load(directory, meta, mesh=mesh).params)
+
+
+@pytest.mark.slow
+def test_data_times_pipeline_times_tensor_parallel_saves(tmp_path: Path) -> None:
+    results = run_ranks(8, _three_dimensions, str(tmp_path), timeout=200)
+    full = _full()
+    for pp, gathered in results:
+        _check_gathered(gathered, full, pp)
+    index = json.loads((tmp_path / (tmp_path / LATEST).read_text().strip() / INDEX).read_text())
+    assert sorted((f["rank"], f["tp"]) for f in index["files"].values()) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_bitwise(fpipe.load(tmp_path, template(full)).params, full)
+
+
 # --- load_hf -----------------------------------------------------------------------------------
 
 # Megatron's plan: q, k, v, gate and up cut by rows (their outputs), o and down by columns.
