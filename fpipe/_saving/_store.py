@@ -395,7 +395,9 @@ def read_tensors(
     entries = {name: entry(index, kind, name) for name, _ in requests}
     needed: dict[str, set[str]] = {}  # file -> names
     plans: dict[tuple[str, Part], tuple[list[int], Box]] = {}  # the pieces to read, the box to fill
+    parts: dict[str, list[Part]] = {}  # name -> its requests' parts
     for name, part in requests:
+        parts.setdefault(name, []).append(part)
         e = entries[name]
         target = part if isinstance(part, Box) else whole(e.shape)
         if e.sharded:
@@ -436,9 +438,10 @@ def read_tensors(
                     if e.sharded:
                         got[file, name] = tensor
                         continue
-                    for key, (pieces, target) in plans.items():
-                        if key[0] == name and q in pieces:
-                            _fill(filled, key, target, e.box(q), tensor)
+                    for part in parts[name]:
+                        pieces, target = plans[name, part]
+                        if q in pieces:
+                            _fill(filled, (name, part), target, e.box(q), tensor)
         except (_Corrupt, safetensors.SafetensorError) as error:
             raise ValueError(f"fpipe.load: {path} is corrupt: {error}. Load an intact save.") from error
     out: dict[tuple[str, Part], torch.Tensor] = {}
