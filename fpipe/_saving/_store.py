@@ -389,8 +389,10 @@ def read_tensors(
     its shape, whatever pieces the save has.
 
     Only the pieces on disk that overlap a request are read, file by file; each is checked
-    whole against its size, dtype, shape and sha256 (NOTE [sharded saves]), then copied where
-    the requests want it and dropped, so a rank holds at most one piece more than its results.
+    whole against its size, dtype, shape and sha256 (NOTE [sharded saves]). A piece of a tensor
+    saved whole or in boxes is copied where the requests want it as soon as it is read, and
+    dropped (one whole tensor more than the results at a time, loading into DTensor templates);
+    the pieces of a sharded tensor are kept until concatenated.
     """
     entries = {name: entry(index, kind, name) for name, _ in requests}
     needed: dict[str, set[str]] = {}  # file -> names
