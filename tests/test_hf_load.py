@@ -219,6 +219,9 @@ def test_a_tied_weight_stored_under_both_names_with_other_values_is_refused(hf: 
     (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     with pytest.raises(ValueError, match=r"has 1 name\(s\) that no stage of the template has: \['lm_head.weight'\]"):
         fpipe.load_hf(tmp_path, meta)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"config.json is not JSON \(JSONDecodeError"):
+        fpipe.load_hf(tmp_path, meta)
 
 
 # --- Errors -------------------------------------------------------------------------------------

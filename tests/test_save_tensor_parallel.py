@@ -92,7 +92,7 @@ def _gathered(trees: list[Any]) -> list[Any]:
 def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     root = Path(directory)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
@@ -128,12 +128,21 @@ def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[s
         None if p is None else {**p, f"b{pp}.wq": DTensor.from_local(torch.ones(2), mesh["tp"], [Partial()])}
         for p in params
     ]
+    other_shape = [None if p is None else dict(p) for p in params]
+    if pp == 1:  # the tied parameter with a row less here
+        other_shape[1]["tied"] = _distribute({"b.wq": full[1]["tied"][:6]}, mesh["tp"])["b.wq"]
+    odd_piece = [None if t is None else dict(t) for t in meta]  # a local piece torch.chunk would not cut
+    odd_piece[pp][f"b{pp}.wq"] = DTensor.from_local(
+        torch.empty(2, 8, dtype=torch.float64), mesh["tp"], [Shard(0)], run_check=False, shape=(8, 8), stride=(8, 1)
+    )
     sharded = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), mesh=mesh)
     sharded.shard_params = True  # as a step of a release that shards over tp would be
     for what, call in [
         ("differ", lambda: fpipe.save(root / "bad", differ, mesh=mesh)),
         ("wrong mesh", lambda: fpipe.save(root / "bad", wrong_mesh, mesh=mesh)),
         ("other layout", lambda: fpipe.save(root / "bad", other_layout, mesh=mesh)),
+        ("other shape", lambda: fpipe.save(root / "bad", other_shape, mesh=mesh)),
+        ("odd piece", lambda: fpipe.load(root / "tp", odd_piece, mesh=mesh)),
         ("no tp", lambda: fpipe.save(root / "bad", params, group=dist.group.WORLD)),
         ("partial", lambda: fpipe.save(root / "bad", partial, mesh=mesh)),
         ("sharded save", lambda: fpipe.save(root / "bad", params, step=sharded)),
@@ -286,6 +295,18 @@ def test_bad_tensor_parallel_saves_fail_on_every_rank(saved: tuple[Path, list[An
         assert (
             f"TypeError: fpipe.save: params[{r['pp']}]['{b}.wq'] is a DTensor with placement Partial"
             in (errors["partial"])
+        )
+        assert (
+            "have the same name 'tied' but different dtypes or shapes (float64[7, 4] vs float64[6, 4])"
+            in (errors["other shape"])
+        )
+        assert (
+            f"ValueError: fpipe.load: template[{r['pp']}]['{b}.wq'] is a DTensor whose local piece has shape "
+            in (errors["odd piece"])
+        )
+        assert (
+            "[2, 8], but its placements [Shard(dim=0)] cut shape [8, 8] into pieces of shape [4, 8]"
+            in (errors["odd piece"])
         )
         for what in ("sharded save", "sharded load"):
             assert "NotImplementedError: fpipe." in errors[what] and "tensor-parallel dimension" in errors[what]

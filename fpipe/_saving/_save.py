@@ -361,13 +361,18 @@ def check_tie(name: str, a: Manifest, b: Manifest, ranks: str = "") -> None:
     if a.value != b.value:
 
         def show(m: Manifest) -> str:
-            return f"{str(DTYPES[m.dtype]).removeprefix('torch.')}{m.shape} sha256 {m.sha256[:12]}"
+            return f"{_dtype(m)}{m.shape} sha256 {m.sha256[:12]}"
 
         raise ValueError(
             f"fpipe.save: {a.where} and {b.where}{ranks} have the same name {name!r} but different values "
             f"({show(a)} vs {show(b)}). A name in several stages is a tied parameter, saved once, so its "
             "values must be bitwise equal; if they are different parameters, give them different key paths."
         )
+
+
+def _dtype(m: Manifest) -> str:
+    """``float32`` for a manifest of dtype code ``F32``."""
+    return str(DTYPES[m.dtype]).removeprefix("torch.")
 
 
 # --- The protocol -----------------------------------------------------------------------------
@@ -528,7 +533,7 @@ def _check_pieces(name: str, pieces: list[tuple[Manifest, dict[str, Any]]]) -> N
         if (m.dtype, m.shape) != (first.dtype, first.shape):
             raise ValueError(
                 f"fpipe.save: {first.where} ({_writer(at)}) and {m.where} ({_writer(st)}) have the same name {name!r} "
-                f"but different dtypes or shapes ({first.dtype}{first.shape} vs {m.dtype}{m.shape}). A name in "
+                f"but different dtypes or shapes ({_dtype(first)}{first.shape} vs {_dtype(m)}{m.shape}). A name in "
                 "several stages is a tied parameter: give every copy the same dtype and shape."
             )
     problem = tiling_problem(first.shape, [m.piece for m, _ in pieces if isinstance(m.piece, Box)])
