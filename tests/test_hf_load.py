@@ -182,6 +182,48 @@ def test_results_go_to_the_template_device(hf: ModuleType, saved: tuple[Path, An
     assert_bitwise(loaded, [{n: t.detach() for n, t in p.items()} for p in params])
 
 
+def _both_names(hf: ModuleType, directory: Path, head: Any = None) -> Any:
+    """A tied model's checkpoint that stores the embedding as ``lm_head.weight`` too (``head``: its value there)."""
+    model = hf.build_model(**SIZE, tied=True)
+    model.save_pretrained(directory)
+    tensors = safetensors.torch.load_file(directory / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone() if head is None else head
+    safetensors.torch.save_file(tensors, directory / "model.safetensors")
+    return model
+
+
+def test_a_tied_weight_stored_under_both_names_loads_when_equal(
+    hf: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _both_names(hf, tmp_path)
+    _, meta = hf.split(meta_model(hf), 2)
+    spy = Spy(monkeypatch)
+    params = fpipe.load_hf(tmp_path, meta)  # strict: lm_head.weight is accepted as the embedding's copy
+    named = dict(model.named_parameters())
+    assert_bitwise(params, [{n: named[n].detach() for n in p} for p in meta])
+    assert spy.read["lm_head.weight"] == named["model.embed_tokens.weight"].numel()  # read once, to compare
+
+
+def test_a_tied_weight_stored_under_both_names_with_other_values_is_refused(hf: ModuleType, tmp_path: Path) -> None:
+    embed = hf.build_model(**SIZE, tied=True).model.embed_tokens.weight.detach()
+    _both_names(hf, tmp_path, head=embed + 1)
+    _, meta = hf.split(meta_model(hf), 2)
+    with pytest.raises(
+        ValueError,
+        match=r"stores 'lm_head.weight' as well as its tied partner 'model.embed_tokens.weight' \(config.json: "
+        r"tie_word_embeddings\), with other values \(compared on rank 0\)",
+    ):
+        fpipe.load_hf(tmp_path, meta)
+    assert fpipe.load_hf(tmp_path, meta, strict=False)[0]["model.embed_tokens.weight"].equal(embed)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match=r"has 1 name\(s\) that no stage of the template has: \['lm_head.weight'\]"):
+        fpipe.load_hf(tmp_path, meta)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"config.json is not JSON \(JSONDecodeError"):
+        fpipe.load_hf(tmp_path, meta)
+
+
 # --- Errors -------------------------------------------------------------------------------------
 
 

@@ -40,7 +40,9 @@ import torch.distributed as dist
 
 from .._api import Step
 from .._distributed._topology import Topology
+from .._dtensor import is_dtensor
 from .._pytree import PyTree, map_tensors
+from ._boxes import HostPiece, host_piece
 from ._ranks import Ranks, resolve, stage_list
 from ._save import prepare, write
 from ._state import TrainState, prepare_state, write_state
@@ -178,7 +180,8 @@ def _own_groups(topology: Topology | None) -> Topology | None:
         return dist.new_group(ranks, use_local_synchronization=True)
 
     data_group = None if topology.data_group is None else copy(topology.data_group)
-    return replace(topology, group=copy(topology.group), data_group=data_group)
+    tensor_group = None if topology.tensor_group is None else copy(topology.tensor_group)
+    return replace(topology, group=copy(topology.group), data_group=data_group, tensor_group=tensor_group)
 
 
 def _snapshot(argument: str, trees: Sequence[PyTree]) -> list[PyTree]:
@@ -189,7 +192,9 @@ def _snapshot(argument: str, trees: Sequence[PyTree]) -> list[PyTree]:
     return copies
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
+def _host_copy(t: torch.Tensor) -> torch.Tensor | HostPiece:
+    if is_dtensor(t):  # its local piece, with what the save needs to place it (NOTE [tensor-parallel saves])
+        return host_piece(t, _host_copy)
     if t.device.type != "cuda":
         return t.detach().to("cpu", copy=True)
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

@@ -18,7 +18,19 @@ with ``get_slice`` as at most two partial rows per dimension and one block of wh
 Tied weights: ``save_pretrained`` leaves out a weight tied to another (``lm_head.weight`` when
 ``tie_word_embeddings``), and ``split_module`` names a tied parameter by its first name
 (``model.embed_tokens.weight``) in every stage that uses it, so neither side has the second name.
-A name in several stages of a template is read once and copied.
+A name in several stages of a template is read once and copied. Some checkpoints store the tied
+weight under both names: when ``config.json`` says ``"tie_word_embeddings": true``, a name of
+the checkpoint that no template has and that is a word embedding (``vocab_size`` rows) is read by
+each rank holding a leaf of its dtype and shape (its possible partners: the input embedding), the
+same part as that leaf (its box, its shard), and compared bitwise;
+the ranks all-gather the verdicts, and the name is accepted when it equals one partner
+everywhere they were compared, else ``strict`` raises naming both (a duplicate that differs) or
+it (a name without a partner).
+
+DTensor leaves (a template of stages whose modules torch's ``parallelize_module`` cut, or made
+with ``distribute_tensor``; on the meta device too) read only their box: ``get_slice`` with one
+slice per dimension (NOTE [tensor-parallel saves] in ``fpipe/_saving/_boxes.py``), and come back
+as DTensors with the template leaf's mesh and placements.
 
 The checkpoint is trusted no more than an fpipe save (NOTE [trust model] in
 ``fpipe/_saving/_store.py``): the index must be JSON of the expected shape, every file it names a
@@ -39,11 +51,13 @@ import safetensors
 import torch
 
 from .._api import Step
+from .._distributed._wire import tensor_bytes
 from .._pytree import PyTree
 from .._sharding._layout import cut_range
+from ._boxes import Box, whole
 from ._directory import inside
 from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves, stage_list
-from ._store import DTYPES, is_plain
+from ._store import DTYPES, Part, is_plain
 from ._template import Use, dtype_name, fill, listing, template_uses
 
 HF_INDEX = "model.safetensors.index.json"
@@ -77,13 +91,19 @@ def load_hf(
             keyed by ``state_dict`` names), giving the expected shape and dtype and the device of
             the result (``device="meta"`` loads to the CPU: nothing is allocated before loading),
             or ``None`` (kept). With a step built with ``shard_params=True``, the template is this
-            rank's shards (``step.shard`` of meta tensors of the full shapes).
+            rank's shards (``step.shard`` of meta tensors of the full shapes). A DTensor leaf
+            (``Shard`` or ``Replicate``, from ``parallelize_module`` or ``distribute_tensor``,
+            on the meta device too) reads only its local piece's bytes and comes back as a
+            DTensor with its mesh and placements.
         dtype: convert the checkpoint's floating-point tensors to this dtype (a bfloat16 checkpoint
             into a float32 model); the template's floating leaves must then have it. ``None``: the
             dtypes must match.
         strict: names of the checkpoint that no stage of the template has (on any rank, when
-            distributed) are an error; ``strict=False`` ignores them. Names of the template
-            missing from the checkpoint are always an error.
+            distributed) are an error, but for a word embedding stored under its tied name too
+            (``lm_head.weight`` with ``"tie_word_embeddings": true`` in ``config.json``), accepted
+            when bitwise equal to the template's (NOTE [Hugging Face checkpoints]);
+            ``strict=False`` ignores them all. Names of the template missing from the checkpoint
+            are always an error.
         step, group, mesh: when distributed, the ranks whose templates together cover the
             checkpoint (as in ``fpipe.load``); ``step=`` is needed for sharded templates.
         timeout: seconds a rank waits for the others while gathering names.
@@ -111,8 +131,9 @@ def load_hf(
         FileNotFoundError: ``directory`` holds no safetensors checkpoint.
         TypeError: a template leaf is neither a tensor nor ``None``.
         ValueError: a pickled checkpoint, a malformed index or file, names missing or (with
-            ``strict``) unexpected, or a shape or dtype that differs (named with its key path, the
-            value on disk and the expected one).
+            ``strict``) unexpected, a tied duplicate that differs from its partner, or a shape or
+            dtype that differs (named with its key path, the value on disk and the expected one).
+        NotImplementedError: a step with ``shard_params=True`` on a mesh with a ``"tp"`` dimension.
         RuntimeError: another rank failed; its own error says why.
     """
     trees = stage_list("load_hf", "template", template)
@@ -120,25 +141,117 @@ def load_hf(
         raise TypeError(f"fpipe.load_hf: dtype must be a floating-point torch.dtype or None (dtype: {dtype!r}).")
     topology, _ = resolve("load_hf", step, group, mesh)
     ranks = Ranks("load_hf", topology, timeout)
-    root, weight_map, wanted, problem = Path(directory), {}, {}, None
+    root, weight_map, wanted, vocab, problem = Path(directory), {}, {}, None, None
     try:
         sharding = sharded_leaves("load_hf", step, {"params": trees})
         weight_map = read_weight_map(root)
         wanted = _wanted(root, weight_map, trees, sharding, dtype)
+        vocab = _tied_vocabulary(root)
     except (TypeError, ValueError, OSError) as error:
         problem = error
     statuses = agree(ranks, problem, {"names": sorted(wanted)}, "reading their templates")
-    if strict:
-        everywhere = {name for st in statuses for name in st["names"]}
-        extra = sorted(set(weight_map) - everywhere)
-        if extra:
-            any_rank = " on any rank" if ranks.size > 1 else ""
+    everywhere = {name for st in statuses for name in st["names"]}
+    extra = sorted(set(weight_map) - everywhere) if strict else []
+    if extra and vocab is None:
+        raise ValueError(_unexpected(root, extra, ranks))
+    # A tied weight stored under both names (NOTE [Hugging Face checkpoints]): each unexpected
+    # word embedding is read where a leaf of its dtype and shape is, and accepted if bitwise equal.
+    tensors: dict[tuple[str, Part], torch.Tensor] = {}
+    partners: dict[str, list[str]] = {}
+    problem = None
+    try:
+        partners, duplicates = _duplicates(root, weight_map, wanted, extra, vocab)
+        tensors = _read(root, {**wanted, **duplicates})
+    except (ValueError, OSError) as error:
+        problem, partners = error, {}
+    if extra:
+        equal = {e: {n: _same(tensors, e, n, wanted[n].uses) for n in found} for e, found in partners.items()}
+        statuses = agree(ranks, problem, {"ties": equal}, "comparing tied weights")
+        _check_duplicates(root, extra, [st["ties"] for st in statuses], ranks)
+    elif problem is not None:
+        raise problem
+    if dtype is not None:
+        tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items() if k[0] in wanted}
+    return fill(trees, {name: want.uses for name, want in wanted.items()}, tensors)
+
+
+def _unexpected(root: Path, extra: list[str], ranks: Ranks) -> str:
+    any_rank = " on any rank" if ranks.size > 1 else ""
+    return (
+        f"fpipe.load_hf: the checkpoint at {root} has {len(extra)} name(s) that no stage of the "
+        f"template{any_rank} has: {listing([repr(n) for n in extra])}. Add them to the template, or pass "
+        "strict=False to leave them out."
+    )
+
+
+# --- Tied duplicates --------------------------------------------------------------------------
+
+
+def _tied_vocabulary(root: Path) -> int | None:
+    """The vocabulary size of a checkpoint whose ``config.json`` says ``"tie_word_embeddings": true``
+    (its tied weights are the word embeddings, ``vocab_size`` rows); ``None`` otherwise."""
+    if not os.path.lexists(root / "config.json"):
+        return None
+    path = inside(root, "config.json")
+    try:
+        config = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"fpipe.load_hf: {path} is not JSON ({type(error).__name__}: {error}).") from None
+    if not isinstance(config, dict) or config.get("tie_word_embeddings") is not True:
+        return None
+    vocab = config.get("vocab_size")
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+def _duplicates(
+    root: Path, weight_map: dict[str, str], wanted: dict[str, _Want], extra: list[str], vocab: int | None
+) -> tuple[dict[str, list[str]], dict[str, _Want]]:
+    """For each unexpected word embedding (``vocab`` rows), the names of this rank's template with its
+    dtype and shape (its possible tied partners), and what to read of it: the parts those leaves read."""
+    headers: dict[str, dict[str, tuple[str, list[int]]]] = {}
+    partners: dict[str, list[str]] = {}
+    duplicates: dict[str, _Want] = {}
+    for name in extra:
+        file = weight_map[name]
+        if file not in headers:
+            headers[file] = _header(root, file)
+        code, shape = headers[file].get(name, (None, None))
+        found = [n for n, want in sorted(wanted.items()) if (want.code, want.shape) == (code, shape)]
+        if found and code is not None and shape is not None and shape[:1] == [vocab]:
+            partners[name] = found
+            duplicates[name] = _Want(file, code, shape, [use for n in found for use in wanted[n].uses])
+    return partners, duplicates
+
+
+def _same(tensors: dict[tuple[str, Part], torch.Tensor], a: str, b: str, uses: list[Use]) -> bool:
+    """Whether ``a`` and ``b`` hold the same bytes in every part the leaves ``uses`` read."""
+    return all(
+        bytes(tensor_bytes(tensors[a, use.part].contiguous())) == bytes(tensor_bytes(tensors[b, use.part].contiguous()))
+        for use in uses
+    )
+
+
+def _check_duplicates(root: Path, extra: list[str], ties: list[dict[str, dict[str, bool]]], ranks: Ranks) -> None:
+    """Accept each unexpected name that equals a partner wherever they were compared; raise otherwise."""
+    left = []
+    for name in extra:
+        compared: dict[str, list[tuple[int, bool]]] = {}
+        for position, found in enumerate(ties):
+            for partner, equal in found.get(name, {}).items():
+                compared.setdefault(partner, []).append((position, equal))
+        if any(all(equal for _, equal in results) for results in compared.values()):
+            continue
+        if compared:
+            partner, results = next(iter(sorted(compared.items())))
+            where = ranks.name(next(p for p, equal in results if not equal))
             raise ValueError(
-                f"fpipe.load_hf: the checkpoint at {root} has {len(extra)} name(s) that no stage of the "
-                f"template{any_rank} has: {listing([repr(n) for n in extra])}. Add them to the template, or pass "
-                "strict=False to leave them out."
+                f"fpipe.load_hf: the checkpoint at {root} stores {name!r} as well as its tied partner {partner!r} "
+                f"(config.json: tie_word_embeddings), with other values (compared on rank {where}). A tied weight has "
+                f"one value: fix the checkpoint, or pass strict=False to leave {name!r} out."
             )
-    return fill(trees, {name: want.uses for name, want in wanted.items()}, _read(root, weight_map, wanted, dtype))
+        left.append(name)
+    if left:
+        raise ValueError(_unexpected(root, left, ranks))
 
 
 # --- The directory ----------------------------------------------------------------------------
@@ -275,34 +388,36 @@ def _wanted(
 # --- Reading ----------------------------------------------------------------------------------
 
 
-def _read(
-    root: Path, weight_map: dict[str, str], wanted: dict[str, _Want], dtype: torch.dtype | None
-) -> dict[tuple[str, tuple[int, int] | None], torch.Tensor]:
-    """Each ``(name, shard)`` the template needs, file by file (each opened once, memory-mapped)."""
+def _read(root: Path, wanted: dict[str, _Want]) -> dict[tuple[str, Part], torch.Tensor]:
+    """Each ``(name, part)`` of ``wanted``, file by file (each opened once, memory-mapped), as stored."""
     by_file: dict[str, list[str]] = {}
     for name, want in sorted(wanted.items()):
         by_file.setdefault(want.file, []).append(name)
-    out: dict[tuple[str, tuple[int, int] | None], torch.Tensor] = {}
+    out: dict[tuple[str, Part], torch.Tensor] = {}
     for file, names in sorted(by_file.items()):
         path = inside(root, file)
         try:
             with safetensors.safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
                 for name in names:
                     want = wanted[name]
-                    for shard in dict.fromkeys(use.shard for use in want.uses):
-                        if shard is None:
+                    for part in dict.fromkeys(use.part for use in want.uses):
+                        if part is None:
                             tensor = f.get_tensor(name)
+                        elif isinstance(part, Box):  # a DTensor's piece: its box's bytes only
+                            tensor = (
+                                f.get_slice(name)[part.within(whole(want.shape))]
+                                if part.numel
+                                else torch.empty(part.shape, dtype=DTYPES[want.code])
+                            )
                         else:
-                            start, stop, size = cut_range(math.prod(want.shape), shard)
+                            start, stop, size = cut_range(math.prod(want.shape), part)
                             data = (
                                 read_range(f.get_slice(name), want.shape, start, stop)
                                 if stop > start
                                 else torch.empty(0, dtype=DTYPES[want.code])
                             )
                             tensor = torch.cat([data, data.new_zeros(size - data.numel())])
-                        if dtype is not None and tensor.dtype.is_floating_point:
-                            tensor = tensor.to(dtype)
-                        out[name, shard] = tensor
+                        out[name, part] = tensor
         except safetensors.SafetensorError as error:
             raise ValueError(f"fpipe.load_hf: {path} is corrupt ({error}). Load an intact checkpoint.") from error
     return out

@@ -47,7 +47,7 @@ from .._pytree import PyTree, leaves_with_names, unflatten
 from .._sharding._public import gather
 from ._directory import fsync_directory, write_atomic
 from ._hf_load import HF_INDEX
-from ._ranks import Ranks, agree, check_stage_count, resolve, stage_list
+from ._ranks import Ranks, agree, check_stage_count, resolve, stage_list, without_tensor_parallel
 from ._store import CODES, DTYPES, sha256, write_safetensors
 
 _SIZE = re.compile(r"\s*(\d+)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*")
@@ -129,6 +129,7 @@ def save_hf(
     limit = _shard_size(max_shard_size)
     config_files = _config_files(config)
     topology, held = resolve("save_hf", step, group, mesh)
+    topology = without_tensor_parallel("save_hf", topology)
     check_stage_count("save_hf", trees, step)
     if step is not None and step.shard_params:
         trees = _gathered(trees, step)

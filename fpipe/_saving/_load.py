@@ -58,7 +58,11 @@ def load(
             directory that ``save`` returned. A directory without a committed index is refused.
         template: one pytree per stage whose leaves are tensors (they give the expected shape and
             dtype, and the device of the result; ``device="meta"`` tensors load to the CPU) or
-            ``None`` (kept as is). The result has the template's structure.
+            ``None`` (kept as is). The result has the template's structure. A DTensor leaf (on
+            the meta device too) gets a DTensor with its mesh and placements around this rank's
+            piece (``Shard`` or ``Replicate``), whatever layout the save had: a save from a
+            tensor-parallel mesh loads into plain tensors and the other way round (NOTE
+            [tensor-parallel saves] in ``fpipe/_saving/_boxes.py``).
         optimizer_state: a template for the optimizer state, to load it too.
         strict: names in the save that no stage of the template has (on any rank, when
             distributed) are an error; ``strict=False`` ignores them. Names of the template that
@@ -87,11 +91,12 @@ def load(
 
     Raises:
         FileNotFoundError: ``directory`` holds no committed save.
-        TypeError: a template leaf is neither a tensor nor ``None``.
+        TypeError: a template leaf is neither a tensor nor ``None``, or a DTensor with a ``Partial`` placement.
         ValueError: names of the template missing from the save, with ``strict`` names of the
             save missing from the template, a shape or dtype that differs (each named with its
             key path, the value on disk and the expected one), or a file that is truncated or
-            corrupt.
+            corrupt, or an index whose pieces of a tensor do not cover it exactly once.
+        NotImplementedError: a step with ``shard_params=True`` on a mesh with a ``"tp"`` dimension.
         RuntimeError: another rank failed; its own error says why.
     """
     trees = {"params": stage_list("load", "template", template)}
@@ -122,7 +127,7 @@ def load(
                 )
     out = {}
     for kind, kind_trees in trees.items():
-        requests = list(dict.fromkeys((name, use.shard) for name, uses in sorted(wanted[kind].items()) for use in uses))
+        requests = list(dict.fromkeys((name, use.part) for name, uses in sorted(wanted[kind].items()) for use in uses))
         tensors = read_tensors(root, index, kind, requests)
         out[kind] = fill(kind_trees, wanted[kind], tensors)
     return Loaded(out["params"], out.get("optimizer_state"), dict(index["metadata"].get("user", {})))

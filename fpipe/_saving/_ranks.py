@@ -41,6 +41,13 @@ def sharded_leaves(function: str, step: Step | None, trees: dict[str, list[PyTre
     topology = None if step is None else step.topology
     if step is None or not step.shard_params or topology is None:
         return None
+    if topology.tensor_group is not None:  # the same on every rank: refused before any collective
+        raise NotImplementedError(
+            f"fpipe.{function}: the step shards parameters (shard_params=True) over a mesh with a tensor-parallel "
+            f"dimension (tensor-parallel ranks: {list(topology.tensor_ranks or ())}), and saving or loading such "
+            "shards is not supported yet. Save and load the full DTensor parameters with mesh= and a step built "
+            "without shard_params=True, whose tensor-parallel ranks each write and read their own pieces."
+        )
     missing = [s for s in step.local_stages if s not in step.shard_layouts]
     if missing:
         raise ValueError(
@@ -87,28 +94,31 @@ def resolve(function: str, step: Step | None, group: Any, mesh: Any) -> tuple[To
     if step is not None:
         if not isinstance(step, Step):
             raise TypeError(f"fpipe.{function}: step must be a Step from fpipe.pipeline (step: {step!r}).")
-        return _without_tensor_parallel(function, step.topology), step.local_stages
+        return step.topology, step.local_stages
     if (group is not None or mesh is not None) and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             f"fpipe.{function}: torch.distributed is not initialized. Call torch.distributed.init_process_group() "
             "first, or leave out group= and mesh= in one process."
         )
-    return _without_tensor_parallel(function, resolve_topology(mesh, group)), None
+    return resolve_topology(mesh, group), None
 
 
-def _without_tensor_parallel(function: str, topology: Topology | None) -> Topology | None:
+def without_tensor_parallel(function: str, topology: Topology | None) -> Topology | None:
     """``topology``, unless it has a tensor-parallel dimension (every rank raises, before any collective)."""
     if topology is not None and topology.tensor_group is not None:
         raise NotImplementedError(
-            f"fpipe.{function}: saving and loading on a mesh with a tensor-parallel dimension is not supported yet "
-            f"(tensor-parallel ranks: {list(topology.tensor_ranks or ())}). Convert DTensor parameters to plain "
-            "tensors (full_tensor()) first, or use torch.distributed.checkpoint."
+            f"fpipe.{function}: exporting from a mesh with a tensor-parallel dimension is not supported yet "
+            f"(tensor-parallel ranks: {list(topology.tensor_ranks or ())}). Save with fpipe.save(..., mesh=mesh) "
+            f"(each tensor-parallel rank writes its pieces), load that into one process with plain tensors as the "
+            f"template, and export those."
         )
     return topology
 
 
 class Ranks:
-    """The pipeline ranks taking part in a save or load, and all-gathers of JSON values among them."""
+    """The ranks taking part in a save or load (the pipeline ranks, and the data-parallel ranks of a
+    sharded save or the tensor-parallel ranks of a mesh with a ``"tp"`` dimension), and all-gathers
+    of JSON values among them."""
 
     def __init__(self, function: str, topology: Topology | None, timeout: float, *, sharded: bool = False) -> None:
         self.function = function  # "save" or "load", for messages
@@ -118,21 +128,36 @@ class Ranks:
         self.size = 1 if topology is None else topology.size
         self.replicas = topology is not None and topology.data_size > 1
         self.replica = dist.get_rank(topology.data_group) if topology is not None and self.replicas else 0
-        # A sharded save: every replica writes, so ``gather`` spans the pipeline and data-parallel
-        # groups, and writer ``rank * data_size + replica`` is the position in its result.
+        # The other dimension whose ranks all take part: data-parallel in a sharded save (every
+        # replica writes its shards), else tensor-parallel (every tp rank writes its pieces, NOTE
+        # [tensor-parallel saves] in fpipe/_saving/_boxes.py). ``gather`` spans it and the pipeline
+        # group, and writer ``rank * inner_size + inner_index`` is the position in its result.
         self.sharded = sharded and topology is not None and topology.data_group is not None
-        self.data_size = topology.data_size if topology is not None and self.sharded else 1
-        self.writer = self.rank * self.data_size + (self.replica if self.sharded else 0)
+        self.inner: tuple[str, Any] | None = None
+        if topology is not None and self.sharded:
+            self.inner = "dp", topology.data_group
+        elif topology is not None and topology.tensor_group is not None:
+            self.inner = "tp", topology.tensor_group
+        self.inner_size = 1 if self.inner is None else dist.get_world_size(self.inner[1])
+        self.inner_index = 0 if self.inner is None else dist.get_rank(self.inner[1])
+        self.writer = self.rank * self.inner_size + self.inner_index
 
     def gather(self, value: Any, what: str) -> list[Any]:
-        """``value`` of every pipeline rank, as JSON gives it back."""
+        """``value`` of every pipeline rank (and every rank of ``inner``), as JSON gives it back."""
         if self.topology is None:
             return [json.loads(json.dumps(value))]
         gather, topology, timeout = all_gather_json, self.topology, self.timeout
-        if self.sharded:
-            row = gather(topology, topology.data_group, value, timeout, what)
+        if self.inner is not None:
+            row = gather(topology, self.inner[1], value, timeout, what)
             return [v for rows in gather(topology, topology.group, row, timeout, what) for v in rows]
         return gather(topology, topology.group, value, timeout, what)
+
+    def name(self, position: int) -> str:
+        """How messages name the rank at ``position`` in ``gather``'s result: ``1``, or ``1 (tp 0)``."""
+        if self.inner is None:
+            return str(position)
+        rank, index = divmod(position, self.inner_size)
+        return f"{rank} ({self.inner[0]} {index})"
 
     def gather_replicas(self, value: Any, what: str) -> list[Any]:
         """``value`` of every data-parallel replica of this pipeline rank."""
@@ -145,9 +170,11 @@ def agree(ranks: Ranks, problem: BaseException | None, value: dict[str, Any], wh
     statuses = ranks.gather({**value, "error": problem is not None}, f"the other ranks to finish {what}")
     if problem is not None:
         raise problem
-    failed = [r for r, st in enumerate(statuses) if st["error"]]
+    failed = [ranks.name(r) for r, st in enumerate(statuses) if st["error"]]
     if failed:
-        raise RuntimeError(f"fpipe.{ranks.function}: rank(s) {failed} failed while {what}; their own errors say why.")
+        raise RuntimeError(
+            f"fpipe.{ranks.function}: rank(s) [{', '.join(failed)}] failed while {what}; their own errors say why."
+        )
     return statuses
 
 

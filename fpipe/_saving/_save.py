@@ -17,9 +17,11 @@ NOTE [the save protocol]
 On each pipeline rank (one process: a single rank, and the all-gathers are no-ops):
 
 1. Name and hash (sha256) the local stages' tensors; all-gather the manifests (names, dtypes,
-   shapes, hashes: no tensor data) over the pipeline group, with rank 0's choice of version. Every
-   rank checks the manifests the same way (tied names, stages held twice, stage counts,
-   metadata), so all ranks fail together, and assigns each name to the lowest rank holding it.
+   shapes, hashes, DTensor boxes: no tensor data) over the pipeline group (and the tensor-parallel
+   group first, on a mesh with one), with rank 0's choice of version. Every rank checks the
+   manifests the same way (tied names, stages held twice, stage counts, metadata, pieces that
+   tile their tensor), so all ranks fail together, and assigns each piece of each name (the
+   whole tensor, or a DTensor's box) to the lowest rank holding it.
 2. Write the owned tensors into ``directory/.tmp-<version>/`` (one file per rank and kind, all
    ranks in parallel), fsync; all-gather the file sizes.
 3. Rank 0 writes the index and commits (NOTE [the save directory] in ``fpipe/_saving/_directory.py``).
@@ -47,9 +49,11 @@ import torch
 
 from .._api import Step
 from .._distributed._topology import Topology
+from .._dtensor import local
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names
 from .._sharding._layout import cut_range
+from ._boxes import Box, HostPiece, box_of, is_piece, tiling_problem, whole
 from ._directory import commit, fsync_directory, locked, next_version
 from ._ranks import Ranks, Sharding, agree, check_stage_count, full_shapes, resolve, sharded_leaves, stage_list
 from ._store import CODES, DTYPES, Entry, file_name, make_index, sha256, write_safetensors
@@ -103,6 +107,13 @@ def save(
             named ``<prefix>.<parameter name>`` of the shard size) are this rank's shards, and
             every replica writes its own, with the full shapes ``step.shard`` recorded
             (NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
+            On a mesh with a ``"tp"`` dimension, leaves may be DTensors on ``mesh["tp"]`` with
+            ``Shard`` or ``Replicate`` placements: each tensor-parallel rank writes its own local
+            piece under the global name, with its offsets in the index, never gathered; plain
+            tensors and ``Replicate`` DTensors are written once, by tensor-parallel rank 0, and
+            must be bitwise equal on every tensor-parallel rank (NOTE [tensor-parallel saves] in
+            ``fpipe/_saving/_boxes.py``). ``shard_params=True`` with a ``"tp"`` dimension is not
+            supported yet (``NotImplementedError`` on every rank).
         timeout: seconds a rank waits for the others at each of the save's all-gathers, which
             includes the time the slowest rank takes to hash or write its tensors, and the
             seconds rank 0 waits for another save to the same directory to finish.
@@ -133,10 +144,13 @@ def save(
 
     Raises:
         TypeError: a leaf is neither a tensor nor ``None``, has a dtype safetensors cannot store,
-            or is the whole stage (it has no name); ``metadata`` is not JSON-serializable.
+            or is the whole stage (it has no name), or is a DTensor with a ``Partial`` placement;
+            ``metadata`` is not JSON-serializable.
         ValueError: two leaves of a stage have the same name, a leaf is named ``__metadata__`` (safetensors
-            reserves it), a tied name has different values,
-            or ranks disagree (stage count, metadata) or hold the same stage.
+            reserves it), a tied name has different values (or placements),
+            or ranks disagree (stage count, metadata) or hold the same stage; a DTensor not on the
+            mesh's ``"tp"`` sub-mesh, or a replicated leaf that differs between tensor-parallel ranks.
+        NotImplementedError: a step with ``shard_params=True`` on a mesh with a ``"tp"`` dimension.
         OSError: writing failed (the previous save is kept); ``TimeoutError``: another save to
             ``directory`` held its lock for longer than ``timeout``.
         RuntimeError: another rank failed; its own error says why.
@@ -223,11 +237,19 @@ class Manifest:
     shape: list[int]  # the full shape
     sha256: str
     shard: list[int] | None = None  # [q, d] (NOTE [sharded saves])
+    box: list[list[int]] | None = None  # [offset, shape] of a DTensor's piece (NOTE [tensor-parallel saves])
 
     @property
     def value(self) -> tuple[Any, ...]:
         """What holders of one name must agree on, bitwise (NOTE [names])."""
-        return self.dtype, self.shape, self.sha256, self.shard
+        return self.dtype, self.shape, self.sha256, self.shard, self.box
+
+    @property
+    def piece(self) -> Box | int:
+        """Which piece of its name this is: a shard's ``q``, else its box (the whole tensor's for a whole one)."""
+        if self.shard is not None:
+            return self.shard[0]
+        return whole(self.shape) if self.box is None else Box(tuple(self.box[0]), tuple(self.box[1]))
 
 
 @dataclass
@@ -239,18 +261,25 @@ class _Tensor:
     stage: int
     data: torch.Tensor
     sha256: str
-    shape: list[int]  # the full shape: data's, or for a shard the shape of the tensor it was cut from
+    shape: list[int]  # the full shape: data's, or for a shard or a box the shape of the tensor it was cut from
     shard: list[int] | None = None  # [q, d]: data is shard q of d (NOTE [sharded saves])
+    box: Box | None = None  # data is this box of a DTensor (NOTE [tensor-parallel saves])
 
     def manifest(self) -> Manifest:
         """What the other ranks learn of it."""
-        return Manifest(self.where, self.stage, CODES[self.data.dtype], self.shape, self.sha256, self.shard)
+        box = None if self.box is None else [list(self.box.offset), list(self.box.shape)]
+        return Manifest(self.where, self.stage, CODES[self.data.dtype], self.shape, self.sha256, self.shard, box)
+
+    @property
+    def piece(self) -> Box | int:
+        return self.manifest().piece
 
 
 def _collect(
-    kind: str, trees: Sequence[PyTree], stages: Sequence[int], sharding: Sharding | None
+    kind: str, trees: Sequence[PyTree], stages: Sequence[int], sharding: Sharding | None, ranks: Ranks
 ) -> dict[str, _Tensor]:
-    """The tensors of ``stages`` by name, each tied name once (NOTE [names])."""
+    """The tensors of ``stages`` by name, each tied name once (NOTE [names]); a DTensor's local
+    piece with its box (NOTE [tensor-parallel saves] in ``fpipe/_saving/_boxes.py``)."""
     out: dict[str, _Tensor] = {}
     for s in stages:
         names, codes, leaves, _ = leaves_with_names(trees[s])
@@ -263,7 +292,7 @@ def _collect(
                     f"fpipe.save: {kind}[{s}] is a tensor, not a pytree of named tensors, so it has no name. "
                     f"Put it in a dict: {kind}[{s}] = {{'w': tensor}}."
                 )
-            tensor = _tensor(".".join(parts), f"{kind}[{s}]{code}", s, leaf)
+            tensor = _tensor(".".join(parts), f"{kind}[{s}]{code}", s, leaf, ranks)
             if tensor.name in full:
                 assert sharding is not None
                 _as_shard(tensor, full[tensor.name], sharding)
@@ -280,7 +309,18 @@ def _collect(
     return out
 
 
-def _tensor(name: str, where: str, stage: int, leaf: Any) -> _Tensor:
+def _tensor(name: str, where: str, stage: int, leaf: Any, ranks: Ranks) -> _Tensor:
+    box = None
+    if is_piece(leaf):
+        tensor_ranks = None if ranks.topology is None else ranks.topology.tensor_ranks
+        if tensor_ranks is None:
+            raise ValueError(
+                f"fpipe.save: {where} is a DTensor but the save has no tensor-parallel dimension. Pass mesh= (or "
+                "step=) with a 'tp' dimension, on whose sub-mesh mesh['tp'] the DTensors live."
+            )
+        box = box_of("fpipe.save", where, leaf, tensor_ranks)
+        shape = list(leaf.shape)
+        leaf = leaf.local if isinstance(leaf, HostPiece) else local(leaf)
     if not isinstance(leaf, torch.Tensor):
         raise TypeError(
             f"fpipe.save: {where} is a {type(leaf).__name__}, not a tensor. Only tensors are saved: make it one "
@@ -301,7 +341,7 @@ def _tensor(name: str, where: str, stage: int, leaf: Any) -> _Tensor:
             "(a complex128 tensor as torch.view_as_real(x))."
         )
     data = leaf.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
-    return _Tensor(name, where, stage, data, sha256(data), list(data.shape))
+    return _Tensor(name, where, stage, data, sha256(data), list(data.shape) if box is None else shape, box=box)
 
 
 def _as_shard(tensor: _Tensor, shape: list[int], sharding: Sharding) -> None:
@@ -321,13 +361,18 @@ def check_tie(name: str, a: Manifest, b: Manifest, ranks: str = "") -> None:
     if a.value != b.value:
 
         def show(m: Manifest) -> str:
-            return f"{str(DTYPES[m.dtype]).removeprefix('torch.')}{m.shape} sha256 {m.sha256[:12]}"
+            return f"{_dtype(m)}{m.shape} sha256 {m.sha256[:12]}"
 
         raise ValueError(
             f"fpipe.save: {a.where} and {b.where}{ranks} have the same name {name!r} but different values "
             f"({show(a)} vs {show(b)}). A name in several stages is a tied parameter, saved once, so its "
             "values must be bitwise equal; if they are different parameters, give them different key paths."
         )
+
+
+def _dtype(m: Manifest) -> str:
+    """``float32`` for a manifest of dtype code ``F32``."""
+    return str(DTYPES[m.dtype]).removeprefix("torch.")
 
 
 # --- The protocol -----------------------------------------------------------------------------
@@ -356,7 +401,7 @@ def _save_pipeline(
                             f"fpipe.save: rank {me} holds stages {list(held)} but {kind}[{s}] is not None. "
                             "Pass None for the stages of other ranks."
                         )
-            local = {kind: _collect(kind, kind_trees, held, sharding) for kind, kind_trees in trees.items()}
+            local = {kind: _collect(kind, kind_trees, held, sharding, ranks) for kind, kind_trees in trees.items()}
             if me == 0:  # NOTE [save concurrency] in fpipe/_saving/_directory.py: hold the lock until cleaned up
                 root.mkdir(parents=True, exist_ok=True)
                 lock.enter_context(locked(root, ranks.timeout))
@@ -364,12 +409,13 @@ def _save_pipeline(
                 (root / f".tmp-{version}").mkdir()
         except (TypeError, ValueError, OSError) as error:
             problem = error
-        replica = (ranks.replica, ranks.data_size) if sharding is not None else None
-        my_files = {kind: file_name(kind, ranks.rank, ranks.size, *(replica or (None, 1))) for kind in trees}
+        inner = None if ranks.inner is None else (ranks.inner[0], ranks.inner_index, ranks.inner_size)
+        my_files = {kind: file_name(kind, ranks.rank, ranks.size, inner) for kind in trees}
         mine: dict[str, Any] = {
             "version": version,
             "rank": ranks.rank,
             "replica": ranks.replica,
+            "tp": ranks.inner_index if inner is not None and inner[0] == "tp" else None,
             "files": my_files,
             "num_stages": num_stages,
             "stages": list(held or ()),
@@ -390,9 +436,7 @@ def _save_pipeline(
             try:
                 tmp.mkdir(parents=True, exist_ok=True)
                 for kind, tensors in local.items():
-                    owned = {
-                        n: t.data for n, t in tensors.items() if owners[kind][n][t.shard[0] if t.shard else 0] == me
-                    }
+                    owned = {n: t.data for n, t in tensors.items() if owners[kind][n][t.piece] == me}
                     if owned:
                         files[my_files[kind]] = write_safetensors(tmp / my_files[kind], owned)
                 fsync_directory(tmp)
@@ -413,8 +457,8 @@ def _save_pipeline(
         return str(version)
 
 
-def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
-    """Per kind, each name's writer: the lowest rank holding it. The same on every rank."""
+def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, dict[Box | int, int]]]:
+    """Per kind, per name, each piece's writer: the lowest rank holding it. The same on every rank."""
     counts = [st["num_stages"] for st in statuses]
     if len(set(counts)) > 1:
         raise ValueError(f"fpipe.save: the ranks pass different numbers of stages (by rank: {counts}).")
@@ -430,53 +474,113 @@ def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
         raise ValueError(
             f"fpipe.save: stages are held by several ranks ({{stage: ranks}}: {twice}). Pass None elsewhere."
         )
-    owners: dict[str, dict[str, list[int]]] = {}
+    owners: dict[str, dict[str, dict[Box | int, int]]] = {}
     for kind in statuses[0]["manifest"]:
-        first: dict[tuple[str, int], tuple[Manifest, int]] = {}  # (name, shard) -> manifest, writer
+        held: dict[str, list[tuple[Manifest, int]]] = {}
         for w, st in enumerate(statuses):
             for name, manifest in st["manifest"][kind].items():
-                key = (name, manifest.shard[0] if manifest.shard else 0)
-                if key not in first:
-                    first[key] = manifest, w
-                    continue
-                other, v = first[key]
-                whole = (other.shard is None) != (manifest.shard is None)
-                if whole or (statuses[v]["rank"] == st["rank"] and other.value != manifest.value):
-                    raise ValueError(
-                        f"fpipe.save: {other.where} ({_writer(statuses[v])}) and {manifest.where} ({_writer(st)}) "
-                        f"have the same name {name!r} but one is a shard and the other a whole tensor, or "
-                        "data-parallel replicas hold different whole tensors. Leaves of optimizer state are shards "
-                        "when they are 1-D, of a parameter's shard size, and named <prefix>.<parameter name> (NOTE "
-                        "[sharded saves]); other leaves are saved whole and must be the same on every replica."
-                    )
-                check_tie(name, other, manifest, f" ({_writer(statuses[v])} and {_writer(st)})")
+                held.setdefault(name, []).append((manifest, w))
         owners[kind] = {}
-        for (name, _), (_, w) in sorted(first.items()):
-            owners[kind].setdefault(name, []).append(w)
+        for name, copies in sorted(held.items()):
+            shards = [c for c in copies if c[0].shard is not None]
+            if shards and len(shards) < len(copies):
+                whole_copy = next(c for c in copies if c[0].shard is None)
+                (a, v), (b, w) = sorted([shards[0], whole_copy], key=lambda c: c[1])
+                raise ValueError(_copies_differ(name, (a, statuses[v]), (b, statuses[w])))
+            first: dict[Box | int, tuple[Manifest, int]] = {}  # piece -> manifest, writer
+            for manifest, w in copies:
+                other, v = first.setdefault(manifest.piece, (manifest, w))
+                if v == w:
+                    continue
+                if statuses[v]["rank"] == statuses[w]["rank"] and other.value != manifest.value:
+                    raise ValueError(_copies_differ(name, (other, statuses[v]), (manifest, statuses[w])))
+                check_tie(name, other, manifest, f" ({_writer(statuses[v])} and {_writer(statuses[w])})")
+            if not shards:
+                _check_pieces(name, [(m, statuses[w]) for m, w in first.values()])
+            owners[kind][name] = {piece: w for piece, (_, w) in sorted(first.items(), key=lambda item: _order(item[0]))}
     return owners
 
 
+def _order(piece: Box | int) -> tuple[Any, ...]:
+    """Pieces in index order: shards by ``q``, boxes by offset."""
+    return (piece,) if isinstance(piece, int) else (piece.offset, piece.shape)
+
+
+def _copies_differ(name: str, a: tuple[Manifest, dict[str, Any]], b: tuple[Manifest, dict[str, Any]]) -> str:
+    """The error for copies of ``name`` that one rank's replicas (data- or tensor-parallel) hold differently."""
+    (ma, sa), (mb, sb) = a, b
+    if (ma.shard is None) != (mb.shard is None) or sa["tp"] is None:
+        return (
+            f"fpipe.save: {ma.where} ({_writer(sa)}) and {mb.where} ({_writer(sb)}) "
+            f"have the same name {name!r} but one is a shard and the other a whole tensor, or "
+            "data-parallel replicas hold different whole tensors. Leaves of optimizer state are shards "
+            "when they are 1-D, of a parameter's shard size, and named <prefix>.<parameter name> (NOTE "
+            "[sharded saves]); other leaves are saved whole and must be the same on every replica."
+        )
+    return (
+        f"fpipe.save: {ma.where} differs between tensor-parallel ranks ({_writer(sa)}: sha256 {ma.sha256[:12]}; "
+        f"{_writer(sb)}: sha256 {mb.sha256[:12]}). A plain tensor or a Replicate DTensor is saved once, by "
+        "tensor-parallel rank 0, so every tensor-parallel rank must hold the same bytes; make it a DTensor with a "
+        "Shard placement if each rank holds its own part."
+    )
+
+
+def _check_pieces(name: str, pieces: list[tuple[Manifest, dict[str, Any]]]) -> None:
+    """The pieces of ``name`` (whole tensors and DTensor boxes) must agree on dtype and full shape and
+    cover it exactly once (NOTE [tensor-parallel saves])."""
+    (first, at), *rest = pieces
+    for m, st in rest:
+        if (m.dtype, m.shape) != (first.dtype, first.shape):
+            raise ValueError(
+                f"fpipe.save: {first.where} ({_writer(at)}) and {m.where} ({_writer(st)}) have the same name {name!r} "
+                f"but different dtypes or shapes ({_dtype(first)}{first.shape} vs {_dtype(m)}{m.shape}). A name in "
+                "several stages is a tied parameter: give every copy the same dtype and shape."
+            )
+    problem = tiling_problem(first.shape, [m.piece for m, _ in pieces if isinstance(m.piece, Box)])
+    if problem is not None:
+        held = ", ".join(f"{m.where} ({_writer(st)})" for m, st in pieces)
+        raise ValueError(
+            f"fpipe.save: the pieces of {name!r} held by {held} do not cover its shape {first.shape} exactly once: "
+            f"{problem}. A tied parameter must have the same placements in every stage that holds it (or be a plain "
+            "tensor in all of them)."
+        )
+
+
 def _writer(status: dict[str, Any]) -> str:
-    return f"rank {status['rank']}" + (f" dp {status['replica']}" if status["replica"] else "")
+    return (
+        f"rank {status['rank']}"
+        + (f" dp {status['replica']}" if status["replica"] else "")
+        + (f" tp {status['tp']}" if status["tp"] else "")
+    )
 
 
 def _index(
-    statuses: list[dict[str, Any]], written: list[dict[str, Any]], owners: dict[str, dict[str, list[int]]], user: Any
+    statuses: list[dict[str, Any]],
+    written: list[dict[str, Any]],
+    owners: dict[str, dict[str, dict[Box | int, int]]],
+    user: Any,
 ) -> dict[str, Any]:
     entries: dict[str, dict[str, Entry]] = {}
     for kind, kind_owners in owners.items():
         entries[kind] = {}
         for name, writers in kind_owners.items():
-            pieces = [statuses[w]["manifest"][kind][name] for w in writers]
+            pieces = [statuses[w]["manifest"][kind][name] for w in writers.values()]
+            boxes = tuple(p for p in writers if isinstance(p, Box))
             entries[kind][name] = Entry(
-                tuple(statuses[w]["files"][kind] for w in writers),
+                tuple(statuses[w]["files"][kind] for w in writers.values()),
                 pieces[0].dtype,
                 pieces[0].shape,
                 tuple(m.sha256 for m in pieces),
                 pieces[0].shard is not None,
+                boxes if boxes and boxes != (whole(pieces[0].shape),) else None,
             )
     files = {
-        file: {"bytes": nbytes, "rank": st["rank"], **({"replica": st["replica"]} if "dp-" in file else {})}
+        file: {
+            "bytes": nbytes,
+            "rank": st["rank"],
+            **({"replica": st["replica"]} if "-dp-" in file else {}),
+            **({"tp": st["tp"]} if "-tp-" in file else {}),
+        }
         for st, w in zip(statuses, written)
         for file, nbytes in w["files"].items()
     }

@@ -24,6 +24,16 @@ saved pieces overlapping it are read, each whole so that its hash is checked). L
 not shards (a step counter) are saved whole, once, by the first replica that holds them, and
 every replica must hold the same bytes. Unsharded saves are unchanged: a name maps to one file.
 
+On a mesh with a tensor-parallel dimension (NOTE [tensor-parallel saves] in
+``fpipe/_saving/_boxes.py``) every tensor-parallel rank writes its own file,
+``model-rank-0000r-of-0000p-tp-0000t-of-0000T.safetensors``. A DTensor cut by ``Shard``
+placements maps to the list of its pieces' files, and each piece's entry in ``tensors`` has
+``shape`` (the piece's), ``offset`` (where it starts in each dimension), ``full_shape`` and its
+``sha256``; the pieces must cover the full shape exactly once (``read_index`` checks it). A
+whole tensor (plain, ``Replicate``) maps to one file, as without tensor parallelism. Reading a
+box (a DTensor template's piece) or a whole tensor copies the overlap of each saved piece that
+overlaps it, each piece read whole so that its hash is checked.
+
 NOTE [trust model]
 A save directory may come from elsewhere (a download, an unpacked archive), so ``load`` trusts
 neither the index nor the links in it. ``read_index`` checks the type of every field that
@@ -54,6 +64,7 @@ import torch
 from .._distributed._wire import tensor_bytes
 from .._plural import plural
 from .._sharding._layout import cut_range
+from ._boxes import Box, overlap, tiling_problem, whole
 from ._directory import INDEX, inside
 
 FORMAT, FORMAT_VERSION = "fpipe", 1
@@ -91,10 +102,12 @@ DTYPES = {code: dtype for dtype, code in CODES.items()}
 
 
 class Entry(NamedTuple):
-    """One saved tensor as the index records it: whole in one file, or cut into shards, one per file.
+    """One saved tensor as the index records it: whole in one file, or cut into pieces, one per file.
 
     A sharded tensor (NOTE [sharded saves]) is ``len(files)`` pieces of ``shard_size`` elements,
-    piece ``q`` in ``files[q]`` with hash ``sha256s[q]``; a whole one has one file and one hash.
+    piece ``q`` in ``files[q]`` with hash ``sha256s[q]``; a tensor-parallel one (NOTE
+    [tensor-parallel saves] in ``fpipe/_saving/_boxes.py``) is pieces ``boxes[q]`` of it; a whole
+    one has one file and one hash.
     """
 
     files: tuple[str, ...]
@@ -102,6 +115,7 @@ class Entry(NamedTuple):
     shape: list[int]  # the full shape
     sha256s: tuple[str, ...]  # of each piece's bytes
     sharded: bool = False
+    boxes: tuple[Box, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -112,16 +126,21 @@ class Entry(NamedTuple):
         """Elements per piece: ``ceil(n / d)`` for a sharded tensor, ``n`` for a whole one."""
         return cut_range(self.numel, (0, len(self.files)) if self.sharded else None)[2]
 
-    def piece_shape(self) -> list[int]:
-        """The shape of a piece as its file stores it."""
-        return [self.shard_size] if self.sharded else list(self.shape)
+    def box(self, q: int) -> Box:
+        """The box piece ``q`` holds (not for a sharded tensor)."""
+        return self.boxes[q] if self.boxes is not None else whole(self.shape)
+
+    def piece_shape(self, q: int) -> list[int]:
+        """The shape of piece ``q`` as its file stores it."""
+        return [self.shard_size] if self.sharded else list(self.box(q).shape)
 
 
-def file_name(kind: str, rank: int, num_ranks: int, replica: int | None = None, num_replicas: int = 1) -> str:
-    """The file that pipeline rank ``rank`` (and, in a sharded save, data-parallel rank ``replica``)
-    writes its tensors of ``kind`` to."""
-    shard = "" if replica is None else f"-dp-{replica:05d}-of-{num_replicas:05d}"
-    return f"{_PREFIXES[kind]}-rank-{rank:05d}-of-{num_ranks:05d}{shard}.safetensors"
+def file_name(kind: str, rank: int, num_ranks: int, inner: tuple[str, int, int] | None = None) -> str:
+    """The file that pipeline rank ``rank`` writes its tensors of ``kind`` to; ``inner``
+    (``("dp", q, d)`` in a sharded save, ``("tp", t, T)`` with tensor parallelism) names its
+    place in the other dimension whose ranks all write."""
+    suffix = "" if inner is None else f"-{inner[0]}-{inner[1]:05d}-of-{inner[2]:05d}"
+    return f"{_PREFIXES[kind]}-rank-{rank:05d}-of-{num_ranks:05d}{suffix}.safetensors"
 
 
 def sha256(data: torch.Tensor) -> str:
@@ -183,11 +202,13 @@ def make_index(
     for kind, kind_entries in entries.items():
         index[MAPS[kind]] = {}
         for name, e in sorted(kind_entries.items()):
-            index[MAPS[kind]][name] = list(e.files) if e.sharded else e.files[0]
+            index[MAPS[kind]][name] = list(e.files) if e.sharded or e.boxes is not None else e.files[0]
             for q, (file, digest) in enumerate(zip(e.files, e.sha256s)):
-                info: dict[str, Any] = {"dtype": e.dtype, "shape": e.piece_shape(), "sha256": digest}
+                info: dict[str, Any] = {"dtype": e.dtype, "shape": e.piece_shape(q), "sha256": digest}
                 if e.sharded:
                     info.update(shard=[q, len(e.files)], full_shape=e.shape)
+                elif e.boxes is not None:
+                    info.update(offset=list(e.boxes[q].offset), full_shape=e.shape)
                 index["tensors"].setdefault(file, {})[name] = info
     return index
 
@@ -244,7 +265,9 @@ def _check_entry(files: dict[str, Any], tensors: dict[str, Any], key: str, name:
     pieces = [where] if isinstance(where, str) else where
     if not isinstance(pieces, list) or not pieces or not all(isinstance(file, str) for file in pieces):
         raise _Invalid(f"{at} should be a file name or a non-empty list of them ({at}: {_show(where)})")
-    first = None
+    if len(set(pieces)) != len(pieces):
+        raise _Invalid(f"{at} names a file twice ({at}: {_show(where)})")
+    first, boxes = None, []
     for q, file in enumerate(pieces):
         _plain(file, at)
         if file not in files:
@@ -259,7 +282,17 @@ def _check_entry(files: dict[str, Any], tensors: dict[str, Any], key: str, name:
         sha = _field(info, "sha256", str, "64 hex digits", info_at)
         if not _SHA256.fullmatch(sha):
             raise _Invalid(f"{info_at}['sha256'] should be 64 hex digits ({info_at}['sha256']: {_show(sha)})")
-        if isinstance(where, list):
+        if isinstance(where, list) and "offset" in info:  # NOTE [tensor-parallel saves]
+            full = _shape(info, "full_shape", info_at)
+            offset = _shape(info, "offset", info_at)
+            first = first or (dtype, full)
+            if (dtype, full) != first or len(offset) != len(full) or len(shape) != len(full):
+                raise _Invalid(
+                    f"the pieces of {name!r} disagree: each should have the dtype and full shape of the first, "
+                    f"{first}, and an offset and shape of {len(full)} dimensions ({info_at}: {_show(info)})"
+                )
+            boxes.append(Box(tuple(offset), tuple(shape)))
+        elif isinstance(where, list):
             shard = _field(info, "shard", list, f"[{q}, {len(pieces)}]", info_at)
             if shard != [q, len(pieces)]:
                 raise _Invalid(
@@ -273,6 +306,13 @@ def _check_entry(files: dict[str, Any], tensors: dict[str, Any], key: str, name:
                     f"the pieces of {name!r} disagree: each should have the dtype and full shape of the first, "
                     f"{first}, and shape [{size}] ({info_at}: {_show(info)})"
                 )
+    if boxes and first is not None:  # (a piece without an offset has failed above, as a shard without 'shard')
+        problem = tiling_problem(first[1], boxes)
+        if problem is not None:
+            raise _Invalid(
+                f"the pieces of {name!r} do not cover its full shape {first[1]} exactly once: {problem} ({at}: "
+                f"{_show(where)})"
+            )
 
 
 def _expect(value: Any, kind: type, what: str, where: str) -> Any:
@@ -329,32 +369,50 @@ def entry(index: dict[str, Any], kind: str, name: str) -> Entry:
         info = index["tensors"][where][name]
         return Entry((where,), info["dtype"], list(info["shape"]), (info["sha256"],))
     pieces = [index["tensors"][file][name] for file in where]
-    first = pieces[0]
-    return Entry(tuple(where), first["dtype"], list(first["full_shape"]), tuple(p["sha256"] for p in pieces), True)
+    first, hashes = pieces[0], tuple(p["sha256"] for p in pieces)
+    if "offset" in first:  # NOTE [tensor-parallel saves]
+        boxes = tuple(Box(tuple(p["offset"]), tuple(p["shape"])) for p in pieces)
+        return Entry(tuple(where), first["dtype"], list(first["full_shape"]), hashes, boxes=boxes)
+    return Entry(tuple(where), first["dtype"], list(first["full_shape"]), hashes, True)
+
+
+Part = tuple[int, int] | Box | None
+"""What a template leaf asks for: ``None`` the whole tensor, ``(q, d)`` shard ``q`` of ``d`` (NOTE
+[sharded saves]), a ``Box`` a DTensor's local piece (NOTE [tensor-parallel saves])."""
 
 
 def read_tensors(
-    root: Path, index: dict[str, Any], kind: str, requests: Sequence[tuple[str, tuple[int, int] | None]]
-) -> dict[tuple[str, tuple[int, int] | None], torch.Tensor]:
-    """Read each ``(name, shard)`` (CPU tensors): a full tensor for ``shard=None``, else piece
-    ``q`` of ``d`` as ``fpipe.shard`` cuts it (1-D, zero-padded), whatever ``d`` the save had.
+    root: Path, index: dict[str, Any], kind: str, requests: Sequence[tuple[str, Part]]
+) -> dict[tuple[str, Part], torch.Tensor]:
+    """Read each ``(name, part)`` (CPU tensors): a full tensor for ``None``, piece ``q`` of ``d``
+    as ``fpipe.shard`` cuts it (1-D, zero-padded) for ``(q, d)``, the elements of a ``Box`` in
+    its shape, whatever pieces the save has.
 
     Only the pieces on disk that overlap a request are read, file by file; each is checked
-    whole against its size, dtype, shape and sha256 (NOTE [sharded saves]).
+    whole against its size, dtype, shape and sha256 (NOTE [sharded saves]). A piece of a tensor
+    saved whole or in boxes is copied where the requests want it as soon as it is read, and
+    dropped (one whole tensor more than the results at a time, loading into DTensor templates);
+    the pieces of a sharded tensor are kept until concatenated.
     """
     entries = {name: entry(index, kind, name) for name, _ in requests}
     needed: dict[str, set[str]] = {}  # file -> names
-    plans: dict[tuple[str, tuple[int, int] | None], tuple[Entry, list[int], int, int, int]] = {}
-    for name, shard in requests:
+    plans: dict[tuple[str, Part], tuple[list[int], Box]] = {}  # the pieces to read, the box to fill
+    parts: dict[str, list[Part]] = {}  # name -> its requests' parts
+    for name, part in requests:
+        parts.setdefault(name, []).append(part)
         e = entries[name]
-        start, stop, size = cut_range(e.numel, shard)
-        step = max(e.shard_size, 1)
-        pieces = list(range(start // step, (stop - 1) // step + 1)) if stop > start else []
-        pieces = [q for q in pieces if q < len(e.files)] if e.sharded else [0]
+        target = part if isinstance(part, Box) else whole(e.shape)
+        if e.sharded:
+            start, stop, _ = cut_range(e.numel, _shard(part))
+            step = max(e.shard_size, 1)
+            pieces = [q for q in range(start // step, (stop - 1) // step + 1) if q < len(e.files) and stop > start]
+        else:
+            pieces = [q for q in range(len(e.files)) if overlap(e.box(q), target) is not None]
         for q in pieces:
             needed.setdefault(e.files[q], set()).add(name)
-        plans[name, shard] = (e, pieces, start, stop, size)
-    got: dict[tuple[str, str], torch.Tensor] = {}
+        plans[name, part] = (pieces, target)
+    got: dict[tuple[str, str], torch.Tensor] = {}  # the pieces of sharded tensors, to concatenate
+    filled: dict[tuple[str, Part], torch.Tensor] = {}  # the boxes of the others, as their pieces come
     for file, names in sorted(needed.items()):
         path = inside(root, file)
         expected = index["files"][file]["bytes"]
@@ -369,33 +427,68 @@ def read_tensors(
             with safetensors.safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
                 for name in sorted(names):
                     e = entries[name]
+                    q = e.files.index(file)
                     piece = f.get_slice(name)
                     header = (piece.get_dtype(), list(piece.get_shape()))
-                    if header != (e.dtype, e.piece_shape()):
+                    if header != (e.dtype, e.piece_shape(q)):
                         raise _Corrupt(
-                            f"its header has {name!r} as {header}, the index as {(e.dtype, e.piece_shape())}"
+                            f"its header has {name!r} as {header}, the index as {(e.dtype, e.piece_shape(q))}"
                         )
                     tensor = f.get_tensor(name)
-                    if sha256(tensor) != e.sha256s[e.files.index(file)]:
+                    if sha256(tensor) != e.sha256s[q]:
                         raise _Corrupt(f"the bytes of {name!r} do not match their sha256 in the index")
-                    got[file, name] = tensor
+                    if e.sharded:
+                        got[file, name] = tensor
+                        continue
+                    for part in parts[name]:
+                        pieces, target = plans[name, part]
+                        if q in pieces:
+                            _fill(filled, (name, part), target, e.box(q), tensor)
         except (_Corrupt, safetensors.SafetensorError) as error:
             raise ValueError(f"fpipe.load: {path} is corrupt: {error}. Load an intact save.") from error
-    out: dict[tuple[str, tuple[int, int] | None], torch.Tensor] = {}
-    for (name, shard), (e, pieces, start, stop, size) in plans.items():
-        if not e.sharded and shard is None:
-            out[name, shard] = got[e.files[0], name]
-            continue
+    out: dict[tuple[str, Part], torch.Tensor] = {}
+    for (name, part), (pieces, target) in plans.items():
+        e = entries[name]
         dtype = DTYPES[e.dtype]
-        flat = [got[e.files[q], name].reshape(-1) for q in pieces]
-        first = pieces[0] * e.shard_size if pieces and e.sharded else 0
-        data = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
-        data = data[start - first : stop - first]
-        if shard is None:
-            out[name, shard] = data.clone().view(e.shape)
-        else:
-            out[name, shard] = torch.cat([data, torch.zeros(size - data.numel(), dtype=dtype)])
+        shard = _shard(part)
+        if e.sharded:
+            start, stop, size = cut_range(e.numel, shard)
+            flat = [got[e.files[q], name].reshape(-1) for q in pieces]
+            first = pieces[0] * e.shard_size if pieces else 0
+            data = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
+            data = data[start - first : stop - first]
+            if shard is not None:
+                out[name, part] = torch.cat([data, torch.zeros(size - data.numel(), dtype=dtype)])
+            else:  # the whole tensor, or a box of it
+                full = data.clone().view(e.shape)
+                out[name, part] = full[target.within(whole(e.shape))].clone() if isinstance(part, Box) else full
+            continue
+        data = filled.get((name, part), torch.empty(target.shape, dtype=dtype))  # (empty if it has no elements)
+        if shard is not None:  # a shard of a tensor saved whole or in boxes
+            start, stop, size = cut_range(e.numel, shard)
+            data = torch.cat([data.reshape(-1)[start:stop], torch.zeros(size - (stop - start), dtype=dtype)])
+        out[name, part] = data
     return out
+
+
+def _shard(part: Part) -> tuple[int, int] | None:
+    """``part`` if it is a shard ``(q, d)``."""
+    return None if part is None or isinstance(part, Box) else part
+
+
+def _fill(
+    filled: dict[tuple[str, Part], torch.Tensor], key: tuple[str, Part], target: Box, box: Box, piece: torch.Tensor
+) -> None:
+    """Copy the part of ``piece`` (holding ``box``) that lies in ``target`` into ``filled[key]``."""
+    if box == target:
+        filled[key] = piece  # the whole request: no copy
+        return
+    common = overlap(box, target)
+    if common is None:
+        return
+    if key not in filled:
+        filled[key] = torch.empty(target.shape, dtype=piece.dtype)  # every element is written once (tiling)
+    filled[key][common.within(target)] = piece[common.within(box)]
 
 
 class _Corrupt(Exception):

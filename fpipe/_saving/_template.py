@@ -14,15 +14,20 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._dtensor import from_spec, is_dtensor, local, spec_of
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names, unflatten
 from .._sharding._layout import cut_range
+from ._boxes import Box, box_of, is_piece
 from ._ranks import Sharding, full_shapes
+from ._store import Part
 
 
 class Use(NamedTuple):
     """A template leaf to fill: its key path, stage, position among the stage's leaves, itself,
-    and, for a shard (NOTE [sharded saves] in ``fpipe/_saving/_store.py``), its ``(q, d)`` and full shape."""
+    for a shard (NOTE [sharded saves] in ``fpipe/_saving/_store.py``) its ``(q, d)`` and full shape,
+    and for a DTensor the box of its local piece (NOTE [tensor-parallel saves] in
+    ``fpipe/_saving/_boxes.py``; ``None`` when it holds the whole tensor)."""
 
     where: str
     stage: int
@@ -30,10 +35,16 @@ class Use(NamedTuple):
     leaf: torch.Tensor
     shard: tuple[int, int] | None = None
     shape: list[int] | None = None
+    box: Box | None = None
 
     @property
     def full_shape(self) -> list[int]:
         return list(self.leaf.shape) if self.shape is None else self.shape
+
+    @property
+    def part(self) -> Part:
+        """What to read for this leaf."""
+        return self.box if self.box is not None else self.shard
 
 
 def template_uses(function: str, kind: str, trees: Sequence[PyTree], sharding: Sharding | None) -> dict[str, list[Use]]:
@@ -78,26 +89,31 @@ def template_uses(function: str, kind: str, trees: Sequence[PyTree], sharding: S
                     )
                 mine.append(Use(where, s, position, leaf, sharding.shard, full[name]))
             else:
-                mine.append(Use(where, s, position, leaf))
+                box = box_of(function, where, leaf) if is_piece(leaf) else None
+                mine.append(Use(where, s, position, leaf, box=box))
     return uses
 
 
 def fill(
     trees: Sequence[PyTree],
     uses: Mapping[str, Sequence[Use]],
-    tensors: Mapping[tuple[str, tuple[int, int] | None], torch.Tensor],
+    tensors: Mapping[tuple[str, Part], torch.Tensor],
 ) -> list[PyTree]:
     """The template trees with their tensor leaves replaced by the loaded tensors (a copy for
-    each further use of one tensor, on the leaf's device unless that is ``meta``)."""
+    each further use of one tensor, on the leaf's device unless that is ``meta``); a DTensor
+    leaf gets a DTensor like it around the piece read (no communication)."""
     flat = [leaves_with_names(tree)[2:] for tree in trees]
     leaves_of = [list(leaves) for leaves, _ in flat]
     for name, name_uses in uses.items():
         for k, use in enumerate(name_uses):
-            tensor = tensors[name, use.shard]
-            if any(other.shard == use.shard for other in name_uses[:k]):
+            tensor = tensors[name, use.part]
+            if any(other.part == use.part for other in name_uses[:k]):
                 tensor = tensor.clone()
-            if use.leaf.device.type != "meta":
-                tensor = tensor.to(use.leaf.device)
+            device = local(use.leaf).device
+            if device.type != "meta":
+                tensor = tensor.to(device)
+            if is_dtensor(use.leaf):
+                tensor = from_spec(tensor, use.leaf.device_mesh, spec_of(use.leaf, use.where))  # type: ignore[attr-defined]
             leaves_of[use.stage][use.position] = tensor
     return [unflatten(spec, leaves) for (_, spec), leaves in zip(flat, leaves_of)]
 

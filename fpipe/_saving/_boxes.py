@@ -1,0 +1,144 @@
+"""Boxes: the block of a global tensor that a DTensor's local piece holds, for saving and loading.
+
+NOTE [tensor-parallel saves]
+A DTensor leaf (notes/tensor_parallel.md) is saved by its global name, as a plain tensor would
+be, but never gathered: each tensor-parallel rank writes its own local piece, the n-d box of the
+global tensor that its placements give it (``box_of``), and the index records each piece's
+offset (NOTE [sharded saves] in ``fpipe/_saving/_store.py`` has the format). A ``Shard(d)``
+placement cuts dimension ``d`` as ``torch.chunk`` and DTensor do: pieces of ``ceil(n / T)``,
+the last ones shorter or empty (``cut_range``); a ``Replicate`` DTensor, like a plain tensor,
+is one box, the whole tensor, written once, by the lowest writer holding it (tensor-parallel
+rank 0). The pieces of a name must tile its shape: every element in exactly one box
+(``tiling_problem``), which ``save`` checks over all ranks and ``load`` checks in the index.
+
+Loading, the template decides the layout: a DTensor leaf asks for its own box, a plain leaf for
+the whole tensor, whatever boxes the save has; each piece on disk that overlaps the box is read
+and its overlap copied (``Box.within``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .._dtensor import mesh_ranks
+from .._sharding._layout import cut_range
+
+
+class Box(NamedTuple):
+    """Elements ``[offset[i], offset[i] + shape[i])`` of each dimension ``i`` of a global tensor."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def within(self, outer: Box) -> tuple[slice, ...]:
+        """This box as an index into a tensor holding the box ``outer`` (which contains it)."""
+        return tuple(slice(a - b, a - b + n) for a, b, n in zip(self.offset, outer.offset, self.shape))
+
+
+def whole(shape: Sequence[int]) -> Box:
+    """The box of a whole tensor of ``shape``."""
+    return Box((0,) * len(shape), tuple(shape))
+
+
+def overlap(a: Box, b: Box) -> Box | None:
+    """The elements in both boxes, ``None`` if there are none."""
+    starts = [max(x, y) for x, y in zip(a.offset, b.offset)]
+    stops = [min(x + n, y + m) for x, n, y, m in zip(a.offset, a.shape, b.offset, b.shape)]
+    if any(stop <= start for start, stop in zip(starts, stops)):
+        return None
+    return Box(tuple(starts), tuple(stop - start for start, stop in zip(starts, stops)))
+
+
+def tiling_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
+    """What keeps ``boxes`` from covering a tensor of ``shape`` exactly once (``None``: they do)."""
+    for box in boxes:
+        inside = len(box.offset) == len(box.shape) == len(shape) and all(
+            o >= 0 and n >= 0 and o + n <= m for o, n, m in zip(box.offset, box.shape, shape)
+        )
+        if not inside:
+            return f"the box at offset {list(box.offset)} of shape {list(box.shape)} is not inside shape {list(shape)}"
+    covered = sum(box.numel for box in boxes)
+    if covered != math.prod(shape):  # first: it is linear in the boxes, the test below quadratic
+        return f"they cover {covered} of its {math.prod(shape)} elements"
+    for k, a in enumerate(boxes):  # as many elements as the shape, so an overlap leaves a gap
+        for b in boxes[k + 1 :]:
+            if overlap(a, b) is not None:
+                return f"the boxes at offsets {list(a.offset)} and {list(b.offset)} overlap"
+    return None
+
+
+@dataclass(frozen=True)
+class HostPiece:
+    """A DTensor's local piece copied to host memory, with its mesh, placements and global shape:
+    what ``AsyncSaver`` keeps of a DTensor leaf (a DTensor cannot hold a CPU piece on a CUDA mesh)."""
+
+    local: torch.Tensor
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: tuple[int, ...]
+
+
+def host_piece(t: torch.Tensor, copy: Any) -> HostPiece:
+    """``t`` (a DTensor) as a ``HostPiece`` whose local piece is ``copy(local piece)``."""
+    assert isinstance(t, DTensor)
+    return HostPiece(copy(t.to_local()), t.device_mesh, tuple(t.placements), tuple(t.shape))
+
+
+def is_piece(leaf: Any) -> bool:
+    """Whether ``leaf`` is a DTensor or a ``HostPiece`` of one."""
+    return isinstance(leaf, (DTensor, HostPiece))
+
+
+def box_of(function: str, where: str, leaf: Any, tensor_ranks: Sequence[int] | None = None) -> Box | None:
+    """The box of DTensor (or ``HostPiece``) ``leaf`` that this rank holds; ``None`` for the whole tensor
+    (NOTE [tensor-parallel saves]). With ``tensor_ranks`` (saving), the DTensor must live on the
+    tensor-parallel sub-mesh with those ranks.
+
+    Raises:
+        TypeError: a placement other than ``Shard`` and ``Replicate`` (a ``Partial`` value is not
+            the tensor's value until summed).
+        ValueError: a mesh this rank is not in, or not the tensor-parallel sub-mesh when saving, or
+            a local piece whose shape is not the one torch's chunking gives.
+    """
+    if isinstance(leaf, DTensor):
+        local, mesh, placements, shape = leaf.to_local(), leaf.device_mesh, tuple(leaf.placements), tuple(leaf.shape)
+    else:
+        local, mesh, placements, shape = leaf.local, leaf.mesh, leaf.placements, leaf.shape
+    if tensor_ranks is not None and (mesh.ndim != 1 or mesh_ranks(mesh) != list(tensor_ranks)):
+        raise ValueError(
+            f"{function}: {where} is a DTensor on a mesh that is not this rank's tensor-parallel sub-mesh (its "
+            f"mesh: {mesh!r}; the tensor-parallel ranks: {list(tensor_ranks)}). Save DTensors on mesh['tp'] of the "
+            "mesh passed as mesh= (or the step's), whose tensor-parallel ranks write their own pieces."
+        )
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError(f"{function}: {where} is a DTensor on a mesh that this rank is not part of ({mesh!r}).")
+    offset, size = [0] * len(shape), list(shape)
+    for i, placement in enumerate(placements):
+        if type(placement) is Shard:
+            d = placement.dim % max(len(shape), 1)
+            start, stop, _ = cut_range(size[d], (coordinate[i], mesh.size(i)))
+            offset[d] += start
+            size[d] = stop - start
+        elif type(placement) is not Replicate:
+            raise TypeError(
+                f"{function}: {where} is a DTensor with placement {placement!r}; only Shard(dim) and Replicate "
+                "DTensors are saved and loaded by their pieces. Redistribute it first (a Partial one to Replicate)."
+            )
+    if list(local.shape) != size:
+        raise ValueError(
+            f"{function}: {where} is a DTensor whose local piece has shape {list(local.shape)}, but its placements "
+            f"{list(placements)} cut shape {list(shape)} into pieces of shape {size} here (as torch.chunk does). "
+            "Make it with distribute_tensor or DTensor.from_local on evenly chunked pieces."
+        )
+    return None if size == list(shape) else Box(tuple(offset), tuple(size))
