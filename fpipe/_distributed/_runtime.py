@@ -189,7 +189,7 @@ def _run_row(
         # own (DTensor's), which fpipe's waits do not see; the whole row counts as waiting, so the
         # watchdog reads the board every POLL and aborts the groups when another rank failed.
         with waiting(topology.board if topology.tensor_group is not None else None):
-            times = interpret(executor, runs, plan.order, [topology.device])
+            times = interpret(executor, runs, plan, [topology.device])
         mine = result(spec, executor, explicit=agreed.explicit) if topology.rank == last else None
         loss, aux, outputs = transport.exchange_result(mine)
         transport.finish()
