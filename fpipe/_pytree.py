@@ -35,7 +35,7 @@ def flatten(tree: PyTree) -> tuple[list[Any], TreeSpec]:
     return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF)
 
 
-_LEAF = optree.tree_structure(None, none_is_leaf=_NONE_IS_LEAF)  # the structure of any leaf (None is one)
+_LEAF = optree.treespec_leaf(none_is_leaf=_NONE_IS_LEAF)  # the structure of any leaf
 
 
 def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
