@@ -40,6 +40,8 @@ _LEAF = optree.treespec_leaf(none_is_leaf=_NONE_IS_LEAF)  # the structure of any
 
 def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
     """Inverse of ``flatten``."""
+    if spec is _LEAF:  # what ``flatten`` gave a plain tensor
+        return leaves[0]
     return spec.unflatten(leaves)
 
 

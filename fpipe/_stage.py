@@ -377,7 +377,11 @@ class StageRun:
             _accumulate(outputs, wrt, grad_outputs)
         self._grads.accumulated(microbatch)
         # The input leaves are this call's own detached copies: their ``.grad`` is the cotangent.
-        return self._input_cotangents(pullback, [x.grad for x in inputs])
+        input_cotangents: Grads = [None] * pullback.num_inputs
+        for k, x in zip(pullback.input_index, inputs):
+            if x.grad is not None:
+                input_cotangents[k] = boundary_layout(x.grad)
+        return input_cotangents
 
     def backward_input(self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None]) -> Grads:
         """The input half of a split backward (NOTE [split backward]); ``backward_weight`` finishes it."""
