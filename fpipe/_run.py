@@ -281,7 +281,10 @@ def result(spec: StepSpec, executor: Executor, *, explicit: bool = False) -> tup
 
 def _weighted_sum(losses: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """``sum(w_i * loss_i)`` in microbatch order, on the last stage's device and dtype."""
-    total = losses[0] * weights[0]
-    for loss, weight in zip(losses[1:], weights[1:]):
-        total = total + loss * weight
+    # One call for the products (each ``loss_i * w_i`` as the plain op makes it), then the sum
+    # left to right, which no reduction kernel promises: each op here costs a microsecond or two.
+    weighted = torch._foreach_mul(list(losses), list(weights))
+    total = weighted[0]
+    for term in weighted[1:]:
+        total = total + term
     return total.reshape(())
