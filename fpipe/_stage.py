@@ -443,10 +443,11 @@ def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], list[int]]:
             tensors carrying the graph: their gradient would be lost without a word.
     """
     leaves, _ = flatten(out)
-    index = []
+    outputs, index = [], []
     for k, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             if leaf.requires_grad:
+                outputs.append(leaf)
                 index.append(k)
         elif _hides_graph(leaf):
             paths, _, _ = leaves_with_paths(out)
@@ -457,7 +458,7 @@ def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], list[int]]:
                 f"{kind} as a pytree node (optree.register_pytree_node) or return its tensors in a dict, "
                 "list, tuple or namedtuple."
             )
-    return [leaves[k] for k in index], index
+    return outputs, index
 
 
 def _hides_graph(value: Any) -> bool:
