@@ -236,8 +236,7 @@ class StageRun:
     ) -> tuple[torch.Tensor, Any, Pullback]:
         """Run the (last) stage and ``loss_fn`` on ``x``; return loss, aux and the pullback."""
         leaves, spec, inputs, input_index = self._inputs(x, differentiate_input)
-        if self.device is not None:
-            microbatch = self.to_device(microbatch)
+        microbatch = self.to_device(microbatch)
 
         def run(xs: list[Any]) -> tuple[torch.Tensor, Any]:
             loss, aux = _split_aux(loss_fn(self.fn(self.params, unflatten(spec, xs)), microbatch), has_aux)
