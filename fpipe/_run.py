@@ -11,7 +11,7 @@ data-parallel reduction (notes/wire.md).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -60,7 +60,7 @@ class StepSpec(Protocol):
 
 
 # An order cut into ``(actions, stages whose last action they end with)`` pieces (``segments``).
-Segments = tuple[tuple[Sequence[tuple[int, Action]], tuple[int, ...]], ...]
+Segments = tuple[tuple[Sequence[tuple[int, Action]], list[int]], ...]
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Plan:
 
     program: Program
     order: tuple[tuple[int, Action], ...]
-    segments: Segments
+    segments: Segments = field(compare=False)  # follows from ``order``
     checksum: int = 0
     forward_only: bool = False
 
@@ -173,13 +173,13 @@ def stage_run(spec: StepSpec, stage: int, stage_params: PyTree) -> StageRun:
 def segments(order: Sequence[tuple[int, Action]]) -> Segments:
     """``order`` cut after each stage's last action: ``(actions, stages finished by them)`` pairs."""
     last = {action.stage: k for k, (_, action) in enumerate(order)}
-    out: list[tuple[Sequence[tuple[int, Action]], tuple[int, ...]]] = []
+    out: list[tuple[Sequence[tuple[int, Action]], list[int]]] = []
     start = 0
     for k in sorted(set(last.values())):
-        out.append((order[start : k + 1], tuple(s for s, end in last.items() if end == k)))
+        out.append((order[start : k + 1], [s for s, end in last.items() if end == k]))
         start = k + 1
     if start < len(order):
-        out.append((order[start:], ()))
+        out.append((order[start:], []))
     return tuple(out)
 
 
