@@ -8,6 +8,7 @@ Run::
     python benchmarks/bench_overhead.py --device cuda   # on a GPU (benchmarks/gpu_check.sh)
     python benchmarks/bench_overhead.py --per-action-only   # (c) alone, for 1 x 8, 4 x 8 and 4 x 64
     python benchmarks/bench_overhead.py --ab /tmp/old --rounds 9   # A/B of the per-action cost
+    python benchmarks/bench_overhead.py --ab /tmp/old --cpu-time   # the same in CPU time (a shared machine)
 
 ``--ab TREE`` runs ``--per-action-only`` in fresh processes, alternating the fpipe found in
 ``TREE`` (e.g. ``mkdir /tmp/old && git archive <commit> fpipe | tar -x -C /tmp/old``) with this
@@ -119,10 +120,16 @@ def plain_step(params: Params, batch: dict[str, torch.Tensor], num_microbatches:
 
 
 def interleaved(
-    fns: Sequence[Callable[[], Any]], repeats: int, warmup: int, device: torch.device | None = None
+    fns: Sequence[Callable[[], Any]],
+    repeats: int,
+    warmup: int,
+    device: torch.device | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[list[float]]:
     """Seconds per call of each function, calling them in turn ``repeats`` times (on CUDA, each
-    call waits for the device before the clock stops)."""
+    call waits for the device before the clock stops); ``clock``: wall time, or with
+    ``time.process_time`` the CPU time of this process (on a shared machine, wall time also
+    counts the time other processes hold the cores, more of it the longer a call lasts)."""
     if device is not None and device.type == "cuda":
         fns = [_synchronized(fn, device) for fn in fns]
     for _ in range(warmup):
@@ -131,9 +138,9 @@ def interleaved(
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for k, fn in enumerate(fns):
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[k].append(time.perf_counter() - start)
+            times[k].append(clock() - start)
     return times
 
 
@@ -166,14 +173,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--per-action-only", action="store_true", help="only (c), for 1 x 8, 4 x 8 and 4 x 64")
     parser.add_argument("--ab", metavar="TREE", help="A/B of --per-action-only: TREE's fpipe against this one")
     parser.add_argument("--rounds", type=int, default=9, help="processes per side with --ab (default 9)")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="with --per-action-only or --ab: CPU time of the process, not wall time"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.ab:
-        return ab(args.ab, args.rounds, args.repeats, args.json, quick=args.quick)
+        return ab(args.ab, args.rounds, args.repeats, args.json, quick=args.quick, cpu_time=args.cpu_time)
     if args.per_action_only:
         repeats = args.repeats or (3 if args.quick else 41)
         configs = [(1, 2), (2, 2)] if args.quick else [(1, 8), (4, 8), (4, 64)]
-        rows = [per_action(s, m, repeats, 3, device) for s, m in configs]
+        clock = time.process_time if args.cpu_time else time.perf_counter
+        rows = [per_action(s, m, repeats, 3, device, clock) for s, m in configs]
         for row in rows:
             print(
                 f"{row['stages']} x {row['microbatches']}: {row['us_per_action']:.2f} us/action, autograd's own "
@@ -268,7 +279,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def per_action(
-    num_stages: int, num_microbatches: int, repeats: int, warmup: int, device: torch.device
+    num_stages: int,
+    num_microbatches: int,
+    repeats: int,
+    warmup: int,
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any]:
     """(c): fpipe's cost per action on ``num_stages`` tiny stages (``x * p`` on one element) x
     ``num_microbatches`` (1F1B), and autograd's own on the same multiplies, interleaved."""
@@ -284,7 +300,7 @@ def per_action(
                 x = x * p
             (x.mean() / num_microbatches).backward()
 
-    tt, tp = interleaved([lambda: step_tiny(tiny_params, tiny_batch), plain_tiny], repeats, warmup, device)
+    tt, tp = interleaved([lambda: step_tiny(tiny_params, tiny_batch), plain_tiny], repeats, warmup, device, clock)
     num_actions = 2 * num_stages * num_microbatches
     return {
         "stages": num_stages,
@@ -298,7 +314,9 @@ def per_action(
     }
 
 
-def ab(tree: str, rounds: int, repeats: int | None, out: str | None, *, quick: bool = False) -> dict[str, Any]:
+def ab(
+    tree: str, rounds: int, repeats: int | None, out: str | None, *, quick: bool = False, cpu_time: bool = False
+) -> dict[str, Any]:
     """``--per-action-only`` in fresh processes, ``tree``'s fpipe and this checkout's alternated
     ``rounds`` times; per side and config, the median and range of us per action and of the ratio."""
     here = str(Path(__file__).resolve().parent.parent)
@@ -311,6 +329,7 @@ def ab(tree: str, rounds: int, repeats: int | None, out: str | None, *, quick: b
                 command = [sys.executable, __file__, "--per-action-only", "--json", path]
                 command += ["--repeats", str(repeats)] if repeats else []
                 command += ["--quick"] if quick else []
+                command += ["--cpu-time"] if cpu_time else []
                 env = {**os.environ, "PYTHONPATH": sides[side]}
                 subprocess.run(command, check=True, env=env, cwd=scratch, stdout=subprocess.DEVNULL)
                 with open(path) as f:
@@ -323,7 +342,8 @@ def ab(tree: str, rounds: int, repeats: int | None, out: str | None, *, quick: b
                 values = [run[c][key] for run in runs[side]]
                 row[f"{side}_{key}"] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
         table.append(row)
-    print(f"per action, {rounds} processes per side, alternated (median [min, max]); autograd's own per action")
+    clock = "cpu" if cpu_time else "wall"
+    print(f"per action ({clock} time), {rounds} processes per side, alternated (median [min, max])")
     print("| stages x mb | side | fpipe us/action | autograd us/action | ratio |")
     print("|---|---|---|---|---|")
     for row in table:
@@ -331,7 +351,7 @@ def ab(tree: str, rounds: int, repeats: int | None, out: str | None, *, quick: b
             cells = [row[f"{side}_{key}"] for key in ("us_per_action", "plain_us_per_action", "ratio")]
             text = [f"{v['median']:.2f} [{v['min']:.2f}, {v['max']:.2f}]" for v in cells]
             print(f"| {row['stages']} x {row['microbatches']} | {side} | {' | '.join(text)} |")
-    results = {"ab": table, "rounds": rounds, "before": sides["before"], "torch": torch.__version__}
+    results = {"ab": table, "rounds": rounds, "before": sides["before"], "clock": clock, "torch": torch.__version__}
     if out:
         with open(out, "w") as f:
             json.dump(results, f, indent=2)
