@@ -142,7 +142,9 @@ def handshake(
 # every rank checks them (``mixed_device_types``) before any other message; the handshake itself
 # runs on the host wherever the backend serves the host (gloo among its backends), so that it
 # reaches every rank whatever its device type. A backend that serves one device type only (nccl)
-# gives every rank that type (NOTE [the rank's device] in fpipe/_distributed/_topology.py).
+# gives every rank that type (NOTE [the rank's device] in fpipe/_distributed/_topology.py). Only
+# the ranks of one pipeline are compared: data-parallel replicas whose pipelines differ in device
+# type from each other are not (their first all-reduce waits until the timeout).
 DEVICE_TYPE_WORDS = 2  # a device type's name, up to 16 ASCII characters, as int64 words
 
 
