@@ -6,6 +6,13 @@ Run::
     python benchmarks/bench_overhead.py --quick    # tiny sizes, a few seconds (used by the tests)
     python benchmarks/bench_overhead.py --json out.json
     python benchmarks/bench_overhead.py --device cuda   # on a GPU (benchmarks/gpu_check.sh)
+    python benchmarks/bench_overhead.py --per-action-only   # (c) alone, for 1 x 8, 4 x 8 and 4 x 64
+    python benchmarks/bench_overhead.py --ab /tmp/old --rounds 9   # A/B of the per-action cost
+    python benchmarks/bench_overhead.py --ab /tmp/old --cpu-time   # the same in CPU time (a shared machine)
+
+``--ab TREE`` runs ``--per-action-only`` in fresh processes, alternating the fpipe found in
+``TREE`` (e.g. ``mkdir /tmp/old && git archive <commit> fpipe | tar -x -C /tmp/old``) with this
+checkout's, ``--rounds`` times each, and reports the medians and the range of each figure.
 
 Three comparisons, each timed A/B interleaved (one step of A, one step of B, repeat) so that
 noise from other work on the machine hits both sides alike; the table reports medians:
@@ -14,7 +21,9 @@ noise from other work on the machine hits both sides alike; the table reports me
   (b) fpipe, 4 stages x 8 microbatches (``OneFOneB(8)``) in one process vs a hand-written
       gradient accumulation loop over 8 microbatches (``(loss / 8).backward()`` each);
   (c) executor overhead per action: 4 tiny stages (``x * p`` on one element) x 64
-      microbatches, step time / number of actions (``2 * stages * microbatches``).
+      microbatches, step time / number of actions (``2 * stages * microbatches``), against
+      autograd's own cost per action: the same multiplies and one ``backward()`` per
+      microbatch, per ``2 * stages * microbatches`` (``--per-action-only``: also 1 x 8 and 4 x 8).
 
 The model is a small Llama-ish stack of residual SwiGLU MLP blocks with RMSNorm, written as pure
 functions over a dict of float32 tensors; plain autograd runs the same functions with parameters
@@ -25,10 +34,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -106,10 +120,16 @@ def plain_step(params: Params, batch: dict[str, torch.Tensor], num_microbatches:
 
 
 def interleaved(
-    fns: Sequence[Callable[[], Any]], repeats: int, warmup: int, device: torch.device | None = None
+    fns: Sequence[Callable[[], Any]],
+    repeats: int,
+    warmup: int,
+    device: torch.device | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[list[float]]:
     """Seconds per call of each function, calling them in turn ``repeats`` times (on CUDA, each
-    call waits for the device before the clock stops)."""
+    call waits for the device before the clock stops); ``clock``: wall time, or with
+    ``time.process_time`` the CPU time of this process (on a shared machine, wall time also
+    counts the time other processes hold the cores, more of it the longer a call lasts)."""
     if device is not None and device.type == "cuda":
         fns = [_synchronized(fn, device) for fn in fns]
     for _ in range(warmup):
@@ -118,9 +138,9 @@ def interleaved(
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for k, fn in enumerate(fns):
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[k].append(time.perf_counter() - start)
+            times[k].append(clock() - start)
     return times
 
 
@@ -150,8 +170,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     parser.add_argument("--repeats", type=int, help="timed steps per side (default 21, quick 3)")
     parser.add_argument("--device", default="cpu", help="where parameters and batches live (default cpu)")
+    parser.add_argument("--per-action-only", action="store_true", help="only (c), for 1 x 8, 4 x 8 and 4 x 64")
+    parser.add_argument("--ab", metavar="TREE", help="A/B of --per-action-only: TREE's fpipe against this one")
+    parser.add_argument("--rounds", type=int, default=9, help="processes per side with --ab (default 9)")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="with --per-action-only or --ab: CPU time of the process, not wall time"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.ab:
+        return ab(args.ab, args.rounds, args.repeats, args.json, quick=args.quick, cpu_time=args.cpu_time)
+    if args.per_action_only:
+        repeats = args.repeats or (3 if args.quick else 41)
+        configs = [(1, 2), (2, 2)] if args.quick else [(1, 8), (4, 8), (4, 64)]
+        clock = time.process_time if args.cpu_time else time.perf_counter
+        rows = [per_action(s, m, repeats, 3, device, clock) for s, m in configs]
+        for row in rows:
+            print(
+                f"{row['stages']} x {row['microbatches']}: {row['us_per_action']:.2f} us/action, autograd's own "
+                f"{row['plain_us_per_action']:.2f}, ratio {row['ratio']:.2f}"
+            )
+        only = {"per_action_only": rows, "torch": torch.__version__, "python": platform.python_version()}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(only, f, indent=2)
+        return only
 
     if args.quick:
         dim, hidden, num_layers, batch_size, seq = 16, 32, 4, 8, 4
@@ -226,33 +269,91 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
 
     # (c) Executor overhead per action on tiny stages.
-    tiny = [lambda p, x: x * p] * tiny_stages
-    step_tiny = fpipe.pipeline(lambda y, mb: y.mean(), tiny, OneFOneB(tiny_microbatches))
-    tiny_params = [torch.full((1,), 1.0 + s / 10, device=device) for s in range(tiny_stages)]
-    tiny_batch = torch.randn(tiny_microbatches, 1, generator=generator).to(device)
+    results["per_action"] = per_action(tiny_stages, tiny_microbatches, repeats, warmup, device)
+
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+def per_action(
+    num_stages: int,
+    num_microbatches: int,
+    repeats: int,
+    warmup: int,
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Any]:
+    """(c): fpipe's cost per action on ``num_stages`` tiny stages (``x * p`` on one element) x
+    ``num_microbatches`` (1F1B), and autograd's own on the same multiplies, interleaved."""
+    tiny = [lambda p, x: x * p] * num_stages
+    step_tiny = fpipe.pipeline(lambda y, mb: y.mean(), tiny, OneFOneB(num_microbatches))
+    tiny_params = [torch.full((1,), 1.0 + s / 10, device=device) for s in range(num_stages)]
+    tiny_batch = torch.randn(num_microbatches, 1, generator=torch.Generator().manual_seed(2)).to(device)
 
     def plain_tiny() -> None:  # the autograd floor: the same multiplies, one backward per microbatch
         leaves = [p.detach().requires_grad_() for p in tiny_params]
-        for x in tiny_batch.chunk(tiny_microbatches):
+        for x in tiny_batch.chunk(num_microbatches):
             for p in leaves:
                 x = x * p
-            (x.mean() / tiny_microbatches).backward()
+            (x.mean() / num_microbatches).backward()
 
-    tt, tp = interleaved([lambda: step_tiny(tiny_params, tiny_batch), plain_tiny], repeats, warmup, device)
-    num_actions = 2 * tiny_stages * tiny_microbatches
-    results["per_action"] = {
-        "stages": tiny_stages,
-        "microbatches": tiny_microbatches,
+    tt, tp = interleaved([lambda: step_tiny(tiny_params, tiny_batch), plain_tiny], repeats, warmup, device, clock)
+    num_actions = 2 * num_stages * num_microbatches
+    return {
+        "stages": num_stages,
+        "microbatches": num_microbatches,
         "actions": num_actions,
         "step": summary(tt),
         "us_per_action": statistics.median(tt) / num_actions * 1e6,
         "plain_step": summary(tp),
         "plain_us_per_action": statistics.median(tp) / num_actions * 1e6,
+        "ratio": statistics.median(tt) / statistics.median(tp),
     }
 
-    print_table(results)
-    if args.json:
-        with open(args.json, "w") as f:
+
+def ab(
+    tree: str, rounds: int, repeats: int | None, out: str | None, *, quick: bool = False, cpu_time: bool = False
+) -> dict[str, Any]:
+    """``--per-action-only`` in fresh processes, ``tree``'s fpipe and this checkout's alternated
+    ``rounds`` times; per side and config, the median and range of us per action and of the ratio."""
+    here = str(Path(__file__).resolve().parent.parent)
+    sides = {"before": str(Path(tree).resolve()), "after": here}
+    runs: dict[str, list[list[dict[str, Any]]]] = {side: [] for side in sides}
+    with tempfile.TemporaryDirectory() as scratch:
+        for k in range(rounds):
+            for side in sides if k % 2 == 0 else reversed(list(sides)):
+                path = os.path.join(scratch, f"{side}{k}.json")
+                command = [sys.executable, __file__, "--per-action-only", "--json", path]
+                command += ["--repeats", str(repeats)] if repeats else []
+                command += ["--quick"] if quick else []
+                command += ["--cpu-time"] if cpu_time else []
+                env = {**os.environ, "PYTHONPATH": sides[side]}
+                subprocess.run(command, check=True, env=env, cwd=scratch, stdout=subprocess.DEVNULL)
+                with open(path) as f:
+                    runs[side].append(json.load(f)["per_action_only"])
+    table = []
+    for c, first in enumerate(runs["after"][0]):
+        row: dict[str, Any] = {"stages": first["stages"], "microbatches": first["microbatches"]}
+        for side in sides:
+            for key in ("us_per_action", "plain_us_per_action", "ratio"):
+                values = [run[c][key] for run in runs[side]]
+                row[f"{side}_{key}"] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        table.append(row)
+    clock = "cpu" if cpu_time else "wall"
+    print(f"per action ({clock} time), {rounds} processes per side, alternated (median [min, max])")
+    print("| stages x mb | side | fpipe us/action | autograd us/action | ratio |")
+    print("|---|---|---|---|---|")
+    for row in table:
+        for side in sides:
+            cells = [row[f"{side}_{key}"] for key in ("us_per_action", "plain_us_per_action", "ratio")]
+            text = [f"{v['median']:.2f} [{v['min']:.2f}, {v['max']:.2f}]" for v in cells]
+            print(f"| {row['stages']} x {row['microbatches']} | {side} | {' | '.join(text)} |")
+    results = {"ab": table, "rounds": rounds, "before": sides["before"], "clock": clock, "torch": torch.__version__}
+    if out:
+        with open(out, "w") as f:
             json.dump(results, f, indent=2)
     return results
 

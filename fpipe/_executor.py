@@ -119,9 +119,10 @@ class Executor:
             BACKWARD_INPUT: self._backward_input,
             BACKWARD_WEIGHT: self._backward_weight,
         }
-        self._watch = watch if times is not None else None
+        watch = self._watch = watch if times is not None else None
         for rank, action in order:
-            self._ready = self._watch.mark() if self._watch is not None else 0.0
+            if watch is not None:
+                self._ready = watch.mark()
             self.current = action
             try:
                 if _profiling():
@@ -136,9 +137,9 @@ class Executor:
                 raise PipelineError.from_exception(rank, action, cause, in_loss_fn=True) from cause
             except Exception as error:
                 raise PipelineError.from_exception(rank, action, error) from error
-            self.current = None
-            if self._watch is not None and times is not None:
-                times.append((self._ready, self._watch.mark()))
+            if watch is not None and times is not None:
+                times.append((self._ready, watch.mark()))
+        self.current = None
 
     def _loss_fn(self, y: Any, microbatch: Any) -> Any:
         """``loss_fn``, its errors marked as its own (not the last stage's)."""
@@ -148,15 +149,17 @@ class Executor:
             raise _LossFnFailed from error
 
     def _arrived(self) -> None:
-        if self._watch is not None:
-            self._ready = self._watch.mark()
+        """The current action's inputs are here (while recording): its start, for ``times``."""
+        assert self._watch is not None
+        self._ready = self._watch.mark()
 
     def _forward(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
         stage = self.stages[s]
         x = self.transport.microbatch(i) if s == 0 else self.transport.recv_activation(s, i)
         microbatch = self.transport.microbatch(i) if s == self.last and s > 0 else x  # for loss_fn
-        self._arrived()
+        if self._watch is not None:
+            self._arrived()
         if self.forward_only:
             if s == self.last:
                 loss, aux, y = stage.evaluate_loss(x, microbatch, self._loss_fn, has_aux=self.has_aux)
@@ -187,7 +190,8 @@ class Executor:
     def _backward(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
         cotangents = self._output_cotangents(s, i)
-        self._arrived()
+        if self._watch is not None:
+            self._arrived()
         input_cotangents = self.stages[s].backward(self._pullbacks.pop((s, i)), cotangents, i)
         if s > 0:
             self.transport.send_cotangent(s, i, input_cotangents)
@@ -195,7 +199,8 @@ class Executor:
     def _backward_input(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
         cotangents = self._output_cotangents(s, i)
-        self._arrived()
+        if self._watch is not None:
+            self._arrived()
         input_cotangents = self.stages[s].backward_input(self._pullbacks[s, i], cotangents)
         if s > 0:
             self.transport.send_cotangent(s, i, input_cotangents)

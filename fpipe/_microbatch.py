@@ -70,7 +70,7 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
             )
         each = [split(mb, 1, batch_dims) for mb in batch.microbatches]
         return [mbs[0] for mbs, _ in each], [sizes[0] for _, sizes in each]
-    paths, leaves, spec = leaves_with_paths(batch)
+    leaves, spec = flatten(batch)  # key paths only for an error (``_paths``): they cost more than the split
     try:
         dims = broadcast_prefix(batch_dims, batch)
     except ValueError as error:
@@ -78,19 +78,19 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
             f"fpipe.step: batch_dims does not match the batch structure ({error}). Give one int "
             "(or None) for the whole batch, or a prefix pytree of the batch with an int or None per subtree."
         ) from None
-    by_size: dict[int, list[str]] = defaultdict(list)
+    by_size: dict[int, list[int]] = defaultdict(list)  # leaf indices by size along their dim
     split_dims: list[int | None] = []
-    for path, leaf, dim in zip(paths, leaves, dims):
+    for k, (leaf, dim) in enumerate(zip(leaves, dims)):
         if dim is None or not isinstance(leaf, torch.Tensor):
             split_dims.append(None)
             continue
         if isinstance(dim, bool) or not isinstance(dim, int) or not -leaf.dim() <= dim < leaf.dim():
             raise ValueError(
-                f"fpipe.step: cannot split batch leaf {path} of shape {tuple(leaf.shape)} along "
+                f"fpipe.step: cannot split batch leaf {_paths(batch)[k]} of shape {tuple(leaf.shape)} along "
                 f"dim {dim!r}. Give a dim in range for it in batch_dims, or None to pass it whole."
             )
         split_dims.append(dim % leaf.dim())
-        by_size[leaf.shape[dim]].append(path)
+        by_size[leaf.shape[dim]].append(k)
     # Detached; leaves passed whole laid out as the wire delivers them here, split ones piece by
     # piece below (NOTE [boundary layout] in fpipe/_stage.py), so no leaf is copied twice.
     leaves = [
@@ -106,16 +106,19 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
             "Give a batch dim for at least one tensor leaf."
         )
     if len(by_size) > 1:
-        listing = "; ".join(f"size {n}: {', '.join(ps)}" for n, ps in sorted(by_size.items()))
+        paths = _paths(batch)
+        listing = "; ".join(f"size {n}: {', '.join(paths[k] for k in ks)}" for n, ks in sorted(by_size.items()))
         raise ValueError(
             f"fpipe.step: batch leaves disagree on the batch size along their batch_dims ({listing}). "
             "Make them agree, or set batch_dims to None for leaves that are not batched."
         )
-    ((size, sized_paths),) = by_size.items()
+    ((size, sized),) = by_size.items()
     if size < num_microbatches:
+        paths = _paths(batch)
         raise ValueError(
             f"fpipe.step: a batch of {size} cannot be split into {plural(num_microbatches, 'microbatch')} "
-            f"(leaves: {', '.join(sized_paths)}). Use a batch of at least {num_microbatches} or fewer microbatches."
+            f"(leaves: {', '.join(paths[k] for k in sized)}). Use a batch of at least {num_microbatches} or "
+            "fewer microbatches."
         )
     pieces: list[Any] = [
         torch.tensor_split(leaf, num_microbatches, dim=d) if d is not None else None
@@ -128,6 +131,11 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
     first = next(k for k, d in enumerate(split_dims) if d is not None)
     sizes = [pieces[first][i].shape[split_dims[first]] for i in range(num_microbatches)]
     return microbatches, sizes
+
+
+def _paths(batch: PyTree) -> list[str]:
+    """The key paths of ``batch``'s leaves, in ``flatten`` order (for errors)."""
+    return leaves_with_paths(batch)[0]
 
 
 def counts(microbatches: Sequence[PyTree], weight_fn: Callable[[Any], Any]) -> list[int]:

@@ -21,17 +21,28 @@ from ._plural import plural
 PyTree = Any
 TreeSpec = optree.PyTreeSpec
 
-_OPTIONS: dict[str, Any] = {"none_is_leaf": True}
+_NONE_IS_LEAF = True
+_OPTIONS: dict[str, Any] = {"none_is_leaf": _NONE_IS_LEAF}
 
 
 def flatten(tree: PyTree) -> tuple[list[Any], TreeSpec]:
     """Leaves (in optree's order) and the structure of ``tree``."""
-    return optree.tree_flatten(tree, **_OPTIONS)
+    # This runs several times per action. A plain tensor, the usual activation, is a leaf (no
+    # pytree library flattens one): its answer is known without asking optree, and the option
+    # goes by keyword, not ``**_OPTIONS`` (unpacking a dict costs a third of a flatten).
+    if type(tree) is torch.Tensor:
+        return [tree], _LEAF
+    return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF)
+
+
+_LEAF = optree.treespec_leaf(none_is_leaf=_NONE_IS_LEAF)  # the structure of any leaf
 
 
 def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
     """Inverse of ``flatten``."""
-    return optree.tree_unflatten(spec, leaves)
+    if spec is _LEAF:  # what ``flatten`` gave a plain tensor
+        return leaves[0]
+    return spec.unflatten(leaves)
 
 
 def leaves_with_paths(tree: PyTree) -> tuple[list[str], list[Any], TreeSpec]:
@@ -86,6 +97,8 @@ def detached(t: torch.Tensor) -> torch.Tensor:
 def boundary_layout(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a tensor crossing a stage boundary is laid out: contiguous, with conjugate and
     negative bits resolved (NOTE [boundary layout] in fpipe/_stage.py). ``t`` itself if it is so."""
+    if t.is_contiguous() and not t.is_conj() and not t.is_neg():  # the usual case: three cheap reads
+        return t
     return t.resolve_conj().resolve_neg().contiguous()
 
 

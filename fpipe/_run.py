@@ -11,7 +11,7 @@ data-parallel reduction (notes/wire.md).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -59,6 +59,10 @@ class StepSpec(Protocol):
     def loss_scale(self) -> LossScaleState | None: ...
 
 
+# An order cut into ``(actions, stages whose last action they end with)`` pieces (``segments``).
+Segments = tuple[tuple[Sequence[tuple[int, Action]], list[int]], ...]
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a step fixes when it is built and each of its runs reads (``plan_for``).
@@ -67,12 +71,14 @@ class Plan:
         program: the program it runs: the step's, or its forwards alone (``forward_only``).
         order: the ``(rank, action)`` pairs this process runs, in order: every rank's row
             interleaved in one process, its own row on a pipeline rank.
+        segments: ``order`` cut after each stage's last action (``segments``), for ``interpret``.
         checksum: the program's checksum, which the distributed handshake compares (0 in one process).
         forward_only: an evaluation: forwards with no graph, no backward, no gradients.
     """
 
     program: Program
     order: tuple[tuple[int, Action], ...]
+    segments: Segments = field(compare=False)  # follows from ``order``
     checksum: int = 0
     forward_only: bool = False
 
@@ -83,8 +89,10 @@ def plan_for(program: Program, rank: int | None, *, forward: bool = False) -> Pl
     if forward:
         program = forward_only(program)
     if rank is None:
-        return Plan(program, execution_order(program), forward_only=forward)
-    return Plan(program, tuple((rank, a) for a in program.ranks[rank]), checksum(program), forward)
+        order = execution_order(program)
+        return Plan(program, order, segments(order), forward_only=forward)
+    order = tuple((rank, a) for a in program.ranks[rank])
+    return Plan(program, order, segments(order), checksum(program), forward)
 
 
 class StageRuns(Protocol):
@@ -162,7 +170,7 @@ def stage_run(spec: StepSpec, stage: int, stage_params: PyTree) -> StageRun:
     )
 
 
-def segments(order: Sequence[tuple[int, Action]]) -> list[tuple[Sequence[tuple[int, Action]], list[int]]]:
+def segments(order: Sequence[tuple[int, Action]]) -> Segments:
     """``order`` cut after each stage's last action: ``(actions, stages finished by them)`` pairs."""
     last = {action.stage: k for k, (_, action) in enumerate(order)}
     out: list[tuple[Sequence[tuple[int, Action]], list[int]]] = []
@@ -172,18 +180,18 @@ def segments(order: Sequence[tuple[int, Action]]) -> list[tuple[Sequence[tuple[i
         start = k + 1
     if start < len(order):
         out.append((order[start:], []))
-    return out
+    return tuple(out)
 
 
 def interpret(
-    executor: Executor, runs: StageRuns, order: Sequence[tuple[int, Action]], devices: Iterable[torch.device] = ()
+    executor: Executor, runs: StageRuns, plan: Plan, devices: Iterable[torch.device] = ()
 ) -> list[tuple[float, float]]:
-    """Run ``order``, telling ``runs`` as each stage's last action has run; the actions' times
-    when a recording is active (``fpipe.record``), on ``devices``' CUDA events if any
+    """Run ``plan``'s order, telling ``runs`` as each stage's last action has run; the actions'
+    times when a recording is active (``fpipe.record``), on ``devices``' CUDA events if any
     (``Stopwatch``; read after the last action)."""
     marks: list[tuple[Any, Any]] = []
     watch = Stopwatch(devices) if active() is not None else None
-    for actions, finished in segments(order):
+    for actions, finished in plan.segments:
         executor.run(actions, times=marks if watch is not None else None, watch=watch)
         if not executor.forward_only:  # a forward-only run makes no gradient to reduce
             for s in finished:
@@ -217,7 +225,7 @@ def run_local(
     start = clock()
     recording = active()
     devices = [t.device for p in params for t in flatten(p)[0] if isinstance(t, torch.Tensor)] if recording else []
-    times = interpret(executor, runs, plan.order, devices)
+    times = interpret(executor, runs, plan, devices)
     if recording is not None:
         recording.timelines.append(measured(plan.program, plan.order, times, start))
     explicit = isinstance(batch, Microbatches)
@@ -273,7 +281,10 @@ def result(spec: StepSpec, executor: Executor, *, explicit: bool = False) -> tup
 
 def _weighted_sum(losses: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """``sum(w_i * loss_i)`` in microbatch order, on the last stage's device and dtype."""
-    total = losses[0] * weights[0]
-    for loss, weight in zip(losses[1:], weights[1:]):
-        total = total + loss * weight
+    # One call for the products (each ``loss_i * w_i`` as the plain op makes it), then the sum
+    # left to right, which no reduction kernel promises: each op here costs a microsecond or two.
+    weighted = torch._foreach_mul(list(losses), list(weights))
+    total = weighted[0]
+    for term in weighted[1:]:
+        total = total + term
     return total.reshape(())

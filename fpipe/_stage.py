@@ -105,7 +105,7 @@ class Pullback:
 class _OrderedSum:
     """Sums per-microbatch gradients into ``leaves``' ``.grad`` in microbatch order.
 
-    NOTE [fixed accumulation order]: ``next_in_order`` says whether the engine may accumulate
+    NOTE [fixed accumulation order]: ``engine_accumulates`` says whether the engine may accumulate
     a microbatch's backward straight into ``.grad`` (then ``accumulated`` records it); ``add``
     takes a contribution computed apart and adds it once its predecessors are in.
     """
@@ -119,15 +119,18 @@ class _OrderedSum:
         self._dtypes = dtypes
         self._sums: Grads = [None] * len(leaves)
 
-    def next_in_order(self, microbatch: int) -> bool:
-        """Whether every earlier microbatch's contribution is already in the sum."""
-        return microbatch == self._next
+    def engine_accumulates(self, microbatch: int) -> bool:
+        """Whether the engine may add ``microbatch``'s gradients straight into ``.grad``: every
+        earlier microbatch's contribution is in, and the sums have the leaves' dtypes (``.grad``
+        has the leaf's dtype)."""
+        return microbatch == self._next and self._dtypes is None
 
     def accumulated(self, microbatch: int) -> None:
         """The engine has added ``microbatch``'s gradients to ``.grad``."""
         assert microbatch == self._next, "fpipe: accumulated out of microbatch order"
         self._next += 1
-        self._flush()
+        if self._pending:
+            self._flush()
 
     def add(self, microbatch: int, grads: Sequence[torch.Tensor | None]) -> None:
         """Add ``grads`` (one per leaf, ``None`` for none) once earlier microbatches are in."""
@@ -161,12 +164,6 @@ class _OrderedSum:
                 self._sums[k] = g.to(dtype, copy=True)  # a copy, as in _flush
             else:
                 total.add_(g)  # the narrow gradient is widened exactly, then added in ``dtype``
-
-    @property
-    def fused(self) -> bool:
-        """Whether the engine may accumulate into ``.grad`` (not with wider sums: ``.grad`` has the
-        leaf's dtype)."""
-        return self._dtypes is None
 
     @property
     def total(self) -> Grads:
@@ -211,16 +208,23 @@ class StageRun:
         self._grads = _OrderedSum(self._param_inputs, dtypes)
 
     def to_device(self, tree: PyTree) -> PyTree:
-        """``tree`` with its tensors on this stage's device (no-op where already there)."""
-        if self.device is None:
-            return tree
+        """``tree`` with its tensors on this stage's device (``tree`` itself where all already are)."""
         device = self.device
+        if device is None or all(t.device == device for t in flatten(tree)[0] if isinstance(t, torch.Tensor)):
+            return tree
         return map_tensors(lambda t: t.to(device), tree)
 
     def forward(self, x: PyTree, *, differentiate_input: bool) -> tuple[Any, Pullback]:
         """Run the stage on ``x``; return its output and the pullback of this call."""
-        leaves, spec, input_index = self._inputs(x, differentiate_input)
-        return self._trace(lambda xs: self.fn(self.params, unflatten(spec, xs)), leaves, input_index)
+        leaves, spec, inputs, input_index = self._inputs(x, differentiate_input)
+        if self.recompute:
+            return self._recomputed(lambda xs: self.fn(self.params, unflatten(spec, xs)), leaves, inputs, input_index)
+        if _graph_off():
+            with _graph_mode():
+                y = self.fn(self.params, unflatten(spec, leaves))
+        else:
+            y = self.fn(self.params, unflatten(spec, leaves))
+        return y, _pullback(y, inputs, input_index, len(leaves))
 
     def forward_loss(
         self,
@@ -232,21 +236,34 @@ class StageRun:
         differentiate_input: bool,
     ) -> tuple[torch.Tensor, Any, Pullback]:
         """Run the (last) stage and ``loss_fn`` on ``x``; return loss, aux and the pullback."""
-        leaves, spec, input_index = self._inputs(x, differentiate_input)
+        leaves, spec, inputs, input_index = self._inputs(x, differentiate_input)
         microbatch = self.to_device(microbatch)
-        auxes: list[Any] = []
 
-        def run(xs: list[Any]) -> torch.Tensor:
+        def run(xs: list[Any]) -> tuple[torch.Tensor, Any]:
             loss, aux = _split_aux(loss_fn(self.fn(self.params, unflatten(spec, xs)), microbatch), has_aux)
-            auxes.append(aux)
-            return loss.reshape(())  # a one-element loss of shape (1,) gets the scalar cotangent too
+            # A one-element loss of shape (1,) gets the scalar cotangent too.
+            return (loss if loss.dim() == 0 else loss.reshape(())), aux
 
-        loss, pullback = self._trace(run, leaves, input_index)
-        return loss.detach(), auxes[0], pullback
+        if self.recompute:
+            auxes: list[Any] = []
+
+            def replayable(xs: list[Any]) -> torch.Tensor:
+                loss, aux = run(xs)
+                auxes.append(aux)
+                return loss
+
+            loss, pullback = self._recomputed(replayable, leaves, inputs, input_index)
+            return loss.detach(), auxes[0], pullback
+        if _graph_off():
+            with _graph_mode():
+                loss, aux = run(leaves)
+        else:
+            loss, aux = run(leaves)
+        return loss.detach(), aux, _pullback(loss, inputs, input_index, len(leaves))
 
     def evaluate(self, x: PyTree) -> Any:
         """Run the stage on ``x`` recording no graph (a forward-only step): its output alone."""
-        leaves, spec, _ = self._inputs(x, False)
+        leaves, spec, _, _ = self._inputs(x, False)
         with _not_inference(), torch.no_grad():
             return self.fn(self.params, unflatten(spec, leaves))
 
@@ -254,43 +271,44 @@ class StageRun:
         self, x: PyTree, microbatch: PyTree, loss_fn: Callable[[Any, Any], Any], *, has_aux: bool
     ) -> tuple[torch.Tensor, Any, Any]:
         """Run the (last) stage and ``loss_fn`` on ``x`` recording no graph: loss, aux and the output."""
-        leaves, spec, _ = self._inputs(x, False)
+        leaves, spec, _, _ = self._inputs(x, False)
         microbatch = self.to_device(microbatch)
         with _not_inference(), torch.no_grad():
             y = self.fn(self.params, unflatten(spec, leaves))
             loss, aux = _split_aux(loss_fn(y, microbatch), has_aux)
         return loss.reshape(()), aux, y
 
-    def _inputs(self, x: PyTree, differentiate_input: bool) -> tuple[list[Any], TreeSpec, list[int]]:
-        """The input leaves, those to differentiate replaced by graph leaves (NOTE [differentiable leaves])."""
-        flat, spec = flatten(x)
-        leaves = list(flat)
+    def _inputs(
+        self, x: PyTree, differentiate_input: bool
+    ) -> tuple[list[Any], TreeSpec, list[torch.Tensor], list[int]]:
+        """The input leaves, those to differentiate replaced by graph leaves (NOTE [differentiable
+        leaves]), the structure, and the differentiated leaves with their positions."""
+        leaves, spec = flatten(x)  # a fresh list: its leaves are replaced in place
+        device = self.device
+        inputs: list[torch.Tensor] = []
         input_index: list[int] = []
         for k, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
                 continue
             # Only leaves that carry the previous stage's graph can use a cotangent (a RoPE
-            # table passed along untouched cannot), so only those are differentiated.
-            differentiate = differentiate_input and is_differentiable(leaf) and leaf.requires_grad
-            if self.device is not None and leaf.device != self.device:
-                leaf = leaf.to(self.device)
+            # table passed along untouched cannot), so only those are differentiated (a tensor
+            # that requires grad is floating or complex).
+            differentiate = differentiate_input and leaf.requires_grad
+            if device is not None and leaf.device != device:
+                leaf = leaf.to(device)
             if not leaf.is_contiguous() or leaf.is_conj() or leaf.is_neg():  # NOTE [boundary layout]
                 leaf = boundary_layout(detached(leaf))
             if differentiate:
                 leaf = detached(leaf).requires_grad_()
+                inputs.append(leaf)
                 input_index.append(k)
             leaves[k] = leaf
-        return leaves, spec, input_index
+        return leaves, spec, inputs, input_index
 
-    def _trace(
-        self, run: Callable[[list[Any]], Any], leaves: list[Any], input_index: list[int]
+    def _recomputed(
+        self, run: Callable[[list[Any]], Any], leaves: list[Any], inputs: list[torch.Tensor], input_index: list[int]
     ) -> tuple[Any, Pullback]:
-        """Call ``run(leaves)`` recording a graph, or (NOTE [recomputation]) without one, keeping what replays it."""
-        inputs = [leaves[k] for k in input_index]
-        if not self.recompute:
-            with _recording():
-                out = run(leaves)
-            return out, self._pullback(out, inputs, input_index, len(leaves))
+        """Call ``run(leaves)`` without a graph, keeping what replays it (NOTE [recomputation])."""
         rng = torch.get_rng_state()
         plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
         with torch.inference_mode(False), torch.no_grad():
@@ -303,8 +321,7 @@ class StageRun:
     @staticmethod
     def _replay(pullback: Pullback) -> None:
         """Rebuild the graph of a recomputed forward, with the random state it first ran with."""
-        if pullback.replay is None:
-            return
+        assert pullback.replay is not None
         run, rng = pullback.replay
         pullback.replay = None
         token = _REPLAYING.set(True)
@@ -316,29 +333,26 @@ class StageRun:
             _REPLAYING.reset(token)
         pullback.outputs, pullback.output_index = _graph_outputs(out)
 
-    @staticmethod
-    def _pullback(y: PyTree, inputs: list[torch.Tensor], input_index: list[int], num_inputs: int) -> Pullback:
-        outputs, index = _graph_outputs(y)
-        return Pullback(outputs, index, inputs, input_index, num_inputs)
-
     def _seeds(
         self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The outputs that carry a graph and a cotangent, and those cotangents."""
-        self._replay(pullback)
+        if pullback.replay is not None:
+            self._replay(pullback)
         outputs, grad_outputs = [], []
         for k, out in zip(pullback.output_index, pullback.outputs):
             cot = cotangents[k]
             if cot is not None:
                 outputs.append(out)
-                grad_outputs.append(cot.to(out.device))
+                grad_outputs.append(cot if cot.device == out.device else cot.to(out.device))
         return outputs, grad_outputs
 
     def _input_cotangents(self, pullback: Pullback, grads: Sequence[torch.Tensor | None]) -> Grads:
         """One cotangent per input leaf, in one layout whichever backward made it (NOTE [boundary layout])."""
         input_cotangents: Grads = [None] * pullback.num_inputs
         for k, g in zip(pullback.input_index, grads):
-            input_cotangents[k] = None if g is None else boundary_layout(g)
+            if g is not None:
+                input_cotangents[k] = boundary_layout(g)
         return input_cotangents
 
     def backward(self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None], microbatch: int) -> Grads:
@@ -347,21 +361,27 @@ class StageRun:
         Parameter gradients go into the ordered sum; returns the input cotangents, one per
         input leaf (``None`` where there is none).
         """
+        if torch.is_inference_mode_enabled():  # gradients are plain tensors, whatever the ambient mode
+            with torch.inference_mode(False):
+                return self.backward(pullback, cotangents, microbatch)
         outputs, grad_outputs = self._seeds(pullback, cotangents)
-        inputs, params = pullback.inputs, self._param_inputs
-        wrt = inputs + params
-        with _not_inference():  # gradients are plain tensors, whatever the ambient mode
-            if not (self._grads.fused and self._grads.next_in_order(microbatch)):
-                grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
-                if outputs and wrt:
-                    grads = _vjp(outputs, wrt, grad_outputs)
-                self._grads.add(microbatch, grads[len(inputs) :])
-                return self._input_cotangents(pullback, grads[: len(inputs)])
-            if outputs and wrt:  # (an empty ``wrt`` would mean every leaf to the engine)
-                _accumulate(outputs, wrt, grad_outputs)
-            self._grads.accumulated(microbatch)
+        inputs = pullback.inputs
+        wrt = inputs + self._param_inputs
+        if not self._grads.engine_accumulates(microbatch):
+            grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
+            if outputs and wrt:
+                grads = _vjp(outputs, wrt, grad_outputs)
+            self._grads.add(microbatch, grads[len(inputs) :])
+            return self._input_cotangents(pullback, grads[: len(inputs)])
+        if outputs and wrt:  # (an empty ``wrt`` would mean every leaf to the engine)
+            _accumulate(outputs, wrt, grad_outputs)
+        self._grads.accumulated(microbatch)
         # The input leaves are this call's own detached copies: their ``.grad`` is the cotangent.
-        return self._input_cotangents(pullback, [x.grad for x in inputs])
+        input_cotangents: Grads = [None] * pullback.num_inputs
+        for k, x in zip(pullback.input_index, inputs):
+            if x.grad is not None:
+                input_cotangents[k] = boundary_layout(x.grad)
+        return input_cotangents
 
     def backward_input(self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None]) -> Grads:
         """The input half of a split backward (NOTE [split backward]); ``backward_weight`` finishes it."""
@@ -410,6 +430,11 @@ def replaying() -> bool:
     return _REPLAYING.get()
 
 
+def _pullback(y: PyTree, inputs: list[torch.Tensor], input_index: list[int], num_inputs: int) -> Pullback:
+    outputs, index = _graph_outputs(y)
+    return Pullback(outputs, index, inputs, input_index, num_inputs)
+
+
 def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], list[int]]:
     """The output leaves that carry the graph, and their positions among the output's leaves.
 
@@ -418,10 +443,11 @@ def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], list[int]]:
             tensors carrying the graph: their gradient would be lost without a word.
     """
     leaves, _ = flatten(out)
-    index = []
+    outputs, index = [], []
     for k, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             if leaf.requires_grad:
+                outputs.append(leaf)
                 index.append(k)
         elif _hides_graph(leaf):
             paths, _, _ = leaves_with_paths(out)
@@ -432,7 +458,7 @@ def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], list[int]]:
                 f"{kind} as a pytree node (optree.register_pytree_node) or return its tensors in a dict, "
                 "list, tuple or namedtuple."
             )
-    return [leaves[k] for k in index], index
+    return outputs, index
 
 
 def _hides_graph(value: Any) -> bool:
@@ -452,16 +478,14 @@ def _graph_mode() -> Iterator[None]:
         yield
 
 
-def _recording() -> contextlib.AbstractContextManager[None]:
-    """Graph recording on, inference mode off (NOTE [differentiable leaves]); nothing to enter
-    when the ambient mode already is so, the usual case (entering costs microseconds per action)."""
-    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
-        return _graph_mode()
-    return _AMBIENT
+def _graph_off() -> bool:
+    """Whether a forward must enter ``_graph_mode`` to record its graph (NOTE [differentiable
+    leaves]): not in the usual case, and entering even an empty context costs per action."""
+    return torch.is_inference_mode_enabled() or not torch.is_grad_enabled()
 
 
 def _not_inference() -> contextlib.AbstractContextManager[Any]:
-    """Inference mode off, entered only when it is on (see ``_recording``)."""
+    """Inference mode off, entered only when it is on (see ``_graph_off``)."""
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _AMBIENT
 
 

@@ -38,6 +38,18 @@ def test_bench_overhead_quick(tmp_path: Path) -> None:
     assert {"torch", "torch_threads"} <= results["machine"].keys()
 
 
+def test_bench_overhead_per_action_ab(tmp_path: Path) -> None:
+    """``--ab`` against this very checkout: one process per side, each measuring every config."""
+    here = Path(__file__).resolve().parent.parent
+    out = tmp_path / "ab.json"
+    results = _load().main(["--quick", "--ab", str(here), "--rounds", "1", "--cpu-time", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results)) and results["clock"] == "cpu"
+    assert [(row["stages"], row["microbatches"]) for row in results["ab"]] == [(1, 2), (2, 2)]
+    for row in results["ab"]:
+        for side in ("before", "after"):
+            assert row[f"{side}_us_per_action"]["median"] > 0 and row[f"{side}_ratio"]["min"] > 0
+
+
 def test_bench_split_backward_quick() -> None:
     results = _load("bench_split_backward").main(["--quick"])
     assert results["grads_match"] and set(results["ms"]["split"]) == {"F", "I", "W"}

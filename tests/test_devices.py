@@ -5,12 +5,19 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import fpipe
+from fpipe._distributed import _topology
+from fpipe._distributed._collectives import device_type_words, mixed_device_types
 from fpipe._distributed._runtime import check_devices
 from fpipe._distributed._topology import device_of
+from fpipe.schedules import GPipe
+from tests._multiprocess import run_ranks
 
 
 def test_the_device_follows_the_backend_or_the_mesh() -> None:
@@ -39,3 +46,35 @@ def test_stage_params_on_another_device_than_the_rank_fail() -> None:
     with pytest.raises(ValueError, match=fragment):
         check_devices(spec, params, torch.device("cuda", 0))
     check_devices(spec, [None, {"w": torch.empty(2, device="meta")}, None, None], torch.device("cuda", 0))
+
+
+def test_device_types_travel_as_words_and_a_mix_is_named_by_rank() -> None:
+    cpu, cuda = device_type_words(torch.device("cpu")), device_type_words(torch.device("cuda", 3))
+    assert cpu != cuda and cuda == device_type_words(torch.device("cuda", 0))  # the type, not the index
+    assert mixed_device_types([[7, *cpu], [7, *cpu]]) is None
+    error = mixed_device_types([[7, *cpu], [7, *cuda], [7, *cpu], [7, *device_type_words(torch.device("meta"))]])
+    assert error is not None
+    assert "different device types (cpu: ranks [0, 2]; cuda: ranks [1]; meta: ranks [3])" in str(error)
+
+
+def _ranks_on_two_device_types(rank: int, world: int) -> str:
+    """Rank 1 runs on another device type than rank 0: as if it had built its mesh with another
+    ``device_type`` (no second device type exists here, so ``device_of`` says so; the handshake
+    runs on the host, which gloo serves, so it reaches both ranks all the same)."""
+    claimed = torch.device("cpu") if rank == 0 else torch.device("meta")
+    with mock.patch.object(_topology, "device_of", lambda backend, mesh_device_type: claimed):
+        step = fpipe.pipeline(
+            lambda y, mb: y.sum(), [lambda p, x: x * p] * 2, GPipe(2), group=dist.group.WORLD, timeout=20
+        )
+    assert step.topology is not None and step.topology.device == claimed
+    params = [torch.ones(1) if s == rank else None for s in range(2)]
+    with pytest.raises(ValueError) as info:
+        step(params, torch.ones(2, 1) if rank == 0 else None)
+    return str(info.value)
+
+
+def test_ranks_on_different_device_types_fail_on_every_rank() -> None:
+    for message in run_ranks(2, _ranks_on_two_device_types, timeout=60):
+        assert "fpipe.step: the pipeline ranks run on different device types (cpu: ranks [0]; meta: ranks [1])" in (
+            message
+        )

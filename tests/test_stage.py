@@ -203,11 +203,11 @@ def test_ordered_sum_mixes_engine_accumulation_and_late_additions() -> None:
     total = _OrderedSum(leaves)
 
     def engine(i: int) -> None:
-        assert total.next_in_order(i)
+        assert total.engine_accumulates(i)
         (leaf * values[i]).sum().backward(inputs=[leaf])
         total.accumulated(i)
 
-    assert not total.next_in_order(1)
+    assert not total.engine_accumulates(1)
     total.add(1, [torch.tensor([values[1]])])
     engine(0)  # flushes the waiting microbatch 1
     total.add(3, [torch.tensor([values[3]])])

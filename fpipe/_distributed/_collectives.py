@@ -125,13 +125,58 @@ def handshake(
     timeout: float,
     what: str = "the other pipeline ranks at the start of the step",
 ) -> list[list[int]]:
-    """All-gather each pipeline rank's ``status`` vector (same length on every rank)."""
-    return all_gather_ints(topology, topology.group, status, timeout, what)
+    """All-gather each pipeline rank's ``status`` vector (same length on every rank), on the
+    host where the group's backend serves it (NOTE [device types in the handshake])."""
+    device = topology.device
+    if device.type != "cpu" and "gloo" in str(dist.get_backend(topology.group)).lower():
+        device = torch.device("cpu")
+    return all_gather_ints(topology, topology.group, status, timeout, what, device)
 
 
-def all_gather_ints(topology: Topology, group: Any, values: list[int], timeout: float, what: str) -> list[list[int]]:
-    """Each rank of ``group``'s ``values`` (an int vector of the same length on every rank)."""
-    mine = torch.tensor(values, dtype=torch.int64, device=topology.device)
+# NOTE [device types in the handshake]
+# Every pipeline rank must run on one device type: a message or collective of a CUDA tensor on
+# one rank meets a CPU tensor on the other, and with a multi-device backend ("cpu:gloo,cuda:nccl")
+# the two go to different backends and wait for each other until the timeout. Ranks can differ
+# when each builds its own mesh (``init_device_mesh("cpu", ...)`` here, ``"cuda"`` there). So the
+# step's handshake carries each rank's device type (``device_type_words``, its last words) and
+# every rank checks them (``mixed_device_types``) before any other message; the handshake itself
+# runs on the host wherever the backend serves the host (gloo among its backends), so that it
+# reaches every rank whatever its device type. A backend that serves one device type only (nccl)
+# gives every rank that type (NOTE [the rank's device] in fpipe/_distributed/_topology.py). Only
+# the ranks of one pipeline are compared: data-parallel replicas whose pipelines differ in device
+# type from each other are not (their first all-reduce waits until the timeout).
+DEVICE_TYPE_WORDS = 2  # a device type's name, up to 16 ASCII characters, as int64 words
+
+
+def device_type_words(device: torch.device) -> list[int]:
+    """``device``'s type name as ``DEVICE_TYPE_WORDS`` int64 words, for a handshake's status vector."""
+    name = device.type.encode("ascii")[: 8 * DEVICE_TYPE_WORDS].ljust(8 * DEVICE_TYPE_WORDS, b"\0")
+    return [int.from_bytes(name[8 * k : 8 * k + 8], "little", signed=True) for k in range(DEVICE_TYPE_WORDS)]
+
+
+def mixed_device_types(statuses: list[list[int]]) -> ValueError | None:
+    """The error for pipeline ranks on different device types, read from the last
+    ``DEVICE_TYPE_WORDS`` of each rank's status (``device_type_words``); ``None`` if they agree."""
+    words = [tuple(status[-DEVICE_TYPE_WORDS:]) for status in statuses]
+    if len(set(words)) == 1:
+        return None
+    names = [b"".join(w.to_bytes(8, "little", signed=True) for w in word).rstrip(b"\0").decode() for word in words]
+    by_type = "; ".join(
+        f"{name}: ranks {[r for r, n in enumerate(names) if n == name]}" for name in dict.fromkeys(names)
+    )
+    return ValueError(
+        f"fpipe.step: the pipeline ranks run on different device types ({by_type}). Run every rank on one device "
+        "type: build the mesh with the same device_type on every rank (init_device_mesh('cuda', ...)), or give "
+        "pipeline(..., group=) a group whose backend serves one device type."
+    )
+
+
+def all_gather_ints(
+    topology: Topology, group: Any, values: list[int], timeout: float, what: str, device: torch.device | None = None
+) -> list[list[int]]:
+    """Each rank of ``group``'s ``values`` (an int vector of the same length on every rank), all-gathered
+    on ``device`` (default: the rank's)."""
+    mine = torch.tensor(values, dtype=torch.int64, device=topology.device if device is None else device)
     return [t.tolist() for t in _all_gather(topology, group, mine, timeout, what)]
 
 

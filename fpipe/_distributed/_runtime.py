@@ -29,7 +29,16 @@ from .._pytree import PyTree, leaves_with_paths
 from .._record import active, clock, measured
 from .._run import Pending, Plan, Reduce, StageRuns, StepSpec, interpret, loss_weights, result, seed_scale
 from ..schedules._program import ScheduleError
-from ._collectives import PendingSum, all_reduce_sum, all_reduce_sum_async, check_usable, handshake, mark_broken
+from ._collectives import (
+    PendingSum,
+    all_reduce_sum,
+    all_reduce_sum_async,
+    check_usable,
+    device_type_words,
+    handshake,
+    mark_broken,
+    mixed_device_types,
+)
 from ._faults import WATCHDOG, waiting
 from ._topology import Topology
 from ._transport import DistributedTransport, WireState
@@ -120,8 +129,8 @@ def _agree(
         problem = error
     explicit = isinstance(batch, Microbatches)
     status = [plan.checksum, microbatches is not None, problem is not None, size, explicit, count, *sizes]
-    statuses = handshake(topology, status, spec.timeout)
-    problem = problem or _disagreement(plan.checksum, statuses, first, last)
+    statuses = handshake(topology, [*status, *device_type_words(topology.device)], spec.timeout)
+    problem = mixed_device_types(statuses) or problem or _disagreement(plan.checksum, statuses, first, last)
     count = statuses[first][5]
     # Replicas must fail together too, or a healthy replica's gradient all-reduce would meet
     # another replica's next step (and weight_fn's total is every replica's tokens); so must
@@ -145,7 +154,7 @@ def _agree(
             )
     if problem is None:
         try:
-            weights = loss_weights(statuses[first][6:], count if spec.weight_fn is not None else None)
+            weights = loss_weights(statuses[first][6 : 6 + m], count if spec.weight_fn is not None else None)
         except ValueError as error:  # every rank knows the same count: all raise together
             problem = error
     if problem is not None:
@@ -189,7 +198,7 @@ def _run_row(
         # own (DTensor's), which fpipe's waits do not see; the whole row counts as waiting, so the
         # watchdog reads the board every POLL and aborts the groups when another rank failed.
         with waiting(topology.board if topology.tensor_group is not None else None):
-            times = interpret(executor, runs, plan.order, [topology.device])
+            times = interpret(executor, runs, plan, [topology.device])
         mine = result(spec, executor, explicit=agreed.explicit) if topology.rank == last else None
         loss, aux, outputs = transport.exchange_result(mine)
         transport.finish()

@@ -336,10 +336,12 @@ def _channel(peer: int, key: Key) -> tuple[int, str, int]:
 
 
 def _describe(key: Key) -> str:
-    kind, s, i = key
-    return {
-        "act": f"the activation of stage {s} for microbatch {i}",
-        "cot": f"the cotangent from stage {s} for microbatch {i}",
-        "mb": f"microbatch {i} (for the last stage's loss_fn)",
-        "result": "the loss from the last stage",
-    }[kind]
+    kind, s, i = key  # (read for every message: only the one phrase is built)
+    if kind == "act":
+        return f"the activation of stage {s} for microbatch {i}"
+    if kind == "cot":
+        return f"the cotangent from stage {s} for microbatch {i}"
+    if kind == "mb":
+        return f"microbatch {i} (for the last stage's loss_fn)"
+    assert kind == "result", kind
+    return "the loss from the last stage"
