@@ -24,6 +24,7 @@ from fpipe._saving._directory import INDEX, LATEST
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
 from tests.test_hf_load import TWO, Spy, checkpoint, example, meta_model
+from tests.test_hf_save import assert_same_logits, from_pretrained
 from tests.test_save import assert_bitwise, template
 
 pytestmark = pytest.mark.timeout(120)
@@ -143,7 +144,7 @@ def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[s
         ("odd piece", lambda: fpipe.load(root / "tp", odd_piece, mesh=mesh)),
         ("no tp", lambda: fpipe.save(root / "bad", params, group=dist.group.WORLD)),
         ("partial", lambda: fpipe.save(root / "bad", partial, mesh=mesh)),
-        ("save_hf", lambda: fpipe.save_hf(root / "hf", params, mesh=mesh)),
+        ("save_hf differ", lambda: fpipe.save_hf(root / "hf bad", differ, mesh=mesh)),
     ]:
         try:
             call()
@@ -151,7 +152,7 @@ def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[s
             errors[what] = f"{type(error).__name__}: {error}"
     out["errors"] = errors
     out["after"] = _gathered(fpipe.load(root / "tp", meta, mesh=mesh).params)
-    out["hf"] = _load_hf(mesh, hf)
+    out["hf"] = _load_hf(mesh, hf, root / "hf_out")
     return out
 
 
@@ -304,7 +305,11 @@ def test_bad_tensor_parallel_saves_fail_on_every_rank(saved: tuple[Path, list[An
             "[2, 8], but its placements [Shard(dim=0)] cut shape [8, 8] into pieces of shape [4, 8]"
             in (errors["odd piece"])
         )
-        assert "NotImplementedError: fpipe.save_hf: exporting from a mesh with a tensor-parallel" in errors["save_hf"]
+        assert (
+            "ValueError: fpipe.save_hf: the tensor-parallel ranks of pipeline rank 0 hold different leaves (rank 0 "
+            "(tp 0): params[0]['bias0']: a Tensor float64[3] sha256 " in errors["save_hf differ"]
+        )
+        assert not (saved[0] / "hf bad").exists()
 
 
 def _three_dimensions(rank: int, world: int, directory: str) -> tuple[int, list[Any]]:
@@ -376,6 +381,7 @@ def _sharded_ranks(rank: int, world: int, directory: str, plain: str, hf: str) -
         for n, t in p.items()
     }
     out["hf expected"] = {n: stop - start for n, (start, stop, _) in ranges.items()}
+    fpipe.save_hf(root / "hf_out", shards, step=step)
     errors = {}
     full_here = [dict(p) for p in shards]
     if rank == 3:  # a full DTensor where its shard belongs, on one rank
@@ -418,7 +424,9 @@ def test_sharded_tensor_parallel_saves_reload_bitwise_into_every_layout(sharded:
         assert_bitwise(r["async"], (r["shards"], r["state"]))
         assert_bitwise(r["hf"], r["shards"])
         assert r["hf read"] == {n: k for n, k in r["hf expected"].items() if k}
-    # the replicated run's params, bitwise: into one process, from the shards of every rank
+    # the replicated run's params, bitwise: into one process, from the shards of every rank, and
+    # exported by save_hf (each DTensor's local piece gathered over dp, then over tp)
+    assert_bitwise(fpipe.load_hf(directory / "hf_out", template(full)), full)
     loaded = fpipe.load(directory / "sharded", template(full), optimizer_state=_state_template(template(full)))
     assert_bitwise(loaded.params, full)
     assert_bitwise(loaded.optimizer_state, _state(full))
@@ -484,9 +492,9 @@ TP_PLAN = {
 }
 
 
-def _load_hf(mesh: Any, directory: str) -> dict[str, Any]:
+def _load_hf(mesh: Any, directory: str, out: Path) -> dict[str, Any]:
     """On pp 2 x tp 2: a meta model parallelized by torch's ``parallelize_module``, split in two;
-    each rank loads its stage's pieces from a Hugging Face checkpoint."""
+    each rank loads its stage's pieces from a Hugging Face checkpoint, and exports them to ``out``."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -498,6 +506,7 @@ def _load_hf(mesh: Any, directory: str) -> dict[str, Any]:
     _, meta = fpipe.split_module(model, TWO, call=hf.CALL)
     spy = Spy()
     params = fpipe.load_hf(directory, [p if s == pp else None for s, p in enumerate(meta)], mesh=mesh)
+    fpipe.save_hf(out, params, config=directory, mesh=mesh)
     local = {n: t.to_local() if isinstance(t, DTensor) else t for n, t in params[pp].items()}
     full = {
         n: (t.full_tensor() if isinstance(t, DTensor) else t, str(getattr(t, "placements", "")))
@@ -522,6 +531,20 @@ def test_load_hf_into_tensor_parallel_stages_reads_only_their_pieces(saved: tupl
         # each rank read exactly the elements of its own pieces: half of each cut weight
         assert result["read"] == result["local"]
         assert sum(n for n in result["local"].values()) < sum(named[n].numel() for n in names)
+
+
+def test_save_hf_from_tensor_parallel_stages_loads_with_from_pretrained(saved: tuple[Path, list[Any], Any]) -> None:
+    """The pp 2 x tp 2 stages that ``load_hf`` filled, exported by ``save_hf`` (each DTensor
+    gathered to tensor-parallel rank 0): ``from_pretrained`` gives the model's weights and logits."""
+    directory, _, model = saved
+    out = directory / "hf_out"
+    assert_bitwise(dict(from_pretrained(out).state_dict()), dict(model.state_dict()))
+    assert_same_logits(out, model, example())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
 
 
 # --- Hostile indexes (NOTE [trust model]) -----------------------------------------------------

@@ -117,24 +117,22 @@ def resolve(function: str, step: Step | None, group: Any, mesh: Any) -> tuple[To
     return resolve_topology(mesh, group), None
 
 
-def without_tensor_parallel(function: str, topology: Topology | None) -> Topology | None:
-    """``topology``, unless it has a tensor-parallel dimension (every rank raises, before any collective)."""
-    if topology is not None and topology.tensor_group is not None:
-        raise NotImplementedError(
-            f"fpipe.{function}: exporting from a mesh with a tensor-parallel dimension is not supported yet "
-            f"(tensor-parallel ranks: {list(topology.tensor_ranks or ())}). Save with fpipe.save(..., mesh=mesh) "
-            f"(each tensor-parallel rank writes its pieces), load that into one process with plain tensors as the "
-            f"template, and export those."
-        )
-    return topology
-
-
 class Ranks:
     """The ranks taking part in a save or load (the pipeline ranks, and the data-parallel ranks of a
     sharded save and the tensor-parallel ranks of a mesh with a ``"tp"`` dimension), and all-gathers
     of JSON values among them."""
 
-    def __init__(self, function: str, topology: Topology | None, timeout: float, *, sharded: bool = False) -> None:
+    def __init__(
+        self,
+        function: str,
+        topology: Topology | None,
+        timeout: float,
+        *,
+        sharded: bool = False,
+        tensor_parallel: bool = True,
+    ) -> None:
+        """``tensor_parallel=False``: only tensor-parallel rank 0 takes part (``save_hf``, whose other
+        tensor-parallel ranks gathered their pieces to it)."""
         self.function = function  # "save" or "load", for messages
         self.topology = topology
         self.timeout = timeout
@@ -151,7 +149,7 @@ class Ranks:
         self.inner: list[tuple[str, Any]] = []
         if topology is not None and self.sharded:
             self.inner.append(("dp", topology.data_group))
-        if topology is not None and topology.tensor_group is not None:
+        if topology is not None and topology.tensor_group is not None and tensor_parallel:
             self.inner.append(("tp", topology.tensor_group))
         # (label, index, size) of this rank in each inner dimension
         self.coordinates = [(label, dist.get_rank(g), dist.get_world_size(g)) for label, g in self.inner]
