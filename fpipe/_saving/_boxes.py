@@ -11,6 +11,10 @@ is one box, the whole tensor, written once, by the lowest writer holding it (ten
 rank 0). The pieces of a name must tile its shape: every element in exactly one box
 (``tiling_problem``), which ``save`` checks over all ranks and ``load`` checks in the index.
 
+With ``shard_params=True`` too, each rank holds a flat shard of its local piece, and writes
+that shard of its box (NOTE [sharded saves] in ``fpipe/_saving/_store.py``; ``piece_box`` gives
+the box from the step's layout, which keeps the DTensor's mesh, placements and global shape).
+
 Loading, the template decides the layout: a DTensor leaf asks for its own box, a plain leaf for
 the whole tensor, whatever boxes the save has; each piece on disk that overlaps the box is read
 and its overlap copied (``Box.within``).

@@ -25,6 +25,19 @@ The protocol, on each pipeline rank (one process: one rank, the all-gathers are 
 3. Rank 0 writes the index and ``config.json``, fsyncs, and renames the temporary directory to
    ``directory`` (which must not exist, or be empty): a failed or killed export leaves no partial
    checkpoint there. A last all-gather, so every rank returns once it is in place.
+
+NOTE [tensor-parallel export]
+Hugging Face files hold whole tensors, so on a mesh with a ``"tp"`` dimension each DTensor leaf
+is gathered (``full_tensor()``, an all-gather over the tensor-parallel group) one at a time, in
+leaf order, and moved to the host at once: the device holds at most one full tensor beyond the
+local pieces, and tensor-parallel rank 0 keeps the host copies and writes them, as the protocol
+above (its plan among the tensor-parallel rank 0 of each pipeline rank); the other
+tensor-parallel ranks drop theirs and wait for it, as data-parallel replicas do. Before the first
+gather every rank all-gathers a description of its leaves (where, DTensor or not, shape, dtype,
+and the sha256 of each plain tensor, which only rank 0 writes), so a DTensor on the wrong mesh
+or with a ``Partial`` placement, or tensor-parallel ranks holding different leaves, fail every
+rank before any gather that would not match. With ``shard_params=True`` too, each stage is first
+gathered over the data-parallel group into its DTensors (their local pieces), then over tp.
 """
 
 from __future__ import annotations
@@ -108,6 +121,10 @@ def save_hf(
             ``shard_params=True``, ``params`` are this rank's shards: each local stage is gathered
             whole (one at a time, a collective over the data-parallel ranks) and the first replica
             writes it.
+            On a mesh with a ``"tp"`` dimension, leaves may be DTensors on ``mesh["tp"]`` with
+            ``Shard`` or ``Replicate`` placements: each is gathered whole to tensor-parallel rank
+            0, one at a time, which writes it (NOTE [tensor-parallel export]); plain tensors must
+            be bitwise equal on every tensor-parallel rank.
         timeout: seconds a rank waits for the others at each all-gather.
 
     Returns:
@@ -124,9 +141,11 @@ def save_hf(
         >>> LlamaForCausalLM.from_pretrained("out")  # doctest: +SKIP
 
     Raises:
-        TypeError: a leaf is neither a tensor nor ``None``; a bad ``config`` or ``max_shard_size``.
+        TypeError: a leaf is neither a tensor nor ``None``, or a DTensor with a ``Partial``
+            placement; a bad ``config`` or ``max_shard_size``.
         ValueError: ``directory`` exists and is not empty; two leaves of a stage share a name; a
-            tied name has different values; stages held by several ranks.
+            tied name has different values; stages held by several ranks; a DTensor not on the
+            mesh's ``"tp"`` sub-mesh, or tensor-parallel ranks holding different leaves.
         OSError: writing failed (nothing is left at ``directory``).
         RuntimeError: another rank failed; its own error says why.
     """

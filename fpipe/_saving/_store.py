@@ -34,6 +34,20 @@ whole tensor (plain, ``Replicate``) maps to one file, as without tensor parallel
 box (a DTensor template's piece) or a whole tensor copies the overlap of each saved piece that
 overlaps it, each piece read whole so that its hash is checked.
 
+Both at once (``shard_params=True`` on a mesh with ``"tp"``: NOTE [tensor-parallel shards] in
+``fpipe/_sharding/_runs.py``), a DTensor parameter's shard is a flat piece of its local piece:
+shard ``q`` of ``d`` of a box. Every rank writes its own, to
+``model-rank-0000r-of-0000p-dp-0000q-of-0000d-tp-0000t-of-0000T.safetensors``; the name maps to
+the list of its pieces' files, box by box (by offset) and within a box by ``q``, and each
+piece's entry has ``shape`` ``[ceil(box elements / d)]``, ``shard`` ``[q, d]``, ``offset`` and
+``box_shape`` (its box), and ``full_shape``; ``read_index`` checks that the ``d`` shards of a
+box agree on it and that the boxes tile the full shape. A plain tensor or a ``Replicate``
+DTensor is a sharded tensor without boxes (tensor-parallel rank 0 writes it, and the other
+tensor-parallel ranks must hold the same bytes). Reading, a box is the concatenation of its
+shards, padding dropped; a request for shard ``q'`` of ``d'`` of a box the save has reads only
+the shards of that box overlapping it (so the same layout reads exactly its own shards), any
+other request reads every shard of each box it overlaps.
+
 NOTE [trust model]
 A save directory may come from elsewhere (a download, an unpacked archive), so ``load`` trusts
 neither the index nor the links in it. ``read_index`` checks the type of every field that
