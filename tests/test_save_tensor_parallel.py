@@ -365,6 +365,15 @@ def _sharded_ranks(rank: int, world: int, directory: str, plain: str, hf: str) -
     unsharded = fpipe.load(root / "sharded", meta, optimizer_state=_state_template(meta), mesh=mesh)
     out["tp layout"] = _gathered(unsharded.params), _gathered([t["m"] for t in unsharded.optimizer_state])
     out["from plain"] = fpipe.load(plain, target, step=step).params
+    # dp 4 without tp: each rank's shard of each whole tensor, from every shard of the boxes it overlaps
+    step4 = fpipe.pipeline(
+        lambda y, mb: y.sum(),
+        [lambda p, x: x] * 2,
+        OneFOneB(2),
+        mesh=init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "pp")),
+        shard_params=True,
+    )
+    out["dp 4"] = fpipe.load(root / "sharded", step4.shard(template(full)), step=step4).params, step4.shard(full)
     fpipe.save_state(root / "state", fpipe.TrainState(shards, _state(shards), step=5), step=step)
     state = fpipe.load_state(root / "state", target, optimizer_state=_state_template(target), step=step)
     with fpipe.AsyncSaver(step=step) as saver:
@@ -419,6 +428,7 @@ def test_sharded_tensor_parallel_saves_reload_bitwise_into_every_layout(sharded:
             _check_gathered([t if i == s else None for i, t in enumerate(tp_params)], full, s)
             _check_gathered([t if i == s else None for i, t in enumerate(tp_state)], full, s, state=True)
         assert_bitwise(r["from plain"], r["shards"])
+        assert_bitwise(*r["dp 4"])
         assert_bitwise(r["train state"][:2], (r["shards"], r["state"]))
         assert r["train state"][2] == 5
         assert_bitwise(r["async"], (r["shards"], r["state"]))

@@ -586,6 +586,7 @@ def _index(
                 tuple(m.sha256 for m in pieces),
                 pieces[0].shard is not None,
                 None if all(box == whole(pieces[0].shape) for box in boxes) else boxes,
+                1 if pieces[0].shard is None else pieces[0].shard[1],
             )
     files = {
         file: {

@@ -131,15 +131,11 @@ class Entry(NamedTuple):
     sha256s: tuple[str, ...]  # of each piece's bytes
     sharded: bool = False
     boxes: tuple[Box, ...] | None = None  # per piece
+    shards: int = 1  # flat pieces per box: d for a sharded tensor
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-    @property
-    def shards(self) -> int:
-        """Flat pieces per box: ``d`` for a sharded tensor, else 1."""
-        return len(self.files) // len(set(self.boxes or [None])) if self.sharded else 1
 
     def box(self, k: int) -> Box:
         """The box piece ``k`` holds, or is a shard of."""
@@ -420,7 +416,9 @@ def entry(index: dict[str, Any], kind: str, name: str) -> Entry:
     boxes = None
     if "offset" in first:  # NOTE [tensor-parallel saves]; with "shard", each box's shards
         boxes = tuple(Box(tuple(p["offset"]), tuple(p.get("box_shape", p["shape"]))) for p in pieces)
-    return Entry(tuple(where), first["dtype"], list(first["full_shape"]), hashes, "shard" in first, boxes)
+    sharded = "shard" in first
+    d = first["shard"][1] if sharded else 1
+    return Entry(tuple(where), first["dtype"], list(first["full_shape"]), hashes, sharded, boxes, d)
 
 
 class Part(NamedTuple):
