@@ -4,8 +4,8 @@
 from ``step=``, ``group=`` or ``mesh=`` (``resolve``), all-gather JSON values among them
 (``Ranks``, ``agree``: an error on one rank raises on every rank), check the per-stage arguments
 (``stage_list``, ``check_stage_count``) and, for a step built with ``shard_params=True``,
-describe this rank's shards (``Sharding``, ``sharded_leaves``, ``full_shapes``; NOTE [sharded
-saves] in ``fpipe/_saving/_store.py``).
+describe this rank's shards (``Sharding``, ``sharded_leaves``, ``full_shapes``: of a DTensor
+parameter, a shard of its local piece's box; NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ NOTE [the save protocol]
 On each pipeline rank (one process: a single rank, and the all-gathers are no-ops):
 
 1. Name and hash (sha256) the local stages' tensors; all-gather the manifests (names, dtypes,
-   shapes, hashes, DTensor boxes: no tensor data) over the pipeline group (and the tensor-parallel
-   group first, on a mesh with one), with rank 0's choice of version. Every rank checks the
+   shapes, hashes, DTensor boxes: no tensor data) over the pipeline group (and first the
+   tensor-parallel group, on a mesh with one, and the data-parallel group, in a sharded save),
+   with rank 0's choice of version. Every rank checks the
    manifests the same way (tied names, stages held twice, stage counts, metadata, pieces that
    tile their tensor), so all ranks fail together, and assigns each piece of each name (the
    whole tensor, or a DTensor's box) to the lowest rank holding it.
