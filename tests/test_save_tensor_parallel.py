@@ -145,6 +145,7 @@ def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[s
         ("no tp", lambda: fpipe.save(root / "bad", params, group=dist.group.WORLD)),
         ("partial", lambda: fpipe.save(root / "bad", partial, mesh=mesh)),
         ("save_hf differ", lambda: fpipe.save_hf(root / "hf bad", differ, mesh=mesh)),
+        ("save_hf wrong mesh", lambda: fpipe.save_hf(root / "hf bad", wrong_mesh, mesh=mesh)),
     ]:
         try:
             call()
@@ -309,6 +310,16 @@ def test_bad_tensor_parallel_saves_fail_on_every_rank(saved: tuple[Path, list[An
             "ValueError: fpipe.save_hf: the tensor-parallel ranks of pipeline rank 0 hold different leaves (rank 0 "
             "(tp 0): params[0]['bias0']: a Tensor float64[3] sha256 " in errors["save_hf differ"]
         )
+        if (r["pp"], r["tp"]) == (1, 1):
+            assert (
+                "ValueError: fpipe.save_hf: params[1]['b1.norm'] is a DTensor on a mesh that is not this rank's "
+                "tensor-parallel sub-mesh" in errors["save_hf wrong mesh"]
+            )
+        else:
+            assert (
+                "RuntimeError: fpipe.save_hf: rank(s) [1 (tp 1)] failed while checking their DTensors"
+                in errors["save_hf wrong mesh"]
+            )
         assert not (saved[0] / "hf bad").exists()
 
 
