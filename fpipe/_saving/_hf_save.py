@@ -253,7 +253,8 @@ def _whole(trees: list[PyTree], topology: Topology, timeout: float) -> list[PyTr
         whole = []
         for leaf in leaves:
             if is_dtensor(leaf):  # a collective over the tensor-parallel group; one full tensor at a time
-                leaf = leaf.full_tensor().detach().to("cpu")  # type: ignore[attr-defined]
+                full = leaf.full_tensor()  # type: ignore[attr-defined]
+                leaf = full.detach().to("cpu") if first else None
             whole.append(leaf if first else None)
         out.append(unflatten(spec, whole) if first else None)
     return out
