@@ -24,6 +24,7 @@ from fpipe._saving._directory import INDEX, LATEST
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
 from tests.test_hf_load import TWO, Spy, checkpoint, example, meta_model
+from tests.test_hf_save import assert_same_logits, from_pretrained
 from tests.test_save import assert_bitwise, template
 
 pytestmark = pytest.mark.timeout(120)
@@ -135,8 +136,6 @@ def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[s
     odd_piece[pp][f"b{pp}.wq"] = DTensor.from_local(
         torch.empty(2, 8, dtype=torch.float64), mesh["tp"], [Shard(0)], run_check=False, shape=(8, 8), stride=(8, 1)
     )
-    sharded = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), mesh=mesh)
-    sharded.shard_params = True  # as a step of a release that shards over tp would be
     for what, call in [
         ("differ", lambda: fpipe.save(root / "bad", differ, mesh=mesh)),
         ("wrong mesh", lambda: fpipe.save(root / "bad", wrong_mesh, mesh=mesh)),
@@ -145,9 +144,8 @@ def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[s
         ("odd piece", lambda: fpipe.load(root / "tp", odd_piece, mesh=mesh)),
         ("no tp", lambda: fpipe.save(root / "bad", params, group=dist.group.WORLD)),
         ("partial", lambda: fpipe.save(root / "bad", partial, mesh=mesh)),
-        ("sharded save", lambda: fpipe.save(root / "bad", params, step=sharded)),
-        ("sharded load", lambda: fpipe.load(root / "tp", meta, step=sharded)),
-        ("save_hf", lambda: fpipe.save_hf(root / "hf", params, mesh=mesh)),
+        ("save_hf differ", lambda: fpipe.save_hf(root / "hf bad", differ, mesh=mesh)),
+        ("save_hf wrong mesh", lambda: fpipe.save_hf(root / "hf bad", wrong_mesh, mesh=mesh)),
     ]:
         try:
             call()
@@ -155,7 +153,7 @@ def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[s
             errors[what] = f"{type(error).__name__}: {error}"
     out["errors"] = errors
     out["after"] = _gathered(fpipe.load(root / "tp", meta, mesh=mesh).params)
-    out["hf"] = _load_hf(mesh, hf)
+    out["hf"] = _load_hf(mesh, hf, root / "hf_out")
     return out
 
 
@@ -308,9 +306,21 @@ def test_bad_tensor_parallel_saves_fail_on_every_rank(saved: tuple[Path, list[An
             "[2, 8], but its placements [Shard(dim=0)] cut shape [8, 8] into pieces of shape [4, 8]"
             in (errors["odd piece"])
         )
-        for what in ("sharded save", "sharded load"):
-            assert "NotImplementedError: fpipe." in errors[what] and "tensor-parallel dimension" in errors[what]
-        assert "NotImplementedError: fpipe.save_hf: exporting from a mesh with a tensor-parallel" in errors["save_hf"]
+        assert (
+            "ValueError: fpipe.save_hf: the tensor-parallel ranks of pipeline rank 0 hold different leaves (rank 0 "
+            "(tp 0): params[0]['bias0']: a Tensor float64[3] sha256 " in errors["save_hf differ"]
+        )
+        if (r["pp"], r["tp"]) == (1, 1):
+            assert (
+                "ValueError: fpipe.save_hf: params[1]['b1.norm'] is a DTensor on a mesh that is not this rank's "
+                "tensor-parallel sub-mesh" in errors["save_hf wrong mesh"]
+            )
+        else:
+            assert (
+                "RuntimeError: fpipe.save_hf: rank(s) [1 (tp 1)] failed while checking their DTensors"
+                in errors["save_hf wrong mesh"]
+            )
+        assert not (saved[0] / "hf bad").exists()
 
 
 def _three_dimensions(rank: int, world: int, directory: str) -> tuple[int, list[Any]]:
@@ -337,6 +347,160 @@ def test_data_times_pipeline_times_tensor_parallel_saves(tmp_path: Path) -> None
     assert_bitwise(fpipe.load(tmp_path, template(full)).params, full)
 
 
+# --- shard_params=True on dp 2 x pp 1 x tp 2 -------------------------------------------------
+
+
+def _sharded_ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[str, Any]:
+    """Each rank of dp 2 x pp 1 x tp 2 (both stages on the one pipeline rank) holds, per DTensor, a
+    flat shard of its local piece: the sharded step's save, loaded into the same layout, a
+    tensor-parallel layout without shards; ``load_hf`` and a plain save into the shards; errors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from fpipe._sharding._layout import cut_range
+
+    root = Path(directory)
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "pp", "tp"))
+    dp, _, tp = mesh.get_coordinate()
+    full = _full()
+    params = [_distribute(p, mesh["tp"]) for p in full]
+    meta = [_distribute(template(p), mesh["tp"]) for p in full]
+    step = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), mesh=mesh, shard_params=True)
+    shards = step.shard(params)
+    target = step.shard(meta)
+    out: dict[str, Any] = {"dp": dp, "tp": tp, "shards": shards, "state": _state(shards)}
+    fpipe.save(root / "sharded", shards, optimizer_state=_state(shards), metadata={"step": 3}, step=step)
+    spy = Spy()
+    same = fpipe.load(root / "sharded", target, optimizer_state=_state_template(target), step=step)
+    out["read"], out["same layout"] = dict(spy.read), (same.params, same.optimizer_state, same.metadata)
+    unsharded = fpipe.load(root / "sharded", meta, optimizer_state=_state_template(meta), mesh=mesh)
+    out["tp layout"] = _gathered(unsharded.params), _gathered([t["m"] for t in unsharded.optimizer_state])
+    out["from plain"] = fpipe.load(plain, target, step=step).params
+    # dp 4 without tp: each rank's shard of each whole tensor, from every shard of the boxes it overlaps
+    step4 = fpipe.pipeline(
+        lambda y, mb: y.sum(),
+        [lambda p, x: x] * 2,
+        OneFOneB(2),
+        mesh=init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "pp")),
+        shard_params=True,
+    )
+    out["dp 4"] = fpipe.load(root / "sharded", step4.shard(template(full)), step=step4).params, step4.shard(full)
+    fpipe.save_state(root / "state", fpipe.TrainState(shards, _state(shards), step=5), step=step)
+    state = fpipe.load_state(root / "state", target, optimizer_state=_state_template(target), step=step)
+    with fpipe.AsyncSaver(step=step) as saver:
+        saver.save(root / "async", shards, optimizer_state=_state(shards))
+    out["train state"] = state.params, state.optimizer_state, state.step
+    out["async"] = fpipe.load(root / "async", target, optimizer_state=_state_template(target), step=step)[:2]
+    spy = Spy()
+    out["hf"] = fpipe.load_hf(hf, target, step=step)
+    # each rank reads the elements of its shard of its local piece, the padding excluded
+    out["hf read"] = dict(spy.read)
+    ranges = {
+        n: cut_range(t.to_local().numel() if isinstance(t, DTensor) else t.numel(), (dp, 2))
+        for p in params
+        for n, t in p.items()
+    }
+    out["hf expected"] = {n: stop - start for n, (start, stop, _) in ranges.items()}
+    fpipe.save_hf(root / "hf_out", shards, step=step)
+    errors = {}
+    full_here = [dict(p) for p in shards]
+    if rank == 3:  # a full DTensor where its shard belongs, on one rank
+        full_here[0]["b0.wq"] = params[0]["b0.wq"]
+    for what, call in [
+        ("full here", lambda: fpipe.save(root / "bad", full_here, step=step)),
+        ("unsharded template", lambda: fpipe.load(root / "sharded", meta, step=step)),
+    ]:
+        try:
+            call()
+        except (ValueError, RuntimeError) as error:
+            errors[what] = f"{type(error).__name__}: {error}"
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded(saved: tuple[Path, list[Any], Any]) -> tuple[Path, list[Any]]:
+    directory = saved[0]
+    fpipe.save_hf(directory / "hf sharded", _full())
+    args = str(directory / "sharded"), str(directory / "plain"), str(directory / "hf sharded")
+    return directory / "sharded", run_ranks(4, _sharded_ranks, *args, timeout=150)
+
+
+def test_sharded_tensor_parallel_saves_reload_bitwise_into_every_layout(sharded: tuple[Path, list[Any]]) -> None:
+    directory, results = sharded
+    full = _full()
+    for r in results:
+        params, state, metadata = r["same layout"]
+        assert_bitwise(params, r["shards"])
+        assert_bitwise(state, r["state"])
+        assert metadata == {"step": 3}
+        tp_params, tp_state = r["tp layout"]
+        for s in (0, 1):
+            _check_gathered([t if i == s else None for i, t in enumerate(tp_params)], full, s)
+            _check_gathered([t if i == s else None for i, t in enumerate(tp_state)], full, s, state=True)
+        assert_bitwise(r["from plain"], r["shards"])
+        assert_bitwise(*r["dp 4"])
+        assert_bitwise(r["train state"][:2], (r["shards"], r["state"]))
+        assert r["train state"][2] == 5
+        assert_bitwise(r["async"], (r["shards"], r["state"]))
+        assert_bitwise(r["hf"], r["shards"])
+        assert r["hf read"] == {n: k for n, k in r["hf expected"].items() if k}
+    # the replicated run's params, bitwise: into one process, from the shards of every rank, and
+    # exported by save_hf (each DTensor's local piece gathered over dp, then over tp)
+    assert_bitwise(fpipe.load_hf(directory / "hf_out", template(full)), full)
+    loaded = fpipe.load(directory / "sharded", template(full), optimizer_state=_state_template(template(full)))
+    assert_bitwise(loaded.params, full)
+    assert_bitwise(loaded.optimizer_state, _state(full))
+
+
+def test_each_sharded_tensor_parallel_rank_writes_and_reads_its_own_shards(sharded: tuple[Path, list[Any]]) -> None:
+    directory, results = sharded
+    root = directory / "sharded"
+    version = root / (root / LATEST).read_text().strip()
+    index = json.loads((version / INDEX).read_text())
+    name = "model-rank-00000-of-00001-dp-0000{}-of-00002-tp-0000{}-of-00002.safetensors"
+    files = {f: (i["replica"], i["tp"]) for f, i in index["files"].items() if f.startswith("model")}
+    assert files == {name.format(q, t): (q, t) for q in (0, 1) for t in (0, 1)}
+    # b0.odd: 5 x 3 by rows over tp 2 (3 and 2 rows), each piece cut in 2 flat shards over dp
+    assert index["weight_map"]["b0.odd"] == [name.format(q, t) for t in (0, 1) for q in (0, 1)]
+    piece = index["tensors"][name.format(1, 1)]["b0.odd"]
+    assert piece == {
+        **piece,
+        "shard": [1, 2],
+        "offset": [3, 0],
+        "box_shape": [2, 3],
+        "shape": [3],
+        "full_shape": [5, 3],
+    }
+    # a plain tensor and a Replicate DTensor: flat shards of the whole tensor, written by tp 0
+    assert index["weight_map"]["b0.norm"] == [name.format(q, 0) for q in (0, 1)]
+    assert "offset" not in index["tensors"][name.format(0, 0)]["b0.norm"]
+    for r in results:  # the same layout reads exactly its own shards, each once
+        with safe_open(version / name.format(r["dp"], r["tp"]), "pt") as f:
+            mine = {n: f.get_slice(n).get_shape()[0] for n in f.keys()}  # noqa: SIM118
+        shards = {n: t.numel() for p in r["shards"] for n, t in p.items()}
+        nonempty = {n: k for n, k in shards.items() if k}
+        assert r["read"] == nonempty | {f"m.{n}": k for n, k in nonempty.items()} | {"step": 1}
+        assert all(mine[n] == shards[n] for n in mine)
+
+
+def test_bad_sharded_tensor_parallel_saves_fail_on_every_rank(sharded: tuple[Path, list[Any]]) -> None:
+    for rank, r in enumerate(sharded[1]):
+        errors = r["errors"]
+        if rank == 3:
+            assert (
+                "ValueError: fpipe.save: params[0]['b0.wq'] should be this rank's shard of the local piece (shape "
+                "[4, 8]) of a tensor of shape [8, 8], a 1-D tensor of 16 elements (got: shape [4, 8])"
+                in errors["full here"]
+            )
+        else:
+            assert "RuntimeError: fpipe.save: rank(s) [0 (dp 1 tp 1)] failed while naming" in errors["full here"]
+        assert (
+            "ValueError: fpipe.load: template[0]['b0.col'] should be this rank's shard of the local piece (shape "
+            f"{[[3, 3], [3, 2]][r['tp']]}) of a tensor of shape [3, 5]" in errors["unsharded template"]
+        )
+
+
 # --- load_hf -----------------------------------------------------------------------------------
 
 # Megatron's plan: q, k, v, gate and up cut by rows (their outputs), o and down by columns.
@@ -349,9 +513,9 @@ TP_PLAN = {
 }
 
 
-def _load_hf(mesh: Any, directory: str) -> dict[str, Any]:
+def _load_hf(mesh: Any, directory: str, out: Path) -> dict[str, Any]:
     """On pp 2 x tp 2: a meta model parallelized by torch's ``parallelize_module``, split in two;
-    each rank loads its stage's pieces from a Hugging Face checkpoint."""
+    each rank loads its stage's pieces from a Hugging Face checkpoint, and exports them to ``out``."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -363,6 +527,7 @@ def _load_hf(mesh: Any, directory: str) -> dict[str, Any]:
     _, meta = fpipe.split_module(model, TWO, call=hf.CALL)
     spy = Spy()
     params = fpipe.load_hf(directory, [p if s == pp else None for s, p in enumerate(meta)], mesh=mesh)
+    fpipe.save_hf(out, params, config=directory, mesh=mesh)
     local = {n: t.to_local() if isinstance(t, DTensor) else t for n, t in params[pp].items()}
     full = {
         n: (t.full_tensor() if isinstance(t, DTensor) else t, str(getattr(t, "placements", "")))
@@ -387,6 +552,20 @@ def test_load_hf_into_tensor_parallel_stages_reads_only_their_pieces(saved: tupl
         # each rank read exactly the elements of its own pieces: half of each cut weight
         assert result["read"] == result["local"]
         assert sum(n for n in result["local"].values()) < sum(named[n].numel() for n in names)
+
+
+def test_save_hf_from_tensor_parallel_stages_loads_with_from_pretrained(saved: tuple[Path, list[Any], Any]) -> None:
+    """The pp 2 x tp 2 stages that ``load_hf`` filled, exported by ``save_hf`` (each DTensor
+    gathered to tensor-parallel rank 0): ``from_pretrained`` gives the model's weights and logits."""
+    directory, _, model = saved
+    out = directory / "hf_out"
+    assert_bitwise(dict(from_pretrained(out).state_dict()), dict(model.state_dict()))
+    assert_same_logits(out, model, example())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
 
 
 # --- Hostile indexes (NOTE [trust model]) -----------------------------------------------------
@@ -418,6 +597,52 @@ def _edits() -> list[tuple[Any, str]]:
         (edit([*odd, "offset"], KeyError), r"\['b0.odd'\]\['shard'\] is missing"),  # neither a box nor a shard
         (edit([*odd, "offset"], [-1, 0]), r"\['offset'\] should be a list of ints >= 0"),
     ]
+
+
+def _sharded_edits() -> list[tuple[Any, str]]:
+    """Edits of the sharded tensor-parallel save's index: ``b0.odd``'s pieces are (box, shard) (rows
+    [0, 3), 0), ([0, 3), 1), ([3, 5), 0), ([3, 5), 1), of 5, 5, 3 and 3 elements."""
+    name = "model-rank-00000-of-00001-dp-0000{}-of-00002-tp-0000{}-of-00002.safetensors"
+    second = ["tensors", name.format(1, 1), "b0.odd"]  # shard 1 of the box at rows [3, 5)
+
+    def edit(path: list[str], value: Any) -> Any:
+        def apply(index: dict[str, Any]) -> None:
+            parent = index
+            for key in path[:-1]:
+                parent = parent[key]
+            if value is KeyError:
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = value
+
+        return apply
+
+    return [
+        (edit([*second, "box_shape"], [1, 3]), r"the shards of one box of 'b0.odd' disagree"),
+        (edit([*second, "box_shape"], KeyError), r"\['box_shape'\] is missing"),
+        (edit([*second, "shard"], [0, 2]), r"\['shard'\] should be \[1, 2\]"),
+        (edit([*second, "shard"], KeyError), r"each should be a box, a shard or a shard of a box like the first"),
+        (edit(["tensors", name.format(0, 0), "b0.odd", "shard"], [0, 3]), r"with d > 0 dividing its 4 pieces"),
+        (edit([*second, "shape"], [4]), r"the pieces of 'b0.odd' disagree: .* and shape \[3\]"),
+        (edit([*second, "offset"], [2, 0]), r"the shards of one box of 'b0.odd' disagree"),
+        (edit(["weight_map", "b0.odd"], [name.format(q, 0) for q in (0, 1)]), r"they cover 9 of its 15 elements"),
+    ]
+
+
+def test_hostile_sharded_boxes_are_refused(sharded: tuple[Path, list[Any]]) -> None:
+    root = sharded[0] / "sharded"
+    version = root / (root / LATEST).read_text().strip()
+    original = (version / INDEX).read_text()
+    full = _full()
+    try:
+        for apply, fragment in _sharded_edits():
+            index = json.loads(original)
+            apply(index)
+            (version / INDEX).write_text(json.dumps(index))
+            with pytest.raises(ValueError, match=r"is not an index written by fpipe\.save: .*" + fragment):
+                fpipe.load(root, template(full))
+    finally:
+        (version / INDEX).write_text(original)
 
 
 def test_hostile_boxes_are_refused(saved: tuple[Path, list[Any], Any]) -> None:

@@ -11,6 +11,10 @@ is one box, the whole tensor, written once, by the lowest writer holding it (ten
 rank 0). The pieces of a name must tile its shape: every element in exactly one box
 (``tiling_problem``), which ``save`` checks over all ranks and ``load`` checks in the index.
 
+With ``shard_params=True`` too, each rank holds a flat shard of its local piece, and writes
+that shard of its box (NOTE [sharded saves] in ``fpipe/_saving/_store.py``; ``piece_box`` gives
+the box from the step's layout, which keeps the DTensor's mesh, placements and global shape).
+
 Loading, the template decides the layout: a DTensor leaf asks for its own box, a plain leaf for
 the whole tensor, whatever boxes the save has; each piece on disk that overlaps the box is read
 and its overlap copied (``Box.within``).
@@ -120,6 +124,24 @@ def box_of(function: str, where: str, leaf: Any, tensor_ranks: Sequence[int] | N
             f"mesh: {mesh!r}; the tensor-parallel ranks: {list(tensor_ranks)}). Save DTensors on mesh['tp'] of the "
             "mesh passed as mesh= (or the step's), whose tensor-parallel ranks write their own pieces."
         )
+    box = piece_box(function, where, mesh, placements, shape)
+    if list(local.shape) != list(box.shape):
+        raise ValueError(
+            f"{function}: {where} is a DTensor whose local piece has shape {list(local.shape)}, but its placements "
+            f"{list(placements)} cut shape {list(shape)} into pieces of shape {list(box.shape)} here (as torch.chunk "
+            "does). Make it with distribute_tensor or DTensor.from_local on evenly chunked pieces."
+        )
+    return None if box.shape == tuple(shape) else box
+
+
+def piece_box(function: str, where: str, mesh: Any, placements: Sequence[Any], shape: Sequence[int]) -> Box:
+    """The box of a tensor of global ``shape`` that this rank's local piece holds under ``placements``
+    on ``mesh`` (NOTE [tensor-parallel saves]); the whole tensor's for ``Replicate`` ones.
+
+    Raises:
+        TypeError: a placement other than ``Shard`` and ``Replicate``.
+        ValueError: a mesh this rank is not in.
+    """
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise ValueError(f"{function}: {where} is a DTensor on a mesh that this rank is not part of ({mesh!r}).")
@@ -135,10 +157,4 @@ def box_of(function: str, where: str, leaf: Any, tensor_ranks: Sequence[int] | N
                 f"{function}: {where} is a DTensor with placement {placement!r}; only Shard(dim) and Replicate "
                 "DTensors are saved and loaded by their pieces. Redistribute it first (a Partial one to Replicate)."
             )
-    if list(local.shape) != size:
-        raise ValueError(
-            f"{function}: {where} is a DTensor whose local piece has shape {list(local.shape)}, but its placements "
-            f"{list(placements)} cut shape {list(shape)} into pieces of shape {size} here (as torch.chunk does). "
-            "Make it with distribute_tensor or DTensor.from_local on evenly chunked pieces."
-        )
-    return None if size == list(shape) else Box(tuple(offset), tuple(size))
+    return Box(tuple(offset), tuple(size))

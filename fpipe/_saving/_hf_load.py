@@ -91,7 +91,8 @@ def load_hf(
             keyed by ``state_dict`` names), giving the expected shape and dtype and the device of
             the result (``device="meta"`` loads to the CPU: nothing is allocated before loading),
             or ``None`` (kept). With a step built with ``shard_params=True``, the template is this
-            rank's shards (``step.shard`` of meta tensors of the full shapes). A DTensor leaf
+            rank's shards (``step.shard`` of meta tensors of the full shapes; of a DTensor, a
+            shard of its local piece, whose bytes alone are read). A DTensor leaf
             (``Shard`` or ``Replicate``, from ``parallelize_module`` or ``distribute_tensor``,
             on the meta device too) reads only its local piece's bytes and comes back as a
             DTensor with its mesh and placements.
@@ -133,7 +134,6 @@ def load_hf(
         ValueError: a pickled checkpoint, a malformed index or file, names missing or (with
             ``strict``) unexpected, a tied duplicate that differs from its partner, or a shape or
             dtype that differs (named with its key path, the value on disk and the expected one).
-        NotImplementedError: a step with ``shard_params=True`` on a mesh with a ``"tp"`` dimension.
         RuntimeError: another rank failed; its own error says why.
     """
     trees = stage_list("load_hf", "template", template)
@@ -401,18 +401,19 @@ def _read(root: Path, wanted: dict[str, _Want]) -> dict[tuple[str, Part], torch.
                 for name in names:
                     want = wanted[name]
                     for part in dict.fromkeys(use.part for use in want.uses):
-                        if part is None:
+                        box = whole(want.shape) if part.box is None else part.box
+                        if part.box is None and part.shard is None:
                             tensor = f.get_tensor(name)
-                        elif isinstance(part, Box):  # a DTensor's piece: its box's bytes only
+                        elif part.shard is None:  # a DTensor's piece: its box's bytes only
                             tensor = (
-                                f.get_slice(name)[part.within(whole(want.shape))]
-                                if part.numel
-                                else torch.empty(part.shape, dtype=DTYPES[want.code])
+                                f.get_slice(name)[box.within(whole(want.shape))]
+                                if box.numel
+                                else torch.empty(box.shape, dtype=DTYPES[want.code])
                             )
-                        else:
-                            start, stop, size = cut_range(math.prod(want.shape), part)
+                        else:  # a shard of the tensor, or of a DTensor's piece: its bytes only
+                            start, stop, size = cut_range(box.numel, part.shard)
                             data = (
-                                read_range(f.get_slice(name), want.shape, start, stop)
+                                read_range(_Within(f.get_slice(name), box), box.shape, start, stop)
                                 if stop > start
                                 else torch.empty(0, dtype=DTYPES[want.code])
                             )
@@ -453,6 +454,22 @@ def read_range(piece: Any, shape: Sequence[int], start: int, stop: int) -> torch
 
     visit((), list(shape), start, stop)
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+class _Within:
+    """A safetensors slice seen through ``box``: index ``i`` of dimension ``j`` is element
+    ``box.offset[j] + i`` of the tensor, and the dimensions not indexed are the box's."""
+
+    def __init__(self, piece: Any, box: Box) -> None:
+        self.piece, self.box = piece, box
+
+    def __getitem__(self, index: tuple[Any, ...]) -> torch.Tensor:
+        out: list[Any] = []
+        for j, (offset, size) in enumerate(zip(self.box.offset, self.box.shape)):
+            i = index[j] if j < len(index) else slice(0, size)
+            out.append(offset + i if isinstance(i, int) else slice(offset + i.start, offset + i.stop))
+        tensor: torch.Tensor = self.piece[tuple(out)]
+        return tensor
 
 
 def _show(value: Any) -> str:

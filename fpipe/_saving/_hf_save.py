@@ -25,6 +25,19 @@ The protocol, on each pipeline rank (one process: one rank, the all-gathers are 
 3. Rank 0 writes the index and ``config.json``, fsyncs, and renames the temporary directory to
    ``directory`` (which must not exist, or be empty): a failed or killed export leaves no partial
    checkpoint there. A last all-gather, so every rank returns once it is in place.
+
+NOTE [tensor-parallel export]
+Hugging Face files hold whole tensors, so on a mesh with a ``"tp"`` dimension each DTensor leaf
+is gathered (``full_tensor()``, an all-gather over the tensor-parallel group) one at a time, in
+leaf order, and moved to the host at once: the device holds at most one full tensor beyond the
+local pieces, and tensor-parallel rank 0 keeps the host copies and writes them, as the protocol
+above (its plan among the tensor-parallel rank 0 of each pipeline rank); the other
+tensor-parallel ranks drop theirs and wait for it, as data-parallel replicas do. Before the first
+gather every rank all-gathers a description of its leaves (where, DTensor or not, shape, dtype,
+and the sha256 of each plain tensor, which only rank 0 writes), so a DTensor on the wrong mesh
+or with a ``Partial`` placement, or tensor-parallel ranks holding different leaves, fail every
+rank before any gather that would not match. With ``shard_params=True`` too, each stage is first
+gathered over the data-parallel group into its DTensors (their local pieces), then over tp.
 """
 
 from __future__ import annotations
@@ -41,13 +54,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._api import Step
-from .._pytree import PyTree, leaves_with_names, unflatten
+from .._distributed._collectives import all_gather_json
+from .._distributed._topology import Topology
+from .._dtensor import is_dtensor
+from .._pytree import PyTree, flatten, leaves_with_names, unflatten
 from .._sharding._public import gather
+from ._boxes import box_of
 from ._directory import fsync_directory, write_atomic
 from ._hf_load import HF_INDEX
-from ._ranks import Ranks, agree, check_stage_count, resolve, stage_list, without_tensor_parallel
+from ._ranks import Ranks, agree, check_stage_count, resolve, stage_list
 from ._store import CODES, DTYPES, sha256, write_safetensors
 
 _SIZE = re.compile(r"\s*(\d+)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*")
@@ -103,6 +121,10 @@ def save_hf(
             ``shard_params=True``, ``params`` are this rank's shards: each local stage is gathered
             whole (one at a time, a collective over the data-parallel ranks) and the first replica
             writes it.
+            On a mesh with a ``"tp"`` dimension, leaves may be DTensors on ``mesh["tp"]`` with
+            ``Shard`` or ``Replicate`` placements: each is gathered whole to tensor-parallel rank
+            0, one at a time, which writes it (NOTE [tensor-parallel export]); plain tensors must
+            be bitwise equal on every tensor-parallel rank.
         timeout: seconds a rank waits for the others at each all-gather.
 
     Returns:
@@ -119,9 +141,11 @@ def save_hf(
         >>> LlamaForCausalLM.from_pretrained("out")  # doctest: +SKIP
 
     Raises:
-        TypeError: a leaf is neither a tensor nor ``None``; a bad ``config`` or ``max_shard_size``.
+        TypeError: a leaf is neither a tensor nor ``None``, or a DTensor with a ``Partial``
+            placement; a bad ``config`` or ``max_shard_size``.
         ValueError: ``directory`` exists and is not empty; two leaves of a stage share a name; a
-            tied name has different values; stages held by several ranks.
+            tied name has different values; stages held by several ranks; a DTensor not on the
+            mesh's ``"tp"`` sub-mesh, or tensor-parallel ranks holding different leaves.
         OSError: writing failed (nothing is left at ``directory``).
         RuntimeError: another rank failed; its own error says why.
     """
@@ -129,19 +153,49 @@ def save_hf(
     limit = _shard_size(max_shard_size)
     config_files = _config_files(config)
     topology, held = resolve("save_hf", step, group, mesh)
-    topology = without_tensor_parallel("save_hf", topology)
     check_stage_count("save_hf", trees, step)
     if step is not None and step.shard_params:
         trees = _gathered(trees, step)
-    ranks = Ranks("save_hf", topology, timeout)
     root = Path(directory)
+    tensor_group = None if topology is None else topology.tensor_group
+    if topology is None or tensor_group is None:
+        _replicas(root, trees, held, config_files, limit, Ranks("save_hf", topology, timeout))
+        return root
+    # NOTE [tensor-parallel export]: tensor-parallel rank 0 gathers each DTensor and writes; the others wait.
+    first = dist.get_rank(tensor_group) == 0
+    if Ranks("save_hf", topology, timeout).replica == 0:  # the other replicas write nothing: they only wait
+        trees = _whole(trees, topology, timeout)
+    if not first:
+        what = "the export of tensor-parallel rank 0"
+        if all_gather_json(topology, tensor_group, {"error": False}, timeout, what)[0]["error"]:
+            raise RuntimeError("fpipe.save_hf: tensor-parallel rank 0 failed to export; its own error says why.")
+        return root
+    try:
+        _replicas(root, trees, held, config_files, limit, Ranks("save_hf", topology, timeout, tensor_parallel=False))
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error to raise is the one above
+            all_gather_json(topology, tensor_group, {"error": True}, timeout, "the other tensor-parallel ranks")
+        raise
+    all_gather_json(topology, tensor_group, {"error": False}, timeout, "the other tensor-parallel ranks")
+    return root
+
+
+def _replicas(
+    root: Path,
+    trees: list[PyTree],
+    held: tuple[int, ...] | None,
+    config_files: dict[str, bytes],
+    limit: int,
+    ranks: Ranks,
+) -> None:
+    """The export by the first data-parallel replica, which the others wait for."""
     if ranks.replica != 0:  # the first replica writes; wait for it
         status = ranks.gather_replicas({"error": False}, "the export of the first replica")[0]
         if status["error"]:
             raise RuntimeError(
                 "fpipe.save_hf: the first data-parallel replica failed to export; its own error says why."
             )
-        return root
+        return
     try:
         _export(root, trees, held, config_files, limit, ranks)
     except BaseException:
@@ -151,7 +205,59 @@ def save_hf(
         raise
     if ranks.replicas:
         ranks.gather_replicas({"error": False}, "the other data-parallel replicas")
-    return root
+
+
+def _whole(trees: list[PyTree], topology: Topology, timeout: float) -> list[PyTree]:
+    """The trees with each DTensor gathered whole on tensor-parallel rank 0, one at a time (NOTE
+    [tensor-parallel export]); every stage ``None`` on the other tensor-parallel ranks.
+
+    Before any gather, the ranks agree (an error on one raises on all): each DTensor must live on
+    the tensor-parallel sub-mesh with ``Shard`` or ``Replicate`` placements, and the ranks of a
+    tensor-parallel group must hold the same names, DTensors and plain tensors alike, with the same
+    bytes for the plain ones (which only rank 0 writes).
+    """
+    ranks = Ranks("save_hf", topology, timeout)  # every pipeline and tensor-parallel rank
+    mine: list[list[Any]] = []
+    problem = None
+    try:
+        for s, tree in enumerate(trees):
+            _, codes, leaves, _ = leaves_with_names(tree)
+            for code, leaf in zip(codes, leaves):
+                where = f"params[{s}]{code}"
+                if is_dtensor(leaf):
+                    box_of("fpipe.save_hf", where, leaf, topology.tensor_ranks)
+                    mine.append([where, "DTensor", list(leaf.shape), str(leaf.dtype)])
+                elif isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and leaf.device.type != "meta":
+                    data = leaf.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+                    mine.append([where, "Tensor", list(leaf.shape), str(leaf.dtype), sha256(data)])
+    except (TypeError, ValueError) as error:
+        problem = error
+    statuses = agree(ranks, problem, {"leaves": mine}, "checking their DTensors")
+    size = dist.get_world_size(topology.tensor_group)
+    for p in range(0, len(statuses), size):
+        group = [st["leaves"] for st in statuses[p : p + size]]
+        for t, leaves in enumerate(group[1:], 1):
+            if leaves != group[0]:
+                k = next((k for k, (x, y) in enumerate(zip(group[0], leaves)) if x != y), len(group[0]))
+                a, b = (_leaf(x[k]) if k < len(x) else "no more leaves" for x in (group[0], leaves))
+                raise ValueError(
+                    f"fpipe.save_hf: the tensor-parallel ranks of pipeline rank {p // size} hold different leaves "
+                    f"(rank {ranks.name(p)}: {a}; rank {ranks.name(p + t)}: {b}). Every tensor-parallel rank passes "
+                    "the same names, with DTensors where the others have them, and the same bytes for plain tensors, "
+                    "which tensor-parallel rank 0 writes."
+                )
+    first = dist.get_rank(topology.tensor_group) == 0
+    out: list[PyTree] = []
+    for tree in trees:
+        leaves, spec = flatten(tree)
+        whole = []
+        for leaf in leaves:
+            if is_dtensor(leaf):  # a collective over the tensor-parallel group; one full tensor at a time
+                full = leaf.full_tensor()  # type: ignore[attr-defined]
+                leaf = full.detach().to("cpu") if first else None
+            whole.append(leaf if first else None)
+        out.append(unflatten(spec, whole) if first else None)
+    return out
 
 
 def _gathered(trees: list[PyTree], step: Step) -> list[PyTree]:
@@ -166,15 +272,24 @@ def _gathered(trees: list[PyTree], step: Step) -> list[PyTree]:
     out = list(trees)
     for s in step.local_stages:
         layout = step.shard_layouts[s]
-        like = unflatten(
-            layout.spec,
-            [
-                None if leaf is None else torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
-                for leaf in layout.leaves
-            ],
-        )
+        likes: list[Any] = []
+        for leaf in layout.leaves:  # a DTensor parameter's shards gather into its local piece, wrapped
+            if leaf is None:
+                likes.append(None)
+                continue
+            meta = torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
+            likes.append(meta if leaf.dtensor is None else leaf.dtensor.wrap(meta))
+        like = unflatten(layout.spec, likes)
         out[s] = gather(trees[s], like, step)
     return out
+
+
+def _leaf(x: list[Any]) -> str:
+    """A leaf as ``_whole`` describes it, for a message: ``params[0]['w']: a Tensor float64[3] sha256 1a2b...``."""
+    where, kind, shape, dtype, *digest = x
+    return f"{where}: a {kind} {str(dtype).removeprefix('torch.')}{shape}" + "".join(
+        f" sha256 {d[:12]}" for d in digest
+    )
 
 
 def _shard_size(value: Any) -> int:

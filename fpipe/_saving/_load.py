@@ -72,7 +72,9 @@ def load(
             With a step built with ``shard_params=True``, the template is this rank's shards
             (``step.shard`` of meta tensors of the full shapes) and the result is the step's
             shards, re-cut from a save made with any data-parallel size or none
-            (NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
+            (NOTE [sharded saves] in ``fpipe/_saving/_store.py``); on a mesh with a ``"tp"``
+            dimension too, a DTensor parameter's shard is cut from its local piece, read from
+            whatever boxes and shards the save has.
         timeout: seconds a rank waits for the others while gathering names.
 
     Returns:
@@ -96,7 +98,6 @@ def load(
             save missing from the template, a shape or dtype that differs (each named with its
             key path, the value on disk and the expected one), or a file that is truncated or
             corrupt, or an index whose pieces of a tensor do not cover it exactly once.
-        NotImplementedError: a step with ``shard_params=True`` on a mesh with a ``"tp"`` dimension.
         RuntimeError: another rank failed; its own error says why.
     """
     trees = {"params": stage_list("load", "template", template)}

@@ -4,16 +4,17 @@
 from ``step=``, ``group=`` or ``mesh=`` (``resolve``), all-gather JSON values among them
 (``Ranks``, ``agree``: an error on one rank raises on every rank), check the per-stage arguments
 (``stage_list``, ``check_stage_count``) and, for a step built with ``shard_params=True``,
-describe this rank's shards (``Sharding``, ``sharded_leaves``, ``full_shapes``; NOTE [sharded
-saves] in ``fpipe/_saving/_store.py``).
+describe this rank's shards (``Sharding``, ``sharded_leaves``, ``full_shapes``: of a DTensor
+parameter, a shard of its local piece's box; NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,8 @@ from .._distributed._collectives import all_gather_json
 from .._distributed._topology import Topology, resolve_topology
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names, unflatten
-from .._sharding._layout import StageLayout
+from .._sharding._layout import StageLayout, cut_range
+from ._boxes import Box, piece_box
 
 # --- Shards -----------------------------------------------------------------------------------
 
@@ -41,13 +43,6 @@ def sharded_leaves(function: str, step: Step | None, trees: dict[str, list[PyTre
     topology = None if step is None else step.topology
     if step is None or not step.shard_params or topology is None:
         return None
-    if topology.tensor_group is not None:  # the same on every rank: refused before any collective
-        raise NotImplementedError(
-            f"fpipe.{function}: the step shards parameters (shard_params=True) over a mesh with a tensor-parallel "
-            f"dimension (tensor-parallel ranks: {list(topology.tensor_ranks or ())}), and saving or loading such "
-            "shards is not supported yet. Save and load the full DTensor parameters with mesh= and a step built "
-            "without shard_params=True, whose tensor-parallel ranks each write and read their own pieces."
-        )
     missing = [s for s in step.local_stages if s not in step.shard_layouts]
     if missing:
         raise ValueError(
@@ -58,17 +53,30 @@ def sharded_leaves(function: str, step: Step | None, trees: dict[str, list[PyTre
     return Sharding((dist.get_rank(topology.data_group), topology.data_size), dict(step.shard_layouts))
 
 
-def full_shapes(kind: str, tree: PyTree, layout: StageLayout) -> dict[str, list[int]]:
-    """The names of ``tree``'s leaves that are shards, with the full shape of each (NOTE [sharded saves]).
+class Full(NamedTuple):
+    """What a shard leaf is cut from: a tensor of ``shape``, or for a DTensor parameter's shard
+    (NOTE [tensor-parallel shards] in ``fpipe/_sharding/_runs.py``) the ``box`` of that global
+    shape which this rank's local piece holds (NOTE [sharded saves] in ``fpipe/_saving/_store.py``)."""
+
+    shape: list[int]
+    box: Box | None = None
+
+    def size(self, shard: tuple[int, int]) -> int:
+        """Elements of shard ``(q, d)`` of it, padding included."""
+        return cut_range(math.prod(self.shape if self.box is None else self.box.shape), shard)[2]
+
+
+def full_shapes(function: str, kind: str, tree: PyTree, layout: StageLayout) -> dict[str, Full]:
+    """The names of ``tree``'s leaves that are shards, with what each is cut from (NOTE [sharded saves]).
 
     A parameter is a shard when the stage's layout has its name. An optimizer state leaf is a
     shard when its name ends with a parameter's name (``m.layers.0.w`` for ``layers.0.w``) and it
-    is a 1-D tensor of that parameter's shard size; its full shape is the parameter's.
+    is a 1-D tensor of that parameter's shard size; it is cut from what the parameter is.
     """
     # Names, not key paths: {"m": {"layers.0.w": ...}} holds the state of {"layers": {"0": {"w": ...}}}.
     parts_of, _, _, _ = leaves_with_names(unflatten(layout.spec, list(range(len(layout.leaves)))))
     params = {".".join(parts): leaf for parts, leaf in zip(parts_of, layout.leaves) if leaf is not None}
-    out: dict[str, list[int]] = {}
+    out: dict[str, Full] = {}
     names, _, leaves, _ = leaves_with_names(tree)
     for parts, leaf in zip(names, leaves):
         name = ".".join(parts)
@@ -79,8 +87,14 @@ def full_shapes(kind: str, tree: PyTree, layout: StageLayout) -> dict[str, list[
             found = next((params[suffix] for suffix in suffixes if suffix in params), None)
             if found is not None and not (isinstance(leaf, torch.Tensor) and tuple(leaf.shape) == (found.size,)):
                 found = None
-        if found is not None:
-            out[name] = list(found.shape)
+        if found is None:
+            continue
+        d = found.dtensor
+        if d is None:
+            out[name] = Full(list(found.shape))
+        else:  # the shard of a local piece: the box of the DTensor it holds
+            box = piece_box(function, f"the parameter {name!r}", d.mesh, d.placements, d.shape)
+            out[name] = Full(list(d.shape), None if box.shape == tuple(d.shape) else box)
     return out
 
 
@@ -103,24 +117,22 @@ def resolve(function: str, step: Step | None, group: Any, mesh: Any) -> tuple[To
     return resolve_topology(mesh, group), None
 
 
-def without_tensor_parallel(function: str, topology: Topology | None) -> Topology | None:
-    """``topology``, unless it has a tensor-parallel dimension (every rank raises, before any collective)."""
-    if topology is not None and topology.tensor_group is not None:
-        raise NotImplementedError(
-            f"fpipe.{function}: exporting from a mesh with a tensor-parallel dimension is not supported yet "
-            f"(tensor-parallel ranks: {list(topology.tensor_ranks or ())}). Save with fpipe.save(..., mesh=mesh) "
-            f"(each tensor-parallel rank writes its pieces), load that into one process with plain tensors as the "
-            f"template, and export those."
-        )
-    return topology
-
-
 class Ranks:
     """The ranks taking part in a save or load (the pipeline ranks, and the data-parallel ranks of a
-    sharded save or the tensor-parallel ranks of a mesh with a ``"tp"`` dimension), and all-gathers
+    sharded save and the tensor-parallel ranks of a mesh with a ``"tp"`` dimension), and all-gathers
     of JSON values among them."""
 
-    def __init__(self, function: str, topology: Topology | None, timeout: float, *, sharded: bool = False) -> None:
+    def __init__(
+        self,
+        function: str,
+        topology: Topology | None,
+        timeout: float,
+        *,
+        sharded: bool = False,
+        tensor_parallel: bool = True,
+    ) -> None:
+        """``tensor_parallel=False``: only tensor-parallel rank 0 takes part (``save_hf``, whose other
+        tensor-parallel ranks gathered their pieces to it)."""
         self.function = function  # "save" or "load", for messages
         self.topology = topology
         self.timeout = timeout
@@ -128,36 +140,41 @@ class Ranks:
         self.size = 1 if topology is None else topology.size
         self.replicas = topology is not None and topology.data_size > 1
         self.replica = dist.get_rank(topology.data_group) if topology is not None and self.replicas else 0
-        # The other dimension whose ranks all take part: data-parallel in a sharded save (every
-        # replica writes its shards), else tensor-parallel (every tp rank writes its pieces, NOTE
-        # [tensor-parallel saves] in fpipe/_saving/_boxes.py). ``gather`` spans it and the pipeline
-        # group, and writer ``rank * inner_size + inner_index`` is the position in its result.
+        # The other dimensions whose ranks all take part: data-parallel in a sharded save (every
+        # replica writes its shards), tensor-parallel (every tp rank writes its pieces, NOTE
+        # [tensor-parallel saves] in fpipe/_saving/_boxes.py), or both. ``gather`` spans them and the
+        # pipeline group, and writer ``(rank * dp_size + dp_index) * tp_size + tp_index`` is the
+        # position in its result.
         self.sharded = sharded and topology is not None and topology.data_group is not None
-        self.inner: tuple[str, Any] | None = None
+        self.inner: list[tuple[str, Any]] = []
         if topology is not None and self.sharded:
-            self.inner = "dp", topology.data_group
-        elif topology is not None and topology.tensor_group is not None:
-            self.inner = "tp", topology.tensor_group
-        self.inner_size = 1 if self.inner is None else dist.get_world_size(self.inner[1])
-        self.inner_index = 0 if self.inner is None else dist.get_rank(self.inner[1])
-        self.writer = self.rank * self.inner_size + self.inner_index
+            self.inner.append(("dp", topology.data_group))
+        if topology is not None and topology.tensor_group is not None and tensor_parallel:
+            self.inner.append(("tp", topology.tensor_group))
+        # (label, index, size) of this rank in each inner dimension
+        self.coordinates = [(label, dist.get_rank(g), dist.get_world_size(g)) for label, g in self.inner]
+        self.tp = next((index for label, index, _ in self.coordinates if label == "tp"), None)
+        self.writer = self.rank
+        for _, index, size in self.coordinates:
+            self.writer = self.writer * size + index
 
     def gather(self, value: Any, what: str) -> list[Any]:
-        """``value`` of every pipeline rank (and every rank of ``inner``), as JSON gives it back."""
+        """``value`` of every pipeline rank (and every rank of the inner dimensions), as JSON gives it back."""
         if self.topology is None:
             return [json.loads(json.dumps(value))]
         gather, topology, timeout = all_gather_json, self.topology, self.timeout
-        if self.inner is not None:
-            row = gather(topology, self.inner[1], value, timeout, what)
-            return [v for rows in gather(topology, topology.group, row, timeout, what) for v in rows]
-        return gather(topology, topology.group, value, timeout, what)
+        rows = [value]
+        for _, group in reversed(self.inner):  # the innermost first: tp, then dp
+            rows = [v for row in gather(topology, group, rows, timeout, what) for v in row]
+        return [v for row in gather(topology, topology.group, rows, timeout, what) for v in row]
 
     def name(self, position: int) -> str:
-        """How messages name the rank at ``position`` in ``gather``'s result: ``1``, or ``1 (tp 0)``."""
-        if self.inner is None:
-            return str(position)
-        rank, index = divmod(position, self.inner_size)
-        return f"{rank} ({self.inner[0]} {index})"
+        """How messages name the rank at ``position`` in ``gather``'s result: ``1``, or ``1 (dp 0 tp 1)``."""
+        inner = []
+        for label, _, size in reversed(self.coordinates):
+            position, index = divmod(position, size)
+            inner.append(f"{label} {index}")
+        return str(position) + (f" ({' '.join(reversed(inner))})" if inner else "")
 
     def gather_replicas(self, value: Any, what: str) -> list[Any]:
         """``value`` of every data-parallel replica of this pipeline rank."""

@@ -17,8 +17,9 @@ NOTE [the save protocol]
 On each pipeline rank (one process: a single rank, and the all-gathers are no-ops):
 
 1. Name and hash (sha256) the local stages' tensors; all-gather the manifests (names, dtypes,
-   shapes, hashes, DTensor boxes: no tensor data) over the pipeline group (and the tensor-parallel
-   group first, on a mesh with one), with rank 0's choice of version. Every rank checks the
+   shapes, hashes, DTensor boxes: no tensor data) over the pipeline group (and first the
+   tensor-parallel group, on a mesh with one, and the data-parallel group, in a sharded save),
+   with rank 0's choice of version. Every rank checks the
    manifests the same way (tied names, stages held twice, stage counts, metadata, pieces that
    tile their tensor), so all ranks fail together, and assigns each piece of each name (the
    whole tensor, or a DTensor's box) to the lowest rank holding it.
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 from collections.abc import Sequence
@@ -52,11 +52,24 @@ from .._distributed._topology import Topology
 from .._dtensor import local
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names
-from .._sharding._layout import cut_range
 from ._boxes import Box, HostPiece, box_of, is_piece, tiling_problem, whole
 from ._directory import commit, fsync_directory, locked, next_version
-from ._ranks import Ranks, Sharding, agree, check_stage_count, full_shapes, resolve, sharded_leaves, stage_list
+from ._ranks import (
+    Full,
+    Ranks,
+    Sharding,
+    agree,
+    check_stage_count,
+    full_shapes,
+    resolve,
+    sharded_leaves,
+    stage_list,
+)
 from ._store import CODES, DTYPES, Entry, file_name, make_index, sha256, write_safetensors
+
+Piece = Box | tuple[Box, int]
+"""Which piece of a name a rank holds: a box (NOTE [tensor-parallel saves] in ``fpipe/_saving/_boxes.py``;
+the whole tensor's for a whole one), or shard ``q`` of one (NOTE [sharded saves] in ``fpipe/_saving/_store.py``)."""
 
 
 def save(
@@ -112,8 +125,9 @@ def save(
             piece under the global name, with its offsets in the index, never gathered; plain
             tensors and ``Replicate`` DTensors are written once, by tensor-parallel rank 0, and
             must be bitwise equal on every tensor-parallel rank (NOTE [tensor-parallel saves] in
-            ``fpipe/_saving/_boxes.py``). ``shard_params=True`` with a ``"tp"`` dimension is not
-            supported yet (``NotImplementedError`` on every rank).
+            ``fpipe/_saving/_boxes.py``). With ``shard_params=True`` too, each rank's shard of a
+            DTensor parameter is a flat piece of its local piece: every rank writes its own, recorded
+            as that shard of that box (NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
         timeout: seconds a rank waits for the others at each of the save's all-gathers, which
             includes the time the slowest rank takes to hash or write its tensors, and the
             seconds rank 0 waits for another save to the same directory to finish.
@@ -150,7 +164,6 @@ def save(
             reserves it), a tied name has different values (or placements),
             or ranks disagree (stage count, metadata) or hold the same stage; a DTensor not on the
             mesh's ``"tp"`` sub-mesh, or a replicated leaf that differs between tensor-parallel ranks.
-        NotImplementedError: a step with ``shard_params=True`` on a mesh with a ``"tp"`` dimension.
         OSError: writing failed (the previous save is kept); ``TimeoutError``: another save to
             ``directory`` held its lock for longer than ``timeout``.
         RuntimeError: another rank failed; its own error says why.
@@ -245,11 +258,11 @@ class Manifest:
         return self.dtype, self.shape, self.sha256, self.shard, self.box
 
     @property
-    def piece(self) -> Box | int:
-        """Which piece of its name this is: a shard's ``q``, else its box (the whole tensor's for a whole one)."""
-        if self.shard is not None:
-            return self.shard[0]
-        return whole(self.shape) if self.box is None else Box(tuple(self.box[0]), tuple(self.box[1]))
+    def piece(self) -> Piece:
+        """Which piece of its name this is: its box (the whole tensor's for a whole one), and for a
+        shard of it, ``q``."""
+        box = whole(self.shape) if self.box is None else Box(tuple(self.box[0]), tuple(self.box[1]))
+        return box if self.shard is None else (box, self.shard[0])
 
 
 @dataclass
@@ -271,7 +284,7 @@ class _Tensor:
         return Manifest(self.where, self.stage, CODES[self.data.dtype], self.shape, self.sha256, self.shard, box)
 
     @property
-    def piece(self) -> Box | int:
+    def piece(self) -> Piece:
         return self.manifest().piece
 
 
@@ -283,7 +296,7 @@ def _collect(
     out: dict[str, _Tensor] = {}
     for s in stages:
         names, codes, leaves, _ = leaves_with_names(trees[s])
-        full = {} if sharding is None else full_shapes(kind, trees[s], sharding.layouts[s])
+        full = {} if sharding is None else full_shapes("fpipe.save", kind, trees[s], sharding.layouts[s])
         for parts, code, leaf in zip(names, codes, leaves):
             if leaf is None:
                 continue
@@ -344,16 +357,17 @@ def _tensor(name: str, where: str, stage: int, leaf: Any, ranks: Ranks) -> _Tens
     return _Tensor(name, where, stage, data, sha256(data), list(data.shape) if box is None else shape, box=box)
 
 
-def _as_shard(tensor: _Tensor, shape: list[int], sharding: Sharding) -> None:
-    """Mark ``tensor`` as this rank's shard of a tensor of ``shape``, which it must be."""
-    _, _, size = cut_range(math.prod(shape), sharding.shard)
+def _as_shard(tensor: _Tensor, full: Full, sharding: Sharding) -> None:
+    """Mark ``tensor`` as this rank's shard of ``full`` (a tensor, or a box of a DTensor), which it must be."""
+    size = full.size(sharding.shard)
     if list(tensor.data.shape) != [size]:
+        piece = "" if full.box is None else f"the local piece (shape {list(full.box.shape)}) of "
         raise ValueError(
-            f"fpipe.save: {tensor.where} should be this rank's shard of a tensor of shape {shape}, a 1-D tensor of "
-            f"{plural(size, 'element')} (got: shape {list(tensor.data.shape)}). Pass the shards step.shard returned "
-            "(or updates of them), not full tensors."
+            f"fpipe.save: {tensor.where} should be this rank's shard of {piece}a tensor of shape {full.shape}, a 1-D "
+            f"tensor of {plural(size, 'element')} (got: shape {list(tensor.data.shape)}). Pass the shards step.shard "
+            "returned (or updates of them), not full tensors."
         )
-    tensor.shape, tensor.shard = shape, list(sharding.shard)
+    tensor.shape, tensor.shard, tensor.box = full.shape, list(sharding.shard), full.box
 
 
 def check_tie(name: str, a: Manifest, b: Manifest, ranks: str = "") -> None:
@@ -409,13 +423,12 @@ def _save_pipeline(
                 (root / f".tmp-{version}").mkdir()
         except (TypeError, ValueError, OSError) as error:
             problem = error
-        inner = None if ranks.inner is None else (ranks.inner[0], ranks.inner_index, ranks.inner_size)
-        my_files = {kind: file_name(kind, ranks.rank, ranks.size, inner) for kind in trees}
+        my_files = {kind: file_name(kind, ranks.rank, ranks.size, ranks.coordinates) for kind in trees}
         mine: dict[str, Any] = {
             "version": version,
             "rank": ranks.rank,
             "replica": ranks.replica,
-            "tp": ranks.inner_index if inner is not None and inner[0] == "tp" else None,
+            "tp": ranks.tp,
             "files": my_files,
             "num_stages": num_stages,
             "stages": list(held or ()),
@@ -457,7 +470,7 @@ def _save_pipeline(
         return str(version)
 
 
-def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, dict[Box | int, int]]]:
+def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, dict[Piece, int]]]:
     """Per kind, per name, each piece's writer: the lowest rank holding it. The same on every rank."""
     counts = [st["num_stages"] for st in statuses]
     if len(set(counts)) > 1:
@@ -474,7 +487,7 @@ def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, dict[Box | int,
         raise ValueError(
             f"fpipe.save: stages are held by several ranks ({{stage: ranks}}: {twice}). Pass None elsewhere."
         )
-    owners: dict[str, dict[str, dict[Box | int, int]]] = {}
+    owners: dict[str, dict[str, dict[Piece, int]]] = {}
     for kind in statuses[0]["manifest"]:
         held: dict[str, list[tuple[Manifest, int]]] = {}
         for w, st in enumerate(statuses):
@@ -487,7 +500,7 @@ def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, dict[Box | int,
                 whole_copy = next(c for c in copies if c[0].shard is None)
                 (a, v), (b, w) = sorted([shards[0], whole_copy], key=lambda c: c[1])
                 raise ValueError(_copies_differ(name, (a, statuses[v]), (b, statuses[w])))
-            first: dict[Box | int, tuple[Manifest, int]] = {}  # piece -> manifest, writer
+            first: dict[Piece, tuple[Manifest, int]] = {}  # piece -> manifest, writer
             for manifest, w in copies:
                 other, v = first.setdefault(manifest.piece, (manifest, w))
                 if v == w:
@@ -495,15 +508,15 @@ def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, dict[Box | int,
                 if statuses[v]["rank"] == statuses[w]["rank"] and other.value != manifest.value:
                     raise ValueError(_copies_differ(name, (other, statuses[v]), (manifest, statuses[w])))
                 check_tie(name, other, manifest, f" ({_writer(statuses[v])} and {_writer(statuses[w])})")
-            if not shards:
-                _check_pieces(name, [(m, statuses[w]) for m, w in first.values()])
+            _check_pieces(name, [(m, statuses[w]) for m, w in first.values()])
             owners[kind][name] = {piece: w for piece, (_, w) in sorted(first.items(), key=lambda item: _order(item[0]))}
     return owners
 
 
-def _order(piece: Box | int) -> tuple[Any, ...]:
-    """Pieces in index order: shards by ``q``, boxes by offset."""
-    return (piece,) if isinstance(piece, int) else (piece.offset, piece.shape)
+def _order(piece: Piece) -> tuple[Any, ...]:
+    """Pieces in index order: boxes by offset, the shards of a box by ``q``."""
+    box, q = (piece, 0) if isinstance(piece, Box) else piece
+    return box.offset, box.shape, q
 
 
 def _copies_differ(name: str, a: tuple[Manifest, dict[str, Any]], b: tuple[Manifest, dict[str, Any]]) -> str:
@@ -536,7 +549,8 @@ def _check_pieces(name: str, pieces: list[tuple[Manifest, dict[str, Any]]]) -> N
                 f"but different dtypes or shapes ({_dtype(first)}{first.shape} vs {_dtype(m)}{m.shape}). A name in "
                 "several stages is a tied parameter: give every copy the same dtype and shape."
             )
-    problem = tiling_problem(first.shape, [m.piece for m, _ in pieces if isinstance(m.piece, Box)])
+    boxes = [whole(m.shape) if m.box is None else Box(tuple(m.box[0]), tuple(m.box[1])) for m, _ in pieces]
+    problem = tiling_problem(first.shape, list(dict.fromkeys(boxes)))  # (each box once: not its shards)
     if problem is not None:
         held = ", ".join(f"{m.where} ({_writer(st)})" for m, st in pieces)
         raise ValueError(
@@ -557,7 +571,7 @@ def _writer(status: dict[str, Any]) -> str:
 def _index(
     statuses: list[dict[str, Any]],
     written: list[dict[str, Any]],
-    owners: dict[str, dict[str, dict[Box | int, int]]],
+    owners: dict[str, dict[str, dict[Piece, int]]],
     user: Any,
 ) -> dict[str, Any]:
     entries: dict[str, dict[str, Entry]] = {}
@@ -565,14 +579,15 @@ def _index(
         entries[kind] = {}
         for name, writers in kind_owners.items():
             pieces = [statuses[w]["manifest"][kind][name] for w in writers.values()]
-            boxes = tuple(p for p in writers if isinstance(p, Box))
+            boxes = tuple(p if isinstance(p, Box) else p[0] for p in writers)
             entries[kind][name] = Entry(
                 tuple(statuses[w]["files"][kind] for w in writers.values()),
                 pieces[0].dtype,
                 pieces[0].shape,
                 tuple(m.sha256 for m in pieces),
                 pieces[0].shard is not None,
-                boxes if boxes and boxes != (whole(pieces[0].shape),) else None,
+                None if all(box == whole(pieces[0].shape) for box in boxes) else boxes,
+                1 if pieces[0].shard is None else pieces[0].shard[1],
             )
     files = {
         file: {

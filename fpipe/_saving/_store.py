@@ -34,6 +34,20 @@ whole tensor (plain, ``Replicate``) maps to one file, as without tensor parallel
 box (a DTensor template's piece) or a whole tensor copies the overlap of each saved piece that
 overlaps it, each piece read whole so that its hash is checked.
 
+Both at once (``shard_params=True`` on a mesh with ``"tp"``: NOTE [tensor-parallel shards] in
+``fpipe/_sharding/_runs.py``), a DTensor parameter's shard is a flat piece of its local piece:
+shard ``q`` of ``d`` of a box. Every rank writes its own, to
+``model-rank-0000r-of-0000p-dp-0000q-of-0000d-tp-0000t-of-0000T.safetensors``; the name maps to
+the list of its pieces' files, box by box (by offset) and within a box by ``q``, and each
+piece's entry has ``shape`` ``[ceil(box elements / d)]``, ``shard`` ``[q, d]``, ``offset`` and
+``box_shape`` (its box), and ``full_shape``; ``read_index`` checks that the ``d`` shards of a
+box agree on it and that the boxes tile the full shape. A plain tensor or a ``Replicate``
+DTensor is a sharded tensor without boxes (tensor-parallel rank 0 writes it, and the other
+tensor-parallel ranks must hold the same bytes). Reading, a box is the concatenation of its
+shards, padding dropped; a request for shard ``q'`` of ``d'`` of a box the save has reads only
+the shards of that box overlapping it (so the same layout reads exactly its own shards), any
+other request reads every shard of each box it overlaps.
+
 NOTE [trust model]
 A save directory may come from elsewhere (a download, an unpacked archive), so ``load`` trusts
 neither the index nor the links in it. ``read_index`` checks the type of every field that
@@ -104,10 +118,11 @@ DTYPES = {code: dtype for dtype, code in CODES.items()}
 class Entry(NamedTuple):
     """One saved tensor as the index records it: whole in one file, or cut into pieces, one per file.
 
-    A sharded tensor (NOTE [sharded saves]) is ``len(files)`` pieces of ``shard_size`` elements,
-    piece ``q`` in ``files[q]`` with hash ``sha256s[q]``; a tensor-parallel one (NOTE
-    [tensor-parallel saves] in ``fpipe/_saving/_boxes.py``) is pieces ``boxes[q]`` of it; a whole
-    one has one file and one hash.
+    A sharded tensor (NOTE [sharded saves]) is cut into ``shards`` flat pieces, piece ``q`` in
+    ``files[q]`` with hash ``sha256s[q]``; a tensor-parallel one (NOTE [tensor-parallel saves] in
+    ``fpipe/_saving/_boxes.py``) is pieces ``boxes[k]`` of it; a sharded tensor-parallel one has
+    each box cut into ``shards`` flat pieces, ``boxes[k]`` repeated for each (piece ``k`` is
+    shard ``k % shards`` of its box); a whole one has one file and one hash.
     """
 
     files: tuple[str, ...]
@@ -115,31 +130,32 @@ class Entry(NamedTuple):
     shape: list[int]  # the full shape
     sha256s: tuple[str, ...]  # of each piece's bytes
     sharded: bool = False
-    boxes: tuple[Box, ...] | None = None
+    boxes: tuple[Box, ...] | None = None  # per piece
+    shards: int = 1  # flat pieces per box: d for a sharded tensor
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
-    def shard_size(self) -> int:
-        """Elements per piece: ``ceil(n / d)`` for a sharded tensor, ``n`` for a whole one."""
-        return cut_range(self.numel, (0, len(self.files)) if self.sharded else None)[2]
+    def box(self, k: int) -> Box:
+        """The box piece ``k`` holds, or is a shard of."""
+        return self.boxes[k] if self.boxes is not None else whole(self.shape)
 
-    def box(self, q: int) -> Box:
-        """The box piece ``q`` holds (not for a sharded tensor)."""
-        return self.boxes[q] if self.boxes is not None else whole(self.shape)
+    def shard(self, k: int) -> tuple[int, int] | None:
+        """``(q, d)`` if piece ``k`` is shard ``q`` of ``d`` of its box."""
+        return (k % self.shards, self.shards) if self.sharded else None
 
-    def piece_shape(self, q: int) -> list[int]:
-        """The shape of piece ``q`` as its file stores it."""
-        return [self.shard_size] if self.sharded else list(self.box(q).shape)
+    def piece_shape(self, k: int) -> list[int]:
+        """The shape of piece ``k`` as its file stores it."""
+        shard = self.shard(k)
+        return list(self.box(k).shape) if shard is None else [cut_range(self.box(k).numel, shard)[2]]
 
 
-def file_name(kind: str, rank: int, num_ranks: int, inner: tuple[str, int, int] | None = None) -> str:
+def file_name(kind: str, rank: int, num_ranks: int, inner: Sequence[tuple[str, int, int]] = ()) -> str:
     """The file that pipeline rank ``rank`` writes its tensors of ``kind`` to; ``inner``
-    (``("dp", q, d)`` in a sharded save, ``("tp", t, T)`` with tensor parallelism) names its
-    place in the other dimension whose ranks all write."""
-    suffix = "" if inner is None else f"-{inner[0]}-{inner[1]:05d}-of-{inner[2]:05d}"
+    (``("dp", q, d)`` in a sharded save, ``("tp", t, T)`` with tensor parallelism, or both) names its
+    place in the other dimensions whose ranks all write."""
+    suffix = "".join(f"-{label}-{index:05d}-of-{size:05d}" for label, index, size in inner)
     return f"{_PREFIXES[kind]}-rank-{rank:05d}-of-{num_ranks:05d}{suffix}.safetensors"
 
 
@@ -203,12 +219,15 @@ def make_index(
         index[MAPS[kind]] = {}
         for name, e in sorted(kind_entries.items()):
             index[MAPS[kind]][name] = list(e.files) if e.sharded or e.boxes is not None else e.files[0]
-            for q, (file, digest) in enumerate(zip(e.files, e.sha256s)):
-                info: dict[str, Any] = {"dtype": e.dtype, "shape": e.piece_shape(q), "sha256": digest}
-                if e.sharded:
-                    info.update(shard=[q, len(e.files)], full_shape=e.shape)
-                elif e.boxes is not None:
-                    info.update(offset=list(e.boxes[q].offset), full_shape=e.shape)
+            for k, (file, digest) in enumerate(zip(e.files, e.sha256s)):
+                info: dict[str, Any] = {"dtype": e.dtype, "shape": e.piece_shape(k), "sha256": digest}
+                shard = e.shard(k)
+                if shard is not None:
+                    info.update(shard=list(shard), full_shape=e.shape)
+                if e.boxes is not None:
+                    info.update(offset=list(e.boxes[k].offset), full_shape=e.shape)
+                    if shard is not None:  # "shape" is the flat piece's
+                        info.update(box_shape=list(e.boxes[k].shape))
                 index["tensors"].setdefault(file, {})[name] = info
     return index
 
@@ -267,7 +286,9 @@ def _check_entry(files: dict[str, Any], tensors: dict[str, Any], key: str, name:
         raise _Invalid(f"{at} should be a file name or a non-empty list of them ({at}: {_show(where)})")
     if len(set(pieces)) != len(pieces):
         raise _Invalid(f"{at} names a file twice ({at}: {_show(where)})")
-    first, boxes = None, []
+    first, d = None, 0
+    boxes: list[Box] = []
+    pieces_kind: tuple[bool, bool] | None = None
     for q, file in enumerate(pieces):
         _plain(file, at)
         if file not in files:
@@ -282,31 +303,53 @@ def _check_entry(files: dict[str, Any], tensors: dict[str, Any], key: str, name:
         sha = _field(info, "sha256", str, "64 hex digits", info_at)
         if not _SHA256.fullmatch(sha):
             raise _Invalid(f"{info_at}['sha256'] should be 64 hex digits ({info_at}['sha256']: {_show(sha)})")
-        if isinstance(where, list) and "offset" in info:  # NOTE [tensor-parallel saves]
-            full = _shape(info, "full_shape", info_at)
+        if not isinstance(where, list):
+            continue
+        # NOTE [tensor-parallel saves]: a box has an offset; NOTE [sharded saves]: a shard has 'shard'
+        # (a piece with neither is read as a shard, so that its missing 'shard' is what is reported)
+        kind = ("offset" in info, "offset" not in info or "shard" in info)
+        boxed, sharded = kind
+        shard = _field(info, "shard", list, "[q, d]", info_at) if sharded else None
+        if q and kind != pieces_kind:
+            raise _Invalid(
+                f"the pieces of {name!r} disagree: each should be a box, a shard or a shard of a box like the first "
+                f"({info_at}: {_show(info)})"
+            )
+        pieces_kind = kind
+        if shard is not None:
+            if not boxed:
+                d = len(pieces)
+            elif q == 0 and len(shard) == 2 and all(type(x) is int for x in shard) and shard[1] > 0:
+                d = shard[1] if len(pieces) % shard[1] == 0 else 0
+            if not d or shard != [q % d, d]:
+                expected = f"[{q % d}, {d}]" if d else f"[q, d] with d > 0 dividing its {len(pieces)} pieces"
+                raise _Invalid(f"{info_at}['shard'] should be {expected} ({info_at}['shard']: {_show(shard)})")
+        full = _shape(info, "full_shape", info_at)
+        first = first or (dtype, full)
+        box = whole(full)
+        if boxed:
             offset = _shape(info, "offset", info_at)
-            first = first or (dtype, full)
-            if (dtype, full) != first or len(offset) != len(full) or len(shape) != len(full):
+            box = Box(tuple(offset), tuple(_shape(info, "box_shape", info_at) if sharded else shape))
+            if (dtype, full) != first or len(offset) != len(full) or len(box.shape) != len(full):
                 raise _Invalid(
                     f"the pieces of {name!r} disagree: each should have the dtype and full shape of the first, "
                     f"{first}, and an offset and shape of {len(full)} dimensions ({info_at}: {_show(info)})"
                 )
-            boxes.append(Box(tuple(offset), tuple(shape)))
-        elif isinstance(where, list):
-            shard = _field(info, "shard", list, f"[{q}, {len(pieces)}]", info_at)
-            if shard != [q, len(pieces)]:
+            if sharded and q % d and box != boxes[-1]:
                 raise _Invalid(
-                    f"{info_at}['shard'] should be [{q}, {len(pieces)}] ({info_at}['shard']: {_show(shard)})"
+                    f"the shards of one box of {name!r} disagree: each should have the offset and box shape of the "
+                    f"first, {[list(boxes[-1].offset), list(boxes[-1].shape)]} ({info_at}: {_show(info)})"
                 )
-            full = _shape(info, "full_shape", info_at)
-            first = first or (dtype, full)
-            size = cut_range(math.prod(full), (0, len(pieces)))[2]
+            if not sharded or q % d == 0:
+                boxes.append(box)
+        if sharded:
+            size = cut_range(box.numel, (0, d))[2]
             if (dtype, full, shape) != (*first, [size]):
                 raise _Invalid(
                     f"the pieces of {name!r} disagree: each should have the dtype and full shape of the first, "
                     f"{first}, and shape [{size}] ({info_at}: {_show(info)})"
                 )
-    if boxes and first is not None:  # (a piece without an offset has failed above, as a shard without 'shard')
+    if boxes and first is not None:
         problem = tiling_problem(first[1], boxes)
         if problem is not None:
             raise _Invalid(
@@ -370,49 +413,48 @@ def entry(index: dict[str, Any], kind: str, name: str) -> Entry:
         return Entry((where,), info["dtype"], list(info["shape"]), (info["sha256"],))
     pieces = [index["tensors"][file][name] for file in where]
     first, hashes = pieces[0], tuple(p["sha256"] for p in pieces)
-    if "offset" in first:  # NOTE [tensor-parallel saves]
-        boxes = tuple(Box(tuple(p["offset"]), tuple(p["shape"])) for p in pieces)
-        return Entry(tuple(where), first["dtype"], list(first["full_shape"]), hashes, boxes=boxes)
-    return Entry(tuple(where), first["dtype"], list(first["full_shape"]), hashes, True)
+    boxes = None
+    if "offset" in first:  # NOTE [tensor-parallel saves]; with "shard", each box's shards
+        boxes = tuple(Box(tuple(p["offset"]), tuple(p.get("box_shape", p["shape"]))) for p in pieces)
+    sharded = "shard" in first
+    d = first["shard"][1] if sharded else 1
+    return Entry(tuple(where), first["dtype"], list(first["full_shape"]), hashes, sharded, boxes, d)
 
 
-Part = tuple[int, int] | Box | None
-"""What a template leaf asks for: ``None`` the whole tensor, ``(q, d)`` shard ``q`` of ``d`` (NOTE
-[sharded saves]), a ``Box`` a DTensor's local piece (NOTE [tensor-parallel saves])."""
+class Part(NamedTuple):
+    """What a template leaf asks for: the elements of ``box`` (``None``: the whole tensor; a
+    DTensor's local piece, NOTE [tensor-parallel saves]) in its shape, or with ``shard`` ``(q,
+    d)`` that piece of them flattened, as ``fpipe.shard`` cuts it (1-D, zero-padded; NOTE
+    [sharded saves])."""
+
+    box: Box | None = None
+    shard: tuple[int, int] | None = None
 
 
 def read_tensors(
     root: Path, index: dict[str, Any], kind: str, requests: Sequence[tuple[str, Part]]
 ) -> dict[tuple[str, Part], torch.Tensor]:
-    """Read each ``(name, part)`` (CPU tensors): a full tensor for ``None``, piece ``q`` of ``d``
-    as ``fpipe.shard`` cuts it (1-D, zero-padded) for ``(q, d)``, the elements of a ``Box`` in
-    its shape, whatever pieces the save has.
+    """Read each ``(name, part)`` (CPU tensors), whatever pieces the save has.
 
-    Only the pieces on disk that overlap a request are read, file by file; each is checked
-    whole against its size, dtype, shape and sha256 (NOTE [sharded saves]). A piece of a tensor
-    saved whole or in boxes is copied where the requests want it as soon as it is read, and
-    dropped (one whole tensor more than the results at a time, loading into DTensor templates);
-    the pieces of a sharded tensor are kept until concatenated.
+    Only the pieces on disk that overlap a request are read, file by file (of a sharded box
+    that is the request's own box cut into shards, only the shards overlapping the request's);
+    each is checked whole against its size, dtype, shape and sha256 (NOTE [sharded saves]). A
+    piece of a tensor saved whole or in boxes is copied where the requests want it as soon as it
+    is read, and dropped (one whole tensor more than the results at a time, loading into DTensor
+    templates); the shards of a sharded tensor's box are kept until concatenated.
     """
     entries = {name: entry(index, kind, name) for name, _ in requests}
     needed: dict[str, set[str]] = {}  # file -> names
-    plans: dict[tuple[str, Part], tuple[list[int], Box]] = {}  # the pieces to read, the box to fill
+    plans: dict[tuple[str, Part], list[int]] = {}  # the pieces each request reads
     parts: dict[str, list[Part]] = {}  # name -> its requests' parts
     for name, part in requests:
         parts.setdefault(name, []).append(part)
         e = entries[name]
-        target = part if isinstance(part, Box) else whole(e.shape)
-        if e.sharded:
-            start, stop, _ = cut_range(e.numel, _shard(part))
-            step = max(e.shard_size, 1)
-            pieces = [q for q in range(start // step, (stop - 1) // step + 1) if q < len(e.files) and stop > start]
-        else:
-            pieces = [q for q in range(len(e.files)) if overlap(e.box(q), target) is not None]
-        for q in pieces:
-            needed.setdefault(e.files[q], set()).add(name)
-        plans[name, part] = (pieces, target)
-    got: dict[tuple[str, str], torch.Tensor] = {}  # the pieces of sharded tensors, to concatenate
-    filled: dict[tuple[str, Part], torch.Tensor] = {}  # the boxes of the others, as their pieces come
+        plans[name, part] = _pieces(e, part)
+        for k in plans[name, part]:
+            needed.setdefault(e.files[k], set()).add(name)
+    got: dict[tuple[str, str], torch.Tensor] = {}  # the shards of sharded tensors, to concatenate
+    filled: dict[tuple[str, Part], torch.Tensor] = {}  # the boxes of the requests, as their pieces come
     for file, names in sorted(needed.items()):
         path = inside(root, file)
         expected = index["files"][file]["bytes"]
@@ -427,53 +469,71 @@ def read_tensors(
             with safetensors.safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
                 for name in sorted(names):
                     e = entries[name]
-                    q = e.files.index(file)
+                    k = e.files.index(file)
                     piece = f.get_slice(name)
                     header = (piece.get_dtype(), list(piece.get_shape()))
-                    if header != (e.dtype, e.piece_shape(q)):
+                    if header != (e.dtype, e.piece_shape(k)):
                         raise _Corrupt(
-                            f"its header has {name!r} as {header}, the index as {(e.dtype, e.piece_shape(q))}"
+                            f"its header has {name!r} as {header}, the index as {(e.dtype, e.piece_shape(k))}"
                         )
                     tensor = f.get_tensor(name)
-                    if sha256(tensor) != e.sha256s[q]:
+                    if sha256(tensor) != e.sha256s[k]:
                         raise _Corrupt(f"the bytes of {name!r} do not match their sha256 in the index")
                     if e.sharded:
                         got[file, name] = tensor
                         continue
                     for part in parts[name]:
-                        pieces, target = plans[name, part]
-                        if q in pieces:
-                            _fill(filled, (name, part), target, e.box(q), tensor)
+                        if k in plans[name, part]:
+                            _fill(filled, (name, part), _target(e, part), e.box(k), tensor)
         except (_Corrupt, safetensors.SafetensorError) as error:
             raise ValueError(f"fpipe.load: {path} is corrupt: {error}. Load an intact save.") from error
     out: dict[tuple[str, Part], torch.Tensor] = {}
-    for (name, part), (pieces, target) in plans.items():
+    for (name, part), pieces in plans.items():
         e = entries[name]
-        dtype = DTYPES[e.dtype]
-        shard = _shard(part)
-        if e.sharded:
-            start, stop, size = cut_range(e.numel, shard)
-            flat = [got[e.files[q], name].reshape(-1) for q in pieces]
-            first = pieces[0] * e.shard_size if pieces else 0
-            data = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
-            data = data[start - first : stop - first]
-            if shard is not None:
+        dtype, target = DTYPES[e.dtype], _target(e, part)
+        boxes: dict[int, list[int]] = {}  # the shards read of each box (of a sharded tensor)
+        for k in pieces if e.sharded else ():
+            boxes.setdefault(k // e.shards, []).append(k)
+        for group in boxes.values():
+            k, box = group[0], e.box(group[0])
+            flat = torch.cat([got[e.files[j], name].reshape(-1) for j in group])
+            if box == target and part.shard is not None:  # the request's own shard, of the shards read
+                start, stop, size = cut_range(box.numel, part.shard)
+                first = k % e.shards * cut_range(box.numel, (0, e.shards))[2]
+                data = flat[start - first : stop - first]
                 out[name, part] = torch.cat([data, torch.zeros(size - data.numel(), dtype=dtype)])
-            else:  # the whole tensor, or a box of it
-                full = data.clone().view(e.shape)
-                out[name, part] = full[target.within(whole(e.shape))].clone() if isinstance(part, Box) else full
+            else:  # every shard of the box was read
+                _fill(filled, (name, part), target, box, flat[: box.numel].view(box.shape))
+        if (name, part) in out:
             continue
         data = filled.get((name, part), torch.empty(target.shape, dtype=dtype))  # (empty if it has no elements)
-        if shard is not None:  # a shard of a tensor saved whole or in boxes
-            start, stop, size = cut_range(e.numel, shard)
+        if part.shard is not None:  # a shard of the box
+            start, stop, size = cut_range(target.numel, part.shard)
             data = torch.cat([data.reshape(-1)[start:stop], torch.zeros(size - (stop - start), dtype=dtype)])
         out[name, part] = data
     return out
 
 
-def _shard(part: Part) -> tuple[int, int] | None:
-    """``part`` if it is a shard ``(q, d)``."""
-    return None if part is None or isinstance(part, Box) else part
+def _target(e: Entry, part: Part) -> Box:
+    """The box of ``e`` that ``part`` wants elements of."""
+    return whole(e.shape) if part.box is None else part.box
+
+
+def _pieces(e: Entry, part: Part) -> list[int]:
+    """The pieces of ``e`` on disk to read for ``part``: those whose boxes overlap its box, and of a
+    sharded box that is its box, only the shards overlapping its shard."""
+    target, out = _target(e, part), []
+    for k in range(len(e.files)):
+        box, shard = e.box(k), e.shard(k)
+        if overlap(box, target) is None:
+            continue
+        if shard is not None and part.shard is not None and box == target:
+            start, stop, _ = cut_range(box.numel, part.shard)
+            first, last, _ = cut_range(box.numel, shard)
+            if not (start < stop and first < stop and last > start):
+                continue
+        out.append(k)
+    return out
 
 
 def _fill(

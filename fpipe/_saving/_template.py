@@ -8,7 +8,6 @@ with ``template_uses`` before reading and put the tensors read into it with ``fi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -17,7 +16,6 @@ import torch
 from .._dtensor import from_spec, is_dtensor, local, spec_of
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names, unflatten
-from .._sharding._layout import cut_range
 from ._boxes import Box, box_of, is_piece
 from ._ranks import Sharding, full_shapes
 from ._store import Part
@@ -26,7 +24,7 @@ from ._store import Part
 class Use(NamedTuple):
     """A template leaf to fill: its key path, stage, position among the stage's leaves, itself,
     for a shard (NOTE [sharded saves] in ``fpipe/_saving/_store.py``) its ``(q, d)`` and full shape,
-    and for a DTensor the box of its local piece (NOTE [tensor-parallel saves] in
+    and for a DTensor (or a shard of one's local piece) the box of its local piece (NOTE [tensor-parallel saves] in
     ``fpipe/_saving/_boxes.py``; ``None`` when it holds the whole tensor)."""
 
     where: str
@@ -44,7 +42,7 @@ class Use(NamedTuple):
     @property
     def part(self) -> Part:
         """What to read for this leaf."""
-        return self.box if self.box is not None else self.shard
+        return Part(self.box, self.shard)
 
 
 def template_uses(function: str, kind: str, trees: Sequence[PyTree], sharding: Sharding | None) -> dict[str, list[Use]]:
@@ -58,7 +56,7 @@ def template_uses(function: str, kind: str, trees: Sequence[PyTree], sharding: S
     for s, tree in enumerate(trees):
         names, codes, leaves, _ = leaves_with_names(tree)
         layout = None if sharding is None else sharding.layouts.get(s)
-        full = {} if layout is None or tree is None else full_shapes(kind, tree, layout)
+        full = {} if layout is None or tree is None else full_shapes(function, kind, tree, layout)
         for position, (parts, code, leaf) in enumerate(zip(names, codes, leaves)):
             where = f"{label(kind)}[{s}]{code}"
             if leaf is None:
@@ -79,15 +77,16 @@ def template_uses(function: str, kind: str, trees: Sequence[PyTree], sharding: S
                 )
             if name in full:
                 assert sharding is not None
-                _, _, size = cut_range(math.prod(full[name]), sharding.shard)
+                cut_from, size = full[name], full[name].size(sharding.shard)
                 if list(leaf.shape) != [size]:
+                    piece = "" if cut_from.box is None else f"the local piece (shape {list(cut_from.box.shape)}) of "
                     raise ValueError(
-                        f"{function}: {where} should be this rank's shard of a tensor of shape {full[name]}, a 1-D "
-                        f"tensor of {plural(size, 'element')} (got: shape {list(leaf.shape)}). With a sharded "
-                        "step, pass the "
-                        "template step.shard returns (meta tensors of the full shapes will do)."
+                        f"{function}: {where} should be this rank's shard of {piece}a tensor of shape "
+                        f"{cut_from.shape}, a 1-D tensor of {plural(size, 'element')} (got: shape {list(leaf.shape)}). "
+                        "With a sharded step, pass the template step.shard returns (meta tensors of the full shapes "
+                        "will do)."
                     )
-                mine.append(Use(where, s, position, leaf, sharding.shard, full[name]))
+                mine.append(Use(where, s, position, leaf, sharding.shard, cut_from.shape, cut_from.box))
             else:
                 box = box_of(function, where, leaf) if is_piece(leaf) else None
                 mine.append(Use(where, s, position, leaf, box=box))
