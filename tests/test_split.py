@@ -408,6 +408,10 @@ def test_bad_arguments() -> None:
         fpipe.split_module(TinyLM(), ["embed + layers + norm + head"], call={"layer": lambda m, x: m(x)})
     with pytest.raises(TypeError, match=r"the adapter for 'norm' is not callable"):
         fpipe.split_module(TinyLM(), ["embed + layers + norm + head"], call={"norm": 3})  # type: ignore[dict-item]
+    with pytest.raises(
+        TypeError, match=r"fpipe.split_module: call must be an adapter call\(module, x\) -> x or a dict"
+    ):
+        fpipe.split_module(TinyLM(), ["embed + layers + norm + head"], call=3)  # type: ignore[arg-type]
 
 
 def test_stage_params_must_match() -> None:

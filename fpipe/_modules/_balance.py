@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .._pytree import flatten, is_differentiable, map_tensors
-from ._split import Adapter, lookup
+from ._split import Adapter, adapter_map, lookup
 
 Containers = nn.Sequential | nn.ModuleList | nn.ModuleDict
 Layers = Sequence[nn.Module] | Sequence[float] | Mapping[str, nn.Module] | Mapping[str, float] | Containers
@@ -122,7 +122,7 @@ def balance(
         if by == "params":
             costs = [float(sum(p.numel() for p in m.parameters() if p.requires_grad)) for m in modules]
         elif by == "time":
-            costs = _times(names, modules, sample_input, _adapter_map(call), repeats)
+            costs = _times(names, modules, sample_input, adapter_map("balance", call), repeats)
         else:
             raise TypeError(f'fpipe.balance: by must be "params" or "time" (by: {by!r}).')
     else:
@@ -173,16 +173,6 @@ def partition(costs: Sequence[float], num_stages: int) -> list[range]:
         i = cut[k][i]
     stops.reverse()
     return [range(start, stop) for start, stop in zip([0, *stops[:-1]], stops)]
-
-
-def _adapter_map(call: Adapter | Mapping[str, Adapter] | None) -> Mapping[str, Adapter]:
-    if call is None:
-        return {}
-    if isinstance(call, Mapping):
-        return call
-    if callable(call):
-        return {"": call}
-    raise TypeError(f"fpipe.balance: call must be an adapter call(module, x) -> x or a dict of them (call: {call!r}).")
 
 
 def _times(
