@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -74,53 +75,44 @@ def _downstream(
     return reached, hit
 
 
+@dataclass(eq=False)
 class _Group:
     """Parameters whose gradients flow in through the same intermediates."""
 
-    def __init__(self) -> None:
-        self.params: list[int] = []
-        self.intermediates: list[Node] = []
-        self.grads: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-        self.outputs: list[int] = []  # outputs the inputs do not reach, that these params do
+    params: list[int] = field(default_factory=list)
+    intermediates: list[Node] = field(default_factory=list)
+    grads: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    outputs: list[int] = field(default_factory=list)  # outputs the inputs do not reach, that these params do
 
 
+@dataclass(eq=False)
 class DeferredWeightGrad:
-    """What ``W`` needs after ``I`` ran: saved intermediate gradients, or the outputs themselves."""
+    """What ``W`` needs after ``I`` ran: saved intermediate gradients, or the outputs themselves
+    (``rest``: the parameters done from the outputs; ``done``: the gradients, already computed)."""
 
-    def __init__(
-        self,
-        groups: list[_Group],
-        rest: list[int],
-        outputs: list[torch.Tensor],
-        grad_outputs: list[torch.Tensor],
-        params: Sequence[torch.Tensor],
-        *,
-        done: list[torch.Tensor | None] | None = None,
-    ) -> None:
-        self._done = done
-        self._groups = groups
-        self._rest = rest
-        self._outputs = outputs
-        self._grad_outputs = grad_outputs
-        self._params = params
+    groups: list[_Group]
+    rest: list[int]
+    outputs: list[torch.Tensor]
+    grad_outputs: list[torch.Tensor]
+    params: Sequence[torch.Tensor]
+    done: list[torch.Tensor | None] | None = None
 
     def run(self) -> list[torch.Tensor | None]:
         """The parameter gradients, one per parameter (``None`` where none flows)."""
-        if self._done is not None:
-            return self._done
-        grads: list[torch.Tensor | None] = [None] * len(self._params)
-        for group in self._groups:
-            edges = [
-                GradientEdge(node, k)
+        if self.done is not None:
+            return self.done
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        for group in self.groups:
+            seeded = [
+                (GradientEdge(node, k), g)
                 for node in group.intermediates
                 for k, g in enumerate(group.grads.get(node, ()))
                 if g is not None
             ]
-            seeds = [g for node in group.intermediates for g in group.grads.get(node, ()) if g is not None]
-            edges += [get_gradient_edge(self._outputs[j]) for j in group.outputs]
-            seeds += [self._grad_outputs[j] for j in group.outputs]
-            if not edges:
+            seeded += [(get_gradient_edge(self.outputs[j]), self.grad_outputs[j]) for j in group.outputs]
+            if not seeded:
                 continue
+            edges, seeds = zip(*seeded)
             # An intermediate downstream of another would get the gradient twice (saved, and
             # again through the other): pin each to what it saw during I.
             handles = [
@@ -130,9 +122,9 @@ class DeferredWeightGrad:
             ]
             try:
                 found = torch.autograd.grad(
-                    edges,
-                    [GradientEdge(_node(self._params[k]), 0) for k in group.params],
-                    seeds,
+                    list(edges),
+                    [GradientEdge(_node(self.params[k]), 0) for k in group.params],
+                    list(seeds),
                     retain_graph=True,
                     allow_unused=True,
                 )
@@ -141,11 +133,11 @@ class DeferredWeightGrad:
                     handle.remove()
             for k, g in zip(group.params, found):
                 grads[k] = g
-        if self._rest and self._outputs:
+        if self.rest and self.outputs:
             found = torch.autograd.grad(
-                self._outputs, [self._params[k] for k in self._rest], self._grad_outputs, allow_unused=True
+                self.outputs, [self.params[k] for k in self.rest], self.grad_outputs, allow_unused=True
             )
-            for k, g in zip(self._rest, found):
+            for k, g in zip(self.rest, found):
                 grads[k] = g
         return grads
 
