@@ -83,11 +83,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
         f"{plural(program.num_microbatches, 'microbatch')}",
         file=out,
     )
-    print(
-        f"costs: F {costs.forward:g}, B {costs.of('B'):g}, I {costs.backward_input:g}, "
-        f"W {costs.backward_weight:g}, send {costs.send:g}",
-        file=out,
-    )
+    print(f"costs: {_listed(costs)}", file=out)
     print(terminal_grid(sim, color=color), file=out)
     print(legend(color=color), file=out)
     print(sim.summary(), file=out)
@@ -145,9 +141,15 @@ def _check_drawable(costs: Costs) -> None:
     if min(values) < 1e-6 or max(values) > 1e6 or max(values) > 1000 * min(values):
         raise ScheduleError(
             f"costs must lie between 1e-6 and 1e6 and within a factor 1000 of each other, for the grid to fit "
-            f"a terminal (F {costs.forward:g}, B {costs.of('B'):g}, I {costs.backward_input:g}, "
-            f"W {costs.backward_weight:g}, send {costs.send:g}). Costs are relative: scale them."
+            f"a terminal ({_listed(costs)}). Costs are relative: scale them."
         )
+
+
+def _listed(costs: Costs) -> str:
+    return (
+        f"F {costs.forward:g}, B {costs.of('B'):g}, I {costs.backward_input:g}, "
+        f"W {costs.backward_weight:g}, send {costs.send:g}"
+    )
 
 
 def _positive_int(text: str) -> int:

@@ -72,13 +72,8 @@ class Costs:
             if value is None and name == "backward":
                 continue
             positive = name != "send"
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value < 0
-                or (positive and value == 0)
-            ):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not number or value < 0 or (positive and value == 0):
                 raise ScheduleError(
                     f"fpipe.schedules.Costs: {name} must be a finite {'positive' if positive else 'non-negative'} "
                     f"number ({name}: {value!r})."
@@ -86,14 +81,11 @@ class Costs:
 
     def of(self, kind: str) -> float:
         """The duration of an action of ``kind`` (``"F"``, ``"B"``, ``"I"`` or ``"W"``)."""
-        if kind == FORWARD:
-            return self.forward
-        if kind == BACKWARD_INPUT:
-            return self.backward_input
-        if kind == BACKWARD_WEIGHT:
-            return self.backward_weight
         if kind == BACKWARD:
             return self.backward_input + self.backward_weight if self.backward is None else self.backward
+        durations = {FORWARD: self.forward, BACKWARD_INPUT: self.backward_input, BACKWARD_WEIGHT: self.backward_weight}
+        if kind in durations:
+            return durations[kind]
         raise ScheduleError(f"fpipe.schedules.Costs: unknown action kind {kind!r}. Kinds are F, B, I, W.")
 
 
