@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
-from ._placement import check_positive, v_ranks
+from ._placement import BuiltinSchedule, v_ranks
 from ._program import Program
 
 
 @dataclass(frozen=True)
-class DualPipeV:
+class DualPipeV(BuiltinSchedule):
     """DualPipeV (DeepSeek-AI, 2024): DualPipe's bidirectional schedule folded into ZB-V's V.
 
     DualPipe feeds microbatches from both ends of the pipeline and overlaps one chunk's forward
@@ -52,11 +52,6 @@ class DualPipeV:
     ``ZeroBubbleV`` does, the program keeps the shape of ``n = 2p`` microbatches and drops the
     actions of microbatches ``>= m``, with some idle time where they were.
     """
-
-    num_microbatches: int
-
-    def __post_init__(self) -> None:
-        check_positive("DualPipeV", "num_microbatches", self.num_microbatches)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_stages // 2`` ranks.

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._action import BACKWARD, FORWARD, Action
-from ._placement import check_positive, looped_ranks
+from ._placement import BuiltinSchedule, looped_ranks
 from ._program import Program
 
 
 @dataclass(frozen=True)
-class Interleaved1F1B:
+class Interleaved1F1B(BuiltinSchedule):
     """Megatron's interleaved 1F1B: ``stages_per_rank`` stages per rank in looped placement.
 
     With ``p`` ranks and ``v = stages_per_rank``, stage ``s`` lives on rank ``s % p`` (rank ``r``
@@ -35,12 +35,7 @@ class Interleaved1F1B:
     it has left rank ``p - 1``, and deadlock.
     """
 
-    num_microbatches: int
     stages_per_rank: int = 2
-
-    def __post_init__(self) -> None:
-        check_positive("Interleaved1F1B", "num_microbatches", self.num_microbatches)
-        check_positive("Interleaved1F1B", "stages_per_rank", self.stages_per_rank)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_ranks`` ranks (default: ``num_stages // stages_per_rank``)."""
