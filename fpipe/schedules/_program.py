@@ -182,15 +182,14 @@ def validate(program: Program) -> None:
             f"fpipe.schedules: the program is missing actions: {listing(missing, limit=12)}. Every stage needs a "
             "forward and a backward (B, or I and W) for every microbatch.\n" + _positional(program, set())
         )
-    for r, row in enumerate(program.ranks):
-        for pos, a in enumerate(row):
-            before = {BACKWARD: FORWARD, BACKWARD_INPUT: FORWARD, BACKWARD_WEIGHT: BACKWARD_INPUT}.get(a.kind)
-            if before is not None and seen[Action(a.stage, before, a.microbatch)][1] > pos:
-                raise ScheduleError(
-                    f"fpipe.schedules: on rank {r}, {a} (position {pos}) comes before "
-                    f"{Action(a.stage, before, a.microbatch)} that it needs. Move it later.\n"
-                    + _positional(program, {(r, pos)})
-                )
+    for a, (r, pos) in seen.items():  # in program order
+        before = {BACKWARD: FORWARD, BACKWARD_INPUT: FORWARD, BACKWARD_WEIGHT: BACKWARD_INPUT}.get(a.kind)
+        if before is not None and seen[Action(a.stage, before, a.microbatch)][1] > pos:
+            raise ScheduleError(
+                f"fpipe.schedules: on rank {r}, {a} (position {pos}) comes before "
+                f"{Action(a.stage, before, a.microbatch)} that it needs. Move it later.\n"
+                + _positional(program, {(r, pos)})
+            )
     timeline(program)
 
 

@@ -40,7 +40,7 @@ import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KINDS, Action
 from ._program import Program, ScheduleError, as_soon_as_possible, dependencies, split_backwards, validate
 
 
@@ -329,11 +329,9 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
     durations: dict[tuple[int, str], list[float]] = {}
     latencies: dict[int, list[float]] = {}
     for t in timelines:
-        end_of: dict[Action, float] = {}
-        for row, starts, ends in zip(program.ranks, t.starts, t.ends):
-            for a, start, end in zip(row, starts, ends):
-                end_of[a] = end
-                durations.setdefault((a.stage, a.kind), []).append(end - start)
+        end_of = {a: end for _, a, _, end in t.intervals()}
+        for _, a, start, end in t.intervals():  # the median does not depend on the order
+            durations.setdefault((a.stage, a.kind), []).append(end - start)
         for r, (row, starts, ends) in enumerate(zip(program.ranks, t.starts, t.ends)):
             for pos, a in enumerate(row):
                 free = ends[pos - 1] if pos else 0.0
@@ -352,7 +350,7 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
 
     fitted = []
     for s in range(program.num_stages):
-        forward, fused, inp, wgt = (median(s, kind) for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
+        forward, fused, inp, wgt = (median(s, kind) for kind in KINDS)
         assert forward is not None and (fused is not None or (inp is not None and wgt is not None)), "validated"
         if inp is None or wgt is None:
             assert fused is not None
