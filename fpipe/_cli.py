@@ -77,7 +77,9 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     except ScheduleError as error:
         print(f"python -m fpipe show: {error}", file=sys.stderr)
         return 2
-    color = args.color == "always" or (args.color == "auto" and _color_by_default(out))
+    # By default, colors on a terminal, unless NO_COLOR is set (https://no-color.org) or the terminal is dumb.
+    auto = out.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
+    color = args.color == "always" or (args.color == "auto" and auto)
     print(
         f"{schedule}: {plural(program.num_ranks, 'rank')}, {plural(program.num_stages, 'stage')}, "
         f"{plural(program.num_microbatches, 'microbatch')}",
@@ -160,8 +162,3 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
-
-
-def _color_by_default(out: TextIO) -> bool:
-    """Colors on a terminal, unless ``NO_COLOR`` is set (https://no-color.org) or the terminal is dumb."""
-    return out.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"

@@ -357,7 +357,7 @@ def _check_overlaps(segments: list[list[_Segment]]) -> None:
         for name, module in segment.modules:
             for other, where in seen:
                 inside = other == name or _contains(other, name) or _contains(name, other)
-                if not inside or (other == name and not _has_trainable(module)):
+                if not inside or (other == name and not any(p.requires_grad for p in module.parameters())):
                     continue
                 relation = "is named twice" if other == name else f"overlaps {other!r}"
                 raise ValueError(
@@ -370,10 +370,6 @@ def _check_overlaps(segments: list[list[_Segment]]) -> None:
 
 def _contains(outer: str, inner: str) -> bool:
     return outer == "" or inner.startswith(outer + ".")
-
-
-def _has_trainable(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters())
 
 
 def _check_coverage(segments: list[list[_Segment]], names: dict[int, str]) -> None:
