@@ -221,10 +221,9 @@ def finish_grads(
     for s in local_stages:
         if grads[s] is None:
             continue
-        param_leaves = flatten(params[s])[0]
         leaves, spec = flatten(grads[s])
         done: list[torch.Tensor | None] = []
-        for p, g in zip(param_leaves, leaves):
+        for p, g in zip(flatten(params[s])[0], leaves):
             if g is not None:
                 g = (g if scale is None else g / scale).to(precision.grads_dtype(p.dtype))
                 found = found or (scale is not None and not bool(torch.isfinite(g).all()))

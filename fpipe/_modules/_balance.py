@@ -16,6 +16,7 @@ the second pass is exact.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -140,9 +141,7 @@ def balance(
 def partition(costs: Sequence[float], num_stages: int) -> list[range]:
     """The contiguous partition of ``costs`` into ``num_stages`` non-empty runs (module docstring)."""
     n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0.0, *itertools.accumulate(costs)]
 
     def cost(i: int, j: int) -> float:
         return prefix[j] - prefix[i]
