@@ -24,9 +24,9 @@ The same idea is in ``torch.distributed.pipelining._backward``.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -190,13 +190,12 @@ def input_grad(
                 by_node[n] = group
                 group.intermediates.append(n)
 
-    def saver(group: _Group, node: Node) -> Any:
-        def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-            group.grads[node] = grad_outputs
-
-        return hook
-
-    handles = [node.register_prehook(saver(group, node)) for group in groups for node in group.intermediates]
+    # A pre-hook per intermediate saves the gradient arriving there: group.grads[node] = grad_outputs.
+    handles = [
+        node.register_prehook(functools.partial(group.grads.__setitem__, node))
+        for group in groups
+        for node in group.intermediates
+    ]
     try:
         found = torch.autograd.grad(outputs, list(inputs), grad_outputs, retain_graph=True, allow_unused=True)
     finally:
