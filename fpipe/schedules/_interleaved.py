@@ -45,12 +45,9 @@ class Interleaved1F1B(BuiltinSchedule):
         n = -(-m // p) * p  # laid out in full groups; the actions of microbatches >= m are dropped
         ranks = []
         for r in range(p):
-            fwd: list[tuple[int, int]] = []
-            bwd: list[tuple[int, int]] = []
-            for start in range(0, n, p):
-                group = range(start, start + p)
-                fwd += [(c * p + r, i) for c in range(v) for i in group]
-                bwd += [(c * p + r, i) for c in reversed(range(v)) for i in group]
+            groups = [range(start, start + p) for start in range(0, n, p)]
+            fwd = [(c * p + r, i) for group in groups for c in range(v) for i in group]
+            bwd = [(c * p + r, i) for group in groups for c in reversed(range(v)) for i in group]
             warmup = min(2 * (p - r - 1) + (v - 1) * p, n * v)
             row = [Action(s, FORWARD, i) for s, i in fwd[:warmup]]
             for (fs, fi), (bs, bi) in zip(fwd[warmup:], bwd):

@@ -143,7 +143,10 @@ class Simulation:
         the program's order, not on the costs. A rank holding ``v`` stages counts each
         ``(stage, microbatch)`` activation as ``1/v`` (NOTE [activation units]).
         """
-        return tuple(peak_activations(row) / stages_held(self.program, r) for r, row in enumerate(self.program.ranks))
+        return tuple(
+            max((alive for _, alive in activations_alive(row)), default=0) / stages_held(self.program, r)
+            for r, row in enumerate(self.program.ranks)
+        )
 
     def intervals(self) -> list[tuple[int, Action, float, float]]:
         """Every action as ``(rank, action, start, end)``, sorted by start time, then rank."""
@@ -165,11 +168,6 @@ class Simulation:
 def stages_held(program: Program, rank: int) -> int:
     """How many stages ``rank`` holds (at least 1: the divisor of its activation counts)."""
     return max(1, len(program.stages_of(rank)))
-
-
-def peak_activations(row: tuple[Action, ...]) -> int:
-    """The most ``(stage, microbatch)`` activations alive at once on a rank running ``row`` in order."""
-    return max((alive for _, alive in activations_alive(row)), default=0)
 
 
 def activations_alive(row: tuple[Action, ...]) -> Iterator[tuple[int, int]]:
