@@ -71,21 +71,17 @@ class Kernel(Protocol):
     def __call__(self, group: Group, *, lr: float) -> None: ...
 
 
-@dataclass(frozen=True)
-class Spec:
-    """What distinguishes one optimizer: its name, its buffers' keys and its kernel."""
-
-    name: str
-    buffers: tuple[str, ...]
-    kernel: Kernel
-    learning_rate: LearningRate
-    weight_decay: float
-    weight_decay_mask: Sequence[PyTree] | None
-
-
-def make_optimizer(spec: Spec) -> Optimizer:
-    """The ``Optimizer`` of ``spec``: ``init``, a pure ``update`` and an in-place ``update_``."""
-    where = f"fpipe.optim.{spec.name}"
+def make_optimizer(
+    name: str,
+    buffers: tuple[str, ...],
+    kernel: Kernel,
+    learning_rate: LearningRate,
+    weight_decay: float,
+    weight_decay_mask: Sequence[PyTree] | None,
+) -> Optimizer:
+    """The ``Optimizer`` ``fpipe.optim.<name>``: ``init``, a pure ``update`` and an in-place
+    ``update_``. What tells optimizers apart is their state's ``buffers`` and their ``kernel``."""
+    where = f"fpipe.optim.{name}"
 
     def init(params: Sequence[PyTree], /) -> list[PyTree]:
         _check_sequence(where, "params", params)
@@ -96,7 +92,7 @@ def make_optimizer(spec: Spec) -> Optimizer:
                 continue
             _, leaves, tree_spec = _param_leaves(where, s, stage)
             state: dict[str, PyTree] = {"step": torch.zeros((), dtype=torch.float32)}
-            for key in spec.buffers:
+            for key in buffers:
                 state[key] = unflatten(tree_spec, [_zeros(x) for x in leaves])
             out.append(state)
         return out
@@ -107,28 +103,27 @@ def make_optimizer(spec: Spec) -> Optimizer:
         held = _held_stages(where, params, grads, state)
         groups: dict[bool, Group] = {}
         for s in held:
-            counter = _check_state_keys(where, s, state[s], spec.buffers)
+            counter = _check_state_keys(where, s, state[s], buffers)
             paths, p_leaves, p_spec = _param_leaves(where, s, params[s])
             g_leaves = _same_structure(where, f"grads[{s}]", paths, p_spec, grads[s])
             b_leaves = {
-                key: _same_structure(where, f"state[{s}][{key!r}]", paths, p_spec, state[s][key])
-                for key in spec.buffers
+                key: _same_structure(where, f"state[{s}][{key!r}]", paths, p_spec, state[s][key]) for key in buffers
             }
-            decay = _decay_mask(where, s, spec.weight_decay_mask, params[s])
+            decay = _decay_mask(where, s, weight_decay_mask, params[s])
             for k, (path, p) in enumerate(zip(paths, p_leaves)):
                 if not isinstance(p, torch.Tensor):
                     continue  # None, strings: nothing to optimize
-                decay_rate = spec.weight_decay if decay[k] else 0.0
-                group = groups.setdefault(decay[k], Group(decay_rate, buffers={key: [] for key in spec.buffers}))
+                decay_rate = weight_decay if decay[k] else 0.0
+                group = groups.setdefault(decay[k], Group(decay_rate, buffers={key: [] for key in buffers}))
                 group.params.append(p)
                 group.grads.append(_check_like(where, f"grads[{s}]{path}", p, g_leaves[k]))
-                for key in spec.buffers:
+                for key in buffers:
                     group.buffers[key].append(_check_like(where, f"state[{s}][{key!r}]{path}", p, b_leaves[key][k]))
                 group.steps.append(counter.detach().clone())
-        rate = _learning_rate(where, spec.learning_rate, lr, held, state)
+        rate = _learning_rate(where, learning_rate, lr, held, state)
         with torch.no_grad():
             for group in groups.values():
-                spec.kernel(group, lr=rate)
+                kernel(group, lr=rate)
             for s in held:
                 state[s]["step"].add_(1)
 
