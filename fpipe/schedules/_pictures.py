@@ -147,14 +147,12 @@ def svg(timeline: Program | Simulation, *, unit_width: float = 32.0, row_height:
     ]
     for r in range(program.num_ranks):
         y = top + r * (row_height + gap)
-        parts.append(
+        parts += [
             f'<text x="{left - 8:g}" y="{y + row_height / 2:g}" text-anchor="end" '
-            f'dominant-baseline="central">rank {r}</text>'
-        )
-        parts.append(
+            f'dominant-baseline="central">rank {r}</text>',
             f'<rect x="{left:g}" y="{y:g}" width="{sim.makespan * unit_width:g}" height="{row_height:g}" '
-            'fill="#f2f2f2"/>'
-        )
+            'fill="#f2f2f2"/>',
+        ]
         for a, start, end in zip(program.ranks[r], sim.starts[r], sim.ends[r]):
             x, w = left + start * unit_width, (end - start) * unit_width
             parts.append(
