@@ -32,17 +32,6 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
-def _node(t: torch.Tensor) -> Node:
-    """The graph node that produces ``t``'s gradient (its ``grad_fn`` or its ``AccumulateGrad``)."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    node = t.view_as(t).grad_fn
-    assert node is not None, "fpipe: a tensor without a graph in a split backward"
-    accumulate = node.next_functions[0][0]
-    assert accumulate is not None
-    return accumulate
-
-
 def _consumers(roots: Sequence[Node]) -> dict[Node, list[Node]]:
     """For every node reachable backwards from ``roots``, the nodes that consume its output."""
     consumers: dict[Node, list[Node]] = collections.defaultdict(list)
@@ -123,7 +112,7 @@ class DeferredWeightGrad:
             try:
                 found = torch.autograd.grad(
                     list(edges),
-                    [GradientEdge(_node(self.params[k]), 0) for k in group.params],
+                    [get_gradient_edge(self.params[k]) for k in group.params],
                     list(seeds),
                     retain_graph=True,
                     allow_unused=True,
@@ -151,14 +140,14 @@ def input_grad(
     """The input half of a backward (NOTE [split backward]) and what the weight half needs."""
     if not outputs or not inputs:
         return [None] * len(inputs), DeferredWeightGrad([], list(range(len(params))), outputs, grad_outputs, params)
-    roots = [_node(o) for o in outputs]
+    roots = [get_gradient_edge(o).node for o in outputs]
     consumers = _consumers(roots)
     if any(node.name().startswith("CompiledFunction") for node in [*roots, *consumers]):
         # A torch.compile'd region is one opaque node whose backward computes every gradient at
         # once (and may not be re-run): do the whole backward now, W only hands the result over.
         found = torch.autograd.grad(outputs, [*inputs, *params], grad_outputs, allow_unused=True)
         return found[: len(inputs)], DeferredWeightGrad([], [], [], [], params, done=list(found[len(inputs) :]))
-    after_inputs, _ = _downstream([_node(x) for x in inputs], consumers, set())
+    after_inputs, _ = _downstream([get_gradient_edge(x).node for x in inputs], consumers, set())
     unreached: dict[Node, list[int]] = collections.defaultdict(list)  # outputs I gives no gradient
     for j, node in enumerate(roots):
         if node not in after_inputs:
@@ -167,7 +156,7 @@ def input_grad(
     groups: list[_Group] = []
     rest: list[int] = []
     for k, p in enumerate(params):
-        reached, hit = _downstream([_node(p)], consumers, after_inputs)
+        reached, hit = _downstream([get_gradient_edge(p).node], consumers, after_inputs)
         if not hit:
             rest.append(k)
             continue
