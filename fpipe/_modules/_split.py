@@ -302,13 +302,7 @@ def _resolve(modules: Mapping[str, nn.Module], s: int, text: str) -> _Segment:
     module = modules[name]
     prefix = f"{name}." if name else ""
     if match["start"] is None:
-        selected = _expand(name, module)
-        if not selected:
-            raise ValueError(
-                f"fpipe.split_module: {text!r} of stage {s} selects no module ({name!r} is an empty "
-                f"{type(module).__name__}). Drop the segment."
-            )
-        return _Segment(s, text, selected)
+        return _nonempty(s, text, _expand(name, module), f"{name!r} is an empty {type(module).__name__}")
     if not isinstance(module, (nn.ModuleList, nn.Sequential)):
         raise ValueError(
             f"fpipe.split_module: {name!r} is a {type(module).__name__}, not a ModuleList or Sequential, so it "
@@ -328,10 +322,13 @@ def _resolve(modules: Mapping[str, nn.Module], s: int, text: str) -> _Segment:
             "Give a non-empty range, or drop the segment."
         )
     selected = tuple(item for i in range(start, stop) for item in _expand(f"{prefix}{i}", module[i]))
+    return _nonempty(s, text, selected, "its ModuleLists are empty")
+
+
+def _nonempty(s: int, text: str, selected: tuple[tuple[str, nn.Module], ...], why_empty: str) -> _Segment:
     if not selected:
         raise ValueError(
-            f"fpipe.split_module: {text!r} of stage {s} selects no module (its ModuleLists are empty). "
-            "Drop the segment."
+            f"fpipe.split_module: {text!r} of stage {s} selects no module ({why_empty}). Drop the segment."
         )
     return _Segment(s, text, selected)
 
