@@ -162,9 +162,7 @@ class Watchdog:
                 self._requests = queue.Queue()
                 self._thread = threading.Thread(target=self._loop, args=(default,), name="fpipe-watchdog", daemon=True)
                 self._thread.start()
-            if prefix not in self._boards:
-                self._boards[prefix] = Board(prefix, job, dist.get_rank(), groups, names)
-            return self._boards[prefix]
+            return self._boards.setdefault(prefix, Board(prefix, job, dist.get_rank(), groups, names))
 
     def stop(self) -> None:
         """Stop the thread and wait for it (at exit: a daemon thread caught inside a store call

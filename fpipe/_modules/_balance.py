@@ -166,12 +166,11 @@ def partition(costs: Sequence[float], num_stages: int) -> list[range]:
                     c <= limit and even[k - 1][j] < inf and even[k - 1][j] + c * c <= even[k][i]
                 ):  # <=: the latest cut wins ties
                     even[k][i], cut[k][i] = even[k - 1][j] + c * c, j
-    stops, i = [], n
-    for k in range(num_stages, 0, -1):
-        stops.append(i)
+    bounds, i = [], n
+    for k in range(num_stages, 0, -1):  # back from the last stage, which ends at n
+        bounds.append(range(cut[k][i], i))
         i = cut[k][i]
-    stops.reverse()
-    return [range(start, stop) for start, stop in zip([0, *stops[:-1]], stops)]
+    return bounds[::-1]
 
 
 def _times(
