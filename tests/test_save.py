@@ -193,24 +193,26 @@ def test_optimizer_state_and_metadata_round_trip(tmp_path: Path) -> None:
 
 # --- Atomicity --------------------------------------------------------------------------------
 
-_KILLED_SAVE = """
-import os, sys, time, torch, fpipe, fpipe._saving._store as store
-written = []
-def slow(f, data):
+_HALF_WRITE = """
+import sys, time, torch, fpipe, fpipe._saving._store as store
+def half_write(f, data):  # store._write = half_write: a save that stops halfway
     f.write(data[: len(data) // 2])
     f.flush()
     open(sys.argv[2], "w").close()  # tell the test: the new save is half written
     time.sleep(120)
-store._write = slow
+"""
+
+_KILLED_SAVE = """
+store._write = half_write
 fpipe.save(sys.argv[1], [{"w": torch.full((1000,), 2.0)}, {"b": torch.full((10,), 2.0)}])
 """
 
 
 def kill_when_half_written(script: str, directory: Path, marker: Path) -> None:
-    """Run ``script`` (``sys.argv[1:]``: ``directory``, ``marker``) in a process of its own and
-    SIGKILL it once it has created ``marker``, which it does when its save is half written."""
+    """Run ``script`` (``sys.argv[1:]``: ``directory``, ``marker``; ``half_write`` defined) in a
+    process of its own and SIGKILL it once it has created ``marker``: its save is half written."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen([sys.executable, "-c", script, str(directory), str(marker)], env=env)
+    process = subprocess.Popen([sys.executable, "-c", _HALF_WRITE + script, str(directory), str(marker)], env=env)
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():
