@@ -205,8 +205,7 @@ class Watchdog:
         """Write ``failure`` unless a record is there already; the record that stands."""
 
         def write(store: Any) -> Failure:
-            key = board.key()
-            standing = store.compare_set(key, "", failure.to_json()).decode()
+            standing = store.compare_set(board.key(), "", failure.to_json()).decode()
             return failure if not standing else Failure.from_json(standing)
 
         with contextlib.suppress(Exception):

@@ -158,12 +158,6 @@ class ModuleStage:
 
     def __call__(self, stage_params: Mapping[str, torch.Tensor], x: Any, /) -> Any:
         """Run the stage's modules in order on ``x`` with ``stage_params``."""
-        self._check(stage_params)
-        for c in self._calls:
-            x = c.adapter(_BoundModule(c, stage_params), x)
-        return x
-
-    def _check(self, stage_params: Any) -> None:
         if not isinstance(stage_params, Mapping):
             raise TypeError(
                 f"fpipe stage {self.index}: stage_params must be the dict of parameters split_module returned "
@@ -176,6 +170,9 @@ class ModuleStage:
                 f"fpipe stage {self.index}: stage_params does not match the stage (missing: {listing(missing)}; "
                 f"unexpected: {listing(unexpected)}). Pass params[{self.index}] as split_module returned it."
             )
+        for c in self._calls:
+            x = c.adapter(_BoundModule(c, stage_params), x)
+        return x
 
 
 class _BoundModule:
