@@ -160,18 +160,17 @@ def input_grad(
         if not hit:
             rest.append(k)
             continue
-        merged = [by_node[n] for n in hit if n in by_node]
+        merged = list(dict.fromkeys(by_node[n] for n in hit if n in by_node))  # each group once
         group = merged[0] if merged else _Group()
         if not merged:
             groups.append(group)
         for other in merged[1:]:
-            if other is not group:
-                group.params += other.params
-                group.intermediates += [n for n in other.intermediates if n not in group.intermediates]
-                group.outputs += [j for j in other.outputs if j not in group.outputs]
-                for n in other.intermediates:
-                    by_node[n] = group
-                groups.remove(other)
+            group.params += other.params
+            group.intermediates += [n for n in other.intermediates if n not in group.intermediates]
+            group.outputs += [j for j in other.outputs if j not in group.outputs]
+            for n in other.intermediates:
+                by_node[n] = group
+            groups.remove(other)
         group.params.append(k)
         group.outputs += [j for n in reached if n in unreached for j in unreached[n] if j not in group.outputs]
         for n in hit:
