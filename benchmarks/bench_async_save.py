@@ -21,9 +21,10 @@ save loads bitwise equal to the sync one.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -36,17 +37,17 @@ import fpipe
 import fpipe.optim
 from fpipe.schedules import OneFOneB
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # the command line, JSON output and models the benchmarks share
+
 STAGES = 4
+loss_fn = _common.mse_loss
 
 
 def block(p: dict[str, dict[str, torch.Tensor]], h: torch.Tensor) -> torch.Tensor:
     (q,) = p.values()  # {"layers": {"<s>": ...}}: saved under global names layers.<s>.w1 ...
     (q,) = q.values()
     return h + torch.tanh(h @ q["w1"] + q["b1"]) @ q["w2"]
-
-
-def loss_fn(y: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return ((y - batch["y"]) ** 2).mean()
 
 
 def first(p: dict[str, dict[str, torch.Tensor]], batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -158,9 +159,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"{mode:<6} {row['mean_step_s'] * 1e3:>7.1f} ms {row['median_plain_step_s'] * 1e3:>8.1f} ms "
             f"{row['mean_plain_step_s'] * 1e3:>7.1f} ms {saving:>12} {row['final_wait_s'] * 1e3:>8.1f} ms"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    _common.write_json(args.json, results)
     return results
 
 

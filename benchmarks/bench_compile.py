@@ -16,9 +16,9 @@ a compiled region (its ``I`` then does the whole backward, see NOTE [split backw
 
 from __future__ import annotations
 
-import argparse
-import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,12 +28,10 @@ import torch
 import fpipe
 from fpipe.schedules import OneFOneB, ZeroBubbleH1
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # the command line, JSON output and models the benchmarks share
 
-def stage(params: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-    for k in range(2):
-        x = torch.nn.functional.rms_norm(h, h.shape[-1:])
-        h = h + (torch.nn.functional.silu(x @ params[f"{k}.gate"]) * (x @ params[f"{k}.up"])) @ params[f"{k}.down"]
-    return h
+stage = _common.swiglu  # two blocks per stage
 
 
 def loss_fn(y: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
@@ -47,20 +45,10 @@ def timed(step: Callable[..., Any], *args: Any) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args(argv)
+    args = _common.parser(__doc__).parse_args(argv)
     dim, batch, seq, repeats, backend = (16, 8, 4, 2, "aot_eager") if args.quick else (256, 32, 64, 7, "inductor")
     torch.manual_seed(0)
-    params = [
-        {
-            f"{k}.{name}": torch.randn(*shape) / shape[0] ** 0.5
-            for k in range(2)
-            for name, shape in (("gate", (dim, 2 * dim)), ("up", (dim, 2 * dim)), ("down", (2 * dim, dim)))
-        }
-        for _ in range(4)
-    ]
+    params = _common.swiglu_params(4, 2, dim)
     results: dict[str, Any] = {"config": {"dim": dim, "batch": batch, "seq": seq, "backend": backend}}
     for schedule in (OneFOneB(8), ZeroBubbleH1(8)):
         torch._dynamo.reset()
@@ -96,9 +84,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"{name:>14}: eager {r['eager_ms']:8.1f} ms  compiled {r['compiled_ms']:8.1f} ms  "
             f"ratio {r['ratio']:.3f}  first compile {compile_seconds:.1f} s  graphs {graphs}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    _common.write_json(args.json, results)
     return results
 
 

@@ -18,9 +18,9 @@ references). A training step's peak grows with the microbatches the schedule kee
 
 from __future__ import annotations
 
-import argparse
-import json
+import os
 import statistics
+import sys
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -31,13 +31,10 @@ import torch
 import fpipe
 from fpipe.schedules import GPipe, OneFOneB
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # the command line, JSON output and models the benchmarks share
 
-def block(params: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-    for k in range(len(params) // 3):
-        x = torch.nn.functional.rms_norm(h, h.shape[-1:])
-        gate, up, down = params[f"{k}.gate"], params[f"{k}.up"], params[f"{k}.down"]
-        h = h + (torch.nn.functional.silu(x @ gate) * (x @ up)) @ down
-    return h
+block = _common.swiglu
 
 
 class Census:
@@ -91,30 +88,18 @@ def measure(call: Callable[[], Any], repeats: int) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args(argv)
+    args = _common.parser(__doc__).parse_args(argv)
     dim, blocks, batch, seq, repeats = (16, 1, 8, 4, 2) if args.quick else (256, 2, 16, 64, 5)
     num_stages, num_microbatches = 4, 8
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    params = [
-        {
-            f"{k}.{name}": torch.randn(*shape) / shape[0] ** 0.5
-            for k in range(blocks)
-            for name, shape in (("gate", (dim, 2 * dim)), ("up", (dim, 2 * dim)), ("down", (2 * dim, dim)))
-        }
-        for _ in range(num_stages)
-    ]
+    params = _common.swiglu_params(num_stages, blocks, dim)
     data = {"x": torch.randn(batch, seq, dim), "y": torch.randn(batch, seq, dim)}
 
     def first(p: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
         return block(p, mb["x"])
 
-    def loss_fn(h: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        return ((h - mb["y"]) ** 2).mean()
-
+    loss_fn = _common.mse_loss
     results: dict[str, Any] = {"dim": dim, "blocks_per_stage": blocks, "batch": [batch, seq], "stages": num_stages}
     results["microbatches"] = num_microbatches
     for schedule in (GPipe(num_microbatches), OneFOneB(num_microbatches)):
@@ -150,9 +135,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"{name:<10} {r['train_ms']:>9.1f} {r['evaluate_ms']:>8.1f} {r['time_ratio']:>6.2f} "
             f"{r['train_peak_MiB']:>10.2f} {r['evaluate_peak_MiB']:>9.2f} {r['memory_ratio']:>6.2f}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    _common.write_json(args.json, results)
     return results
 
 

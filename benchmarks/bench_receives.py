@@ -19,8 +19,6 @@ the ratio of the fastest steps.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,6 +28,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # the command line and JSON output the benchmarks share
 import bench_vs_torch as model  # the same model, split and process helpers
 
 
@@ -70,11 +69,7 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (seconds)")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
-    parser.add_argument("--repeats", type=int, help="timed rounds per config (default 14, quick 2)")
-    args = parser.parse_args(argv)
+    args = _common.parser(__doc__, repeats="timed rounds per config (default 14, quick 2)").parse_args(argv)
     if args.quick:
         cfg = {"dim": 32, "heads": 4, "hidden": 64, "layers": 4, "vocab": 64, "seq": 8, "batch": 8}
     else:
@@ -106,9 +101,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"| {row['schedule']} | {row['microbatches']} | {a:.1f} | {n:.1f} "
             f"| {model.spread(p)} | {p['of_minimums']:.3f} |"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    _common.write_json(args.json, results)
     return results
 
 

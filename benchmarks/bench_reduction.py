@@ -22,52 +22,26 @@ step spends, after its last action, waiting for the gradients' reduction and the
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
 import os
 import platform
-import queue as queue_module
-import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fpipe
 from fpipe.schedules import Interleaved1F1B
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # the command line, JSON output and models the benchmarks share
+import bench_vs_torch  # its run_ranks: one gloo process per rank
+
 WORLD = 4
 MODES = ("end", "overlap")
-
-
-def block(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-    return h + torch.tanh(h @ p["w1"] + p["b1"]) @ p["w2"]
-
-
-def loss_fn(y: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return ((y - batch["y"]) ** 2).mean()
-
-
-def first(p: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return block(p, batch["x"])
-
-
-def init_params(num_stages: int, dim: int, hidden: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        {
-            "w1": torch.randn(dim, hidden, generator=g) / dim**0.5,
-            "b1": torch.zeros(hidden),
-            "w2": torch.randn(hidden, dim, generator=g) / hidden**0.5,
-        }
-        for _ in range(num_stages)
-    ]
 
 
 class _Timer:
@@ -87,7 +61,7 @@ class _Timer:
         return timed
 
 
-def measure(config: dict[str, Any]) -> dict[str, Any]:
+def measure(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
     """Both modes on this rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -105,9 +79,11 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     replica = mesh.get_coordinate()[0]
     num_stages = 4
-    stages = [first] + [block] * (num_stages - 1)
-    step = fpipe.pipeline(loss_fn, stages, Interleaved1F1B(config["microbatches"], stages_per_rank=2), mesh=mesh)
-    full = init_params(num_stages, config["dim"], config["hidden"])
+    stages = [_common.mlp_first] + [_common.mlp_block] * (num_stages - 1)
+    step = fpipe.pipeline(
+        _common.mse_loss, stages, Interleaved1F1B(config["microbatches"], stages_per_rank=2), mesh=mesh
+    )
+    full = _common.mlp_params(num_stages, config["dim"], config["hidden"])
     params = [p if s in step.local_stages else None for s, p in enumerate(full)]
     g = torch.Generator().manual_seed(1 + replica)
     batch = {"x": torch.randn(config["batch"], config["dim"], generator=g)}
@@ -152,48 +128,6 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _rank(rank: int, port: int, config: dict[str, Any], queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
-    try:
-        result = measure(config)
-        if rank == 0:
-            buffer = io.BytesIO()
-            torch.save(result, buffer)
-            queue.put(buffer.getvalue())
-    finally:
-        dist.destroy_process_group()
-
-
-def run(config: dict[str, Any]) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, config, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 600
-    try:
-        while True:  # a rank that dies fails the run at once instead of leaving it waiting
-            try:
-                payload = queue.get(timeout=1)
-                break
-            except queue_module.Empty:
-                failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"bench_reduction: ranks failed or hung (exit codes: {failed})") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    result: dict[str, Any] = torch.load(io.BytesIO(payload), weights_only=False)
-    return result
-
-
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| rank | replica | stages | end: step ms | end: exposed ms | overlap: step ms | overlap: exposed ms |",
@@ -209,11 +143,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (seconds)")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
-    parser.add_argument("--repeats", type=int, help="timed steps per mode (default 21, quick 3)")
-    args = parser.parse_args(argv)
+    args = _common.parser(__doc__, repeats="timed steps per mode (default 21, quick 3)").parse_args(argv)
     if args.quick:
         config = {"dim": 16, "hidden": 24, "batch": 8, "microbatches": 4, "repeats": 3, "warmup": 1}
     else:
@@ -221,14 +151,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.repeats:
         config["repeats"] = args.repeats
     start = time.perf_counter()
-    result = run(config)
+    result: dict[str, Any] = bench_vs_torch.run_ranks(WORLD, {**config, "timeout": 600}, measure)[0]
     print(f"config: {config}; torch {torch.__version__}, Python {platform.python_version()}, 1 thread per rank")
     print(f"gradient bytes per rank: {result['grad_bytes_per_rank']:,}")
     print(table(result))
     print(f"({time.perf_counter() - start:.0f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": config, "torch": torch.__version__, **result}, f, indent=1)
+    _common.write_json(args.json, {"config": config, "torch": torch.__version__, **result}, indent=1)
     return result
 
 

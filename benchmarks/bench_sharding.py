@@ -23,52 +23,27 @@ Before timing, the sharded grads (gathered) are checked against the replicated o
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
 import os
 import platform
-import socket
 import statistics
+import sys
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fpipe
 from fpipe.schedules import OneFOneB
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # the command line, JSON output and models the benchmarks share
+import bench_vs_torch  # its run_ranks: one gloo process per rank
+
 MESHES = ((2, 2), (4, 1))  # (dp, pp)
 WORLD = 4
-
-
-def block(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-    return h + torch.tanh(h @ p["w1"] + p["b1"]) @ p["w2"]
-
-
-def loss_fn(y: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return ((y - batch["y"]) ** 2).mean()
-
-
-def first(p: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return block(p, batch["x"])
-
-
-def init_params(num_stages: int, dim: int, hidden: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        {
-            "w1": torch.randn(dim, hidden, generator=g) / dim**0.5,
-            "b1": torch.zeros(hidden),
-            "w2": torch.randn(hidden, dim, generator=g) / hidden**0.5,
-        }
-        for _ in range(num_stages)
-    ]
 
 
 def nbytes(tree: Any) -> int:
@@ -82,15 +57,15 @@ def measure(dp: int, pp: int, config: dict[str, Any]) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
     replica = mesh.get_coordinate()[0]
     num_stages = 4
-    stages = [first] + [block] * (num_stages - 1)
+    stages = [_common.mlp_first] + [_common.mlp_block] * (num_stages - 1)
     schedule = OneFOneB(config["microbatches"])
-    full = init_params(num_stages, config["dim"], config["hidden"])
+    full = _common.mlp_params(num_stages, config["dim"], config["hidden"])
     g = torch.Generator().manual_seed(1 + replica)
     batch = {"x": torch.randn(config["batch"], config["dim"], generator=g)}
     batch["y"] = torch.randn(config["batch"], config["dim"], generator=g)
 
-    plain = fpipe.pipeline(loss_fn, stages, schedule, mesh=mesh)
-    sharded = fpipe.pipeline(loss_fn, stages, schedule, mesh=mesh, shard_params=True)
+    plain = fpipe.pipeline(_common.mse_loss, stages, schedule, mesh=mesh)
+    sharded = fpipe.pipeline(_common.mse_loss, stages, schedule, mesh=mesh, shard_params=True)
     local = [p if s in plain.local_stages else None for s, p in enumerate(full)]
     shards = sharded.shard(full)
     mine = batch if plain.rank == 0 else None
@@ -130,38 +105,8 @@ def measure(dp: int, pp: int, config: dict[str, Any]) -> dict[str, Any]:
     return {"dp": dp, "pp": pp, "ranks": rows}
 
 
-def _rank(rank: int, port: int, config: dict[str, Any], queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
-    try:
-        results = [measure(dp, pp, config) for dp, pp in MESHES]
-        if rank == 0:
-            buffer = io.BytesIO()
-            torch.save(results, buffer)
-            queue.put(buffer.getvalue())
-    finally:
-        dist.destroy_process_group()
-
-
-def run(config: dict[str, Any]) -> list[dict[str, Any]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, config, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        payload = queue.get(timeout=600)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    results: list[dict[str, Any]] = torch.load(io.BytesIO(payload), weights_only=False)
-    return results
+def rank_main(rank: int, world_size: int, config: dict[str, Any]) -> list[dict[str, Any]]:
+    return [measure(dp, pp, config) for dp, pp in MESHES]
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -186,11 +131,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (seconds)")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
-    parser.add_argument("--repeats", type=int, help="timed steps per mode (default 21, quick 3)")
-    args = parser.parse_args(argv)
+    args = _common.parser(__doc__, repeats="timed steps per mode (default 21, quick 3)").parse_args(argv)
     if args.quick:
         config = {"dim": 16, "hidden": 24, "batch": 8, "microbatches": 4, "repeats": 3, "warmup": 1}
     else:
@@ -198,13 +139,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if args.repeats:
         config["repeats"] = args.repeats
     start = time.perf_counter()
-    results = run(config)
+    results: list[dict[str, Any]] = bench_vs_torch.run_ranks(WORLD, {**config, "timeout": 600}, rank_main)[0]
     print(f"config: {config}; torch {torch.__version__}, Python {platform.python_version()}, 1 thread per rank")
     print(table(results))
     print(f"({time.perf_counter() - start:.0f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": config, "torch": torch.__version__, "meshes": results}, f, indent=1)
+    _common.write_json(args.json, {"config": config, "torch": torch.__version__, "meshes": results}, indent=1)
     return results
 
 

@@ -15,9 +15,9 @@ ratio ``(I + W) / B``. Zero-bubble schedules need it near 1: the split must not 
 
 from __future__ import annotations
 
-import argparse
-import json
+import os
 import statistics
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,13 +25,8 @@ import torch
 
 import fpipe
 
-
-def block(params: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-    for k in range(len(params) // 3):
-        x = torch.nn.functional.rms_norm(h, h.shape[-1:])
-        gate, up, down = params[f"{k}.gate"], params[f"{k}.up"], params[f"{k}.down"]
-        h = h + (torch.nn.functional.silu(x @ gate) * (x @ up)) @ down
-    return h
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # the command line, JSON output and models the benchmarks share
 
 
 def program(num_microbatches: int, split: bool) -> list[list[str]]:
@@ -46,26 +41,16 @@ def program(num_microbatches: int, split: bool) -> list[list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args(argv)
+    args = _common.parser(__doc__).parse_args(argv)
     dim, blocks, batch, seq, steps = (16, 2, 4, 8, 2) if args.quick else (512, 4, 16, 128, 5)
     torch.manual_seed(0)
-    params = [
-        {
-            f"{k}.{name}": torch.randn(*shape) / shape[0] ** 0.5
-            for k in range(blocks)
-            for name, shape in (("gate", (dim, 2 * dim)), ("up", (dim, 2 * dim)), ("down", (2 * dim, dim)))
-        }
-        for _ in range(2)
-    ]
+    params = _common.swiglu_params(2, blocks, dim)
     data = torch.randn(batch * 4, seq, dim)
     durations: dict[str, dict[str, list[float]]] = {}
     grads = {}
     for split in (False, True, False, True):  # A/B interleaved
         name = "split" if split else "fused"
-        step = fpipe.pipeline(lambda y, b: y.square().mean(), [block, block], program(4, split))
+        step = fpipe.pipeline(lambda y, b: y.square().mean(), [_common.swiglu] * 2, program(4, split))
         with fpipe.record() as recording:
             for _ in range(steps):
                 _, grads[name] = step(params, data)
@@ -90,9 +75,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"input grad I     {median['split']['I']:8.2f} ms")
     print(f"weight grad W    {median['split']['W']:8.2f} ms")
     print(f"(I + W) / B      {results['ratio_split_over_fused']:8.3f}   (grads equal: yes)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    _common.write_json(args.json, results)
     return results
 
 

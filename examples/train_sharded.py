@@ -12,10 +12,11 @@ With ``fpipe.pipeline(..., mesh=mesh, shard_params=True)`` (ZeRO-3, FSDP) each r
 its shard of its stages' parameters: ``step.shard(params)`` cuts every tensor into 1-D pieces,
 one per replica (zero-padded when it does not divide). A step all-gathers a stage's parameters
 before the stage's first forward and reduce-scatters its gradients after its last backward, so
-``grads`` come back as shards too, and the AdamW update below runs on shards only: parameters,
-gradients and both moments take half the memory on every rank (``1 / dp`` in general). The
-update is elementwise, so sharded and unsharded training take the same steps; gradient clipping
-uses ``step.global_norm(grads)``, which sums the squares of every shard over the whole mesh.
+``grads`` come back as shards too, and the AdamW update (``fpipe.optim.adamw``, torch.optim's own
+kernel) runs on shards only: parameters, gradients and both moments take half the memory on
+every rank (``1 / dp`` in general). The update is elementwise, so sharded and unsharded training
+take the same steps; gradient clipping (``fpipe.optim.clip_by_global_norm``) uses
+``step.global_norm(grads)``, which sums the squares of every shard over the whole mesh.
 
 The task is synthetic: regress a fixed random two-layer "teacher" from 16 inputs to 8 outputs.
 """
@@ -36,6 +37,7 @@ except ImportError:
     sys.exit("examples/train_sharded.py needs tqdm, which the examples extra installs: pip install -e '.[examples]'")
 
 import fpipe
+import fpipe.optim
 from fpipe.schedules import OneFOneB
 
 IN, OUT = 16, 8
@@ -94,30 +96,13 @@ def init_params(dim, hidden, generator):
 
 
 # -----------------------------------------------------------------------------
-# AdamW over pytrees of shards (or of full tensors: the update is elementwise)
+# the optimizer: AdamW over pytrees of shards (or of full tensors: the update is elementwise)
 
 
-def adamw_init(params):
-    return {"step": 0, "m": optree.tree_map(torch.zeros_like, params), "v": optree.tree_map(torch.zeros_like, params)}
-
-
-def adamw_update(params, grads, state, decay, *, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
-    """``decay`` says which leaves get weight decay; a shard is 1-D, so it cannot tell by its shape."""
-    b1, b2 = betas
-    t = state["step"] + 1
-    m = optree.tree_map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], grads)
-    v = optree.tree_map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], grads)
-
-    def update(p, m, v, decay):
-        p = p * (1 - lr * weight_decay) if decay else p
-        return p - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
-
-    return optree.tree_map(update, params, m, v, decay), {"step": t, "m": m, "v": v}
-
-
-def clip(grads, norm, max_norm):
-    scale = min(1.0, max_norm / (float(norm) + 1e-6))
-    return optree.tree_map(lambda g: g * scale, grads)
+def optimizer(full_params, lr):
+    """Weight decay on matrices only, decided on the full shapes: a shard is 1-D."""
+    decay = [{k: v.dim() >= 2 for k, v in p.items()} for p in full_params]
+    return fpipe.optim.adamw(lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, weight_decay_mask=decay)
 
 
 def nbytes(tree):
@@ -163,10 +148,10 @@ def main(argv=None):
     # Every rank draws the same full parameters (same seed); step.shard keeps this rank's shards
     # of its stages (None for the stages held elsewhere).
     full = init_params(args.dim, args.hidden, torch.Generator().manual_seed(args.seed))
-    decay = [{k: v.dim() >= 2 for k, v in p.items()} if s in step.local_stages else None for s, p in enumerate(full)]
+    opt = optimizer(full, args.lr)
     mine = [p if s in step.local_stages else None for s, p in enumerate(full)]
     params = mine if args.no_shard else step.shard(full)
-    opt_state = adamw_init(params)
+    opt_state = opt.init(params)  # None for the stages held elsewhere
     del full, mine
 
     teacher_params = teacher(torch.Generator().manual_seed(1234))  # the same on every rank
@@ -179,15 +164,16 @@ def main(argv=None):
     for it in range(args.steps):
         batch = get_batch(teacher_params, args.batch_size, data)
         loss, grads = step(params, batch if step.rank == 0 else None)  # loss: the replicas' mean
-        grads = clip(grads, step.global_norm(grads), args.max_norm)
-        params, opt_state = adamw_update(params, grads, opt_state, decay, lr=args.lr)
+        grads = fpipe.optim.clip_by_global_norm(grads, step.global_norm(grads), max_norm=args.max_norm)
+        params, opt_state = opt.update(params, grads, opt_state)
         losses.append(loss.item())
         bar.set_postfix_str(f"loss {losses[-1]:.6f}", refresh=False)
         bar.update()
         if chatty and bar.disable and (it % 10 == 9 or it == args.steps - 1):
             print(f"step {it + 1}/{args.steps}: loss {losses[-1]:.6f}")
         if it == 0:
-            memory = nbytes(params) + nbytes(grads) + nbytes(opt_state["m"]) + nbytes(opt_state["v"])
+            moments = [None if s is None else [s["exp_avg"], s["exp_avg_sq"]] for s in opt_state]
+            memory = nbytes(params) + nbytes(grads) + nbytes(moments)
     bar.close()
     elapsed = time.perf_counter() - start
     # A validation loss through the forward-only pipeline, on the shards as the step takes them.

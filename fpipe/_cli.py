@@ -77,17 +77,15 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     except ScheduleError as error:
         print(f"python -m fpipe show: {error}", file=sys.stderr)
         return 2
-    color = args.color == "always" or (args.color == "auto" and _color_by_default(out))
+    # By default, colors on a terminal, unless NO_COLOR is set (https://no-color.org) or the terminal is dumb.
+    auto = out.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
+    color = args.color == "always" or (args.color == "auto" and auto)
     print(
         f"{schedule}: {plural(program.num_ranks, 'rank')}, {plural(program.num_stages, 'stage')}, "
         f"{plural(program.num_microbatches, 'microbatch')}",
         file=out,
     )
-    print(
-        f"costs: F {costs.forward:g}, B {costs.of('B'):g}, I {costs.backward_input:g}, "
-        f"W {costs.backward_weight:g}, send {costs.send:g}",
-        file=out,
-    )
+    print(f"costs: {_listed(costs)}", file=out)
     print(terminal_grid(sim, color=color), file=out)
     print(legend(color=color), file=out)
     print(sim.summary(), file=out)
@@ -145,9 +143,15 @@ def _check_drawable(costs: Costs) -> None:
     if min(values) < 1e-6 or max(values) > 1e6 or max(values) > 1000 * min(values):
         raise ScheduleError(
             f"costs must lie between 1e-6 and 1e6 and within a factor 1000 of each other, for the grid to fit "
-            f"a terminal (F {costs.forward:g}, B {costs.of('B'):g}, I {costs.backward_input:g}, "
-            f"W {costs.backward_weight:g}, send {costs.send:g}). Costs are relative: scale them."
+            f"a terminal ({_listed(costs)}). Costs are relative: scale them."
         )
+
+
+def _listed(costs: Costs) -> str:
+    return (
+        f"F {costs.forward:g}, B {costs.of('B'):g}, I {costs.backward_input:g}, "
+        f"W {costs.backward_weight:g}, send {costs.send:g}"
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -158,8 +162,3 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
-
-
-def _color_by_default(out: TextIO) -> bool:
-    """Colors on a terminal, unless ``NO_COLOR`` is set (https://no-color.org) or the terminal is dumb."""
-    return out.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"

@@ -1,6 +1,8 @@
-"""Counted nouns for messages: ``plural(1, "tick")`` is ``"1 tick"``, never ``"1 ticks"``."""
+"""Counted nouns and lists for messages: ``plural(1, "tick")`` is ``"1 tick"``, never ``"1 ticks"``."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 
 def plural(count: int, noun: str) -> str:
@@ -21,3 +23,11 @@ def plural(count: int, noun: str) -> str:
 
 
 _IRREGULAR = {"leaf": "leaves", "child": "children"}
+
+
+def listing(names: Sequence[str], limit: int = 8) -> str:
+    """``names`` joined by commas, the first ``limit`` of them and a count of the rest (``"none"`` if empty)."""
+    if not names:
+        return "none"
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"

@@ -28,16 +28,11 @@ import torch
 
 from ._pytree import PyTree, flatten, leaves_with_paths, unflatten
 
-_FLOAT8 = frozenset(
+FLOAT8 = frozenset(  # torch's 8-bit floating dtypes
     getattr(torch, name)
     for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, name)
 )
-
-
-def is_float8(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` is one of torch's 8-bit floating dtypes."""
-    return dtype in _FLOAT8
 
 
 @dataclass(frozen=True)
@@ -68,12 +63,7 @@ class LossScale:
             ("init", self.init, _positive_number(self.init), "a positive finite number"),
             ("growth", self.growth, _positive_number(self.growth) and self.growth > 1, "a number > 1"),
             ("backoff", self.backoff, _positive_number(self.backoff) and self.backoff < 1, "a number in (0, 1)"),
-            (
-                "interval",
-                self.interval,
-                isinstance(self.interval, int) and not isinstance(self.interval, bool) and self.interval >= 1,
-                "an int >= 1",
-            ),
+            ("interval", self.interval, _int_at_least(self.interval, 1), "an int >= 1"),
         ]
         for name, value, ok, wanted in checks:
             if not ok:
@@ -107,7 +97,7 @@ class LossScaleState:
     def __post_init__(self) -> None:
         if not _positive_number(self.scale):
             raise ValueError(f"fpipe.LossScaleState: scale must be a positive finite number (scale: {self.scale!r}).")
-        if isinstance(self.good_steps, bool) or not isinstance(self.good_steps, int) or self.good_steps < 0:
+        if not _int_at_least(self.good_steps, 0):
             raise ValueError(f"fpipe.LossScaleState: good_steps must be an int >= 0 (good_steps: {self.good_steps!r}).")
 
 
@@ -161,11 +151,11 @@ class Precision:
                 )
         for name in ("accumulate", "grads"):
             value = getattr(self, name)
-            if value is not None and is_float8(value):
+            if value in FLOAT8:
                 raise ValueError(
                     f"fpipe.Precision: {name} cannot be a float8 dtype ({name}: {value}). Use torch.float32."
                 )
-        if self.compute is not None and is_float8(self.compute) and self.accumulate.itemsize < 4:
+        if self.compute in FLOAT8 and self.accumulate.itemsize < 4:
             raise ValueError(
                 f"fpipe.Precision: float8 compute needs gradients summed in float32 or wider "
                 f"(compute: {self.compute}, accumulate: {self.accumulate}). Use accumulate=torch.float32."
@@ -202,7 +192,7 @@ def check_params(precision: Precision, stage: int, stage_params: PyTree) -> None
         if not (isinstance(leaf, torch.Tensor) and leaf.dtype.is_floating_point):
             continue
         c = precision.compute_dtype(leaf.dtype)
-        if is_float8(c) and precision.accumulate_dtype(leaf.dtype).itemsize < 4:
+        if c in FLOAT8 and precision.accumulate_dtype(leaf.dtype).itemsize < 4:
             raise ValueError(
                 f"fpipe.step: stage {stage}'s parameter {path} is {c}, whose gradients must be summed in "
                 f"float32 or wider (params[{stage}]{path}: {leaf.dtype}; accumulate: {precision.accumulate}). "
@@ -231,18 +221,12 @@ def finish_grads(
     for s in local_stages:
         if grads[s] is None:
             continue
-        param_leaves = flatten(params[s])[0]
         leaves, spec = flatten(grads[s])
         done: list[torch.Tensor | None] = []
-        for p, g in zip(param_leaves, leaves):
-            if g is None:
-                done.append(None)
-                continue
-            if scale is not None:
-                g = g / scale
-            g = g.to(precision.grads_dtype(p.dtype))
-            if scale is not None and not found:
-                found = not bool(torch.isfinite(g).all())
+        for p, g in zip(flatten(params[s])[0], leaves):
+            if g is not None:
+                g = (g if scale is None else g / scale).to(precision.grads_dtype(p.dtype))
+                found = found or (scale is not None and not bool(torch.isfinite(g).all()))
             done.append(g)
         out[s] = unflatten(spec, done)
     return out, found
@@ -250,3 +234,7 @@ def finish_grads(
 
 def _positive_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def _int_at_least(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum

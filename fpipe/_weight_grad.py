@@ -24,22 +24,12 @@ The same idea is in ``torch.distributed.pipelining._backward``.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
-
-
-def _node(t: torch.Tensor) -> Node:
-    """The graph node that produces ``t``'s gradient (its ``grad_fn`` or its ``AccumulateGrad``)."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    node = t.view_as(t).grad_fn
-    assert node is not None, "fpipe: a tensor without a graph in a split backward"
-    accumulate = node.next_functions[0][0]
-    assert accumulate is not None
-    return accumulate
 
 
 def _consumers(roots: Sequence[Node]) -> dict[Node, list[Node]]:
@@ -74,53 +64,44 @@ def _downstream(
     return reached, hit
 
 
+@dataclass(eq=False)
 class _Group:
     """Parameters whose gradients flow in through the same intermediates."""
 
-    def __init__(self) -> None:
-        self.params: list[int] = []
-        self.intermediates: list[Node] = []
-        self.grads: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-        self.outputs: list[int] = []  # outputs the inputs do not reach, that these params do
+    params: list[int] = field(default_factory=list)
+    intermediates: list[Node] = field(default_factory=list)
+    grads: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    outputs: list[int] = field(default_factory=list)  # outputs the inputs do not reach, that these params do
 
 
+@dataclass(eq=False)
 class DeferredWeightGrad:
-    """What ``W`` needs after ``I`` ran: saved intermediate gradients, or the outputs themselves."""
+    """What ``W`` needs after ``I`` ran: saved intermediate gradients, or the outputs themselves
+    (``rest``: the parameters done from the outputs; ``done``: the gradients, already computed)."""
 
-    def __init__(
-        self,
-        groups: list[_Group],
-        rest: list[int],
-        outputs: list[torch.Tensor],
-        grad_outputs: list[torch.Tensor],
-        params: Sequence[torch.Tensor],
-        *,
-        done: list[torch.Tensor | None] | None = None,
-    ) -> None:
-        self._done = done
-        self._groups = groups
-        self._rest = rest
-        self._outputs = outputs
-        self._grad_outputs = grad_outputs
-        self._params = params
+    groups: list[_Group]
+    rest: list[int]
+    outputs: list[torch.Tensor]
+    grad_outputs: list[torch.Tensor]
+    params: Sequence[torch.Tensor]
+    done: list[torch.Tensor | None] | None = None
 
     def run(self) -> list[torch.Tensor | None]:
         """The parameter gradients, one per parameter (``None`` where none flows)."""
-        if self._done is not None:
-            return self._done
-        grads: list[torch.Tensor | None] = [None] * len(self._params)
-        for group in self._groups:
-            edges = [
-                GradientEdge(node, k)
+        if self.done is not None:
+            return self.done
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        for group in self.groups:
+            seeded = [
+                (GradientEdge(node, k), g)
                 for node in group.intermediates
                 for k, g in enumerate(group.grads.get(node, ()))
                 if g is not None
             ]
-            seeds = [g for node in group.intermediates for g in group.grads.get(node, ()) if g is not None]
-            edges += [get_gradient_edge(self._outputs[j]) for j in group.outputs]
-            seeds += [self._grad_outputs[j] for j in group.outputs]
-            if not edges:
+            seeded += [(get_gradient_edge(self.outputs[j]), self.grad_outputs[j]) for j in group.outputs]
+            if not seeded:
                 continue
+            edges, seeds = zip(*seeded)
             # An intermediate downstream of another would get the gradient twice (saved, and
             # again through the other): pin each to what it saw during I.
             handles = [
@@ -130,9 +111,9 @@ class DeferredWeightGrad:
             ]
             try:
                 found = torch.autograd.grad(
-                    edges,
-                    [GradientEdge(_node(self._params[k]), 0) for k in group.params],
-                    seeds,
+                    list(edges),
+                    [get_gradient_edge(self.params[k]) for k in group.params],
+                    list(seeds),
                     retain_graph=True,
                     allow_unused=True,
                 )
@@ -141,11 +122,11 @@ class DeferredWeightGrad:
                     handle.remove()
             for k, g in zip(group.params, found):
                 grads[k] = g
-        if self._rest and self._outputs:
+        if self.rest and self.outputs:
             found = torch.autograd.grad(
-                self._outputs, [self._params[k] for k in self._rest], self._grad_outputs, allow_unused=True
+                self.outputs, [self.params[k] for k in self.rest], self.grad_outputs, allow_unused=True
             )
-            for k, g in zip(self._rest, found):
+            for k, g in zip(self.rest, found):
                 grads[k] = g
         return grads
 
@@ -159,14 +140,14 @@ def input_grad(
     """The input half of a backward (NOTE [split backward]) and what the weight half needs."""
     if not outputs or not inputs:
         return [None] * len(inputs), DeferredWeightGrad([], list(range(len(params))), outputs, grad_outputs, params)
-    roots = [_node(o) for o in outputs]
+    roots = [get_gradient_edge(o).node for o in outputs]
     consumers = _consumers(roots)
     if any(node.name().startswith("CompiledFunction") for node in [*roots, *consumers]):
         # A torch.compile'd region is one opaque node whose backward computes every gradient at
         # once (and may not be re-run): do the whole backward now, W only hands the result over.
         found = torch.autograd.grad(outputs, [*inputs, *params], grad_outputs, allow_unused=True)
         return found[: len(inputs)], DeferredWeightGrad([], [], [], [], params, done=list(found[len(inputs) :]))
-    after_inputs, _ = _downstream([_node(x) for x in inputs], consumers, set())
+    after_inputs, _ = _downstream([get_gradient_edge(x).node for x in inputs], consumers, set())
     unreached: dict[Node, list[int]] = collections.defaultdict(list)  # outputs I gives no gradient
     for j, node in enumerate(roots):
         if node not in after_inputs:
@@ -175,22 +156,21 @@ def input_grad(
     groups: list[_Group] = []
     rest: list[int] = []
     for k, p in enumerate(params):
-        reached, hit = _downstream([_node(p)], consumers, after_inputs)
+        reached, hit = _downstream([get_gradient_edge(p).node], consumers, after_inputs)
         if not hit:
             rest.append(k)
             continue
-        merged = [by_node[n] for n in hit if n in by_node]
+        merged = list(dict.fromkeys(by_node[n] for n in hit if n in by_node))  # each group once
         group = merged[0] if merged else _Group()
         if not merged:
             groups.append(group)
         for other in merged[1:]:
-            if other is not group:
-                group.params += other.params
-                group.intermediates += [n for n in other.intermediates if n not in group.intermediates]
-                group.outputs += [j for j in other.outputs if j not in group.outputs]
-                for n in other.intermediates:
-                    by_node[n] = group
-                groups.remove(other)
+            group.params += other.params
+            group.intermediates += [n for n in other.intermediates if n not in group.intermediates]
+            group.outputs += [j for j in other.outputs if j not in group.outputs]
+            for n in other.intermediates:
+                by_node[n] = group
+            groups.remove(other)
         group.params.append(k)
         group.outputs += [j for n in reached if n in unreached for j in unreached[n] if j not in group.outputs]
         for n in hit:
@@ -198,13 +178,12 @@ def input_grad(
                 by_node[n] = group
                 group.intermediates.append(n)
 
-    def saver(group: _Group, node: Node) -> Any:
-        def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-            group.grads[node] = grad_outputs
-
-        return hook
-
-    handles = [node.register_prehook(saver(group, node)) for group in groups for node in group.intermediates]
+    # A pre-hook per intermediate saves the gradient arriving there: group.grads[node] = grad_outputs.
+    handles = [
+        node.register_prehook(functools.partial(group.grads.__setitem__, node))
+        for group in groups
+        for node in group.intermediates
+    ]
     try:
         found = torch.autograd.grad(outputs, list(inputs), grad_outputs, retain_graph=True, allow_unused=True)
     finally:

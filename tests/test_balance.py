@@ -160,3 +160,5 @@ def test_errors() -> None:
         fpipe.balance([nn.Linear(1, 1)], 1, by="time")
     with pytest.raises(ValueError, match=r"repeats must be a positive int \(repeats: 0\)"):
         fpipe.balance([nn.Linear(1, 1)], 1, by="time", sample_input=torch.zeros(1), repeats=0)
+    with pytest.raises(TypeError, match=r"fpipe.balance: call must be an adapter call\(module, x\) -> x or a dict"):
+        fpipe.balance([nn.Linear(1, 1)], 1, by="time", sample_input=torch.zeros(1), call=3)  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from torch import nn
 
 import fpipe
 from fpipe import _cli as cli
-from fpipe._plural import plural
+from fpipe._plural import listing, plural
 from fpipe.schedules import GPipe, Interleaved1F1B, LoopedBFS, Program, ScheduleError, ZeroBubbleH1, ZeroBubbleV
 from fpipe.schedules._program import validate
 
@@ -32,6 +32,14 @@ from fpipe.schedules._program import validate
 )
 def test_plural(count: int, noun: str, expected: str) -> None:
     assert plural(count, noun) == expected
+
+
+@pytest.mark.parametrize(
+    ("names", "limit", "expected"),
+    [([], 8, "none"), (["a"], 8, "a"), (["a", "b", "c"], 3, "a, b, c"), (["a", "b", "c"], 2, "a, b and 1 more")],
+)
+def test_listing(names: list[str], limit: int, expected: str) -> None:
+    assert listing(names, limit) == expected
 
 
 def _message(fn: Callable[[], object]) -> str:

@@ -193,25 +193,26 @@ def test_optimizer_state_and_metadata_round_trip(tmp_path: Path) -> None:
 
 # --- Atomicity --------------------------------------------------------------------------------
 
-_KILLED_SAVE = """
-import os, sys, time, torch, fpipe, fpipe._saving._store as store
-written = []
-def slow(f, data):
+_HALF_WRITE = """
+import sys, time, torch, fpipe, fpipe._saving._store as store
+def half_write(f, data):  # store._write = half_write: a save that stops halfway
     f.write(data[: len(data) // 2])
     f.flush()
     open(sys.argv[2], "w").close()  # tell the test: the new save is half written
     time.sleep(120)
-store._write = slow
+"""
+
+_KILLED_SAVE = """
+store._write = half_write
 fpipe.save(sys.argv[1], [{"w": torch.full((1000,), 2.0)}, {"b": torch.full((10,), 2.0)}])
 """
 
 
-def test_a_killed_save_keeps_the_previous_one(tmp_path: Path) -> None:
-    params = [{"w": torch.ones(1000)}, {"b": torch.ones(10)}]
-    first = fpipe.save(tmp_path / "save", params)
-    marker = tmp_path / "half-written"
+def kill_when_half_written(script: str, directory: Path, marker: Path) -> None:
+    """Run ``script`` (``sys.argv[1:]``: ``directory``, ``marker``; ``half_write`` defined) in a
+    process of its own and SIGKILL it once it has created ``marker``: its save is half written."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(tmp_path / "save"), str(marker)], env=env)
+    process = subprocess.Popen([sys.executable, "-c", _HALF_WRITE + script, str(directory), str(marker)], env=env)
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():
@@ -222,6 +223,12 @@ def test_a_killed_save_keeps_the_previous_one(tmp_path: Path) -> None:
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_killed_save_keeps_the_previous_one(tmp_path: Path) -> None:
+    params = [{"w": torch.ones(1000)}, {"b": torch.ones(10)}]
+    first = fpipe.save(tmp_path / "save", params)
+    kill_when_half_written(_KILLED_SAVE, tmp_path / "save", tmp_path / "half-written")
     (tmp,) = [p for p in (tmp_path / "save").iterdir() if p.name.startswith(".tmp-")]
     assert any(tmp.iterdir()) and not (tmp / INDEX).exists()  # the partial save is there, uncommitted
     assert (tmp_path / "save" / LATEST).read_text().strip() == first.name

@@ -9,11 +9,6 @@ on 2 gloo processes the save's collectives and the training step's run at once.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +22,8 @@ from fpipe._saving import _save
 from fpipe._saving._directory import INDEX, LATEST
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
+from tests.test_save import kill_when_half_written
 from tests.test_save_state import assert_bitwise
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def trained() -> tuple[list[Any], list[Any]]:
@@ -116,17 +110,11 @@ def test_argument_errors_are_raised_at_the_call(tmp_path: Path) -> None:
 
 
 _KILLED_WHILE_WRITING = """
-import sys, time, torch, fpipe, fpipe._saving._store as store
 saver = fpipe.AsyncSaver()
 params = [{"w": torch.full((1000,), 1.0)}]
 saver.save(sys.argv[1], params)
 saver.wait()
-def slow(f, data):
-    f.write(data[: len(data) // 2])
-    f.flush()
-    open(sys.argv[2], "w").close()  # tell the test: the new save is half written
-    time.sleep(120)
-store._write = slow
+store._write = half_write
 saver.save(sys.argv[1], [{"w": torch.full((1000,), 2.0)}])
 while True:  # training goes on
     params[0]["w"].mul_(1.0)
@@ -134,21 +122,7 @@ while True:  # training goes on
 
 
 def test_a_process_killed_while_its_saver_writes_leaves_the_previous_save(tmp_path: Path) -> None:
-    marker = tmp_path / "half-written"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_WHILE_WRITING, str(tmp_path / "save"), str(marker)], env=env
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert process.poll() is None, "the saving process ended early"
-            assert time.monotonic() < deadline, "the saving process never started writing"
-            time.sleep(0.05)
-        os.kill(process.pid, signal.SIGKILL)
-    finally:
-        process.kill()
-        process.wait()
+    kill_when_half_written(_KILLED_WHILE_WRITING, tmp_path / "save", tmp_path / "half-written")
     assert [p for p in (tmp_path / "save").iterdir() if p.name.startswith(".tmp-")]  # the half-written one
     loaded = fpipe.load(tmp_path / "save", [{"w": torch.empty(1000, dtype=torch.float32)}])
     assert torch.equal(loaded.params[0]["w"], torch.full((1000,), 1.0, dtype=torch.float32))

@@ -386,8 +386,9 @@ def test_sharding_needs_a_data_dimension():
 
 
 def test_train_sharded_example_equals_the_replica_average():
-    """``torchrun --nproc-per-node 4 examples/train_sharded.py`` (2 x 2, sharded, AdamW on shards)
-    takes the same steps as one process running both replicas and AdamW on full parameters."""
+    """``torchrun --nproc-per-node 4 examples/train_sharded.py`` (2 x 2, sharded, fpipe.optim's AdamW
+    on shards) takes the same steps as one process running both replicas, ``clip_grad_norm_`` and
+    ``torch.optim.AdamW`` on full parameters."""
     import importlib.util
     import re
     import subprocess
@@ -411,8 +412,12 @@ def test_train_sharded_example_equals_the_replica_average():
     try:
         args = example.parse_args(argv)
         params = example.init_params(args.dim, args.hidden, torch.Generator().manual_seed(args.seed))
-        decay = [{k: v.dim() >= 2 for k, v in p.items()} for p in params]
-        state = example.adamw_init(params)
+        named = [(s, k, t) for s, p in enumerate(params) for k, t in p.items()]
+        groups = [
+            {"params": [t for _, _, t in named if t.dim() >= 2], "weight_decay": 0.1},  # matrices only
+            {"params": [t for _, _, t in named if t.dim() < 2], "weight_decay": 0.0},
+        ]
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
         teacher = example.teacher(torch.Generator().manual_seed(1234))
         data = [torch.Generator().manual_seed(args.seed + 1 + r) for r in range(2)]
         step = fpipe.pipeline(example.loss_fn, example.STAGES, OneFOneB(args.microbatches))
@@ -421,9 +426,10 @@ def test_train_sharded_example_equals_the_replica_average():
             (loss_a, grads_a), (loss_b, grads_b) = (
                 step(params, example.get_batch(teacher, args.batch_size, g)) for g in data
             )
-            grads = optree.tree_map(lambda a, b: (a + b) / 2, grads_a, grads_b)
-            grads = example.clip(grads, _norm(optree.tree_leaves(grads)), args.max_norm)
-            params, state = example.adamw_update(params, grads, state, decay, lr=args.lr)
+            for s, k, t in named:  # the replicas' average, as the mesh's reduce-scatter gives it
+                t.grad = (grads_a[s][k] + grads_b[s][k]) / 2
+            torch.nn.utils.clip_grad_norm_([t for _, _, t in named], args.max_norm)
+            opt.step()  # in place: params holds the updated tensors
             losses.append(((loss_a + loss_b) / 2).item())
     finally:
         torch.set_num_threads(threads)

@@ -275,6 +275,9 @@ def test_module_lists_stand_for_their_modules_nested_too() -> None:
     assert torch.equal(stages[1](params[1], stages[0](params[0], x)), expected)
     with pytest.raises(ValueError, match=r"'empty' of stage 0 selects no module \('empty' is an empty ModuleList\)"):
         fpipe.split_module(model, ["first + empty", "nest"])
+    model.nest.append(nn.ModuleList())
+    with pytest.raises(ValueError, match=r"'nest\[2:\]' of stage 1 selects no module \(its ModuleLists are empty\)"):
+        fpipe.split_module(model, ["first + nest[:2]", "nest[2:]"])
 
 
 # --- Buffers, frozen and tied parameters --------------------------------------------------------
@@ -408,6 +411,10 @@ def test_bad_arguments() -> None:
         fpipe.split_module(TinyLM(), ["embed + layers + norm + head"], call={"layer": lambda m, x: m(x)})
     with pytest.raises(TypeError, match=r"the adapter for 'norm' is not callable"):
         fpipe.split_module(TinyLM(), ["embed + layers + norm + head"], call={"norm": 3})  # type: ignore[dict-item]
+    with pytest.raises(
+        TypeError, match=r"fpipe.split_module: call must be an adapter call\(module, x\) -> x or a dict"
+    ):
+        fpipe.split_module(TinyLM(), ["embed + layers + norm + head"], call=3)  # type: ignore[arg-type]
 
 
 def test_stage_params_must_match() -> None:

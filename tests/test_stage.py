@@ -122,6 +122,21 @@ def test_split_backward_of_outputs_the_inputs_do_not_reach(fn: Any) -> None:
     assert torch.equal(split.grads(), fused.grads()) and torch.equal(got[0], expected[0])
 
 
+def two_groups_met_twice(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    q, r = p["c"] + p["a"], p["c"] * p["b"]  # c meets the input's paths in a's two nodes and in b's two
+    return x * q + x.sin() * q + x.cos() * r + x.exp() * r
+
+
+def test_split_backward_merges_each_group_a_parameter_meets_once() -> None:
+    """``c``'s gradient arrives through the intermediates of ``a``'s group and of ``b``'s, two
+    nodes each: its group takes both in once (merging one twice failed in ``I``)."""
+    params, x = {k: torch.randn(4) for k in "abc"}, torch.randn(2, 4, requires_grad=True)
+    fused, split, pullback, _, _, expected, got = fused_and_input_split(1, two_groups_met_twice, params, x)
+    split.backward_weight(pullback, 0)
+    assert expected is not None and got is not None and torch.equal(got[0], expected[0])
+    assert_close(split.grads(), fused.grads())
+
+
 def test_inputs_and_params_are_detached_copies() -> None:
     """The user's tensors keep ``requires_grad``, version and graph; nothing writes ``.grad``."""
     w = torch.nn.Parameter(torch.randn(3, 3))

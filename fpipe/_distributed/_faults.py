@@ -35,7 +35,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -101,28 +101,21 @@ class Failure:
         )
 
 
+@dataclass(eq=False)
 class Board:
     """The failure board of one job (a pipeline group, or a whole dp x pp mesh) in the store."""
 
-    def __init__(
-        self,
-        prefix: str,
-        job: tuple[int, ...],
-        me: int,
-        groups: list[Any],
-        names: dict[int, tuple[int, int | None]],
-    ) -> None:
-        self.job = job  # the global ranks of the job
-        self.me = me  # this process's global rank
-        self.groups = groups  # the process groups to abort on a failure
-        self.names = names  # global rank -> (pipeline rank, replica or None)
-        self.prefix = prefix  # of its keys in the store
-        self.step = 0
-        self.failure: Failure | None = None  # the current step's record, once read
-        self.beats: dict[int, tuple[int, float]] = {}  # global rank -> (counter, when it last changed)
-        self.since: float | None = None  # when this rank's current wait began
-        self.read_at = 0.0  # when the heartbeats were last read
-        self.aborted = False
+    prefix: str  # of its keys in the store
+    job: tuple[int, ...]  # the global ranks of the job
+    me: int  # this process's global rank
+    groups: list[Any]  # the process groups to abort on a failure
+    names: dict[int, tuple[int, int | None]]  # global rank -> (pipeline rank, replica or None)
+    step: int = 0
+    failure: Failure | None = None  # the current step's record, once read
+    beats: dict[int, tuple[int, float]] = field(default_factory=dict)  # global rank -> (counter, when it changed)
+    since: float | None = None  # when this rank's current wait began
+    read_at: float = 0.0  # when the heartbeats were last read
+    aborted: bool = False
 
     def key(self) -> str:
         return f"{self.prefix}{self.step}/failed"
@@ -169,9 +162,7 @@ class Watchdog:
                 self._requests = queue.Queue()
                 self._thread = threading.Thread(target=self._loop, args=(default,), name="fpipe-watchdog", daemon=True)
                 self._thread.start()
-            if prefix not in self._boards:
-                self._boards[prefix] = Board(prefix, job, dist.get_rank(), groups, names)
-            return self._boards[prefix]
+            return self._boards.setdefault(prefix, Board(prefix, job, dist.get_rank(), groups, names))
 
     def stop(self) -> None:
         """Stop the thread and wait for it (at exit: a daemon thread caught inside a store call
@@ -194,7 +185,7 @@ class Watchdog:
 
     # -- the main thread's side --------------------------------------------------------------
 
-    def ask(self, board: Board, job: Callable[[Any], Any]) -> Any:
+    def ask(self, job: Callable[[Any], Any]) -> Any:
         """Run ``job(store)`` on the watchdog thread; its result, or ``TimeoutError`` after ``ASK`` s."""
         done: Future[Any] = Future()
         if self._thread is None or not self._thread.is_alive():
@@ -207,19 +198,18 @@ class Watchdog:
         if board.failure is not None:
             return board.failure
         with contextlib.suppress(Exception):
-            self.ask(board, lambda store: self._check(board, store, abort=False))
+            self.ask(lambda store: self._check(board, store, abort=False))
         return board.failure
 
     def report(self, board: Board, failure: Failure) -> Failure:
         """Write ``failure`` unless a record is there already; the record that stands."""
 
         def write(store: Any) -> Failure:
-            key = board.key()
-            standing = store.compare_set(key, "", failure.to_json()).decode()
+            standing = store.compare_set(board.key(), "", failure.to_json()).decode()
             return failure if not standing else Failure.from_json(standing)
 
         with contextlib.suppress(Exception):
-            board.failure = self.ask(board, write)
+            board.failure = self.ask(write)
         return board.failure or failure
 
     # -- the watchdog thread ---------------------------------------------------------------

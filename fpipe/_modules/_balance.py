@@ -16,6 +16,7 @@ the second pass is exact.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from .._pytree import flatten, is_differentiable, map_tensors
-from ._split import Adapter, lookup
+from ._split import Adapter, adapter_map, lookup
 
 Containers = nn.Sequential | nn.ModuleList | nn.ModuleDict
 Layers = Sequence[nn.Module] | Sequence[float] | Mapping[str, nn.Module] | Mapping[str, float] | Containers
@@ -122,7 +123,7 @@ def balance(
         if by == "params":
             costs = [float(sum(p.numel() for p in m.parameters() if p.requires_grad)) for m in modules]
         elif by == "time":
-            costs = _times(names, modules, sample_input, _adapter_map(call), repeats)
+            costs = _times(names, modules, sample_input, adapter_map("balance", call), repeats)
         else:
             raise TypeError(f'fpipe.balance: by must be "params" or "time" (by: {by!r}).')
     else:
@@ -140,9 +141,7 @@ def balance(
 def partition(costs: Sequence[float], num_stages: int) -> list[range]:
     """The contiguous partition of ``costs`` into ``num_stages`` non-empty runs (module docstring)."""
     n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0.0, *itertools.accumulate(costs)]
 
     def cost(i: int, j: int) -> float:
         return prefix[j] - prefix[i]
@@ -167,22 +166,11 @@ def partition(costs: Sequence[float], num_stages: int) -> list[range]:
                     c <= limit and even[k - 1][j] < inf and even[k - 1][j] + c * c <= even[k][i]
                 ):  # <=: the latest cut wins ties
                     even[k][i], cut[k][i] = even[k - 1][j] + c * c, j
-    stops, i = [], n
-    for k in range(num_stages, 0, -1):
-        stops.append(i)
+    bounds, i = [], n
+    for k in range(num_stages, 0, -1):  # back from the last stage, which ends at n
+        bounds.append(range(cut[k][i], i))
         i = cut[k][i]
-    stops.reverse()
-    return [range(start, stop) for start, stop in zip([0, *stops[:-1]], stops)]
-
-
-def _adapter_map(call: Adapter | Mapping[str, Adapter] | None) -> Mapping[str, Adapter]:
-    if call is None:
-        return {}
-    if isinstance(call, Mapping):
-        return call
-    if callable(call):
-        return {"": call}
-    raise TypeError(f"fpipe.balance: call must be an adapter call(module, x) -> x or a dict of them (call: {call!r}).")
+    return bounds[::-1]
 
 
 def _times(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -12,12 +12,25 @@ from torch.func import functional_call
 from .._stage import replaying
 
 
-def buffers_of(module: nn.Module, *, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """``module.named_buffers()``, copied while a recomputed forward replays (``replaying()``):
-    the replay must not update running statistics a second time."""
+def call_with(
+    module: nn.Module,
+    params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    remove_duplicate: bool = True,
+) -> Any:
+    """``module(*args, **kwargs)`` through ``functional_call`` with ``params`` for its trainable
+    parameters; frozen parameters and buffers are read from the module now, the buffers copied
+    while a recomputed forward replays (``replaying()``): the replay must not update running
+    statistics a second time."""
     copy = replaying()
-    for name, buffer in module.named_buffers(remove_duplicate=remove_duplicate):
-        yield name, buffer.clone() if copy else buffer
+    state: dict[str, torch.Tensor] = {
+        n: p for n, p in module.named_parameters(remove_duplicate=remove_duplicate) if not p.requires_grad
+    }
+    state.update((n, b.clone() if copy else b) for n, b in module.named_buffers(remove_duplicate=remove_duplicate))
+    state.update(params)
+    return functional_call(module, state, args, kwargs)
 
 
 def functionalize(module: nn.Module, /) -> tuple[Callable[..., Any], dict[str, torch.Tensor]]:
@@ -46,9 +59,6 @@ def functionalize(module: nn.Module, /) -> tuple[Callable[..., Any], dict[str, t
     params = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
 
     def fn(params: dict[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:
-        state: dict[str, torch.Tensor] = {name: p for name, p in module.named_parameters() if not p.requires_grad}
-        state.update(buffers_of(module))
-        state.update(params)
-        return functional_call(module, state, args, kwargs)
+        return call_with(module, params, args, kwargs)
 
     return fn, params

@@ -29,10 +29,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
-from .._plural import plural
-from ._functionalize import buffers_of
+from .._plural import listing, plural
+from ._functionalize import call_with
 
 Adapter = Callable[[Callable[..., Any], Any], Any]
 StageSpec = str | Sequence[str]
@@ -113,8 +112,8 @@ def split_module(
     adapters = _adapters(modules, call)
     segments = [_parse_stage(modules, s, spec) for s, spec in enumerate(stages)]
     _check_overlaps(segments)
-    names = _canonical_names(model)
-    _check_coverage(model, segments, names)
+    names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}  # first name of each
+    _check_coverage(segments, names)
 
     result_stages: list[ModuleStage] = []
     result_params: list[dict[str, torch.Tensor]] = []
@@ -159,24 +158,21 @@ class ModuleStage:
 
     def __call__(self, stage_params: Mapping[str, torch.Tensor], x: Any, /) -> Any:
         """Run the stage's modules in order on ``x`` with ``stage_params``."""
-        self._check(stage_params)
-        for c in self._calls:
-            x = c.adapter(_BoundModule(c, stage_params), x)
-        return x
-
-    def _check(self, stage_params: Any) -> None:
         if not isinstance(stage_params, Mapping):
             raise TypeError(
                 f"fpipe stage {self.index}: stage_params must be the dict of parameters split_module returned "
                 f"for this stage (got: {type(stage_params).__name__})."
             )
-        if len(stage_params) != len(self.param_names) or any(k not in stage_params for k in self.param_names):
-            missing = [k for k in self.param_names if k not in stage_params]
-            unexpected = [k for k in stage_params if k not in set(self.param_names)]
+        missing = [k for k in self.param_names if k not in stage_params]
+        unexpected = [k for k in stage_params if k not in set(self.param_names)]
+        if missing or unexpected:
             raise ValueError(
-                f"fpipe stage {self.index}: stage_params does not match the stage (missing: {_listing(missing)}; "
-                f"unexpected: {_listing(unexpected)}). Pass params[{self.index}] as split_module returned it."
+                f"fpipe stage {self.index}: stage_params does not match the stage (missing: {listing(missing)}; "
+                f"unexpected: {listing(unexpected)}). Pass params[{self.index}] as split_module returned it."
             )
+        for c in self._calls:
+            x = c.adapter(_BoundModule(c, stage_params), x)
+        return x
 
 
 class _BoundModule:
@@ -195,13 +191,8 @@ class _BoundModule:
         return f"<fpipe module {self._call.name!r} with stage parameters>"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._call.module
-        state: dict[str, torch.Tensor] = {
-            n: p for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad
-        }
-        state.update(buffers_of(module, remove_duplicate=False))
-        state.update((local, self._stage_params[key]) for local, key in self._call.params)
-        return functional_call(module, state, args, kwargs)
+        params = ((local, self._stage_params[key]) for local, key in self._call.params)
+        return call_with(self.module, params, args, kwargs, remove_duplicate=False)
 
 
 @dataclass(frozen=True)
@@ -223,18 +214,24 @@ def _default_adapter(module: Callable[..., Any], x: Any) -> Any:
     return module(x)
 
 
-def _adapters(modules: Mapping[str, nn.Module], call: Adapter | Mapping[str, Adapter] | None) -> dict[str, Adapter]:
-    """``call`` as a mapping from module names to adapters, checked against the model."""
+def adapter_map(function: str, call: Adapter | Mapping[str, Adapter] | None) -> Mapping[str, Adapter]:
+    """``call`` as a mapping from module names to adapters (one adapter: the key ``""``)."""
     if call is None:
         return {}
-    if callable(call) and not isinstance(call, Mapping):
+    if isinstance(call, Mapping):
+        return call
+    if callable(call):
         return {"": call}
-    if not isinstance(call, Mapping):
-        raise TypeError(
-            "fpipe.split_module: call must be an adapter call(module, x) -> x or a dict from module names "
-            f"to adapters (call: {call!r})."
-        )
-    for key, adapter in call.items():
+    raise TypeError(
+        f"fpipe.{function}: call must be an adapter call(module, x) -> x or a dict from module names "
+        f"to adapters (call: {call!r})."
+    )
+
+
+def _adapters(modules: Mapping[str, nn.Module], call: Adapter | Mapping[str, Adapter] | None) -> Mapping[str, Adapter]:
+    """``call`` as a mapping from module names to adapters, checked against the model."""
+    adapters = adapter_map("split_module", call)
+    for key, adapter in adapters.items():
         if not isinstance(key, str) or key not in modules:
             raise ValueError(
                 f"fpipe.split_module: call has an adapter for {key!r}, which names no module of the model. "
@@ -244,7 +241,7 @@ def _adapters(modules: Mapping[str, nn.Module], call: Adapter | Mapping[str, Ada
             raise TypeError(
                 f"fpipe.split_module: the adapter for {key!r} is not callable (call[{key!r}]: {adapter!r})."
             )
-    return dict(call)
+    return adapters
 
 
 def lookup(adapters: Mapping[str, Adapter], name: str) -> Adapter:
@@ -297,27 +294,21 @@ def _resolve(modules: Mapping[str, nn.Module], s: int, text: str) -> _Segment:
         top = [n for n in modules if n and "." not in n]
         raise ValueError(
             f"fpipe.split_module: the model has no module {name!r} (stage {s}: {text!r}). {_suggestion(name, modules)}"
-            f"Its top-level modules: {_listing(top)}."
+            f"Its top-level modules: {listing(top)}."
         )
     module = modules[name]
     prefix = f"{name}." if name else ""
     if match["start"] is None:
-        selected = _expand(name, module)
-        if not selected:
-            raise ValueError(
-                f"fpipe.split_module: {text!r} of stage {s} selects no module ({name!r} is an empty "
-                f"{type(module).__name__}). Drop the segment."
-            )
-        return _Segment(s, text, selected)
+        return _nonempty(s, text, _expand(name, module), f"{name!r} is an empty {type(module).__name__}")
     if not isinstance(module, (nn.ModuleList, nn.Sequential)):
         raise ValueError(
             f"fpipe.split_module: {name!r} is a {type(module).__name__}, not a ModuleList or Sequential, so it "
             f"cannot be indexed (stage {s}: {text!r}). Name the module itself, or index a list of modules."
         )
     n = len(module)
-    start = _bound(match["start"], 0, n, text, s)
-    stop = _bound(match["stop"], n, n, text, s) if match["colon"] else start + 1
-    if stop > n:
+    start = _bound(match["start"], 0, n)
+    stop = _bound(match["stop"], n, n) if match["colon"] else start + 1
+    if not (0 <= start <= n and 0 <= stop <= n):
         raise ValueError(
             f"fpipe.split_module: {text!r} of stage {s} is out of range: its list has {plural(n, 'module')} "
             f"(0 to {n - 1})."
@@ -328,10 +319,13 @@ def _resolve(modules: Mapping[str, nn.Module], s: int, text: str) -> _Segment:
             "Give a non-empty range, or drop the segment."
         )
     selected = tuple(item for i in range(start, stop) for item in _expand(f"{prefix}{i}", module[i]))
+    return _nonempty(s, text, selected, "its ModuleLists are empty")
+
+
+def _nonempty(s: int, text: str, selected: tuple[tuple[str, nn.Module], ...], why_empty: str) -> _Segment:
     if not selected:
         raise ValueError(
-            f"fpipe.split_module: {text!r} of stage {s} selects no module (its ModuleLists are empty). "
-            "Drop the segment."
+            f"fpipe.split_module: {text!r} of stage {s} selects no module ({why_empty}). Drop the segment."
         )
     return _Segment(s, text, selected)
 
@@ -344,17 +338,10 @@ def _expand(name: str, module: nn.Module) -> tuple[tuple[str, nn.Module], ...]:
     return tuple(item for i, m in enumerate(module) for item in _expand(f"{prefix}{i}", m))
 
 
-def _bound(digits: str, default: int, n: int, text: str, s: int) -> int:
-    if digits == "":
-        return default
-    value = int(digits)
-    value = value + n if value < 0 else value
-    if not 0 <= value <= n:
-        raise ValueError(
-            f"fpipe.split_module: {text!r} of stage {s} is out of range: its list has {plural(n, 'module')} "
-            f"(0 to {n - 1})."
-        )
-    return value
+def _bound(digits: str, default: int, n: int) -> int:
+    """A slice bound as Python reads it (negative from the end), not yet checked against ``n``."""
+    value = default if digits == "" else int(digits)
+    return value + n if value < 0 else value
 
 
 def _check_overlaps(segments: list[list[_Segment]]) -> None:
@@ -364,7 +351,7 @@ def _check_overlaps(segments: list[list[_Segment]]) -> None:
         for name, module in segment.modules:
             for other, where in seen:
                 inside = other == name or _contains(other, name) or _contains(name, other)
-                if not inside or (other == name and not _has_trainable(module)):
+                if not inside or (other == name and not any(p.requires_grad for p in module.parameters())):
                     continue
                 relation = "is named twice" if other == name else f"overlaps {other!r}"
                 raise ValueError(
@@ -379,47 +366,26 @@ def _contains(outer: str, inner: str) -> bool:
     return outer == "" or inner.startswith(outer + ".")
 
 
-def _has_trainable(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters())
-
-
-def _canonical_names(model: nn.Module) -> dict[int, str]:
-    """``id(parameter) -> name``: the first name ``model.named_parameters()`` gives it."""
-    return {id(p): name for name, p in model.named_parameters() if p.requires_grad}
-
-
-def _check_coverage(model: nn.Module, segments: list[list[_Segment]], names: dict[int, str]) -> None:
+def _check_coverage(segments: list[list[_Segment]], names: dict[int, str]) -> None:
     """Every trainable parameter is used by some stage; otherwise name the modules left out."""
     used = {id(p) for stage in segments for seg in stage for _, m in seg.modules for p in m.parameters()}
     missing = {name for key, name in names.items() if key not in used}
     if not missing:
         return
-    canonical = set(names.values())
-    trainable = [name for name, _ in model.named_parameters() if name in canonical]
+    trainable = list(names.values())  # model order
     report: list[str] = []
-    for name in (n for n in trainable if n in missing):  # model order
-        parts = name.split(".")
-        owner = name
-        for k in range(1, len(parts)):
-            prefix = ".".join(parts[:k])
-            if all(n in missing for n in trainable if n.startswith(prefix + ".")):
-                owner = prefix
-                break
+    for name in (n for n in trainable if n in missing):
+        parts = name.split(".")  # named by the outermost module whose trainable parameters are all missing
+        outer = (".".join(parts[:k]) for k in range(1, len(parts)))
+        owner = next((o for o in outer if all(n in missing for n in trainable if n.startswith(o + "."))), name)
         if owner not in report:
             report.append(owner)
     raise ValueError(
         f"fpipe.split_module: {len(missing)} trainable parameter(s) belong to no stage (modules or parameters: "
-        f"{_listing(report)}). Add them to a stage, or freeze them with requires_grad_(False)."
+        f"{listing(report)}). Add them to a stage, or freeze them with requires_grad_(False)."
     )
 
 
 def _suggestion(name: str, candidates: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, [c for c in candidates if c], n=1)
     return f"Did you mean {close[0]!r}? " if close else ""
-
-
-def _listing(names: Sequence[str], limit: int = 8) -> str:
-    if not names:
-        return "none"
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from torch.optim.adamw import adamw as torch_adamw
 
 from .._pytree import PyTree
-from ._optimizer import Group, LearningRate, Optimizer, Spec, check_learning_rate, make_optimizer
+from ._optimizer import Group, LearningRate, Optimizer, check_learning_rate, make_optimizer
 
 
 def adamw(
@@ -92,4 +92,4 @@ def adamw(
         )
 
     buffers = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
-    return make_optimizer(Spec("adamw", buffers, kernel, learning_rate, weight_decay, weight_decay_mask))
+    return make_optimizer("adamw", buffers, kernel, learning_rate, weight_decay, weight_decay_mask)

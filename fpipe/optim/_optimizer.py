@@ -32,7 +32,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from .._plural import plural
-from .._pytree import PyTree, broadcast_prefix, flatten, leaves_with_paths, map_tensors, unflatten
+from .._pytree import PyTree, TreeSpec, broadcast_prefix, flatten, leaves_with_paths, map_tensors, unflatten
 
 LearningRate = float | Callable[[int], float]
 
@@ -71,21 +71,17 @@ class Kernel(Protocol):
     def __call__(self, group: Group, *, lr: float) -> None: ...
 
 
-@dataclass(frozen=True)
-class Spec:
-    """What distinguishes one optimizer: its name, its buffers' keys and its kernel."""
-
-    name: str
-    buffers: tuple[str, ...]
-    kernel: Kernel
-    learning_rate: LearningRate
-    weight_decay: float
-    weight_decay_mask: Sequence[PyTree] | None
-
-
-def make_optimizer(spec: Spec) -> Optimizer:
-    """The ``Optimizer`` of ``spec``: ``init``, a pure ``update`` and an in-place ``update_``."""
-    where = f"fpipe.optim.{spec.name}"
+def make_optimizer(
+    name: str,
+    buffers: tuple[str, ...],
+    kernel: Kernel,
+    learning_rate: LearningRate,
+    weight_decay: float,
+    weight_decay_mask: Sequence[PyTree] | None,
+) -> Optimizer:
+    """The ``Optimizer`` ``fpipe.optim.<name>``: ``init``, a pure ``update`` and an in-place
+    ``update_``. What tells optimizers apart is their state's ``buffers`` and their ``kernel``."""
+    where = f"fpipe.optim.{name}"
 
     def init(params: Sequence[PyTree], /) -> list[PyTree]:
         _check_sequence(where, "params", params)
@@ -94,12 +90,9 @@ def make_optimizer(spec: Spec) -> Optimizer:
             if stage is None:
                 out.append(None)
                 continue
-            paths, leaves, tree_spec = leaves_with_paths(stage)
-            for path, leaf in zip(paths, leaves):
-                if isinstance(leaf, torch.Tensor):
-                    _check_param(where, s, path, leaf)
+            _, leaves, tree_spec = _param_leaves(where, s, stage)
             state: dict[str, PyTree] = {"step": torch.zeros((), dtype=torch.float32)}
-            for key in spec.buffers:
+            for key in buffers:
                 state[key] = unflatten(tree_spec, [_zeros(x) for x in leaves])
             out.append(state)
         return out
@@ -110,31 +103,27 @@ def make_optimizer(spec: Spec) -> Optimizer:
         held = _held_stages(where, params, grads, state)
         groups: dict[bool, Group] = {}
         for s in held:
-            counter = _check_state_keys(where, s, state[s], spec.buffers)
-            paths, p_leaves, p_spec = leaves_with_paths(params[s])
-            for path, p in zip(paths, p_leaves):
-                if isinstance(p, torch.Tensor):
-                    _check_param(where, s, path, p)
+            counter = _check_state_keys(where, s, state[s], buffers)
+            paths, p_leaves, p_spec = _param_leaves(where, s, params[s])
             g_leaves = _same_structure(where, f"grads[{s}]", paths, p_spec, grads[s])
             b_leaves = {
-                key: _same_structure(where, f"state[{s}][{key!r}]", paths, p_spec, state[s][key])
-                for key in spec.buffers
+                key: _same_structure(where, f"state[{s}][{key!r}]", paths, p_spec, state[s][key]) for key in buffers
             }
-            decay = _decay_mask(where, s, spec.weight_decay_mask, params[s])
+            decay = _decay_mask(where, s, weight_decay_mask, params[s])
             for k, (path, p) in enumerate(zip(paths, p_leaves)):
                 if not isinstance(p, torch.Tensor):
                     continue  # None, strings: nothing to optimize
-                decay_rate = spec.weight_decay if decay[k] else 0.0
-                group = groups.setdefault(decay[k], Group(decay_rate, buffers={key: [] for key in spec.buffers}))
+                decay_rate = weight_decay if decay[k] else 0.0
+                group = groups.setdefault(decay[k], Group(decay_rate, buffers={key: [] for key in buffers}))
                 group.params.append(p)
                 group.grads.append(_check_like(where, f"grads[{s}]{path}", p, g_leaves[k]))
-                for key in spec.buffers:
+                for key in buffers:
                     group.buffers[key].append(_check_like(where, f"state[{s}][{key!r}]{path}", p, b_leaves[key][k]))
                 group.steps.append(counter.detach().clone())
-        rate = _learning_rate(where, spec.learning_rate, lr, held, state)
+        rate = _learning_rate(where, learning_rate, lr, held, state)
         with torch.no_grad():
             for group in groups.values():
-                spec.kernel(group, lr=rate)
+                kernel(group, lr=rate)
             for s in held:
                 state[s]["step"].add_(1)
 
@@ -155,9 +144,7 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _zeros(leaf: object) -> torch.Tensor | None:
-    if isinstance(leaf, torch.Tensor):
-        return torch.zeros_like(leaf, memory_format=torch.preserve_format)
-    return None
+    return torch.zeros_like(leaf, memory_format=torch.preserve_format) if isinstance(leaf, torch.Tensor) else None
 
 
 def _check_sequence(where: str, name: str, value: object) -> None:
@@ -175,9 +162,8 @@ def _held_stages(where: str, params: Sequence[PyTree], grads: Sequence[PyTree], 
     for name, value in [("grads", grads), ("state", state)]:
         if len(value) != len(params):
             raise ValueError(
-                f"{where}: {name} has {plural(len(value), 'entry')} but params has {len(params)} ({name}: "
-                f"{len(value)}). "
-                "Pass one entry per stage, as step(params, batch) returns them."
+                f"{where}: {name} has {plural(len(value), 'entry')} but params has {len(params)} "
+                f"({name}: {len(value)}). Pass one entry per stage, as step(params, batch) returns them."
             )
     held = [s for s, p in enumerate(params) if p is not None]
     for s in held:
@@ -190,12 +176,16 @@ def _held_stages(where: str, params: Sequence[PyTree], grads: Sequence[PyTree], 
     return held
 
 
-def _check_param(where: str, s: int, path: str, leaf: torch.Tensor) -> None:
-    if not (leaf.is_floating_point() or leaf.is_complex()):
-        raise TypeError(
-            f"{where}: stage {s} has a parameter that is not floating point (params[{s}]{path}: {leaf.dtype}). "
-            "Keep integer and bool tensors out of the parameters you optimize (a buffer, a constant in the stage)."
-        )
+def _param_leaves(where: str, s: int, stage: PyTree) -> tuple[list[str], list[object], TreeSpec]:
+    """The stage's key paths, leaves and structure, after checking its tensors are floating point."""
+    paths, leaves, spec = leaves_with_paths(stage)
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"{where}: stage {s} has a parameter that is not floating point (params[{s}]{path}: {leaf.dtype}). "
+                "Keep integer and bool tensors out of the parameters you optimize (a buffer, a constant in the stage)."
+            )
+    return paths, leaves, spec
 
 
 def _check_state_keys(where: str, s: int, stage_state: PyTree, buffers: tuple[str, ...]) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from torch.optim.sgd import sgd as torch_sgd
 
 from .._pytree import PyTree
-from ._optimizer import Group, LearningRate, Optimizer, Spec, check_learning_rate, make_optimizer
+from ._optimizer import Group, LearningRate, Optimizer, check_learning_rate, make_optimizer
 
 
 def sgd(
@@ -82,4 +82,4 @@ def sgd(
                 buffer.copy_(new)
 
     buffers = ("momentum_buffer",) if momentum != 0 else ()
-    return make_optimizer(Spec("sgd", buffers, kernel, learning_rate, weight_decay, weight_decay_mask))
+    return make_optimizer("sgd", buffers, kernel, learning_rate, weight_decay, weight_decay_mask)

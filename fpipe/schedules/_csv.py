@@ -17,10 +17,11 @@ writes the compute-only form, which torch's ``_load_csv`` reads.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import re
-from typing import TextIO
+from typing import Literal, TextIO
 
 from ._action import Action
 from ._program import Program, ScheduleError
@@ -39,11 +40,8 @@ def dump_csv(program: Program, file: PathOrFile) -> None:
         program: the program to write.
         file: a path, or a text file opened with ``newline=""`` (as the ``csv`` module wants).
     """
-    if isinstance(file, (str, os.PathLike)):
-        with open(file, "w", newline="", encoding="utf-8") as f:
-            _write(program, f)
-    else:
-        _write(program, file)
+    with _opened(file, "w") as f:
+        csv.writer(f).writerows([str(a) for a in row] for row in program.ranks)
 
 
 def load_csv(
@@ -69,24 +67,20 @@ def load_csv(
         ScheduleError: on a cell that is not an action, or a communication action without
             ``skip_communication``.
     """
-    if isinstance(file, (str, os.PathLike)):
-        with open(file, newline="", encoding="utf-8") as f:
-            rows = list(csv.reader(f))
-    else:
-        rows = list(csv.reader(file))
-    ranks = []
-    for r, row in enumerate(rows):
-        actions: list[Action] = []
-        for column, cell in enumerate(row):
-            actions += _parse_cell(cell.strip(), r, column, skip_communication)
-        ranks.append(actions)
+    with _opened(file, "r") as f:
+        rows = list(csv.reader(f))
+    ranks = [
+        [a for column, cell in enumerate(row) for a in _parse_cell(cell.strip(), r, column, skip_communication)]
+        for r, row in enumerate(rows)
+    ]
     return Program.from_lists(ranks, num_stages=num_stages, num_microbatches=num_microbatches)
 
 
-def _write(program: Program, file: TextIO) -> None:
-    writer = csv.writer(file)
-    for row in program.ranks:
-        writer.writerow([str(a) for a in row])
+def _opened(file: PathOrFile, mode: Literal["r", "w"]) -> contextlib.AbstractContextManager[TextIO]:
+    """``file`` opened as the ``csv`` module wants it, or left open when it is a file already."""
+    if isinstance(file, (str, os.PathLike)):
+        return open(file, mode, newline="", encoding="utf-8")
+    return contextlib.nullcontext(file)
 
 
 def _parse_cell(cell: str, rank: int, column: int, skip_communication: bool) -> list[Action]:

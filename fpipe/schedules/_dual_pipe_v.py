@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
-from ._placement import check_positive, v_ranks
+from ._placement import BuiltinSchedule, v_ranks
 from ._program import Program
 
 
 @dataclass(frozen=True)
-class DualPipeV:
+class DualPipeV(BuiltinSchedule):
     """DualPipeV (DeepSeek-AI, 2024): DualPipe's bidirectional schedule folded into ZB-V's V.
 
     DualPipe feeds microbatches from both ends of the pipeline and overlaps one chunk's forward
@@ -53,11 +53,6 @@ class DualPipeV:
     actions of microbatches ``>= m``, with some idle time where they were.
     """
 
-    num_microbatches: int
-
-    def __post_init__(self) -> None:
-        check_positive("DualPipeV", "num_microbatches", self.num_microbatches)
-
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_stages // 2`` ranks.
 
@@ -75,52 +70,31 @@ class DualPipeV:
 def _dual_pipe_v_rank(r: int, p: int, m: int) -> list[Action]:
     """Rank ``r``'s actions, following steps 1-8 of the class docstring."""
     chunks = (r, 2 * p - 1 - r)
-    forwards = [0, 0]  # next microbatch to run forward, per chunk
-    backwards = [0, 0]  # next microbatch to run backward (B or I), per chunk
+    counts = {(c, kind): 0 for c in (0, 1) for kind in (FORWARD, BACKWARD)}  # B and I count backwards
     pending: list[Action] = []  # weight gradients owed by I, oldest first
     row: list[Action] = []
 
-    def forward(c: int) -> None:
-        row.append(Action(chunks[c], FORWARD, forwards[c]))
-        forwards[c] += 1
+    def run(*steps: str) -> None:  # "F0": a forward of chunk 0 on its next microbatch; "W": the oldest owed W
+        for step in steps:
+            if step == "W":
+                row.extend(pending[:1])
+                del pending[:1]
+                continue
+            kind, c = step[0], int(step[1])
+            key = (c, FORWARD if kind == FORWARD else BACKWARD)
+            row.append(Action(chunks[c], kind, counts[key]))
+            if kind == BACKWARD_INPUT:
+                pending.append(Action(chunks[c], BACKWARD_WEIGHT, counts[key]))
+            counts[key] += 1
 
-    def backward(c: int, split: bool = False) -> None:
-        row.append(Action(chunks[c], BACKWARD_INPUT if split else BACKWARD, backwards[c]))
-        if split:
-            pending.append(Action(chunks[c], BACKWARD_WEIGHT, backwards[c]))
-        backwards[c] += 1
-
-    def weight() -> None:
-        if pending:
-            row.append(pending.pop(0))
-
-    for _ in range(2 * (p - r - 1)):  # 1
-        forward(0)
-    for _ in range(r + 1):  # 2
-        forward(0)
-        forward(1)
-    for _ in range(p - r - 1):  # 3
-        backward(1, split=True)
-        weight()
-        forward(1)
-    for _ in range(m - 2 * p + r + 1):  # 4 (on the last rank the first F0, B1 is not overlapped)
-        forward(0)
-        backward(1)
-        forward(1)
-        backward(0)
-    for _ in range(p - r - 1):  # 5
-        backward(1)
-        forward(1)
-        backward(0)
-    split = False
-    for i in range(r + 1):  # 6
-        split = split or (i == (r + 1) // 2 and r % 2 == 1)
-        backward(1, split)
-        split = split or (i == (r + 1) // 2 and r % 2 == 0)
-        backward(0, split)
-    for _ in range(p - r - 1):  # 7
-        weight()
-        backward(0, split=True)
-    for _ in range(r + 1):  # 8
-        weight()
+    half = (r + 1) // 2
+    run(*["F0"] * (2 * (p - r - 1)))  # 1
+    run(*["F0", "F1"] * (r + 1))  # 2
+    run(*["I1", "W", "F1"] * (p - r - 1))  # 3
+    run(*["F0", "B1", "F1", "B0"] * (m - 2 * p + r + 1))  # 4 (on the last rank the first F0, B1 is not overlapped)
+    run(*["B1", "F1", "B0"] * (p - r - 1))  # 5
+    for i in range(r + 1):  # 6: I from i = half on, before B1 on odd ranks, before B0 on even ones
+        run("I1" if i > half or (i == half and r % 2) else "B1", "I0" if i >= half else "B0")
+    run(*["W", "I0"] * (p - r - 1))  # 7
+    run(*["W"] * (r + 1))  # 8
     return row

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._action import BACKWARD, FORWARD, Action
-from ._placement import check_positive, looped_ranks
+from ._placement import BuiltinSchedule, looped_ranks
 from ._program import Program
 
 
 @dataclass(frozen=True)
-class GPipe:
+class GPipe(BuiltinSchedule):
     """GPipe (Huang et al., 2019): every rank runs all its forwards, then all its backwards.
 
     By default one stage per rank (stage ``s`` on rank ``s``). Bubble fraction ``(p-1)/(m+p-1)``
@@ -23,11 +23,6 @@ class GPipe:
             for i in range(m):                for i in range(m):
                 forward(s, i)                     backward(s, i)
     """
-
-    num_microbatches: int
-
-    def __post_init__(self) -> None:
-        check_positive("GPipe", "num_microbatches", self.num_microbatches)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_ranks`` ranks (default: one stage per rank)."""

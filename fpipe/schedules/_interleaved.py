@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._action import BACKWARD, FORWARD, Action
-from ._placement import check_positive, looped_ranks
+from ._placement import BuiltinSchedule, looped_ranks
 from ._program import Program
 
 
 @dataclass(frozen=True)
-class Interleaved1F1B:
+class Interleaved1F1B(BuiltinSchedule):
     """Megatron's interleaved 1F1B: ``stages_per_rank`` stages per rank in looped placement.
 
     With ``p`` ranks and ``v = stages_per_rank``, stage ``s`` lives on rank ``s % p`` (rank ``r``
@@ -35,12 +35,7 @@ class Interleaved1F1B:
     it has left rank ``p - 1``, and deadlock.
     """
 
-    num_microbatches: int
     stages_per_rank: int = 2
-
-    def __post_init__(self) -> None:
-        check_positive("Interleaved1F1B", "num_microbatches", self.num_microbatches)
-        check_positive("Interleaved1F1B", "stages_per_rank", self.stages_per_rank)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_ranks`` ranks (default: ``num_stages // stages_per_rank``)."""
@@ -50,12 +45,9 @@ class Interleaved1F1B:
         n = -(-m // p) * p  # laid out in full groups; the actions of microbatches >= m are dropped
         ranks = []
         for r in range(p):
-            fwd: list[tuple[int, int]] = []
-            bwd: list[tuple[int, int]] = []
-            for start in range(0, n, p):
-                group = range(start, start + p)
-                fwd += [(c * p + r, i) for c in range(v) for i in group]
-                bwd += [(c * p + r, i) for c in reversed(range(v)) for i in group]
+            groups = [range(start, start + p) for start in range(0, n, p)]
+            fwd = [(c * p + r, i) for group in groups for c in range(v) for i in group]
+            bwd = [(c * p + r, i) for group in groups for c in reversed(range(v)) for i in group]
             warmup = min(2 * (p - r - 1) + (v - 1) * p, n * v)
             row = [Action(s, FORWARD, i) for s, i in fwd[:warmup]]
             for (fs, fi), (bs, bi) in zip(fwd[warmup:], bwd):

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._action import BACKWARD, FORWARD, Action
-from ._placement import check_positive, looped_ranks
+from ._placement import BuiltinSchedule, looped_ranks
 from ._program import Program
 
 
 @dataclass(frozen=True)
-class LoopedBFS:
+class LoopedBFS(BuiltinSchedule):
     """Looped breadth-first (Lamy-Poirier, 2023): every microbatch through a local stage, then the next.
 
     With ``p`` ranks and ``v = stages_per_rank``, stage ``s`` lives on rank ``s % p`` as in
@@ -33,12 +33,7 @@ class LoopedBFS:
     whose forward it just ran; this is ``torch.distributed.pipelining.ScheduleLoopedBFS``'s order.
     """
 
-    num_microbatches: int
     stages_per_rank: int = 2
-
-    def __post_init__(self) -> None:
-        check_positive("LoopedBFS", "num_microbatches", self.num_microbatches)
-        check_positive("LoopedBFS", "stages_per_rank", self.stages_per_rank)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_ranks`` ranks (default: ``num_stages // stages_per_rank``).

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 from ._action import BACKWARD, FORWARD, Action
 from ._interleaved import Interleaved1F1B
-from ._placement import check_positive, looped_ranks
+from ._placement import BuiltinSchedule, looped_ranks
 from ._program import Program
 
 
 @dataclass(frozen=True)
-class OneFOneB:
+class OneFOneB(BuiltinSchedule):
     """1F1B / PipeDream-flush: after a short warm-up each rank alternates one forward, one backward.
 
     One stage per rank (stage ``s`` on rank ``s``). Same bubble as GPipe, ``(p-1)/(m+p-1)``, but
@@ -28,11 +28,6 @@ class OneFOneB:
     With more stages than ranks (``num_ranks`` given, e.g. by a smaller process group), the
     program is ``Interleaved1F1B``'s for that many stages per rank.
     """
-
-    num_microbatches: int
-
-    def __post_init__(self) -> None:
-        check_positive("OneFOneB", "num_microbatches", self.num_microbatches)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_ranks`` ranks (default: one stage per rank)."""

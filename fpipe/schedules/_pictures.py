@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KIND_NAMES
+from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KIND_NAMES, KINDS
 from ._program import Program, ScheduleError
 from ._simulate import Costs, Simulation, _checked, activations_alive, simulate, stages_held
 
@@ -37,9 +37,7 @@ def as_simulation(timeline: Program | Simulation, function: str = "terminal_grid
 
 def legend(*, color: bool = True) -> str:
     """One line naming the kinds, each in its color."""
-    items = [f"{_paint(kind, kind, color)} {KIND_NAMES[kind]}" for kind in (FORWARD, BACKWARD, BACKWARD_INPUT)]
-    items.append(f"{_paint(BACKWARD_WEIGHT, BACKWARD_WEIGHT, color)} {KIND_NAMES[BACKWARD_WEIGHT]}")
-    return "   ".join([*items, ". idle"])
+    return "   ".join([*(f"{_paint(kind, kind, color)} {KIND_NAMES[kind]}" for kind in KINDS), ". idle"])
 
 
 MAX_COLUMNS = 100_000  # a grid wider than this would not be read, only exhaust memory
@@ -149,14 +147,12 @@ def svg(timeline: Program | Simulation, *, unit_width: float = 32.0, row_height:
     ]
     for r in range(program.num_ranks):
         y = top + r * (row_height + gap)
-        parts.append(
+        parts += [
             f'<text x="{left - 8:g}" y="{y + row_height / 2:g}" text-anchor="end" '
-            f'dominant-baseline="central">rank {r}</text>'
-        )
-        parts.append(
+            f'dominant-baseline="central">rank {r}</text>',
             f'<rect x="{left:g}" y="{y:g}" width="{sim.makespan * unit_width:g}" height="{row_height:g}" '
-            'fill="#f2f2f2"/>'
-        )
+            'fill="#f2f2f2"/>',
+        ]
         for a, start, end in zip(program.ranks[r], sim.starts[r], sim.ends[r]):
             x, w = left + start * unit_width, (end - start) * unit_width
             parts.append(
@@ -174,7 +170,7 @@ def svg(timeline: Program | Simulation, *, unit_width: float = 32.0, row_height:
         parts.append(f'<text x="{x:g}" y="{rows_bottom + 4 + font:g}" text-anchor="middle">{t:g}</text>')
     x = left
     y = rows_bottom + 2 * row_height
-    for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+    for kind in KINDS:
         parts.append(f'<rect x="{x:g}" y="{y - font:g}" width="{font:g}" height="{font:g}" fill="{_FILL[kind]}"/>')
         parts.append(f'<text x="{x + font * 1.5:g}" y="{y:g}">{kind} {KIND_NAMES[kind]}</text>')
         x += font * (len(KIND_NAMES[kind]) + 6) * 0.62

@@ -1,23 +1,34 @@
-"""What every schedule checks of its arguments: positive counts, and the ranks its placement needs.
+"""What every built-in schedule checks of its arguments: positive counts, and the ranks its placement needs.
 
-Two placements serve every built-in schedule: looped (stage ``s`` on rank ``s % p``: GPipe,
-1F1B, interleaved 1F1B, looped BFS) and the V (rank ``r`` holds stages ``r`` and ``2p - 1 - r``:
-ZB-V, DualPipeV). ``looped_ranks`` and ``v_ranks`` give the rank count of each, or a
-``ScheduleError`` that names the schedule, both counts and the fix.
+The schedules are frozen dataclasses of counts (``num_microbatches``, ``stages_per_rank``) built on
+``BuiltinSchedule``, which checks each. Two placements serve every built-in schedule: looped (stage
+``s`` on rank ``s % p``: GPipe, 1F1B, interleaved 1F1B, looped BFS) and the V (rank ``r`` holds
+stages ``r`` and ``2p - 1 - r``: ZB-V, DualPipeV). ``looped_ranks`` and ``v_ranks`` give the rank
+count of each, or a ``ScheduleError`` that names the schedule, both counts and the fix.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, fields
 
 from .._plural import plural
 from ._program import ScheduleError
 
 
-def check_positive(name: str, argument: str, value: Any) -> None:
-    """Reject a count (``num_microbatches``, ``stages_per_rank``) that is not a positive int."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ScheduleError(f"fpipe.schedules.{name}: {argument} must be a positive int ({argument}: {value!r}).")
+@dataclass(frozen=True)
+class BuiltinSchedule:
+    """The base of the built-in schedules: every field is a count, rejected unless a positive int."""
+
+    num_microbatches: int
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ScheduleError(
+                    f"fpipe.schedules.{type(self).__name__}: {field.name} must be a positive int "
+                    f"({field.name}: {value!r})."
+                )
 
 
 def looped_ranks(name: str, num_stages: int, num_ranks: int | None, stages_per_rank: int = 1) -> int:

@@ -40,7 +40,7 @@ import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KINDS, Action
 from ._program import Program, ScheduleError, as_soon_as_possible, dependencies, split_backwards, validate
 
 
@@ -72,13 +72,8 @@ class Costs:
             if value is None and name == "backward":
                 continue
             positive = name != "send"
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value < 0
-                or (positive and value == 0)
-            ):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not number or value < 0 or (positive and value == 0):
                 raise ScheduleError(
                     f"fpipe.schedules.Costs: {name} must be a finite {'positive' if positive else 'non-negative'} "
                     f"number ({name}: {value!r})."
@@ -86,14 +81,11 @@ class Costs:
 
     def of(self, kind: str) -> float:
         """The duration of an action of ``kind`` (``"F"``, ``"B"``, ``"I"`` or ``"W"``)."""
-        if kind == FORWARD:
-            return self.forward
-        if kind == BACKWARD_INPUT:
-            return self.backward_input
-        if kind == BACKWARD_WEIGHT:
-            return self.backward_weight
         if kind == BACKWARD:
             return self.backward_input + self.backward_weight if self.backward is None else self.backward
+        durations = {FORWARD: self.forward, BACKWARD_INPUT: self.backward_input, BACKWARD_WEIGHT: self.backward_weight}
+        if kind in durations:
+            return durations[kind]
         raise ScheduleError(f"fpipe.schedules.Costs: unknown action kind {kind!r}. Kinds are F, B, I, W.")
 
 
@@ -151,7 +143,10 @@ class Simulation:
         the program's order, not on the costs. A rank holding ``v`` stages counts each
         ``(stage, microbatch)`` activation as ``1/v`` (NOTE [activation units]).
         """
-        return tuple(peak_activations(row) / stages_held(self.program, r) for r, row in enumerate(self.program.ranks))
+        return tuple(
+            max((alive for _, alive in activations_alive(row)), default=0) / stages_held(self.program, r)
+            for r, row in enumerate(self.program.ranks)
+        )
 
     def intervals(self) -> list[tuple[int, Action, float, float]]:
         """Every action as ``(rank, action, start, end)``, sorted by start time, then rank."""
@@ -173,11 +168,6 @@ class Simulation:
 def stages_held(program: Program, rank: int) -> int:
     """How many stages ``rank`` holds (at least 1: the divisor of its activation counts)."""
     return max(1, len(program.stages_of(rank)))
-
-
-def peak_activations(row: tuple[Action, ...]) -> int:
-    """The most ``(stage, microbatch)`` activations alive at once on a rank running ``row`` in order."""
-    return max((alive for _, alive in activations_alive(row)), default=0)
 
 
 def activations_alive(row: tuple[Action, ...]) -> Iterator[tuple[int, int]]:
@@ -337,11 +327,9 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
     durations: dict[tuple[int, str], list[float]] = {}
     latencies: dict[int, list[float]] = {}
     for t in timelines:
-        end_of: dict[Action, float] = {}
-        for row, starts, ends in zip(program.ranks, t.starts, t.ends):
-            for a, start, end in zip(row, starts, ends):
-                end_of[a] = end
-                durations.setdefault((a.stage, a.kind), []).append(end - start)
+        end_of = {a: end for _, a, _, end in t.intervals()}
+        for _, a, start, end in t.intervals():  # the median does not depend on the order
+            durations.setdefault((a.stage, a.kind), []).append(end - start)
         for r, (row, starts, ends) in enumerate(zip(program.ranks, t.starts, t.ends)):
             for pos, a in enumerate(row):
                 free = ends[pos - 1] if pos else 0.0
@@ -360,7 +348,7 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
 
     fitted = []
     for s in range(program.num_stages):
-        forward, fused, inp, wgt = (median(s, kind) for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
+        forward, fused, inp, wgt = (median(s, kind) for kind in KINDS)
         assert forward is not None and (fused is not None or (inp is not None and wgt is not None)), "validated"
         if inp is None or wgt is None:
             assert fused is not None

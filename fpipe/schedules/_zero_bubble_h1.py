@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 from .._plural import plural
 from ._action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
-from ._placement import check_positive
+from ._placement import BuiltinSchedule
 from ._program import Program, ScheduleError
 
 
 @dataclass(frozen=True)
-class ZeroBubbleH1:
+class ZeroBubbleH1(BuiltinSchedule):
     """ZB-H1 (Qi et al., 2024): 1F1B whose backward is split into ``I`` and ``W``, ``W`` deferred.
 
     One stage per rank (stage ``s`` on rank ``s``). The input-gradient pass ``I`` is all that
@@ -35,11 +35,6 @@ class ZeroBubbleH1:
     This is also the order of ``torch.distributed.pipelining.ScheduleInterleavedZeroBubble``
     with one stage per rank.
     """
-
-    num_microbatches: int
-
-    def __post_init__(self) -> None:
-        check_positive("ZeroBubbleH1", "num_microbatches", self.num_microbatches)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on as many ranks.

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
-from ._placement import check_positive, v_ranks
+from ._placement import BuiltinSchedule, v_ranks
 from ._program import Program
 
 
 @dataclass(frozen=True)
-class ZeroBubbleV:
+class ZeroBubbleV(BuiltinSchedule):
     """ZB-V (Qi et al., 2024): two stages per rank placed in a V, near-zero bubble at 1F1B's memory.
 
     With ``p`` ranks and ``2p`` stages, rank ``r`` holds stage ``r`` (its chunk 0, on the way
@@ -43,11 +43,6 @@ class ZeroBubbleV:
     fewer microbatches the program keeps the same shape and some idle time. This is the order of
     ``torch.distributed.pipelining.ScheduleZBVZeroBubble``.
     """
-
-    num_microbatches: int
-
-    def __post_init__(self) -> None:
-        check_positive("ZeroBubbleV", "num_microbatches", self.num_microbatches)
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """The program for ``num_stages`` stages on ``num_stages // 2`` ranks.

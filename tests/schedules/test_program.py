@@ -78,7 +78,7 @@ def test_rejects_i_without_w() -> None:
 
 
 def test_rejects_w_without_i() -> None:
-    with pytest.raises(ScheduleError, match="missing actions: 0I0"):
+    with pytest.raises(ScheduleError, match=r"missing actions: 0I0\. "):  # once
         validate(program(["0F0", "0W0"]))
 
 
