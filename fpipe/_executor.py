@@ -154,7 +154,7 @@ class Executor:
         self._ready = self._watch.mark()
 
     def _forward(self, action: Action) -> None:
-        s, i = action.stage, action.microbatch
+        s, _, i = action
         stage = self.stages[s]
         x = self.transport.microbatch(i) if s == 0 else self.transport.recv_activation(s, i)
         microbatch = self.transport.microbatch(i) if s == self.last and s > 0 else x  # for loss_fn
@@ -188,7 +188,7 @@ class Executor:
         return self.transport.recv_cotangent(s, i)
 
     def _backward(self, action: Action) -> None:
-        s, i = action.stage, action.microbatch
+        s, _, i = action
         cotangents = self._output_cotangents(s, i)
         if self._watch is not None:
             self._arrived()
@@ -197,7 +197,7 @@ class Executor:
             self.transport.send_cotangent(s, i, input_cotangents)
 
     def _backward_input(self, action: Action) -> None:
-        s, i = action.stage, action.microbatch
+        s, _, i = action
         cotangents = self._output_cotangents(s, i)
         if self._watch is not None:
             self._arrived()
@@ -206,7 +206,7 @@ class Executor:
             self.transport.send_cotangent(s, i, input_cotangents)
 
     def _backward_weight(self, action: Action) -> None:
-        s, i = action.stage, action.microbatch
+        s, _, i = action
         self.stages[s].backward_weight(self._pullbacks.pop((s, i)), i)
 
 

@@ -72,7 +72,9 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
         return [mbs[0] for mbs, _ in each], [sizes[0] for _, sizes in each]
     leaves, spec = flatten(batch)  # key paths only for an error (``_paths``): they cost more than the split
     try:
-        dims = broadcast_prefix(batch_dims, batch)
+        # One int (or None) for every leaf, the default, needs no matching against the batch.
+        one = batch_dims is None or type(batch_dims) is int
+        dims = [batch_dims] * len(leaves) if one else broadcast_prefix(batch_dims, batch)
     except ValueError as error:
         raise ValueError(
             f"fpipe.step: batch_dims does not match the batch structure ({error}). Give one int "
