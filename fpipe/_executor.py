@@ -120,12 +120,13 @@ class Executor:
             BACKWARD_WEIGHT: self._backward_weight,
         }
         watch = self._watch = watch if times is not None else None
+        profiling = _profiling()  # asked once per run: a profiler starts and stops between steps
         for rank, action in order:
             if watch is not None:
                 self._ready = watch.mark()
             self.current = action
             try:
-                if _profiling():
+                if profiling:
                     with torch.profiler.record_function(f"fpipe {action}"):
                         handlers[action.kind](action)
                 else:

@@ -273,12 +273,19 @@ def result(spec: StepSpec, executor: Executor, *, explicit: bool = False) -> tup
 
 def _weighted_sum(losses: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """``sum(w_i * loss_i)`` in microbatch order, on the last stage's device and dtype."""
-    # One call for the products (each ``loss_i * w_i`` as the plain op makes it), then the sum
-    # left to right, which no reduction kernel promises: each op here costs a microsecond or two.
-    # The sum goes in place into the first product, a tensor of its own (the same additions).
-    # The losses are scalars already (``StageRun.forward_loss``), and so is their sum.
-    weighted = torch._foreach_mul(list(losses), list(weights))
-    total = weighted[0]
-    for term in weighted[1:]:
+    # Each product is ``loss_i * w_i`` as the plain op makes it, and the sum goes left to right,
+    # which no reduction kernel promises. Each op here costs a microsecond or two, so the
+    # products are made at once: with one weight for all (microbatches of one size, or
+    # ``weight_fn``) and one dtype (``stack`` would promote), by one multiply of the stacked
+    # losses, which rounds each element as the op on one loss does (checked bitwise in
+    # tests/test_run.py); else by one ``_foreach_mul``. The sum goes in place into a tensor of
+    # its own (the same additions). The losses are scalars (``StageRun.forward_loss``).
+    dtype = losses[0].dtype
+    if len(set(weights)) == 1 and all(loss.dtype == dtype for loss in losses):
+        terms: Sequence[torch.Tensor] = torch.stack(list(losses)).mul_(weights[0]).unbind()
+    else:
+        terms = torch._foreach_mul(list(losses), list(weights))
+    total = terms[0].clone() if len(terms) == 1 else terms[0] + terms[1]
+    for term in terms[2:]:
         total.add_(term)
     return total

@@ -210,12 +210,22 @@ class StageRun:
     def to_device(self, tree: PyTree) -> PyTree:
         """``tree`` with its tensors on this stage's device (``tree`` itself where all already are)."""
         device = self.device
+        if type(tree) is torch.Tensor:  # the usual microbatch, one leaf (this runs once per microbatch)
+            return tree if device is None or tree.device == device else tree.to(device)
         if device is None or all(t.device == device for t in flatten(tree)[0] if isinstance(t, torch.Tensor)):
             return tree
         return map_tensors(lambda t: t.to(device), tree)
 
     def forward(self, x: PyTree, *, differentiate_input: bool) -> tuple[Any, Pullback]:
         """Run the stage on ``x``; return its output and the pullback of this call."""
+        if type(x) is torch.Tensor and not (self.recompute or _graph_off()):
+            # The usual case, one tensor under grad mode: the general path below without its
+            # pytree calls (``_inputs``, ``unflatten``), a third of its cost (notes/benchmarks.md).
+            differentiate = differentiate_input and x.requires_grad
+            leaf = self._input_leaf(x, differentiate)
+            y = self.fn(self.params, leaf)
+            inputs, index = ([leaf], _FIRST) if differentiate else ([], ())
+            return y, Pullback(*_graph_outputs(y), inputs, index, 1)
         leaves, spec, inputs, input_index = self._inputs(x, differentiate_input)
         if self.recompute:
             return self._recomputed(lambda xs: self.fn(self.params, unflatten(spec, xs)), leaves, inputs, input_index)
@@ -388,8 +398,9 @@ class StageRun:
         # The input leaves are this call's own detached copies: their ``.grad`` is the cotangent.
         input_cotangents: Grads = [None] * pullback.num_inputs
         for k, x in zip(pullback.input_index, inputs):
-            if x.grad is not None:
-                input_cotangents[k] = boundary_layout(x.grad)
+            g = x.grad
+            if g is not None:
+                input_cotangents[k] = boundary_layout(g)
         return input_cotangents
 
     def backward_input(self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None]) -> Grads:

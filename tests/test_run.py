@@ -1,0 +1,27 @@
+"""A step in one process (``fpipe._run``): the step's loss is each microbatch's loss times its
+weight, added in microbatch order (NOTE [loss weights])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fpipe
+from fpipe.schedules import GPipe
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sizes", [[3], [2, 2], [3] * 8, [3, 2, 2], [1] * 64], ids=str)
+def test_loss_is_the_weighted_losses_added_in_microbatch_order(dtype: torch.dtype, sizes: list[int]) -> None:
+    # One weight for all (equal sizes) and one per microbatch ([3, 2, 2]) take different paths.
+    generator = torch.Generator().manual_seed(0)
+    batch = (torch.randn(sum(sizes), 3, generator=generator, dtype=torch.float64) * 100).to(dtype)
+    p = torch.randn(3, generator=generator, dtype=torch.float64).to(dtype)
+    step = fpipe.pipeline(lambda y, mb: y.mean(), [lambda p, x: x * p], GPipe(len(sizes)))
+    loss, _ = step([p], batch)
+    terms = [(x * p).mean() * (x.shape[0] / sum(sizes)) for x in batch.split(sizes)]
+    expected = terms[0]
+    for term in terms[1:]:
+        expected = expected + term
+    assert loss.dtype == dtype
+    assert torch.equal(loss, expected)
