@@ -19,7 +19,7 @@ def test_loss_is_the_weighted_losses_added_in_microbatch_order(dtype: torch.dtyp
     p = torch.randn(3, generator=generator, dtype=torch.float64).to(dtype)
     step = fpipe.pipeline(lambda y, mb: y.mean(), [lambda p, x: x * p], GPipe(len(sizes)))
     loss, _ = step([p], batch)
-    terms = [(x * p).mean() * (x.shape[0] / sum(sizes)) for x in batch.split(sizes)]
+    terms = [(x * p).mean() * (x.shape[0] / sum(sizes)) for x in torch.split(batch, sizes)]
     expected = terms[0]
     for term in terms[1:]:
         expected = expected + term
