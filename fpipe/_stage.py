@@ -358,6 +358,11 @@ class StageRun:
         """The outputs that carry a graph and a cotangent, and those cotangents."""
         if pullback.replay is not None:
             self._replay(pullback)
+        if len(pullback.outputs) == 1:  # the usual case, one output with a graph: no loop (once per action)
+            out, cot = pullback.outputs[0], cotangents[pullback.output_index[0]]
+            if cot is None:
+                return [], []
+            return [out], [cot if cot.device == out.device else cot.to(out.device)]
         outputs, grad_outputs = [], []
         for k, out in zip(pullback.output_index, pullback.outputs):
             cot = cotangents[k]
@@ -396,6 +401,9 @@ class StageRun:
             _accumulate(outputs, wrt, grad_outputs)
         self._grads.accumulated(microbatch)
         # The input leaves are this call's own detached copies: their ``.grad`` is the cotangent.
+        if pullback.num_inputs == 1 and inputs:  # the usual case, one input leaf: no loop (once per action)
+            g = inputs[0].grad
+            return [None if g is None else boundary_layout(g)]
         input_cotangents: Grads = [None] * pullback.num_inputs
         for k, x in zip(pullback.input_index, inputs):
             g = x.grad
