@@ -190,8 +190,15 @@ class StageRun:
         self.recompute = recompute
         leaves, self._spec = flatten(params)
         self._param_leaves = leaves
-        self._param_index = [k for k, leaf in enumerate(leaves) if is_differentiable(leaf)]
-        prepared = [detached(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self._param_index: list[int] = []  # the differentiable leaves' positions
+        self.device: torch.device | None = None  # the first tensor's
+        prepared = list(leaves)
+        for k, leaf in enumerate(leaves):  # one pass: this runs for every stage in every step
+            if isinstance(leaf, torch.Tensor):
+                prepared[k] = detached(leaf)
+                self.device = leaf.device if self.device is None else self.device
+                if is_differentiable(leaf):
+                    self._param_index.append(k)
         dtypes: list[torch.dtype] | None = None
         if precision is not None:  # NOTE [precision of a leaf]
             for k in self._param_index:
@@ -204,7 +211,6 @@ class StageRun:
             prepared[k].requires_grad_()
         self._param_inputs = [prepared[k] for k in self._param_index]
         self.params = unflatten(self._spec, prepared)
-        self.device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
         self._grads = _OrderedSum(self._param_inputs, dtypes)
 
     def to_device(self, tree: PyTree) -> PyTree:
