@@ -109,7 +109,8 @@ class Executor:
         With ``times`` and ``watch``, each action's start (once its inputs have arrived: waiting
         for a peer is idle time, as in a simulation) and end (``watch``'s marks) are appended to it.
         Under ``torch.profiler`` each action runs in a ``record_function`` range named
-        ``fpipe 1F3``; when no profiler is active, no range is opened (NOTE [profiler ranges]).
+        ``fpipe 1F3``; when no profiler is active as the run starts, no range is opened (NOTE
+        [profiler ranges]).
         """
         # A local table, not an attribute: bound methods stored on self would make a reference
         # cycle that keeps the executor, its stages and their gradients alive until the next GC.
@@ -120,7 +121,7 @@ class Executor:
             BACKWARD_WEIGHT: self._backward_weight,
         }
         watch = self._watch = watch if times is not None else None
-        profiling = _profiling()  # asked once per run: a profiler starts and stops between steps
+        profiling = _profiling()  # once per run (NOTE [profiler ranges])
         for rank, action in order:
             if watch is not None:
                 self._ready = watch.mark()
@@ -217,6 +218,8 @@ class Executor:
 # whole overhead on a tiny stage. ``torch._C._autograd._profiler_enabled`` answers in 30 ns, so
 # ranges are opened only when some profiler (``torch.profiler.profile``, the legacy
 # ``torch.autograd.profiler.profile``, kineto's) is collecting: measured in notes/benchmarks.md.
+# It is asked once per ``Executor.run`` (a piece of a step's order), not per action: a profiler
+# is started and stopped around steps, not by a stage in the middle of one.
 _profiling: Callable[[], bool] = torch._C._autograd._profiler_enabled
 
 
