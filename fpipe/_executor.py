@@ -186,7 +186,7 @@ class Executor:
         if s == self.last:
             loss = self.losses[i]
             seed = self.weights[i] if self.loss_scale is None else self.weights[i] * self.loss_scale
-            return [torch.full((), seed, dtype=loss.dtype, device=loss.device)]
+            return [loss.new_full((), seed)]  # in the loss's dtype and on its device
         return self.transport.recv_cotangent(s, i)
 
     def _backward(self, action: Action) -> None:

@@ -231,7 +231,8 @@ class StageRun:
             leaf = self._input_leaf(x, differentiate)
             y = self.fn(self.params, leaf)
             inputs, index = ([leaf], _FIRST) if differentiate else ([], ())
-            return y, Pullback(*_graph_outputs(y), inputs, index, 1)
+            graph = ([y], _FIRST) if type(y) is torch.Tensor and y.requires_grad else _graph_outputs(y)
+            return y, Pullback(*graph, inputs, index, 1)
         leaves, spec, inputs, input_index = self._inputs(x, differentiate_input)
         if self.recompute:
             return self._recomputed(lambda xs: self.fn(self.params, unflatten(spec, xs)), leaves, inputs, input_index)
