@@ -226,7 +226,8 @@ class StageRun:
         """Run the stage on ``x``; return its output and the pullback of this call."""
         if type(x) is torch.Tensor and not (self.recompute or _graph_off()):
             # The usual case, one tensor under grad mode: the general path below without its
-            # pytree calls (``_inputs``, ``unflatten``), a third of its cost (notes/benchmarks.md).
+            # pytree calls (``_inputs``, ``unflatten``, ``_graph_outputs``), which were about a
+            # third of what a forward costs over plain autograd (notes/benchmarks.md, Session 5).
             differentiate = differentiate_input and x.requires_grad
             leaf = self._input_leaf(x, differentiate)
             y = self.fn(self.params, leaf)
