@@ -22,7 +22,7 @@ from ._pytree import PyTree, flatten, leaves_with_paths
 from ._run import Plan, ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
 from ._sharding._layout import StageLayout, check_shards, data_parallel, norm_leaves
 from ._sharding._runs import ShardedRuns, gather_stages, shard_stages
-from ._stage import StageFn, StageRun
+from ._stage import StageFn, StageRun, not_inference
 from .schedules._action import Action
 from .schedules._program import Program, Schedule, ScheduleError, validate
 
@@ -256,12 +256,13 @@ def _program(
 def _check_not_meta(params: Sequence[PyTree], batch: PyTree, local_stages: Sequence[int]) -> None:
     """Raise if a parameter of a local stage or a batch leaf is on the ``meta`` device: it holds
     no data, and the step would return meta results without complaint."""
-    trees = [(f"stage {s}'s parameter", f"params[{s}]", params[s]) for s in local_stages]
     if isinstance(batch, Microbatches):  # an opaque leaf to the pytree library: look inside
         batch = list(batch.microbatches)
-    for what, name, tree in [*trees, ("stage 0's batch leaf", "batch", batch)]:
+    for s in [*local_stages, None]:
+        tree = batch if s is None else params[s]
         if not any(isinstance(x, torch.Tensor) and x.is_meta for x in flatten(tree)[0]):
-            continue  # key paths are built only for the error
+            continue  # names and key paths are built only for the error
+        what, name = ("stage 0's batch leaf", "batch") if s is None else (f"stage {s}'s parameter", f"params[{s}]")
         paths, leaves, _ = leaves_with_paths(tree)
         i = next(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_meta)
         raise ValueError(
@@ -425,7 +426,7 @@ class Step:
         if self.split is not None and batch is not None and not isinstance(batch, Microbatches):
             batch = Microbatches(self.split(batch, self.num_microbatches))
         _check_not_meta(params, batch, self.local_stages)
-        with torch.inference_mode(False):  # results are plain tensors whatever the ambient mode
+        with not_inference():  # results are plain tensors whatever the ambient mode
             if self._topology is None:
                 self._check_precision(params)
                 return run_local(self, plan, params, batch, keep_outputs=keep_outputs)

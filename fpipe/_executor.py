@@ -109,7 +109,8 @@ class Executor:
         With ``times`` and ``watch``, each action's start (once its inputs have arrived: waiting
         for a peer is idle time, as in a simulation) and end (``watch``'s marks) are appended to it.
         Under ``torch.profiler`` each action runs in a ``record_function`` range named
-        ``fpipe 1F3``; when no profiler is active, no range is opened (NOTE [profiler ranges]).
+        ``fpipe 1F3``; when no profiler is active as the run starts, no range is opened (NOTE
+        [profiler ranges]).
         """
         # A local table, not an attribute: bound methods stored on self would make a reference
         # cycle that keeps the executor, its stages and their gradients alive until the next GC.
@@ -120,12 +121,13 @@ class Executor:
             BACKWARD_WEIGHT: self._backward_weight,
         }
         watch = self._watch = watch if times is not None else None
+        profiling = _profiling()  # once per run (NOTE [profiler ranges])
         for rank, action in order:
             if watch is not None:
                 self._ready = watch.mark()
             self.current = action
             try:
-                if _profiling():
+                if profiling:
                     with torch.profiler.record_function(f"fpipe {action}"):
                         handlers[action.kind](action)
                 else:
@@ -154,7 +156,7 @@ class Executor:
         self._ready = self._watch.mark()
 
     def _forward(self, action: Action) -> None:
-        s, i = action.stage, action.microbatch
+        s, _, i = action
         stage = self.stages[s]
         x = self.transport.microbatch(i) if s == 0 else self.transport.recv_activation(s, i)
         microbatch = self.transport.microbatch(i) if s == self.last and s > 0 else x  # for loss_fn
@@ -184,11 +186,11 @@ class Executor:
         if s == self.last:
             loss = self.losses[i]
             seed = self.weights[i] if self.loss_scale is None else self.weights[i] * self.loss_scale
-            return [torch.full((), seed, dtype=loss.dtype, device=loss.device)]
+            return [loss.new_full((), seed)]  # in the loss's dtype and on its device
         return self.transport.recv_cotangent(s, i)
 
     def _backward(self, action: Action) -> None:
-        s, i = action.stage, action.microbatch
+        s, _, i = action
         cotangents = self._output_cotangents(s, i)
         if self._watch is not None:
             self._arrived()
@@ -197,7 +199,7 @@ class Executor:
             self.transport.send_cotangent(s, i, input_cotangents)
 
     def _backward_input(self, action: Action) -> None:
-        s, i = action.stage, action.microbatch
+        s, _, i = action
         cotangents = self._output_cotangents(s, i)
         if self._watch is not None:
             self._arrived()
@@ -206,7 +208,7 @@ class Executor:
             self.transport.send_cotangent(s, i, input_cotangents)
 
     def _backward_weight(self, action: Action) -> None:
-        s, i = action.stage, action.microbatch
+        s, _, i = action
         self.stages[s].backward_weight(self._pullbacks.pop((s, i)), i)
 
 
@@ -216,6 +218,8 @@ class Executor:
 # whole overhead on a tiny stage. ``torch._C._autograd._profiler_enabled`` answers in 30 ns, so
 # ranges are opened only when some profiler (``torch.profiler.profile``, the legacy
 # ``torch.autograd.profiler.profile``, kineto's) is collecting: measured in notes/benchmarks.md.
+# It is asked once per ``Executor.run`` (a piece of a step's order), not per action: a profiler
+# is started and stopped around steps, not by a stage in the middle of one.
 _profiling: Callable[[], bool] = torch._C._autograd._profiler_enabled
 
 

@@ -72,7 +72,9 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
         return [mbs[0] for mbs, _ in each], [sizes[0] for _, sizes in each]
     leaves, spec = flatten(batch)  # key paths only for an error (``_paths``): they cost more than the split
     try:
-        dims = broadcast_prefix(batch_dims, batch)
+        # One int (or None) for every leaf, the default, needs no matching against the batch.
+        one = batch_dims is None or type(batch_dims) is int
+        dims = [batch_dims] * len(leaves) if one else broadcast_prefix(batch_dims, batch)
     except ValueError as error:
         raise ValueError(
             f"fpipe.step: batch_dims does not match the batch structure ({error}). Give one int "
@@ -120,16 +122,16 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
             f"(leaves: {', '.join(paths[k] for k in sized)}). Use a batch of at least {num_microbatches} or "
             "fewer microbatches."
         )
-    pieces: list[Any] = [
-        torch.tensor_split(leaf, num_microbatches, dim=d) if d is not None else None
+    # Each leaf's column: its pieces, or the leaf itself in every microbatch; a row of them is a microbatch.
+    columns = [
+        [leaf] * num_microbatches
+        if d is None
+        else [boundary_layout(piece) for piece in torch.tensor_split(leaf, num_microbatches, dim=d)]
         for leaf, d in zip(leaves, split_dims)
     ]
-    microbatches = [
-        unflatten(spec, [leaf if part is None else boundary_layout(part[i]) for leaf, part in zip(leaves, pieces)])
-        for i in range(num_microbatches)
-    ]
-    first = next(k for k, d in enumerate(split_dims) if d is not None)
-    sizes = [pieces[first][i].shape[split_dims[first]] for i in range(num_microbatches)]
+    microbatches = [unflatten(spec, row) for row in zip(*columns)]
+    first, dim = next((k, d) for k, d in enumerate(split_dims) if d is not None)
+    sizes = [piece.shape[dim] for piece in columns[first]]
     return microbatches, sizes
 
 

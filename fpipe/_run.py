@@ -10,7 +10,7 @@ data-parallel reduction (notes/wire.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -118,34 +118,27 @@ class Pending(Protocol):
 Reduce = Callable[[int, list[torch.Tensor]], Pending]
 
 
-class ReplicatedRuns(Mapping[int, StageRun]):
+class ReplicatedRuns(dict[int, StageRun]):
     """Stages with their full parameters (``StageRuns``): gradients stay where they are computed.
 
     Without ``reduce``, ``finish`` returns their leaves, which data-parallel replicas still have
     to average. With it, ``finish_stage(s)`` posts the reduction of stage ``s``'s gradients as
     soon as its last action has run, so that it overlaps the rest of the pipeline, and
     ``finish`` waits for them all (NOTE [reduction overlap] in fpipe/_distributed/_runtime.py).
+    A dict of the stages' runs, so that the executor's lookup of a stage, once per action, is
+    no Python call.
     """
 
     def __init__(self, spec: StepSpec, params: Sequence[PyTree], reduce: Reduce | None = None) -> None:
-        self._runs = {s: stage_run(spec, s, params[s]) for s in spec.local_stages}
+        super().__init__((s, stage_run(spec, s, params[s])) for s in spec.local_stages)
         self._reduce = reduce
         self._grads: dict[int, PyTree] = {}  # with reduce: the gradients posted, by stage
         self._pending: list[Pending] = []
 
-    def __getitem__(self, stage: int) -> StageRun:
-        return self._runs[stage]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._runs)
-
-    def __len__(self) -> int:
-        return len(self._runs)
-
     def finish_stage(self, stage: int) -> None:
         """With ``reduce``, post the reduction of ``stage``'s gradients (else nothing to do yet)."""
         if self._reduce is not None:
-            grads = self._grads[stage] = self._runs[stage].grads()
+            grads = self._grads[stage] = self[stage].grads()
             leaves = [g for g in flatten(grads)[0] if isinstance(g, torch.Tensor)]
             self._pending.append(self._reduce(stage, leaves))
 
@@ -154,12 +147,11 @@ class ReplicatedRuns(Mapping[int, StageRun]):
             for pending in self._pending:
                 pending.wait()
             return []
-        return [g for s in sorted(self._runs) for g in flatten(self._runs[s].grads())[0] if isinstance(g, torch.Tensor)]
+        return [g for s in sorted(self) for g in flatten(self[s].grads())[0] if isinstance(g, torch.Tensor)]
 
     def grads(self, num_stages: int) -> list[PyTree]:
         return [
-            self._grads[s] if s in self._grads else self._runs[s].grads() if s in self._runs else None
-            for s in range(num_stages)
+            self._grads[s] if s in self._grads else self[s].grads() if s in self else None for s in range(num_stages)
         ]
 
 
@@ -281,10 +273,20 @@ def result(spec: StepSpec, executor: Executor, *, explicit: bool = False) -> tup
 
 def _weighted_sum(losses: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """``sum(w_i * loss_i)`` in microbatch order, on the last stage's device and dtype."""
-    # One call for the products (each ``loss_i * w_i`` as the plain op makes it), then the sum
-    # left to right, which no reduction kernel promises: each op here costs a microsecond or two.
-    weighted = torch._foreach_mul(list(losses), list(weights))
-    total = weighted[0]
-    for term in weighted[1:]:
-        total = total + term
-    return total.reshape(())
+    # Each product is ``loss_i * w_i`` as the plain op makes it, and the sum goes left to right,
+    # which no reduction kernel promises. Each op here costs a microsecond or two, so the
+    # products are made at once: with one weight for all (microbatches of one size, or
+    # ``weight_fn``) and one dtype (``stack`` would promote), by one multiply of the stacked
+    # losses, which rounds each element as the op on one loss does (checked bitwise in
+    # tests/test_run.py); else by one ``_foreach_mul``. The sum goes in place into a tensor of
+    # its own (the same additions), unless the losses' dtypes differ: then out of place, which
+    # promotes as ``+`` does. The losses are scalars (``StageRun.forward_loss``).
+    one_dtype = all(loss.dtype == losses[0].dtype for loss in losses)
+    if len(set(weights)) == 1 and one_dtype:
+        terms: Sequence[torch.Tensor] = torch.stack(list(losses)).mul_(weights[0]).unbind()
+    else:
+        terms = torch._foreach_mul(list(losses), list(weights))
+    total = terms[0].clone() if len(terms) == 1 else terms[0] + terms[1]
+    for term in terms[2:]:
+        total = total.add_(term) if one_dtype else total + term
+    return total

@@ -88,9 +88,9 @@ class Pullback:
     def __init__(
         self,
         outputs: list[torch.Tensor],
-        output_index: list[int],
+        output_index: Sequence[int],
         inputs: list[torch.Tensor],
-        input_index: list[int],
+        input_index: Sequence[int],
         num_inputs: int,
     ) -> None:
         self.outputs = outputs  # output leaves that carry a graph
@@ -190,8 +190,15 @@ class StageRun:
         self.recompute = recompute
         leaves, self._spec = flatten(params)
         self._param_leaves = leaves
-        self._param_index = [k for k, leaf in enumerate(leaves) if is_differentiable(leaf)]
-        prepared = [detached(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self._param_index: list[int] = []  # the differentiable leaves' positions
+        self.device: torch.device | None = None  # the first tensor's
+        prepared = list(leaves)
+        for k, leaf in enumerate(leaves):  # one pass: this runs for every stage in every step
+            if isinstance(leaf, torch.Tensor):
+                prepared[k] = detached(leaf)
+                self.device = leaf.device if self.device is None else self.device
+                if is_differentiable(leaf):
+                    self._param_index.append(k)
         dtypes: list[torch.dtype] | None = None
         if precision is not None:  # NOTE [precision of a leaf]
             for k in self._param_index:
@@ -204,18 +211,29 @@ class StageRun:
             prepared[k].requires_grad_()
         self._param_inputs = [prepared[k] for k in self._param_index]
         self.params = unflatten(self._spec, prepared)
-        self.device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
         self._grads = _OrderedSum(self._param_inputs, dtypes)
 
     def to_device(self, tree: PyTree) -> PyTree:
         """``tree`` with its tensors on this stage's device (``tree`` itself where all already are)."""
         device = self.device
+        if type(tree) is torch.Tensor:  # the usual microbatch, one leaf (this runs once per microbatch)
+            return tree if device is None or tree.device == device else tree.to(device)
         if device is None or all(t.device == device for t in flatten(tree)[0] if isinstance(t, torch.Tensor)):
             return tree
         return map_tensors(lambda t: t.to(device), tree)
 
     def forward(self, x: PyTree, *, differentiate_input: bool) -> tuple[Any, Pullback]:
         """Run the stage on ``x``; return its output and the pullback of this call."""
+        if type(x) is torch.Tensor and not (self.recompute or _graph_off()):
+            # The usual case, one tensor under grad mode: the general path below without its
+            # pytree calls (``_inputs``, ``unflatten``, ``_graph_outputs``), which were about a
+            # third of what a forward costs over plain autograd (notes/benchmarks.md, Session 5).
+            differentiate = differentiate_input and x.requires_grad
+            leaf = self._input_leaf(x, differentiate)
+            y = self.fn(self.params, leaf)
+            inputs, index = ([leaf], _FIRST) if differentiate else ([], ())
+            graph = ([y], _FIRST) if type(y) is torch.Tensor and y.requires_grad else _graph_outputs(y)
+            return y, Pullback(*graph, inputs, index, 1)
         leaves, spec, inputs, input_index = self._inputs(x, differentiate_input)
         if self.recompute:
             return self._recomputed(lambda xs: self.fn(self.params, unflatten(spec, xs)), leaves, inputs, input_index)
@@ -224,7 +242,7 @@ class StageRun:
                 y = self.fn(self.params, unflatten(spec, leaves))
         else:
             y = self.fn(self.params, unflatten(spec, leaves))
-        return y, _pullback(y, inputs, input_index, len(leaves))
+        return y, Pullback(*_graph_outputs(y), inputs, input_index, len(leaves))
 
     def forward_loss(
         self,
@@ -259,12 +277,12 @@ class StageRun:
                 loss, aux = run(leaves)
         else:
             loss, aux = run(leaves)
-        return loss.detach(), aux, _pullback(loss, inputs, input_index, len(leaves))
+        return loss.detach(), aux, Pullback(*_graph_outputs(loss), inputs, input_index, len(leaves))
 
     def evaluate(self, x: PyTree) -> Any:
         """Run the stage on ``x`` recording no graph (a forward-only step): its output alone."""
         leaves, spec, _, _ = self._inputs(x, False)
-        with _not_inference(), torch.no_grad():
+        with not_inference(), torch.no_grad():
             return self.fn(self.params, unflatten(spec, leaves))
 
     def evaluate_loss(
@@ -273,40 +291,49 @@ class StageRun:
         """Run the (last) stage and ``loss_fn`` on ``x`` recording no graph: loss, aux and the output."""
         leaves, spec, _, _ = self._inputs(x, False)
         microbatch = self.to_device(microbatch)
-        with _not_inference(), torch.no_grad():
+        with not_inference(), torch.no_grad():
             y = self.fn(self.params, unflatten(spec, leaves))
             loss, aux = _split_aux(loss_fn(y, microbatch), has_aux)
         return loss.reshape(()), aux, y
 
     def _inputs(
         self, x: PyTree, differentiate_input: bool
-    ) -> tuple[list[Any], TreeSpec, list[torch.Tensor], list[int]]:
+    ) -> tuple[list[Any], TreeSpec, list[torch.Tensor], Sequence[int]]:
         """The input leaves, those to differentiate replaced by graph leaves (NOTE [differentiable
         leaves]), the structure, and the differentiated leaves with their positions."""
+        # Only leaves that carry the previous stage's graph can use a cotangent (a RoPE table
+        # passed along untouched cannot), so only those are differentiated (a tensor that
+        # requires grad is floating or complex).
         leaves, spec = flatten(x)  # a fresh list: its leaves are replaced in place
-        device = self.device
+        if type(x) is torch.Tensor:  # the usual activation, one leaf: no loop, no lists to fill
+            differentiate = differentiate_input and x.requires_grad
+            leaf = leaves[0] = self._input_leaf(x, differentiate)
+            return (leaves, spec, [leaf], _FIRST) if differentiate else (leaves, spec, [], ())
         inputs: list[torch.Tensor] = []
         input_index: list[int] = []
         for k, leaf in enumerate(leaves):
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            # Only leaves that carry the previous stage's graph can use a cotangent (a RoPE
-            # table passed along untouched cannot), so only those are differentiated (a tensor
-            # that requires grad is floating or complex).
-            differentiate = differentiate_input and leaf.requires_grad
-            if device is not None and leaf.device != device:
-                leaf = leaf.to(device)
-            if not leaf.is_contiguous() or leaf.is_conj() or leaf.is_neg():  # NOTE [boundary layout]
-                leaf = boundary_layout(detached(leaf))
-            if differentiate:
-                leaf = detached(leaf).requires_grad_()
-                inputs.append(leaf)
-                input_index.append(k)
-            leaves[k] = leaf
+            if isinstance(leaf, torch.Tensor):
+                differentiate = differentiate_input and leaf.requires_grad
+                leaves[k] = self._input_leaf(leaf, differentiate)
+                if differentiate:
+                    inputs.append(leaves[k])
+                    input_index.append(k)
         return leaves, spec, inputs, input_index
 
+    def _input_leaf(self, leaf: torch.Tensor, differentiate: bool) -> torch.Tensor:
+        """``leaf`` on this stage's device, laid out as it crosses a boundary (NOTE [boundary
+        layout]), and with ``differentiate``, a graph leaf of its own (NOTE [differentiable leaves])."""
+        device = self.device
+        if device is not None and leaf.device != device:
+            leaf = leaf.to(device)
+        if not leaf.is_contiguous() or leaf.is_conj() or leaf.is_neg():
+            leaf = boundary_layout(detached(leaf))
+        if differentiate:  # (a tensor that requires grad is no inference tensor: ``detach`` will do)
+            leaf = leaf.detach().requires_grad_()
+        return leaf
+
     def _recomputed(
-        self, run: Callable[[list[Any]], Any], leaves: list[Any], inputs: list[torch.Tensor], input_index: list[int]
+        self, run: Callable[[list[Any]], Any], leaves: list[Any], inputs: list[torch.Tensor], input_index: Sequence[int]
     ) -> tuple[Any, Pullback]:
         """Call ``run(leaves)`` without a graph, keeping what replays it (NOTE [recomputation])."""
         rng = torch.get_rng_state()
@@ -339,6 +366,11 @@ class StageRun:
         """The outputs that carry a graph and a cotangent, and those cotangents."""
         if pullback.replay is not None:
             self._replay(pullback)
+        if len(pullback.outputs) == 1:  # the usual case, one output with a graph: no loop (once per action)
+            out, cot = pullback.outputs[0], cotangents[pullback.output_index[0]]
+            if cot is None:
+                return [], []
+            return [out], [cot if cot.device == out.device else cot.to(out.device)]
         outputs, grad_outputs = [], []
         for k, out in zip(pullback.output_index, pullback.outputs):
             cot = cotangents[k]
@@ -377,23 +409,27 @@ class StageRun:
             _accumulate(outputs, wrt, grad_outputs)
         self._grads.accumulated(microbatch)
         # The input leaves are this call's own detached copies: their ``.grad`` is the cotangent.
+        if pullback.num_inputs == 1 and inputs:  # the usual case, one input leaf: no loop (once per action)
+            g = inputs[0].grad
+            return [None if g is None else boundary_layout(g)]
         input_cotangents: Grads = [None] * pullback.num_inputs
         for k, x in zip(pullback.input_index, inputs):
-            if x.grad is not None:
-                input_cotangents[k] = boundary_layout(x.grad)
+            g = x.grad
+            if g is not None:
+                input_cotangents[k] = boundary_layout(g)
         return input_cotangents
 
     def backward_input(self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None]) -> Grads:
         """The input half of a split backward (NOTE [split backward]); ``backward_weight`` finishes it."""
         outputs, grad_outputs = self._seeds(pullback, cotangents)
-        with _not_inference():
+        with not_inference():
             grads, pullback.deferred = input_grad(outputs, grad_outputs, pullback.inputs, self._param_inputs)
         return self._input_cotangents(pullback, grads)
 
     def backward_weight(self, pullback: Pullback, microbatch: int) -> None:
         """The weight half of a split backward: parameter gradients into the ordered sum."""
         assert pullback.deferred is not None, "fpipe: a weight-grad backward before its input-grad backward"
-        with _not_inference():
+        with not_inference():
             self._grads.add(microbatch, pullback.deferred.run())
         pullback.deferred = None
 
@@ -405,7 +441,7 @@ class StageRun:
         sums are summed over the tensor-parallel ranks here, once per step).
         """
         out: list[Any] = [None] * len(self._param_leaves)
-        with _not_inference():
+        with not_inference():
             for k, leaf, g in zip(self._param_index, self._param_inputs, self._grads.total):
                 param = self._param_leaves[k]
                 if g is not None and is_dtensor(g):  # kept, so that a second call sums nothing twice
@@ -415,6 +451,8 @@ class StageRun:
 
 
 _AMBIENT = contextlib.nullcontext()
+
+_FIRST = (0,)  # the position of the one leaf of a plain tensor (``_inputs``, ``_graph_outputs``)
 
 
 _REPLAYING: ContextVar[bool] = ContextVar("fpipe_replaying", default=False)
@@ -430,18 +468,15 @@ def replaying() -> bool:
     return _REPLAYING.get()
 
 
-def _pullback(y: PyTree, inputs: list[torch.Tensor], input_index: list[int], num_inputs: int) -> Pullback:
-    outputs, index = _graph_outputs(y)
-    return Pullback(outputs, index, inputs, input_index, num_inputs)
-
-
-def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], list[int]]:
+def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], Sequence[int]]:
     """The output leaves that carry the graph, and their positions among the output's leaves.
 
     Raises:
         TypeError: if a leaf is an object fpipe cannot flatten (an unregistered class) that holds
             tensors carrying the graph: their gradient would be lost without a word.
     """
+    if type(out) is torch.Tensor:  # the usual output, one leaf: no flatten, no loop
+        return ([out], _FIRST) if out.requires_grad else ([], ())
     leaves, _ = flatten(out)
     outputs, index = [], []
     for k, leaf in enumerate(leaves):
@@ -484,8 +519,9 @@ def _graph_off() -> bool:
     return torch.is_inference_mode_enabled() or not torch.is_grad_enabled()
 
 
-def _not_inference() -> contextlib.AbstractContextManager[Any]:
-    """Inference mode off, entered only when it is on (see ``_graph_off``)."""
+def not_inference() -> contextlib.AbstractContextManager[Any]:
+    """Inference mode off, entered only when it is on: ``torch.inference_mode(False)`` costs a
+    microsecond to enter and leave even when it changes nothing (see ``_graph_off``)."""
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _AMBIENT
 
 
