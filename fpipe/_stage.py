@@ -172,6 +172,13 @@ class _OrderedSum:
             return list(self._sums)
         return [leaf.grad for leaf in self._leaves]
 
+    def replace(self, k: int, g: torch.Tensor) -> None:
+        """Keep ``g`` as leaf ``k``'s sum: the same sum, redistributed (a wide sum cannot be a ``.grad``)."""
+        if self._dtypes is not None:
+            self._sums[k] = g
+        else:
+            self._leaves[k].grad = g
+
 
 class StageRun:
     """Stage ``index`` for the duration of one step: prepared parameters and the gradient sum."""
@@ -442,10 +449,11 @@ class StageRun:
         """
         out: list[Any] = [None] * len(self._param_leaves)
         with not_inference():
-            for k, leaf, g in zip(self._param_index, self._param_inputs, self._grads.total):
+            for i, (k, g) in enumerate(zip(self._param_index, self._grads.total)):
                 param = self._param_leaves[k]
                 if g is not None and is_dtensor(g):  # kept, so that a second call sums nothing twice
-                    g = leaf.grad = like_param(g, param)
+                    g = like_param(g, param)
+                    self._grads.replace(i, g)
                 out[k] = torch.zeros_like(param) if g is None else g
         return unflatten(self._spec, out)
 
