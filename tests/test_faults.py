@@ -207,6 +207,43 @@ def test_a_failed_send_blames_the_peer_not_the_stage():
     assert "because rank 1 died" in message and "failed on rank 0" not in message
 
 
+def _abort_after_the_peer(rank, world):
+    """Rank 1 aborts a group first (as a survivor's watchdog does); rank 0's watchdog then aborts
+    that group, whose pair is closed already, and a second one, on which rank 0 waits."""
+    from datetime import timedelta
+
+    from fpipe._distributed._collectives import wait
+    from fpipe._distributed._faults import RAISED, WATCHDOG, abort_group
+
+    first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
+    if rank == 1:
+        abort_group(first)
+    dist.barrier()
+    time.sleep(0.2)  # rank 0's side of the first group sees its pair close
+    out = None
+    if rank == 0:
+        board = WATCHDOG.board((0, 1), [first, second], {0: (0, None), 1: (1, None)})
+        with WATCHDOG.step(board):
+            WATCHDOG.report(board, board.failure_of(1, RAISED, "failed in a test"))
+            start = time.monotonic()
+            with pytest.raises(fpipe.PipelineError) as info:
+                work = dist.irecv(torch.empty(1), 1, group=second)
+                wait(work, timedelta(seconds=20), 0, "a message that never comes", peer=1)
+            out = (time.monotonic() - start, str(info.value))
+    # The default group was not aborted: its barrier completes on both ranks.
+    dist.barrier(async_op=True).wait(timeout=timedelta(seconds=10))
+    return out
+
+
+def test_an_abort_after_the_peer_closed_a_group_still_aborts_the_others():
+    """A survivor's abort of a gloo group its peer aborted first used to raise (the closed pair
+    refuses the abort's receive), which ended the watchdog before it aborted the next group:
+    the rank sat out its whole timeout and the others' barrier on the default group timed out."""
+    (seconds, message), _ = run_ranks(2, _abort_after_the_peer, timeout=60)
+    assert "rank 0 stopped while waiting for a message that never comes because rank 1 failed in a test" in message
+    assert seconds < 2, seconds
+
+
 def matrix(setups=((2, 1), (3, 2), (4, 3), ((2, 2), 1)), timeouts=(4, DEFAULT)):
     """Every setup x fault place x signal x timeout: the survivors' seconds, as a markdown table."""
     print("| ranks | victim | fault | signal | timeout | survivors' seconds | error | names the victim |")

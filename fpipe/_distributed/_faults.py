@@ -13,6 +13,13 @@ through a board in torch.distributed's own store (the job's TCPStore), per step:
    ``POLL`` seconds. When there is one, it aborts the job's process groups on this rank (gloo:
    a receive that times out at once, which closes every pair of the group; other backends:
    ``ProcessGroup.abort``), so the pending wait raises at once, and the rank raises the record.
+   With gloo, a pair whose peer aborted first (or died) is closed already and refuses that
+   receive with an error: the abort then tries the next peer, and never raises. (It once
+   raised there, which ended the watchdog thread before it aborted the job's other groups: a
+   rank waiting on its data-parallel group then sat out its full ``timeout``, and a barrier on
+   the default group after the failure seemed to hang.) Only the job's groups are aborted; the
+   default group is one of them only when the job runs on it (``group=dist.group.WORLD``, or a
+   mesh dimension over every rank, for which torch's DeviceMesh reuses the default group).
 3. Every watchdog beats a counter in the store every ``BEAT`` seconds while its process lives,
    so a rank whose wait times out names the ranks whose counter stopped (frozen or dead)
    instead of blaming the peer it was waiting for, which may itself be waiting. It says
@@ -276,12 +283,17 @@ def abort_group(group: Any) -> None:
         return
     if dist.get_backend(group) == "gloo":
         # A gloo receive that times out closes every pair of the group's context
-        # ("Application timeout caused pair closure"), failing whatever waits on them.
-        peer = dist.get_global_rank(group, (dist.get_rank(group) + 1) % dist.get_world_size(group))
-        work = dist.irecv(torch.empty(1), peer, group=group, tag=_ABORT_TAG)
-        with contextlib.suppress(RuntimeError):
-            if work is not None:
-                work.wait(timeout=timedelta(milliseconds=1))
+        # ("Application timeout caused pair closure"), failing whatever waits on them. A pair
+        # already closed (its peer aborted first, or died) refuses the receive itself: then the
+        # next peer's pair is tried (NOTE [failure board], point 2). Once one receive has timed
+        # out, every later one is refused at once, so this costs about a millisecond.
+        me, size = dist.get_rank(group), dist.get_world_size(group)
+        for k in range(1, size):
+            with contextlib.suppress(RuntimeError):
+                peer = dist.get_global_rank(group, (me + k) % size)
+                work = dist.irecv(torch.empty(1), peer, group=group, tag=_ABORT_TAG)
+                if work is not None:
+                    work.wait(timeout=timedelta(milliseconds=1))
     else:
         group.abort()
 
