@@ -581,7 +581,9 @@ def test_a_file_linked_outside_is_refused_without_a_word_about_its_target(
     assert str(secret.stat().st_size) not in str(info.value)
 
 
-def _set(path: list[Any], value: Any) -> Any:
+def edit_index(path: list[Any], value: Any) -> Any:
+    """An edit of a loaded index: set the value at ``path`` (``KeyError``: delete it)."""
+
     def edit(index: dict[str, Any]) -> None:
         parent = index
         for key in path[:-1]:
@@ -600,32 +602,35 @@ MALFORMED: list[tuple[Any, str]] = [
     (b'{"metadata": ', r"it is not JSON \(JSONDecodeError"),
     (b"[" * 100_000, r"it is not JSON \(RecursionError"),
     (b"[1, 2]", r"the index should be a JSON object \(the index: \[1, 2\]\)"),
-    (_set(["metadata"], KeyError), r"'metadata' is missing \(keys there: \['files', 'tensors', 'weight_map'\]\)"),
+    (edit_index(["metadata"], KeyError), r"'metadata' is missing \(keys there: \['files', 'tensors', 'weight_map'\]\)"),
     (
-        _set(["metadata", "format"], "other"),
+        edit_index(["metadata", "format"], "other"),
         r"it is not in format 'fpipe' version 1 \(metadata: format 'other', version 1\)",
     ),
-    (_set(["metadata", "user"], []), r"metadata\['user'\] should be a JSON object \(metadata\['user'\]: \[\]\)"),
-    (_set(["files"], []), r"'files' should be a JSON object"),
-    (_set(["files", FILE], KeyError), rf"weight_map\['w'\] names a file that 'files' does not list \(.*: '{FILE}'\)"),
-    (_set(["files", FILE, "bytes"], "12"), rf"files\['{FILE}'\]\['bytes'\] should be an int >= 0 \(.*: '12'\)"),
-    (_set(["files", FILE, "bytes"], -1), r"\['bytes'\] should be an int >= 0 \(.*: -1\)"),
-    (_set(["files", FILE, "bytes"], True), r"\['bytes'\] should be an int >= 0 \(.*: True\)"),
-    (_set(["tensors", FILE], KeyError), rf"tensors\['{FILE}'\]\['w'\] is missing"),
-    (_set(["tensors", FILE], 3), rf"tensors\['{FILE}'\] should be a JSON object"),
-    (_set(["weight_map"], KeyError), r"'weight_map' is missing"),
-    (_set(["weight_map"], None), r"'weight_map' should be a JSON object \('weight_map': None\)"),
-    (_set(["weight_map", "w"], 3), r"weight_map\['w'\] should be a file name or a non-empty list of them"),
-    (_set(["weight_map", "w"], []), r"weight_map\['w'\] should be a file name or a non-empty list"),
-    (_set(["optimizer_state_map"], "x"), r"'optimizer_state_map' should be a JSON object"),
-    (_set([*W, "dtype"], "F99"), r"\['dtype'\] should be one of \[.*\] \(.*\['dtype'\]: 'F99'\)"),
-    (_set([*W, "dtype"], KeyError), r"\['w'\]\['dtype'\] is missing \(keys there: \['sha256', 'shape'\]\)"),
-    (_set([*W, "shape"], "abc"), r"\['shape'\] should be a list of ints >= 0 \(.*: 'abc'\)"),
-    (_set([*W, "shape"], [3, -1]), r"\['shape'\] should be a list of ints >= 0 \(.*: \[3, -1\]\)"),
-    (_set([*W, "sha256"], 5), r"\['sha256'\] should be 64 hex digits \(.*: 5\)"),
-    (_set([*W, "sha256"], "../x"), r"\['sha256'\] should be 64 hex digits"),
-    (_set(["weight_map", "w"], [FILE]), r"\['w'\]\['shard'\] is missing"),  # a sharded entry: pieces
-    (_set([*W, "shard"], [1, 1]), r"\['shard'\] should be \[0, 1\]"),
+    (edit_index(["metadata", "user"], []), r"metadata\['user'\] should be a JSON object \(metadata\['user'\]: \[\]\)"),
+    (edit_index(["files"], []), r"'files' should be a JSON object"),
+    (
+        edit_index(["files", FILE], KeyError),
+        rf"weight_map\['w'\] names a file that 'files' does not list \(.*: '{FILE}'\)",
+    ),
+    (edit_index(["files", FILE, "bytes"], "12"), rf"files\['{FILE}'\]\['bytes'\] should be an int >= 0 \(.*: '12'\)"),
+    (edit_index(["files", FILE, "bytes"], -1), r"\['bytes'\] should be an int >= 0 \(.*: -1\)"),
+    (edit_index(["files", FILE, "bytes"], True), r"\['bytes'\] should be an int >= 0 \(.*: True\)"),
+    (edit_index(["tensors", FILE], KeyError), rf"tensors\['{FILE}'\]\['w'\] is missing"),
+    (edit_index(["tensors", FILE], 3), rf"tensors\['{FILE}'\] should be a JSON object"),
+    (edit_index(["weight_map"], KeyError), r"'weight_map' is missing"),
+    (edit_index(["weight_map"], None), r"'weight_map' should be a JSON object \('weight_map': None\)"),
+    (edit_index(["weight_map", "w"], 3), r"weight_map\['w'\] should be a file name or a non-empty list of them"),
+    (edit_index(["weight_map", "w"], []), r"weight_map\['w'\] should be a file name or a non-empty list"),
+    (edit_index(["optimizer_state_map"], "x"), r"'optimizer_state_map' should be a JSON object"),
+    (edit_index([*W, "dtype"], "F99"), r"\['dtype'\] should be one of \[.*\] \(.*\['dtype'\]: 'F99'\)"),
+    (edit_index([*W, "dtype"], KeyError), r"\['w'\]\['dtype'\] is missing \(keys there: \['sha256', 'shape'\]\)"),
+    (edit_index([*W, "shape"], "abc"), r"\['shape'\] should be a list of ints >= 0 \(.*: 'abc'\)"),
+    (edit_index([*W, "shape"], [3, -1]), r"\['shape'\] should be a list of ints >= 0 \(.*: \[3, -1\]\)"),
+    (edit_index([*W, "sha256"], 5), r"\['sha256'\] should be 64 hex digits \(.*: 5\)"),
+    (edit_index([*W, "sha256"], "../x"), r"\['sha256'\] should be 64 hex digits"),
+    (edit_index(["weight_map", "w"], [FILE]), r"\['w'\]\['shard'\] is missing"),  # a sharded entry: pieces
+    (edit_index([*W, "shard"], [1, 1]), r"\['shard'\] should be \[0, 1\]"),
 ]
 
 

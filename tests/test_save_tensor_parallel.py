@@ -25,7 +25,7 @@ from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
 from tests.test_hf_load import TWO, Spy, checkpoint, example, meta_model
 from tests.test_hf_save import assert_same_logits, from_pretrained
-from tests.test_save import assert_bitwise, template
+from tests.test_save import assert_bitwise, edit_index, template
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -574,28 +574,19 @@ def test_save_hf_from_tensor_parallel_stages_loads_with_from_pretrained(saved: t
 def _edits() -> list[tuple[Any, str]]:
     a, b = (f"model-rank-00000-of-00002-tp-0000{t}-of-00002.safetensors" for t in (0, 1))
 
-    def edit(path: list[str], value: Any) -> Any:
-        def apply(index: dict[str, Any]) -> None:
-            parent = index
-            for key in path[:-1]:
-                parent = parent[key]
-            if value is KeyError:
-                del parent[path[-1]]
-            else:
-                parent[path[-1]] = value
-
-        return apply
-
     odd = ["tensors", b, "b0.odd"]
     return [
-        (edit([*odd, "offset"], [4, 0]), r"the box at offset \[4, 0\] of shape \[2, 3\] is not inside shape \[5, 3\]"),
-        (edit([*odd, "offset"], [2, 0]), r"the boxes at offsets \[0, 0\] and \[2, 0\] overlap"),
-        (edit(["weight_map", "b0.odd"], [a]), r"they cover 9 of its 15 elements"),
-        (edit(["weight_map", "b0.odd"], [a, a]), r"weight_map\['b0.odd'\] names a file twice"),
-        (edit([*odd, "offset"], [3]), r"an offset and shape of 2 dimensions"),
-        (edit([*odd, "full_shape"], [6, 3]), r"the pieces of 'b0.odd' disagree"),
-        (edit([*odd, "offset"], KeyError), r"\['b0.odd'\]\['shard'\] is missing"),  # neither a box nor a shard
-        (edit([*odd, "offset"], [-1, 0]), r"\['offset'\] should be a list of ints >= 0"),
+        (
+            edit_index([*odd, "offset"], [4, 0]),
+            r"the box at offset \[4, 0\] of shape \[2, 3\] is not inside shape \[5, 3\]",
+        ),
+        (edit_index([*odd, "offset"], [2, 0]), r"the boxes at offsets \[0, 0\] and \[2, 0\] overlap"),
+        (edit_index(["weight_map", "b0.odd"], [a]), r"they cover 9 of its 15 elements"),
+        (edit_index(["weight_map", "b0.odd"], [a, a]), r"weight_map\['b0.odd'\] names a file twice"),
+        (edit_index([*odd, "offset"], [3]), r"an offset and shape of 2 dimensions"),
+        (edit_index([*odd, "full_shape"], [6, 3]), r"the pieces of 'b0.odd' disagree"),
+        (edit_index([*odd, "offset"], KeyError), r"\['b0.odd'\]\['shard'\] is missing"),  # neither a box nor a shard
+        (edit_index([*odd, "offset"], [-1, 0]), r"\['offset'\] should be a list of ints >= 0"),
     ]
 
 
@@ -605,53 +596,33 @@ def _sharded_edits() -> list[tuple[Any, str]]:
     name = "model-rank-00000-of-00001-dp-0000{}-of-00002-tp-0000{}-of-00002.safetensors"
     second = ["tensors", name.format(1, 1), "b0.odd"]  # shard 1 of the box at rows [3, 5)
 
-    def edit(path: list[str], value: Any) -> Any:
-        def apply(index: dict[str, Any]) -> None:
-            parent = index
-            for key in path[:-1]:
-                parent = parent[key]
-            if value is KeyError:
-                del parent[path[-1]]
-            else:
-                parent[path[-1]] = value
-
-        return apply
-
     return [
-        (edit([*second, "box_shape"], [1, 3]), r"the shards of one box of 'b0.odd' disagree"),
-        (edit([*second, "box_shape"], KeyError), r"\['box_shape'\] is missing"),
-        (edit([*second, "shard"], [0, 2]), r"\['shard'\] should be \[1, 2\]"),
-        (edit([*second, "shard"], KeyError), r"each should be a box, a shard or a shard of a box like the first"),
-        (edit(["tensors", name.format(0, 0), "b0.odd", "shard"], [0, 3]), r"with d > 0 dividing its 4 pieces"),
-        (edit([*second, "shape"], [4]), r"the pieces of 'b0.odd' disagree: .* and shape \[3\]"),
-        (edit([*second, "offset"], [2, 0]), r"the shards of one box of 'b0.odd' disagree"),
-        (edit(["weight_map", "b0.odd"], [name.format(q, 0) for q in (0, 1)]), r"they cover 9 of its 15 elements"),
+        (edit_index([*second, "box_shape"], [1, 3]), r"the shards of one box of 'b0.odd' disagree"),
+        (edit_index([*second, "box_shape"], KeyError), r"\['box_shape'\] is missing"),
+        (edit_index([*second, "shard"], [0, 2]), r"\['shard'\] should be \[1, 2\]"),
+        (edit_index([*second, "shard"], KeyError), r"each should be a box, a shard or a shard of a box like the first"),
+        (edit_index(["tensors", name.format(0, 0), "b0.odd", "shard"], [0, 3]), r"with d > 0 dividing its 4 pieces"),
+        (edit_index([*second, "shape"], [4]), r"the pieces of 'b0.odd' disagree: .* and shape \[3\]"),
+        (edit_index([*second, "offset"], [2, 0]), r"the shards of one box of 'b0.odd' disagree"),
+        (edit_index(["weight_map", "b0.odd"], [name.format(q, 0) for q in (0, 1)]), r"they cover 9 of its 15 elements"),
     ]
 
 
 def test_hostile_sharded_boxes_are_refused(sharded: tuple[Path, list[Any]]) -> None:
-    root = sharded[0] / "sharded"
-    version = root / (root / LATEST).read_text().strip()
-    original = (version / INDEX).read_text()
-    full = _full()
-    try:
-        for apply, fragment in _sharded_edits():
-            index = json.loads(original)
-            apply(index)
-            (version / INDEX).write_text(json.dumps(index))
-            with pytest.raises(ValueError, match=r"is not an index written by fpipe\.save: .*" + fragment):
-                fpipe.load(root, template(full))
-    finally:
-        (version / INDEX).write_text(original)
+    _refused(sharded[0] / "sharded", _sharded_edits())
 
 
 def test_hostile_boxes_are_refused(saved: tuple[Path, list[Any], Any]) -> None:
-    root = saved[0] / "tp"
+    _refused(saved[0] / "tp", _edits())
+
+
+def _refused(root: Path, edits: list[tuple[Any, str]]) -> None:
+    """Each of ``edits`` to the index of the save in ``root`` makes ``fpipe.load`` raise its fragment."""
     version = root / (root / LATEST).read_text().strip()
     original = (version / INDEX).read_text()
     full = _full()
     try:
-        for apply, fragment in _edits():
+        for apply, fragment in edits:
             index = json.loads(original)
             apply(index)
             (version / INDEX).write_text(json.dumps(index))
