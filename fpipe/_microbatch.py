@@ -170,15 +170,7 @@ def stack(trees: list[PyTree]) -> PyTree:
     Raises:
         ValueError: if the pytrees differ in structure or a tensor leaf changes shape.
     """
-    flat = [flatten(tree) for tree in trees]
-    spec = flat[0][1]
-    for i, (_, other) in enumerate(flat):
-        if other != spec:
-            raise ValueError(
-                f"fpipe.step: the aux returned by loss_fn for microbatch {i} has structure {other}, "
-                f"but microbatch 0 returned {spec}. Return the same structure for every microbatch."
-            )
-    columns = list(zip(*(leaves for leaves, _ in flat)))
+    columns, spec = _columns(trees, "fpipe.step: the aux returned by loss_fn")
     out: list[Any] = []
     for column in columns:
         if all(isinstance(x, torch.Tensor) for x in column):
@@ -202,16 +194,9 @@ def concat(trees: list[PyTree]) -> PyTree:
     Raises:
         ValueError: if the pytrees differ in structure or a tensor leaf has no batch dimension.
     """
-    flat = [flatten(tree) for tree in trees]
-    spec = flat[0][1]
-    for i, (_, other) in enumerate(flat):
-        if other != spec:
-            raise ValueError(
-                f"fpipe.step.evaluate: the last stage's output for microbatch {i} has structure {other}, "
-                f"but microbatch 0's has {spec}. Return the same structure for every microbatch."
-            )
+    columns, spec = _columns(trees, "fpipe.step.evaluate: the last stage's output")
     out: list[Any] = []
-    for column in zip(*(leaves for leaves, _ in flat)):
+    for column in columns:
         if all(isinstance(x, torch.Tensor) for x in column):
             if any(x.dim() == 0 for x in column):
                 raise ValueError(
@@ -223,3 +208,17 @@ def concat(trees: list[PyTree]) -> PyTree:
         else:
             out.append(tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in column))
     return unflatten(spec, out)
+
+
+def _columns(trees: list[PyTree], what: str) -> tuple[list[tuple[Any, ...]], Any]:
+    """The leaves of per-microbatch ``trees`` as columns (one tuple per leaf), and their common
+    structure; ``what`` (the function and the value) starts the error if the structures differ."""
+    flat = [flatten(tree) for tree in trees]
+    spec = flat[0][1]
+    for i, (_, other) in enumerate(flat):
+        if other != spec:
+            raise ValueError(
+                f"{what} for microbatch {i} has structure {other}, but microbatch 0's has {spec}. "
+                "Return the same structure for every microbatch."
+            )
+    return list(zip(*(leaves for leaves, _ in flat))), spec

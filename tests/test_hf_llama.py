@@ -9,9 +9,7 @@ float32 whatever the model's dtype; it does so row by row, identically on both p
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -23,8 +21,6 @@ import fpipe
 from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB
 
 pytest.importorskip("transformers")
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_llama.py"
 
 
 @pytest.fixture(autouse=True)
@@ -38,11 +34,9 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def hf() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fpipe_example_hf_llama", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.test_hf_load import example  # the example's module, loaded by its path (after importorskip)
+
+    return example()
 
 
 def padded_batch(hf: ModuleType, size: int = 6) -> dict[str, Any]:
