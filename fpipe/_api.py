@@ -123,7 +123,7 @@ def pipeline(
         for i, mb in enumerate(split(batch, num_microbatches, batch_dims)):
             loss_i, grads_i = torch.func.grad_and_value(
                 lambda p: loss_fn(compose(stages)(p, mb), mb))(params)   # returns (grads, value)
-            loss += n_i / N * loss_i
+            loss += n_i / N * loss_i            # the products added by one torch.sum
             grads += n_i / N * grads_i          # summed in microbatch order 0, 1, 2, ...
 
     but runs the stages' forwards and backwards in the order of the schedule, with explicit
@@ -371,7 +371,7 @@ class Step:
         ``F`` actions) with no graph recorded: no activation is kept past the next stage, no
         backward runs, no gradient is made, so a rank holds one microbatch's activations at a
         time. The loss is bitwise that of ``step(params, batch)`` (same microbatches, same
-        weights, same order of the sum), and averaged over data-parallel replicas like it.
+        weights, the same sum), and averaged over data-parallel replicas like it.
 
         Conceptually::
 

@@ -35,6 +35,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local().detach() if isinstance(t, DTensor) else t
 
 
+def shares_storage(t: torch.Tensor) -> bool:
+    """Whether another tensor shares ``t``'s storage (a DTensor's local piece's): a view, an
+    alias, or ``t`` as a view of another's."""
+    piece = t._local_tensor if isinstance(t, DTensor) else t
+    # The storage's references: one per tensor on it, and the Python storage object asked here.
+    return bool(_storage_users(piece.untyped_storage()._cdata) > 2)
+
+
+_storage_users: Any = torch._C._storage_Use_Count
+
+
 def clone(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t``, with the same placements if it is a DTensor, without communication.
 

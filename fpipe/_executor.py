@@ -93,6 +93,7 @@ class Executor:
         self.keep_outputs = keep_outputs
         self.outputs: dict[int, Any] = {}  # the last stage's outputs, with keep_outputs
         self._pullbacks: dict[tuple[int, int], Pullback] = {}
+        self._seeds: Sequence[torch.Tensor] | None = None  # with one weight for all (``_seed``)
         self._watch: Stopwatch | None = None  # while recording (``fpipe.record``)
         self._ready: Any = 0.0  # when the current action's inputs had arrived (a ``Stopwatch`` mark)
         self.current: Action | None = None  # the action running, or that raised
@@ -184,10 +185,20 @@ class Executor:
 
     def _output_cotangents(self, s: int, i: int) -> Grads:
         if s == self.last:
-            loss = self.losses[i]
-            seed = self.weights[i] if self.loss_scale is None else self.weights[i] * self.loss_scale
-            return [loss.new_full((), seed)]  # in the loss's dtype and on its device
+            return [self._seed(i)]
         return self.transport.recv_cotangent(s, i)
+
+    def _seed(self, i: int) -> torch.Tensor:
+        """Microbatch ``i``'s backward seed: its loss weight (times the loss scale), in the loss's
+        dtype and on its device; each microbatch's its own tensor (NOTE [seeds])."""
+        loss = self.losses[i]
+        seed = self.weights[i] if self.loss_scale is None else self.weights[i] * self.loss_scale
+        seeds = self._seeds
+        if seeds is None and len(set(self.weights)) == 1:
+            seeds = self._seeds = torch.full((len(self.weights),), seed, dtype=loss.dtype, device=loss.device).unbind()
+        if seeds is not None and seeds[i].dtype == loss.dtype and seeds[i].device == loss.device:
+            return seeds[i]
+        return loss.new_full((), seed)
 
     def _backward(self, action: Action) -> None:
         s, _, i = action
@@ -210,6 +221,13 @@ class Executor:
     def _backward_weight(self, action: Action) -> None:
         s, _, i = action
         self.stages[s].backward_weight(self._pullbacks.pop((s, i)), i)
+
+
+# NOTE [seeds]
+# With one weight for all microbatches, the backward seeds are made by one ``torch.full`` and
+# ``unbind`` (one op each instead of one per microbatch); each microbatch gets its own element,
+# used once. No gradient sum ever shares their storage (NOTE [gradients the engine keeps] in
+# fpipe/_stage.py). A loss of another dtype or device than the first gets a ``new_full``.
 
 
 # NOTE [profiler ranges]

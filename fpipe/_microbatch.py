@@ -70,6 +70,14 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
             )
         each = [split(mb, 1, batch_dims) for mb in batch.microbatches]
         return [mbs[0] for mbs, _ in each], [sizes[0] for _, sizes in each]
+    if type(batch) is torch.Tensor and type(batch_dims) is int and -batch.dim() <= batch_dims < batch.dim():
+        size = batch.shape[batch_dims]
+        if size >= num_microbatches:  # the usual batch, one tensor: the general path without pytree calls
+            pieces = list(torch.tensor_split(detached(batch), num_microbatches, dim=batch_dims))
+            if batch_dims % batch.dim() or boundary_layout(batch) is not batch:  # else so are its rows
+                pieces = [boundary_layout(piece) for piece in pieces]
+            q, r = divmod(size, num_microbatches)  # the sizes of tensor_split's pieces
+            return pieces, [q + 1] * r + [q] * (num_microbatches - r)
     leaves, spec = flatten(batch)  # key paths only for an error (``_paths``): they cost more than the split
     try:
         # One int (or None) for every leaf, the default, needs no matching against the batch.

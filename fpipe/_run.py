@@ -272,21 +272,22 @@ def result(spec: StepSpec, executor: Executor, *, explicit: bool = False) -> tup
 
 
 def _weighted_sum(losses: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """``sum(w_i * loss_i)`` in microbatch order, on the last stage's device and dtype."""
-    # Each product is ``loss_i * w_i`` as the plain op makes it, and the sum goes left to right,
-    # which no reduction kernel promises. Each op here costs a microsecond or two, so the
-    # products are made at once: with one weight for all (microbatches of one size, or
-    # ``weight_fn``) and one dtype (``stack`` would promote), by one multiply of the stacked
-    # losses, which rounds each element as the op on one loss does (checked bitwise in
-    # tests/test_run.py); else by one ``_foreach_mul``. The sum goes in place into a tensor of
-    # its own (the same additions), unless the losses' dtypes differ: then out of place, which
-    # promotes as ``+`` does. The losses are scalars (``StageRun.forward_loss``).
-    one_dtype = all(loss.dtype == losses[0].dtype for loss in losses)
-    if len(set(weights)) == 1 and one_dtype:
-        terms: Sequence[torch.Tensor] = torch.stack(list(losses)).mul_(weights[0]).unbind()
+    """``sum(w_i * loss_i)`` on the last stage's device (NOTE [the step's loss])."""
+    if len(set(weights)) == 1 and all(loss.dtype == losses[0].dtype for loss in losses):
+        products = torch.stack(list(losses)).mul_(weights[0])  # each rounded as ``loss_i * w_i`` rounds it
     else:
-        terms = torch._foreach_mul(list(losses), list(weights))
-    total = terms[0].clone() if len(terms) == 1 else terms[0] + terms[1]
-    for term in terms[2:]:
-        total = total.add_(term) if one_dtype else total + term
-    return total
+        products = torch.stack(torch._foreach_mul(list(losses), list(weights)))
+    return products.sum()
+
+
+# NOTE [the step's loss]
+# The step's loss is ``torch.sum`` of the products ``loss_i * w_i`` (each as that op makes it,
+# in ``loss_i``'s dtype), stacked in microbatch order (promoted to one dtype as ``torch.stack``
+# promotes): a fixed reduction of a fixed vector, so the loss is bitwise the same whatever the
+# schedule, in one process or many. It is not a left-to-right chain of additions (the
+# gradients are, NOTE [fixed accumulation order]): a chain costs one op per microbatch (about
+# a microsecond each on CPU, a kernel launch each on GPUs), the stack and its sum two, and
+# ``torch.sum`` adds half-precision losses in float32. With one weight for all microbatches
+# (microbatches of one size, or ``weight_fn``) and one dtype, the products are one multiply of
+# the stacked losses, which rounds each element as the op on one loss does (checked bitwise in
+# tests/test_run.py); else one ``_foreach_mul``.

@@ -38,6 +38,20 @@ that runs early, a split backward's ``W``) is computed apart and added in order 
 additions are the same either way (the engine's first one keeps the tensor, the next ones add
 in place).
 
+NOTE [gradients the engine keeps]
+When the engine accumulates into a ``.grad`` that is not set yet, it may keep the gradient tensor
+it was handed instead of copying it (``AccumulateGrad`` "steals" a tensor nothing else holds).
+That tensor may be a view of one that other tensors share: in ``p.view(()) + q.view(())`` both
+parameters get views of the one cotangent, so ``p.grad`` and ``q.grad`` share storage and the
+next microbatch's in-place accumulation into one adds into the other too (plain
+``loss.backward()`` in a loop has this bug: three such backwards give 5, not 3). Shared with
+the seed, a received cotangent or an input leaf's ``.grad`` (the cotangent that goes back to
+the previous stage), the next in-place addition would change those too. So after each engine
+accumulation that set a ``.grad``, ``_OrderedSum.own`` copies any such ``.grad`` whose storage
+another tensor shares (its storage's use count, ``shares_storage``), before anything adds into
+it; once every ``.grad`` is known to be the sum's own, nothing is checked. (A sum added by
+``_flush`` is a copy from the start.)
+
 NOTE [boundary layout]
 Every tensor that crosses a stage boundary is contiguous, with conjugate and negative bits
 resolved: that is how the wire delivers it between processes, and kernels round differently for
@@ -60,7 +74,7 @@ from typing import Any
 
 import torch
 
-from ._dtensor import clone, is_dtensor, like_param
+from ._dtensor import clone, is_dtensor, like_param, shares_storage
 from ._precision import Precision
 from ._pytree import (
     PyTree,
@@ -118,6 +132,9 @@ class _OrderedSum:
         # the sums live here in their own dtypes, every contribution is added by ``_flush``.
         self._dtypes = dtypes
         self._sums: Grads = [None] * len(leaves)
+        # Which ``.grad``s are known to be this sum's own (NOTE [gradients the engine keeps]).
+        self._own = [False] * len(leaves)
+        self.all_own = not leaves
 
     def engine_accumulates(self, microbatch: int) -> bool:
         """Whether the engine may add ``microbatch``'s gradients straight into ``.grad``: every
@@ -126,11 +143,21 @@ class _OrderedSum:
         return microbatch == self._next and self._dtypes is None
 
     def accumulated(self, microbatch: int) -> None:
-        """The engine has added ``microbatch``'s gradients to ``.grad``."""
+        """The engine has added ``microbatch``'s gradients to ``.grad`` (each one this sum's own: ``own``)."""
         assert microbatch == self._next, "fpipe: accumulated out of microbatch order"
         self._next += 1
         if self._pending:
             self._flush()
+
+    def own(self) -> None:
+        """After the engine has added into ``.grad``: copy each ``.grad`` it has just set that
+        shares its storage, before anything adds into it (NOTE [gradients the engine keeps])."""
+        for k, leaf in enumerate(self._leaves):
+            if not self._own[k] and leaf.grad is not None:
+                if shares_storage(leaf.grad):
+                    leaf.grad = clone(leaf.grad)
+                self._own[k] = True
+        self.all_own = all(self._own)
 
     def add(self, microbatch: int, grads: Sequence[torch.Tensor | None]) -> None:
         """Add ``grads`` (one per leaf, ``None`` for none) once earlier microbatches are in."""
@@ -265,9 +292,7 @@ class StageRun:
         microbatch = self.to_device(microbatch)
 
         def run(xs: list[Any]) -> tuple[torch.Tensor, Any]:
-            loss, aux = _split_aux(loss_fn(self.fn(self.params, unflatten(spec, xs)), microbatch), has_aux)
-            # A one-element loss of shape (1,) gets the scalar cotangent too.
-            return (loss if loss.dim() == 0 else loss.reshape(())), aux
+            return self._loss(unflatten(spec, xs), microbatch, loss_fn, has_aux)
 
         if self.recompute:
             auxes: list[Any] = []
@@ -282,9 +307,17 @@ class StageRun:
         if _graph_off():
             with _graph_mode():
                 loss, aux = run(leaves)
-        else:
-            loss, aux = run(leaves)
+        else:  # the usual case, without ``run``'s call
+            loss, aux = self._loss(unflatten(spec, leaves), microbatch, loss_fn, has_aux)
         return loss.detach(), aux, Pullback(*_graph_outputs(loss), inputs, input_index, len(leaves))
+
+    def _loss(
+        self, x: PyTree, microbatch: PyTree, loss_fn: Callable[[Any, Any], Any], has_aux: bool
+    ) -> tuple[torch.Tensor, Any]:
+        """``loss_fn`` of the stage's output on ``x``: the loss as a scalar, and aux."""
+        loss, aux = _split_aux(loss_fn(self.fn(self.params, x), microbatch), has_aux)
+        # A one-element loss of shape (1,) gets the scalar cotangent too.
+        return (loss if loss.dim() == 0 else loss.reshape(())), aux
 
     def evaluate(self, x: PyTree) -> Any:
         """Run the stage on ``x`` recording no graph (a forward-only step): its output alone."""
@@ -414,6 +447,8 @@ class StageRun:
             return self._input_cotangents(pullback, grads[: len(inputs)])
         if outputs and wrt:  # (an empty ``wrt`` would mean every leaf to the engine)
             _accumulate(outputs, wrt, grad_outputs)
+            if not self._grads.all_own:
+                self._grads.own()
         self._grads.accumulated(microbatch)
         # The input leaves are this call's own detached copies: their ``.grad`` is the cotangent.
         if pullback.num_inputs == 1 and inputs:  # the usual case, one input leaf: no loop (once per action)
@@ -572,8 +607,8 @@ def _split_aux(result: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
         loss, aux = result
     else:
         loss, aux = result, None
-    if is_dtensor(loss):  # a loss computed with DTensor ops: its value, the same on every tensor-parallel rank
-        loss = loss.full_tensor()
+    if type(loss) is not torch.Tensor and is_dtensor(loss):
+        loss = loss.full_tensor()  # a loss made by DTensor ops: its value, the same on every tensor-parallel rank
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
         described = (
             f"tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"

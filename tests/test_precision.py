@@ -137,12 +137,13 @@ def _reference_loop(
     params: list[dict[str, torch.Tensor]], batch: dict[str, torch.Tensor], num_microbatches: int, compute: torch.dtype
 ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
     """Master weights by hand: cast once, per microbatch autograd of the unsplit model seeded with
-    the microbatch's weight n_i / N, gradients summed in float32 in microbatch order."""
+    the microbatch's weight n_i / N, gradients summed in float32 in microbatch order, the loss one
+    ``torch.sum`` of the weighted losses (NOTE [the step's loss] in fpipe/_run.py)."""
     cast = [{k: v.to(compute).requires_grad_() for k, v in p.items()} for p in params]
     pieces = [torch.tensor_split(batch[k], num_microbatches) for k in ("x", "y")]
     total_size = batch["x"].shape[0]
     sums: list[dict[str, torch.Tensor]] = [{} for _ in params]
-    loss_sum = None
+    terms = []
     for x, y in zip(*pieces):
         mb = {"x": x, "y": y}
         h = _first(cast[0], mb)
@@ -154,9 +155,8 @@ def _reference_loop(
         grads = torch.autograd.grad(loss, leaves, torch.full((), weight, dtype=loss.dtype))
         for (s, k), g in zip([(s, k) for s, p in enumerate(cast) for k in p], grads):
             sums[s][k] = g.float() if k not in sums[s] else sums[s][k] + g.float()
-        loss_sum = loss.detach() * weight if loss_sum is None else loss_sum + loss.detach() * weight
-    assert loss_sum is not None
-    return loss_sum, sums
+        terms.append(loss.detach() * weight)
+    return torch.stack(terms).sum(), sums
 
 
 @pytest.mark.parametrize("compute", [BF16, F16])

@@ -1,5 +1,5 @@
 """A step in one process (``fpipe._run``): the step's loss is each microbatch's loss times its
-weight, added in microbatch order (NOTE [loss weights])."""
+weight, the products added by one ``torch.sum`` (NOTE [loss weights], NOTE [the step's loss])."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fpipe.schedules import GPipe
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("sizes", [[3], [2, 2], [3] * 8, [3, 2, 2], [1] * 64], ids=str)
-def test_loss_is_the_weighted_losses_added_in_microbatch_order(dtype: torch.dtype, sizes: list[int]) -> None:
+def test_loss_is_the_sum_of_the_weighted_losses(dtype: torch.dtype, sizes: list[int]) -> None:
     # One weight for all (equal sizes) and one per microbatch ([3, 2, 2]) take different paths.
     generator = torch.Generator().manual_seed(0)
     batch = (torch.randn(sum(sizes), 3, generator=generator, dtype=torch.float64) * 100).to(dtype)
@@ -20,15 +20,12 @@ def test_loss_is_the_weighted_losses_added_in_microbatch_order(dtype: torch.dtyp
     step = fpipe.pipeline(lambda y, mb: y.mean(), [lambda p, x: x * p], GPipe(len(sizes)))
     loss, _ = step([p], batch)
     terms = [(x * p).mean() * (x.shape[0] / sum(sizes)) for x in torch.split(batch, sizes)]
-    expected = terms[0]
-    for term in terms[1:]:
-        expected = expected + term
     assert loss.dtype == dtype
-    assert torch.equal(loss, expected)
+    assert torch.equal(loss, torch.stack(terms).sum())
 
 
-def test_losses_of_different_dtypes_are_added_as_plus_promotes() -> None:
-    # A wider loss after two narrower ones: an in-place sum would round it to the narrower dtype.
+def test_losses_of_different_dtypes_are_added_as_stack_promotes() -> None:
+    # A wider loss after two narrower ones: a sum in the first one's dtype would round it.
     generator = torch.Generator().manual_seed(0)
     xs = [
         torch.randn(2, 3, generator=generator, dtype=dtype) for dtype in (torch.float32, torch.float32, torch.float64)
@@ -38,4 +35,4 @@ def test_losses_of_different_dtypes_are_added_as_plus_promotes() -> None:
     loss, _ = step([p], fpipe.Microbatches(xs))
     terms = [(x * p).mean() * (1 / 3) for x in xs]
     assert loss.dtype == torch.float64
-    assert torch.equal(loss, terms[0] + terms[1] + terms[2])
+    assert torch.equal(loss, torch.stack(terms).sum())

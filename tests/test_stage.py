@@ -8,6 +8,7 @@ from typing import Any
 import optree
 import pytest
 import torch
+from conformance import CONFORMANCE
 from test_transparency import assert_close, reference
 
 import fpipe
@@ -250,6 +251,36 @@ def test_ordered_sum_owns_its_memory() -> None:
     assert second.total[1] is not None and torch.equal(second.total[1], torch.full((3,), 3.0))
     assert torch.equal(shared, torch.ones(3)) and g.item() == 1.0
     assert first.total[0] is not second.total[0]
+
+
+def _viewing(p: Any, x: torch.Tensor) -> torch.Tensor:
+    """Hands views of one cotangent to its input and to both parameters (``ViewBackward``)."""
+    return (x.view(()) + p["p"].view(()) + p["q"].view(())) * p["r"]
+
+
+@pytest.mark.parametrize("conformance", [c for c in CONFORMANCE if 2 in c.stage_counts], ids=str)
+def test_gradients_the_engine_keeps_share_no_storage(conformance: Any) -> None:
+    """NOTE [gradients the engine keeps]: the engine keeps views of one cotangent as the ``.grad``
+    of several leaves; the next microbatch's in-place additions must not add into the others
+    (plain ``.backward()`` in a loop gives 5 here instead of 3), nor into the cotangent that
+    went back to stage 0."""
+    stages = [lambda p, x: (x * p).reshape(1), _viewing]
+    params = [
+        torch.tensor([1.5], dtype=torch.float64),
+        {k: torch.tensor([v], dtype=torch.float64) for k, v in (("p", 2.0), ("q", -1.0), ("r", 0.5))},
+    ]
+    batch = torch.arange(1.0, 4.0, dtype=torch.float64).reshape(3, 1)
+    step = fpipe.pipeline(lambda y, mb: y * mb.sum(), stages, conformance.make(2, 3))
+    loss, grads = step(params, batch)
+    whole = [_per_row(f) for f in stages]
+    expected_loss, expected = reference(lambda y, mb: (y * mb.sum(-1)).mean(), whole, params, batch)
+    assert_close(loss, expected_loss, 1e-15)
+    assert_close(grads, expected, 1e-15)
+
+
+def _per_row(stage: Any) -> Any:
+    """``stage`` on a whole batch, one row at a time (its views are of one row)."""
+    return lambda p, x: torch.stack([stage(p, row.reshape(1, -1)).reshape(()) for row in x])
 
 
 # --- Stages end to end ------------------------------------------------------------------------

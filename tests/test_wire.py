@@ -21,6 +21,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fpipe._distributed import _wire as wire
 from fpipe._distributed._wire import (
     DATA,
     ERROR,
@@ -30,6 +31,7 @@ from fpipe._distributed._wire import (
     Encoder,
     as_bytes,
     error_message,
+    layout_of,
     meta_of,
 )
 from tests._multiprocess import run_ranks
@@ -102,6 +104,32 @@ def test_headers_travel_only_when_the_layout_changes() -> None:
     encoder, decoder = Encoder(), Decoder()
     sent = [roundtrip(encoder, decoder, {"h": torch.ones(2, n)})[1] for n in (3, 3, 4, 4, 3)]
     assert sent == [True, False, True, False, True]
+
+
+def test_a_repeated_one_tensor_message_skips_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [one-tensor messages]: a plain tensor of the channel's last layout travels without a
+    layout being made; a change of layout, a strided or conjugate tensor goes the general path."""
+    layouts: list[object] = []
+    monkeypatch.setattr(wire, "layout_of", lambda *args: layouts.append(args) or layout_of(*args))
+    encoder, decoder = Encoder(), Decoder()
+    z = torch.randn(3, dtype=torch.complex64)
+    values = [  # (value, whether it goes the general path)
+        (torch.randn(2, 3), True),
+        (torch.randn(2, 3), False),
+        (torch.randn(2, 3).requires_grad_(), True),  # requires_grad is part of the layout
+        (torch.randn(2, 3), True),
+        (torch.randn(3, 2).t(), True),  # not contiguous
+        (torch.randn(2, 3), False),
+        (torch.randn(2, 3, dtype=torch.float16), True),
+        (z.conj(), True),
+        (z.conj(), True),  # a conjugate view is resolved by the general path
+        (z, False),
+    ]
+    for k, (value, general) in enumerate(values):
+        before = len(layouts)
+        out, _ = transfer(encoder, decoder, value)
+        assert isinstance(out, torch.Tensor) and torch.equal(out, value.detach()), k
+        assert out.requires_grad == value.requires_grad and len(layouts) - before == general, k
 
 
 def test_a_non_tensor_leaf_that_changes_type_travels() -> None:

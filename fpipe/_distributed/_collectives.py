@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -22,11 +23,12 @@ from ._topology import Topology
 from ._wire import tensor_bytes
 
 
-def wait(work: Any, timeout: timedelta, rank: int, what: str, peer: int | None = None) -> None:
+def wait(work: Any, timeout: timedelta, rank: int, what: str | Callable[[], str], peer: int | None = None) -> None:
     """``work.wait`` with a timeout. A failure raises a ``PipelineError`` that says what ``rank``
     was waiting for and names the rank that failed (NOTE [failure board] in fpipe/_distributed/_faults.py);
-    the backend's error is chained. ``peer``: the global rank a receive waits on (``None``: a
-    collective)."""
+    the backend's error is chained. ``what`` may be a function that says it (called only then: a
+    step waits for every message it receives). ``peer``: the global rank a receive waits on
+    (``None``: a collective)."""
     board = WATCHDOG.current
     try:
         with waiting(board):
@@ -36,7 +38,12 @@ def wait(work: Any, timeout: timedelta, rank: int, what: str, peer: int | None =
 
 
 def lost(
-    board: Board | None, error: BaseException, rank: int, what: str, peer: int | None, timeout: timedelta
+    board: Board | None,
+    error: BaseException,
+    rank: int,
+    what: str | Callable[[], str],
+    peer: int | None,
+    timeout: timedelta,
 ) -> PipelineError:
     """The error for a backend ``error`` while pipeline rank ``rank`` waited for ``what``.
 
@@ -44,6 +51,7 @@ def lost(
     this rank's finding, written on the board for the others: a silent rank (the wait timed
     out: the ranks whose heartbeat stopped, or unknown) or a dead one (its connection closed).
     """
+    what = what if isinstance(what, str) else what()
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     timed_out = "timed out" in text.lower() or "timeout" in text.lower()
     seconds = f"{timeout.total_seconds():g}"

@@ -302,16 +302,21 @@ WATCHDOG = Watchdog()
 atexit.register(WATCHDOG.stop)
 
 
-@contextlib.contextmanager
-def waiting(board: Board | None) -> Iterator[None]:
+class waiting:  # (lower case: used as a function, ``with waiting(board):``)
     """Mark this rank as waiting (the watchdog reads the board after ``POLL`` seconds); inside
     an outer ``waiting`` (a tensor-parallel row, NOTE [tensor-parallel waits] in
-    fpipe/_distributed/_runtime.py), the outer one goes on."""
-    if board is None or board.since is not None:
-        yield
-        return
-    board.since = time.monotonic()
-    try:
-        yield
-    finally:
-        board.since = None
+    fpipe/_distributed/_runtime.py), the outer one goes on. A class, not a generator: it wraps
+    every receive of a step, and a ``contextlib.contextmanager`` costs a microsecond or two more."""
+
+    __slots__ = ("_board",)
+
+    def __init__(self, board: Board | None) -> None:
+        self._board = board if board is not None and board.since is None else None
+
+    def __enter__(self) -> None:
+        if self._board is not None:
+            self._board.since = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._board is not None:
+            self._board.since = None

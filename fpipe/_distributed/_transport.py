@@ -175,7 +175,7 @@ class DistributedTransport:
         if failure is not None:
             self._remote_failure(*failure)
         for work, _ in self._sends:
-            self._wait(work, "a send to complete", None)
+            wait(work, self._timeout, self.me, "a send to complete")
         self._sends.clear()
         for peer in self.peers.values():
             assert peer.next_in == len(peer.incoming) and not peer.buffered, "fpipe: unread messages"
@@ -281,16 +281,15 @@ class DistributedTransport:
 
     def _read(self, peer: _Peer) -> None:
         key = peer.incoming[peer.next_in]
-        what = _describe(key)
         decoder = self._wire.decoders[_channel(peer.rank, key)]
         src, group = self.topology.global_ranks[peer.rank], self.topology.group
         works: list[Any] = []
         if peer.ahead is None:  # posted when needed: small messages (NOTE [receives ahead])
             first, large = decoder.first_buffer(self.topology.device), None
-            self._wait(dist.irecv(first, src, group=group), what, peer.rank)
+            self._wait(dist.irecv(first, src, group=group), key, peer.rank)
         else:
             (first, large, works), peer.ahead = peer.ahead, None
-            self._wait(works.pop(0), what, peer.rank)
+            self._wait(works.pop(0), key, peer.rank)
         peer.next_in += 1
         meta = meta_of(first)
         if meta[0] == ERROR:
@@ -298,16 +297,16 @@ class DistributedTransport:
         header, packed = decoder.opened(meta, self.topology.device)
         if header is not None:  # a new layout, with the new shapes: what was posted ahead is padding
             for work in works:
-                self._wait(work, what, peer.rank)
+                self._wait(work, key, peer.rank)
             works, large = [], None
-            self._wait(dist.irecv(header, src, group=group), what, peer.rank)
+            self._wait(dist.irecv(header, src, group=group), key, peer.rank)
         buffers = [t for t in (packed,) if t is not None and t.numel()]
         if large is None:
             large = decoder.large_leaves(header, self.topology.device)
             buffers += map(as_bytes, large)
         works += [dist.irecv(t, src, group=group) for t in buffers]
         for work in works:
-            self._wait(work, what, peer.rank)
+            self._wait(work, key, peer.rank)
         peer.buffered[key] = decoder.decode(first, packed, large, self.topology.tensor_mesh)
         self._post_ahead(peer)
 
@@ -323,11 +322,11 @@ class DistributedTransport:
             standing = Failure(standing.rank, action, RAISED, standing.what, standing.replica)
         raise standing.error(self.me)
 
-    def _wait(self, work: Any, what: str, peer: int | None) -> None:
-        if peer is None:
-            wait(work, self._timeout, self.me, what)
-        else:
-            wait(work, self._timeout, self.me, f"{what} from rank {peer}", self.topology.global_ranks[peer])
+    def _wait(self, work: Any, key: Key, peer: int) -> None:
+        """Wait for ``work``, a receive of message ``key`` from ``peer``; what it waits for is put
+        in words only for an error (a step waits once per message)."""
+        source = self.topology.global_ranks[peer]
+        wait(work, self._timeout, self.me, lambda: f"{_describe(key)} from rank {peer}", source)
 
 
 def _channel(peer: int, key: Key) -> tuple[int, str, int]:

@@ -32,6 +32,14 @@ knows the size of the next ``first`` without being told: a value of small leaves
 and a header travels only when a pytree first appears or its structure, a shape, a dtype or a
 non-tensor leaf changes.
 
+NOTE [one-tensor messages]
+The usual activation or cotangent is one small plain tensor of the same dtype, shape and
+``requires_grad`` as the last message on its channel: no header, the packed bytes inline, so
+its message is one ``first`` of known words. The encoder keeps those words (on the device) and
+the zero tail that pads the tensor's bytes to their aligned size, and makes the message with
+one ``torch.cat`` instead of a layout, a header check and copies into a new buffer. The bytes
+are those of the general path (whose padding is left unwritten).
+
 NOTE [header]
 A header is ASCII JSON, never a pickle: a peer's bytes are read as data and can name only
 classes this process already has. It is ``{"tree": structure, "leaves": [leaf, ...]}``:
@@ -405,6 +413,9 @@ class Encoder:
         # (``1 == True == 1.0``, ``-0.0 == 0.0``).
         self._values: list[Any] = []
         self.expected = 0  # the packed size the receiver's next ``first`` buffer has room for
+        # When the last message was one small plain tensor: its (dtype, shape, requires_grad) and
+        # the bytes around it in the next ``first`` of the same layout (NOTE [one-tensor messages]).
+        self._repeat: tuple[tuple[torch.dtype, torch.Size, bool], torch.Tensor, torch.Tensor] | None = None
 
     @property
     def ahead(self) -> bool:
@@ -413,6 +424,17 @@ class Encoder:
 
     def encode(self, tree: PyTree, device: torch.device, tensor_ranks: list[int] | None = None) -> list[torch.Tensor]:
         """The tensors of ``tree``'s message (``tensor_ranks``: as in ``layout_of``)."""
+        repeat = self._repeat
+        if (
+            repeat is not None
+            and type(tree) is torch.Tensor
+            and (tree.dtype, tree.shape, tree.requires_grad) == repeat[0]
+            and tree.device == repeat[1].device
+            and tree.is_contiguous()
+            and not (tree.is_conj() or tree.is_neg())
+        ):
+            return [torch.cat([repeat[1], as_bytes(tree.detach()), repeat[2]])]
+        self._repeat = None
         layout, leaves = layout_of(tree, tensor_ranks)
         header, values = None, _plain_leaves(tree, layout)
         if not _same(self._last, layout) or values != self._values:
@@ -431,6 +453,10 @@ class Encoder:
         if header is not None and self.ahead:
             padding = [torch.zeros(size, dtype=torch.uint8, device=device) for _, _, size in _large(self._last)]
         self._last, self._values, self.expected = layout, values, layout.nbytes
+        if type(tree) is torch.Tensor and layout.tensors[0][3] == 0:  # one small plain tensor: repeatable
+            words = [DATA, 0, layout.nbytes, layout.nbytes, 0, 0]
+            tail = torch.zeros(layout.nbytes - layout.tensors[0][4], dtype=torch.uint8, device=device)
+            self._repeat = ((tree.dtype, tree.shape, tree.requires_grad), upload(words, device).view(torch.uint8), tail)
         tensors = [first, *padding, header, None if inline else packed, *large]
         return [t for t in tensors if t is not None and t.numel()]
 
