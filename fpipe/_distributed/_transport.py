@@ -65,6 +65,24 @@ def messages(program: Program, sender: int, send_microbatches: bool) -> dict[int
     return out
 
 
+def consumers(program: Program, rank: int, send_microbatches: bool) -> dict[Key, int]:
+    """Each message ``rank`` receives in one step, and the position in its row of the action that
+    needs it (the result: one past the last)."""
+    placement, last, row = program.placement(), program.num_stages - 1, program.ranks[rank]
+    out: dict[Key, int] = {}
+    for k, a in enumerate(row):
+        s, i = a.stage, a.microbatch
+        if a.kind == FORWARD and s > 0 and placement[s - 1] != rank:
+            out["act", s - 1, i] = k
+        if a.kind == FORWARD and s == last and send_microbatches and placement[0] != rank:
+            out["mb", 0, i] = k
+        if a.kind in (BACKWARD, BACKWARD_INPUT) and s < last and placement[s + 1] != rank:
+            out["cot", s + 1, i] = k
+    if placement[last] != rank:
+        out["result", last, 0] = len(row)
+    return out
+
+
 class _Peer:
     """The message streams between this rank and one other pipeline rank, for one step."""
 
@@ -118,6 +136,8 @@ class DistributedTransport:
         self._sends: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
         self._concluded = False  # whether this step's closing all-gather has run (``finish``)
         outgoing = messages(program, self.me, send_microbatches)
+        self._needed = consumers(program, self.me, send_microbatches)
+        self._now = -1  # the position of the action that needed the message read last
         self.peers: dict[int, _Peer] = {}
         for r in range(program.num_ranks):
             if r != self.me:
@@ -270,12 +290,15 @@ class DistributedTransport:
 
     def _post_ahead(self, peer: _Peer) -> None:
         """Post the receives of the peer's next message now if its channel carries large leaves
-        (NOTE [receives ahead] in fpipe/_distributed/_wire.py): they land while this rank computes."""
+        (NOTE [receives ahead] in fpipe/_distributed/_wire.py): they land while this rank computes;
+        or its ``first`` alone, if the next action needs it (NOTE [small receives ahead])."""
         if peer.next_in == len(peer.incoming):
             return
-        decoder = self._wire.decoders[_channel(peer.rank, peer.incoming[peer.next_in])]
-        if decoder.ahead:
-            first, large = decoder.first_buffer(self.topology.device), decoder.large_leaves(None, self.topology.device)
+        key = peer.incoming[peer.next_in]
+        decoder = self._wire.decoders[_channel(peer.rank, key)]
+        if decoder.ahead or self._needed[key] <= self._now + 1:
+            first = decoder.first_buffer(self.topology.device)
+            large = decoder.large_leaves(None, self.topology.device) if decoder.ahead else []
             src, group = self.topology.global_ranks[peer.rank], self.topology.group
             peer.ahead = (first, large, [dist.irecv(t, src, group=group) for t in (first, *map(as_bytes, large))])
 
@@ -308,6 +331,7 @@ class DistributedTransport:
         for work in works:
             self._wait(work, key, peer.rank)
         peer.buffered[key] = decoder.decode(first, packed, large, self.topology.tensor_mesh)
+        self._now = self._needed[key]
         self._post_ahead(peer)
 
     def _remote_failure(self, rank: int, stage: int, kind_index: int, microbatch: int) -> None:
@@ -327,6 +351,20 @@ class DistributedTransport:
         in words only for an error (a step waits once per message)."""
         source = self.topology.global_ranks[peer]
         wait(work, self._timeout, self.me, lambda: f"{_describe(key)} from rank {peer}", source)
+
+
+# NOTE [small receives ahead]
+# A message of small leaves only is one ``first`` buffer whose size the receiver knows from the
+# channel's history (NOTE [receives ahead] in fpipe/_distributed/_wire.py), so the receiver may
+# post it whenever it likes, the sender none the wiser. It posts it as it reads the message
+# before on the same channel when the action right after the one that needed that message
+# needs this one (``consumers``: GPipe's run of forwards on the last rank, of backwards on the
+# first), and else when it needs it. Measured with gloo on 2 CPU processes (notes/benchmarks.md,
+# Session 6): posting every small receive ahead made GPipe's actions 30% cheaper and 1F1B's
+# 1.6 times as dear (there a receive is posted two actions ahead, a forward and a backward;
+# presumably gloo's reader thread then takes the message during compute, a thread switch on
+# busy cores, where a receive posted at need reads what has arrived at once); posted one action
+# ahead, both schedules gain. Large leaves go ahead always: their bytes, not a switch, dominate.
 
 
 def _channel(peer: int, key: Key) -> tuple[int, str, int]:
