@@ -123,26 +123,40 @@ class Executor:
         }
         watch = self._watch = watch if times is not None else None
         profiling = _profiling()  # once per run (NOTE [profiler ranges])
-        for rank, action in order:
-            if watch is not None:
-                self._ready = watch.mark()
-            self.current = action
-            try:
-                if profiling:
-                    with torch.profiler.record_function(f"fpipe {action}"):
-                        handlers[action.kind](action)
-                else:
+        plain = watch is None and not profiling  # the usual case: nothing around the actions
+        rank, action = -1, None
+        try:
+            for rank, action in order:  # noqa: B007 (``rank`` is the failing one's, below)
+                self.current = action
+                if plain:
                     handlers[action.kind](action)
-            except PipelineError:
-                raise
-            except _LossFnFailed as error:
-                cause = error.__cause__ or error
-                raise PipelineError.from_exception(rank, action, cause, in_loss_fn=True) from cause
-            except Exception as error:
-                raise PipelineError.from_exception(rank, action, error) from error
-            if watch is not None and times is not None:
-                times.append((self._ready, watch.mark()))
+                else:
+                    self._instrumented(handlers[action.kind], action, times, profiling)
+        except PipelineError:
+            raise
+        except _LossFnFailed as error:
+            assert action is not None
+            cause = error.__cause__ or error
+            raise PipelineError.from_exception(rank, action, cause, in_loss_fn=True) from cause
+        except Exception as error:
+            assert action is not None
+            raise PipelineError.from_exception(rank, action, error) from error
         self.current = None
+
+    def _instrumented(
+        self, handler: Callable[[Action], None], action: Action, times: list[tuple[Any, Any]] | None, profiling: bool
+    ) -> None:
+        """Run ``handler(action)`` timed (while recording) and in a profiler range (while profiling)."""
+        watch = self._watch
+        if watch is not None:
+            self._ready = watch.mark()
+        if profiling:
+            with torch.profiler.record_function(f"fpipe {action}"):
+                handler(action)
+        else:
+            handler(action)
+        if watch is not None and times is not None:
+            times.append((self._ready, watch.mark()))
 
     def _loss_fn(self, y: Any, microbatch: Any) -> Any:
         """``loss_fn``, its errors marked as its own (not the last stage's)."""
