@@ -244,6 +244,79 @@ def test_an_abort_after_the_peer_closed_a_group_still_aborts_the_others():
     assert seconds < 2, seconds
 
 
+def _malformed_record(rank, world):
+    """Rank 1 writes a record that is not JSON on the step's board, then keeps rank 0 waiting:
+    rank 0's watchdog reads it, and its decoding error (a bug, not a gone store) ends the thread."""
+    import warnings
+
+    from fpipe._distributed._faults import WATCHDOG
+
+    armed = [False]
+
+    def plant(x):
+        if armed[0] and rank == 1:
+            armed[0] = False
+            board = WATCHDOG.current
+            WATCHDOG.ask(lambda store: store.set(board.key(), "not a record"))
+            time.sleep(0.5)  # rank 0 waits for this stage's output meanwhile
+
+    step, params, batch = _two_stages(rank, timeout=30, stage_fault=plant)
+    step(params, batch)
+    armed[0] = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(params, batch)  # the step itself still completes
+        deadline = time.monotonic() + 5
+        while rank == 0 and WATCHDOG.stopped_by is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    dist.barrier()
+    if rank == 1:
+        return None
+    with pytest.raises(TimeoutError) as info:
+        WATCHDOG.ask(lambda store: 1)
+    return type(WATCHDOG.stopped_by).__name__, [(w.category.__name__, str(w.message)) for w in caught], str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_watchdog_stopped_by_an_unexpected_error_warns_and_says_why():
+    (stopped_by, caught, message), _ = run_ranks(2, _malformed_record, timeout=30)
+    assert stopped_by == "JSONDecodeError"
+    warned = [text for kind, text in caught if kind == "RuntimeWarning" and "watchdog" in text]
+    assert len(warned) == 1, caught
+    assert "rank 0 stopped on an unexpected error (JSONDecodeError: Expecting value" in warned[0], warned
+    assert "only when its own waits time out (pipeline(..., timeout=))" in warned[0], warned
+    assert message.startswith("fpipe: the watchdog has stopped: it failed (JSONDecodeError: "), message
+
+
+def _store_gone(rank, world):
+    """Rank 0, which hosts the store, exits after a step; rank 1's watchdog loses the store."""
+    import warnings
+
+    from fpipe._distributed._faults import WATCHDOG
+
+    step, params, batch = _two_stages(rank, timeout=30)
+    step(params, batch)
+    dist.barrier()
+    if rank == 0:
+        return None  # the process exits, and the store with it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        deadline = time.monotonic() + 10
+        while WATCHDOG.stopped_by is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    with pytest.raises(TimeoutError) as info:
+        WATCHDOG.ask(lambda store: 1)
+    return WATCHDOG.stopped_by, [str(w.message) for w in caught], str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_watchdog_whose_store_is_gone_stops_without_a_warning():
+    _, (stopped_by, caught, message) = run_ranks(2, _store_gone, timeout=30)
+    assert isinstance(stopped_by, RuntimeError | OSError), repr(stopped_by)
+    assert not [text for text in caught if "watchdog" in text], caught
+    assert message.startswith("fpipe: the watchdog has stopped: the job's store is gone ("), message
+
+
 def matrix(setups=((2, 1), (3, 2), (4, 3), ((2, 2), 1)), timeouts=(4, DEFAULT)):
     """Every setup x fault place x signal x timeout: the survivors' seconds, as a markdown table."""
     print("| ranks | victim | fault | signal | timeout | survivors' seconds | error | names the victim |")

@@ -29,6 +29,14 @@ Store operations run only on the watchdog thread, through its own client of the 
 main thread never blocks on a store whose host is frozen (it gives up after ``ASK`` seconds).
 So every survivor raises within the ``timeout`` of its own wait plus about ``2 * POLL``, and
 within ``POLL`` of the first report when it waits on something else.
+
+The thread ends when its store is replaced (a new ``init_process_group``) or the process group
+is destroyed, or on the first error of its own store work. A store or connection error
+(``RuntimeError``, such as ``DistStoreError`` and ``DistNetworkError``, or ``OSError``) means the
+store is gone with its host, which exited: the job is over, and it ends silently. Any other
+error is a bug (a malformed record on the board, say): it ends with a ``RuntimeWarning``, since
+this rank then learns of other ranks' failures only when its own waits time out (``pipeline(...,
+timeout=)``). Either way ``Watchdog.stopped_by`` keeps the error, and ``Watchdog.ask`` names it.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import json
 import queue
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -154,6 +163,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.current: Board | None = None  # the board of the step this process is running
+        self.stopped_by: BaseException | None = None  # the error that ended the thread, if one did
 
     def board(self, job: tuple[int, ...], groups: list[Any], names: dict[int, tuple[int, int | None]]) -> Board:
         """The board of ``job`` laid out as ``names`` says, in the current process group's store
@@ -166,8 +176,10 @@ class Watchdog:
             if self._thread is None or not self._thread.is_alive() or self._serves is not default:
                 # A new thread for a new store (after destroy_process_group and a new init).
                 self._serves, self._store, self._boards = default, None, {}
-                self._requests = queue.Queue()
-                self._thread = threading.Thread(target=self._loop, args=(default,), name="fpipe-watchdog", daemon=True)
+                self._requests, self.stopped_by = queue.Queue(), None
+                self._thread = threading.Thread(
+                    target=self._loop, args=(default, dist.get_rank()), name="fpipe-watchdog", daemon=True
+                )
                 self._thread.start()
             return self._boards.setdefault(prefix, Board(prefix, job, dist.get_rank(), groups, names))
 
@@ -193,10 +205,15 @@ class Watchdog:
     # -- the main thread's side --------------------------------------------------------------
 
     def ask(self, job: Callable[[Any], Any]) -> Any:
-        """Run ``job(store)`` on the watchdog thread; its result, or ``TimeoutError`` after ``ASK`` s."""
+        """Run ``job(store)`` on the watchdog thread; its result, or ``TimeoutError`` after ``ASK`` s
+        (at once when the thread has stopped, naming the error that stopped it)."""
         done: Future[Any] = Future()
         if self._thread is None or not self._thread.is_alive():
-            raise TimeoutError("fpipe: the watchdog has stopped: the job's store is gone")
+            cause = self.stopped_by
+            if cause is None:
+                raise TimeoutError("fpipe: the watchdog has stopped: the job's store is gone")
+            why = "the job's store is gone" if _store_gone(cause) else "it failed"
+            raise TimeoutError(f"fpipe: the watchdog has stopped: {why} ({_named(cause)})") from cause
         self._requests.put((job, done))
         return done.result(timeout=ASK)
 
@@ -221,8 +238,9 @@ class Watchdog:
 
     # -- the watchdog thread ---------------------------------------------------------------
 
-    def _loop(self, serves: Any) -> None:
-        """Serve requests, beat and read the board until the store is gone or replaced."""
+    def _loop(self, serves: Any, me: int) -> None:
+        """Serve requests, beat and read the board until the store is gone or replaced, or an
+        error stops it (kept in ``stopped_by``; warned about unless the store is gone)."""
         requests, last_beat = self._requests, 0.0
         while self._serves is serves and dist.is_initialized():
             job: tuple[Callable[[Any], Any], Future[Any]] | None = None
@@ -246,8 +264,24 @@ class Watchdog:
                 if current is not None and current.since is not None and now - current.since > POLL:
                     self._check(current, store, abort=True)
                     self._read_beats(current, store)
-            except Exception:  # the store is gone (its host exited): nothing left to watch
+            except Exception as error:
+                self._stopped(serves, me, error)
                 return
+
+    def _stopped(self, serves: Any, me: int, error: Exception) -> None:
+        """Keep the error that ended the thread, and warn of it unless the store is gone (its
+        host exited: nothing left to watch). A thread whose store was replaced meanwhile
+        records nothing: the new thread's ``stopped_by`` is its own."""
+        if self._serves is serves:
+            self.stopped_by = error
+        if not _store_gone(error):
+            warnings.warn(
+                f"fpipe: the failure watchdog of rank {me} stopped on an unexpected error ({_named(error)}): "
+                "this rank no longer reads the failure board, so it finds other ranks' failures only when "
+                "its own waits time out (pipeline(..., timeout=)).",
+                RuntimeWarning,
+                stacklevel=1,
+            )
 
     def _check(self, board: Board, store: Any, *, abort: bool) -> None:
         if board.failure is None and store.check([board.key()]):
@@ -265,6 +299,16 @@ class Watchdog:
                 if count and (g not in board.beats or board.beats[g][0] != count):
                     board.beats[g] = (count, now)
         board.read_at = now
+
+
+def _store_gone(error: BaseException) -> bool:
+    """Whether ``error`` is a store or connection error (``DistStoreError``, ``DistNetworkError``
+    and the like are ``RuntimeError``s; a closed socket is an ``OSError``), not a bug."""
+    return isinstance(error, (RuntimeError, OSError))
+
+
+def _named(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def _own_client(store: Any) -> Any:
