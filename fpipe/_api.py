@@ -467,6 +467,13 @@ class Step:
         self._check_shards(params)
         self._check_precision(params)
 
+    # NOTE [an agreed inf/nan check]
+    # Every rank must skip a step, and move its scale, alike, or the ranks' parameters and scales
+    # part. Each rank sees only its own gradients: its stages' (summed over the pipeline group),
+    # its replica's (or its shards' only, with shard_params: summed over the data-parallel
+    # group) and its tensor-parallel pieces (a sharded weight's gradient is never summed over tp,
+    # and a DTensor's own isfinite().all() reads the local piece only, as a Partial: summed over
+    # the tensor-parallel group). The three sums in turn reach every rank of the mesh.
     def _finish_precision(self, params: Sequence[PyTree], grads: list[PyTree]) -> list[PyTree]:
         """Unscale and cast the summed gradients (NOTE [precision of a leaf]); under loss scaling,
         agree with every rank on whether any gradient is ``inf``/``nan`` and update the scale."""
@@ -481,8 +488,9 @@ class Step:
             flag = torch.tensor([float(found)], dtype=torch.float64, device=self._topology.device)
             topology, what = self._topology, "the loss scaling's inf/nan check"
             all_reduce_sum(topology, topology.group, [flag], self.timeout, what)
-            if topology.data_group is not None:
-                all_reduce_sum(topology, topology.data_group, [flag], self.timeout, what)
+            for group in (topology.data_group, topology.tensor_group):  # NOTE [an agreed inf/nan check]
+                if group is not None:
+                    all_reduce_sum(topology, group, [flag], self.timeout, what)
             found = flag.item() > 0
         self.last_skipped = found
         self._loss_scale = scaling.update(state, found)

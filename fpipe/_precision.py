@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._dtensor import local
 from ._pytree import PyTree, flatten, leaves_with_paths, unflatten
 
 FLOAT8 = frozenset(  # torch's 8-bit floating dtypes
@@ -215,7 +216,8 @@ def finish_grads(
 ) -> tuple[list[PyTree], bool]:
     """The returned gradients: the sums (in the accumulation dtype) divided by ``scale`` and cast
     to the returned dtype, and whether any of this rank's is ``inf`` or ``nan`` (only looked for
-    with a ``scale``)."""
+    with a ``scale``). For a DTensor gradient only this rank's local piece is looked at: the
+    caller agrees with the other tensor-parallel ranks (NOTE [an agreed inf/nan check])."""
     found = False
     out = list(grads)
     for s in local_stages:
@@ -226,7 +228,7 @@ def finish_grads(
         for p, g in zip(flatten(params[s])[0], leaves):
             if g is not None:
                 g = (g if scale is None else g / scale).to(precision.grads_dtype(p.dtype))
-                found = found or (scale is not None and not bool(torch.isfinite(g).all()))
+                found = found or (scale is not None and not bool(torch.isfinite(local(g)).all()))
             done.append(g)
         out[s] = unflatten(spec, done)
     return out, found

@@ -225,9 +225,10 @@ def _plain_and_mixed(rank, world, dims, shape, schedules, num_stages):
     )
 
 
-def _check_mixed(results, num_stages):
-    """bfloat16 compute on float32 master weights: bitwise equal across schedules, float32 grads,
-    and the float64 reference to bfloat16 rounding (relative error of the loss and of all grads)."""
+def _check_mixed(results, num_stages, compute=torch.bfloat16, rtols=(MIXED_LOSS_RTOL, MIXED_GRADS_RTOL)):
+    """``compute`` (bfloat16) on float32 master weights: bitwise equal across schedules, float32
+    grads, and the float64 reference to ``compute`` rounding (relative error of the loss and of
+    all grads, within ``rtols``)."""
     loss, grads = _reference(num_stages, _batch(10))
     first = {
         (s, k): g
@@ -238,18 +239,17 @@ def _check_mixed(results, num_stages):
     assert len(first) == sum(len(tree) for tree in grads)
     for per_rank in results:
         for local_stages, d_loss, d_grads, _ in per_rank:
-            assert d_loss.dtype == torch.bfloat16
+            assert d_loss.dtype == compute
             assert torch.equal(d_loss, results[0][0][1])  # bitwise across schedules and ranks
             for s in local_stages:
                 for k, (g, kind, _) in d_grads[s].items():
                     assert kind == ("DTensor" if k in TP else "Tensor") and g.dtype == torch.float32, (s, k, kind)
                     assert torch.equal(g, first[s, k]), (s, k)
-    assert abs(float(results[0][0][1]) - float(loss)) <= MIXED_LOSS_RTOL * float(loss)
+    loss_rtol, grads_rtol = rtols
+    assert abs(float(results[0][0][1]) - float(loss)) <= loss_rtol * float(loss)
     d_all = torch.cat([first[s, k].double().reshape(-1) for s in range(num_stages) for k in grads[s]])
     ref_all = torch.cat([grads[s][k].reshape(-1) for s in range(num_stages) for k in grads[s]])
-    assert (d_all - ref_all).norm() <= MIXED_GRADS_RTOL * ref_all.norm(), float(
-        (d_all - ref_all).norm() / ref_all.norm()
-    )
+    assert (d_all - ref_all).norm() <= grads_rtol * ref_all.norm(), float((d_all - ref_all).norm() / ref_all.norm())
 
 
 def test_pipeline_times_tensor_parallel_equals_the_unsplit_model():
@@ -259,6 +259,83 @@ def test_pipeline_times_tensor_parallel_equals_the_unsplit_model():
     results = run_ranks(4, _plain_and_mixed, ("tp", "pp"), (2, 2), schedules, 2, timeout=180)
     _check([r[0] for r in results], 2)
     _check_mixed([r[1] for r in results], 2)
+
+
+# float16 compute with dynamic loss scaling on float32 master weights (notes/precision.md): the scale
+# grows after 2 good steps and halves after a skipped one
+SCALING = fpipe.LossScale(init=2.0**10, interval=2)
+SCALED = fpipe.Precision(compute=torch.float16, loss_scale=SCALING)
+# Relative errors against float64, from the float16 forward and backward of each microbatch; measured
+# (GPipe and 1F1B, 3 microbatches): loss 4.1e-4, all grads 2.2e-3.
+SCALED_LOSS_RTOL, SCALED_GRADS_RTOL = 2e-3, 1e-2
+OVERFLOW_STEP = 2  # of steps 0 to 3, the one whose gradient overflows on one tensor-parallel rank
+
+
+def _infinite_grad(w):
+    """``w`` (a DTensor), whose gradient's local piece on this rank is ``inf`` (the other ranks'
+    pieces are untouched: nothing sums a sharded weight's gradient over tensor-parallel ranks)."""
+    DTensor, _, _, _ = _dtensor_api()
+    local = w.to_local()
+    local.register_hook(lambda g: torch.full_like(g, torch.inf))
+    return DTensor.from_local(local, w.device_mesh, w.placements)
+
+
+def _loss_scaled(rank, world, schedules):
+    """pp 2 x tp 2 under ``SCALED``: 4 steps per schedule, the third with an ``inf`` in the gradient
+    of stage 0's ``w1`` on tp rank 1 only (global rank 2); per schedule and step the loss, full grads,
+    ``step.loss_scale``, ``step.last_skipped`` and whether this rank's local pieces were finite."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "pp"))
+    overflow = [False]
+
+    def first(p, mb):
+        if overflow[0] and mesh.get_local_rank("tp") == 1:
+            p = {**p, "w1": _infinite_grad(p["w1"])}
+        return _first(p, mb)
+
+    out = []
+    for schedule in schedules:
+        step = fpipe.pipeline(_loss, [first, _last], schedule, mesh=mesh, timeout=60, precision=SCALED)
+        params = [
+            _distribute(p, mesh["tp"]) if s in step.local_stages else None for s, p in enumerate(_float32(_params(2)))
+        ]
+        steps = []
+        for i in range(4):
+            overflow[0] = i == OVERFLOW_STEP
+            loss, grads = step(params, _batch(10) if step.rank == 0 else None)
+            full = [_full(grads[s]) if s in step.local_stages else None for s in range(2)]
+            finite = all(bool(torch.isfinite(_local(g)).all()) for s in step.local_stages for g in grads[s].values())
+            steps.append((step.local_stages, loss, full, step.loss_scale, step.last_skipped, finite))
+        out.append(steps)
+    return out
+
+
+def test_float16_loss_scaling_with_tensor_parallel():
+    """pp 2 x tp 2, GPipe and 1F1B under ``SCALED``: the float16 step equals the reference to float16
+    rounding, bitwise across schedules and tp ranks; the scale moves alike on every rank, and an
+    ``inf`` in one tensor-parallel rank's piece of a gradient makes all 4 ranks skip the step."""
+    results = run_ranks(4, _loss_scaled, [GPipe(3), OneFOneB(3)], timeout=120)
+    first_steps = [[(*steps[0][:3], None) for steps in r] for r in results]
+    _check_mixed(first_steps, 2, torch.float16, (SCALED_LOSS_RTOL, SCALED_GRADS_RTOL))
+    S = SCALING.init
+    states = [(S, 1), (2 * S, 0), (S, 0), (S, 1)]  # after each step; the third is skipped
+    for rank, r in enumerate(results):
+        for steps in r:
+            assert [(st.scale, st.good_steps) for _, _, _, st, _, _ in steps] == states, rank
+            assert [skipped for *_, skipped, _ in steps] == [i == OVERFLOW_STEP for i in range(4)], rank
+            # only global rank 2 (tp 1, pp 0) saw an inf in its own pieces
+            assert [finite for *_, finite in steps] == [i != OVERFLOW_STEP or rank != 2 for i in range(4)], rank
+            _, loss0, grads0, _, _, _ = steps[0]
+            for i, (local_stages, loss, grads, _, _, _) in enumerate(steps):
+                assert torch.equal(loss, loss0), (rank, i)  # the loss is never scaled
+                finite = [all(torch.isfinite(g).all() for g, _, _ in grads[s].values()) for s in local_stages]
+                if i == OVERFLOW_STEP:  # stage 0's full w1: inf in tp rank 1's half
+                    assert finite == [s != 0 for s in local_stages], (rank, i)
+                else:  # the same grads at scale 2**10 or 2**11 (a power of two, no underflow)
+                    assert all(
+                        torch.equal(g, grads0[s][k][0]) for s in local_stages for k, (g, _, _) in grads[s].items()
+                    ), (rank, i)
 
 
 def test_two_stages_per_rank_with_tensor_parallel():
