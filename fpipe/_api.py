@@ -260,6 +260,8 @@ def _check_not_meta(params: Sequence[PyTree], batch: PyTree, local_stages: Seque
         batch = list(batch.microbatches)
     for s in [*local_stages, None]:
         tree = batch if s is None else params[s]
+        if type(tree) is torch.Tensor and not tree.is_meta:  # (a plain tensor: no flatten)
+            continue
         if not any(isinstance(x, torch.Tensor) and x.is_meta for x in flatten(tree)[0]):
             continue  # names and key paths are built only for the error
         what, name = ("stage 0's batch leaf", "batch") if s is None else (f"stage {s}'s parameter", f"params[{s}]")

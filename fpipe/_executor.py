@@ -113,14 +113,7 @@ class Executor:
         ``fpipe 1F3``; when no profiler is active as the run starts, no range is opened (NOTE
         [profiler ranges]).
         """
-        # A local table, not an attribute: bound methods stored on self would make a reference
-        # cycle that keeps the executor, its stages and their gradients alive until the next GC.
-        handlers: dict[str, Callable[[Action], None]] = {
-            FORWARD: self._forward,
-            BACKWARD: self._backward,
-            BACKWARD_INPUT: self._backward_input,
-            BACKWARD_WEIGHT: self._backward_weight,
-        }
+        handlers = _HANDLERS
         watch = self._watch = watch if times is not None else None
         profiling = _profiling()  # once per run (NOTE [profiler ranges])
         plain = watch is None and not profiling  # the usual case: nothing around the actions
@@ -129,7 +122,7 @@ class Executor:
             for rank, action in order:  # noqa: B007 (``rank`` is the failing one's, below)
                 self.current = action
                 if plain:
-                    handlers[action.kind](action)
+                    handlers[action.kind](self, action)
                 else:
                     self._instrumented(handlers[action.kind], action, times, profiling)
         except PipelineError:
@@ -144,17 +137,17 @@ class Executor:
         self.current = None
 
     def _instrumented(
-        self, handler: Callable[[Action], None], action: Action, times: list[tuple[Any, Any]] | None, profiling: bool
+        self, handler: Handler, action: Action, times: list[tuple[Any, Any]] | None, profiling: bool
     ) -> None:
-        """Run ``handler(action)`` timed (while recording) and in a profiler range (while profiling)."""
+        """Run ``handler(self, action)`` timed (while recording) and in a profiler range (while profiling)."""
         watch = self._watch
         if watch is not None:
             self._ready = watch.mark()
         if profiling:
             with torch.profiler.record_function(f"fpipe {action}"):
-                handler(action)
+                handler(self, action)
         else:
-            handler(action)
+            handler(self, action)
         if watch is not None and times is not None:
             times.append((self._ready, watch.mark()))
 
@@ -204,7 +197,7 @@ class Executor:
 
     def _seed(self, i: int) -> torch.Tensor:
         """Microbatch ``i``'s backward seed: its loss weight (times the loss scale), in the loss's
-        dtype and on its device; each microbatch's its own tensor (NOTE [seeds])."""
+        dtype and on its device; each microbatch gets a tensor of its own (NOTE [seeds])."""
         loss = self.losses[i]
         seed = self.weights[i] if self.loss_scale is None else self.weights[i] * self.loss_scale
         seeds = self._seeds
@@ -235,6 +228,19 @@ class Executor:
     def _backward_weight(self, action: Action) -> None:
         s, _, i = action
         self.stages[s].backward_weight(self._pullbacks.pop((s, i)), i)
+
+
+Handler = Callable[[Executor, Action], None]
+
+# The executor's method for each kind of action, made once: functions of the class, called with
+# the executor (bound methods kept on it would make a reference cycle that keeps the executor,
+# its stages and their gradients alive until the next garbage collection).
+_HANDLERS: dict[str, Handler] = {
+    FORWARD: Executor._forward,
+    BACKWARD: Executor._backward,
+    BACKWARD_INPUT: Executor._backward_input,
+    BACKWARD_WEIGHT: Executor._backward_weight,
+}
 
 
 # NOTE [seeds]

@@ -271,12 +271,12 @@ def result(spec: StepSpec, executor: Executor, *, explicit: bool = False) -> tup
     return loss, aux, [map_tensors(torch.Tensor.detach, y) for y in outputs] if explicit else concat(outputs)
 
 
-def _weighted_sum(losses: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+def _weighted_sum(losses: list[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """``sum(w_i * loss_i)`` on the last stage's device (NOTE [the step's loss])."""
     if len(set(weights)) == 1 and all(loss.dtype == losses[0].dtype for loss in losses):
-        products = torch.stack(list(losses)).mul_(weights[0])  # each rounded as ``loss_i * w_i`` rounds it
+        products = torch.stack(losses).mul_(weights[0])  # each rounded as ``loss_i * w_i`` rounds it
     else:
-        products = torch.stack(torch._foreach_mul(list(losses), list(weights)))
+        products = torch.stack(torch._foreach_mul(losses, list(weights)))
     return products.sum()
 
 

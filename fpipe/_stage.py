@@ -230,7 +230,8 @@ class StageRun:
         for k, leaf in enumerate(leaves):  # one pass: this runs for every stage in every step
             if isinstance(leaf, torch.Tensor):
                 prepared[k] = detached(leaf)
-                self.device = leaf.device if self.device is None else self.device
+                if self.device is None:
+                    self.device = leaf.device
                 if is_differentiable(leaf):
                     self._param_index.append(k)
         dtypes: list[torch.dtype] | None = None
@@ -486,9 +487,9 @@ class StageRun:
         with not_inference():
             for i, (k, g) in enumerate(zip(self._param_index, self._grads.total)):
                 param = self._param_leaves[k]
-                if g is not None and is_dtensor(g):  # kept, so that a second call sums nothing twice
+                if g is not None and type(g) is not torch.Tensor and is_dtensor(g):
                     g = like_param(g, param)
-                    self._grads.replace(i, g)
+                    self._grads.replace(i, g)  # kept, so that a second call sums nothing twice
                 out[k] = torch.zeros_like(param) if g is None else g
         return unflatten(self._spec, out)
 

@@ -33,12 +33,14 @@ and a header travels only when a pytree first appears or its structure, a shape,
 non-tensor leaf changes.
 
 NOTE [one-tensor messages]
-The usual activation or cotangent is one small plain tensor of the same dtype, shape and
-``requires_grad`` as the last message on its channel: no header, the packed bytes inline, so
-its message is one ``first`` of known words. The encoder keeps those words (on the device) and
-the zero tail that pads the tensor's bytes to their aligned size, and makes the message with
-one ``torch.cat`` instead of a layout, a header check and copies into a new buffer. The bytes
-are those of the general path (whose padding is left unwritten).
+The usual activation is one small plain tensor of the same dtype, shape and ``requires_grad``
+as the last message on its channel: no header, the packed bytes inline, so its message is one
+``first`` of known words. The encoder keeps those words (on the device) and the zero tail that
+pads the tensor's bytes to their aligned size, and makes the message with one ``torch.cat``
+instead of a layout, a header check and copies into a new buffer. The bytes are those of the
+general path (whose padding is left unwritten). A cotangent (a list of one tensor) takes the
+general path: the same shortcut for it made 1F1B's actions dearer on gloo, measured
+(notes/benchmarks.md, Session 6).
 
 NOTE [header]
 A header is ASCII JSON, never a pickle: a peer's bytes are read as data and can name only
