@@ -4,7 +4,7 @@ themselves are tested on gloo ranks in tests/test_distributed.py."""
 
 from __future__ import annotations
 
-from fpipe._distributed._transport import consumers, messages
+from fpipe._distributed._transport import Key, ahead_is_safe, consumers, messages, sends
 from fpipe.schedules import GPipe, OneFOneB
 from fpipe.schedules._program import Program, Schedule
 
@@ -33,3 +33,34 @@ def test_gpipe_needs_its_next_message_one_action_later_and_1f1b_two() -> None:
     assert consumers(_program(GPipe(4), 2), 1, send_microbatches=True)["mb", 0, 2] == 2
     first = consumers(_program(GPipe(4), 2), 0, send_microbatches=True)
     assert [first["cot", 1, i] for i in range(4)] == [4, 5, 6, 7] and first["result", 1, 0] == 8
+
+
+def test_each_message_is_sent_by_one_action_of_the_senders_row() -> None:
+    program = _program(GPipe(4), 2)
+    first, last = sends(program, 0, send_microbatches=False), sends(program, 1, send_microbatches=False)
+    assert first[1] == [(("act", 0, i), i) for i in range(4)]
+    assert last[0] == [*((("cot", 1, i), 4 + i) for i in range(4)), (("result", 1, 0), 8)]
+    assert {r: [key for key, _ in sent] for r, sent in first.items()} == messages(program, 0, False)
+
+
+def test_a_receive_goes_ahead_in_stream_order_only_if_no_send_to_its_peer_comes_first() -> None:
+    """NOTE [receives ahead in stream order]: on GPipe's last rank nothing goes back to the first
+    until the backwards, so every activation's receive may go ahead; on 1F1B's it sends a
+    cotangent between two activations, so the next activation's receive must wait."""
+
+    def safe(schedule: Schedule, rank: int, key: Key) -> list[bool]:
+        program = _program(schedule, 2)
+        sent_at = [k for _, k in sends(program, rank, send_microbatches=False)[1 - rank]]
+        needed = consumers(program, rank, send_microbatches=False)
+        kind, stage, _ = key
+        out = []
+        for i in range(1, 4):  # microbatch i's receive, posted as microbatch i - 1's is read
+            now = needed[kind, stage, i - 1]  # at the start of that action, before its own sends
+            out.append(ahead_is_safe(sent_at, sum(k < now for k in sent_at), needed[kind, stage, i]))
+        return out
+
+    assert safe(GPipe(4), 1, ("act", 0, 0)) == [True, True, True]
+    assert safe(OneFOneB(4), 1, ("act", 0, 0)) == [False, False, False]
+    assert safe(GPipe(4), 0, ("cot", 1, 0)) == [True, True, True]
+    assert ahead_is_safe([3, 5], 2, 0)  # nothing left to send
+    assert ahead_is_safe([3, 5], 1, 5) and not ahead_is_safe([3, 5], 1, 6)  # a send in the needing action comes after

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -46,22 +47,27 @@ Key = tuple[str, int, int]  # ("act" | "cot" | "mb" | "result", stage, microbatc
 
 def messages(program: Program, sender: int, send_microbatches: bool) -> dict[int, list[Key]]:
     """Per receiving rank, the messages ``sender`` sends in one step, in the order it sends them."""
-    placement = program.placement()
-    last = program.num_stages - 1
-    out: dict[int, list[Key]] = defaultdict(list)
-    for a in program.ranks[sender]:
+    return {r: [key for key, _ in sent] for r, sent in sends(program, sender, send_microbatches).items()}
+
+
+def sends(program: Program, sender: int, send_microbatches: bool) -> dict[int, list[tuple[Key, int]]]:
+    """``messages``, each with the position in ``sender``'s row of the action that sends it (the
+    result: one past the last)."""
+    placement, last, row = program.placement(), program.num_stages - 1, program.ranks[sender]
+    out: dict[int, list[tuple[Key, int]]] = defaultdict(list)
+    for k, a in enumerate(row):
         s, i = a.stage, a.microbatch
         if a.kind == FORWARD:
             if s == 0 and send_microbatches and placement[last] != sender:
-                out[placement[last]].append(("mb", 0, i))
+                out[placement[last]].append((("mb", 0, i), k))
             if s < last and placement[s + 1] != sender:
-                out[placement[s + 1]].append(("act", s, i))
+                out[placement[s + 1]].append((("act", s, i), k))
         elif a.kind in (BACKWARD, BACKWARD_INPUT) and s > 0 and placement[s - 1] != sender:
-            out[placement[s - 1]].append(("cot", s, i))
+            out[placement[s - 1]].append((("cot", s, i), k))
     if sender == placement[last]:
         for r in range(program.num_ranks):
             if r != sender:
-                out[r].append(("result", last, 0))
+                out[r].append((("result", last, 0), len(row)))
     return out
 
 
@@ -86,11 +92,12 @@ def consumers(program: Program, rank: int, send_microbatches: bool) -> dict[Key,
 class _Peer:
     """The message streams between this rank and one other pipeline rank, for one step."""
 
-    def __init__(self, rank: int, incoming: list[Key], outgoing: list[Key]) -> None:
+    def __init__(self, rank: int, incoming: list[Key], outgoing: list[tuple[Key, int]]) -> None:
         self.rank = rank
         self.incoming = incoming
         self.next_in = 0
-        self.outgoing = outgoing
+        self.outgoing = [key for key, _ in outgoing]
+        self.sent_at = [k for _, k in outgoing]  # the position of the action that sends each
         self.next_out = 0
         self.buffered: dict[Key, PyTree] = {}
         # The next message's receives, when posted ahead (NOTE [receives ahead] in fpipe/_distributed/_wire.py):
@@ -135,9 +142,10 @@ class DistributedTransport:
         self._local: dict[Key, PyTree] = {}
         self._sends: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
         self._concluded = False  # whether this step's closing all-gather has run (``finish``)
-        outgoing = messages(program, self.me, send_microbatches)
+        outgoing = sends(program, self.me, send_microbatches)
         self._needed = consumers(program, self.me, send_microbatches)
         self._now = -1  # the position of the action that needed the message read last
+        self._in_order = topology.device.type != "cpu"  # NOTE [receives ahead in stream order]
         self.peers: dict[int, _Peer] = {}
         for r in range(program.num_ranks):
             if r != self.me:
@@ -296,6 +304,8 @@ class DistributedTransport:
             return
         key = peer.incoming[peer.next_in]
         decoder = self._wire.decoders[_channel(peer.rank, key)]
+        if self._in_order and not ahead_is_safe(peer.sent_at, peer.next_out, self._needed[key]):
+            return
         if decoder.ahead or self._needed[key] <= self._now + 1:
             first = decoder.first_buffer(self.topology.device)
             large = decoder.large_leaves(None, self.topology.device) if decoder.ahead else []
@@ -365,6 +375,26 @@ class DistributedTransport:
 # presumably gloo's reader thread then takes the message during compute, a thread switch on
 # busy cores, where a receive posted at need reads what has arrived at once); posted one action
 # ahead, both schedules gain. Large leaves go ahead always: their bytes, not a switch, dominate.
+
+
+def ahead_is_safe(sent_at: Sequence[int], next_out: int, needed_at: int) -> bool:
+    """Whether a receive from a peer may be posted now on a backend that runs a pair's sends and
+    receives in the order they are posted (NOTE [receives ahead in stream order]): this rank
+    sends that peer nothing more (its next send is ``sent_at[next_out]``) before the action at
+    position ``needed_at`` that needs the message (a send in that same action comes after the
+    receive)."""
+    return next_out == len(sent_at) or sent_at[next_out] >= needed_at
+
+
+# NOTE [receives ahead in stream order]
+# On NCCL (and the other accelerator backends) a pair of ranks' sends and receives run on one
+# stream in the order they are posted, and a receive holds the stream until its message comes.
+# A receive posted ahead, then a send to the same peer, queues the send behind the receive: if
+# the peer produces that message only after it has this send (two ranks sending each other
+# activations and cotangents, as in an interleaved schedule on two ranks), both wait for ever.
+# gloo has no such order (a send goes out whatever is posted), so on the host every receive
+# goes ahead as the two NOTEs on receives ahead say; on an accelerator only one that this rank
+# will not send the peer anything before needing (``ahead_is_safe``). Not run on a GPU yet.
 
 
 def _channel(peer: int, key: Key) -> tuple[int, str, int]:
