@@ -271,12 +271,21 @@ SCALED_LOSS_RTOL, SCALED_GRADS_RTOL = 2e-3, 1e-2
 OVERFLOW_STEP = 2  # of steps 0 to 3, the one whose gradient overflows on one tensor-parallel rank
 
 
-def _infinite_grad(w):
+def _infinite_grad(w, first_only=False):
     """``w`` (a DTensor), whose gradient's local piece on this rank is ``inf`` (the other ranks'
-    pieces are untouched: nothing sums a sharded weight's gradient over tensor-parallel ranks)."""
+    pieces are untouched: nothing sums a sharded weight's gradient over tensor-parallel ranks);
+    with ``first_only``, only the piece's first element (in one data-parallel shard of it)."""
     DTensor, _, _, _ = _dtensor_api()
+
+    def infinite(g):
+        if not first_only:
+            return torch.full_like(g, torch.inf)
+        g = g.clone()
+        g.view(-1)[0] = torch.inf
+        return g
+
     local = w.to_local()
-    local.register_hook(lambda g: torch.full_like(g, torch.inf))
+    local.register_hook(infinite)
     return DTensor.from_local(local, w.device_mesh, w.placements)
 
 
@@ -507,6 +516,87 @@ def test_sharded_data_parallel_times_tensor_parallel():
     gives the shards of the replicated run's grads bitwise, and the reference to rounding."""
     results = run_ranks(4, _sharded, ("dp", "pp", "tp"), (2, 1, 2), OneFOneB(3), 2, timeout=180)
     _check_sharded(results, 2, replicas=2)
+
+
+def _loss_scaled_data_parallel(rank, world):
+    """dp 2 x pp 1 x tp 2 under ``SCALED``, replicated then with ``shard_params=True``: 4 steps each,
+    the third with an ``inf`` in the first element of the gradient of stage 0's ``w1`` on dp replica 1's
+    tp rank 1 only (global rank 3); per mode and step the loss, full grads (``unshard``-ed), ``step.loss_scale``,
+    ``step.last_skipped``, whether this rank's own grads (pieces or shards) were finite, and (sharded)
+    whether they were the shards of the replicated run's, bitwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "pp", "tp"))
+    replica = mesh.get_local_rank("dp")
+    overflow = [False]
+
+    def first(p, mb):
+        if overflow[0] and replica == 1 and mesh.get_local_rank("tp") == 1:
+            p = {**p, "w1": _infinite_grad(p["w1"], first_only=True)}
+        return _first(p, mb)
+
+    params = [_distribute(p, mesh["tp"]) for p in _float32(_params(2))]
+    batch = _batch(10 + replica)
+    out, plain_grads = {}, []
+    for shard_params in (False, True):
+        step = fpipe.pipeline(
+            _loss, [first, _last], OneFOneB(3), mesh=mesh, timeout=60, precision=SCALED, shard_params=shard_params
+        )
+        inputs = step.shard(params) if shard_params else params
+        steps = []
+        for i in range(4):
+            overflow[0] = i == OVERFLOW_STEP
+            loss, grads = step(inputs, batch)
+            finite = all(bool(torch.isfinite(_local(g)).all()) for tree in grads for g in tree.values())
+            if shard_params:
+                bitwise = _same(grads, [fpipe.shard(tree, mesh) for tree in plain_grads[i]])
+                grads = step.unshard(grads)
+            else:
+                bitwise = None
+                plain_grads.append(grads)
+            full = [{k: g for k, (g, _, _) in _full(tree).items()} for tree in grads]
+            steps.append((loss, full, step.loss_scale, step.last_skipped, finite, bitwise))
+        out[shard_params] = steps
+    return out
+
+
+def test_float16_loss_scaling_with_data_parallel_times_tensor_parallel():
+    """dp 2 x pp 1 x tp 2 under ``SCALED``, replicated and with ``shard_params=True``: an ``inf`` in one
+    replica's one tensor-parallel rank's piece of a gradient makes all 4 ranks skip that step and only
+    that one, the scale moves alike on every rank, and the good steps equal the float64 reference
+    averaged over the replicas to float16 rounding (sharded: the replicated run's grads' shards)."""
+    results = run_ranks(4, _loss_scaled_data_parallel, timeout=120)
+    refs = [_reference(2, _batch(10 + r)) for r in range(2)]
+    ref_loss = float(refs[0][0] + refs[1][0]) / 2  # the step's loss is the replicas' mean
+    ref = torch.cat([((refs[0][1][s][k] + refs[1][1][s][k]) / 2).reshape(-1) for s in range(2) for k in refs[0][1][s]])
+    S = SCALING.init
+    states = [(S, 1), (2 * S, 0), (S, 0), (S, 1)]  # after each step; the third is skipped
+    for rank, r in enumerate(results):  # global rank = 2 * dp + tp
+        for shard_params, steps in r.items():
+            where = (rank, shard_params)
+            assert [(st.scale, st.good_steps) for _, _, st, _, _, _ in steps] == states, where
+            assert [skipped for _, _, _, skipped, _, _ in steps] == [i == OVERFLOW_STEP for i in range(4)], where
+            # the inf reached the tp-1 ranks of both replicas (summed over dp), never the tp-0 ranks; sharded,
+            # only the shard holding the piece's first element (dp 0's): rank 1 alone saw it
+            saw = rank == 1 if shard_params else rank % 2 == 1
+            assert [finite for *_, finite, _ in steps] == [i != OVERFLOW_STEP or not saw for i in range(4)], where
+            if shard_params:
+                assert all(bitwise for *_, bitwise in steps), where
+            loss0, grads0 = steps[0][:2]
+            assert loss0.dtype == torch.float16
+            assert abs(float(loss0) - ref_loss) <= SCALED_LOSS_RTOL * ref_loss, where
+            d_all = torch.cat([grads0[s][k].double().reshape(-1) for s in range(2) for k in refs[0][1][s]])
+            assert all(g.dtype == torch.float32 for tree in grads0 for g in tree.values()), where
+            error = float((d_all - ref).norm() / ref.norm())
+            assert error <= SCALED_GRADS_RTOL, (where, error)
+            for i, (loss, grads, _, _, _, _) in enumerate(steps):
+                assert torch.equal(loss, loss0), (where, i)  # the loss is never scaled
+                if i == OVERFLOW_STEP:  # stage 0's full w1 (16 x 8): inf at the first element of tp rank 1's half
+                    assert (~torch.isfinite(grads[0]["w1"])).nonzero().tolist() == [[HIDDEN // 2, 0]], where
+                else:  # the same grads at scale 2**10 or 2**11 (a power of two, no underflow)
+                    assert _same(grads, grads0), (where, i)
+        for i in range(4):  # the replicated and the sharded runs' full grads, bitwise
+            assert _same(r[False][i][1], r[True][i][1]), (rank, i)
 
 
 def _sharded_bad_inputs(rank, world):
