@@ -93,6 +93,7 @@ class Executor:
         self.keep_outputs = keep_outputs
         self.outputs: dict[int, Any] = {}  # the last stage's outputs, with keep_outputs
         self._pullbacks: dict[tuple[int, int], Pullback] = {}
+        self._one_weight = len(set(weights)) == 1
         self._seeds: Sequence[torch.Tensor] | None = None  # with one weight for all (``_seed``)
         self._watch: Stopwatch | None = None  # while recording (``fpipe.record``)
         self._ready: Any = 0.0  # when the current action's inputs had arrived (a ``Stopwatch`` mark)
@@ -201,7 +202,7 @@ class Executor:
         loss = self.losses[i]
         seed = self.weights[i] if self.loss_scale is None else self.weights[i] * self.loss_scale
         seeds = self._seeds
-        if seeds is None and len(set(self.weights)) == 1:
+        if seeds is None and self._one_weight:
             seeds = self._seeds = torch.full((len(self.weights),), seed, dtype=loss.dtype, device=loss.device).unbind()
         if seeds is not None and seeds[i].dtype == loss.dtype and seeds[i].device == loss.device:
             return seeds[i]
