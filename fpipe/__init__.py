@@ -19,6 +19,8 @@ from ._modules._tied import sum_tied as sum_tied
 from ._precision import LossScale as LossScale
 from ._precision import LossScaleState as LossScaleState
 from ._precision import Precision as Precision
+from ._random import StageInfo as StageInfo
+from ._random import stage_info as stage_info
 from ._record import Recording as Recording
 from ._record import record as record
 from ._saving._async import AsyncSaver as AsyncSaver
@@ -41,6 +43,7 @@ __all__ = [
     "PipelineTimeoutError",
     "Precision",
     "Recording",
+    "StageInfo",
     "Step",
     "TrainState",
     "balance",
@@ -58,5 +61,6 @@ __all__ = [
     "schedules",
     "shard",
     "split_module",
+    "stage_info",
     "sum_tied",
 ]

@@ -19,6 +19,7 @@ from ._microbatch import Microbatches
 from ._plural import plural
 from ._precision import LossScaleState, Precision, check_params, finish_grads
 from ._pytree import PyTree, flatten, leaves_with_paths
+from ._random import check_key, draw_key
 from ._run import Plan, ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
 from ._sharding._layout import StageLayout, check_shards, data_parallel, norm_leaves
 from ._sharding._runs import ShardedRuns, gather_stages, shard_stages
@@ -348,8 +349,17 @@ class Step:
     # The step is an interpreter of Python data (programs, pytrees, autograd calls): dynamo gains
     # nothing tracing it, so torch.compile(step) runs it eagerly; compile the stages instead.
     @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def __call__(self, params: Sequence[PyTree], batch: PyTree, /) -> tuple[Any, list[PyTree]]:
+    def __call__(
+        self, params: Sequence[PyTree], batch: PyTree, /, *, key: int | None = None
+    ) -> tuple[Any, list[PyTree]]:
         """Run one step: the loss (or ``(loss, aux)``) and one gradient pytree per stage.
+
+        Random draws inside the stages (dropout) are a function of ``key``, the stage, the
+        microbatch and the data-parallel replica, never of the schedule's order, the process
+        count or recomputation (NOTE [randomness as data] in ``fpipe/_random.py``): every
+        schedule gives bitwise the same results. Without ``key`` the step draws one from torch's
+        default generator (``torch.manual_seed`` fixes it; ``save_state`` resumes it);
+        distributed, every rank uses the key of the first stage's rank (of replica 0).
 
         Stage functions may be ``torch.compile``'d (forward and backward run compiled, and
         dynamic shapes avoid recompiling when the sequence length changes); ``torch.compile``
@@ -360,13 +370,15 @@ class Step:
                 stage this process holds or a batch leaf is on the ``meta`` device, or the batch
                 cannot be split as ``batch_dims`` says.
         """
-        (loss, aux, _), grads = self._run(self._plan, params, batch, keep_outputs=False)
+        (loss, aux, _), grads = self._run(self._plan, params, batch, key=key, keep_outputs=False)
         if self.precision is not None:
             grads = self._finish_precision(params, grads)
         return ((loss, aux), grads) if self.has_aux else (loss, grads)
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def evaluate(self, params: Sequence[PyTree], batch: PyTree, /, *, outputs: bool = False) -> Any:
+    def evaluate(
+        self, params: Sequence[PyTree], batch: PyTree, /, *, outputs: bool = False, key: int | None = None
+    ) -> Any:
         """The loss (or ``(loss, aux)``) of a forward-only step, and with ``outputs`` the last stage's outputs.
 
         Runs the forwards of the step's schedule in its order (each rank's row kept to its
@@ -395,6 +407,8 @@ class Step:
                 Distributed, they are returned on every rank, as the loss is (the rank of the
                 first stage, which holds the batch, can then build the next batch from them,
                 as greedy sampling does); data-parallel replicas each get their own batch's.
+            key: the key of the stages' random draws, as for ``step`` (``stage_info().training``
+                is ``False`` here).
 
         Returns:
             ``loss`` (``(loss, aux)`` with ``has_aux``), or ``(loss, outputs)`` (``((loss, aux),
@@ -407,12 +421,12 @@ class Step:
         """
         if not isinstance(outputs, bool):
             raise TypeError(f"fpipe.step.evaluate: outputs must be True or False (outputs: {outputs!r}).")
-        (loss, aux, ys), _ = self._run(self._forward_plan, params, batch, keep_outputs=outputs)
+        (loss, aux, ys), _ = self._run(self._forward_plan, params, batch, key=key, keep_outputs=outputs)
         result = (loss, aux) if self.has_aux else loss
         return (result, ys) if outputs else result
 
     def _run(
-        self, plan: Plan, params: Sequence[PyTree], batch: PyTree, *, keep_outputs: bool
+        self, plan: Plan, params: Sequence[PyTree], batch: PyTree, *, key: int | None, keep_outputs: bool
     ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
         """Check the inputs and run ``plan`` here or distributed: ``((loss, aux, outputs), grads)``."""
         if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence):
@@ -428,10 +442,11 @@ class Step:
         if self.split is not None and batch is not None and not isinstance(batch, Microbatches):
             batch = Microbatches(self.split(batch, self.num_microbatches))
         _check_not_meta(params, batch, self.local_stages)
+        key = draw_key() if key is None else check_key(key)
         with not_inference():  # results are plain tensors whatever the ambient mode
             if self._topology is None:
                 self._check_precision(params)
-                return run_local(self, plan, params, batch, keep_outputs=keep_outputs)
+                return run_local(self, plan, params, batch, key=key, keep_outputs=keep_outputs)
             return run_distributed(
                 self,
                 plan,
@@ -441,6 +456,7 @@ class Step:
                 batch,
                 runs_for=self._runs_for,
                 check_params=self._check_params,
+                key=key,
                 keep_outputs=keep_outputs,
             )
 

@@ -14,6 +14,7 @@ import torch
 
 from ._errors import PipelineError
 from ._pytree import PyTree
+from ._random import Keys
 from ._record import Stopwatch
 from ._stage import Grads, Pullback, StageRun
 from .schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
@@ -79,6 +80,7 @@ class Executor:
         loss_scale: float | None = None,
         forward_only: bool = False,
         keep_outputs: bool = False,
+        keys: Keys | None = None,
     ) -> None:
         self.stages = stages
         self.last = num_stages - 1
@@ -91,6 +93,7 @@ class Executor:
         self.auxes: dict[int, Any] = {}
         self.forward_only = forward_only  # evaluation: no graph recorded, no pullback kept
         self.keep_outputs = keep_outputs
+        self.keys = keys  # seeds the generators for each stage call (NOTE [randomness as data])
         self.outputs: dict[int, Any] = {}  # the last stage's outputs, with keep_outputs
         self._pullbacks: dict[tuple[int, int], Pullback] = {}
         self._one_weight = len(set(weights)) == 1
@@ -171,6 +174,8 @@ class Executor:
         microbatch = self.transport.microbatch(i) if s == self.last and s > 0 else x  # for loss_fn
         if self._watch is not None:
             self._arrived()
+        if self.keys is not None:
+            self.keys.enter(s, i, stage.device)
         if self.forward_only:
             if s == self.last:
                 loss, aux, y = stage.evaluate_loss(x, microbatch, self._loss_fn, has_aux=self.has_aux)
@@ -213,6 +218,7 @@ class Executor:
         cotangents = self._output_cotangents(s, i)
         if self._watch is not None:
             self._arrived()
+        self._replays(s, i)
         input_cotangents = self.stages[s].backward(self._pullbacks.pop((s, i)), cotangents, i)
         if s > 0:
             self.transport.send_cotangent(s, i, input_cotangents)
@@ -222,9 +228,17 @@ class Executor:
         cotangents = self._output_cotangents(s, i)
         if self._watch is not None:
             self._arrived()
+        self._replays(s, i)
         input_cotangents = self.stages[s].backward_input(self._pullbacks[s, i], cotangents)
         if s > 0:
             self.transport.send_cotangent(s, i, input_cotangents)
+
+    def _replays(self, s: int, i: int) -> None:
+        """Before a backward that may replay stage ``s``'s forward on microbatch ``i`` (NOTE
+        [recomputation] in fpipe/_stage.py): the generators as that forward had them."""
+        stage = self.stages[s]
+        if self.keys is not None and stage.recompute:
+            self.keys.enter(s, i, stage.device)
 
     def _backward_weight(self, action: Action) -> None:
         s, _, i = action

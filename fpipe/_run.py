@@ -20,6 +20,7 @@ from ._executor import Executor, LocalTransport
 from ._microbatch import Microbatches, concat, counts, split, stack
 from ._precision import LossScaleState, Precision
 from ._pytree import PyTree, flatten, map_tensors
+from ._random import Keys, keep_generators
 from ._record import Stopwatch, active, clock, measured
 from ._stage import StageFn, StageRun
 from .schedules._action import Action
@@ -183,11 +184,12 @@ def interpret(
     (``Stopwatch``; read after the last action)."""
     marks: list[tuple[Any, Any]] = []
     watch = Stopwatch(devices) if active() is not None else None
-    for actions, finished in plan.segments:
-        executor.run(actions, times=marks if watch is not None else None, watch=watch)
-        if not executor.forward_only:  # a forward-only run makes no gradient to reduce
-            for s in finished:
-                runs.finish_stage(s)
+    with keep_generators(runs[s].device for s in runs):  # NOTE [randomness as data] in fpipe/_random.py
+        for actions, finished in plan.segments:
+            executor.run(actions, times=marks if watch is not None else None, watch=watch)
+            if not executor.forward_only:  # a forward-only run makes no gradient to reduce
+                for s in finished:
+                    runs.finish_stage(s)
     if watch is None:
         return []
     flat = watch.seconds([m for pair in marks for m in pair])
@@ -195,10 +197,11 @@ def interpret(
 
 
 def run_local(
-    spec: StepSpec, plan: Plan, params: Sequence[PyTree], batch: PyTree, *, keep_outputs: bool = False
+    spec: StepSpec, plan: Plan, params: Sequence[PyTree], batch: PyTree, *, key: int, keep_outputs: bool = False
 ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
     """A step in this process: every stage, the program's ranks virtual; ``((loss, aux,
-    outputs), grads)`` (``outputs`` with ``keep_outputs``, grads empty for a forward-only plan)."""
+    outputs), grads)`` (``outputs`` with ``keep_outputs``, grads empty for a forward-only plan);
+    the stages' random draws are those of ``key`` (NOTE [randomness as data] in fpipe/_random.py)."""
     microbatches, sizes = split(batch, spec.num_microbatches, spec.batch_dims)
     count = None if spec.weight_fn is None else sum(counts(microbatches, spec.weight_fn))
     weights = loss_weights(sizes, count)
@@ -213,6 +216,7 @@ def run_local(
         loss_scale=seed_scale(spec),
         forward_only=plan.forward_only,
         keep_outputs=keep_outputs,
+        keys=Keys(key, training=not plan.forward_only),
     )
     start = clock()
     recording = active()

@@ -33,6 +33,7 @@ def test_public_names() -> None:
         "PipelineTimeoutError",
         "Precision",
         "Recording",
+        "StageInfo",
         "Step",
         "TrainState",
         "balance",
@@ -50,6 +51,7 @@ def test_public_names() -> None:
         "schedules",
         "shard",
         "split_module",
+        "stage_info",
         "sum_tied",
     ]
     for name in fpipe.__all__:

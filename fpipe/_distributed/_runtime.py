@@ -26,6 +26,7 @@ from .._executor import Executor
 from .._microbatch import Microbatches, counts, split
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_paths
+from .._random import Keys
 from .._record import active, clock, measured
 from .._run import Pending, Plan, Reduce, StageRuns, StepSpec, interpret, loss_weights, result, seed_scale
 from ..schedules._program import ScheduleError
@@ -56,6 +57,7 @@ def run_distributed(
     *,
     runs_for: RunsFor,
     check_params: Callable[[Sequence[PyTree]], None],
+    key: int,
     keep_outputs: bool = False,
 ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
     """A step as pipeline rank ``topology.rank``: its row of the program; ``((loss, aux,
@@ -63,7 +65,9 @@ def run_distributed(
 
     ``wire`` keeps the channels' layouts from step to step; ``runs_for(params)`` builds this
     rank's stages once every rank has agreed; ``check_params(params)`` raises ``ValueError`` for
-    parameters this rank cannot run with (every rank then fails together).
+    parameters this rank cannot run with (every rank then fails together). The stages' random
+    draws are those of the key every rank agrees on, ``key`` of the first stage's rank of replica
+    0 and tensor-parallel rank 0 (NOTE [randomness as data] in fpipe/_random.py).
     """
     check_usable(topology)
     with WATCHDOG.step(topology.board):
@@ -71,7 +75,7 @@ def run_distributed(
             late = WATCHDOG.read(topology.board)  # the others gave up on this step before this rank came
             if late is not None:
                 raise late.error(topology.rank, "the other pipeline ranks at the start of the step")
-            agreed = _agree(spec, plan, topology, params, batch, check_params)
+            agreed = _agree(spec, plan, topology, params, batch, check_params, key)
             runs = runs_for(params)
             loss, aux, outputs = _run_row(spec, plan, topology, wire, runs, agreed, keep_outputs)
             unaveraged = [] if plan.forward_only else runs.finish()
@@ -91,6 +95,7 @@ class _Agreed(NamedTuple):
     weights: list[float]  # each microbatch's weight in the loss (NOTE [loss weights] in fpipe/_run.py)
     explicit: bool  # the batch came as fpipe.Microbatches
     send_microbatches: bool  # the last stage's rank holds no batch: stage 0's rank sends them
+    key: int  # the step's key (NOTE [randomness as data] in fpipe/_random.py)
 
 
 def _agree(
@@ -100,11 +105,13 @@ def _agree(
     params: Sequence[PyTree],
     batch: PyTree,
     check_params: Callable[[Sequence[PyTree]], None],
+    key: int,
 ) -> _Agreed:
     """Check the local inputs and agree with every rank (and replica) on what the step runs.
 
     The handshake carries the first stage's microbatch sizes and ``weight_fn`` count, so every
-    rank weighs the microbatches alike; the replicas' counts are summed with their failure flags.
+    rank weighs the microbatches alike, and its ``key``; the replicas' counts are summed with
+    their failure flags, and replica 0's key (then tensor-parallel rank 0's) with them.
     """
     me, placement, m = topology.rank, spec.program.placement(), spec.num_microbatches
     first, last = placement[0], placement[-1]
@@ -128,30 +135,35 @@ def _agree(
     except (TypeError, ValueError) as error:
         problem = error
     explicit = isinstance(batch, Microbatches)
-    status = [plan.checksum, microbatches is not None, problem is not None, size, explicit, count, *sizes]
+    status = [plan.checksum, microbatches is not None, problem is not None, size, explicit, count, *sizes, key]
     statuses = handshake(topology, [*status, *device_type_words(topology.device)], spec.timeout)
     problem = mixed_device_types(statuses) or problem or _disagreement(plan.checksum, statuses, first, last)
-    count = statuses[first][5]
+    count, key = statuses[first][5], statuses[first][6 + m]
     # Replicas must fail together too, or a healthy replica's gradient all-reduce would meet
     # another replica's next step (and weight_fn's total is every replica's tokens); so must
     # tensor-parallel ranks, whose stages' collectives would wait for the rank that stopped.
     # After the pipeline's handshake, the data-parallel flag reaches every rank of the same
     # tensor-parallel index, and the tensor-parallel one every rank.
+    # The key travels in the same sums, added by replica 0 (tensor-parallel rank 0) alone: a key
+    # below 2**53 is exact in float64.
     if topology.data_group is not None:
-        flag = torch.tensor([float(problem is not None), count], dtype=torch.float64, device=topology.device)
+        mine = key if topology.replica == 0 else 0
+        flag = torch.tensor([float(problem is not None), count, mine], dtype=torch.float64, device=topology.device)
         all_reduce_sum(topology, topology.data_group, [flag], spec.timeout, "the other data-parallel replicas")
         if problem is None and flag[0].item() > 0:
             problem = ValueError(
                 "fpipe.step: another data-parallel replica rejected its inputs; its ranks' errors say why."
             )
-        count = int(flag[1].item())
+        count, key = int(flag[1].item()), int(flag[2].item())
     if topology.tensor_group is not None:
-        flag = torch.tensor([float(problem is not None)], dtype=torch.float64, device=topology.device)
+        mine = key if topology.tensor_rank == 0 else 0
+        flag = torch.tensor([float(problem is not None), mine], dtype=torch.float64, device=topology.device)
         all_reduce_sum(topology, topology.tensor_group, [flag], spec.timeout, "the other tensor-parallel ranks")
-        if problem is None and flag.item() > 0:
+        if problem is None and flag[0].item() > 0:
             problem = ValueError(
                 "fpipe.step: another tensor-parallel rank rejected its inputs; its ranks' errors say why."
             )
+        key = int(flag[1].item())
     if problem is None:
         try:
             weights = loss_weights(statuses[first][6 : 6 + m], count if spec.weight_fn is not None else None)
@@ -159,7 +171,7 @@ def _agree(
             problem = error
     if problem is not None:
         raise problem
-    return _Agreed(microbatches, weights, bool(statuses[first][4]), not statuses[last][1])
+    return _Agreed(microbatches, weights, bool(statuses[first][4]), not statuses[last][1], key)
 
 
 def _run_row(
@@ -191,6 +203,7 @@ def _run_row(
         forward_only=plan.forward_only,
         keep_outputs=keep_outputs,
         loss_scale=seed_scale(spec),
+        keys=Keys(agreed.key, replica=topology.replica, training=not plan.forward_only),
     )
     start = clock()
     try:

@@ -34,6 +34,8 @@ class Topology:
     tensor_group: Any | None = None  # the tensor-parallel ProcessGroup (NOTE [mesh dimensions])
     tensor_mesh: Any | None = None  # the tensor-parallel sub-mesh, where stage DTensors live
     tensor_ranks: tuple[int, ...] | None = None  # its global ranks, in mesh order
+    replica: int = 0  # this rank's data-parallel index (its position in ``data_group``)
+    tensor_rank: int = 0  # its tensor-parallel index (its position in ``tensor_group``)
 
 
 # NOTE [the rank's device]
@@ -128,4 +130,6 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
         tensor_group=tensor_group,
         tensor_mesh=tensor_mesh,
         tensor_ranks=tensor_ranks,
+        replica=0 if data_group is None else dist.get_rank(data_group),
+        tensor_rank=0 if tensor_group is None else dist.get_rank(tensor_group),
     )

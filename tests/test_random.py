@@ -1,0 +1,219 @@
+"""Randomness inside stages is data (NOTE [randomness as data] in fpipe/_random.py): dropout is
+a function of the step's key, the stage, the microbatch and the replica, bitwise the same
+whatever the schedule, the process count or recomputation, and across a resume."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fpipe
+from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleV
+from tests._multiprocess import run_ranks
+from tests.conformance import CONFORMANCE, Conformance
+from tests.test_transparency import some_stage_count
+
+M = 4  # microbatches
+WIDTH = 6
+
+
+def _dropout_stage(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return F.dropout(torch.tanh(x @ p["w"]), p=0.5, training=True)
+
+
+def _loss(y: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+    return (y**2).mean()
+
+
+def _model(num_stages: int, seed: int = 0) -> tuple[list[Any], list[dict[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(seed)
+    params = [{"w": torch.randn(WIDTH, WIDTH, generator=g, dtype=torch.float64)} for _ in range(num_stages)]
+    return [_dropout_stage] * num_stages, params
+
+
+def _batch(seed: int = 1, size: int = 10) -> torch.Tensor:
+    return torch.randn(size, WIDTH, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _run(schedule: Any, num_stages: int, *, key: int | None = 7, recompute: bool = False) -> Any:
+    stages, params = _model(num_stages)
+    step = fpipe.pipeline(_loss, stages, schedule, recompute=recompute)
+    return step(params, _batch(), key=key)
+
+
+def _assert_equal(a: Any, b: Any, context: str) -> None:
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    assert torch.equal(loss_a, loss_b), context
+    for s, (ga, gb) in enumerate(zip(grads_a, grads_b)):
+        assert torch.equal(ga["w"], gb["w"]), f"{context}, stage {s}"
+
+
+@pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
+def test_dropout_is_bitwise_the_same_under_every_schedule_and_recompute(entry: Conformance) -> None:
+    num_stages = some_stage_count(entry, 4)
+    expected = _run(GPipe(M), num_stages)
+    _assert_equal(_run(entry.make(num_stages, M), num_stages), expected, entry.name)
+    _assert_equal(_run(entry.make(num_stages, M), num_stages, recompute=True), expected, f"{entry.name}, recompute")
+
+
+def test_dropout_equals_the_unsplit_model_seeded_per_stage_and_microbatch() -> None:
+    """The reference: each (stage, microbatch) call with the default generator seeded as
+    ``stage_info().seed`` says, the loss weighted by the microbatch's share."""
+    num_stages, batch = 3, _batch()
+    stages, params = _model(num_stages)
+    seeds: dict[tuple[int, int], int] = {}
+
+    def recording(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        info = fpipe.stage_info()
+        seeds[info.stage, info.microbatch] = info.seed
+        return _dropout_stage(p, x)
+
+    step = fpipe.pipeline(_loss, [recording] * num_stages, OneFOneB(M))
+    loss, grads = step(params, batch, key=3)
+
+    def full(params: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        for i, mb in enumerate(torch.tensor_split(batch, M)):
+            h = mb
+            for s in range(num_stages):
+                torch.manual_seed(seeds[s, i])
+                h = _dropout_stage(params[s], h)
+            total = total + _loss(h, mb) * (len(mb) / len(batch))
+        return total
+
+    ref_grads, ref_loss = torch.func.grad_and_value(full)(params)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    for s in range(num_stages):
+        torch.testing.assert_close(grads[s]["w"], ref_grads[s]["w"], rtol=1e-12, atol=1e-15)
+    assert len(set(seeds.values())) == num_stages * M  # no two calls share a seed
+
+
+def _noise_loss(y: torch.Tensor, mb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    noise = torch.rand(8, dtype=torch.float64)
+    return (y**2).mean() + 0 * noise.sum(), noise
+
+
+def test_microbatches_and_steps_never_share_a_mask_and_a_key_repeats_them() -> None:
+    stages, params = _model(2)
+    step = fpipe.pipeline(_noise_loss, stages, OneFOneB(M), has_aux=True)
+    torch.manual_seed(0)
+    (_, first), _ = step(params, _batch())
+    (_, second), _ = step(params, _batch())
+    assert len({tuple(row.tolist()) for row in torch.cat([first, second])}) == 2 * M
+    torch.manual_seed(0)  # the same generator: the same keys, the same draws
+    (_, again), _ = step(params, _batch())
+    assert torch.equal(again, first)
+    (_, keyed), _ = step(params, _batch(), key=11)
+    (_, rekeyed), _ = step(params, _batch(), key=11)
+    assert torch.equal(keyed, rekeyed) and not torch.equal(keyed, first)
+
+
+def test_a_step_moves_the_callers_generator_by_one_draw_whatever_the_stages_draw() -> None:
+    stages, params = _model(3)
+    step = fpipe.pipeline(_loss, stages, GPipe(M))
+    torch.manual_seed(5)
+    step(params, _batch())
+    after_step = torch.rand(4)
+    torch.manual_seed(5)
+    torch.randint(0, 2**53, (), dtype=torch.int64)  # the key's draw
+    assert torch.equal(torch.rand(4), after_step)
+    torch.manual_seed(5)
+    step(params, _batch(), key=1)  # a given key draws nothing
+    assert torch.equal(torch.rand(4), (torch.manual_seed(5), torch.rand(4))[1])
+
+
+def test_evaluate_draws_what_the_training_forward_draws() -> None:
+    stages, params = _model(4)
+    step = fpipe.pipeline(_loss, stages, ZeroBubbleV(M))
+    loss, _ = step(params, _batch(), key=21)
+    assert torch.equal(step.evaluate(params, _batch(), key=21), loss)
+    assert not torch.equal(step.evaluate(params, _batch(), key=22), loss)
+
+
+def test_stage_info_says_where_and_fails_outside_a_stage() -> None:
+    seen: list[fpipe.StageInfo] = []
+
+    def stage(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        seen.append(fpipe.stage_info())
+        return x @ p["w"]
+
+    _, params = _model(2)
+    step = fpipe.pipeline(_loss, [stage, stage], OneFOneB(2))
+    step(params, _batch(), key=9)
+    assert sorted((i.stage, i.microbatch) for i in seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(i.key == 9 and i.replica == 0 and i.training for i in seen)
+    seen.clear()
+    step.evaluate(params, _batch(), key=9)
+    assert seen and not any(i.training for i in seen)
+    with pytest.raises(RuntimeError, match="no stage is running"):
+        fpipe.stage_info()
+
+
+@pytest.mark.parametrize(
+    ("key", "error", "fragment"),
+    [
+        (-1, ValueError, r"\[0, 2\*\*53\)"),
+        (2**53, ValueError, "2\\*\\*53"),
+        (1.5, TypeError, "must be an int"),
+        (True, TypeError, "must be an int"),
+    ],
+)
+def test_a_bad_key_is_refused(key: Any, error: type[Exception], fragment: str) -> None:
+    stages, params = _model(2)
+    step = fpipe.pipeline(_loss, stages, GPipe(2))
+    with pytest.raises(error, match=fragment):
+        step(params, _batch(), key=key)
+
+
+def test_dropout_resumes_exactly(tmp_path: Any) -> None:
+    """The keys come from the default generator, which save_state saves: a resumed run draws
+    the masks the uninterrupted one drew."""
+    _, model_params = _model(2)
+    params = [{f"w{s}": p["w"]} for s, p in enumerate(model_params)]  # saved names are global
+
+    def stage(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return _dropout_stage({"w": next(iter(p.values()))}, x)
+
+    step = fpipe.pipeline(_loss, [stage, stage], OneFOneB(M))
+    torch.manual_seed(0)
+    losses = []
+    for n in range(3):
+        if n == 1:
+            fpipe.save_state(tmp_path, fpipe.TrainState(params, step=n))
+        losses.append(step(params, _batch(n))[0])
+    torch.manual_seed(123)  # another process's state: load_state puts the saved one back
+    fpipe.load_state(tmp_path, params)
+    resumed = [step(params, _batch(n))[0] for n in (1, 2)]
+    assert torch.equal(torch.stack(resumed), torch.stack(losses[1:]))
+
+
+# --- Many processes ----------------------------------------------------------------------------
+
+SCHEDULES = {"gpipe": (GPipe(M), 2), "1f1b": (OneFOneB(M), 2), "zbv": (ZeroBubbleV(M), 4)}
+
+
+def _distributed(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (schedule, num_stages) in SCHEDULES.items():
+        stages, params = _model(num_stages)
+        step = fpipe.pipeline(_loss, stages, schedule, group=dist.group.WORLD, timeout=30)
+        mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
+        torch.manual_seed(100 if rank == 0 else 999)  # the ranks' generators differ: rank 0's key is used
+        out[name] = step(mine, _batch() if rank == 0 else None), step.local_stages
+    return out
+
+
+def test_dropout_on_two_processes_equals_one_process_bitwise() -> None:
+    results = run_ranks(2, _distributed, timeout=90)
+    for name, (schedule, num_stages) in SCHEDULES.items():
+        torch.manual_seed(100)  # rank 0's generator, whose key every rank uses
+        stages, params = _model(num_stages)
+        loss, grads = fpipe.pipeline(_loss, stages, schedule)(params, _batch())
+        for (d_loss, d_grads), local_stages in (r[name] for r in results):
+            assert torch.equal(d_loss, loss), name
+            for s in local_stages:
+                assert torch.equal(d_grads[s]["w"], grads[s]["w"]), (name, s)
