@@ -64,7 +64,7 @@ def test_dropout_equals_the_unsplit_model_seeded_per_stage_and_microbatch() -> N
     """The reference: each (stage, microbatch) call with the default generator seeded as
     ``stage_info().seed`` says, the loss weighted by the microbatch's share."""
     num_stages, batch = 3, _batch()
-    stages, params = _model(num_stages)
+    _, params = _model(num_stages)
     seeds: dict[tuple[int, int], int] = {}
 
     def recording(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -217,3 +217,53 @@ def test_dropout_on_two_processes_equals_one_process_bitwise() -> None:
             assert torch.equal(d_loss, loss), name
             for s in local_stages:
                 assert torch.equal(d_grads[s]["w"], grads[s]["w"]), (name, s)
+
+
+def _replicas_and_tensor_parallel(rank: int, world: int) -> dict[str, Any]:
+    """Two meshes on the same 2 processes: dp 2 x pp 1, then pp 1 x tp 2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    out: dict[str, Any] = {}
+    stages, params = _model(1)
+
+    def keyed_noise(y: torch.Tensor, mb: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        info = fpipe.stage_info()
+        loss, noise = _noise_loss(y, mb)
+        return loss, {"noise": noise, "key": torch.tensor(info.key), "replica": torch.tensor(info.replica)}
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
+    step = fpipe.pipeline(keyed_noise, stages, GPipe(M), mesh=mesh, has_aux=True, timeout=30)
+    torch.manual_seed(100 if rank == 0 else 999)  # replica 0's key is every replica's
+    out["dp"] = step(params, _batch())[0][1]
+
+    tp_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
+
+    def replicated_dropout(p: dict[str, Any], x: torch.Tensor) -> Any:
+        h = distribute_tensor(x, p["w"].device_mesh, [Replicate()]) @ p["w"]  # a replicated DTensor
+        return F.dropout(torch.tanh(h), p=0.5, training=True).to_local()
+
+    tp_params = [{"w": distribute_tensor(params[0]["w"], tp_mesh["tp"], [Replicate()])}]
+    step = fpipe.pipeline(_loss, [replicated_dropout], OneFOneB(M), mesh=tp_mesh, timeout=30)
+    torch.manual_seed(100 if rank == 0 else 999)
+    loss, grads = step(tp_params, _batch())
+    out["tp"] = loss, grads[0]["w"].to_local()
+    return out
+
+
+def test_replicas_draw_their_own_masks_of_one_agreed_key_and_tensor_parallel_ranks_the_same() -> None:
+    results = run_ranks(2, _replicas_and_tensor_parallel, timeout=90)
+    stages, params = _model(1)
+    torch.manual_seed(100)
+    (_, expected), _ = fpipe.pipeline(_noise_loss, stages, GPipe(M), has_aux=True)(params, _batch())
+    replica_0, replica_1 = (r["dp"] for r in results)
+    assert torch.equal(replica_0["key"], replica_1["key"])  # agreed, though the generators differ
+    assert replica_0["replica"].tolist() == [0] * M and replica_1["replica"].tolist() == [1] * M
+    assert torch.equal(replica_0["noise"], expected)  # replica 0 draws what one process draws
+    assert not torch.equal(replica_1["noise"], expected)  # replica 1 its own
+    # tensor parallel: every tp rank draws one mask for the replicated activation, the one-process one
+    torch.manual_seed(100)
+    loss, grads = fpipe.pipeline(_loss, stages, OneFOneB(M))(params, _batch())
+    for tp_loss, tp_grad in (r["tp"] for r in results):
+        assert torch.equal(tp_loss, loss)
+        torch.testing.assert_close(tp_grad, grads[0]["w"], rtol=1e-12, atol=1e-15)
