@@ -14,10 +14,11 @@ Integer/bool tensors and non-tensor leaves pass through and get no cotangent (``
 NOTE [recomputation]
 With ``recompute`` (``pipeline(..., recompute=...)``) a stage's forward runs under ``no_grad``
 and keeps only its inputs; its backward first replays the forward with a graph, then pulls
-back as usual. The replay restores the CPU random state the forward saw, so results are
-bitwise those of the stored forward; what is saved between forward and backward shrinks to
-the stage's inputs, at the cost of a second forward. (CUDA random state is not replayed:
-stages on GPUs that draw random numbers should not recompute.) Stages built from modules update
+back as usual. The replay restores the CPU random state the forward saw (and the executor
+seeds the generators for the replay as for the forward, NOTE [randomness as data] in
+fpipe/_random.py, which covers an accelerator's generator too), so results are bitwise those
+of the stored forward; what is saved between forward and backward shrinks to the stage's
+inputs, at the cost of a second forward. Stages built from modules update
 their buffers (BatchNorm's running statistics) in the forward only: during the replay
 (``replaying()``) they get copies. The graph-less forward gets plain aliases of its input leaves
 (``detach()``: not views of the batch, not requiring grad), the same kind of tensor whatever the
