@@ -281,3 +281,70 @@ def test_a_missing_extra_is_one_line_naming_it(name: str, missing: str, extra: s
         run.stderr
         == f"examples/{name}.py needs {missing}, which the {extra} extra installs: pip install -e '.[{extra}]'\n"
     )
+
+
+def test_train_gpt_refuses_to_write_into_an_existing_run(
+    gpt: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second run into the same --out stops before training, naming the directory and both flags;
+    --overwrite starts afresh (a new metrics.jsonl), --resume goes on; --resume needs a save."""
+    import json
+
+    out = tmp_path / "run"
+    args = [*GPT_TINY, "--save-every", "0", "--eval-every", "2", "--quiet", "--out", str(out), "--steps", "2"]
+    with pytest.raises(SystemExit):
+        gpt.main([*args, "--resume"])
+    assert f"--resume: --out {out} holds no save ({out / 'save'}) to go on from" in capsys.readouterr().err
+    first = gpt.main(args)
+    with pytest.raises(SystemExit):
+        gpt.main(args)
+    assert (
+        f"--out {out} already holds a run (save, metrics.jsonl): pass --resume to go on from its save, "
+        "or --overwrite to start afresh (deleting save and metrics.jsonl)"
+    ) in capsys.readouterr().err
+    (out / "save").rename(tmp_path / "elsewhere")  # metrics.jsonl alone is a run too
+    with pytest.raises(SystemExit):
+        gpt.main(args)
+    assert f"--out {out} already holds a run (metrics.jsonl): pass --resume" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpt.main([*args, "--resume", "--overwrite"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert gpt.main([*args, "--overwrite"]) == first
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and [r["loss"] for r in rows] == first
+    assert len(gpt.main([*args, "--steps", "3", "--resume"])) == 1  # step 3 (the last --steps wins)
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_train_gpt_resumed_after_a_crash_lists_each_step_once(
+    gpt: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that dies at step 9 has saved step 6 and written metrics up to step 8; --resume runs
+    steps 7 and 8 again, and metrics.jsonl lists every step once, with the uninterrupted run's losses."""
+    import json
+
+    args = [*GPT_TINY, "--steps", "10", "--save-every", "3", "--eval-every", "5", "--quiet"]
+    whole = gpt.main([*args, "--out", str(tmp_path / "whole")])
+    get_batch = gpt.get_batch
+
+    class Killed(Exception):
+        pass
+
+    def dies_at_step_9(data: Any, batch_size: int, context: int, seed: int, index: int) -> Any:
+        if index == 8:  # the batch of step 9
+            raise Killed
+        return get_batch(data, batch_size, context, seed, index)
+
+    monkeypatch.setattr(gpt, "get_batch", dies_at_step_9)
+    with pytest.raises(Killed):
+        gpt.main([*args, "--out", str(tmp_path / "parts")])
+    monkeypatch.setattr(gpt, "get_batch", get_batch)
+    metrics = tmp_path / "parts" / "metrics.jsonl"
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 9))
+    with metrics.open("a") as f:
+        f.write('{"step": 9, "lo')  # a line cut short by a kill
+    rest = gpt.main([*args, "--out", str(tmp_path / "parts"), "--resume"])
+    assert rest == whole[6:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 11)) and [r["loss"] for r in rows] == whole
+    assert not list((tmp_path / "parts").glob("*.partial"))

@@ -63,3 +63,214 @@ def test_readme_tables_are_whole() -> None:
         if line.startswith("|") and n > 1 and not lines[n - 1].strip() and lines[n - 2].startswith("|")
     ]
     assert not broken, f"README.md: a blank line splits a table before line(s) {broken}"
+
+
+ROOT = README.parent
+
+
+def fence_problems(text: str) -> list[str]:
+    """What keeps the ``` fences of ``text`` from pairing up: a block is opened by a fence with a
+    language (```python, ```bash, ```text) and closed by a bare ```; an opener inside an open block
+    means the block before it was never closed (markdown shows the rest of the file as code)."""
+    problems, opened = [], None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.lstrip().startswith("```"):
+            continue
+        info = line.strip()[3:].strip()
+        if opened is None:  # an opener, as markdown reads it
+            if not info:
+                problems.append(f"line {n}: a bare ``` opens a block (an opening fence needs a language)")
+            opened = n
+        elif info:  # markdown reads it as a line of the open block
+            problems.append(f"line {n}: ```{info} opens a block inside the block opened at line {opened}")
+            opened = n
+        else:
+            opened = None
+    if opened is not None:
+        problems.append(f"line {opened}: this block is never closed")
+    return problems
+
+
+def _outside_fences(text: str) -> list[tuple[int, str]]:
+    """The numbered lines of ``text`` that markdown shows as prose (fence lines excluded)."""
+    lines, inside = [], False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            inside = not inside if not inside or not line.strip()[3:].strip() else inside
+        elif not inside:
+            lines.append((n, line))
+    return lines
+
+
+def unfenced_code(text: str) -> list[str]:
+    """Prose lines that are Python statements (an assignment, a call, a loop): code left unfenced.
+    A line of prose is almost never valid Python; a single word or a heading is, and is let pass."""
+    found = []
+    for n, line in _outside_fences(text):
+        if line.startswith("|"):
+            continue
+        try:
+            body = ast.parse(line).body
+        except SyntaxError:
+            continue
+        if any(not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Name | ast.Constant)) for s in body):
+            found.append(f"line {n}: {line}")
+    return found
+
+
+def _commands(text: str) -> list[str]:
+    """Every shell command the README shows: each line of a ```bash block and each inline code span
+    of the prose, cut at ``&&``, ``;`` and ``|``, without comments."""
+    blocks = [m.group(3) for m in FENCE.finditer(text) if m.group(1) == "bash"]
+    prose = "\n".join(line for _, line in _outside_fences(text))
+    spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)]  # a span may wrap lines
+    lines = [line for block in blocks for line in block.splitlines()] + spans
+    return [part.strip() for line in lines for part in re.split(r"&&|;|\|", re.sub(r"\s#.*", "", line))]
+
+
+def _fpipe_command_problem(args: list[str]) -> str | None:
+    """Whether ``python -m fpipe *args`` parses (a bare subcommand: whether it exists)."""
+    from fpipe._cli import _parser
+
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            _parser().parse_args(args if len(args) > 1 else [*args, "--help"])
+    except SystemExit as exit:
+        if exit.code:
+            return out.getvalue().strip().splitlines()[-1]
+    return None
+
+
+def command_problems(text: str, root: Path) -> tuple[list[str], list[str]]:
+    """The commands of ``text`` that name what ``root`` does not hold: a script (``python X.py``,
+    ``torchrun ... X.py``, ``bash X.sh``) that is missing or lacks a ``--flag`` given to it, a
+    ``python -m fpipe`` command its parser refuses, a ``pip install '.[extra]'`` extra that
+    pyproject.toml does not define. Returns (the problems, the scripts run)."""
+    import shlex
+
+    pyproject = (root / "pyproject.toml").read_text()
+    problems, scripts = [], []
+    for command in _commands(text):
+        try:
+            words = shlex.split(command)
+        except ValueError:
+            continue
+        if not words:
+            continue
+        if words[0] in ("python", "python3") and words[1:3] == ["-m", "fpipe"]:
+            problem = _fpipe_command_problem(words[3:])
+            if problem is not None:
+                problems.append(f"{command}: {problem}")
+            continue
+        if words[0] == "pip":
+            for extra in re.findall(r"\.\[(\w+)\]", command):
+                if not re.search(rf"^{extra} = \[", pyproject, flags=re.M):
+                    problems.append(f"{command}: pyproject.toml has no extra {extra!r}")
+            continue
+        if words[0] in ("python", "python3") and len(words) > 1 and words[1].endswith(".py"):
+            at = 1
+        elif words[0] == "torchrun" and any(w.endswith(".py") for w in words):
+            at = next(n for n, w in enumerate(words) if w.endswith(".py"))
+        elif words[0] == "bash" and len(words) > 1:
+            at = 1
+        else:
+            continue
+        script = root / words[at]
+        scripts.append(words[at])
+        if not script.is_file():
+            problems.append(f"{command}: there is no {words[at]}")
+            continue
+        source = script.read_text()
+        for flag in (w.split("=")[0] for w in words[at + 1 :] if w.startswith("--")):
+            if flag != "--help" and f'"{flag}"' not in source:
+                problems.append(f"{command}: {words[at]} has no {flag} option")
+    return problems, scripts
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def link_problems(text: str, root: Path) -> list[str]:
+    """Relative links and paths of ``text`` that lead nowhere: a ``[..](notes/x.md#part)`` whose file
+    or heading is missing, a ``(#part)`` with no such heading here, and a path written in the prose
+    (``examples/...``, ``tests/...``, ``fpipe/...``, ``benchmarks/...``, ``notes/...``) that is
+    not a file of the repository."""
+
+    def anchors(markdown: str) -> set[str]:
+        return {_slug(line.lstrip("#")) for _, line in _outside_fences(markdown) if line.startswith("#")}
+
+    problems = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"\w+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        if path and not (root / path).is_file():
+            problems.append(f"link ({target}): there is no {path}")
+        elif anchor and anchor not in anchors((root / path).read_text() if path else text):
+            problems.append(f"link ({target}): {path or 'README.md'} has no heading #{anchor}")
+    paths = re.findall(r"(?<![\w/.-])((?:examples|benchmarks|notes|tests|fpipe)/[\w/.-]*\w\.(?:py|md|sh))\b", text)
+    problems += [f"{path}: no such file" for path in sorted(set(paths)) if not (root / path).is_file()]
+    return problems
+
+
+def test_readme_fences_are_closed_and_no_code_is_left_outside() -> None:
+    text = README.read_text()
+    problems = fence_problems(text)
+    assert not problems, "README.md:\n" + "\n".join(problems)
+    fence_lines = [line for line in text.splitlines() if line.lstrip().startswith("```")]
+    assert len(fence_lines) == 2 * len(FENCE.findall(text))  # the snippets' reader sees every block too
+    code = unfenced_code(text)
+    assert not code, "README.md, code outside a fence:\n" + "\n".join(code)
+
+
+def test_readme_commands_and_links_exist() -> None:
+    text = README.read_text()
+    problems, scripts = command_problems(text, ROOT)
+    assert not problems, "README.md:\n" + "\n".join(problems)
+    examples = {f"examples/{path.name}" for path in (ROOT / "examples").glob("*.py")}
+    assert examples <= set(scripts), f"no run command in README.md for {sorted(examples - set(scripts))}"
+    assert "bash benchmarks/gpu_check.sh" in _commands(text)
+    problems = link_problems(text, ROOT)
+    assert not problems, "README.md:\n" + "\n".join(problems)
+
+
+def test_the_readme_checks_catch_what_they_look_for() -> None:
+    """Each check fails on a broken copy of a README: these tests can fail."""
+    broken = "intro\n```python skip\nx = 1\n```\ntext\n```python skip\ny = 2\n## Next\n```bash\nls\n```\n"
+    assert fence_problems(broken) == ["line 9: ```bash opens a block inside the block opened at line 6"]
+    assert fence_problems("```\nls\n```\ntext\n```text\nout\n```\n") == [
+        "line 1: a bare ``` opens a block (an opening fence needs a language)"
+    ]
+    assert fence_problems("```python\nx = 1\n") == ["line 1: this block is never closed"]
+    assert fence_problems(README.read_text() + "```python skip\nstep()\n") != []
+    unfenced = "hand it fpipe's gradients:\nfor t, g in zip(a, b): t.grad = g\nopt.step()\n# fpipe\nfpipe\n"
+    assert unfenced_code(unfenced) == ["line 2: for t, g in zip(a, b): t.grad = g", "line 3: opt.step()"]
+    commands = (
+        "```bash\npython examples/train_gpt.py --steps 3 --no-such-flag  # a comment\n"
+        "torchrun --standalone --nproc-per-node 2 examples/missing.py\n```\n"
+        "Run `bash benchmarks/missing.sh`, `python -m fpipe show nope --ranks 2 --microbatches 2`, "
+        "`python -m fpipe draw` and `pip install -e '.[nope]'`; see [notes](notes/missing.md), "
+        "[wire](notes/wire.md#no-such-part), [here](#nowhere) and tests/test_missing.py.\n"
+    )
+    problems, scripts = command_problems(commands, ROOT)
+    assert scripts == ["examples/train_gpt.py", "examples/missing.py", "benchmarks/missing.sh"]
+    assert [p.split(": ", 1)[1].split(":")[0] for p in problems] == [
+        "examples/train_gpt.py has no --no-such-flag option",
+        "there is no examples/missing.py",
+        "there is no benchmarks/missing.sh",
+        "python -m fpipe show",  # argparse: "python -m fpipe show: error: argument SCHEDULE: invalid choice"
+        "python -m fpipe",  # "python -m fpipe: error: argument COMMAND: invalid choice: 'draw'"
+        "pyproject.toml has no extra 'nope'",
+    ], problems
+    assert link_problems(commands, ROOT) == [
+        "link (notes/missing.md): there is no notes/missing.md",
+        "link (notes/wire.md#no-such-part): notes/wire.md has no heading #no-such-part",
+        "link (#nowhere): README.md has no heading #nowhere",
+        "benchmarks/missing.sh: no such file",
+        "examples/missing.py: no such file",
+        "notes/missing.md: no such file",
+        "tests/test_missing.py: no such file",
+    ]
