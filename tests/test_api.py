@@ -510,6 +510,41 @@ def test_bad_options_fail_when_wrapped(options: dict[str, Any], error: type[Exce
         fpipe.pipeline(carry_loss, [carry] * 2, GPipe(2), **options)
 
 
+class _CarryModule(nn.Module):
+    """A module written as a stage: ``forward(params, x)``."""
+
+    def forward(self, params: dict[str, torch.Tensor], x: dict[str, Any]) -> dict[str, Any]:
+        return carry(params, x)
+
+
+@pytest.mark.parametrize(
+    ("make", "signature"),
+    [(lambda: nn.Linear(3, 3), r"forward\(input"), (lambda: nn.MultiheadAttention(3, 1), r"forward\(query")],
+    ids=["Linear", "MultiheadAttention"],
+)
+def test_a_module_as_a_stage_fails_when_wrapped_and_points_to_functionalize(
+    make: Callable[[], nn.Module], signature: str
+) -> None:
+    """``forward(x)`` called as ``module(params, x)`` would fail on the first microbatch with
+    "forward() takes 2 positional arguments but 3 were given"; ``forward(query, key, value)``
+    would fail too (a required argument missing)."""
+    module = make()
+    with pytest.raises(
+        TypeError, match=r"stage 1 is a torch.nn.Module whose forward cannot take \(params, x\)"
+    ) as info:
+        fpipe.pipeline(carry_loss, [carry, module], GPipe(2))
+    message = str(info.value)
+    assert re.search(rf"\(stages\[1\]: {type(module).__name__}, {signature}", message), message
+    assert "fpipe.functionalize(module)" in message and "fpipe.split_module(model, stages)" in message
+
+
+def test_a_module_whose_forward_takes_params_and_x_is_a_stage() -> None:
+    params, batch = carry_params(2), carry_batch()
+    loss, grads = fpipe.pipeline(carry_loss, [_CarryModule(), carry], GPipe(2))(params, batch)
+    expected_loss, expected_grads = fpipe.pipeline(carry_loss, [carry, carry], GPipe(2))(params, batch)
+    assert torch.equal(loss, expected_loss) and all(torch.equal(g["w"], e["w"]) for g, e in zip(grads, expected_grads))
+
+
 def test_deadlocking_program_fails_when_wrapped() -> None:
     program = [["0F0", "0F1", "0B1", "0B0"], ["1F0", "1B0", "1F1", "1B1"]]  # 0B1 waits for 1B1 behind 1B0
     fpipe.pipeline(carry_loss, [carry] * 2, program)  # fine: rank 0 can wait
