@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
@@ -144,7 +145,9 @@ def pipeline(
         [torch.Size([3, 3]), torch.Size([3, 3])]
 
     Raises:
-        TypeError: if ``loss_fn`` or a stage is not callable, ``schedule`` is a class rather than
+        TypeError: if ``loss_fn`` or a stage is not callable, a stage is an ``nn.Module`` whose
+            ``forward`` cannot take ``(params, x)`` (use ``fpipe.functionalize`` or
+            ``fpipe.split_module``), ``schedule`` is a class rather than
             a schedule value, ``has_aux`` or ``shard_params`` is not a bool, or ``precision`` is
             not an ``fpipe.Precision``.
         ValueError: if ``timeout`` is not a positive finite number, ``recompute`` names no
@@ -161,6 +164,8 @@ def pipeline(
     for s, fn in enumerate(stages):
         if not callable(fn):
             raise TypeError(f"fpipe.pipeline: stage {s} is not callable (stages[{s}]: {fn!r}).")
+        if isinstance(fn, torch.nn.Module):
+            _check_module_stage(s, fn)
     if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
         raise ValueError(f"fpipe.pipeline: timeout must be a positive number of seconds (timeout: {timeout!r}).")
     if not isinstance(has_aux, bool):
@@ -224,6 +229,26 @@ def pipeline(
         timeout=timeout,
         precision=precision,
     )
+
+
+def _check_module_stage(s: int, module: torch.nn.Module) -> None:
+    """A module passed as stage ``s`` is called ``module(params, x)``: its forward must take two
+    positional arguments (a module written as a stage may), or the call fails on the first
+    microbatch with "forward() takes 2 positional arguments but 3 were given"."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # no signature to read (a builtin, a scripted forward): let it run
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = type(module).__name__
+        raise TypeError(
+            f"fpipe.pipeline: stage {s} is a torch.nn.Module whose forward cannot take (params, x) "
+            f"(stages[{s}]: {name}, forward{signature}). Stages are pure functions stage(params, x) -> y: "
+            "make one with fn, params = fpipe.functionalize(module) and pass fn, with params as its stage "
+            "params, or cut a whole model with stages, params = fpipe.split_module(model, stages)."
+        ) from None
 
 
 def _program(

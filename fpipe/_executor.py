@@ -7,6 +7,7 @@ distributed one sends over torch.distributed. The executor knows nothing of any 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -206,12 +207,16 @@ class Executor:
         dtype and on its device; each microbatch gets a tensor of its own (NOTE [seeds])."""
         loss = self.losses[i]
         seed = self.weights[i] if self.loss_scale is None else self.weights[i] * self.loss_scale
+        wide = abs(seed) > _largest(loss.dtype)  # made in float64, the cast overflows to inf (NOTE [seeds])
+        dtype = torch.float64 if wide else loss.dtype
         seeds = self._seeds
         if seeds is None and self._one_weight:
-            seeds = self._seeds = torch.full((len(self.weights),), seed, dtype=loss.dtype, device=loss.device).unbind()
+            made = torch.full((len(self.weights),), seed, dtype=dtype, device=loss.device)
+            seeds = self._seeds = (made.to(loss.dtype) if wide else made).unbind()
         if seeds is not None and seeds[i].dtype == loss.dtype and seeds[i].device == loss.device:
             return seeds[i]
-        return loss.new_full((), seed)
+        made = loss.new_full((), seed, dtype=dtype)
+        return made.to(loss.dtype) if wide else made
 
     def _backward(self, action: Action) -> None:
         s, _, i = action
@@ -263,6 +268,16 @@ _HANDLERS: dict[str, Handler] = {
 # ``unbind`` (one op each instead of one per microbatch); each microbatch gets its own element,
 # used once. No gradient sum ever shares their storage (NOTE [gradients the engine keeps] in
 # fpipe/_stage.py). A loss of another dtype or device than the first gets a ``new_full``.
+#
+# A seed too large for the loss's dtype (float16 tops out at 65504: ``scale * weight`` with the
+# loss scale 2**16 and one microbatch) must become inf, as a cast does: the gradients are then
+# inf/nan, every rank agrees to skip the step and the scale backs off (fpipe.LossScale). Filling
+# a float16 tensor of two or more elements with such a number raises instead ("value cannot be
+# converted to type c10::Half without overflow"; one element, or ``new_full`` into float16,
+# gives inf; float32 raises both ways). So a seed that does not fit (``_largest``, one
+# comparison) is filled in float64 and cast down: the cast overflows to inf (or rounds to the
+# largest finite value, for one within half a unit of it). A seed that fits is made as before,
+# so results are bitwise those of the plain fill.
 
 
 # NOTE [profiler ranges]
@@ -274,6 +289,12 @@ _HANDLERS: dict[str, Handler] = {
 # It is asked once per ``Executor.run`` (a piece of a step's order), not per action: a profiler
 # is started and stopped around steps, not by a stage in the middle of one.
 _profiling: Callable[[], bool] = torch._C._autograd._profiler_enabled
+
+
+@functools.cache
+def _largest(dtype: torch.dtype) -> float:
+    """The largest finite value of ``dtype``, a loss's: real floating (``_split_aux`` in fpipe/_stage.py)."""
+    return torch.finfo(dtype).max
 
 
 class _LossFnFailed(Exception):

@@ -77,6 +77,7 @@ import torch
 
 from ._dtensor import clone, is_dtensor, like_param, shares_storage
 from ._precision import Precision
+from ._purity import raise_if_in_place
 from ._pytree import (
     PyTree,
     TreeSpec,
@@ -114,7 +115,8 @@ class Pullback:
         self.input_index = input_index  # their positions among the input leaves
         self.num_inputs = num_inputs  # how many input leaves there are in all
         self.deferred: DeferredWeightGrad | None = None  # set by an input-grad backward
-        self.replay: tuple[Callable[[], Any], torch.Tensor] | None = None  # a forward to recompute
+        # A forward to recompute: the call, the random state it ran with, and its input's pytree.
+        self.replay: tuple[Callable[[], Any], torch.Tensor, Callable[[], PyTree]] | None = None
 
 
 class _OrderedSum:
@@ -266,18 +268,29 @@ class StageRun:
             # third of what a forward costs over plain autograd (notes/benchmarks.md, Session 5).
             differentiate = differentiate_input and x.requires_grad
             leaf = self._input_leaf(x, differentiate)
-            y = self.fn(self.params, leaf)
+            try:
+                y = self.fn(self.params, leaf)
+            except RuntimeError as error:
+                self._raise_if_in_place(error, leaf)
+                raise
             inputs, index = ([leaf], _FIRST) if differentiate else ([], ())
             graph = ([y], _FIRST) if type(y) is torch.Tensor and y.requires_grad else _graph_outputs(y)
             return y, Pullback(*graph, inputs, index, 1)
         leaves, spec, inputs, input_index = self._inputs(x, differentiate_input)
         if self.recompute:
-            return self._recomputed(lambda xs: self.fn(self.params, unflatten(spec, xs)), leaves, inputs, input_index)
-        if _graph_off():
-            with _graph_mode():
-                y = self.fn(self.params, unflatten(spec, leaves))
-        else:
-            y = self.fn(self.params, unflatten(spec, leaves))
+            return self._recomputed(
+                lambda xs: self.fn(self.params, unflatten(spec, xs)), leaves, spec, inputs, input_index
+            )
+        tree = unflatten(spec, leaves)
+        try:
+            if _graph_off():
+                with _graph_mode():
+                    y = self.fn(self.params, tree)
+            else:
+                y = self.fn(self.params, tree)
+        except RuntimeError as error:
+            self._raise_if_in_place(error, tree)
+            raise
         return y, Pullback(*_graph_outputs(y), inputs, input_index, len(leaves))
 
     def forward_loss(
@@ -304,13 +317,18 @@ class StageRun:
                 auxes.append(aux)
                 return loss
 
-            loss, pullback = self._recomputed(replayable, leaves, inputs, input_index)
+            loss, pullback = self._recomputed(replayable, leaves, spec, inputs, input_index)
             return loss.detach(), auxes[0], pullback
-        if _graph_off():
-            with _graph_mode():
-                loss, aux = run(leaves)
-        else:  # the usual case, without ``run``'s call
-            loss, aux = self._loss(unflatten(spec, leaves), microbatch, loss_fn, has_aux)
+        tree = unflatten(spec, leaves)
+        try:
+            if _graph_off():
+                with _graph_mode():
+                    loss, aux = self._loss(tree, microbatch, loss_fn, has_aux)
+            else:
+                loss, aux = self._loss(tree, microbatch, loss_fn, has_aux)
+        except RuntimeError as error:
+            self._raise_if_in_place(error, tree)  # the stage's update (one by loss_fn stays autograd's error)
+            raise
         return loss.detach(), aux, Pullback(*_graph_outputs(loss), inputs, input_index, len(leaves))
 
     def _loss(
@@ -374,8 +392,18 @@ class StageRun:
             leaf = leaf.detach().requires_grad_()
         return leaf
 
+    def _raise_if_in_place(self, error: RuntimeError, x: PyTree) -> None:
+        """The error naming the leaf the stage updated in place, if ``error`` is autograd's refusal
+        of that (NOTE [in-place updates of leaves] in fpipe/_purity.py); else nothing."""
+        raise_if_in_place(error, self.index, lambda: self.fn(self.params, x), self.params, x)
+
     def _recomputed(
-        self, run: Callable[[list[Any]], Any], leaves: list[Any], inputs: list[torch.Tensor], input_index: Sequence[int]
+        self,
+        run: Callable[[list[Any]], Any],
+        leaves: list[Any],
+        spec: TreeSpec,
+        inputs: list[torch.Tensor],
+        input_index: Sequence[int],
     ) -> tuple[Any, Pullback]:
         """Call ``run(leaves)`` without a graph, keeping what replays it (NOTE [recomputation])."""
         rng = torch.get_rng_state()
@@ -383,21 +411,25 @@ class StageRun:
         with torch.inference_mode(False), torch.no_grad():
             out = run(plain)
         pullback = Pullback([], [], inputs, input_index, len(leaves))
-        pullback.replay = (lambda: run(leaves), rng)
+        pullback.replay = (lambda: run(leaves), rng, lambda: unflatten(spec, leaves))
         # The next stage differentiates leaves that carry a graph; these will once replayed.
         return map_tensors(lambda t: detached(t).requires_grad_() if is_differentiable(t) else t, out), pullback
 
-    @staticmethod
-    def _replay(pullback: Pullback) -> None:
+    def _replay(self, pullback: Pullback) -> None:
         """Rebuild the graph of a recomputed forward, with the random state it first ran with."""
         assert pullback.replay is not None
-        run, rng = pullback.replay
+        run, rng, tree = pullback.replay
         pullback.replay = None
         token = _REPLAYING.set(True)
         try:
             with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
                 torch.set_rng_state(rng)
-                out = run()
+                try:
+                    out = run()
+                except RuntimeError as error:
+                    torch.set_rng_state(rng)
+                    raise_if_in_place(error, self.index, run, self.params, tree())
+                    raise
         finally:
             _REPLAYING.reset(token)
         pullback.outputs, pullback.output_index = _graph_outputs(out)

@@ -397,6 +397,65 @@ def test_a_graph_hidden_in_an_opaque_leaf_is_an_error(recompute: bool, action: s
     assert isinstance(info.value.__cause__, TypeError)
 
 
+def _updating(update: Callable[[dict[str, torch.Tensor], dict[str, Any]], Any]) -> Callable[[Any, Any], Any]:
+    """``carry`` after ``update(p, x)``, which writes into a parameter or an input leaf."""
+
+    def stage(p: dict[str, torch.Tensor], x: dict[str, Any]) -> dict[str, Any]:
+        update(p, x)
+        return carry(p, x)
+
+    return stage
+
+
+@pytest.mark.parametrize(
+    ("update", "leaf"),
+    [
+        (lambda p, x: p["w"].add_(1), r"its parameter params\['w'\] in place \(params\['w'\]: add_\)"),
+        (lambda p, x: x["h"].mul_(2), r"its input x\['h'\] in place \(x\['h'\]: mul_\)"),
+        (lambda p, x: x["h"].__setitem__(0, 0.0), r"its input x\['h'\] in place \(x\['h'\]: __setitem__\)"),
+        (lambda p, x: x["h"][:, 0].zero_(), r"a view of its input x\['h'\] in place \(x\['h'\]: zero_\)"),
+        (
+            lambda p, x: nn.functional.relu(x["h"], inplace=True),
+            r"its input x\['h'\] in place \(x\['h'\]: relu\(inplace=True\)\)",
+        ),
+    ],
+    ids=["param-add_", "input-mul_", "setitem", "view", "relu-inplace"],
+)
+@pytest.mark.parametrize(
+    ("recompute", "action"),
+    [(False, "forward of stage 1 on microbatch 0 (1F0)"), (True, "backward of stage 1 on microbatch 0 (1B0)")],
+    ids=["stored", "recomputed"],
+)
+def test_an_in_place_update_of_a_leaf_names_the_stage_and_the_leaf(
+    update: Callable[[dict[str, torch.Tensor], dict[str, Any]], Any], leaf: str, recompute: bool, action: str
+) -> None:
+    """Autograd's "a leaf Variable that requires grad is being used in an in-place operation"
+    names neither; with recomputation it comes from the backward's replay (NOTE [in-place
+    updates of leaves] in fpipe/_purity.py)."""
+    step = fpipe.pipeline(carry_loss, [carry, _updating(update)], GPipe(2), recompute=recompute)
+    with pytest.raises(
+        fpipe.PipelineError, match=re.escape(action) + r".*RuntimeError: stage 1 updates " + leaf
+    ) as info:
+        step(carry_params(2), carry_batch(4))
+    assert "Stages must be pure functions stage(params, x) -> y: write the update out of place" in str(info.value)
+    assert "w = w + 1 instead of w.add_(1)" in str(info.value)
+    assert (info.value.stage, info.value.microbatch, info.value.rank) == (1, 0, 1)
+    cause = info.value.__cause__
+    assert isinstance(cause, RuntimeError) and "leaf Variable that requires grad" in str(cause.__cause__)
+
+
+def test_an_in_place_update_of_a_plain_tensor_input() -> None:
+    """The one-tensor fast path of a forward names the leaf too: ``x``, the input itself."""
+
+    def second(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x += 1
+        return x @ p
+
+    step = fpipe.pipeline(lambda y, mb: y.square().mean(), [lambda p, x: x @ p, second], GPipe(2))
+    with pytest.raises(fpipe.PipelineError, match=r"\(1F0\).*stage 1 updates its input x in place \(x: "):
+        step([torch.randn(3, 3), torch.randn(3, 3)], torch.randn(4, 3))
+
+
 def test_an_opaque_leaf_without_a_graph_passes_through() -> None:
     def first(p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, _Hidden]:
         return x @ p, _Hidden(torch.ones(3))  # a constant table: nothing to differentiate
@@ -510,6 +569,41 @@ def test_bad_pipeline_fails_when_wrapped(stages: Any, schedule: Any, error: type
 def test_bad_options_fail_when_wrapped(options: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         fpipe.pipeline(carry_loss, [carry] * 2, GPipe(2), **options)
+
+
+class _CarryModule(nn.Module):
+    """A module written as a stage: ``forward(params, x)``."""
+
+    def forward(self, params: dict[str, torch.Tensor], x: dict[str, Any]) -> dict[str, Any]:
+        return carry(params, x)
+
+
+@pytest.mark.parametrize(
+    ("make", "signature"),
+    [(lambda: nn.Linear(3, 3), r"forward\(input"), (lambda: nn.MultiheadAttention(3, 1), r"forward\(query")],
+    ids=["Linear", "MultiheadAttention"],
+)
+def test_a_module_as_a_stage_fails_when_wrapped_and_points_to_functionalize(
+    make: Callable[[], nn.Module], signature: str
+) -> None:
+    """``forward(x)`` called as ``module(params, x)`` would fail on the first microbatch with
+    "forward() takes 2 positional arguments but 3 were given"; ``forward(query, key, value)``
+    would fail too (a required argument missing)."""
+    module = make()
+    with pytest.raises(
+        TypeError, match=r"stage 1 is a torch.nn.Module whose forward cannot take \(params, x\)"
+    ) as info:
+        fpipe.pipeline(carry_loss, [carry, module], GPipe(2))
+    message = str(info.value)
+    assert re.search(rf"\(stages\[1\]: {type(module).__name__}, {signature}", message), message
+    assert "fpipe.functionalize(module)" in message and "fpipe.split_module(model, stages)" in message
+
+
+def test_a_module_whose_forward_takes_params_and_x_is_a_stage() -> None:
+    params, batch = carry_params(2), carry_batch()
+    loss, grads = fpipe.pipeline(carry_loss, [_CarryModule(), carry], GPipe(2))(params, batch)
+    expected_loss, expected_grads = fpipe.pipeline(carry_loss, [carry, carry], GPipe(2))(params, batch)
+    assert torch.equal(loss, expected_loss) and all(torch.equal(g["w"], e["w"]) for g, e in zip(grads, expected_grads))
 
 
 def test_deadlocking_program_fails_when_wrapped() -> None:

@@ -278,19 +278,50 @@ def test_loss_scaling_is_exact_and_its_state_moves() -> None:
     assert not poisoned.last_skipped and poisoned.loss_scale == fpipe.LossScaleState(8.0, 0)
 
 
+def _loss16(y: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A per-example mean in float16 (the seed is made in the loss's dtype)."""
+    return ((y - batch["x"]) ** 2).mean()
+
+
+def _sum16(y: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A sum over the microbatch in float16, for ``weight_fn``."""
+    return ((y - batch["x"]) ** 2).sum()
+
+
 def test_an_overflowing_scale_backs_off_until_it_fits() -> None:
     """float16 tops out at 65504: a float16 loss seeded with 2**16 (one microbatch, weight 1)
     overflows, and the scale halves."""
-
-    def loss16(y: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return ((y - batch["x"]) ** 2).mean()
-
     params, batch = _params(2, F16), _batch(8, F16)
-    step = fpipe.pipeline(loss16, _stages(2), GPipe(1), precision=fpipe.Precision(loss_scale=fpipe.LossScale()))
+    step = fpipe.pipeline(_loss16, _stages(2), GPipe(1), precision=fpipe.Precision(loss_scale=fpipe.LossScale()))
     step(params, batch)
     assert step.last_skipped and step.loss_scale == fpipe.LossScaleState(2.0**15, 0)
     step(params, batch)
     assert not step.last_skipped
+
+
+def _count(microbatch: dict[str, torch.Tensor]) -> int:
+    return microbatch["x"].shape[0]
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "init", "options"),
+    [
+        (8, 2.0**18, {}),  # 4 equal weights 1/4: every seed is 2**16
+        (10, 2.0**18, {}),  # weights 3/10, 3/10, 2/10, 2/10: seeds 78643.2, 78643.2, 52428.8, 52428.8
+        (8, 2.0**20, {"weight_fn": _count}),  # 4 equal weights 1/8: every seed is 2**17
+    ],
+    ids=["equal-weights", "unequal-weights", "weight_fn"],
+)
+def test_a_seed_too_large_for_float16_skips_the_step(batch_size: int, init: float, options: dict[str, Any]) -> None:
+    """A seed over 65504 is an inf (as a cast to float16 makes it), with any weights: the step is
+    skipped and the scale halves; nothing raises (NOTE [seeds] in fpipe/_executor.py)."""
+    loss_fn = _sum16 if "weight_fn" in options else _loss16
+    policy = fpipe.Precision(loss_scale=fpipe.LossScale(init=init))
+    step = fpipe.pipeline(loss_fn, _stages(2), GPipe(4), precision=policy, **options)
+    loss, grads = step(_params(2, F16), _batch(batch_size, F16))
+    assert torch.isfinite(loss)  # the loss is never scaled
+    assert step.last_skipped and step.loss_scale == fpipe.LossScaleState(init / 2, 0)
+    assert not all(torch.isfinite(g).all() for g in grads[1].values())
 
 
 def test_loss_scaling_with_float32_master_weights() -> None:
@@ -328,6 +359,12 @@ def _two_ranks(rank: int, world: int) -> dict[str, Any]:
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
     step(params, _batch(8, F16) if rank == 0 else None)
     out["scaled"] = (step.last_skipped, step.loss_scale)
+    overflowing = fpipe.pipeline(
+        _loss16, _stages(2), GPipe(4), precision=fpipe.Precision(loss_scale=fpipe.LossScale(init=2.0**18)), group=group
+    )  # seeds of 2**16, on rank 1 only: rank 0 gets inf/nan cotangents
+    local = [p if s in overflowing.local_stages else None for s, p in enumerate(_params(2, F16))]
+    overflowing(local, _batch(8, F16) if rank == 0 else None)
+    out["overflowed"] = (overflowing.last_skipped, overflowing.loss_scale)
     bad = _params(2, F32)  # not float16: every rank fails, not only the one holding it
     bad = [p if s in step.local_stages else None for s, p in enumerate(bad)]
     try:
@@ -351,6 +388,7 @@ def test_two_processes_agree_with_one_bitwise_and_skip_together() -> None:
                     assert _equal(grads[s], other_grads[s]), (name, r, s)
     for result in ranks:
         assert result["scaled"] == (True, fpipe.LossScaleState(128.0, 0))
+        assert result["overflowed"] == (True, fpipe.LossScaleState(2.0**17, 0))
     assert "stage 1's parameter ['b'] is computed in torch.float32" in ranks[1]["error"]
     assert "rank(s) [1] rejected their inputs" in ranks[0]["error"]
 

@@ -333,3 +333,51 @@ def test_leaves_passed_through_unchanged() -> None:
     expected_loss, expected_grads = reference(loss_fn, stages, params, batch)
     assert_close(loss, expected_loss)
     assert_close(grads, expected_grads)
+
+
+# --- NOTE [in-place updates of leaves] --------------------------------------------------------
+
+
+def test_an_in_place_update_of_a_plain_input_is_named_on_the_fast_path() -> None:
+    calls: list[int] = []
+
+    def stage(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        calls.append(0)
+        return x.mul_(2) @ p
+
+    run = StageRun(3, stage, torch.randn(3, 3))
+    with pytest.raises(RuntimeError, match=r"^stage 3 updates its input x in place \(x: mul_\)") as info:
+        run.forward(torch.randn(4, 3, requires_grad=True) * 1, differentiate_input=True)
+    assert "leaf Variable that requires grad is being used in an in-place operation" in str(info.value.__cause__)
+    assert len(calls) == 2  # the forward, and the one call that finds the leaf
+
+
+def test_an_in_place_update_by_the_last_stage_is_named() -> None:
+    def stage(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        p["w"][0].copy_(x[0])
+        return x @ p["w"]
+
+    run = StageRun(2, stage, {"w": torch.randn(3, 3), "steps": torch.tensor(1)})
+    match = r"^stage 2 updates a view of its parameter params\['w'\] in place \(params\['w'\]: copy_\)"
+    with pytest.raises(RuntimeError, match=match):
+        run.forward_loss(torch.randn(4, 3), None, lambda y, mb: y.sum(), has_aux=False, differentiate_input=False)
+
+
+def test_other_errors_and_updates_outside_the_stage_are_left_as_they_were() -> None:
+    """Another RuntimeError is raised as is, the stage called once; an in-place update by
+    ``loss_fn`` (of the input leaf the stage handed on) is not the stage's: autograd's error stands."""
+    error = RuntimeError("boom")
+    calls: list[int] = []
+
+    def failing(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        calls.append(0)
+        raise error
+
+    with pytest.raises(RuntimeError) as info:
+        StageRun(0, failing, torch.randn(3)).forward(torch.randn(3), differentiate_input=False)
+    assert info.value is error and calls == [0]
+
+    run = StageRun(1, lambda p, x: x, torch.randn(3))
+    x = torch.randn(3, requires_grad=True) * 1
+    with pytest.raises(RuntimeError, match=r"^a leaf Variable that requires grad is being used in an in-place"):
+        run.forward_loss(x, None, lambda y, mb: y.mul_(2).sum(), has_aux=False, differentiate_input=True)
