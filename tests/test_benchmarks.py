@@ -88,3 +88,17 @@ def test_bench_reduction_quick(monkeypatch: pytest.MonkeyPatch) -> None:
     for row in result["ranks"]:
         for mode in ("end", "overlap"):
             assert row[mode]["step_s"] > 0 and row[mode]["exposed_s"] >= 0
+
+
+def test_bench_instructions_runs_its_steps() -> None:
+    calls = []
+    module = _load("bench_instructions")
+    real = module.fpipe.pipeline
+
+    def counting(*args, **kwargs):
+        step = real(*args, **kwargs)
+        return lambda params, batch: calls.append(step(params, batch))
+
+    module.fpipe = type("F", (), {"pipeline": staticmethod(counting)})
+    module.main(1)
+    assert len(calls) == 3  # two warm-up steps and the one asked for
