@@ -25,6 +25,7 @@ stage, so each call gets a fresh copy per leaf, and the stage's counter is incre
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -203,6 +204,11 @@ def _check_state_keys(where: str, s: int, stage_state: PyTree, buffers: tuple[st
             f"{where}: the step counter of stage {s} is not a scalar tensor (state[{s}]['step']: {step!r}). "
             "Build the state with this optimizer's init(params)."
         )
+    if step.is_complex() or step.dtype == torch.bool or not (0 <= step.item() < math.inf) or step.item() % 1:
+        raise ValueError(
+            f"{where}: the step counter of stage {s} must be a whole number >= 0 (state[{s}]['step']: {step!r}). "
+            "Build the state with this optimizer's init(params), or load a saved one."
+        )
     return step
 
 
@@ -261,9 +267,10 @@ def _decay_mask(where: str, s: int, mask: Sequence[PyTree] | None, stage_params:
 def _learning_rate(
     where: str, learning_rate: LearningRate, lr: float | None, held: list[int], state: Sequence[PyTree]
 ) -> float:
-    """``lr`` if given, else the optimizer's rate, a schedule evaluated at the number of updates done."""
+    """``lr`` if given, else the optimizer's rate, a schedule evaluated at the number of updates
+    done; checked as ``torch.optim`` checks a rate (``check_rate``)."""
     if lr is not None:
-        return float(lr)
+        return check_rate(where, "lr", lr)
     if not callable(learning_rate):
         return learning_rate
     counts = {int(state[s]["step"]) for s in held}
@@ -272,13 +279,31 @@ def _learning_rate(
             f"{where}: the stages' step counters differ (steps: {sorted(counts)}), so the schedule has no single step. "
             "Update every stage together, or pass lr= explicitly."
         )
-    return float(learning_rate(counts.pop() if counts else 0))
+    step = counts.pop() if counts else 0
+    return check_rate(where, f"learning_rate({step})", learning_rate(step))
 
 
 def check_learning_rate(name: str, learning_rate: object) -> None:
-    """Raise ``TypeError`` unless ``learning_rate`` is a number or a schedule (a callable)."""
+    """Raise ``TypeError`` unless ``learning_rate`` is a number or a schedule (a callable), and
+    ``ValueError`` for a number that is negative, nan or infinite (``check_rate``)."""
     if isinstance(learning_rate, bool) or not (isinstance(learning_rate, (int, float)) or callable(learning_rate)):
         raise TypeError(
             f"fpipe.optim.{name}: learning_rate must be a float or a function of the step "
             f"(learning_rate: {learning_rate!r}). Pass e.g. 1e-3 or fpipe.optim.warmup_cosine(...)."
         )
+    if not callable(learning_rate):
+        check_rate(f"fpipe.optim.{name}", "learning_rate", learning_rate)
+
+
+def check_rate(where: str, name: str, rate: object) -> float:
+    """``rate`` as a float, if it is a finite number >= 0 (``torch.optim`` refuses a negative or
+    nan rate; an infinite one would make every parameter inf or nan).
+
+    Raises:
+        TypeError, ValueError: otherwise.
+    """
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+        raise TypeError(f"{where}: {name} must be a float ({name}: {rate!r}). Pass e.g. 1e-3.")
+    if not 0 <= rate < math.inf:
+        raise ValueError(f"{where}: {name} must be a finite number >= 0 ({name}: {rate!r}). Pass e.g. 1e-3.")
+    return float(rate)

@@ -52,6 +52,11 @@ def warmup_cosine(
         )
 
     def schedule(step: int) -> float:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(
+                f"fpipe.optim.warmup_cosine: the schedule takes the number of updates done, a non-negative int "
+                f"(step: {step!r}). Pass the optimizer state's step counter."
+            )
         if step < warmup_steps:
             return peak_lr * (step + 1) / warmup_steps
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))

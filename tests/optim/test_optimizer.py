@@ -259,3 +259,29 @@ def test_option_errors() -> None:
     ]:
         opt = fpipe.optim.adamw(0.1, weight_decay_mask=mask)
         assert fragment in _message(error, lambda opt=opt: opt.update(params, grads, opt.init(params)))
+
+
+@pytest.mark.parametrize("rate", [-0.01, float("nan"), float("inf")])
+def test_a_negative_or_non_finite_rate_is_refused_as_torch_optim_does(rate: float) -> None:
+    if rate != float("inf"):  # torch.optim refuses these; an infinite rate fpipe refuses too (all params inf/nan)
+        with pytest.raises(ValueError, match="Invalid learning rate"):
+            torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=rate)
+    for make in (fpipe.optim.adamw, fpipe.optim.sgd):
+        with pytest.raises(ValueError, match="must be a finite number >= 0"):
+            make(rate)
+    params = [{"w": torch.ones(2)}]
+    opt = fpipe.optim.adamw(lambda step: rate)
+    with pytest.raises(ValueError, match=r"learning_rate\(0\) must be a finite number >= 0"):
+        opt.update(params, [{"w": torch.ones(2)}], opt.init(params))
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
+        fpipe.optim.adamw(1e-3).update(params, [{"w": torch.ones(2)}], opt.init(params), lr=rate)
+
+
+@pytest.mark.parametrize("step", [-3.0, 1.5, 1 + 1j])
+def test_a_step_counter_that_is_not_a_whole_number_is_refused(step: complex) -> None:
+    params = [{"w": torch.ones(2)}]
+    opt = fpipe.optim.adamw(1e-3)
+    state = opt.init(params)
+    state[0]["step"] = torch.tensor(step)
+    with pytest.raises(ValueError, match=r"step counter of stage 0 must be a whole number >= 0"):
+        opt.update(params, [{"w": torch.ones(2)}], state)

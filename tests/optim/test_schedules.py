@@ -31,3 +31,10 @@ def test_warmup_then_cosine_then_min_lr() -> None:
 def test_errors(kwargs: dict[str, float], fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         fpipe.optim.warmup_cosine(1.0, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("step", [-3, 1.5, True])
+def test_warmup_cosine_takes_a_non_negative_int_step(step: object) -> None:
+    schedule = fpipe.optim.warmup_cosine(1e-3, warmup_steps=2, total_steps=10)
+    with pytest.raises(ValueError, match="a non-negative int"):
+        schedule(step)  # type: ignore[arg-type]
