@@ -28,6 +28,7 @@ from .schedules import (
     Schedule,
     ScheduleError,
     ZeroBubbleH1,
+    ZeroBubbleH2,
     ZeroBubbleV,
     simulate,
 )
@@ -50,6 +51,7 @@ SCHEDULES: dict[str, _Choice] = {
         lambda m, v: Interleaved1F1B(m, stages_per_rank=v), 2, "Megatron's interleaved 1F1B, looped placement"
     ),
     "zbh1": _Choice(lambda m, v: ZeroBubbleH1(m), 1, "ZB-H1: 1F1B with deferred weight gradients"),
+    "zbh2": _Choice(lambda m, v: ZeroBubbleH2(m), 1, "ZB-H2: ZB-H1 with a longer warm-up, 2p-1 activations"),
     "zbv": _Choice(lambda m, v: ZeroBubbleV(m), 2, "ZB-V: two stages per rank in a V"),
     "bfs": _Choice(lambda m, v: LoopedBFS(m, stages_per_rank=v), 2, "looped breadth-first"),
     "dualpipev": _Choice(lambda m, v: DualPipeV(m), 2, "DualPipeV: DeepSeek's DualPipe in a V, overlaps run in order"),

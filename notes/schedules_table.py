@@ -22,6 +22,7 @@ from fpipe.schedules import (
     OneFOneB,
     Schedule,
     ZeroBubbleH1,
+    ZeroBubbleH2,
     ZeroBubbleV,
     simulate,
 )
@@ -46,6 +47,8 @@ ROWS: list[Row] = [
         lambda p, m: f"m = {m}",
     ),
     ("ZB-H1", ZeroBubbleH1, 1, lambda p, m: (p - 1) / (3 * m + p - 1), lambda p, m: f"p = {p}"),
+    # Zero bubble inside the step; its end still waits (p-1) T_F without post-validation.
+    ("ZB-H2", ZeroBubbleH2, 1, lambda p, m: (p - 1) / (3 * m + p - 1), lambda p, m: f"2p-1 = {2 * p - 1}"),
     ("ZB-V", ZeroBubbleV, 2, lambda p, m: (p - 1) / (6 * m + p - 1), lambda p, m: f"p = {p}"),
     # Overlapped F+B pairs run one after the other: no overlap to gain from, ZB-V's bubble.
     ("DualPipeV", DualPipeV, 2, lambda p, m: (p - 1) / (6 * m + p - 1), lambda p, m: f"p + 1/2 = {p + 0.5:g}"),

@@ -11,7 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fpipe.schedules import DualPipeV, GPipe, Interleaved1F1B, LoopedBFS, OneFOneB, ZeroBubbleH1, ZeroBubbleV
+from fpipe.schedules import (
+    DualPipeV,
+    GPipe,
+    Interleaved1F1B,
+    LoopedBFS,
+    OneFOneB,
+    ZeroBubbleH1,
+    ZeroBubbleH2,
+    ZeroBubbleV,
+)
 
 
 def gpipe_backwards_reversed(num_stages: int, num_microbatches: int) -> list[list[str]]:
@@ -37,6 +46,14 @@ def one_f_one_b_split_backward(num_stages: int, num_microbatches: int) -> list[l
         row += [f"{r}W{i}" for i in range(m)]
         ranks.append(row)
     return ranks
+
+
+def zero_bubble_h2(num_stages: int, num_microbatches: int) -> Any:
+    """ZB-H2 where it is defined (``m >= 2S - 1``); below that it is a ``ScheduleError``
+    (tests/schedules/test_zero_bubble_h2.py), and the battery's small ``m`` run ZB-H1."""
+    if num_microbatches >= 2 * num_stages - 1:
+        return ZeroBubbleH2(num_microbatches=num_microbatches)
+    return ZeroBubbleH1(num_microbatches=num_microbatches)
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,7 @@ CONFORMANCE: list[Conformance] = [
         "LoopedBFS-2", lambda S, M: LoopedBFS(num_microbatches=M, stages_per_rank=2), (2, 4, 6), ranks=((2, 4, 3),)
     ),
     Conformance("ZeroBubbleH1", lambda S, M: ZeroBubbleH1(num_microbatches=M), ranks=((2, 2, 4),)),
+    Conformance("ZeroBubbleH2", zero_bubble_h2, (2, 4), ranks=((2, 2, 5),)),
     Conformance("ZeroBubbleV", lambda S, M: ZeroBubbleV(num_microbatches=M), (2, 4, 6), ranks=((2, 4, 4),)),
     Conformance("DualPipeV", lambda S, M: DualPipeV(num_microbatches=M), (2, 4, 6), ranks=((2, 4, 4),)),
     Conformance("program-backwards-reversed", gpipe_backwards_reversed),

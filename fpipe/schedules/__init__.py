@@ -34,6 +34,7 @@ from ._simulate import fit_costs as fit_costs
 from ._simulate import replay as replay
 from ._simulate import simulate as simulate
 from ._zero_bubble_h1 import ZeroBubbleH1 as ZeroBubbleH1
+from ._zero_bubble_h2 import ZeroBubbleH2 as ZeroBubbleH2
 from ._zero_bubble_v import ZeroBubbleV as ZeroBubbleV
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "ScheduleError",
     "Simulation",
     "ZeroBubbleH1",
+    "ZeroBubbleH2",
     "ZeroBubbleV",
     "chrome_trace",
     "dump_csv",
