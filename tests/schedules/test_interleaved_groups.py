@@ -48,12 +48,10 @@ def megatron_reference(pp: int, rank: int, vp: int, m: int, g: int) -> tuple[lis
 
 def test_grid_2_ranks_groups_of_3() -> None:
     # Three microbatches go through each of a rank's stages before it moves to the next.
-    assert (
-        render(Interleaved1F1B(6, stages_per_rank=2, microbatch_group=3).program(4))
-        == dedent("""\
+    expected = """\
         rank 0 | 0F0 0F1 0F2 2F0 2F1 2F2 2B0 0F3 2B1 0F4 2B2 0F5 0B0 2F3 0B1 2F4 0B2 2F5 2B3  .  2B4  .  2B5 0B3 0B4 0B5
-        rank 1 |  .  1F0 1F1 1F2 3F0 3B0 3F1 3B1 3F2 3B2 1F3 1B0 1F4 1B1 1F5 1B2 3F3 3B3 3F4 3B4 3F5 3B5 1B3 1B4 1B5  .""")
-    )  # noqa: E501
+        rank 1 |  .  1F0 1F1 1F2 3F0 3B0 3F1 3B1 3F2 3B2 1F3 1B0 1F4 1B1 1F5 1B2 3F3 3B3 3F4 3B4 3F5 3B5 1B3 1B4 1B5  ."""  # noqa: E501
+    assert render(Interleaved1F1B(6, stages_per_rank=2, microbatch_group=3).program(4)) == dedent(expected)
 
 
 def test_grid_last_group_smaller() -> None:
