@@ -24,6 +24,7 @@ from .schedules import (
     DualPipeV,
     GPipe,
     Interleaved1F1B,
+    InterleavedZeroBubble,
     LoopedBFS,
     OneFOneB,
     Schedule,
@@ -49,6 +50,11 @@ SCHEDULES: dict[str, _Choice] = {
     "1f1b": _Choice(lambda m, v: OneFOneB(m), 1, "1F1B (PipeDream-flush)"),
     "interleaved": _Choice(
         lambda m, v: Interleaved1F1B(m, stages_per_rank=v), 2, "Megatron's interleaved 1F1B, looped placement"
+    ),
+    "zbinterleaved": _Choice(
+        lambda m, v: InterleavedZeroBubble(m, stages_per_rank=v),
+        2,
+        "interleaved zero bubble (torch's), looped placement",
     ),
     "zbh1": _Choice(lambda m, v: ZeroBubbleH1(m), 1, "ZB-H1: 1F1B with deferred weight gradients"),
     "zbv": _Choice(lambda m, v: ZeroBubbleV(m), 2, "ZB-V: two stages per rank in a V"),

@@ -18,6 +18,7 @@ from fpipe.schedules import (
     DualPipeV,
     GPipe,
     Interleaved1F1B,
+    InterleavedZeroBubble,
     LoopedBFS,
     OneFOneB,
     Schedule,
@@ -46,6 +47,13 @@ ROWS: list[Row] = [
         lambda p, m: f"m = {m}",
     ),
     ("ZB-H1", ZeroBubbleH1, 1, lambda p, m: (p - 1) / (3 * m + p - 1), lambda p, m: f"p = {p}"),
+    (
+        "ZB interleaved v=2",
+        lambda m: InterleavedZeroBubble(m, stages_per_rank=2),
+        2,
+        lambda p, m: (p - 1) / (6 * m + p - 1),
+        lambda p, m: f"p = {p}",
+    ),
     ("ZB-V", ZeroBubbleV, 2, lambda p, m: (p - 1) / (6 * m + p - 1), lambda p, m: f"p = {p}"),
     # Overlapped F+B pairs run one after the other: no overlap to gain from, ZB-V's bubble.
     ("DualPipeV", DualPipeV, 2, lambda p, m: (p - 1) / (6 * m + p - 1), lambda p, m: f"p + 1/2 = {p + 0.5:g}"),

@@ -11,7 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fpipe.schedules import DualPipeV, GPipe, Interleaved1F1B, LoopedBFS, OneFOneB, ZeroBubbleH1, ZeroBubbleV
+from fpipe.schedules import (
+    DualPipeV,
+    GPipe,
+    Interleaved1F1B,
+    InterleavedZeroBubble,
+    LoopedBFS,
+    OneFOneB,
+    ZeroBubbleH1,
+    ZeroBubbleV,
+)
 
 
 def gpipe_backwards_reversed(num_stages: int, num_microbatches: int) -> list[list[str]]:
@@ -65,6 +74,12 @@ CONFORMANCE: list[Conformance] = [
     Conformance(
         "Interleaved1F1B-2-group-p+1",  # Megatron-Core's microbatch groups, one more than the ranks
         lambda S, M: Interleaved1F1B(num_microbatches=M, stages_per_rank=2, microbatch_group=S // 2 + 1),
+        (2, 4),
+        ranks=((2, 4, 5),),
+    ),
+    Conformance(
+        "InterleavedZeroBubble-2",
+        lambda S, M: InterleavedZeroBubble(num_microbatches=M, stages_per_rank=2),
         (2, 4),
         ranks=((2, 4, 5),),
     ),
