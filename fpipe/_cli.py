@@ -10,6 +10,7 @@ per rank (in microbatches of a rank's layers, the README's unit: NOTE [activatio
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -23,6 +24,7 @@ from .schedules import (
     DualPipeV,
     GPipe,
     Interleaved1F1B,
+    InterleavedZeroBubble,
     LoopedBFS,
     OneFOneB,
     Schedule,
@@ -50,6 +52,11 @@ SCHEDULES: dict[str, _Choice] = {
     "interleaved": _Choice(
         lambda m, v: Interleaved1F1B(m, stages_per_rank=v), 2, "Megatron's interleaved 1F1B, looped placement"
     ),
+    "zbinterleaved": _Choice(
+        lambda m, v: InterleavedZeroBubble(m, stages_per_rank=v),
+        2,
+        "interleaved zero bubble (torch's), looped placement",
+    ),
     "zbh1": _Choice(lambda m, v: ZeroBubbleH1(m), 1, "ZB-H1: 1F1B with deferred weight gradients"),
     "zbh2": _Choice(lambda m, v: ZeroBubbleH2(m), 1, "ZB-H2: ZB-H1 with a longer warm-up, 2p-1 activations"),
     "zbv": _Choice(lambda m, v: ZeroBubbleV(m), 2, "ZB-V: two stages per rank in a V"),
@@ -66,6 +73,12 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     v = choice.stages_per_rank if args.stages_per_rank is None else args.stages_per_rank
     try:
         schedule = choice.make(args.microbatches, v)
+        if args.microbatch_group is not None:
+            if not isinstance(schedule, Interleaved1F1B):
+                raise ScheduleError(
+                    f"--microbatch-group applies only to interleaved (schedule: {args.schedule}). Drop the option."
+                )
+            schedule = dataclasses.replace(schedule, microbatch_group=args.microbatch_group)
         program = schedule.program(args.ranks * v, args.ranks)
         costs = Costs(
             forward=args.forward,
@@ -122,6 +135,12 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--microbatches", type=_positive_int, required=True, help="microbatches per step")
     show.add_argument(
         "--stages-per-rank", type=_positive_int, default=None, help="stages per rank (default: the schedule's)"
+    )
+    show.add_argument(
+        "--microbatch-group",
+        type=_positive_int,
+        default=None,
+        help="interleaved: microbatches per group, Megatron-Core's microbatch_group_size_per_vp_stage (default: ranks)",
     )
     show.add_argument("--forward", type=float, default=1.0, help="cost of a forward F (default 1)")
     show.add_argument("--backward", type=float, default=None, help="cost of a fused backward B (default I + W)")

@@ -1,6 +1,6 @@
 """Print the table of notes/schedules.md: simulated bubble and memory of every schedule vs the papers.
 
-Run from the repository root:
+Run from the repository root (prints the main table, then the one of microbatch groups):
 
     /work/venv/bin/python notes/schedules_table.py > /tmp/table.md
 
@@ -18,6 +18,7 @@ from fpipe.schedules import (
     DualPipeV,
     GPipe,
     Interleaved1F1B,
+    InterleavedZeroBubble,
     LoopedBFS,
     OneFOneB,
     Schedule,
@@ -49,10 +50,36 @@ ROWS: list[Row] = [
     ("ZB-H1", ZeroBubbleH1, 1, lambda p, m: (p - 1) / (3 * m + p - 1), lambda p, m: f"p = {p}"),
     # Zero bubble inside the step; its end still waits (p-1) T_F without post-validation.
     ("ZB-H2", ZeroBubbleH2, 1, lambda p, m: (p - 1) / (3 * m + p - 1), lambda p, m: f"2p-1 = {2 * p - 1}"),
+    (
+        "ZB interleaved v=2",
+        lambda m: InterleavedZeroBubble(m, stages_per_rank=2),
+        2,
+        lambda p, m: (p - 1) / (6 * m + p - 1),
+        lambda p, m: f"p = {p}",
+    ),
     ("ZB-V", ZeroBubbleV, 2, lambda p, m: (p - 1) / (6 * m + p - 1), lambda p, m: f"p = {p}"),
     # Overlapped F+B pairs run one after the other: no overlap to gain from, ZB-V's bubble.
     ("DualPipeV", DualPipeV, 2, lambda p, m: (p - 1) / (6 * m + p - 1), lambda p, m: f"p + 1/2 = {p + 0.5:g}"),
 ]
+
+# Interleaved 1F1B with Megatron-Core's microbatch groups of g (v = 2): (p, m, groups).
+GROUPS = [(4, 16, (4, 5, 6, 8, 16)), (8, 32, (8, 9, 10, 16, 32))]
+
+
+def groups() -> None:
+    """The second table: bubble and peak of Interleaved1F1B(m, stages_per_rank=2, microbatch_group=g)."""
+    v = 2
+    print("| p | m | g | last group | bubble, sim. | bubble, formula | peak, sim. | peak, formula |")
+    print("|---|---|---|---|---|---|---|---|")
+    for p, m, gs in GROUPS:
+        for g in gs:
+            program = Interleaved1F1B(m, stages_per_rank=v, microbatch_group=g).program(p * v)
+            sim = simulate(program, Costs(forward=1 / v, backward=2 / v))
+            last = m % g or g
+            print(
+                f"| {p} | {m} | {g} | {last} | {sim.bubble_fraction:.4f} | {(p - 1) / v / (m + (p - 1) / v):.4f} "
+                f"| {max(sim.peak_activations):g} | (2p-1+(v-1)g)/v = {(2 * p - 1 + (v - 1) * g) / v:g} |"
+            )
 
 
 def main() -> None:
@@ -72,6 +99,8 @@ def main() -> None:
                 f"| {name} | {p} | {m} | {sim.bubble_fraction:.4f} | {bubble(p, m):.4f} | {idle:g} "
                 f"| {max(sim.peak_activations):g} | {peak(p, m)} |"
             )
+    print()
+    groups()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from fpipe.schedules import (
     DualPipeV,
     GPipe,
     Interleaved1F1B,
+    InterleavedZeroBubble,
     LoopedBFS,
     OneFOneB,
     ZeroBubbleH1,
@@ -79,6 +80,18 @@ CONFORMANCE: list[Conformance] = [
         ranks=((2, 4, 4), (4, 8, 4)),
     ),
     Conformance("Interleaved1F1B-3", lambda S, M: Interleaved1F1B(num_microbatches=M, stages_per_rank=3), (3, 6)),
+    Conformance(
+        "Interleaved1F1B-2-group-p+1",  # Megatron-Core's microbatch groups, one more than the ranks
+        lambda S, M: Interleaved1F1B(num_microbatches=M, stages_per_rank=2, microbatch_group=S // 2 + 1),
+        (2, 4),
+        ranks=((2, 4, 5),),
+    ),
+    Conformance(
+        "InterleavedZeroBubble-2",
+        lambda S, M: InterleavedZeroBubble(num_microbatches=M, stages_per_rank=2),
+        (2, 4),
+        ranks=((2, 4, 5),),
+    ),
     Conformance(
         "LoopedBFS-2", lambda S, M: LoopedBFS(num_microbatches=M, stages_per_rank=2), (2, 4, 6), ranks=((2, 4, 3),)
     ),

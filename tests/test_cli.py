@@ -54,6 +54,25 @@ def test_every_schedule_shows(name: str) -> None:
     assert "rank 2: bubble" in text
 
 
+def test_show_interleaved_with_a_microbatch_group() -> None:
+    status, text = show("interleaved", "--ranks", "2", "--microbatches", "5", "--microbatch-group", "3")
+    assert status == 0
+    assert "Interleaved1F1B(num_microbatches=5, stages_per_rank=2, microbatch_group=3): 2 ranks" in text
+    assert "rank 0 | 0F0 0F1 0F2 2F0 2F1 2F2" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("interleaved", "--ranks", "4", "--microbatch-group", "3"), "Use microbatch_group >= 4"),
+        (("zbv", "--ranks", "2", "--microbatch-group", "3"), "--microbatch-group applies only to interleaved"),
+    ],
+)
+def test_bad_microbatch_group(args: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", *args, "--microbatches", "8"], stdout=io.StringIO()) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_costs_change_the_grid() -> None:
     _, text = show("gpipe", "--ranks", "2", "--microbatches", "1", "--backward", "1", "--send", "0.5")
     assert "rank 1 |  .   .   .  1F0---- 1B0----  .   .   ." in text

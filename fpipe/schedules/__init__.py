@@ -15,6 +15,7 @@ from ._csv import load_csv as load_csv
 from ._dual_pipe_v import DualPipeV as DualPipeV
 from ._gpipe import GPipe as GPipe
 from ._interleaved import Interleaved1F1B as Interleaved1F1B
+from ._interleaved_zero_bubble import InterleavedZeroBubble as InterleavedZeroBubble
 from ._looped_bfs import LoopedBFS as LoopedBFS
 from ._one_f_one_b import OneFOneB as OneFOneB
 from ._pictures import chrome_trace as chrome_trace
@@ -43,6 +44,7 @@ __all__ = [
     "DualPipeV",
     "GPipe",
     "Interleaved1F1B",
+    "InterleavedZeroBubble",
     "LoopedBFS",
     "OneFOneB",
     "Program",

@@ -17,13 +17,16 @@ from ._program import ScheduleError
 
 @dataclass(frozen=True)
 class BuiltinSchedule:
-    """The base of the built-in schedules: every field is a count, rejected unless a positive int."""
+    """The base of the built-in schedules: every field is a count, rejected unless a positive int
+    (or left at ``None`` where that is the field's default)."""
 
     num_microbatches: int
 
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
+            if value is None and field.default is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ScheduleError(
                     f"fpipe.schedules.{type(self).__name__}: {field.name} must be a positive int "
