@@ -7,7 +7,6 @@ partitions of small random cost lists, parameter and time costs of real modules,
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any
 
 import pytest
@@ -101,25 +100,59 @@ def test_by_params_counts_trainable_elements() -> None:
     assert fpipe.balance(dict(model.items()), 2) == [["a", "b"], ["c"]]
 
 
-class Sleep(nn.Module):
-    """A layer that takes at least ``seconds`` and records the input it was given."""
+class Clock:
+    """A fake ``time.perf_counter``: it moves only when a layer says it took time."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _Advance(torch.autograd.Function):
+    """Identity that moves the clock by ``forward`` seconds when run, ``backward`` when differentiated."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, clock: Clock, forward: float, backward: float) -> torch.Tensor:
+        clock.now += forward
+        ctx.clock, ctx.backward = clock, backward
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        ctx.clock.now += ctx.backward
+        return grad, None, None, None
+
+
+class Slow(nn.Module):
+    """A layer that takes ``forward`` seconds and ``backward`` seconds on ``clock``, recording its inputs."""
+
+    def __init__(self, clock: Clock, forward: float, backward: float) -> None:
         super().__init__()
-        self.seconds = seconds
+        self.clock, self.forward_seconds, self.backward_seconds = clock, forward, backward
         self.scale = nn.Parameter(torch.ones(()))
         self.inputs: list[Any] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.inputs.append(x)
-        time.sleep(self.seconds)
-        return x * self.scale + 1
+        return _Advance.apply(x, self.clock, self.forward_seconds, self.backward_seconds) * self.scale + 1
 
 
-def test_by_time_measures_chained_forward_and_backward() -> None:
-    layers = [Sleep(0.004), Sleep(0.004), Sleep(0.004), Sleep(0.02)]
+def test_by_time_measures_chained_forward_and_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost of a layer is its forward plus its backward, run on the previous layer's output.
+
+    The layers take their time on a fake clock (balance's ``time.perf_counter``), so the costs are
+    exact on any machine under any load: forwards of 1, 1, 1, 1 s and backwards of 0, 0, 0, 6 s.
+    Forward and backward together (1, 1, 1, 7) cut after layer 2; forwards alone, or parameter
+    counts (1 each), would cut after layer 1.
+    """
+    clock = Clock()
+    monkeypatch.setattr("fpipe._modules._balance.time", clock)
+    layers = [Slow(clock, 1.0, 0.0), Slow(clock, 1.0, 0.0), Slow(clock, 1.0, 0.0), Slow(clock, 1.0, 6.0)]
+    assert fpipe.balance(layers, 2) == [range(0, 2), range(2, 4)]  # by parameters
     chosen = fpipe.balance(layers, 2, by="time", sample_input=torch.zeros(3), repeats=1)
-    assert chosen == [range(0, 3), range(3, 4)]  # 12 ms and 20 ms; by parameters it would be 2 and 2
+    assert chosen == [range(0, 3), range(3, 4)]  # 3 s and 7 s; by forwards alone it would be 2 s and 2 s
     assert [len(layer.inputs) for layer in layers] == [2, 2, 2, 2]  # a warm-up run, then one timed
     assert [layer.inputs[-1].tolist() for layer in layers] == [[0.0] * 3, [1.0] * 3, [2.0] * 3, [3.0] * 3]
     assert all(layer.scale.grad is None for layer in layers)  # timed with autograd.grad: .grad untouched

@@ -321,7 +321,7 @@ def test_a_failure_fails_every_rank_at_once():
     """No rank waits for a send to a rank that has stopped reading (the failed one)."""
     for failing, action, elapsed in run_ranks(2, _weight_grad_fails):
         assert (failing, action) == (0, "0W0")
-        assert elapsed < 5, elapsed
+        assert elapsed < 15, elapsed  # not the 30 s timeout, with room for a loaded machine
 
 
 def _dies(rank, world):

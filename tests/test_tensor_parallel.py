@@ -768,7 +768,7 @@ def _one_tp_rank_fails(rank, world):
 def test_a_failure_on_one_tensor_parallel_rank_fails_its_partners_in_their_collectives():
     results = run_ranks(4, _one_tp_rank_fails, timeout=120)
     for rank, (seconds, message, _) in enumerate(results):
-        assert seconds < 10, (rank, seconds)
+        assert seconds < 15, (rank, seconds)  # not the 30 s timeout, with room for a loaded machine
         assert "forward of stage 0 on microbatch 0 (0F0)" in message, (rank, message)
     assert "boom on tp rank 1" in results[1][2]
     # its partner, in the stage's all-reduce; the next pipeline rank, in fpipe's own waits
