@@ -4,8 +4,9 @@
 action in the same compact notation as fpipe's (``2F0``, ``1I3``), an empty cell for an idle
 slot. Its ``_load_csv`` reads rows back with ``csv.reader``. The lowered ("compute_comms") form
 adds communication and sharding actions (``1SEND_F0``, ``0RECV_B2``, ``3UNSHARD``,
-``2REDUCE_GRAD``), and DualPipe's schedules group a forward and a backward that overlap as
-``(0F1;3B0)OVERLAP_F_B``. For example, 1F1B with 2 ranks and 2 microbatches::
+``2REDUCE_GRAD``; from torch 2.15 also the waits ``1WAIT_SEND_F0`` and ``2WAIT_REDUCE_GRAD``),
+and DualPipe's schedules group a forward and a backward that overlap as ``(0F1;3B0)OVERLAP_F_B``.
+For example, 1F1B with 2 ranks and 2 microbatches::
 
     0F0,0F1,0B0,0B1
     1F0,1B0,1F1,1B1
@@ -27,7 +28,11 @@ from ._action import Action
 from ._program import Program, ScheduleError
 
 _COMPUTE = re.compile(r"(\d+)([FBIW])(\d+)")
-_COMMUNICATION = re.compile(r"(\d+)(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
+# torch 2.15 adds the waits that close a send or a gradient reduction (``0WAIT_SEND_F1``,
+# ``1WAIT_REDUCE_GRAD``) to the lowered form; older releases write none, and the pattern reads both.
+_COMMUNICATION = re.compile(
+    r"(\d+)(WAIT_REDUCE_GRAD|WAIT_SEND_F|WAIT_SEND_B|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)"
+)
 _OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
 
 PathOrFile = str | os.PathLike[str] | TextIO
@@ -58,7 +63,7 @@ def load_csv(
         num_stages: the stage count; default one more than the largest stage mentioned.
         num_microbatches: the microbatch count; default one more than the largest used.
         skip_communication: drop torch's communication and sharding actions (``SEND_F``,
-            ``RECV_B``, ``UNSHARD``, ``REDUCE_GRAD``...) instead of rejecting them.
+            ``RECV_B``, ``WAIT_SEND_F``, ``UNSHARD``, ``REDUCE_GRAD``...) instead of rejecting them.
 
     Returns:
         The program, not validated (``fpipe.pipeline`` validates; or call ``validate``).

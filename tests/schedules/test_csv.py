@@ -91,6 +91,15 @@ def test_communication_is_rejected_or_skipped() -> None:
     assert from_text(text, skip_communication=True) == OneFOneB(1).program(2)
 
 
+@pytest.mark.parametrize("cell", ["0WAIT_SEND_F0", "1WAIT_SEND_B2", "0WAIT_REDUCE_GRAD"])
+def test_waits_are_communication(cell: str) -> None:
+    # torch 2.15's lowered form closes each send and each gradient reduction with a wait.
+    text = f"0F0,{cell},0B0\r\n"
+    with pytest.raises(ScheduleError, match=rf"rank 0, column 1 holds the communication action '{cell}'"):
+        from_text(text)
+    assert from_text(text, skip_communication=True) == OneFOneB(1).program(1)
+
+
 @pytest.mark.parametrize("cell", ["0X0", "F0", "0F", "0F0x", "(0F0;1X0)OVERLAP_F_B"])
 def test_rejects_what_is_not_an_action(cell: str) -> None:
     with pytest.raises(ScheduleError, match=r"rank 1, column 1 holds '.*', which is not an action"):
