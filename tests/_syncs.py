@@ -33,6 +33,9 @@ _READS = {
 # fpipe's one door for host data to the device: pinned and non-blocking, so the host does not wait
 # (on CUDA, benchmarks/gpu_check.sh proves it under torch.cuda.set_sync_debug_mode("error")).
 _UPLOADS = {"_distributed/_wire.py:upload"}
+# Reads of tensors that are on the host by construction, never a device's: the step's key, drawn
+# from the default CPU generator (NOTE [randomness as data] in fpipe/_random.py).
+_HOST_ONLY = {"_random.py:draw_key"}
 _OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "equal"}
 
 
@@ -56,7 +59,7 @@ def _caller(call: str) -> Sync | None:
             if not file.startswith(_FPIPE):
                 return None  # a stage, loss_fn or the test itself
             where = f"{file[len(_FPIPE) :]}:{name}"
-            if where in _UPLOADS:
+            if where in _UPLOADS or where in _HOST_ONLY:
                 return None
         if file.startswith(_FPIPE) and file.endswith("_transport.py") and name == "_read":
             receive = True
