@@ -134,10 +134,7 @@ def run_processes(num: int, fn: Callable[..., Any], *args: Any, timeout: float =
     dropped: they report through files. Processes still running after ``timeout`` seconds are
     killed and the call fails.
     """
-    ctx = _context()
-    procs = [ctx.Process(target=fn, args=(i, *args)) for i in range(num)]
-    for p in procs:
-        p.start()
+    procs = [start_process(fn, i, *args) for i in range(num)]
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
@@ -151,3 +148,19 @@ def run_processes(num: int, fn: Callable[..., Any], *args: Any, timeout: float =
                 p.kill()
             p.join()
     return [int(p.exitcode) for p in procs]
+
+
+def start_process(fn: Callable[..., Any], *args: Any) -> Any:
+    """A started process of its own running ``fn(*args)``, forked as ``run_ranks``' ranks are (a
+    ``multiprocessing.Process``: the caller joins or kills it)."""
+    process = _context().Process(target=fn, args=args)
+    process.start()
+    return process
+
+
+def exec_script(script: str, argv: list[str]) -> None:
+    """``python -c script *argv``, in a forked process (``start_process(exec_script, ...)``)."""
+    import sys
+
+    sys.argv = ["-c", *argv]
+    exec(compile(script, "<script>", "exec"), {"__name__": "__main__"})
