@@ -41,6 +41,12 @@ PRELOAD = [
 ]
 
 
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, at the first call
+    return ctx
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,8 +80,7 @@ def run_ranks(
 
     Ranks in ``may_die`` may exit without a result (their entry is ``None``).
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, at the first call
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_bootstrap, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
@@ -120,3 +125,42 @@ def run_ranks(
     if failures:
         raise AssertionError("\n".join(failures))
     return [results.get(r) for r in range(world_size)]
+
+
+def run_processes(num: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[int]:
+    """Run ``fn(index, *args)`` in ``num`` processes of their own, forked as ``run_ranks``' ranks are
+    but with no process group (``fn`` makes one if it needs one); their exit codes once every one
+    has exited (negative: killed by that signal, as ``subprocess`` says). What they return is
+    dropped: they report through files. Processes still running after ``timeout`` seconds are
+    killed and the call fails.
+    """
+    procs = [start_process(fn, i, *args) for i in range(num)]
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        hung = [i for i, p in enumerate(procs) if p.is_alive()]
+        if hung:
+            raise AssertionError(f"processes {hung} did not finish in {timeout} s")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return [int(p.exitcode) for p in procs]
+
+
+def start_process(fn: Callable[..., Any], *args: Any) -> Any:
+    """A started process of its own running ``fn(*args)``, forked as ``run_ranks``' ranks are (a
+    ``multiprocessing.Process``: the caller joins or kills it)."""
+    process = _context().Process(target=fn, args=args)
+    process.start()
+    return process
+
+
+def exec_script(script: str, argv: list[str]) -> None:
+    """``python -c script *argv``, in a forked process (``start_process(exec_script, ...)``)."""
+    import sys
+
+    sys.argv = ["-c", *argv]
+    exec(compile(script, "<script>", "exec"), {"__name__": "__main__"})

@@ -10,6 +10,7 @@ generator), ``fpipe.optim.adamw``, and a data stream whose position is the save'
 steps and sends itself SIGKILL before step ``--kill-at`` (every rank, after a barrier);
 ``resume`` loads the last save and trains to the end. ``full`` and ``resume`` write the loss of
 each step they ran and the final parameters to OUT (``OUT.rank<r>`` with ``--world`` > 1).
+The tests run it through ``run``, in processes forked from tests/_multiprocess.py's server.
 """
 
 from __future__ import annotations
@@ -112,6 +113,13 @@ def main(argv: list[str] | None = None) -> None:
         # ("terminate called without an active exception", seen without any save too): skip it.
         sys.stderr.flush()
         os._exit(0)
+
+
+def run(rank: int, argv: list[str], stderr: str) -> None:
+    """``python -m tests._resume_run *argv --rank rank 2> stderr``, in a forked process."""
+    with open(stderr, "w") as file:
+        os.dup2(file.fileno(), 2)  # warnings and tracebacks, as a subprocess's stderr
+    main([*argv, "--rank", str(rank)])
 
 
 if __name__ == "__main__":

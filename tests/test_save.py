@@ -10,8 +10,6 @@ import collections
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,10 +24,9 @@ import fpipe
 from fpipe._distributed._wire import tensor_bytes
 from fpipe._saving._directory import INDEX, LATEST, LOCK
 from fpipe.schedules import Interleaved1F1B, OneFOneB
-from tests._multiprocess import run_ranks
+from tests._multiprocess import exec_script, run_ranks, start_process
 
 LAYERS, D, V = 8, 4, 11
-REPO = Path(__file__).resolve().parents[1]
 
 
 def model(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -211,18 +208,17 @@ fpipe.save(sys.argv[1], [{"w": torch.full((1000,), 2.0)}, {"b": torch.full((10,)
 def kill_when_half_written(script: str, directory: Path, marker: Path) -> None:
     """Run ``script`` (``sys.argv[1:]``: ``directory``, ``marker``; ``half_write`` defined) in a
     process of its own and SIGKILL it once it has created ``marker``: its save is half written."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen([sys.executable, "-c", _HALF_WRITE + script, str(directory), str(marker)], env=env)
+    process = start_process(exec_script, _HALF_WRITE + script, [str(directory), str(marker)])
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():
-            assert process.poll() is None, "the saving process ended early"
+            assert process.exitcode is None, "the saving process ended early"
             assert time.monotonic() < deadline, "the saving process never started writing"
             time.sleep(0.05)
         os.kill(process.pid, signal.SIGKILL)
     finally:
         process.kill()
-        process.wait()
+        process.join()
 
 
 def test_a_killed_save_keeps_the_previous_one(tmp_path: Path) -> None:

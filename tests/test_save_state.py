@@ -1,6 +1,6 @@
 """``fpipe.save_state`` and ``fpipe.load_state``: a killed run resumes bitwise, and what a state holds.
 
-The training runs are ``tests/_resume_run.py`` in subprocesses: uninterrupted, killed with
+The training runs are ``tests/_resume_run.py`` in processes of their own: uninterrupted, killed with
 SIGKILL at a step drawn from a fixed seed (saving its state every few steps), and resumed from
 its last save. From the resume on, losses and final parameters must equal the uninterrupted
 run's bit for bit.
@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import random
 import signal
-import subprocess
-import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,9 @@ import torch
 import fpipe
 import fpipe.optim
 from fpipe._saving._directory import INDEX, LATEST
-from tests._multiprocess import free_port, run_ranks
+from tests import _resume_run
+from tests._multiprocess import free_port, run_processes, run_ranks
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 12, 3
 KILL_AT = random.Random(14).randint(EVERY + 1, STEPS - 1)  # the step the killed run dies before
 RESUMED_AT = KILL_AT // EVERY * EVERY  # its last save
@@ -34,28 +33,19 @@ def launch(world: int, *args: str, timeout: float = 120.0) -> list[int]:
     """Run ``tests/_resume_run.py`` on ``world`` processes; their exit codes."""
     port = str(free_port())
     extra = ["--world", str(world), "--port", port] if world > 1 else []
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests._resume_run", *args, *extra, "--rank", str(r)],
-            cwd=REPO,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    codes = []
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=timeout)
-            codes.append(p.returncode)
-            if p.returncode not in (0, -signal.SIGKILL):
+    with tempfile.TemporaryDirectory() as directory:
+        errors = [str(Path(directory, f"stderr.rank{r}")) for r in range(world)]
+        codes = run_processes(world, _each_rank, [*args, *extra], errors, timeout=timeout)
+        for code, path in zip(codes, errors):
+            err = Path(path).read_text()
+            if code not in (0, -signal.SIGKILL):
                 raise AssertionError(err)
             launch.stderr.append(err)  # type: ignore[attr-defined]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
     return codes
+
+
+def _each_rank(rank: int, argv: list[str], errors: list[str]) -> None:
+    _resume_run.run(rank, argv, errors[rank])
 
 
 launch.stderr = []  # type: ignore[attr-defined]
