@@ -227,6 +227,28 @@ def test_a_failed_send_blames_the_peer_not_the_stage():
     assert "because rank 1 died" in message and "failed on rank 0" not in message
 
 
+def _recv_fails(rank, world):
+    step, params, batch = _two_stages(rank, timeout=10)
+    step(params, batch)
+    if rank == 1:
+
+        def irecv(*args, **kwargs):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
+
+        dist.irecv = irecv  # this process only, after the healthy step
+    with pytest.raises(fpipe.PipelineError) as info:
+        step(params, batch)
+    return str(info.value)
+
+
+def test_a_refused_receive_blames_the_peer():
+    # gloo refuses a receive as it is posted when the peer's connection has closed; rank 1 posts
+    # the receive of its first message as its transport starts, before any action.
+    _, message = run_ranks(2, _recv_fails, timeout=60)
+    assert "rank 1 stopped while waiting for microbatch 0 (for the last stage's loss_fn) from rank 0" in message
+    assert "because rank 0 died" in message and "failed on rank 1" not in message
+
+
 def _abort_after_the_peer(rank, world):
     """Rank 1 aborts a group first (as a survivor's watchdog does); rank 0's watchdog then aborts
     that group, whose pair is closed already, and a second one, on which rank 0 waits."""

@@ -309,17 +309,15 @@ class DistributedTransport:
         if decoder.ahead or self._needed[key] <= self._now + 1:
             first = decoder.first_buffer(self.topology.device)
             large = decoder.large_leaves(None, self.topology.device) if decoder.ahead else []
-            src, group = self.topology.global_ranks[peer.rank], self.topology.group
-            peer.ahead = (first, large, [dist.irecv(t, src, group=group) for t in (first, *map(as_bytes, large))])
+            peer.ahead = (first, large, [self._irecv(t, peer.rank, key) for t in (first, *map(as_bytes, large))])
 
     def _read(self, peer: _Peer) -> None:
         key = peer.incoming[peer.next_in]
         decoder = self._wire.decoders[_channel(peer.rank, key)]
-        src, group = self.topology.global_ranks[peer.rank], self.topology.group
         works: list[Any] = []
         if peer.ahead is None:  # posted when needed: small messages (NOTE [receives ahead])
             first, large = decoder.first_buffer(self.topology.device), None
-            self._wait(dist.irecv(first, src, group=group), key, peer.rank)
+            self._wait(self._irecv(first, peer.rank, key), key, peer.rank)
         else:
             (first, large, works), peer.ahead = peer.ahead, None
             self._wait(works.pop(0), key, peer.rank)
@@ -332,12 +330,12 @@ class DistributedTransport:
             for work in works:
                 self._wait(work, key, peer.rank)
             works, large = [], None
-            self._wait(dist.irecv(header, src, group=group), key, peer.rank)
+            self._wait(self._irecv(header, peer.rank, key), key, peer.rank)
         buffers = [t for t in (packed,) if t is not None and t.numel()]
         if large is None:
             large = decoder.large_leaves(header, self.topology.device)
             buffers += map(as_bytes, large)
-        works += [dist.irecv(t, src, group=group) for t in buffers]
+        works += [self._irecv(t, peer.rank, key) for t in buffers]
         for work in works:
             self._wait(work, key, peer.rank)
         peer.buffered[key] = decoder.decode(first, packed, large, self.topology.tensor_mesh)
@@ -355,6 +353,20 @@ class DistributedTransport:
             standing = self.topology.board.failure_of(subject, RAISED, f"failed {where}; its own error says why")
             standing = Failure(standing.rank, action, RAISED, standing.what, standing.replica)
         raise standing.error(self.me)
+
+    def _irecv(self, tensor: torch.Tensor, peer: int, key: Key) -> Any:
+        """Post a receive into ``tensor`` of (part of) message ``key`` from ``peer``; its work.
+
+        gloo may refuse the receive as it is posted, not only as it is waited for, when the
+        peer's connection has closed already (a rank slow to reach this step's transport, whose
+        peer failed and exited meanwhile): that fails as a lost peer, as a send does.
+        """
+        source = self.topology.global_ranks[peer]
+        try:
+            return dist.irecv(tensor, source, group=self.topology.group)
+        except RuntimeError as error:  # the peer is gone: not the stage's fault
+            what = f"{_describe(key)} from rank {peer}"
+            raise lost(WATCHDOG.current, error, self.me, what, source, self._timeout) from error
 
     def _wait(self, work: Any, key: Key, peer: int) -> None:
         """Wait for ``work``, a receive of message ``key`` from ``peer``; what it waits for is put
