@@ -1,0 +1,264 @@
+"""V-Half and V-Min: V schedules at about 1/2 and 1/3 of 1F1B's activation memory (Qi et al.,
+"Pipeline Parallelism with Controllable Memory", NeurIPS 2024, arXiv 2405.15362), in the order that
+sail-sg/zero-bubble-pipeline-parallelism builds them
+(``megatron/core/pipeline_parallel/zerobubble/scheduler/zbv_greedy.py``).
+
+NOTE [controllable-memory building blocks]
+    The paper builds a schedule from one *building block* per rank: where, inside a repeating
+    interval, the rank runs its four passes of a microbatch (``F`` and ``I`` of chunk 0, ``F``
+    and ``I`` of chunk 1). Repeating the block every interval gives a pipeline whose peak
+    activations per rank are set by the block's *lifespan* (how many intervals a microbatch's
+    activations stay alive), which is what the two blocks choose: with an interval of 6 unit
+    slots (one F, I and W per chunk), V-Min's block spans about ``4p/6`` intervals (peak about
+    ``p/3`` of 1F1B's), V-Half's about ``6p/6`` (``p/2``). The repository's generator places the
+    repeated blocks on a slot grid, then *squeezes* (moves every action to the earliest free slot
+    after its dependencies that leaves the rank's peak as it was, phase by phase), and lets each
+    weight gradient ``W`` fill the first free slot after its ``I``. It is a greedy pass, not a
+    closed form: ``_greedy_v`` transliterates it step by step, and the tests hold its output
+    against literal grids printed by the repository's code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ._action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from ._placement import BuiltinSchedule, v_ranks
+from ._program import Program
+
+# The passes of one microbatch on rank r, as the repository numbers them ("FfBbWw"): F and f are
+# the forwards of chunk 0 (stage r) and chunk 1 (stage 2p-1-r), B and b the input gradients of
+# chunk 1 and chunk 0 (the backward comes up the V first), W and w their weight gradients.
+_F, _f, _B, _b = 0, 1, 2, 3
+
+Times = list[list[int]]  # one rank's slot per pass type, per microbatch
+
+
+@dataclass(frozen=True)
+class VHalf(BuiltinSchedule):
+    """V-Half (Qi et al., 2024): a V schedule at half of 1F1B's activation memory.
+
+    ``ZeroBubbleV``'s placement (rank ``r`` holds stage ``r`` and stage ``2p - 1 - r``), its
+    backward split into ``I`` and ``W``, and the building block of the paper's section 4.2 that
+    keeps about half of 1F1B's activations: rank ``r`` of ``p`` starts its passes of microbatch
+    ``i`` at these slots of a grid of 6 slots per microbatch (``f0``/``f1`` the forwards of
+    chunks 0 and 1, ``i1``/``i0`` their input gradients), as ``stable_pattern_v_half`` and
+    ``schedule_from_pattern`` of the repository's ``zbv_greedy.py`` write it::
+
+        gap = 3 if p % 2 == 0 else 0
+        f0(i) = 2r + 6i
+        f1(i) = 3p - r - 2 + 6i
+        i1(i) = 3p + gap + 2r - 1 + 6i
+        i0(i) = 6p + gap - r - 2 + 6i
+        squeeze(slots)                               # NOTE [controllable-memory building blocks]
+        every W in the first free slot after its I (chunk 1's first)
+        run each rank's actions in the order of their slots
+
+    The result holds at most ``(p + 2) // 2`` microbatches' activations on a rank
+    (NOTE [activation units]; 1F1B: ``p``), at a bubble about half of 1F1B's when
+    ``T_F = T_I = T_W``: ``simulate`` shows both, and notes/schedules.md tabulates them. It takes
+    any number of microbatches.
+    """
+
+    def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
+        """The program for ``num_stages`` stages on ``num_stages // 2`` ranks.
+
+        Raises:
+            ScheduleError: if ``num_stages`` is odd, or ``num_ranks`` is given and is not
+                ``num_stages // 2``.
+        """
+        p = v_ranks("VHalf", num_stages, num_ranks)
+        return _greedy_v(p, self.num_microbatches, _half_block)
+
+
+@dataclass(frozen=True)
+class VMin(BuiltinSchedule):
+    """V-Min (Qi et al., 2024): a V schedule at a third of 1F1B's activation memory.
+
+    As ``VHalf`` with the paper's smallest building block (section 4.2), which keeps about a
+    third of 1F1B's activations: rank ``r`` of ``p`` starts microbatch ``i``'s passes at (same
+    notation; ``stable_pattern_v_min`` of the repository's ``zbv_greedy.py``)::
+
+        gap = 2 if p % 3 == 0 else 0
+        f0(i) = r + 6i
+        f1(i) = 2p - r - 1 + 6i
+        i1(i) = 2p + gap + r + 6i
+        i0(i) = 4p + gap - r - 1 + 6i
+        squeeze(slots)                               # NOTE [controllable-memory building blocks]
+        every W in the first free slot after its I (chunk 1's first)
+        run each rank's actions in the order of their slots
+
+    The result holds at most ``(p + 4) // 3`` microbatches' activations on a rank
+    (NOTE [activation units]; 1F1B: ``p``). The block leaves a slot free between passes, which
+    ``W`` fills only when ``T_F = T_I = T_W``: there its bubble is about 1F1B's; with unequal
+    costs it grows (the repository's README says as much). It takes any number of microbatches.
+    """
+
+    def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
+        """The program for ``num_stages`` stages on ``num_stages // 2`` ranks.
+
+        Raises:
+            ScheduleError: if ``num_stages`` is odd, or ``num_ranks`` is given and is not
+                ``num_stages // 2``.
+        """
+        p = v_ranks("VMin", num_stages, num_ranks)
+        return _greedy_v(p, self.num_microbatches, _min_block)
+
+
+def _half_block(p: int, r: int) -> list[int]:
+    """V-Half's slots of microbatch 0's ``F, f, B, b`` on rank ``r`` (``stable_pattern_v_half``)."""
+    gap = 3 if p % 2 == 0 else 0
+    return [2 * r, 3 * p - r - 2, 3 * p + gap + 2 * r - 1, 6 * p + gap - r - 2]
+
+
+def _min_block(p: int, r: int) -> list[int]:
+    """V-Min's slots of microbatch 0's ``F, f, B, b`` on rank ``r`` (``stable_pattern_v_min``)."""
+    gap = 2 if p % 3 == 0 else 0
+    return [r, 2 * p - r - 1, 2 * p + gap + r, 4 * p + gap - r - 1]
+
+
+def _greedy_v(p: int, m: int, block: Callable[[int, int], list[int]]) -> Program:
+    """The repository's ``schedule_from_pattern``: blocks repeated every 6 slots, squeezed twice, ``W`` placed."""
+    slots = [[[start + 6 * i for i in range(m)] for start in block(p, r)] for r in range(p)]
+    # First with the W of both chunks in one queue, then again without (re-placed after).
+    slots = [rank[:4] for rank in _squeeze(slots, with_w=True)]
+    slots = [rank[:4] for rank in _squeeze(slots, with_w=False)]
+    slots = [_put_w(rank, split=True) for rank in slots]
+    ranks = []
+    for r, rank in enumerate(slots):
+        stages = (r, 2 * p - 1 - r, 2 * p - 1 - r, r, 2 * p - 1 - r, r)  # F f B b W w
+        kinds = (FORWARD, FORWARD, BACKWARD_INPUT, BACKWARD_INPUT, BACKWARD_WEIGHT, BACKWARD_WEIGHT)
+        timed = sorted((slot, t, i) for t, times in enumerate(rank) for i, slot in enumerate(times))
+        ranks.append(tuple(Action(stages[t], kinds[t], i) for _, t, i in timed))
+    return Program(tuple(ranks), 2 * p, m)
+
+
+def _put_w(rank: Times, *, split: bool) -> Times:
+    """``put_w``: each ``W`` in the first free slot after its ``B``/``b``; one queue, or one per chunk (``split``)."""
+    bound = max(times[-1] for times in rank)
+    w_slots: Times = [[], []] if split else [[]]
+    pending = [0, 0]
+    heads = [0, 0, 0, 0]
+    for slot in range(bound + 1):
+        time, t = min((rank[t][heads[t]] if heads[t] < len(rank[t]) else bound + 1, t) for t in range(4))
+        if time == slot:
+            heads[t] += 1
+            if t in (_B, _b):
+                pending[t - _B if split else 0] += 1
+            continue
+        for w in range(len(w_slots)):
+            if pending[w]:
+                w_slots[w].append(slot)
+                pending[w] -= 1
+                break
+    slot = bound
+    for w in range(len(w_slots)):
+        for _ in range(pending[w]):
+            slot += 1
+            w_slots[w].append(slot)
+    return [*rank, *w_slots]
+
+
+def _peak(rank: Times) -> int:
+    """``mem_of_stage``: the rank's peak activations in chunk units (a ``W`` frees one; without ``W``
+    slots, each free slot runs one pending ``W``)."""
+    change = (1, 1, 0, 0, -1)
+    bound = max(times[-1] for times in rank)
+    heads = [0] * len(rank)
+    pending = alive = peak = 0
+    for slot in range(bound + 1):
+        time, t = min((rank[t][heads[t]] if heads[t] < len(rank[t]) else bound + 1, t) for t in range(len(rank)))
+        if time == slot:
+            heads[t] += 1
+            alive += change[t]
+            if t in (_B, _b):
+                pending += 1
+        elif len(rank) == 4 and pending:
+            alive -= 1
+            pending -= 1
+        peak = max(peak, alive)
+    return peak
+
+
+def _squeeze(slots: list[Times], *, with_w: bool) -> list[Times]:
+    """``reorder``: visit the actions in slot order and move each to the earliest free slot after its
+    dependencies that keeps the rank's peak (the warm-up only ``with_w``, never the steady state
+    between rank 0's first ``b`` and the first last ``F``); return the as-soon-as-possible start
+    times of the result at unit cost."""
+    if with_w:
+        slots = [_put_w(rank, split=False) for rank in slots]
+    p, types = len(slots), len(slots[0])
+    limit = max(_peak(rank) for rank in slots)
+    occupied = [[False] * (rank[-1][-1] + 1) for rank in slots]
+    beyond = max(max(max(times) for times in rank) for rank in slots) + 1
+    heads = [[0] * types for _ in range(p)]
+    phase = 0  # 0: warm-up, 1: steady state, 2: cool-down
+    for _ in range(p * sum(len(times) for times in slots[0])):
+        time, r, t, i = min(
+            (slots[r][t][heads[r][t]] if heads[r][t] < len(slots[r][t]) else beyond, r, t, heads[r][t])
+            for r in range(p)
+            for t in range(types)
+        )
+        heads[r][t] += 1
+        if phase == 0 and (r, t) == (0, _b):
+            phase = 1
+        if phase == 1 or (phase == 0 and not with_w):
+            if phase == 1 and t == _F and i == len(slots[0][_F]) - 1:
+                phase = 2
+            occupied[r][slots[r][t][i]] = True
+            continue
+        after = -1  # the latest slot this action waits for
+        if t in (_F, _B) and r > 0:
+            after = max(after, slots[r - 1][t][i])
+        if t in (_f, _b) and r + 1 < p:
+            after = max(after, slots[r + 1][t][i])
+        if 0 < t < 4:
+            after = max(after, slots[r][t - 1][i])
+        if t == 4:
+            after = max(after, sorted(slots[r][_B] + slots[r][_b])[i])
+        if i > 0:
+            after = max(after, slots[r][t][i - 1])
+        for earlier in range(after + 1, time):
+            if not occupied[r][earlier]:
+                slots[r][t][i] = earlier
+                if _peak(slots[r]) <= limit:
+                    break
+        else:
+            slots[r][t][i] = time
+        occupied[r][slots[r][t][i]] = True
+    if not with_w:
+        slots = [_put_w(rank, split=False) for rank in slots]
+    return _unit_starts(slots)
+
+
+def _unit_starts(slots: list[Times]) -> list[Times]:
+    """``eager_execution_time`` at unit cost and free messages: visit the actions in slot order and
+    start each when its rank is free and its inputs exist."""
+    p, types = len(slots), len(slots[0])
+    beyond = max(max(max(times) for times in rank) for rank in slots) + 1
+    heads = [[0] * types for _ in range(p)]
+    end: dict[tuple[int, int, int], int] = {}
+    last: list[tuple[int, int, int] | None] = [None] * p
+    for _ in range(p * sum(len(times) for times in slots[0])):
+        _, r, t, i = min(
+            (slots[r][t][heads[r][t]] if heads[r][t] < len(slots[r][t]) else beyond, r, t, heads[r][t])
+            for r in range(p)
+            for t in range(types)
+        )
+        heads[r][t] += 1
+        ready = 0
+        if t in (_F, _B) and r > 0:
+            ready = max(ready, end[r - 1, t, i])
+        if t in (_f, _b) and r + 1 < p:
+            ready = max(ready, end[r + 1, t, i])
+        if 0 < t < 4:
+            ready = max(ready, end[r, t - 1, i])
+        if i > 0:
+            ready = max(ready, end[r, t, i - 1])
+        previous = last[r]
+        if previous is not None:
+            ready = max(ready, end[previous])
+        end[r, t, i] = ready + 1
+        last[r] = (r, t, i)
+    return [[[end[r, t, i] - 1 for i in range(len(slots[r][t]))] for t in range(types)] for r in range(p)]
