@@ -162,23 +162,40 @@ def _put_w(rank: Times, *, split: bool) -> Times:
 
 def _peak(rank: Times) -> int:
     """``mem_of_stage``: the rank's peak activations in chunk units (a ``W`` frees one; without ``W``
-    slots, each free slot runs one pending ``W``)."""
+    slots, each free slot runs one pending ``W``).
+
+    The repository walks the slots one by one, running the earliest pending action when its slot
+    comes (NOTE [slot order]); a free stretch only lowers the count. A second action at a slot
+    already taken stops that walk for good: the rest counts as free slots, which lower it.
+    """
     change = (1, 1, 0, 0, -1)
-    bound = max(times[-1] for times in rank)
-    heads = [0] * len(rank)
-    pending = alive = peak = 0
-    for slot in range(bound + 1):
-        time, t = min((rank[t][heads[t]] if heads[t] < len(rank[t]) else bound + 1, t) for t in range(len(rank)))
-        if time == slot:
-            heads[t] += 1
-            alive += change[t]
-            if t in (_B, _b):
-                pending += 1
-        elif len(rank) == 4 and pending:
-            alive -= 1
-            pending -= 1
+    slot = pending = alive = peak = 0
+    for time, t in sorted((time, t) for t, times in enumerate(rank) for time in times):
+        if time < slot:
+            break
+        if len(rank) == 4:
+            drained = min(pending, time - slot)
+            alive, pending = alive - drained, pending - drained
+        alive += change[t]
         peak = max(peak, alive)
+        pending += t in (_B, _b)
+        slot = time + 1
     return peak
+
+
+def _in_slot_order(slots: list[Times]) -> list[tuple[int, int, int, int]]:
+    """``(slot, rank, type, microbatch)`` of every action, in the order the repository visits them.
+
+    NOTE [slot order]
+        The repository's passes pick, again and again, the earliest of the next actions of each
+        (rank, type) queue, ties to the lower rank, then type. Each queue's slots increase with
+        the microbatch (an action never moves before the previous microbatch's), and an action
+        moves only when visited, so that is the sorted order of the slots as they were before the
+        pass.
+    """
+    return sorted(
+        (slot, r, t, i) for r, rank in enumerate(slots) for t, times in enumerate(rank) for i, slot in enumerate(times)
+    )
 
 
 def _squeeze(slots: list[Times], *, with_w: bool) -> list[Times]:
@@ -188,19 +205,11 @@ def _squeeze(slots: list[Times], *, with_w: bool) -> list[Times]:
     times of the result at unit cost."""
     if with_w:
         slots = [_put_w(rank, split=False) for rank in slots]
-    p, types = len(slots), len(slots[0])
+    p = len(slots)
     limit = max(_peak(rank) for rank in slots)
     occupied = [[False] * (rank[-1][-1] + 1) for rank in slots]
-    beyond = max(max(max(times) for times in rank) for rank in slots) + 1
-    heads = [[0] * types for _ in range(p)]
     phase = 0  # 0: warm-up, 1: steady state, 2: cool-down
-    for _ in range(p * sum(len(times) for times in slots[0])):
-        time, r, t, i = min(
-            (slots[r][t][heads[r][t]] if heads[r][t] < len(slots[r][t]) else beyond, r, t, heads[r][t])
-            for r in range(p)
-            for t in range(types)
-        )
-        heads[r][t] += 1
+    for time, r, t, i in _in_slot_order(slots):
         if phase == 0 and (r, t) == (0, _b):
             phase = 1
         if phase == 1 or (phase == 0 and not with_w):
@@ -236,17 +245,9 @@ def _unit_starts(slots: list[Times]) -> list[Times]:
     """``eager_execution_time`` at unit cost and free messages: visit the actions in slot order and
     start each when its rank is free and its inputs exist."""
     p, types = len(slots), len(slots[0])
-    beyond = max(max(max(times) for times in rank) for rank in slots) + 1
-    heads = [[0] * types for _ in range(p)]
     end: dict[tuple[int, int, int], int] = {}
     last: list[tuple[int, int, int] | None] = [None] * p
-    for _ in range(p * sum(len(times) for times in slots[0])):
-        _, r, t, i = min(
-            (slots[r][t][heads[r][t]] if heads[r][t] < len(slots[r][t]) else beyond, r, t, heads[r][t])
-            for r in range(p)
-            for t in range(types)
-        )
-        heads[r][t] += 1
+    for _, r, t, i in _in_slot_order(slots):
         ready = 0
         if t in (_F, _B) and r > 0:
             ready = max(ready, end[r - 1, t, i])
