@@ -10,6 +10,8 @@ durations, e.g. to find its critical path); and ``terminal_grid``,
 """
 
 from ._action import Action as Action
+from ._controllable_memory import VHalf as VHalf
+from ._controllable_memory import VMin as VMin
 from ._csv import dump_csv as dump_csv
 from ._csv import load_csv as load_csv
 from ._dual_pipe_v import DualPipeV as DualPipeV
@@ -51,6 +53,8 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Simulation",
+    "VHalf",
+    "VMin",
     "ZeroBubbleH1",
     "ZeroBubbleH2",
     "ZeroBubbleV",
