@@ -29,6 +29,8 @@ from .schedules import (
     OneFOneB,
     Schedule,
     ScheduleError,
+    VHalf,
+    VMin,
     ZeroBubbleH1,
     ZeroBubbleH2,
     ZeroBubbleV,
@@ -60,6 +62,8 @@ SCHEDULES: dict[str, _Choice] = {
     "zbh1": _Choice(lambda m, v: ZeroBubbleH1(m), 1, "ZB-H1: 1F1B with deferred weight gradients"),
     "zbh2": _Choice(lambda m, v: ZeroBubbleH2(m), 1, "ZB-H2: ZB-H1 with a longer warm-up, 2p-1 activations"),
     "zbv": _Choice(lambda m, v: ZeroBubbleV(m), 2, "ZB-V: two stages per rank in a V"),
+    "vhalf": _Choice(lambda m, v: VHalf(m), 2, "V-Half: a V at half of 1F1B's activations"),
+    "vmin": _Choice(lambda m, v: VMin(m), 2, "V-Min: a V at a third of 1F1B's activations"),
     "bfs": _Choice(lambda m, v: LoopedBFS(m, stages_per_rank=v), 2, "looped breadth-first"),
     "dualpipev": _Choice(lambda m, v: DualPipeV(m), 2, "DualPipeV: DeepSeek's DualPipe in a V, overlaps run in order"),
 }

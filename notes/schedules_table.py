@@ -22,6 +22,8 @@ from fpipe.schedules import (
     LoopedBFS,
     OneFOneB,
     Schedule,
+    VHalf,
+    VMin,
     ZeroBubbleH1,
     ZeroBubbleH2,
     ZeroBubbleV,
@@ -58,6 +60,9 @@ ROWS: list[Row] = [
         lambda p, m: f"p = {p}",
     ),
     ("ZB-V", ZeroBubbleV, 2, lambda p, m: (p - 1) / (6 * m + p - 1), lambda p, m: f"p = {p}"),
+    # Controllable memory: the repository's table gives B/2 and 2B/3, B = 1F1B's (p-1)/(m+p-1).
+    ("V-Half", VHalf, 2, lambda p, m: (p - 1) / (m + p - 1) / 2, lambda p, m: f"(p+2)//2 = {(p + 2) // 2}"),
+    ("V-Min", VMin, 2, lambda p, m: 2 * (p - 1) / (m + p - 1) / 3, lambda p, m: f"(p+4)//3 = {(p + 4) // 3}"),
     # Overlapped F+B pairs run one after the other: no overlap to gain from, ZB-V's bubble.
     ("DualPipeV", DualPipeV, 2, lambda p, m: (p - 1) / (6 * m + p - 1), lambda p, m: f"p + 1/2 = {p + 0.5:g}"),
 ]
@@ -87,7 +92,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for p, m in [(4, 8), (4, 32), (8, 16), (8, 64)]:
         for name, make, v, bubble, peak in ROWS:
-            split = name.startswith(("ZB", "DualPipe"))  # DualPipeV mixes B with I and W
+            split = name.startswith(("ZB", "V-", "DualPipe"))  # DualPipeV mixes B with I and W
             costs = (
                 Costs(forward=1 / v, backward_input=1 / v, backward_weight=1 / v)
                 if split
