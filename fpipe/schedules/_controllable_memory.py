@@ -6,16 +6,26 @@ sail-sg/zero-bubble-pipeline-parallelism builds them
 NOTE [controllable-memory building blocks]
     The paper builds a schedule from one *building block* per rank: where, inside a repeating
     interval, the rank runs its four passes of a microbatch (``F`` and ``I`` of chunk 0, ``F``
-    and ``I`` of chunk 1). Repeating the block every interval gives a pipeline whose peak
-    activations per rank are set by the block's *lifespan* (how many intervals a microbatch's
-    activations stay alive), which is what the two blocks choose: with an interval of 6 unit
-    slots (one F, I and W per chunk), V-Min's block spans about ``4p/6`` intervals (peak about
-    ``p/3`` of 1F1B's), V-Half's about ``6p/6`` (``p/2``). The repository's generator places the
-    repeated blocks on a slot grid, then *squeezes* (moves every action to the earliest free slot
-    after its dependencies that leaves the rank's peak as it was, phase by phase), and lets each
-    weight gradient ``W`` fill the first free slot after its ``I``. It is a greedy pass, not a
-    closed form: ``_greedy_v`` transliterates it step by step, and the tests hold its output
-    against literal grids printed by the repository's code.
+    and ``I`` of chunk 1). Repeated every interval, the block sets the peak activations of a rank
+    by its *lifespan*, how long a microbatch's activations stay alive: with an interval of 6 unit
+    slots (an ``F``, ``I`` and ``W`` per chunk), V-Min's block keeps a chunk's activations about
+    ``4p`` slots (``2p/3`` chunks alive, a third of 1F1B's ``p`` stages), V-Half's about ``6p``
+    (``p`` chunks, a half). The repository's ``schedule_from_pattern`` then turns the repeated
+    blocks into an order, greedily; ``_greedy_v`` transliterates it step by step::
+
+        slot[r][pass][i] = block(p, r)[pass] + 6i          # pass: f0, f1, i1, i0
+        put W: each W in the first free slot after its I   # one queue for both chunks
+        squeeze(slots, warm_up=True)
+        drop the W; squeeze(slots, warm_up=False)
+        put W, chunk 1's queue first; each rank runs its actions in slot order
+
+    ``squeeze`` visits the actions in slot order and moves each to the earliest free slot after
+    its inputs' and its previous microbatch's slots where the rank's peak (chunk activations
+    alive from ``F`` to ``W``; a free slot runs a pending ``W`` when no ``W`` is placed) stays
+    at most the peak before the pass; the steady state (from rank 0's first chunk-0 ``I`` to
+    the first last-microbatch ``F``) stays as it is, and so does the warm-up unless
+    ``warm_up``. It then retimes every action as soon as possible at unit cost. The tests hold
+    the result against literal grids and the repository's output.
 """
 
 from __future__ import annotations
@@ -40,25 +50,24 @@ class VHalf(BuiltinSchedule):
     """V-Half (Qi et al., 2024): a V schedule at half of 1F1B's activation memory.
 
     ``ZeroBubbleV``'s placement (rank ``r`` holds stage ``r`` and stage ``2p - 1 - r``), its
-    backward split into ``I`` and ``W``, and the building block of the paper's section 4.2 that
-    keeps about half of 1F1B's activations: rank ``r`` of ``p`` starts its passes of microbatch
-    ``i`` at these slots of a grid of 6 slots per microbatch (``f0``/``f1`` the forwards of
-    chunks 0 and 1, ``i1``/``i0`` their input gradients), as ``stable_pattern_v_half`` and
-    ``schedule_from_pattern`` of the repository's ``zbv_greedy.py`` write it::
+    backward split into ``I`` and ``W``, and the paper's V-shape building block that keeps about
+    half of 1F1B's activations: rank ``r`` of ``p`` starts its passes of microbatch ``i`` at
+    these slots (``f0``/``f1`` the forwards of chunks 0 and 1, ``i1``/``i0`` their input
+    gradients, 6 slots per microbatch), as ``stable_pattern_v_half`` of the repository's
+    ``zbv_greedy.py`` writes it::
 
         gap = 3 if p % 2 == 0 else 0
         f0(i) = 2r + 6i
         f1(i) = 3p - r - 2 + 6i
         i1(i) = 3p + gap + 2r - 1 + 6i
         i0(i) = 6p + gap - r - 2 + 6i
-        squeeze(slots)                               # NOTE [controllable-memory building blocks]
-        every W in the first free slot after its I (chunk 1's first)
-        run each rank's actions in the order of their slots
 
-    The result holds at most ``(p + 2) // 2`` microbatches' activations on a rank
-    (NOTE [activation units]; 1F1B: ``p``), at a bubble about half of 1F1B's when
-    ``T_F = T_I = T_W``: ``simulate`` shows both, and notes/schedules.md tabulates them. It takes
-    any number of microbatches.
+    and the repository's greedy passes turn those slots into each rank's order (NOTE
+    [controllable-memory building blocks]). The result holds at most ``(p + 2) // 2``
+    microbatches' activations on a rank (NOTE [activation units]; 1F1B: ``p``) whatever the
+    costs, at a bubble about half of 1F1B's when ``T_F = T_I = T_W``, the costs the order is
+    built for: ``simulate`` shows both, notes/schedules.md states the exact figures. It takes any
+    number of microbatches.
     """
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
@@ -76,23 +85,23 @@ class VHalf(BuiltinSchedule):
 class VMin(BuiltinSchedule):
     """V-Min (Qi et al., 2024): a V schedule at a third of 1F1B's activation memory.
 
-    As ``VHalf`` with the paper's smallest building block (section 4.2), which keeps about a
-    third of 1F1B's activations: rank ``r`` of ``p`` starts microbatch ``i``'s passes at (same
-    notation; ``stable_pattern_v_min`` of the repository's ``zbv_greedy.py``)::
+    As ``VHalf`` with the paper's smallest V-shape building block, which keeps about a third of
+    1F1B's activations: rank ``r`` of ``p`` starts microbatch ``i``'s passes at (same notation;
+    ``stable_pattern_v_min`` of the repository's ``zbv_greedy.py``)::
 
         gap = 2 if p % 3 == 0 else 0
         f0(i) = r + 6i
         f1(i) = 2p - r - 1 + 6i
         i1(i) = 2p + gap + r + 6i
         i0(i) = 4p + gap - r - 1 + 6i
-        squeeze(slots)                               # NOTE [controllable-memory building blocks]
-        every W in the first free slot after its I (chunk 1's first)
-        run each rank's actions in the order of their slots
 
-    The result holds at most ``(p + 4) // 3`` microbatches' activations on a rank
-    (NOTE [activation units]; 1F1B: ``p``). The block leaves a slot free between passes, which
-    ``W`` fills only when ``T_F = T_I = T_W``: there its bubble is about 1F1B's; with unequal
-    costs it grows (the repository's README says as much). It takes any number of microbatches.
+    then the same greedy passes (NOTE [controllable-memory building blocks]). The result holds
+    at most ``(p + 4) // 3`` microbatches' activations on a rank (NOTE [activation units]; 1F1B:
+    ``p``) whatever the costs. Its block leaves slots that only a ``W`` of the same cost fills:
+    at ``T_F = T_I = T_W`` its bubble is about two thirds of 1F1B's, with ``T_I = 2 T_F`` well
+    above it (``p = 8``, ``m = 32``: 0.39 against 0.18; the repository's README warns that V-Min
+    suffers from unequal costs).
+    It takes any number of microbatches.
     """
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
