@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -44,6 +45,16 @@ def test_show_zbv_notes_stage_units() -> None:
     assert "rank 0 | 0F0 0F1 0F2 3F0 3I0 3W0" in text
     assert "rank 0: bubble 4.0%, peak activations 2\n" in text  # 4 half-size chunks: 1F1B's peak of p
     assert "(peak activations in microbatches of a rank's layers: each of its 2 stages counts 1/2)" in text
+
+
+def test_show_v_half_and_v_min_peaks() -> None:
+    # 4 ranks: 1F1B's rank 0 holds 4 microbatches' activations, V-Half (p+2)//2 = 3, V-Min (p+4)//3 = 2.
+    for name, schedule, peak in [("vhalf", "VHalf", 3), ("vmin", "VMin", 2)]:
+        status, text = show(name, "--ranks", "4", "--microbatches", "8")
+        assert status == 0
+        assert f"{schedule}(num_microbatches=8): 4 ranks, 8 stages, 8 microbatches" in text
+        peaks = [float(p) for p in re.findall(r"^rank \d: bubble .*, peak activations ([\d.]+)$", text, flags=re.M)]
+        assert len(peaks) == 4 and max(peaks) == peak
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
