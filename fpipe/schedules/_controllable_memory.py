@@ -212,8 +212,8 @@ def _squeeze(slots: list[Times], *, with_w: bool) -> list[Times]:
     dependencies that keeps the rank's peak (the warm-up only ``with_w``, never the steady state
     between rank 0's first ``b`` and the first last ``F``); return the as-soon-as-possible start
     times of the result at unit cost."""
-    if with_w:
-        slots = [_put_w(rank, split=False) for rank in slots]
+    slots = [_put_w(rank, split=False) if with_w else rank for rank in slots]
+    slots = [[list(times) for times in rank] for rank in slots]  # moved in place below
     p = len(slots)
     limit = max(_peak(rank) for rank in slots)
     occupied = [[False] * (rank[-1][-1] + 1) for rank in slots]
