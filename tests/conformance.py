@@ -101,7 +101,7 @@ CONFORMANCE: list[Conformance] = [
     Conformance("ZeroBubbleH2", zero_bubble_h2, (2, 4), ranks=((2, 2, 5),)),
     Conformance("ZeroBubbleV", lambda S, M: ZeroBubbleV(num_microbatches=M), (2, 4, 6), ranks=((2, 4, 4),)),
     Conformance("VHalf", lambda S, M: VHalf(num_microbatches=M), (4, 6), ranks=((2, 4, 5),)),
-    Conformance("VMin", lambda S, M: VMin(num_microbatches=M), (4, 6), ranks=((2, 4, 3),)),
+    Conformance("VMin", lambda S, M: VMin(num_microbatches=M), (4, 6), ranks=((2, 4, 3), (3, 6, 2))),
     Conformance("DualPipeV", lambda S, M: DualPipeV(num_microbatches=M), (2, 4, 6), ranks=((2, 4, 4),)),
     Conformance("program-backwards-reversed", gpipe_backwards_reversed),
     Conformance("program-split-backward", one_f_one_b_split_backward),
