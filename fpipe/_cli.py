@@ -241,7 +241,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         else:
             units, tokens = measured_units(load_costs(args.costs)), None
             about = f"measured costs of {plural(len(units), 'stage')} ({args.costs})"
-            costs_line = "; ".join(f"stage {s}: {_costs_text(u.costs)}" for s, u in enumerate(units))
+            costs_line = "\n".join(f"stage {s}: {_costs_text(u.costs)}" for s, u in enumerate(units))
         rows = plan(units, p, candidates, memory=memory)
     except (PlanError, ScheduleError) as error:
         message = str(error)

@@ -270,7 +270,16 @@ def _peak_bytes(units: Sequence[Unit], stages: Sequence[range], program: Program
 def table(rows: Sequence[Row], *, tokens: float | None, num_ranks: int, memory: float | None) -> str:
     """The rows as text: a summary per schedule, its split, and its peak memory per rank."""
     best = next((r.simulation.makespan for r in rows if r.simulation is not None and r.fits(memory)), None)
-    header = ["schedule", "stages", "step", "vs best", "bubble", "peak/rank"]
+    measured = any(r.simulation is not None and r.peak_bytes is None for r in rows)
+    unit = "microbatches of a rank's layers" if measured else "GiB"
+    header = [
+        "schedule",
+        "stages",
+        "step",
+        "vs best",
+        "bubble",
+        "peak/rank" + (" (microbatches)" if measured else " (GiB)"),
+    ]
     header += ["tokens/s/rank"] if tokens is not None else []
     header += ["fits"] if memory is not None else []
     lines, splits, peaks, errors = [header], [], [], []
@@ -279,7 +288,6 @@ def table(rows: Sequence[Row], *, tokens: float | None, num_ranks: int, memory: 
             errors.append(f"  {row.name}: {row.error}")
             continue
         sim = row.simulation
-        measured = row.peak_bytes is None
         peak = max(sim.peak_activations) if measured else max(row.peak_bytes or (0.0,)) / GIB
         cells = [
             row.name,
@@ -287,7 +295,7 @@ def table(rows: Sequence[Row], *, tokens: float | None, num_ranks: int, memory: 
             _seconds(sim.makespan),
             f"{sim.makespan / best:.3f}x" if best else "-",
             f"{sim.bubble_fraction:.1%}",
-            f"{peak:.3g}" + (" mb" if measured else " GiB"),
+            f"{peak:.3g}",
         ]
         cells += [f"{tokens / sim.makespan / num_ranks:,.0f}"] if tokens is not None else []
         cells += ["yes" if row.fits(memory) else "no"] if memory is not None else []
@@ -297,7 +305,6 @@ def table(rows: Sequence[Row], *, tokens: float | None, num_ranks: int, memory: 
         peaks.append(f"  {row.name}: " + " ".join(f"{x:.3g}" for x in per_rank))
     widths = [max(len(line[k]) for line in lines if k < len(line)) for k in range(len(header))]
     text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
-    unit = "microbatches of a rank's layers" if rows and rows[0].peak_bytes is None else "GiB"
     return "\n".join(
         [*text, "units per stage:", *splits, f"peak memory per rank ({unit}), rank 0 first:", *peaks]
         + (["cannot run:", *errors] if errors else [])

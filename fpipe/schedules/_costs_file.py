@@ -81,5 +81,5 @@ def load_costs(path: str | os.PathLike[str]) -> tuple[Costs, ...]:
         try:
             costs.append(Costs(**stage))
         except ScheduleError as error:
-            raise ScheduleError(f"{error} (stage {s} of {os.fspath(path)})") from None
+            raise ScheduleError(f"fpipe.schedules.load_costs: stage {s} of {os.fspath(path)}: {error}") from None
     return tuple(costs)
