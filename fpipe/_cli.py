@@ -188,6 +188,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--vocabulary", type=_positive_int, help="vocabulary size")
     plan.add_argument("--microbatch-size", type=_positive_int, default=1, help="sequences per microbatch (default 1)")
     plan.add_argument("--layer-params", type=_positive, help="matmul parameters per layer (default 12 x hidden^2)")
+    plan.add_argument("--recompute", action="store_true", help="full activation recomputation in the backward")
     plan.add_argument("--tflops", type=_positive, help="achieved TFLOP/s per rank (peak x utilization)")
     plan.add_argument("--bandwidth", type=_positive, help="GB/s between neighbouring ranks")
     plan.add_argument("--latency", type=_non_negative, default=0.0, help="microseconds per message (default 0)")
@@ -227,7 +228,13 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     try:
         if args.costs is None:
             model = Transformer(
-                args.layers, args.hidden, args.sequence, args.vocabulary, args.microbatch_size, args.layer_params
+                args.layers,
+                args.hidden,
+                args.sequence,
+                args.vocabulary,
+                args.microbatch_size,
+                args.layer_params,
+                args.recompute,
             )
             device = Device(args.tflops * 1e12, args.bandwidth * 1e9, args.latency * 1e-6, memory, args.bytes_per_param)
             units = transformer_units(model, device)

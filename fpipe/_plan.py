@@ -22,8 +22,9 @@ NOTE [planner cost model]
     gradients, fp32 master weights and Adam's two moments, Rajbhandari et al. 2020) plus its
     activations at their peak, ``34 s b h`` bytes per layer and microbatch (Korthikanti et al.
     2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2 without the
-    ``5 a s / h`` term that flash attention does not store; no recomputation, no tensor or
-    sequence parallelism) and ``4 s b V`` for the head's fp32 logits. Nothing else: no
+    ``5 a s / h`` term that flash attention does not store; no tensor or sequence parallelism)
+    and ``4 s b V`` for the head's fp32 logits. With full recomputation a layer keeps only its
+    input, ``2 s b h`` bytes, and its input-gradient pass reruns the forward first: ``I += F``. Nothing else: no
     tensor-parallel or data-parallel communication, no kernel launch or allocator effects,
     no overlap of messages with compute beyond what ``simulate`` models.
 """
@@ -75,6 +76,8 @@ class Transformer:
         vocabulary: vocabulary size ``V``.
         microbatch_size: sequences per microbatch ``b``.
         layer_params: matmul parameters per layer (default ``12 h^2``).
+        recompute: whether each layer's backward recomputes its forward (full activation
+            checkpointing): ``I`` gains an ``F`` and a layer keeps only its input, ``2 s b h`` bytes.
     """
 
     layers: int
@@ -83,6 +86,7 @@ class Transformer:
     vocabulary: int
     microbatch_size: int
     layer_params: float | None = None
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,9 +114,10 @@ def transformer_units(model: Transformer, device: Device) -> list[Unit]:
     t = b * s
     params = 12.0 * h * h if model.layer_params is None else model.layer_params
     send = 2.0 * t * h / device.bandwidth + device.latency
+    forward = (2 * params * t + 4 * b * s * s * h) / device.flops
     layer = Costs(
-        forward=(2 * params * t + 4 * b * s * s * h) / device.flops,
-        backward_input=(2 * params * t + 8 * b * s * s * h) / device.flops,
+        forward=forward,
+        backward_input=(2 * params * t + 8 * b * s * s * h) / device.flops + (forward if model.recompute else 0.0),
         backward_weight=2 * params * t / device.flops,
         send=send,
     )
@@ -120,7 +125,10 @@ def transformer_units(model: Transformer, device: Device) -> list[Unit]:
     embedding_bytes = h * vocabulary * device.bytes_per_param
     units = [
         Unit(
-            f"layer {i}", layer, 34.0 * s * b * h, params * device.bytes_per_param + (embedding_bytes if i == 0 else 0)
+            f"layer {i}",
+            layer,
+            (2.0 if model.recompute else 34.0) * s * b * h,
+            params * device.bytes_per_param + (embedding_bytes if i == 0 else 0),
         )
         for i in range(model.layers)
     ]

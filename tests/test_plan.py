@@ -33,6 +33,9 @@ def test_transformer_units_follow_the_formulas() -> None:
     )
     bigger = transformer_units(Transformer(2, 4, 8, 16, 2, layer_params=1000.0), DEVICE)
     assert bigger[0].costs.backward_weight == 2 * 1000 * t / 2
+    recomputed, _, _ = transformer_units(Transformer(2, 4, 8, 16, 2, recompute=True), DEVICE)
+    assert recomputed.costs.backward_input == layer0.costs.backward_input + layer0.costs.forward
+    assert recomputed.activation_bytes == 2 * s * b * h
 
 
 def candidates(m: int, p: int) -> list[Candidate]:
