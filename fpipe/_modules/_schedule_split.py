@@ -17,11 +17,10 @@ NOTE [schedule-aware split]
        layers and ``S`` stages): every split gets a lower bound (below) in ``O(S + R)``; they
        are replayed in increasing order of bound until the bound exceeds the best step found.
        Worst case ``O(C(n - 1, S - 1) * A)`` for ``A`` actions, usually a few replays.
-    2. Otherwise, a local search from the min-max split: move one cut by one layer, alone or
-       with the layers before it re-split by min-max (torch's move in its
-       ``optimize_partition_model_layers``); keep the best move that shortens the step, repeat.
-       ``O(S * A)`` per round plus ``O(S^2 n^2)`` for the re-splits, each computed once; never
-       slower than the min-max split, not always the optimum.
+    2. Otherwise, a local search from the min-max split: shift the cuts ``i..j`` by one layer
+       (one layer moves from stage ``i`` to stage ``j + 1`` or back, the stages between keep
+       their sizes); keep the best shift that shortens the step, repeat. ``O(S^2 * A)`` per
+       round; never slower than the min-max split, not always the optimum.
 
     Ties (steps within a relative ``1e-9``) go to the split that moves the fewest layers away
     from the min-max split (the sum of the cut points' distances), then to the first in
@@ -62,21 +61,13 @@ def split_for(program: Program, layers: Sequence[Costs]) -> list[range]:
     """
     validate(program)
     n, stages = len(layers), program.num_stages
-    totals = [c.forward + c.of(BACKWARD) for c in layers]
-    base = _cuts(partition(totals, stages))
+    base = _cuts(partition([c.forward + c.of(BACKWARD) for c in layers], stages))
     replay = _Replay(program, layers)
 
     def moved(cuts: Cuts) -> int:
         return sum(abs(a - b) for a, b in zip(cuts, base))
 
     best = (replay.step(base), 0, base)
-    prefixes: dict[tuple[int, int], Cuts] = {}
-
-    def balanced(cut: int, k: int) -> Cuts:
-        """Cuts of the min-max split of layers ``0..cut-1`` into ``k + 1`` stages, then ``cut``."""
-        if (cut, k) not in prefixes:
-            prefixes[cut, k] = (*_cuts(partition(totals[:cut], k + 1)), cut) if k < cut <= n else ()
-        return prefixes[cut, k]
 
     def consider(cuts: Cuts) -> None:
         nonlocal best
@@ -94,12 +85,10 @@ def split_for(program: Program, layers: Sequence[Costs]) -> list[range]:
         current = None
         while current != best[2]:
             current = best[2]
-            for k, delta in itertools.product(range(stages - 1), (-1, 1)):
-                cut = current[k] + delta
-                for cuts in ((*current[:k], cut), balanced(cut, k)):
-                    cuts += current[k + 1 :]
-                    if len(cuts) == stages - 1 and all(a < b for a, b in itertools.pairwise((0, *cuts, n))):
-                        consider(cuts)
+            for i, j, delta in itertools.product(range(stages - 1), range(stages - 1), (-1, 1)):
+                cuts = (*current[:i], *(c + delta for c in current[i : j + 1]), *current[j + 1 :])
+                if i <= j and all(a < b for a, b in itertools.pairwise((0, *cuts, n))):
+                    consider(cuts)
     bounds = (0, *best[2], n)
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
