@@ -25,7 +25,7 @@ from ._plan import (
     Device,
     PlanError,
     Transformer,
-    _seconds,
+    costs_text,
     measured_units,
     plan,
     table,
@@ -244,11 +244,11 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
                 f"{model.microbatch_size} x {model.sequence} tokens per microbatch"
             )
             head = units[-1].costs
-            costs_line = f"layer: {_costs_text(units[0].costs)}; head: {_costs_text(head)}"
+            costs_line = f"layer: {costs_text(units[0].costs)}; head: {costs_text(head)}"
         else:
             units, tokens = measured_units(load_costs(args.costs)), None
             about = f"measured costs of {plural(len(units), 'stage')} ({args.costs})"
-            costs_line = "\n".join(f"stage {s}: {_costs_text(u.costs)}" for s, u in enumerate(units))
+            costs_line = "\n".join(f"stage {s}: {costs_text(u.costs)}" for s, u in enumerate(units))
         rows = plan(units, p, candidates, memory=memory)
     except (PlanError, ScheduleError) as error:
         message = str(error)
@@ -276,13 +276,6 @@ def _builder(choice: _Choice, m: int, p: int) -> Callable[[tuple[Costs, ...]], P
     """The program of ``choice`` with its default stages per rank on ``p`` ranks, whatever the costs."""
     v = choice.stages_per_rank
     return lambda costs: choice.make(m, v).program(p * v, p)
-
-
-def _costs_text(costs: Costs) -> str:
-    return (
-        f"F {_seconds(costs.forward)}, I {_seconds(costs.backward_input)}, W {_seconds(costs.backward_weight)}, "
-        f"send {_seconds(costs.send)}"
-    )
 
 
 def _check_drawable(costs: Costs) -> None:

@@ -300,7 +300,7 @@ def table(rows: Sequence[Row], *, tokens: float | None, num_ranks: int, memory: 
         cells = [
             row.name,
             str(len(row.stages)),
-            _seconds(sim.makespan),
+            format_seconds(sim.makespan),
             f"{sim.makespan / best:.3f}x" if best else "-",
             f"{sim.bubble_fraction:.1%}",
             f"{peak:.3g}",
@@ -323,7 +323,21 @@ def _units(r: range) -> str:
     return f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}"
 
 
-def _seconds(t: float) -> str:
+def costs_text(costs: Costs) -> str:
+    """``costs`` in seconds, for a line above the table: ``"F 1.2 ms, I 1.3 ms, W 1.1 ms, send 10 us"``."""
+    return ", ".join(
+        f"{name} {format_seconds(value)}"
+        for name, value in (
+            ("F", costs.forward),
+            ("I", costs.backward_input),
+            ("W", costs.backward_weight),
+            ("send", costs.send),
+        )
+    )
+
+
+def format_seconds(t: float) -> str:
+    """``t`` seconds with 4 significant digits in s, ms or us."""
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if t >= scale:
             return f"{t / scale:.4g} {unit}"
