@@ -219,6 +219,20 @@ def test_a_schedule_sees_backward_costs_and_messages() -> None:
     assert with_send == [range(0, 4), range(4, 5), range(5, 6)]  # a heavy stage first, as in torch's case
 
 
+def test_a_schedule_takes_a_measured_time_as_a_forward_and_its_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """by="time" measures F + B together: with B = 2F, a layer of 3 s forwards in 1 s. That matters
+    against a send of 2 s: read as forwards of 3 s, the cut would be after layer 3."""
+    clock = Clock()
+    monkeypatch.setattr("fpipe._modules._balance.time", clock)
+    times = [4.0, 1.0, 1.0, 1.0, 1.0, 4.0]
+    layers = [Slow(clock, t, 0.0) for t in times]
+    schedule = fpipe.schedules.OneFOneB(3)
+    chosen = fpipe.balance(layers, 3, by="time", sample_input=torch.zeros(3), repeats=1, schedule=schedule, send=2)
+    assert chosen == fpipe.balance([t / 3 for t in times], 3, schedule=schedule, send=2)
+    assert chosen == [range(0, 4), range(4, 5), range(5, 6)]
+    assert fpipe.balance(times, 3, schedule=schedule, send=2) == [range(0, 3), range(3, 5), range(5, 6)]
+
+
 def test_schedule_errors() -> None:
     schedule = fpipe.schedules.OneFOneB(4)
     with pytest.raises(ValueError, match=r"every cost must be a finite number > 0 \(layer '1': forward 0.0"):

@@ -171,7 +171,7 @@ def balance(
             )
         bounds = partition(costs, num_stages)
     else:
-        if by == "time" and backward is None and not all(isinstance(c, Real) for c in items):
+        if by == "time" and not all(isinstance(c, Real) for c in items):
             costs = [c / 3 for c in costs]  # a measured forward and backward: F + 2F
         program = schedule.program(num_stages, num_ranks)
         bounds = split_for(program, _layer_costs(names, costs, backward, send))
