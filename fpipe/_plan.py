@@ -211,9 +211,9 @@ def plan(
 
     rows.sort(key=key)
     if memory is not None and rows and not rows[0].fits(memory):
-        fitting = [r for r in rows if r.peak_bytes is not None]
-        if fitting:
-            least = min(fitting, key=lambda r: max(r.peak_bytes or (0.0,)))
+        sized = [r for r in rows if r.peak_bytes is not None]
+        if sized:
+            least = min(sized, key=lambda r: max(r.peak_bytes or (0.0,)))
             raise PlanError(
                 f"python -m fpipe plan: no schedule fits in the memory of a rank (memory: {memory / GIB:.4g} GiB); "
                 f"the least any needs is {max(least.peak_bytes or (0.0,)) / GIB:.4g} GiB ({least.name}). "

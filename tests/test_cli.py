@@ -214,6 +214,22 @@ def test_plan_from_measured_costs(tmp_path: Path) -> None:
         """)
 
 
+def test_plan_says_which_schedules_cannot_run(tmp_path: Path) -> None:
+    path = tmp_path / "costs.json"
+    fpipe.schedules.save_costs(path, [fpipe.schedules.Costs()] * 3)
+    out = io.StringIO()
+    args = ["plan", "--ranks", "2", "--microbatches", "2", "--costs", str(path), "--schedules", "1f1b,zbh2,zbv"]
+    assert main(args, stdout=out) == 0
+    text = out.getvalue()
+    assert text.startswith("2 ranks, 2 microbatches; measured costs of 3 stages")
+    assert "\n1f1b " in text  # in the table
+    cannot = text[text.index("cannot run:\n") :].splitlines()
+    assert cannot[1].startswith(
+        "  zbh2: fpipe.schedules.ZeroBubbleH2: the warm-up of 2 stages runs 2p - 1 = 3 forwards"
+    )
+    assert cannot[2:] == ["  zbv: needs 4 stages, has 3 units to split"]
+
+
 MODEL = [
     "--layers",
     "4",
