@@ -115,7 +115,7 @@ class _Replay:
             self.steps.append((previous[r], a.stage, a.kind, deps))
             previous[r] = index[a]
         self.num_stages = program.num_stages
-        self.lowest = [min(program.stages_of(r)) for r in range(program.num_ranks)]
+        self.lowest = [min(program.stages_of(r), default=0) for r in range(program.num_ranks)]
         self.counts = [
             {(a.stage, a.kind): sum(1 for b in row if (b.stage, b.kind) == (a.stage, a.kind)) for a in row}
             for row in program.ranks
