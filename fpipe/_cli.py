@@ -12,12 +12,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from ._plan import (
+    GIB,
+    Candidate,
+    Device,
+    PlanError,
+    Transformer,
+    costs_text,
+    measured_units,
+    plan,
+    table,
+    tokens_per_step,
+    transformer_units,
+)
 from ._plural import plural
 from .schedules import (
     Costs,
@@ -27,6 +41,7 @@ from .schedules import (
     InterleavedZeroBubble,
     LoopedBFS,
     OneFOneB,
+    Program,
     Schedule,
     ScheduleError,
     VHalf,
@@ -34,6 +49,7 @@ from .schedules import (
     ZeroBubbleH1,
     ZeroBubbleH2,
     ZeroBubbleV,
+    load_costs,
     simulate,
 )
 from .schedules._pictures import chrome_trace, legend, svg, terminal_grid
@@ -73,6 +89,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     """Run the command line on ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     out = sys.stdout if stdout is None else stdout
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        return _plan(args, out)
     choice = SCHEDULES[args.schedule]
     v = choice.stages_per_rank if args.stages_per_rank is None else args.stages_per_rank
     try:
@@ -157,7 +175,111 @@ def _parser() -> argparse.ArgumentParser:
         "--color", choices=("auto", "always", "never"), default="auto", help="ANSI colors (default: auto)"
     )
     show.add_argument("--no-color", dest="color", action="store_const", const="never", help="same as --color never")
+    plan = commands.add_parser(
+        "plan",
+        help="predict every schedule's step time, bubble and peak memory",
+        description="Predict each schedule's step time, bubble and peak memory per rank, each with its fastest "
+        "split of the layers, from measured costs (--costs) or a transformer (--layers ...) on a device "
+        "(--tflops ...). "
+        "The cost model: NOTE [planner cost model] in fpipe/_plan.py.",
+    )
+    plan.add_argument("--ranks", type=_positive_int, required=True, help="pipeline ranks")
+    plan.add_argument("--microbatches", type=_positive_int, required=True, help="microbatches per step")
+    plan.add_argument("--costs", metavar="PATH", help="per-stage costs saved by fpipe.schedules.save_costs")
+    plan.add_argument("--layers", type=_positive_int, help="transformer layers")
+    plan.add_argument("--hidden", type=_positive_int, help="hidden size")
+    plan.add_argument("--sequence", type=_positive_int, help="tokens per sequence")
+    plan.add_argument("--vocabulary", type=_positive_int, help="vocabulary size")
+    plan.add_argument("--microbatch-size", type=_positive_int, default=1, help="sequences per microbatch (default 1)")
+    plan.add_argument("--layer-params", type=_positive, help="matmul parameters per layer (default 12 x hidden^2)")
+    plan.add_argument("--recompute", action="store_true", help="full activation recomputation in the backward")
+    plan.add_argument("--tflops", type=_positive, help="achieved TFLOP/s per rank (peak x utilization)")
+    plan.add_argument("--bandwidth", type=_positive, help="GB/s between neighbouring ranks")
+    plan.add_argument("--latency", type=_non_negative, default=0.0, help="microseconds per message (default 0)")
+    plan.add_argument("--memory", type=_positive, help="GiB per rank; schedules that need more are marked")
+    plan.add_argument(
+        "--bytes-per-param", type=_positive, default=16.0, help="bytes per parameter with its optimizer state (16)"
+    )
+    plan.add_argument("--schedules", help="comma-separated schedules to compare (default: all)")
+    plan.add_argument("--svg", metavar="PATH", help="also write the fastest fitting schedule's timeline as an SVG")
     return parser
+
+
+_MODEL = ("layers", "hidden", "sequence", "vocabulary", "tflops", "bandwidth")
+
+
+def _plan(args: argparse.Namespace, out: TextIO) -> int:
+    """``python -m fpipe plan``: the table of ``fpipe._plan.table`` for the arguments."""
+    names = list(SCHEDULES) if args.schedules is None else args.schedules.split(",")
+    unknown = [n for n in names if n not in SCHEDULES]
+    missing = [f"--{n}" for n in _MODEL if getattr(args, n) is None]
+    problem = None
+    if unknown:
+        known = ", ".join(SCHEDULES)
+        problem = f"unknown schedules {', '.join(unknown)} (--schedules: {args.schedules}). Choose from {known}"
+    elif args.costs is None and missing:
+        problem = f"a model needs {', '.join(missing)}, or measured costs (--costs PATH)"
+    elif args.costs is not None and len(missing) < len(_MODEL):
+        problem = "--costs gives the costs: drop the model and device options"
+    elif args.costs is not None and args.memory is not None:
+        problem = "--memory needs a model's sizes (--layers ...): measured costs give no bytes"
+    if problem:
+        print(f"python -m fpipe plan: {problem}.", file=sys.stderr)
+        return 2
+    p, m = args.ranks, args.microbatches
+    candidates = [Candidate(n, SCHEDULES[n].stages_per_rank, _builder(SCHEDULES[n], m, p)) for n in names]
+    memory = None if args.memory is None else args.memory * GIB
+    try:
+        if args.costs is None:
+            model = Transformer(
+                args.layers,
+                args.hidden,
+                args.sequence,
+                args.vocabulary,
+                args.microbatch_size,
+                args.layer_params,
+                args.recompute,
+            )
+            device = Device(args.tflops * 1e12, args.bandwidth * 1e9, args.latency * 1e-6, memory, args.bytes_per_param)
+            units = transformer_units(model, device)
+            tokens: float | None = tokens_per_step(model, m)
+            about = (
+                f"{plural(model.layers, 'layer')}, hidden {model.hidden}, vocabulary {model.vocabulary}, "
+                f"{model.microbatch_size} x {model.sequence} tokens per microbatch"
+            )
+            head = units[-1].costs
+            costs_line = f"layer: {costs_text(units[0].costs)}; head: {costs_text(head)}"
+        else:
+            units, tokens = measured_units(load_costs(args.costs)), None
+            about = f"measured costs of {plural(len(units), 'stage')} ({args.costs})"
+            costs_line = "\n".join(f"stage {s}: {costs_text(u.costs)}" for s, u in enumerate(units))
+        rows = plan(units, p, candidates, memory=memory)
+    except (PlanError, ScheduleError) as error:
+        message = str(error)
+        print(message if isinstance(error, PlanError) else f"python -m fpipe plan: {message}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"python -m fpipe plan: cannot read {error.filename}: {error.strerror}", file=sys.stderr)
+        return 1
+    print(f"{plural(p, 'rank')}, {plural(m, 'microbatch')}; {about}", file=out)
+    print(costs_line, file=out)
+    print(table(rows, tokens=tokens, num_ranks=p, memory=memory), file=out)
+    fastest = rows[0].simulation
+    if args.svg and fastest is not None:
+        try:
+            with open(args.svg, "w", encoding="utf-8") as f:
+                f.write(svg(fastest, unit_width=1200 / fastest.makespan))
+        except OSError as error:
+            print(f"python -m fpipe plan: cannot write {error.filename}: {error.strerror}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.svg} ({rows[0].name})", file=out)
+    return 0
+
+
+def _builder(choice: _Choice, m: int, p: int) -> Callable[[tuple[Costs, ...]], Program]:
+    """The program of ``choice`` with its default stages per rank on ``p`` ranks, whatever the costs."""
+    v = choice.stages_per_rank
+    return lambda costs: choice.make(m, v).program(p * v, p)
 
 
 def _check_drawable(costs: Costs) -> None:
@@ -177,6 +299,25 @@ def _listed(costs: Costs) -> str:
         f"F {costs.forward:g}, B {costs.of('B'):g}, I {costs.backward_input:g}, "
         f"W {costs.backward_weight:g}, send {costs.send:g}"
     )
+
+
+def _positive(text: str) -> float:
+    return _number(text, positive=True)
+
+
+def _non_negative(text: str) -> float:
+    return _number(text, positive=False)
+
+
+def _number(text: str, *, positive: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        kind = "positive" if positive else "non-negative"
+        raise argparse.ArgumentTypeError(f"expected a finite {kind} number, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -195,3 +195,55 @@ def test_errors() -> None:
         fpipe.balance([nn.Linear(1, 1)], 1, by="time", sample_input=torch.zeros(1), repeats=0)
     with pytest.raises(TypeError, match=r"fpipe.balance: call must be an adapter call\(module, x\) -> x or a dict"):
         fpipe.balance([nn.Linear(1, 1)], 1, by="time", sample_input=torch.zeros(1), call=3)  # type: ignore[arg-type]
+
+
+def test_a_schedule_reproduces_torch_test_partition() -> None:
+    """torch's test_partition: forward costs over 4 ranks, 8 microbatches of 1F1B; names work too."""
+    costs = [8, 11, 2, 1, 18, 5, 4, 11]
+    assert fpipe.balance(costs, 4) == [range(0, 1), range(1, 4), range(4, 5), range(5, 8)]
+    schedule = fpipe.schedules.OneFOneB(8)
+    assert fpipe.balance(costs, 4, schedule=schedule) == [range(0, 3), range(3, 5), range(5, 6), range(6, 8)]
+    named = fpipe.balance({f"l{i}": c for i, c in enumerate(costs)}, 4, schedule=schedule)
+    assert named == [["l0", "l1", "l2"], ["l3", "l4"], ["l5"], ["l6", "l7"]]
+
+
+def test_a_schedule_sees_backward_costs_and_messages() -> None:
+    """Backward costs count; a long send lengthens the fill and drain that a stage behind a heavy
+    one waits for, so with it the heavy work moves to the front."""
+    schedule = fpipe.schedules.GPipe(4)
+    assert fpipe.balance([1, 1, 1, 1], 2, schedule=schedule) == [range(0, 2), range(2, 4)]
+    assert fpipe.balance([1, 1, 1, 1], 2, schedule=schedule, backward=[2, 2, 2, 12]) == [range(0, 3), range(3, 4)]
+    costs = [4, 1, 1, 1, 1, 4]
+    assert fpipe.balance(costs, 3, schedule=fpipe.schedules.OneFOneB(3)) == [range(0, 1), range(1, 5), range(5, 6)]
+    with_send = fpipe.balance(costs, 3, schedule=fpipe.schedules.OneFOneB(3), send=20)
+    assert with_send == [range(0, 4), range(4, 5), range(5, 6)]  # a heavy stage first, as in torch's case
+
+
+def test_a_schedule_takes_a_measured_time_as_a_forward_and_its_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """by="time" measures F + B together: with B = 2F, a layer of 3 s forwards in 1 s. That matters
+    against a send of 2 s: read as forwards of 3 s, the cut would be after layer 3."""
+    clock = Clock()
+    monkeypatch.setattr("fpipe._modules._balance.time", clock)
+    times = [4.0, 1.0, 1.0, 1.0, 1.0, 4.0]
+    layers = [Slow(clock, t, 0.0) for t in times]
+    schedule = fpipe.schedules.OneFOneB(3)
+    chosen = fpipe.balance(layers, 3, by="time", sample_input=torch.zeros(3), repeats=1, schedule=schedule, send=2)
+    assert chosen == fpipe.balance([t / 3 for t in times], 3, schedule=schedule, send=2)
+    assert chosen == [range(0, 4), range(4, 5), range(5, 6)]
+    assert fpipe.balance(times, 3, schedule=schedule, send=2) == [range(0, 3), range(3, 5), range(5, 6)]
+
+
+def test_schedule_errors() -> None:
+    schedule = fpipe.schedules.OneFOneB(4)
+    with pytest.raises(ValueError, match=r"every cost must be a finite number > 0 \(layer '1': forward 0.0"):
+        fpipe.balance([1, 0], 2, schedule=schedule)
+    with pytest.raises(ValueError, match=r"one cost per layer \(layers: 2, backward: \[1\]\)"):
+        fpipe.balance([1, 1], 2, schedule=schedule, backward=[1])
+    with pytest.raises(ValueError, match=r"layer '0': forward 1.0, backward inf"):
+        fpipe.balance([1, 1], 2, schedule=schedule, backward=[float("inf"), 1])
+    with pytest.raises(ValueError, match=r"send must be a finite number >= 0 \(send: -1\)"):
+        fpipe.balance([1, 1], 2, schedule=schedule, send=-1)
+    with pytest.raises(ValueError, match=r"describe a schedule's step .* Pass schedule= too"):
+        fpipe.balance([1, 1], 2, send=1.0)
+    with pytest.raises(fpipe.schedules.ScheduleError, match=r"cannot be laid out on 2 ranks"):
+        fpipe.balance([1, 1, 1], 3, schedule=schedule, num_ranks=2)

@@ -14,6 +14,7 @@ from textwrap import dedent
 
 import pytest
 
+import fpipe
 from fpipe._cli import SCHEDULES, main
 
 
@@ -185,3 +186,128 @@ def test_a_closed_pipe_is_no_traceback() -> None:
         os.close(write)
     assert done.returncode == 1
     assert done.stderr == ""
+
+
+def run_plan(*args: str) -> tuple[int, str]:
+    out = io.StringIO()
+    status = main(["plan", "--ranks", "2", "--microbatches", "4", *args], stdout=out)
+    return status, out.getvalue()
+
+
+def test_plan_from_measured_costs(tmp_path: Path) -> None:
+    """Costs saved by save_costs: each schedule with its fastest grouping of the stages measured."""
+    path = tmp_path / "costs.json"
+    heavy_last = fpipe.schedules.Costs(forward=2, backward_input=2, backward_weight=2, send=0.5)
+    fpipe.schedules.save_costs(path, [fpipe.schedules.Costs()] * 3 + [heavy_last])
+    status, text = run_plan("--costs", str(path), "--schedules", "1f1b,zbh1,zbv,interleaved")
+    assert status == 0
+    assert text == dedent(f"""\
+        2 ranks, 4 microbatches; measured costs of 4 stages ({path})
+        stage 0: F 1 s, I 1 s, W 1 s, send 0 s
+        stage 1: F 1 s, I 1 s, W 1 s, send 0 s
+        stage 2: F 1 s, I 1 s, W 1 s, send 0 s
+        stage 3: F 2 s, I 2 s, W 2 s, send 500 ms
+        schedule     stages  step    vs best  bubble  peak/rank (microbatches)
+        zbv          4       36 s    1.000x   16.7%   2
+        zbh1         2       37.5 s  1.042x   20.0%   2
+        interleaved  4       39.5 s  1.097x   24.1%   2.5
+        1f1b         2       40 s    1.111x   25.0%   2
+        units per stage:
+          zbv: 0 | 1 | 2 | 3
+          zbh1: 0-2 | 3
+          interleaved: 0 | 1 | 2 | 3
+          1f1b: 0-2 | 3
+        peak memory per rank (microbatches of a rank's layers), rank 0 first:
+          zbv: 2 2
+          zbh1: 2 2
+          interleaved: 2.5 1.5
+          1f1b: 2 1
+        """)
+
+
+def test_plan_says_which_schedules_cannot_run(tmp_path: Path) -> None:
+    path = tmp_path / "costs.json"
+    fpipe.schedules.save_costs(path, [fpipe.schedules.Costs()] * 3)
+    out = io.StringIO()
+    args = ["plan", "--ranks", "2", "--microbatches", "2", "--costs", str(path), "--schedules", "1f1b,zbh2,zbv"]
+    assert main(args, stdout=out) == 0
+    text = out.getvalue()
+    assert text.startswith("2 ranks, 2 microbatches; measured costs of 3 stages")
+    assert "\n1f1b " in text  # in the table
+    cannot = text[text.index("cannot run:\n") :].splitlines()
+    assert cannot[1].startswith(
+        "  zbh2: fpipe.schedules.ZeroBubbleH2: the warm-up of 2 stages runs 2p - 1 = 3 forwards"
+    )
+    assert cannot[2:] == ["  zbv: needs 4 stages, has 3 units to split"]
+
+
+MODEL = [
+    "--layers",
+    "4",
+    "--hidden",
+    "64",
+    "--sequence",
+    "32",
+    "--vocabulary",
+    "256",
+    "--tflops",
+    "1",
+    "--bandwidth",
+    "1",
+]
+
+
+def test_plan_from_a_model_marks_what_does_not_fit(tmp_path: Path) -> None:
+    """The fastest that fits first; the SVG draws it."""
+    picture = tmp_path / "plan.svg"
+    status, text = run_plan(*MODEL, "--schedules", "1f1b,zbh1,gpipe,zbv", "--memory", "0.0021", "--svg", str(picture))
+    assert status == 0
+    assert "layer: F 3.408 us, I 3.67 us, W 3.146 us, send 4.096 us; head: F 1.049 us" in text
+    rows = [line.split() for line in text.splitlines()[3:7]]
+    assert [(row[0], row[-1]) for row in rows] == [("zbh1", "yes"), ("1f1b", "yes"), ("zbv", "no"), ("gpipe", "no")]
+    assert rows[0][:5] == ["zbh1", "2", "113.4", "us", "1.000x"]
+    assert float(rows[0][7].replace(",", "")) == pytest.approx(4 * 32 / 113.4e-6 / 2, rel=1e-3)  # m b s / step / p
+    assert f"wrote {picture} (zbh1)" in text
+    assert ET.parse(picture).getroot().tag.endswith("svg")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--tflops", "nan"], "argument --tflops: expected a finite positive number, got 'nan'"),
+        (["--bandwidth", "0"], "argument --bandwidth: expected a finite positive number, got '0'"),
+        (["--memory", "-1"], "argument --memory: expected a finite positive number, got '-1'"),
+        (["--latency", "inf"], "argument --latency: expected a finite non-negative number, got 'inf'"),
+    ],
+)
+def test_plan_bad_numbers(args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        run_plan(*MODEL, *args)
+    assert info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--memory", "0.0001"], "no schedule fits in the memory of a rank (memory: 0.0001 GiB); the least any needs"),
+        (["--schedules", "1f1b,foo"], "unknown schedules foo (--schedules: 1f1b,foo). Choose from gpipe, 1f1b"),
+        (["--layers", "2", "--hidden", "8"], "a model needs --sequence, --vocabulary, --tflops, --bandwidth"),
+    ],
+)
+def test_plan_errors(args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    full = args if args[0] == "--layers" else [*MODEL, *args]
+    assert run_plan(*full) == (2, "")
+    assert fragment in capsys.readouterr().err
+
+
+def test_plan_costs_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "costs.json"
+    path.write_text('{"format": "fpipe.costs", "version": 1, "stages": [{"forward": -1}]}')
+    assert run_plan("--costs", str(path)) == (2, "")
+    message = f"load_costs: stage 0 of {path}: fpipe.schedules.Costs: forward must be a finite positive number"
+    assert message in capsys.readouterr().err
+    assert run_plan("--costs", str(path), "--tflops", "1") == (2, "")
+    assert "--costs gives the costs: drop the model and device options" in capsys.readouterr().err
+    assert run_plan("--costs", str(tmp_path / "missing.json")) == (1, "")
+    assert "cannot read" in capsys.readouterr().err

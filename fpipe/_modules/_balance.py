@@ -1,22 +1,14 @@
 """``fpipe.balance``: choose contiguous split points that even out the stages' costs.
 
 A pipeline runs at the pace of its slowest stage, so the layers ``0..n-1`` are cut into
-``num_stages`` contiguous runs minimizing the largest run's cost (the "linear partition"
-problem). Two dynamic programs over prefix sums, ``O(num_stages * n^2)``:
-
-1. ``best[k][i]``: the least possible maximum when layers ``0..i-1`` form ``k`` stages;
-   the optimum ``M = best[num_stages][n]``.
-2. Among the partitions whose every stage costs at most ``M``, the one with the smallest sum of
-   squared stage costs (the most even); remaining ties give earlier stages more layers, since
-   the last stage also computes the loss.
-
-Stage costs are always computed as ``prefix[j] - prefix[i]``, so comparing them with ``M`` in
-the second pass is exact.
+``num_stages`` contiguous runs minimizing the largest run's cost (``partition``, in
+``fpipe/_modules/_partition.py``), or, given a schedule, minimizing the simulated step time
+(``split_for``, in ``fpipe/_modules/_schedule_split.py``). This module turns layers (modules or
+costs, in a list or by name) into costs and the chosen runs back into indices or names.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 import time
@@ -28,6 +20,9 @@ import torch
 from torch import nn
 
 from .._pytree import flatten, is_differentiable, map_tensors
+from ..schedules import Costs, Schedule
+from ._partition import partition
+from ._schedule_split import split_for
 from ._split import Adapter, adapter_map, lookup
 
 Containers = nn.Sequential | nn.ModuleList | nn.ModuleDict
@@ -44,6 +39,10 @@ def balance(
     sample_input: Any = ...,
     call: Adapter | Mapping[str, Adapter] | None = ...,
     repeats: int = ...,
+    schedule: Schedule | None = ...,
+    num_ranks: int | None = ...,
+    backward: Sequence[float] | None = ...,
+    send: float = ...,
 ) -> list[range]: ...
 
 
@@ -57,6 +56,10 @@ def balance(
     sample_input: Any = ...,
     call: Adapter | Mapping[str, Adapter] | None = ...,
     repeats: int = ...,
+    schedule: Schedule | None = ...,
+    num_ranks: int | None = ...,
+    backward: Sequence[float] | None = ...,
+    send: float = ...,
 ) -> list[list[str]]: ...
 
 
@@ -69,8 +72,21 @@ def balance(
     sample_input: Any = None,
     call: Adapter | Mapping[str, Adapter] | None = None,
     repeats: int = 3,
+    schedule: Schedule | None = None,
+    num_ranks: int | None = None,
+    backward: Sequence[float] | None = None,
+    send: float = 0.0,
 ) -> list[range] | list[list[str]]:
-    """Cut ``layers`` into ``num_stages`` contiguous stages minimizing the costliest stage.
+    """Cut ``layers`` into ``num_stages`` contiguous stages minimizing the costliest stage, or,
+    given a ``schedule``, its simulated step time.
+
+    With a schedule, each layer's cost is its forward ``F`` and its backward costs ``2F``
+    (``backward=`` gives them), split into equal ``I`` and ``W`` for schedules that split it;
+    every message between ranks takes ``send``. The split minimizes
+    ``fpipe.schedules.simulate(schedule.program(num_stages, num_ranks), stage_costs).makespan``:
+    exactly when there are at most 20,000 splits, else by a local search from the min-max split
+    that never does worse (NOTE [schedule-aware split] in ``fpipe/_modules/_schedule_split.py``).
+    ``by="time"`` measures a layer's forward and backward together: the time counts as ``3F``.
 
     Args:
         layers: the layers in order: modules, or their costs as non-negative numbers. A list
@@ -89,6 +105,13 @@ def balance(
             adapter ``call(module, x) -> x`` or a dict of adapters keyed by layer name (a list's
             layers are named ``"0"``, ``"1"``, ...). Default ``module(x)``.
         repeats: timed runs per layer for ``by="time"``.
+        schedule: the schedule whose simulated step time the split minimizes (``None``: the
+            costliest stage), e.g. ``fpipe.schedules.OneFOneB(8)``.
+        num_ranks: with a schedule, the ranks its program lays the stages on (``None``: the
+            schedule's default).
+        backward: with a schedule, each layer's backward cost, in the order of ``layers``
+            (default: twice its forward cost).
+        send: with a schedule, the latency of a message between ranks, in the costs' unit.
 
     Returns:
         One entry per stage: ``range(start, stop)`` for a list, a list of names for a dict.
@@ -101,11 +124,19 @@ def balance(
         [['0', '1'], ['2']]
         >>> layers = {"embed": model.embed, **{f"layers.{i}": l for i, l in enumerate(model.layers)}}
         >>> stages, params = fpipe.split_module(model, fpipe.balance(layers, 4), call=adapters)
+        >>> costs = [8, 11, 2, 1, 18, 5, 4, 11]  # torch's test_partition; a heavy stage is cheapest first
+        >>> fpipe.balance(costs, 4)
+        [range(0, 1), range(1, 4), range(4, 5), range(5, 8)]
+        >>> fpipe.balance(costs, 4, schedule=fpipe.schedules.OneFOneB(8))  # 573 against 600 above
+        [range(0, 3), range(3, 5), range(5, 6), range(6, 8)]
 
     Raises:
         TypeError: for layers that are neither modules nor numbers, or a bad ``by``.
         ValueError: for negative or non-finite costs, more stages than layers, a missing
-            ``sample_input`` or ``repeats < 1``.
+            ``sample_input`` or ``repeats < 1``; with a schedule, for costs that are not
+            positive, a ``backward`` of another length, a negative ``send``, or schedule
+            options without a schedule.
+        ScheduleError: a ``ValueError`` too: for a schedule that cannot lay out the stages.
     """
     if isinstance(layers, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
         layers = dict(layers.named_children())  # names, as split_module of the container takes them
@@ -132,45 +163,44 @@ def balance(
     for name, c in zip(names, costs):
         if not (math.isfinite(c) and c >= 0):
             raise ValueError(f"fpipe.balance: the cost of layer {name!r} is {c}; costs must be finite and >= 0.")
-    bounds = partition(costs, num_stages)
+    if schedule is None:
+        if num_ranks is not None or backward is not None or send != 0.0:
+            raise ValueError(
+                "fpipe.balance: num_ranks, backward and send describe a schedule's step "
+                f"(num_ranks: {num_ranks!r}, backward: {backward!r}, send: {send!r}). Pass schedule= too."
+            )
+        bounds = partition(costs, num_stages)
+    else:
+        if by == "time" and not all(isinstance(c, Real) for c in items):
+            costs = [c / 3 for c in costs]  # a measured forward and backward: F + 2F
+        program = schedule.program(num_stages, num_ranks)
+        bounds = split_for(program, _layer_costs(names, costs, backward, send))
     if isinstance(layers, Mapping):
         return [names[r.start : r.stop] for r in bounds]
     return bounds
 
 
-def partition(costs: Sequence[float], num_stages: int) -> list[range]:
-    """The contiguous partition of ``costs`` into ``num_stages`` non-empty runs (module docstring)."""
-    n = len(costs)
-    prefix = [0.0, *itertools.accumulate(costs)]
-
-    def cost(i: int, j: int) -> float:
-        return prefix[j] - prefix[i]
-
-    # 1. best[k][i]: least maximum over k stages covering layers 0..i-1.
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n - (num_stages - k) + 1):
-            best[k][i] = min(max(best[k - 1][j], cost(j, i)) for j in range(k - 1, i))
-    limit = best[num_stages][n]
-    # 2. even[k][i]: least sum of squares with every stage at most `limit`; cut[k][i] the last cut.
-    even = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    even[0][0] = 0.0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n - (num_stages - k) + 1):
-            for j in range(k - 1, i):
-                c = cost(j, i)
-                if (
-                    c <= limit and even[k - 1][j] < inf and even[k - 1][j] + c * c <= even[k][i]
-                ):  # <=: the latest cut wins ties
-                    even[k][i], cut[k][i] = even[k - 1][j] + c * c, j
-    bounds, i = [], n
-    for k in range(num_stages, 0, -1):  # back from the last stage, which ends at n
-        bounds.append(range(cut[k][i], i))
-        i = cut[k][i]
-    return bounds[::-1]
+def _layer_costs(names: list[str], forward: list[float], backward: Sequence[float] | None, send: float) -> list[Costs]:
+    """Each layer's ``Costs`` for the schedule-aware split, or an error naming the layer."""
+    if backward is None:
+        backward = [2 * c for c in forward]
+    elif isinstance(backward, (str, bytes)) or not isinstance(backward, Sequence) or len(backward) != len(forward):
+        raise ValueError(
+            f"fpipe.balance: backward must be a list of one cost per layer (layers: {len(forward)}, "
+            f"backward: {backward!r})."
+        )
+    if isinstance(send, bool) or not isinstance(send, Real) or not (math.isfinite(send) and send >= 0):
+        raise ValueError(f"fpipe.balance: send must be a finite number >= 0 (send: {send!r}).")
+    layers = []
+    for name, f, b in zip(names, forward, backward):
+        ok = all(isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in (f, b))
+        if not ok:
+            raise ValueError(
+                f"fpipe.balance: with a schedule, every cost must be a finite number > 0 (layer {name!r}: "
+                f"forward {f!r}, backward {b!r}). Give a layer without work a small cost, or merge it into a neighbor."
+            )
+        layers.append(Costs(forward=f, backward_input=b / 2, backward_weight=b / 2, backward=b, send=float(send)))
+    return layers
 
 
 def _times(

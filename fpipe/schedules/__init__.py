@@ -4,7 +4,8 @@ A schedule is a value (``GPipe(num_microbatches=8)``) whose ``program(num_stages
 ``Program``: one ordered list of ``Action`` per rank. Programs can be written by hand too, or read
 from torch's CSV format (``load_csv``). ``placement(schedule, num_stages)`` says which rank holds
 each stage; ``simulate`` replays a program with costs to measure its bubble and memory (and
-``fit_costs`` reads per-stage costs off a measured timeline, ``replay`` reruns one with its own
+``fit_costs`` reads per-stage costs off a measured timeline, ``save_costs`` and ``load_costs``
+keep them in a JSON file, ``replay`` reruns one with its own
 durations, e.g. to find its critical path); and ``terminal_grid``,
 ``chrome_trace`` and ``svg`` draw it (also ``python -m fpipe show``).
 """
@@ -12,6 +13,8 @@ durations, e.g. to find its critical path); and ``terminal_grid``,
 from ._action import Action as Action
 from ._controllable_memory import VHalf as VHalf
 from ._controllable_memory import VMin as VMin
+from ._costs_file import load_costs as load_costs
+from ._costs_file import save_costs as save_costs
 from ._csv import dump_csv as dump_csv
 from ._csv import load_csv as load_csv
 from ._dual_pipe_v import DualPipeV as DualPipeV
@@ -62,10 +65,12 @@ __all__ = [
     "dump_csv",
     "execution_order",
     "fit_costs",
+    "load_costs",
     "load_csv",
     "placement",
     "render",
     "replay",
+    "save_costs",
     "simulate",
     "svg",
     "terminal_grid",

@@ -1,0 +1,165 @@
+"""The schedule-aware split: contiguous cut points minimizing the simulated step time of a program.
+
+NOTE [schedule-aware split]
+    The min-max split (``fpipe.balance`` without a schedule, ``partition``) evens out the stages'
+    costs, but a step is not only its slowest stage. Under 1F1B, rank ``r``'s work cannot start
+    before the forwards of the stages in front of it and cannot end before the backwards behind
+    it have run, so a heavy stage costs least at the front of the pipeline. torch's
+    ``test_optimize_partition_model_layers_rebalances_prefix_after_shift`` shows it: forward
+    costs ``[8, 11, 2, 1, 18, 5, 4, 11]`` (backward twice the forward) over 4 ranks and 8
+    microbatches. The min-max split ``[0], [1, 2, 3], [4], [5, 6, 7]`` (stages 8, 14, 18, 20)
+    takes 600; ``[0, 1, 2], [3, 4], [5], [6, 7]`` (21, 19, 5, 15) takes 573, although its
+    largest stage is larger.
+
+    ``split_for`` replays ``program`` (``fpipe.schedules.simulate``'s model) for candidate splits:
+
+    1. Exact, when there are at most ``EXACT_LIMIT`` splits (``C(n - 1, S - 1)`` for ``n``
+       layers and ``S`` stages): every split gets a lower bound (below) in ``O(S + R)``; they
+       are replayed in increasing order of bound until the bound exceeds the best step found.
+       Worst case ``O(C(n - 1, S - 1) * A)`` for ``A`` actions, usually a few replays.
+    2. Otherwise, a local search from the min-max split: shift the cuts ``i..j`` by one layer
+       (one layer moves from stage ``i`` to stage ``j + 1`` or back, the stages between keep
+       their sizes); keep the best shift that shortens the step, repeat. ``O(S^2 * A)`` per
+       round; never slower than the min-max split, not always the optimum.
+
+    Ties (steps within a relative ``1e-9``) go to the split that moves the fewest layers away
+    from the min-max split (the sum of the cut points' distances), then to the first in
+    lexicographic order of cut points. That is what keeps torch's expected
+    ``[0, 1, 2], [3, 4], [5], [6, 7]`` over the equally fast ``[0, 1, 2], [3, 4], [5, 6], [7]``.
+
+    The lower bound of rank ``r``, whose lowest stage is ``s``: its first action waits for one
+    microbatch's forwards through stages ``0..s-1``; every one of its actions but the ``W``s
+    precedes its last backward of stage ``s``, after which one microbatch's input gradient still
+    crosses stages ``s-1..0``. Messages only add to this, so::
+
+        step >= F(0..s-1) + max(work(r), work(r) - W(r) + min(B, I)(0..s-1))
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+from ..schedules import Costs, Program, execution_order, validate
+from ..schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from ..schedules._program import dependencies, split_backwards
+from ._partition import partition
+
+EXACT_LIMIT = 20_000  # splits enumerated exactly; beyond, a local search (NOTE [schedule-aware split])
+_TIE = 1e-9  # relative difference under which two simulated steps count as equal
+
+Cuts = tuple[int, ...]
+
+
+def split_for(program: Program, layers: Sequence[Costs]) -> list[range]:
+    """The contiguous split of ``layers`` into ``program.num_stages`` stages that minimizes the
+    simulated step time of ``program`` (NOTE [schedule-aware split]).
+
+    A stage costs the sum of its layers' ``forward``, ``backward_input``, ``backward_weight`` and
+    fused ``backward``; its messages cost the ``send`` of its last layer.
+    """
+    validate(program)
+    n, stages = len(layers), program.num_stages
+    base = _cuts(partition([c.forward + c.of(BACKWARD) for c in layers], stages))
+    replay = _Replay(program, layers)
+
+    def moved(cuts: Cuts) -> int:
+        return sum(abs(a - b) for a, b in zip(cuts, base))
+
+    best = (replay.step(base), 0, base)
+
+    def consider(cuts: Cuts) -> None:
+        nonlocal best
+        step = replay.step(cuts)
+        if step < best[0] * (1 - _TIE) or (step <= best[0] * (1 + _TIE) and (moved(cuts), cuts) < best[1:]):
+            best = (step, moved(cuts), cuts)
+
+    if math.comb(n - 1, stages - 1) <= EXACT_LIMIT:
+        ordered = sorted((replay.bound(c), c) for c in itertools.combinations(range(1, n), stages - 1))
+        for bound, cuts in ordered:
+            if bound > best[0] * (1 + _TIE):
+                break
+            consider(cuts)
+    else:
+        current = None
+        while current != best[2]:
+            current = best[2]
+            for i, j, delta in itertools.product(range(stages - 1), range(stages - 1), (-1, 1)):
+                cuts = (*current[:i], *(c + delta for c in current[i : j + 1]), *current[j + 1 :])
+                if i <= j and all(a < b for a, b in itertools.pairwise((0, *cuts, n))):
+                    consider(cuts)
+    bounds = (0, *best[2], n)
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def _cuts(ranges: Sequence[range]) -> Cuts:
+    return tuple(r.start for r in ranges[1:])
+
+
+class _Replay:
+    """``program`` compiled once for replays with the stage costs of many splits of ``layers``:
+    ``simulate``'s model (see ``fpipe.schedules._simulate``) as one pass in execution order."""
+
+    def __init__(self, program: Program, layers: Sequence[Costs]) -> None:
+        split = split_backwards(program)
+        rank_of = program.placement()
+        index: dict[object, int] = {}
+        previous: list[int] = [-1] * program.num_ranks
+        self.steps: list[tuple[int, int, str, tuple[tuple[int, int], ...]]] = []
+        for r, a in execution_order(program):
+            deps = tuple(
+                (index[d], d.stage if rank_of[d.stage] != r else -1) for d in dependencies(a, program.num_stages, split)
+            )
+            index[a] = len(self.steps)
+            self.steps.append((previous[r], a.stage, a.kind, deps))
+            previous[r] = index[a]
+        self.num_stages = program.num_stages
+        self.lowest = [min(program.stages_of(r), default=0) for r in range(program.num_ranks)]
+        self.counts = [
+            {(a.stage, a.kind): sum(1 for b in row if (b.stage, b.kind) == (a.stage, a.kind)) for a in row}
+            for row in program.ranks
+        ]
+        self.prefix = [
+            tuple(itertools.accumulate((getattr(c, field) for c in layers), initial=0.0))
+            for field in ("forward", "backward_input", "backward_weight", "send")
+        ]
+        self.prefix.append(tuple(itertools.accumulate((c.of(BACKWARD) for c in layers), initial=0.0)))
+
+    def stage_costs(self, cuts: Cuts) -> list[dict[str, float]]:
+        """Per stage, the duration of each kind of action and its messages' latency."""
+        forward, inp, weight, send, fused = self.prefix
+        bounds = (0, *cuts, len(forward) - 1)
+        return [
+            {
+                FORWARD: forward[b] - forward[a],
+                BACKWARD_INPUT: inp[b] - inp[a],
+                BACKWARD_WEIGHT: weight[b] - weight[a],
+                BACKWARD: fused[b] - fused[a],
+                "send": send[b] - send[b - 1],
+            }
+            for a, b in itertools.pairwise(bounds)
+        ]
+
+    def step(self, cuts: Cuts) -> float:
+        """The simulated step time of the split at ``cuts``."""
+        costs = self.stage_costs(cuts)
+        ends: list[float] = []
+        for previous, stage, kind, deps in self.steps:
+            start = ends[previous] if previous >= 0 else 0.0
+            for d, sender in deps:
+                start = max(start, ends[d] + (costs[sender]["send"] if sender >= 0 else 0.0))
+            ends.append(start + costs[stage][kind])
+        return max(ends)
+
+    def bound(self, cuts: Cuts) -> float:
+        """A lower bound on ``step(cuts)`` (NOTE [schedule-aware split])."""
+        costs = self.stage_costs(cuts)
+        before = list(itertools.accumulate((c[FORWARD] for c in costs), initial=0.0))
+        after = list(itertools.accumulate((min(c[BACKWARD], c[BACKWARD_INPUT]) for c in costs), initial=0.0))
+        best = 0.0
+        for s, counts in zip(self.lowest, self.counts):
+            work = sum(n * costs[stage][kind] for (stage, kind), n in counts.items())
+            weights = sum(n * costs[stage][kind] for (stage, kind), n in counts.items() if kind == BACKWARD_WEIGHT)
+            best = max(best, before[s] + max(work, work - weights + after[s]))
+        return best

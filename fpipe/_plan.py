@@ -1,0 +1,349 @@
+"""The planner behind ``python -m fpipe plan``: every schedule's predicted step time, bubble and
+peak memory per rank, from measured per-stage costs or from a transformer's shape and a device's
+speed, each with the split of layers into stages that is fastest for it.
+
+NOTE [planner cost model]
+    For a decoder-only transformer with ``L`` layers of ``P`` matmul parameters each (default
+    ``12 h^2``: ``4 h^2`` attention, ``8 h^2`` an MLP of width ``4h``), hidden size ``h``,
+    vocabulary ``V``, and a microbatch of ``b`` sequences of ``s`` tokens (``t = b s``), in
+    FLOPs per microbatch (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
+    on GPU Clusters", section 5.1: ``24 b s h^2 + 4 b s^2 h`` forward for ``P = 12 h^2``)::
+
+        layer  F = 2 P t + 4 b s^2 h      (2 FLOPs per parameter and token; QK^T and AV)
+               I = 2 P t + 8 b s^2 h      (the input gradients: one matmul each, both operands of
+                                           the attention products)
+               W = 2 P t                  (the weight gradients: one matmul each)
+        head   F = I = W = 2 h V t        (on the last stage; the embedding, on the first, is a
+                                           lookup: no FLOPs, only parameters)
+
+    so ``I ~ W ~ F`` and ``B = I + W ~ 2F``. A duration is FLOPs over the device's achieved
+    FLOP/s; a message carries one activation, ``t h`` values of 2 bytes: ``2 t h / bandwidth +
+    latency``. Memory per rank is its parameters' ``bytes_per_param`` (16: bf16 weights and
+    gradients, fp32 master weights and Adam's two moments, Rajbhandari et al. 2020) plus its
+    activations at their peak, ``34 s b h`` bytes per layer and microbatch (Korthikanti et al.
+    2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2 without the
+    ``5 a s / h`` term that flash attention does not store; no tensor or sequence parallelism)
+    and ``4 s b V`` for the head's fp32 logits. With full recomputation a layer keeps only its
+    input, ``2 s b h`` bytes, and its input-gradient pass reruns the forward first: ``I += F``. Nothing else: no
+    tensor-parallel or data-parallel communication, no kernel launch or allocator effects,
+    no overlap of messages with compute beyond what ``simulate`` models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ._modules._partition import partition
+from ._modules._schedule_split import split_for
+from .schedules import Costs, Program, ScheduleError, Simulation, simulate
+from .schedules._action import BACKWARD, BACKWARD_WEIGHT, FORWARD
+
+GIB = 2.0**30
+
+
+class PlanError(ValueError):
+    """A memory limit that no schedule fits."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What a split may not cut: a layer (with the embedding on the first) or the head.
+
+    Attributes:
+        name: for the table, e.g. ``"layer 3"`` or ``"head"``.
+        costs: its per-microbatch durations and the latency of the message it sends.
+        activation_bytes: what one microbatch leaves alive in it until its backward (``None``
+            for measured costs).
+        param_bytes: its parameters with their gradients and optimizer state (``None`` when
+            measured).
+    """
+
+    name: str
+    costs: Costs
+    activation_bytes: float | None = None
+    param_bytes: float | None = None
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """A decoder-only transformer's shape (NOTE [planner cost model]).
+
+    Attributes:
+        layers: transformer layers.
+        hidden: hidden size ``h``.
+        sequence: tokens per sequence ``s``.
+        vocabulary: vocabulary size ``V``.
+        microbatch_size: sequences per microbatch ``b``.
+        layer_params: matmul parameters per layer (default ``12 h^2``).
+        recompute: whether each layer's backward recomputes its forward (full activation
+            checkpointing): ``I`` gains an ``F`` and a layer keeps only its input, ``2 s b h`` bytes.
+    """
+
+    layers: int
+    hidden: int
+    sequence: int
+    vocabulary: int
+    microbatch_size: int
+    layer_params: float | None = None
+    recompute: bool = False
+
+
+@dataclass(frozen=True)
+class Device:
+    """What one pipeline rank can do.
+
+    Attributes:
+        flops: achieved FLOP/s (peak times the utilization expected).
+        bandwidth: bytes per second between neighbouring ranks.
+        latency: seconds per message on top of its size over ``bandwidth``.
+        memory: bytes per rank for parameters, optimizer state and activations (``None``: no limit).
+        bytes_per_param: bytes each parameter costs with its gradient and optimizer state.
+    """
+
+    flops: float
+    bandwidth: float
+    latency: float = 0.0
+    memory: float | None = None
+    bytes_per_param: float = 16.0
+
+
+def transformer_units(model: Transformer, device: Device) -> list[Unit]:
+    """The layers and the head of ``model`` on ``device`` (NOTE [planner cost model])."""
+    h, s, b, vocabulary = model.hidden, model.sequence, model.microbatch_size, model.vocabulary
+    t = b * s
+    params = 12.0 * h * h if model.layer_params is None else model.layer_params
+    send = 2.0 * t * h / device.bandwidth + device.latency
+    forward = (2 * params * t + 4 * b * s * s * h) / device.flops
+    layer = Costs(
+        forward=forward,
+        backward_input=(2 * params * t + 8 * b * s * s * h) / device.flops + (forward if model.recompute else 0.0),
+        backward_weight=2 * params * t / device.flops,
+        send=send,
+    )
+    head = 2.0 * h * vocabulary * t / device.flops
+    embedding_bytes = h * vocabulary * device.bytes_per_param
+    units = [
+        Unit(
+            f"layer {i}",
+            layer,
+            (2.0 if model.recompute else 34.0) * s * b * h,
+            params * device.bytes_per_param + (embedding_bytes if i == 0 else 0),
+        )
+        for i in range(model.layers)
+    ]
+    units.append(
+        Unit(
+            "head",
+            Costs(forward=head, backward_input=head, backward_weight=head, send=send),
+            4.0 * s * b * vocabulary,
+            embedding_bytes,
+        )
+    )
+    return units
+
+
+def measured_units(costs: Sequence[Costs]) -> list[Unit]:
+    """Measured per-stage costs (``fpipe.schedules.load_costs``) as units a split may regroup."""
+    return [Unit(f"stage {s}", c) for s, c in enumerate(costs)]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A schedule the planner tries.
+
+    Attributes:
+        name: its name in the table.
+        stages_per_rank: stages per rank of its placement.
+        program: builds its program from the per-stage costs of a split (built-in schedules
+            ignore them); raises ``ScheduleError`` when it cannot lay out the stages.
+    """
+
+    name: str
+    stages_per_rank: int
+    program: Callable[[tuple[Costs, ...]], Program]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One schedule's prediction, or why there is none.
+
+    Attributes:
+        name: the candidate's name.
+        stages: the units of each stage, as ranges (empty when ``error`` is set).
+        simulation: the step simulated with those stages (``None`` when ``error`` is set).
+        peak_bytes: per rank, parameters plus activations at their peak (``None`` for
+            measured costs, or when ``error`` is set).
+        error: why the schedule cannot run here, or ``None``.
+    """
+
+    name: str
+    stages: tuple[range, ...] = ()
+    simulation: Simulation | None = None
+    peak_bytes: tuple[float, ...] | None = None
+    error: str | None = None
+
+    def fits(self, memory: float | None) -> bool:
+        """Whether it runs within ``memory`` bytes per rank (always, without a limit or bytes)."""
+        return self.error is None and (memory is None or self.peak_bytes is None or max(self.peak_bytes) <= memory)
+
+
+def plan(
+    units: Sequence[Unit], num_ranks: int, candidates: Sequence[Candidate], *, memory: float | None = None
+) -> list[Row]:
+    """Each candidate's prediction with its fastest split of ``units`` (NOTE [schedule-aware split]
+    in ``fpipe/_modules/_schedule_split.py``), fastest first; those beyond ``memory`` bytes per
+    rank, then those that cannot run, after.
+
+    A candidate's program is built for the min-max split's stage costs, split for, and rebuilt
+    for the chosen split's costs (the same program, for a built-in schedule).
+
+    Raises:
+        PlanError: when ``memory`` is given and no candidate fits it: the message names the
+            least memory any candidate needs.
+    """
+    rows = [_row(units, num_ranks, c) for c in candidates]
+
+    def key(row: Row) -> tuple[int, float]:
+        if row.simulation is None:
+            return 2, 0.0
+        return (0 if row.fits(memory) else 1), row.simulation.makespan
+
+    rows.sort(key=key)
+    if memory is not None and rows and not rows[0].fits(memory):
+        sized = [r for r in rows if r.peak_bytes is not None]
+        if sized:
+            least = min(sized, key=lambda r: max(r.peak_bytes or (0.0,)))
+            raise PlanError(
+                f"python -m fpipe plan: no schedule fits in the memory of a rank (memory: {memory / GIB:.4g} GiB); "
+                f"the least any needs is {max(least.peak_bytes or (0.0,)) / GIB:.4g} GiB ({least.name}). "
+                "Use more ranks, smaller or fewer microbatches, or more memory."
+            )
+    return rows
+
+
+def _row(units: Sequence[Unit], num_ranks: int, candidate: Candidate) -> Row:
+    num_stages = num_ranks * candidate.stages_per_rank
+    if num_stages > len(units):
+        return Row(candidate.name, error=f"needs {num_stages} stages, has {len(units)} units to split")
+    layers = [u.costs for u in units]
+    try:
+        base = partition([c.forward + c.of(BACKWARD) for c in layers], num_stages)
+        stages = split_for(candidate.program(_stage_costs(units, base)), layers)
+        costs = _stage_costs(units, stages)
+        program = candidate.program(costs)
+    except ScheduleError as error:
+        return Row(candidate.name, error=str(error))
+    simulation = simulate(program, costs)
+    return Row(candidate.name, tuple(stages), simulation, _peak_bytes(units, stages, program))
+
+
+def _stage_costs(units: Sequence[Unit], stages: Sequence[range]) -> tuple[Costs, ...]:
+    """Each stage's ``Costs``: its units' durations summed, the last unit's message."""
+    return tuple(
+        Costs(
+            forward=sum(units[k].costs.forward for k in r),
+            backward_input=sum(units[k].costs.backward_input for k in r),
+            backward_weight=sum(units[k].costs.backward_weight for k in r),
+            backward=sum(units[k].costs.of(BACKWARD) for k in r),
+            send=units[r.stop - 1].costs.send,
+        )
+        for r in stages
+    )
+
+
+def _peak_bytes(units: Sequence[Unit], stages: Sequence[range], program: Program) -> tuple[float, ...] | None:
+    """Per rank, its stages' parameters plus the most activation bytes alive at once (an
+    activation lives from its ``F`` to its ``B`` or ``W``, as ``Simulation.peak_activations``)."""
+    activations, params = [], []
+    for r in stages:
+        a, p = [units[k].activation_bytes for k in r], [units[k].param_bytes for k in r]
+        if any(x is None for x in (*a, *p)):
+            return None
+        activations.append(sum(x for x in a if x is not None))
+        params.append(sum(x for x in p if x is not None))
+    peaks = []
+    for rank, row in enumerate(program.ranks):
+        alive, peak = 0.0, 0.0
+        for action in row:
+            if action.kind == FORWARD:
+                alive += activations[action.stage]
+                peak = max(peak, alive)
+            elif action.kind in (BACKWARD, BACKWARD_WEIGHT):
+                alive -= activations[action.stage]
+        peaks.append(sum(params[s] for s in program.stages_of(rank)) + peak)
+    return tuple(peaks)
+
+
+def table(rows: Sequence[Row], *, tokens: float | None, num_ranks: int, memory: float | None) -> str:
+    """The rows as text: a summary per schedule, its split, and its peak memory per rank."""
+    best = next((r.simulation.makespan for r in rows if r.simulation is not None and r.fits(memory)), None)
+    measured = any(r.simulation is not None and r.peak_bytes is None for r in rows)
+    unit = "microbatches of a rank's layers" if measured else "GiB"
+    header = [
+        "schedule",
+        "stages",
+        "step",
+        "vs best",
+        "bubble",
+        "peak/rank" + (" (microbatches)" if measured else " (GiB)"),
+    ]
+    header += ["tokens/s/rank"] if tokens is not None else []
+    header += ["fits"] if memory is not None else []
+    lines, splits, peaks, errors = [header], [], [], []
+    for row in rows:
+        if row.simulation is None:
+            errors.append(f"  {row.name}: {row.error}")
+            continue
+        sim = row.simulation
+        peak = max(sim.peak_activations) if measured else max(row.peak_bytes or (0.0,)) / GIB
+        cells = [
+            row.name,
+            str(len(row.stages)),
+            format_seconds(sim.makespan),
+            f"{sim.makespan / best:.3f}x" if best else "-",
+            f"{sim.bubble_fraction:.1%}",
+            f"{peak:.3g}",
+        ]
+        cells += [f"{tokens / sim.makespan / num_ranks:,.0f}"] if tokens is not None else []
+        cells += ["yes" if row.fits(memory) else "no"] if memory is not None else []
+        lines.append(cells)
+        splits.append(f"  {row.name}: " + " | ".join(_units(r) for r in row.stages))
+        per_rank = sim.peak_activations if measured else tuple(b / GIB for b in row.peak_bytes or ())
+        peaks.append(f"  {row.name}: " + " ".join(f"{x:.3g}" for x in per_rank))
+    widths = [max(len(line[k]) for line in lines if k < len(line)) for k in range(len(header))]
+    text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    return "\n".join(
+        [*text, "units per stage:", *splits, f"peak memory per rank ({unit}), rank 0 first:", *peaks]
+        + (["cannot run:", *errors] if errors else [])
+    )
+
+
+def _units(r: range) -> str:
+    return f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}"
+
+
+def costs_text(costs: Costs) -> str:
+    """``costs`` in seconds, for a line above the table: ``"F 1.2 ms, I 1.3 ms, W 1.1 ms, send 10 us"``."""
+    return ", ".join(
+        f"{name} {format_seconds(value)}"
+        for name, value in (
+            ("F", costs.forward),
+            ("I", costs.backward_input),
+            ("W", costs.backward_weight),
+            ("send", costs.send),
+        )
+    )
+
+
+def format_seconds(t: float) -> str:
+    """``t`` seconds with 4 significant digits in s, ms or us."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if t >= scale:
+            return f"{t / scale:.4g} {unit}"
+    return f"{t:.3g} s"
+
+
+def tokens_per_step(model: Transformer, num_microbatches: int) -> float:
+    """Tokens one step of the pipeline trains on."""
+    return float(model.microbatch_size * model.sequence * num_microbatches)

@@ -1,0 +1,87 @@
+"""The planner's cost model (NOTE [planner cost model]) with its formulas written out, its ranking
+of schedules, and the memory check."""
+
+from __future__ import annotations
+
+import pytest
+
+from fpipe._plan import GIB, Candidate, Device, PlanError, Transformer, measured_units, plan, transformer_units
+from fpipe.schedules import Costs, GPipe, OneFOneB, ZeroBubbleH1, ZeroBubbleV, simulate
+
+MODEL = Transformer(layers=2, hidden=4, sequence=8, vocabulary=16, microbatch_size=2)
+DEVICE = Device(flops=2.0, bandwidth=4.0, latency=0.5, bytes_per_param=16.0)
+
+
+def test_transformer_units_follow_the_formulas() -> None:
+    """h = 4, s = 8, b = 2 (t = 16 tokens), V = 16, P = 12 h^2 = 192, at 2 FLOP/s and 4 B/s."""
+    layer0, layer1, head = transformer_units(MODEL, DEVICE)
+    t, h, s, b, vocabulary, params = 16, 4, 8, 2, 16, 192
+    assert layer0.costs == Costs(
+        forward=(2 * params * t + 4 * b * s * s * h) / 2,  # 6144 + 2048 FLOPs
+        backward_input=(2 * params * t + 8 * b * s * s * h) / 2,
+        backward_weight=2 * params * t / 2,
+        send=2 * t * h / 4 + 0.5,  # t h values of 2 bytes over 4 B/s, plus the latency
+    )
+    assert layer1.costs == layer0.costs
+    assert head.costs == Costs(forward=2048 / 2, backward_input=2048 / 2, backward_weight=2048 / 2, send=32.5)
+    assert (layer0.activation_bytes, head.activation_bytes) == (34 * s * b * h, 4 * s * b * vocabulary)
+    embedding = h * vocabulary * 16
+    assert (layer0.param_bytes, layer1.param_bytes, head.param_bytes) == (
+        params * 16 + embedding,
+        params * 16,
+        embedding,
+    )
+    bigger = transformer_units(Transformer(2, 4, 8, 16, 2, layer_params=1000.0), DEVICE)
+    assert bigger[0].costs.backward_weight == 2 * 1000 * t / 2
+    recomputed, _, _ = transformer_units(Transformer(2, 4, 8, 16, 2, recompute=True), DEVICE)
+    assert recomputed.costs.backward_input == layer0.costs.backward_input + layer0.costs.forward
+    assert recomputed.activation_bytes == 2 * s * b * h
+
+
+def candidates(m: int, p: int) -> list[Candidate]:
+    return [
+        Candidate("gpipe", 1, lambda costs: GPipe(m).program(p)),
+        Candidate("1f1b", 1, lambda costs: OneFOneB(m).program(p)),
+        Candidate("zbh1", 1, lambda costs: ZeroBubbleH1(m).program(p)),
+        Candidate("zbv", 2, lambda costs: ZeroBubbleV(m).program(2 * p)),
+    ]
+
+
+def test_plan_ranks_by_simulated_step_with_each_split() -> None:
+    """Measured stages regrouped per schedule: the rows are simulate's figures for the split shown."""
+    units = measured_units([Costs(), Costs(), Costs(), Costs(forward=2, backward_input=2, backward_weight=2, send=0.5)])
+    rows = plan(units, 2, candidates(4, 2))
+    assert [r.name for r in rows] == ["zbv", "zbh1", "1f1b", "gpipe"]
+    one_f_one_b = next(r for r in rows if r.name == "1f1b")
+    assert one_f_one_b.stages == (range(0, 3), range(3, 4))
+    stage_costs = [
+        Costs(forward=3, backward_input=3, backward_weight=3),
+        Costs(forward=2, backward_input=2, backward_weight=2, backward=4, send=0.5),
+    ]
+    assert one_f_one_b.simulation is not None and one_f_one_b.peak_bytes is None
+    assert one_f_one_b.simulation.makespan == simulate(OneFOneB(4).program(2), stage_costs).makespan == 40.0
+
+
+def test_more_stages_than_units_is_a_row_that_cannot_run() -> None:
+    rows = plan(measured_units([Costs(), Costs(), Costs()]), 2, candidates(4, 2))
+    assert rows[-1].name == "zbv" and rows[-1].error == "needs 4 stages, has 3 units to split"
+
+
+def test_memory_marks_and_the_least_that_works() -> None:
+    """Peak bytes = the rank's parameters + its activations at their peak; over the limit sorts
+    after what fits; a limit nothing fits names the least any schedule needs."""
+    units = transformer_units(MODEL, DEVICE)
+    rows = {r.name: r for r in plan(units, 2, candidates(4, 2))}
+    gpipe, one_f_one_b = rows["gpipe"].peak_bytes, rows["1f1b"].peak_bytes
+    assert gpipe is not None and one_f_one_b is not None
+    # 1F1B's rank 0 (layer 0, with the embedding) holds 2 microbatches, GPipe's all 4.
+    params0 = units[0].param_bytes or 0.0
+    activation0 = units[0].activation_bytes or 0.0
+    assert (one_f_one_b[0], gpipe[0]) == (params0 + 2 * activation0, params0 + 4 * activation0)
+    limit = max(one_f_one_b)
+    ranked = plan(units, 2, candidates(4, 2), memory=limit)
+    assert not ranked[-1].fits(limit) and ranked[0].fits(limit)
+    assert all(r.fits(limit) for r in ranked[: [r.fits(limit) for r in ranked].index(False)])
+    least = min(max(r.peak_bytes) for r in rows.values() if r.peak_bytes is not None)  # zbv: 3 units, 4 stages
+    with pytest.raises(PlanError, match=rf"the least any needs is {least / GIB:.4g} GiB \((1f1b|zbh1)\)"):
+        plan(units, 2, candidates(4, 2), memory=least * 0.99)
