@@ -224,6 +224,29 @@ def _bad_inputs(rank, world):
     with pytest.raises(fpipe.schedules.ScheduleError) as info:
         other(mine, _batch(3) if rank == 0 else None)
     messages["mismatched schedules"] = str(info.value)
+    # NOTE [a handshake of fixed size]: each case below used to abort a rank in gloo or leave one waiting.
+    for case, counts in {"microbatch counts": (8, 4), "counts past the inline sizes": (20, 24)}.items():
+        other = fpipe.pipeline(
+            _loss, stages, OneFOneB(counts[rank]), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20
+        )
+        with pytest.raises(fpipe.schedules.ScheduleError) as info:
+            other(mine, _batch(3, size=20) if rank == 0 else None)
+        messages[case] = str(info.value)
+    many = fpipe.pipeline(_loss, stages, OneFOneB(20), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20)
+    messages["20 microbatches"] = many(mine, _batch(3, size=20) if rank == 0 else None)[0]
+    for case, count in {
+        "a meta count": lambda mb: torch.ones((), dtype=torch.int64, device="meta"),
+        "counts past int64": lambda mb: 2**62,
+    }.items():
+        weighted = fpipe.pipeline(
+            _loss, stages, GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, weight_fn=count, timeout=20
+        )
+        with pytest.raises(ValueError) as info:
+            weighted(mine, _batch(3) if rank == 0 else None)
+        messages[case] = str(info.value)
+    with pytest.raises((TypeError, ValueError)) as info:  # fails on rank 1 before the handshake
+        step(mine if rank == 0 else mine[:1], None if rank == 1 else _batch(3))
+    messages["params of one rank"] = str(info.value)
     with pytest.raises(fpipe.schedules.ScheduleError) as info:
         fpipe.pipeline(_loss, [*stages, _block], GPipe(2), group=dist.group.WORLD)
     messages["stages do not fit"] = str(info.value)
@@ -257,8 +280,17 @@ def test_bad_inputs_fail_on_every_rank():
     assert "params[0] is None" in first["missing params"]
     assert "was given batch=None" in first["batch on no rank"]
     assert "rank(s) [0] rejected" in second["batch on no rank"]
+    assert "weight_fn returned a tensor on the meta device for microbatch 0" in first["a meta count"]
+    assert "rank(s) [0] rejected" in second["a meta count"]
+    assert "sum past 2**63 - 1" in first["counts past int64"] and "rank(s) [0] rejected" in second["counts past int64"]
+    assert "params has 1 entry" in second["params of one rank"]
+    assert "rank(s) [1] rejected" in first["params of one rank"]
+    local, _ = _local(OneFOneB(20), 2, _batch(3, size=20))
     for m in (first, second):
         assert "different programs" in m["mismatched schedules"]
+        assert "microbatches by rank: [8, 4]" in m["microbatch counts"]
+        assert "microbatches by rank: [20, 24]" in m["counts past the inline sizes"]
+        assert torch.equal(m["20 microbatches"], local)
         assert "3 stages cannot be laid out on 2 ranks" in m["stages do not fit"]
         assert m["after"] > 0
     text, rank, action, cause = second["stage raised"]
