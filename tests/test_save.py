@@ -497,9 +497,9 @@ def test_each_rank_writes_its_own_stages(tmp_path: Path) -> None:
         assert_bitwise(result["loaded"], [t if s in result["stages"] else None for s, t in enumerate(full)])
         assert result["state"][rank + 2]["step"].item() == 5
     assert results[1]["error"].startswith("TypeError: fpipe.save: params[1]['count'] is a int, not a tensor")
-    assert (
-        results[0]["error"]
-        == "RuntimeError: fpipe.save: rank(s) [1] failed while naming their tensors; their own errors say why."
+    assert results[0]["error"].startswith(
+        "RuntimeError: fpipe.save: rank(s) [1] failed while naming their tensors; their own errors say why "
+        "(rank 1: TypeError: fpipe.save: params[1]['count'] is a int, not a tensor"
     )
     assert "no stage of the template has" in results[0]["alone"]
     assert read_index(tmp_path) == index and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
