@@ -244,6 +244,13 @@ def _bad_inputs(rank, world):
         with pytest.raises(ValueError) as info:
             weighted(mine, _batch(3) if rank == 0 else None)
         messages[case] = str(info.value)
+    weighted = fpipe.pipeline(
+        _loss, stages, GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20,
+        weight_fn=(lambda mb: 1) if rank == 0 else None,
+    )  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        weighted(mine, _batch(3) if rank == 0 else None)
+    messages["weight_fn on one rank"] = str(info.value)
     with pytest.raises((TypeError, ValueError)) as info:  # fails on rank 1 before the handshake
         step(mine if rank == 0 else mine[:1], None if rank == 1 else _batch(3))
     messages["params of one rank"] = str(info.value)
@@ -289,6 +296,7 @@ def test_bad_inputs_fail_on_every_rank():
     for m in (first, second):
         assert "different programs" in m["mismatched schedules"]
         assert "microbatches by rank: [8, 4]" in m["microbatch counts"]
+        assert "weight_fn by rank: [True, False]" in m["weight_fn on one rank"]
         assert "microbatches by rank: [20, 24]" in m["counts past the inline sizes"]
         assert torch.equal(m["20 microbatches"], local)
         assert "3 stages cannot be laid out on 2 ranks" in m["stages do not fit"]

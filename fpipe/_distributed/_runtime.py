@@ -126,6 +126,7 @@ class _Status(NamedTuple):
     size: int  # examples in its batch
     explicit: int  # the batch came as fpipe.Microbatches
     weight_count: int  # ``weight_fn``'s total on the first stage's rank
+    weighted: int  # the pipeline has a ``weight_fn``
     key: int
 
 
@@ -155,8 +156,17 @@ def _agree(
             microbatches, sizes, count = _local_inputs(spec, topology, params, batch, check_params)
         except Exception as error:  # the user's weight_fn and split may raise anything: agree first
             problem = error
-    explicit = isinstance(batch, Microbatches)
-    status = _Status(plan.checksum, m, microbatches is not None, problem is not None, sum(sizes), explicit, count, key)
+    status = _Status(
+        checksum=plan.checksum,
+        num_microbatches=m,
+        has_batch=microbatches is not None,
+        rejected=problem is not None,
+        size=sum(sizes),
+        explicit=isinstance(batch, Microbatches),
+        weight_count=count,
+        weighted=spec.weight_fn is not None,
+        key=key,
+    )
     inline = (sizes + [0] * INLINE_SIZES)[:INLINE_SIZES]
     words = handshake(topology, [*status, *inline, *device_type_words(topology.device)], spec.timeout)
     statuses = [_Status(*w[: len(_Status._fields)]) for w in words]
@@ -311,6 +321,11 @@ def _disagreement(statuses: list[_Status], checksum: int, m: int, first: int, la
             "fpipe.step: the pipeline ranks run different programs (checksums by rank: "
             f"{[st.checksum for st in statuses]}; microbatches by rank: {[st.num_microbatches for st in statuses]}; "
             f"this rank's: {checksum}, {m}). Build the same pipeline, schedule and stages on every rank."
+        )
+    if len({st.weighted for st in statuses}) > 1:
+        return ValueError(
+            "fpipe.step: some pipeline ranks weigh the loss with weight_fn and others do not (weight_fn by rank: "
+            f"{[bool(st.weighted) for st in statuses]}). Pass the same weight_fn= to fpipe.pipeline on every rank."
         )
     rejected = [r for r, st in enumerate(statuses) if st.rejected]
     if rejected:
