@@ -403,7 +403,11 @@ def _replicas(rank, world):
             outcomes.append(("ValueError", str(error), None))
     low = [{k: v.to(torch.float32) for k, v in p.items()} if p is not None else None for p in mine]
     loss, _ = step(low, _float32_batch(10 + replica) if step.rank == 0 else None)
-    return replica, step.local_stages, outcomes, loss
+    # replicas built with different microbatch counts: each pipeline agrees within itself
+    other = fpipe.pipeline(_loss, stages, OneFOneB(4 - 2 * replica), batch_dims=BATCH_DIMS, mesh=mesh, timeout=20)
+    with pytest.raises(fpipe.schedules.ScheduleError) as info:
+        other(mine, _batch(5, size=8) if other.rank == 0 else None)
+    return replica, step.local_stages, outcomes, loss, str(info.value)
 
 
 def _float32_batch(seed):
@@ -414,14 +418,16 @@ def _float32_batch(seed):
 
 def test_replicas_fail_together_and_keep_the_loss_precision():
     """A replica that rejects its inputs fails the others (never averaging two different steps);
-    the replica-averaged loss keeps its own precision (float64 here) when the grads are float32."""
+    the replica-averaged loss keeps its own precision (float64 here) when the grads are float32;
+    replicas built with different programs all raise a ScheduleError."""
     results = run_ranks(4, _replicas)
     stages, params = _model(2)
     local = fpipe.pipeline(_loss, stages, OneFOneB(4), batch_dims=BATCH_DIMS)
     expected_loss, expected_grads = local(params, _batch(5, seed=1, size=8))
     low = [{k: v.to(torch.float32) for k, v in p.items()} for p in params]
     low_losses = [local(low, _float32_batch(10 + r))[0] for r in range(2)]
-    for replica, local_stages, outcomes, low_loss in results:
+    for replica, local_stages, outcomes, low_loss, mismatch in results:
+        assert "the data-parallel replicas run different programs" in mismatch
         kind, message, _ = outcomes[0]
         assert kind == "ValueError", outcomes[0]
         if replica == 0:

@@ -182,24 +182,23 @@ def _agree(
     # tensor-parallel index, and the tensor-parallel one every rank.
     # The key travels in the same sums, added by replica 0 (tensor-parallel rank 0) alone: a key
     # below 2**53 is exact in float64.
+    # The same sums carry two 16-bit halves of the program's checksum and their squares, so that
+    # replicas (tensor-parallel ranks) built with another schedule or microbatch count, whose
+    # pipelines each agree within themselves, fail with a ScheduleError instead of all-reducing
+    # gradients of different steps (NOTE [a handshake of fixed size]).
     if topology.data_group is not None:
         mine = key if topology.replica == 0 else 0
-        flag = torch.tensor([float(problem is not None), count, mine], dtype=torch.float64, device=topology.device)
-        all_reduce_sum(topology, topology.data_group, [flag], spec.timeout, "the other data-parallel replicas")
-        if problem is None and flag[0].item() > 0:
-            problem = ValueError(
-                "fpipe.step: another data-parallel replica rejected its inputs; its ranks' errors say why."
-            )
-        count, key = int(flag[1].item()), int(flag[2].item())
+        problem, (count, key) = _across(
+            spec, plan, topology, topology.data_group, topology.data_size, problem, [count, mine],
+            ("data-parallel replica", "data-parallel replicas"),
+        )  # fmt: skip
     if topology.tensor_group is not None:
+        assert topology.tensor_ranks is not None
         mine = key if topology.tensor_rank == 0 else 0
-        flag = torch.tensor([float(problem is not None), mine], dtype=torch.float64, device=topology.device)
-        all_reduce_sum(topology, topology.tensor_group, [flag], spec.timeout, "the other tensor-parallel ranks")
-        if problem is None and flag[0].item() > 0:
-            problem = ValueError(
-                "fpipe.step: another tensor-parallel rank rejected its inputs; its ranks' errors say why."
-            )
-        key = int(flag[1].item())
+        problem, (key,) = _across(
+            spec, plan, topology, topology.tensor_group, len(topology.tensor_ranks), problem, [mine],
+            ("tensor-parallel rank", "tensor-parallel ranks"),
+        )  # fmt: skip
     if problem is None:
         try:
             weights = loss_weights(agreed_sizes, count if spec.weight_fn is not None else None)
@@ -208,6 +207,35 @@ def _agree(
     if problem is not None:
         raise problem
     return _Agreed(microbatches, weights, bool(statuses[first].explicit), not statuses[last].has_batch, key)
+
+
+def _across(
+    spec: StepSpec,
+    plan: Plan,
+    topology: Topology,
+    group: Any,
+    size: int,
+    problem: Exception | None,
+    values: list[int],
+    names: tuple[str, str],
+) -> tuple[Exception | None, list[int]]:
+    """Sum this rank's failure flag, ``values`` and its program's checksum words over ``group`` (of
+    ``size`` ranks); the step's problem (this rank's, else a different program or another rank's
+    rejection there) and the summed ``values``. ``names``: a rank of ``group``, singular and plural."""
+    low, high = plan.checksum & 0xFFFF, (plan.checksum >> 16) & 0xFFFF
+    words = [float(problem is not None), *values, low, low * low, high, high * high]
+    flag = torch.tensor(words, dtype=torch.float64, device=topology.device)
+    all_reduce_sum(topology, group, [flag], spec.timeout, f"the other {names[1]}")
+    failed, *sums = [int(x) for x in flag.tolist()]
+    # All halves are equal exactly when size * sum(h**2) == sum(h)**2; the sums are exact in float64.
+    if problem is None and any(size * sums[-k] != sums[-k - 1] ** 2 for k in (1, 3)):
+        problem = ScheduleError(
+            f"fpipe.step: the {names[1]} run different programs (another schedule, microbatch count or number "
+            "of stages). Build the same pipeline, schedule and stages on every rank."
+        )
+    if problem is None and failed > 0:
+        problem = ValueError(f"fpipe.step: another {names[0]} rejected its inputs; its ranks' errors say why.")
+    return problem, sums[:-4]
 
 
 def _local_inputs(
