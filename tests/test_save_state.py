@@ -275,6 +275,9 @@ def _one_rank_corrupt(rank: int, world: int, directory: str) -> dict[str, Any]:
         with pytest.raises((ValueError, RuntimeError)) as info:
             fpipe.load_state(root, params, optimizer_state=opt, step=step)
         out[case] = (f"{type(info.value).__name__}: {info.value}", torch.equal(torch.rand(3), _drawn(100 + rank)))
+    with pytest.raises((TypeError, RuntimeError)) as info:  # rank 1's template is not a list
+        fpipe.load_state(root.parent / "one byte", params if rank == 0 else params[1], step=step)
+    out["template"] = (f"{type(info.value).__name__}: {info.value}", True)
     return out
 
 
@@ -292,3 +295,5 @@ def test_a_load_fails_on_every_rank_when_one_ranks_file_is_bad(tmp_path: Path) -
         assert other.startswith("RuntimeError: fpipe.load_state: rank(s) [1] failed while reading the save")
         assert fragment in other and "optimizer-rank-00001-of-00002.safetensors" in other
         assert own_kept and other_kept, case  # no generator restored anywhere
+    assert results[1]["template"][0].startswith("TypeError: fpipe.load: template must be a list")
+    assert results[0]["template"][0].startswith("RuntimeError: fpipe.load_state: rank(s) [1] failed while reading")

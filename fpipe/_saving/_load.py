@@ -128,13 +128,15 @@ def load_then(
     on their outcome: it (``load_state``: reading this rank's training state) may raise on one
     rank, and every rank raises (``agree``); the arguments as ``load`` takes them, ``function``
     names the caller."""
-    trees = {"params": stage_list("load", "template", template)}
-    if optimizer_state is not None:
-        trees["optimizer_state"] = stage_list("load", "optimizer_state", optimizer_state)
     topology, _ = resolve("load", step, group, mesh)
     ranks = Ranks(function, topology, timeout, all_replicas=True)
-    root, index, wanted, problem = Path(directory), {}, {}, None
-    try:
+    trees: dict[str, list[PyTree]] = {}
+    root, index, wanted, problem = Path(), {}, {}, None
+    try:  # what one rank finds wrong here, every rank raises (``agree``)
+        root = Path(directory)
+        trees["params"] = stage_list("load", "template", template)
+        if optimizer_state is not None:
+            trees["optimizer_state"] = stage_list("load", "optimizer_state", optimizer_state)
         sharding = sharded_leaves("load", step, trees)
         root = committed(root)
         index = read_index(root)
