@@ -444,8 +444,6 @@ class Step:
                 ``params`` are the shards, as ``step`` takes them (each stage is gathered for its
                 forwards; no reduce-scatter runs).
         """
-        if not isinstance(outputs, bool):
-            raise TypeError(f"fpipe.step.evaluate: outputs must be True or False (outputs: {outputs!r}).")
         (loss, aux, ys), _ = self._run(self._forward_plan, params, batch, key=key, keep_outputs=outputs)
         result = (loss, aux) if self.has_aux else loss
         return (result, ys) if outputs else result
@@ -460,7 +458,7 @@ class Step:
         """
         rejected = None
         try:
-            batch, key = self._checked(params, batch, key)
+            batch, key = self._checked(params, batch, key, keep_outputs)
         except Exception as error:  # the user's split may raise anything
             if self._topology is None:
                 raise
@@ -483,13 +481,18 @@ class Step:
                 keep_outputs=keep_outputs,
             )
 
-    def _checked(self, params: Sequence[PyTree], batch: PyTree, key: int | None) -> tuple[PyTree, int]:
-        """The batch (split by ``split=``, if given) and the step's key, ``params`` and both checked.
+    def _checked(
+        self, params: Sequence[PyTree], batch: PyTree, key: int | None, keep_outputs: bool
+    ) -> tuple[PyTree, int]:
+        """The batch (split by ``split=``, if given) and the step's key, ``params``, both and
+        ``evaluate``'s ``outputs`` (``keep_outputs``) checked.
 
         Raises:
             TypeError, ValueError: for ``params`` that are not one pytree per stage, meta tensors,
-                or a key out of range; the user's ``split`` may raise anything.
+                a key out of range, or ``outputs`` not a bool; the user's ``split`` may raise anything.
         """
+        if not isinstance(keep_outputs, bool):
+            raise TypeError(f"fpipe.step.evaluate: outputs must be True or False (outputs: {keep_outputs!r}).")
         if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence):
             raise TypeError(
                 f"fpipe.step: params must be a list with one pytree per stage (got: {type(params).__name__}). "

@@ -254,6 +254,9 @@ def _bad_inputs(rank, world):
     with pytest.raises((TypeError, ValueError)) as info:  # fails on rank 1 before the handshake
         step(mine if rank == 0 else mine[:1], None if rank == 1 else _batch(3))
     messages["params of one rank"] = str(info.value)
+    with pytest.raises((TypeError, ValueError)) as info:  # so does an evaluate with outputs="yes" on rank 1
+        step.evaluate(mine, _batch(3) if rank == 0 else None, outputs=True if rank == 0 else "yes")
+    messages["outputs of one rank"] = str(info.value)
     with pytest.raises(fpipe.schedules.ScheduleError) as info:
         fpipe.pipeline(_loss, [*stages, _block], GPipe(2), group=dist.group.WORLD)
     messages["stages do not fit"] = str(info.value)
@@ -292,6 +295,8 @@ def test_bad_inputs_fail_on_every_rank():
     assert "sum past 2**63 - 1" in first["counts past int64"] and "rank(s) [0] rejected" in second["counts past int64"]
     assert "params has 1 entry" in second["params of one rank"]
     assert "rank(s) [1] rejected" in first["params of one rank"]
+    assert "outputs must be True or False (outputs: 'yes')" in second["outputs of one rank"]
+    assert "rank(s) [1] rejected" in first["outputs of one rank"]
     local, _ = _local(OneFOneB(20), 2, _batch(3, size=20))
     for m in (first, second):
         assert "different programs" in m["mismatched schedules"]
