@@ -444,8 +444,6 @@ class Step:
                 ``params`` are the shards, as ``step`` takes them (each stage is gathered for its
                 forwards; no reduce-scatter runs).
         """
-        if not isinstance(outputs, bool):
-            raise TypeError(f"fpipe.step.evaluate: outputs must be True or False (outputs: {outputs!r}).")
         (loss, aux, ys), _ = self._run(self._forward_plan, params, batch, key=key, keep_outputs=outputs)
         result = (loss, aux) if self.has_aux else loss
         return (result, ys) if outputs else result
@@ -453,21 +451,18 @@ class Step:
     def _run(
         self, plan: Plan, params: Sequence[PyTree], batch: PyTree, *, key: int | None, keep_outputs: bool
     ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
-        """Check the inputs and run ``plan`` here or distributed: ``((loss, aux, outputs), grads)``."""
-        if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence):
-            raise TypeError(
-                f"fpipe.step: params must be a list with one pytree per stage (got: {type(params).__name__}). "
-                f"Pass [params_0, ..., params_{self.num_stages - 1}]."
-            )
-        if len(params) != self.num_stages:
-            raise ValueError(
-                f"fpipe.step: params has {plural(len(params), 'entry')} but the pipeline has "
-                f"{plural(self.num_stages, 'stage')}. Pass one parameter pytree per stage."
-            )
-        if self.split is not None and batch is not None and not isinstance(batch, Microbatches):
-            batch = Microbatches(self.split(batch, self.num_microbatches))
-        _check_not_meta(params, batch, self.local_stages)
-        key = draw_key() if key is None else check_key(key)
+        """Check the inputs and run ``plan`` here or distributed: ``((loss, aux, outputs), grads)``.
+
+        Distributed, what the checks find wrong is raised after the step's handshake, so that
+        every rank fails (NOTE [a handshake of fixed size] in fpipe/_distributed/_runtime.py).
+        """
+        rejected = None
+        try:
+            batch, key = self._checked(params, batch, key, keep_outputs)
+        except Exception as error:  # the user's split may raise anything
+            if self._topology is None:
+                raise
+            rejected, key = error, 0
         with not_inference():  # results are plain tensors whatever the ambient mode
             if self._topology is None:
                 self._check_precision(params)
@@ -482,8 +477,36 @@ class Step:
                 runs_for=self._runs_for,
                 check_params=self._check_params,
                 key=key,
+                rejected=rejected,
                 keep_outputs=keep_outputs,
             )
+
+    def _checked(
+        self, params: Sequence[PyTree], batch: PyTree, key: int | None, keep_outputs: bool
+    ) -> tuple[PyTree, int]:
+        """The batch (split by ``split=``, if given) and the step's key, ``params``, both and
+        ``evaluate``'s ``outputs`` (``keep_outputs``) checked.
+
+        Raises:
+            TypeError, ValueError: for ``params`` that are not one pytree per stage, meta tensors,
+                a key out of range, or ``outputs`` not a bool; the user's ``split`` may raise anything.
+        """
+        if not isinstance(keep_outputs, bool):
+            raise TypeError(f"fpipe.step.evaluate: outputs must be True or False (outputs: {keep_outputs!r}).")
+        if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence):
+            raise TypeError(
+                f"fpipe.step: params must be a list with one pytree per stage (got: {type(params).__name__}). "
+                f"Pass [params_0, ..., params_{self.num_stages - 1}]."
+            )
+        if len(params) != self.num_stages:
+            raise ValueError(
+                f"fpipe.step: params has {plural(len(params), 'entry')} but the pipeline has "
+                f"{plural(self.num_stages, 'stage')}. Pass one parameter pytree per stage."
+            )
+        if self.split is not None and batch is not None and not isinstance(batch, Microbatches):
+            batch = Microbatches(self.split(batch, self.num_microbatches))
+        _check_not_meta(params, batch, self.local_stages)
+        return batch, draw_key() if key is None else check_key(key)
 
     @property
     def loss_scale(self) -> LossScaleState | None:

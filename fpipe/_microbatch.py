@@ -153,7 +153,8 @@ def counts(microbatches: Sequence[PyTree], weight_fn: Callable[[Any], Any]) -> l
 
     Raises:
         ValueError: if ``weight_fn`` raises or returns anything but a non-negative integer
-            (an int, or an integer tensor of one element), naming the microbatch.
+            (an int, or an integer tensor of one element, not on the meta device), naming the
+            microbatch.
     """
     out = []
     for i, microbatch in enumerate(microbatches):
@@ -161,6 +162,11 @@ def counts(microbatches: Sequence[PyTree], weight_fn: Callable[[Any], Any]) -> l
             count = weight_fn(microbatch)
         except Exception as error:
             raise ValueError(f"fpipe.step: weight_fn raised on microbatch {i}: {error!r}.") from error
+        if isinstance(count, torch.Tensor) and count.is_meta:
+            raise ValueError(
+                f"fpipe.step: weight_fn returned a tensor on the meta device for microbatch {i}, which holds no "
+                f"count ({count!r}). Count on the batch's own device (e.g. (mb['labels'] != -100).sum())."
+            )
         if isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_floating_point():
             count = int(count.item())
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:

@@ -224,6 +224,39 @@ def _bad_inputs(rank, world):
     with pytest.raises(fpipe.schedules.ScheduleError) as info:
         other(mine, _batch(3) if rank == 0 else None)
     messages["mismatched schedules"] = str(info.value)
+    # NOTE [a handshake of fixed size]: each case below used to abort a rank in gloo or leave one waiting.
+    for case, counts in {"microbatch counts": (8, 4), "counts past the inline sizes": (20, 24)}.items():
+        other = fpipe.pipeline(
+            _loss, stages, OneFOneB(counts[rank]), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20
+        )
+        with pytest.raises(fpipe.schedules.ScheduleError) as info:
+            other(mine, _batch(3, size=20) if rank == 0 else None)
+        messages[case] = str(info.value)
+    many = fpipe.pipeline(_loss, stages, OneFOneB(20), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20)
+    messages["20 microbatches"] = many(mine, _batch(3, size=20) if rank == 0 else None)[0]
+    for case, count in {
+        "a meta count": lambda mb: torch.ones((), dtype=torch.int64, device="meta"),
+        "counts past int64": lambda mb: 2**62,
+    }.items():
+        weighted = fpipe.pipeline(
+            _loss, stages, GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, weight_fn=count, timeout=20
+        )
+        with pytest.raises(ValueError) as info:
+            weighted(mine, _batch(3) if rank == 0 else None)
+        messages[case] = str(info.value)
+    weighted = fpipe.pipeline(
+        _loss, stages, GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20,
+        weight_fn=(lambda mb: 1) if rank == 0 else None,
+    )  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        weighted(mine, _batch(3) if rank == 0 else None)
+    messages["weight_fn on one rank"] = str(info.value)
+    with pytest.raises((TypeError, ValueError)) as info:  # fails on rank 1 before the handshake
+        step(mine if rank == 0 else mine[:1], None if rank == 1 else _batch(3))
+    messages["params of one rank"] = str(info.value)
+    with pytest.raises((TypeError, ValueError)) as info:  # so does an evaluate with outputs="yes" on rank 1
+        step.evaluate(mine, _batch(3) if rank == 0 else None, outputs=True if rank == 0 else "yes")
+    messages["outputs of one rank"] = str(info.value)
     with pytest.raises(fpipe.schedules.ScheduleError) as info:
         fpipe.pipeline(_loss, [*stages, _block], GPipe(2), group=dist.group.WORLD)
     messages["stages do not fit"] = str(info.value)
@@ -257,8 +290,20 @@ def test_bad_inputs_fail_on_every_rank():
     assert "params[0] is None" in first["missing params"]
     assert "was given batch=None" in first["batch on no rank"]
     assert "rank(s) [0] rejected" in second["batch on no rank"]
+    assert "weight_fn returned a tensor on the meta device for microbatch 0" in first["a meta count"]
+    assert "rank(s) [0] rejected" in second["a meta count"]
+    assert "sum past 2**63 - 1" in first["counts past int64"] and "rank(s) [0] rejected" in second["counts past int64"]
+    assert "params has 1 entry" in second["params of one rank"]
+    assert "rank(s) [1] rejected" in first["params of one rank"]
+    assert "outputs must be True or False (outputs: 'yes')" in second["outputs of one rank"]
+    assert "rank(s) [1] rejected" in first["outputs of one rank"]
+    local, _ = _local(OneFOneB(20), 2, _batch(3, size=20))
     for m in (first, second):
         assert "different programs" in m["mismatched schedules"]
+        assert "microbatches by rank: [8, 4]" in m["microbatch counts"]
+        assert "weight_fn by rank: [True, False]" in m["weight_fn on one rank"]
+        assert "microbatches by rank: [20, 24]" in m["counts past the inline sizes"]
+        assert torch.equal(m["20 microbatches"], local)
         assert "3 stages cannot be laid out on 2 ranks" in m["stages do not fit"]
         assert m["after"] > 0
     text, rank, action, cause = second["stage raised"]
@@ -363,7 +408,11 @@ def _replicas(rank, world):
             outcomes.append(("ValueError", str(error), None))
     low = [{k: v.to(torch.float32) for k, v in p.items()} if p is not None else None for p in mine]
     loss, _ = step(low, _float32_batch(10 + replica) if step.rank == 0 else None)
-    return replica, step.local_stages, outcomes, loss
+    # replicas built with different microbatch counts: each pipeline agrees within itself
+    other = fpipe.pipeline(_loss, stages, OneFOneB(4 - 2 * replica), batch_dims=BATCH_DIMS, mesh=mesh, timeout=20)
+    with pytest.raises(fpipe.schedules.ScheduleError) as info:
+        other(mine, _batch(5, size=8) if other.rank == 0 else None)
+    return replica, step.local_stages, outcomes, loss, str(info.value)
 
 
 def _float32_batch(seed):
@@ -374,14 +423,16 @@ def _float32_batch(seed):
 
 def test_replicas_fail_together_and_keep_the_loss_precision():
     """A replica that rejects its inputs fails the others (never averaging two different steps);
-    the replica-averaged loss keeps its own precision (float64 here) when the grads are float32."""
+    the replica-averaged loss keeps its own precision (float64 here) when the grads are float32;
+    replicas built with different programs all raise a ScheduleError."""
     results = run_ranks(4, _replicas)
     stages, params = _model(2)
     local = fpipe.pipeline(_loss, stages, OneFOneB(4), batch_dims=BATCH_DIMS)
     expected_loss, expected_grads = local(params, _batch(5, seed=1, size=8))
     low = [{k: v.to(torch.float32) for k, v in p.items()} for p in params]
     low_losses = [local(low, _float32_batch(10 + r))[0] for r in range(2)]
-    for replica, local_stages, outcomes, low_loss in results:
+    for replica, local_stages, outcomes, low_loss, mismatch in results:
+        assert "the data-parallel replicas run different programs" in mismatch
         kind, message, _ = outcomes[0]
         assert kind == "ValueError", outcomes[0]
         if replica == 0:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import fpipe
 from fpipe._saving._hf_load import read_range
+from fpipe._saving._store import MAX_HEADER_BYTES
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
 from tests.test_save import assert_bitwise, template
@@ -300,6 +301,15 @@ def test_malformed_checkpoints_raise_value_errors(tmp_path: Path) -> None:
     safetensors.torch.save_file({"v": torch.ones(1)}, tmp_path / "a.safetensors")
     with pytest.raises(ValueError, match=r"puts 'w' in a.safetensors, which has no tensor of that name"):
         fpipe.load_hf(tmp_path, [{"w": torch.empty(1)}])
+
+
+def test_a_header_past_the_limit_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    """NOTE [header size] in fpipe/_saving/_store.py: a valid header padded with JSON spaces."""
+    header = json.dumps({"w": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}}).encode()
+    header += b" " * (MAX_HEADER_BYTES + 8 - len(header))
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(ValueError, match=r"model.safetensors has a safetensors header of 16777224 bytes, more than"):
+        fpipe.load_hf(tmp_path, [{"w": torch.empty(1, dtype=torch.float64)}])
 
 
 def test_a_dtype_fpipe_does_not_read_is_named(tmp_path: Path) -> None:

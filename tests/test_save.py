@@ -23,6 +23,7 @@ from safetensors import safe_open
 import fpipe
 from fpipe._distributed._wire import tensor_bytes
 from fpipe._saving._directory import INDEX, LATEST, LOCK
+from fpipe._saving._store import MAX_HEADER_BYTES
 from fpipe.schedules import Interleaved1F1B, OneFOneB
 from tests._multiprocess import exec_script, run_ranks, start_process
 
@@ -421,6 +422,22 @@ def test_corrupt_bytes_and_headers_are_detected(saved: Path) -> None:
         fpipe.load(saved, template(layout(model(), TWO)))
 
 
+def test_a_header_past_the_limit_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    """NOTE [header size]: a valid header padded with JSON spaces past MAX_HEADER_BYTES, in a file
+    whose size the index announces."""
+    params = [{"w": torch.ones(3)}]
+    fpipe.save(tmp_path, params)
+    (file,) = _files(tmp_path)
+    data = file.read_bytes()
+    n, padded = int.from_bytes(data[:8], "little"), MAX_HEADER_BYTES + 8
+    file.write_bytes(padded.to_bytes(8, "little") + data[8 : 8 + n] + b" " * (padded - n) + data[8 + n :])
+    index = json.loads((file.parent / INDEX).read_text())
+    index["files"][file.name]["bytes"] = file.stat().st_size
+    (file.parent / INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"{file.name} has a safetensors header of {padded} bytes, more than fpipe"):
+        fpipe.load(tmp_path, params)
+
+
 def test_load_reads_only_the_files_it_needs(tmp_path: Path) -> None:
     """Stage 3's tensors live in their own file here; corrupting it does not matter to stage 0."""
     params = layout(model(), FOUR)
@@ -497,9 +514,9 @@ def test_each_rank_writes_its_own_stages(tmp_path: Path) -> None:
         assert_bitwise(result["loaded"], [t if s in result["stages"] else None for s, t in enumerate(full)])
         assert result["state"][rank + 2]["step"].item() == 5
     assert results[1]["error"].startswith("TypeError: fpipe.save: params[1]['count'] is a int, not a tensor")
-    assert (
-        results[0]["error"]
-        == "RuntimeError: fpipe.save: rank(s) [1] failed while naming their tensors; their own errors say why."
+    assert results[0]["error"].startswith(
+        "RuntimeError: fpipe.save: rank(s) [1] failed while naming their tensors; their own errors say why "
+        "(rank 1: TypeError: fpipe.save: params[1]['count'] is a int, not a tensor"
     )
     assert "no stage of the template has" in results[0]["alone"]
     assert read_index(tmp_path) == index and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]

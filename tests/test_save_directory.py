@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 import fpipe
 from fpipe._saving._directory import INDEX, LATEST, LOCK
-from tests._multiprocess import run_ranks
+from tests._multiprocess import run_ranks, start_process
 from tests.test_save import assert_bitwise
 
 ROUNDS, N = 8, 50_000
@@ -139,3 +140,35 @@ def test_latest_the_version_and_the_index_may_not_lead_outside(tmp_path: Path) -
     (save / "index").rename(version / "index")
     (version / INDEX).symlink_to("index")  # a link to another file of the version is followed
     assert_bitwise(fpipe.load(save, params).params, params)
+
+
+def _save_and_wait(directory: str, release: Any) -> None:
+    """Another run: save into ``directory``, then stay alive until ``release`` is set."""
+    fpipe.save(directory, [{"w": torch.zeros(3)}])
+    release.wait(30)
+
+
+def test_a_second_live_run_saving_into_the_directory_is_warned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [a second live writer]: warned while the other run lives, not once it has exited."""
+    for name in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # two runs of no job
+    params = [{"w": torch.ones(3)}]
+    release = multiprocessing.get_context("forkserver").Event()
+    other = start_process(_save_and_wait, str(tmp_path), release)
+    try:
+        while not (tmp_path / LATEST).exists() and other.is_alive():
+            other.join(0.05)
+        said = rf"another run saves into .*process {other.pid} \(job: None\)"
+        with pytest.warns(RuntimeWarning, match=said) as record:
+            fpipe.save(tmp_path, params)
+        assert record[0].filename == __file__  # the warning points at the call to save
+    finally:
+        release.set()
+        other.join(30)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    other = start_process(_save_and_wait, str(tmp_path), release)  # released: saves and exits
+    other.join(30)
+    assert other.exitcode == 0
+    fpipe.save(tmp_path, params)  # its writer is gone: no warning (warnings are errors here)
+    assert_bitwise(fpipe.load(tmp_path, params).params, params)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fpipe
 import fpipe.optim
@@ -212,13 +213,87 @@ def _mesh_state(rank: int, world: int, directory: str) -> tuple[torch.Tensor, to
     expected = torch.rand(3)
     torch.manual_seed(0)
     loaded = fpipe.load_state(directory, params, step=step)
-    return expected, torch.rand(3), loaded.step
+    drawn = torch.rand(3)
+    # NOTE [resuming in another layout]: the same 4 processes as ("pp", "dp"), global ranks 1 and 2 swap roles
+    swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    other = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), mesh=swapped)
+    params = [p if s in other.local_stages else None for s, p in enumerate(state_of(0).params)]
+    torch.manual_seed(7)
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        fpipe.load_state(directory, params, step=other)
+    kept = torch.equal(torch.rand(3), _drawn(7))  # no generator restored on any rank
+    torch.manual_seed(7)
+    fpipe.load_state(directory, params, step=other, restore_rng=False)
+    after = torch.equal(torch.rand(3), _drawn(7))
+    return expected, drawn, loaded.step, f"{type(info.value).__name__}: {info.value}", kept, after
 
 
-def test_every_process_of_a_mesh_saves_and_restores_its_own_generator(tmp_path: Path) -> None:
+def test_every_process_of_a_mesh_saves_and_restores_its_own_generator_and_refuses_another_layout(
+    tmp_path: Path,
+) -> None:
     results = run_ranks(4, _mesh_state, str(tmp_path), timeout=120)
-    for expected, drawn, number in results:
+    for rank, (expected, drawn, number, error, kept, after) in enumerate(results):
         assert torch.equal(expected, drawn) and number == 1
-    assert len({tuple(e.tolist()) for e, _, _ in results}) == 4  # four different generators
+        if rank in (1, 2):
+            said = f"ValueError: fpipe.load_state: this process (global rank {rank}) is pipeline rank {rank - 1} "
+            assert error.startswith(said)
+            assert "restore_rng=False" in error
+        else:
+            assert error.startswith("RuntimeError: fpipe.load_state: rank(s) [0 (dp 1), 1 (dp 0)] failed while")
+        assert kept and after  # restore_rng=False keeps them too
+    assert len({tuple(e.tolist()) for e, *_ in results}) == 4  # four different generators
     index = json.loads((tmp_path / (tmp_path / LATEST).read_text().strip() / INDEX).read_text())
     assert sorted(index["metadata"]["user"]["fpipe_train_state"]["rng"]) == ["0", "1", "2", "3"]
+
+
+# --- Every rank or none ----------------------------------------------------------------------
+
+
+def _one_rank_corrupt(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Rank 1's optimizer file is truncated, changed by one byte or deleted: every rank raises, none
+    restores anything."""
+    from fpipe.schedules import OneFOneB
+
+    step = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), group=dist.group.WORLD, timeout=30)
+    state = state_of(0)
+    params = [p if s in step.local_stages else None for s, p in enumerate(state.params)]
+    opt = [o if s in step.local_stages else None for s, o in enumerate(state.optimizer_state or [])]
+    out = {}
+    for case in ("truncated", "one byte", "deleted"):
+        root = Path(directory) / case
+        version = fpipe.save_state(root, fpipe.TrainState(params, opt, step=3), step=step)
+        if rank == 1:
+            path = version / "optimizer-rank-00001-of-00002.safetensors"
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 1  # the last byte of the last tensor
+            if case == "deleted":
+                path.unlink()
+            else:
+                path.write_bytes(data[: len(data) // 2] if case == "truncated" else data)
+        dist.barrier()
+        torch.manual_seed(100 + rank)
+        with pytest.raises((ValueError, RuntimeError)) as info:
+            fpipe.load_state(root, params, optimizer_state=opt, step=step)
+        out[case] = (f"{type(info.value).__name__}: {info.value}", torch.equal(torch.rand(3), _drawn(100 + rank)))
+    with pytest.raises((TypeError, RuntimeError)) as info:  # rank 1's template is not a list
+        fpipe.load_state(root.parent / "one byte", params if rank == 0 else params[1], step=step)
+    out["template"] = (f"{type(info.value).__name__}: {info.value}", True)
+    return out
+
+
+def _drawn(seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.rand(3)
+
+
+def test_a_load_fails_on_every_rank_when_one_ranks_file_is_bad(tmp_path: Path) -> None:
+    results = run_ranks(2, _one_rank_corrupt, str(tmp_path), timeout=60)
+    for case, fragment in [("truncated", "truncated or corrupt"), ("one byte", "is corrupt"), ("deleted", "missing")]:
+        (own, own_kept), (other, other_kept) = results[1][case], results[0][case]
+        assert own.startswith("ValueError: fpipe.load: ") and fragment in own
+        assert "optimizer-rank-00001-of-00002.safetensors" in own
+        assert other.startswith("RuntimeError: fpipe.load_state: rank(s) [1] failed while reading the save")
+        assert fragment in other and "optimizer-rank-00001-of-00002.safetensors" in other
+        assert own_kept and other_kept, case  # no generator restored anywhere
+    assert results[1]["template"][0].startswith("TypeError: fpipe.load: template must be a list")
+    assert results[0]["template"][0].startswith("RuntimeError: fpipe.load_state: rank(s) [1] failed while reading")

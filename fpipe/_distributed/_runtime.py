@@ -58,6 +58,7 @@ def run_distributed(
     runs_for: RunsFor,
     check_params: Callable[[Sequence[PyTree]], None],
     key: int,
+    rejected: Exception | None = None,
     keep_outputs: bool = False,
 ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
     """A step as pipeline rank ``topology.rank``: its row of the program; ``((loss, aux,
@@ -67,7 +68,9 @@ def run_distributed(
     rank's stages once every rank has agreed; ``check_params(params)`` raises ``ValueError`` for
     parameters this rank cannot run with (every rank then fails together). The stages' random
     draws are those of the key every rank agrees on, ``key`` of the first stage's rank of replica
-    0 and tensor-parallel rank 0 (NOTE [randomness as data] in fpipe/_random.py).
+    0 and tensor-parallel rank 0 (NOTE [randomness as data] in fpipe/_random.py). ``rejected``:
+    what the step's checks found wrong before; this rank raises it after the handshake, and every
+    other rank a ``ValueError`` saying so (NOTE [a handshake of fixed size]).
     """
     check_usable(topology)
     with WATCHDOG.step(topology.board):
@@ -75,7 +78,7 @@ def run_distributed(
             late = WATCHDOG.read(topology.board)  # the others gave up on this step before this rank came
             if late is not None:
                 raise late.error(topology.rank, "the other pipeline ranks at the start of the step")
-            agreed = _agree(spec, plan, topology, params, batch, check_params, key)
+            agreed = _agree(spec, plan, topology, params, batch, check_params, key, rejected)
             runs = runs_for(params)
             loss, aux, outputs = _run_row(spec, plan, topology, wire, runs, agreed, keep_outputs)
             unaveraged = [] if plan.forward_only else runs.finish()
@@ -98,6 +101,35 @@ class _Agreed(NamedTuple):
     key: int  # the step's key (NOTE [randomness as data] in fpipe/_random.py)
 
 
+# NOTE [a handshake of fixed size]
+# The handshake is one all-gather, and an all-gather needs the same length on every rank: gloo
+# aborts the process (in C++, "Received data size doesn't match expected size") when a peer's
+# vector is longer or shorter. So its length depends on nothing a rank could disagree on: the
+# ``_Status`` words, INLINE_SIZES microbatch sizes (zeros past the rank's count), the device type.
+# With more microbatches than that, the sizes follow in a second all-gather of ``m`` words, run
+# only when every rank's status shows the same program and ``m`` (so the same length), which
+# every rank decides from the same gathered words. A rank whose own checks fail (an input, the
+# user's ``split`` or ``weight_fn``, a count past int64) still joins the handshake with its
+# ``rejected`` flag set and raises after it, so every rank fails in the same step, never
+# waiting for one that is already gone or pairing with its next step.
+INLINE_SIZES = 16
+_INT64 = 1 << 63
+
+
+class _Status(NamedTuple):
+    """One pipeline rank's words in the step's handshake, before its sizes and device type."""
+
+    checksum: int  # the program's (``Plan.checksum``)
+    num_microbatches: int
+    has_batch: int
+    rejected: int  # its own checks failed: it raises its own error, the others say it did
+    size: int  # examples in its batch
+    explicit: int  # the batch came as fpipe.Microbatches
+    weight_count: int  # ``weight_fn``'s total on the first stage's rank
+    weighted: int  # the pipeline has a ``weight_fn``
+    key: int
+
+
 def _agree(
     spec: StepSpec,
     plan: Plan,
@@ -106,39 +138,43 @@ def _agree(
     batch: PyTree,
     check_params: Callable[[Sequence[PyTree]], None],
     key: int,
+    rejected: Exception | None,
 ) -> _Agreed:
     """Check the local inputs and agree with every rank (and replica) on what the step runs.
 
     The handshake carries the first stage's microbatch sizes and ``weight_fn`` count, so every
     rank weighs the microbatches alike, and its ``key``; the replicas' counts are summed with
     their failure flags, and replica 0's key (then tensor-parallel rank 0's) with them.
+    ``rejected``: what the step's own checks found wrong before (raised here, after the handshake).
     """
-    me, placement, m = topology.rank, spec.program.placement(), spec.num_microbatches
+    placement, m = spec.program.placement(), spec.num_microbatches
     first, last = placement[0], placement[-1]
-    microbatches, size, sizes, count = None, 0, [0] * m, 0
-    problem: Exception | None = None
-    try:
-        _check_held(spec, params, placement)
-        _check_dtensors(spec, params, topology)
-        check_devices(spec, params, topology.device)
-        check_params(params)
-        if batch is not None and me in (first, last):
-            microbatches, sizes = split(batch, m, spec.batch_dims)
-            size = sum(sizes)
-            if spec.weight_fn is not None and me == first:
-                count = sum(counts(microbatches, spec.weight_fn))
-        elif me == first:
-            raise ValueError(
-                f"fpipe.step: rank {me} holds stage 0 but was given batch=None. Pass the batch on "
-                "the rank of the first stage (the last stage's rank may pass it too; others pass None)."
-            )
-    except (TypeError, ValueError) as error:
-        problem = error
-    explicit = isinstance(batch, Microbatches)
-    status = [plan.checksum, microbatches is not None, problem is not None, size, explicit, count, *sizes, key]
-    statuses = handshake(topology, [*status, *device_type_words(topology.device)], spec.timeout)
-    problem = mixed_device_types(statuses) or problem or _disagreement(plan.checksum, statuses, first, last)
-    count, key = statuses[first][5], statuses[first][6 + m]
+    microbatches, sizes, count = None, [0] * m, 0
+    problem = rejected
+    if problem is None:
+        try:
+            microbatches, sizes, count = _local_inputs(spec, topology, params, batch, check_params)
+        except Exception as error:  # the user's weight_fn and split may raise anything: agree first
+            problem = error
+    status = _Status(
+        checksum=plan.checksum,
+        num_microbatches=m,
+        has_batch=microbatches is not None,
+        rejected=problem is not None,
+        size=sum(sizes),
+        explicit=isinstance(batch, Microbatches),
+        weight_count=count,
+        weighted=spec.weight_fn is not None,
+        key=key,
+    )
+    inline = (sizes + [0] * INLINE_SIZES)[:INLINE_SIZES]
+    words = handshake(topology, [*status, *inline, *device_type_words(topology.device)], spec.timeout)
+    statuses = [_Status(*w[: len(_Status._fields)]) for w in words]
+    problem = mixed_device_types(words) or problem or _disagreement(statuses, plan.checksum, m, first, last)
+    agreed_sizes = words[first][len(_Status._fields) :][:m]
+    if m > INLINE_SIZES and _same_program(statuses):
+        agreed_sizes = handshake(topology, sizes, spec.timeout)[first]
+    count, key = statuses[first].weight_count, statuses[first].key
     # Replicas must fail together too, or a healthy replica's gradient all-reduce would meet
     # another replica's next step (and weight_fn's total is every replica's tokens); so must
     # tensor-parallel ranks, whose stages' collectives would wait for the rank that stopped.
@@ -146,32 +182,96 @@ def _agree(
     # tensor-parallel index, and the tensor-parallel one every rank.
     # The key travels in the same sums, added by replica 0 (tensor-parallel rank 0) alone: a key
     # below 2**53 is exact in float64.
+    # The same sums carry two 16-bit halves of the program's checksum and their squares, so that
+    # replicas (tensor-parallel ranks) built with another schedule or microbatch count, whose
+    # pipelines each agree within themselves, fail with a ScheduleError instead of all-reducing
+    # gradients of different steps (NOTE [a handshake of fixed size]).
     if topology.data_group is not None:
         mine = key if topology.replica == 0 else 0
-        flag = torch.tensor([float(problem is not None), count, mine], dtype=torch.float64, device=topology.device)
-        all_reduce_sum(topology, topology.data_group, [flag], spec.timeout, "the other data-parallel replicas")
-        if problem is None and flag[0].item() > 0:
-            problem = ValueError(
-                "fpipe.step: another data-parallel replica rejected its inputs; its ranks' errors say why."
-            )
-        count, key = int(flag[1].item()), int(flag[2].item())
+        problem, (count, key) = _across(
+            spec, plan, topology, topology.data_group, topology.data_size, problem, [count, mine],
+            ("data-parallel replica", "data-parallel replicas"),
+        )  # fmt: skip
     if topology.tensor_group is not None:
+        assert topology.tensor_ranks is not None
         mine = key if topology.tensor_rank == 0 else 0
-        flag = torch.tensor([float(problem is not None), mine], dtype=torch.float64, device=topology.device)
-        all_reduce_sum(topology, topology.tensor_group, [flag], spec.timeout, "the other tensor-parallel ranks")
-        if problem is None and flag[0].item() > 0:
-            problem = ValueError(
-                "fpipe.step: another tensor-parallel rank rejected its inputs; its ranks' errors say why."
-            )
-        key = int(flag[1].item())
+        problem, (key,) = _across(
+            spec, plan, topology, topology.tensor_group, len(topology.tensor_ranks), problem, [mine],
+            ("tensor-parallel rank", "tensor-parallel ranks"),
+        )  # fmt: skip
     if problem is None:
         try:
-            weights = loss_weights(statuses[first][6 : 6 + m], count if spec.weight_fn is not None else None)
+            weights = loss_weights(agreed_sizes, count if spec.weight_fn is not None else None)
         except ValueError as error:  # every rank knows the same count: all raise together
             problem = error
     if problem is not None:
         raise problem
-    return _Agreed(microbatches, weights, bool(statuses[first][4]), not statuses[last][1], key)
+    return _Agreed(microbatches, weights, bool(statuses[first].explicit), not statuses[last].has_batch, key)
+
+
+def _across(
+    spec: StepSpec,
+    plan: Plan,
+    topology: Topology,
+    group: Any,
+    size: int,
+    problem: Exception | None,
+    values: list[int],
+    names: tuple[str, str],
+) -> tuple[Exception | None, list[int]]:
+    """Sum this rank's failure flag, ``values`` and its program's checksum words over ``group`` (of
+    ``size`` ranks); the step's problem (this rank's, else a different program or another rank's
+    rejection there) and the summed ``values``. ``names``: a rank of ``group``, singular and plural."""
+    low, high = plan.checksum & 0xFFFF, (plan.checksum >> 16) & 0xFFFF
+    words = [float(problem is not None), *values, low, low * low, high, high * high]
+    flag = torch.tensor(words, dtype=torch.float64, device=topology.device)
+    all_reduce_sum(topology, group, [flag], spec.timeout, f"the other {names[1]}")
+    failed, *sums = [int(x) for x in flag.tolist()]
+    # All halves are equal exactly when size * sum(h**2) == sum(h)**2; the sums are exact in float64.
+    if problem is None and any(size * sums[-k] != sums[-k - 1] ** 2 for k in (1, 3)):
+        problem = ScheduleError(
+            f"fpipe.step: the {names[1]} run different programs (another schedule, microbatch count or number "
+            "of stages). Build the same pipeline, schedule and stages on every rank."
+        )
+    if problem is None and failed > 0:
+        problem = ValueError(f"fpipe.step: another {names[0]} rejected its inputs; its ranks' errors say why.")
+    return problem, sums[:-4]
+
+
+def _local_inputs(
+    spec: StepSpec,
+    topology: Topology,
+    params: Sequence[PyTree],
+    batch: PyTree,
+    check_params: Callable[[Sequence[PyTree]], None],
+) -> tuple[list[PyTree] | None, list[int], int]:
+    """This rank's microbatches (``None``: it holds no batch), their sizes and ``weight_fn``'s total
+    count (0 but on the first stage's rank with ``weight_fn``), its inputs checked.
+
+    Raises:
+        TypeError, ValueError: for inputs this rank cannot run with.
+    """
+    me, placement, m = topology.rank, spec.program.placement(), spec.num_microbatches
+    first, last = placement[0], placement[-1]
+    _check_held(spec, params, placement)
+    _check_dtensors(spec, params, topology)
+    check_devices(spec, params, topology.device)
+    check_params(params)
+    if batch is None or me not in (first, last):
+        if me == first:
+            raise ValueError(
+                f"fpipe.step: rank {me} holds stage 0 but was given batch=None. Pass the batch on "
+                "the rank of the first stage (the last stage's rank may pass it too; others pass None)."
+            )
+        return None, [0] * m, 0
+    microbatches, sizes = split(batch, m, spec.batch_dims)
+    count = sum(counts(microbatches, spec.weight_fn)) if spec.weight_fn is not None and me == first else 0
+    if count >= _INT64:
+        raise ValueError(
+            f"fpipe.step: weight_fn's counts sum past 2**63 - 1 over the batch's microbatches (count: {count}). "
+            "Return how many tokens or examples count in each microbatch."
+        )
+    return microbatches, sizes, count
 
 
 def _run_row(
@@ -237,21 +337,31 @@ def _from_board(error: BaseException, rank: int) -> bool:
     return isinstance(error, PipelineError) and str(error).startswith(f"fpipe: rank {rank} stopped")
 
 
-def _disagreement(checksum: int, statuses: list[list[int]], first: int, last: int) -> Exception | None:
-    """What the handshake's statuses (checksum, has batch, rejected, batch size per rank) object to."""
-    if any(st[0] != checksum for st in statuses):
+def _same_program(statuses: list[_Status]) -> bool:
+    """Whether every rank's status shows the same program and microbatch count."""
+    return len({(st.checksum, st.num_microbatches) for st in statuses}) == 1
+
+
+def _disagreement(statuses: list[_Status], checksum: int, m: int, first: int, last: int) -> Exception | None:
+    """What the handshake's statuses (program, microbatches, rejected, batch size per rank) object to."""
+    if not _same_program(statuses):
         return ScheduleError(
             "fpipe.step: the pipeline ranks run different programs (checksums by rank: "
-            f"{[st[0] for st in statuses]}). Build the same pipeline, schedule and stages on every rank."
+            f"{[st.checksum for st in statuses]}; microbatches by rank: {[st.num_microbatches for st in statuses]}; "
+            f"this rank's: {checksum}, {m}). Build the same pipeline, schedule and stages on every rank."
         )
-    rejected = [r for r, st in enumerate(statuses) if st[2]]
+    if len({st.weighted for st in statuses}) > 1:
+        return ValueError(
+            "fpipe.step: some pipeline ranks weigh the loss with weight_fn and others do not (weight_fn by rank: "
+            f"{[bool(st.weighted) for st in statuses]}). Pass the same weight_fn= to fpipe.pipeline on every rank."
+        )
+    rejected = [r for r, st in enumerate(statuses) if st.rejected]
     if rejected:
         return ValueError(f"fpipe.step: rank(s) {rejected} rejected their inputs; their own errors say why.")
-    if statuses[last][1] and statuses[last][3] != statuses[first][3]:
+    if statuses[last].has_batch and statuses[last].size != statuses[first].size:
         return ValueError(
-            f"fpipe.step: the batch on rank {first} has {plural(statuses[first][3], 'example')} but the one "
-            f"on rank {last} "
-            f"has {statuses[last][3]}. Pass the same batch, or None on rank {last}."
+            f"fpipe.step: the batch on rank {first} has {plural(statuses[first].size, 'example')} but the one "
+            f"on rank {last} has {statuses[last].size}. Pass the same batch, or None on rank {last}."
         )
     return None
 

@@ -43,6 +43,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import time
 import warnings
 from collections.abc import Iterator
@@ -64,23 +65,25 @@ def locked(root: Path, timeout: float) -> Iterator[None]:
     """Hold the save lock of ``root`` (NOTE [save concurrency]), waiting at most ``timeout`` seconds."""
     fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        _lock(fd, root, timeout)
+        if _lock(fd, root, timeout):
+            _claim(fd, root)
         yield
     finally:
         os.close(fd)  # releases the lock
 
 
-def _lock(fd: int, root: Path, timeout: float) -> None:
+def _lock(fd: int, root: Path, timeout: float) -> bool:
+    """Take the lock on ``fd``; ``False``: there are no locks here (warned), goes on unlocked."""
     try:
         import fcntl  # POSIX only: imported here so that the package imports on every platform
     except ImportError:
         _unlocked(root, "this platform has no fcntl")
-        return
+        return False
     deadline = time.monotonic() + timeout
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            return True
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 raise TimeoutError(
@@ -92,7 +95,7 @@ def _lock(fd: int, root: Path, timeout: float) -> None:
             if error.errno not in _NO_LOCKS:
                 raise
             _unlocked(root, error.strerror or str(error))
-            return
+            return False
 
 
 def _unlocked(root: Path, why: str) -> None:
@@ -103,6 +106,63 @@ def _unlocked(root: Path, why: str) -> None:
         RuntimeWarning,
         stacklevel=9,  # the caller of fpipe.save (save_state and AsyncSaver: a frame inside fpipe)
     )
+
+
+# NOTE [a second live writer]
+# Two runs that save into one directory take turns under the lock, and each commit is whole, but
+# a later resume takes whichever committed last: one run's state, silently, for the other's. So
+# the writer, holding the lock, writes who it is into the lock file (host, process id, and the
+# job: ``TORCHELASTIC_RUN_ID``, else ``MASTER_ADDR:MASTER_PORT``, as torchrun and
+# init_process_group's env:// set them), and warns (``RuntimeWarning``) when the previous
+# writer was another process of another job (or of no job) on this host that is still alive:
+# another live run writes here. Processes of one job saving without ``group=`` (NOTE [save
+# concurrency]) share the job and are not warned; a resumed run's predecessor is dead. A writer
+# on another host cannot be asked whether it lives and is not reported. It warns rather than
+# refuses: a process id can be reused, and a save must not fail a healthy run.
+_OWNER_BYTES = 4096
+
+
+def _claim(fd: int, root: Path) -> None:
+    """Write this process into the held lock file; warn if its last writer is another live run."""
+    try:
+        previous = json.loads(os.pread(fd, _OWNER_BYTES, 0) or b"null")
+    except ValueError:  # an empty, older or damaged lock file: nobody to compare with
+        previous = None
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "job": _job()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    if not (isinstance(previous, dict) and previous.get("host") == me["host"] and previous.get("pid") != me["pid"]):
+        return
+    pid, job = previous.get("pid"), previous.get("job")
+    if isinstance(pid, int) and pid > 0 and (job is None or job != me["job"]) and _alive(pid):
+        warnings.warn(
+            f"fpipe.save: another run saves into {root}: its last save was written by process {pid} "
+            f"(job: {job}), still alive on this host, and this one is process {me['pid']} (job: {me['job']}). "
+            "Each save commits whole, but a resume takes whichever committed last. Give each run a directory "
+            "of its own (NOTE [a second live writer] in fpipe/_saving/_directory.py).",
+            RuntimeWarning,
+            stacklevel=8,  # the caller of fpipe.save (save_state and AsyncSaver: a frame inside fpipe)
+        )
+
+
+def _job() -> str | None:
+    """The job this process belongs to, as its launcher names it (NOTE [a second live writer])."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run:
+        return run
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f"{address}:{port}" if address and port else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (a zombie counts: it has not been waited for)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, as another user's
+        return True
+    return True
 
 
 def next_version(root: Path) -> str:

@@ -57,7 +57,7 @@ from .._sharding._layout import cut_range
 from ._boxes import Box, whole
 from ._directory import inside
 from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves, stage_list
-from ._store import DTYPES, Part, is_plain
+from ._store import DTYPES, Part, is_plain, safe_open
 from ._template import Use, dtype_name, fill, listing, template_uses
 
 HF_INDEX = "model.safetensors.index.json"
@@ -310,7 +310,7 @@ def _header(root: Path, file: str) -> dict[str, tuple[str, list[int]]]:
     if not path.is_file():
         raise ValueError(f"fpipe.load_hf: {path} is missing. Load an intact checkpoint.")
     try:
-        with safetensors.safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
+        with safe_open(path, "load_hf") as f:
             slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 (a safe_open handle is not iterable)
             return {name: (piece.get_dtype(), list(piece.get_shape())) for name, piece in slices.items()}
     except safetensors.SafetensorError as error:
@@ -397,7 +397,7 @@ def _read(root: Path, wanted: dict[str, _Want]) -> dict[tuple[str, Part], torch.
     for file, names in sorted(by_file.items()):
         path = inside(root, file)
         try:
-            with safetensors.safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
+            with safe_open(path, "load_hf") as f:
                 for name in names:
                     want = wanted[name]
                     for part in dict.fromkeys(use.part for use in want.uses):

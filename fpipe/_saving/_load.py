@@ -5,17 +5,20 @@ A template is a params-shaped list, one pytree per stage, whose tensor leaves sa
 stages and any grouping of them loads the same save) and what it must look like. Each rank reads
 only the tensors its template names, verified by ``fpipe/_saving/_store.py`` (sizes, dtypes, shapes,
 sha256). Loading needs no communication; with ``step=``, ``group=`` or ``mesh=`` the ranks
-all-gather their names once, so that names in the save that no rank loads are found.
+all-gather their names once, so that names in the save that no rank loads are found, and once
+their outcome, so that a file one rank cannot read fails every rank (``agree``): a load succeeds on
+every rank or raises on every rank.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 from .._api import Step
+from .._distributed._topology import Topology
 from .._pytree import PyTree
 from ._directory import committed
 from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves, stage_list
@@ -98,15 +101,42 @@ def load(
             save missing from the template, a shape or dtype that differs (each named with its
             key path, the value on disk and the expected one), or a file that is truncated or
             corrupt, or an index whose pieces of a tensor do not cover it exactly once.
-        RuntimeError: another rank failed; its own error says why.
+        RuntimeError: another rank failed (with ``step=``, ``group=`` or ``mesh=``): the message names
+            the rank and the first line of its error, which names the file.
     """
-    trees = {"params": stage_list("load", "template", template)}
-    if optimizer_state is not None:
-        trees["optimizer_state"] = stage_list("load", "optimizer_state", optimizer_state)
+    return load_then(
+        directory, template, lambda loaded, _: loaded, optimizer_state=optimizer_state, strict=strict, step=step,
+        group=group, mesh=mesh, timeout=timeout,
+    )  # fmt: skip
+
+
+def load_then(
+    directory: str | os.PathLike[str],
+    template: Sequence[PyTree],
+    then: Callable[[Loaded, Topology | None], T],
+    /,
+    *,
+    optimizer_state: Sequence[PyTree] | None,
+    strict: bool,
+    step: Step | None,
+    group: Any,
+    mesh: Any,
+    timeout: float,
+    function: str = "load",
+) -> T:
+    """``then(loaded, topology)`` of what ``load`` reads, run on every rank before the ranks agree
+    on their outcome: it (``load_state``: reading this rank's training state) may raise on one
+    rank, and every rank raises (``agree``); the arguments as ``load`` takes them, ``function``
+    names the caller."""
     topology, _ = resolve("load", step, group, mesh)
-    ranks = Ranks("load", topology, timeout)
-    root, index, wanted, problem = Path(directory), {}, {}, None
-    try:
+    ranks = Ranks(function, topology, timeout, all_replicas=True)
+    trees: dict[str, list[PyTree]] = {}
+    root, index, wanted, problem = Path(), {}, {}, None
+    try:  # what one rank finds wrong here, every rank raises (``agree``)
+        root = Path(directory)
+        trees["params"] = stage_list("load", "template", template)
+        if optimizer_state is not None:
+            trees["optimizer_state"] = stage_list("load", "optimizer_state", optimizer_state)
         sharding = sharded_leaves("load", step, trees)
         root = committed(root)
         index = read_index(root)
@@ -126,12 +156,20 @@ def load(
                     f"template{any_rank} has: {listing([repr(n) for n in extra])}. Add them to the template, or "
                     "pass strict=False to leave them out."
                 )
-    out = {}
-    for kind, kind_trees in trees.items():
-        requests = list(dict.fromkeys((name, use.part) for name, uses in sorted(wanted[kind].items()) for use in uses))
-        tensors = read_tensors(root, index, kind, requests)
-        out[kind] = fill(kind_trees, wanted[kind], tensors)
-    return Loaded(out["params"], out.get("optimizer_state"), dict(index["metadata"].get("user", {})))
+    result, failure = None, None
+    try:
+        out = {}
+        for kind, kind_trees in trees.items():
+            requests = list(
+                dict.fromkeys((name, use.part) for name, uses in sorted(wanted[kind].items()) for use in uses)
+            )
+            out[kind] = fill(kind_trees, wanted[kind], read_tensors(root, index, kind, requests))
+        user = dict(index["metadata"].get("user", {}))
+        result = then(Loaded(out["params"], out.get("optimizer_state"), user), topology)
+    except Exception as error:  # a file missing, truncated or corrupt on one rank fails every rank
+        failure = error
+    agree(ranks, failure, {}, "reading the save")
+    return cast(T, result)
 
 
 def _wanted(
@@ -163,4 +201,5 @@ def _wanted(
     return wanted
 
 
+T = TypeVar("T")
 _KIND_NAMES = {"params": "parameter", "optimizer_state": "optimizer state"}

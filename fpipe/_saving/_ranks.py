@@ -130,9 +130,11 @@ class Ranks:
         *,
         sharded: bool = False,
         tensor_parallel: bool = True,
+        all_replicas: bool = False,
     ) -> None:
         """``tensor_parallel=False``: only tensor-parallel rank 0 takes part (``save_hf``, whose other
-        tensor-parallel ranks gathered their pieces to it)."""
+        tensor-parallel ranks gathered their pieces to it); ``all_replicas``: the data-parallel
+        ranks take part, as in a sharded save (``load``: every process agrees on its outcome)."""
         self.function = function  # "save" or "load", for messages
         self.topology = topology
         self.timeout = timeout
@@ -147,7 +149,7 @@ class Ranks:
         # position in its result.
         self.sharded = sharded and topology is not None and topology.data_group is not None
         self.inner: list[tuple[str, Any]] = []
-        if topology is not None and self.sharded:
+        if topology is not None and topology.data_group is not None and (self.sharded or all_replicas):
             self.inner.append(("dp", topology.data_group))
         if topology is not None and topology.tensor_group is not None and tensor_parallel:
             self.inner.append(("tp", topology.tensor_group))
@@ -183,16 +185,26 @@ class Ranks:
 
 
 def agree(ranks: Ranks, problem: BaseException | None, value: dict[str, Any], what: str) -> list[Any]:
-    """All-gather ``value`` and an error flag; raise ``problem`` here, and a pointer to it elsewhere."""
-    statuses = ranks.gather({**value, "error": problem is not None}, f"the other ranks to finish {what}")
+    """All-gather ``value`` and an error flag; raise ``problem`` here, and elsewhere an error that
+    names each failed rank with the first line of its error (which names the file, for a read)."""
+    error = None if problem is None else _first_line(problem)
+    statuses = ranks.gather({**value, "error": error}, f"the other ranks to finish {what}")
     if problem is not None:
         raise problem
-    failed = [ranks.name(r) for r, st in enumerate(statuses) if st["error"]]
+    failed = [(ranks.name(r), st["error"]) for r, st in enumerate(statuses) if st["error"] is not None]
     if failed:
+        said = "; ".join(f"rank {name}: {text}" for name, text in failed)
         raise RuntimeError(
-            f"fpipe.{ranks.function}: rank(s) [{', '.join(failed)}] failed while {what}; their own errors say why."
+            f"fpipe.{ranks.function}: rank(s) [{', '.join(name for name, _ in failed)}] failed while {what}; their "
+            f"own errors say why ({said})."
         )
     return statuses
+
+
+def _first_line(error: BaseException) -> str:
+    """``error``'s type and the first line of its message, cut to 400 characters."""
+    text = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+    return text if len(text) <= 400 else f"{text[:397]}..."
 
 
 def stage_list(function: str, argument: str, value: Any) -> list[PyTree]:

@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 from .._api import Step
+from .._distributed._topology import Topology
 from .._pytree import PyTree
-from ._load import load
+from ._load import Loaded, load_then
 from ._ranks import Ranks
 from ._save import Prepared, prepare, write
 
@@ -139,13 +140,19 @@ def prepare_state(
     rng = capture_rng() if state.rng is None else state.rng
     saved = {"step": state.step, "metadata": state.metadata, "extra": _encode(state.extra)}
     prepared = prepare(directory, state.params, state.optimizer_state, {KEY: saved}, step, group, mesh)
-    return prepared, {"rank": 0 if prepared.topology is None else dist.get_rank(), "rng": _encode(rng)}
+    rank = 0 if prepared.topology is None else dist.get_rank()
+    return prepared, {"rank": rank, "rng": _encode(rng), "role": role_of(prepared.topology)}
 
 
 def write_state(prepared: Prepared, mine: dict[str, Any], ranks: Ranks) -> Path:
     """All-gather every process's random states into the metadata, then ``write`` the save."""
     every = _every_process(ranks, mine)
-    saved = dict(prepared.user[KEY], rng={str(v["rank"]): v["rng"] for v in every}, num_ranks=len(every))
+    saved = dict(
+        prepared.user[KEY],
+        rng={str(v["rank"]): v["rng"] for v in every},
+        roles={str(v["rank"]): v["role"] for v in every},
+        num_ranks=len(every),
+    )
     return write(replace(prepared, user={KEY: saved}), ranks)
 
 
@@ -170,23 +177,53 @@ def load_state(
 
     Args:
         directory, template, optimizer_state, strict, step, group, mesh, timeout: as for ``fpipe.load``.
-        restore_rng: set this process's generators to those its global rank saved. A rank the
-            save has no state for keeps its generators, and rank 0 names the saved ranks that
-            no process restores (``RuntimeWarning``s).
+        restore_rng: set this process's generators to those its global rank saved, once every
+            rank has read and checked the save. A rank the save has no state for keeps its
+            generators, and rank 0 names the saved ranks that no process restores
+            (``RuntimeWarning``s); a rank that had another role in the saving run raises.
+            ``False``: keep every generator (to resume into another mesh layout).
 
     Returns:
         The ``TrainState``: params and optimizer state in the templates' structure, the step,
         metadata and extra tensors saved, and ``rng`` this rank's saved generator states
         (``None`` if the save has none for it).
 
+    Distributed, it succeeds on every rank or changes nothing anywhere: a file one rank cannot
+    read (missing, truncated, a byte changed) or a malformed state fails every rank before any
+    generator is restored, the others with a ``RuntimeError`` naming the rank and its error.
+
     Raises:
         ValueError: the save was written by ``fpipe.save`` (no training state) or its training
-            state is malformed; otherwise as ``fpipe.load``.
+            state is malformed, or (with ``restore_rng``) this process had another role in the
+            saving run: another mesh layout (NOTE [resuming in another layout] in
+            ``fpipe/_saving/_state.py``; ``restore_rng=False`` loads anyway); otherwise as ``fpipe.load``.
+        RuntimeError: another rank failed; the message names it and the first line of its error.
     """
-    loaded = load(
-        directory, template, optimizer_state=optimizer_state, strict=strict, step=step, group=group, mesh=mesh,
-        timeout=timeout,
+    distributed = _distributed(step, group, mesh)
+    me = dist.get_rank() if distributed else 0
+
+    def read(loaded: Loaded, topology: Topology | None) -> tuple[TrainState, dict[str, Any]]:
+        return _state_of(directory, loaded, me, role_of(topology), restore_rng)
+
+    state, states = load_then(
+        directory, template, read, optimizer_state=optimizer_state, strict=strict, step=step, group=group,
+        mesh=mesh, timeout=timeout, function="load_state",
     )  # fmt: skip
+    if restore_rng:  # every rank read its state: only now is anything changed (NOTE [train state])
+        _restore(state.rng, me, states, dist.get_world_size() if distributed else 1)
+    return state
+
+
+def _state_of(
+    directory: Any, loaded: Loaded, me: int, role: list[int], restore_rng: bool
+) -> tuple[TrainState, dict[str, Any]]:
+    """The ``TrainState`` of ``loaded`` for global rank ``me`` in ``role``, and every rank's saved
+    generators (still encoded), all checked.
+
+    Raises:
+        ValueError: the save holds no training state or a malformed one, or with ``restore_rng``
+            the save's rank ``me`` had another role (NOTE [resuming in another layout]).
+    """
     saved = loaded.metadata.get(KEY)
     if not isinstance(saved, dict):
         raise ValueError(
@@ -194,12 +231,13 @@ def load_state(
             "fpipe.save_state). Load it with fpipe.load."
         )
     number, metadata, num_ranks = saved.get("step"), saved.get("metadata"), saved.get("num_ranks")
-    states = saved.get("rng")
+    states, roles = saved.get("rng"), saved.get("roles", {})
     for what, value, ok in [
         ("step", number, isinstance(number, int) and number >= 0),
         ("metadata", metadata, isinstance(metadata, dict)),
         ("num_ranks", num_ranks, isinstance(num_ranks, int)),
         ("rng", states, isinstance(states, dict) and all(isinstance(v, str) for v in states.values())),
+        ("roles", roles, isinstance(roles, dict)),
     ]:
         if not ok:
             raise ValueError(
@@ -208,12 +246,42 @@ def load_state(
             )
     assert isinstance(number, int) and isinstance(metadata, dict) and isinstance(states, dict)
     extra = _decode(directory, "extra", saved.get("extra"))
-    distributed = _distributed(step, group, mesh)
-    me = dist.get_rank() if distributed else 0
     rng = _decode(directory, f"rng of rank {me}", states[str(me)]) if str(me) in states else None
-    if restore_rng:
-        _restore(rng, me, states, dist.get_world_size() if distributed else 1)
-    return TrainState(loaded.params, loaded.optimizer_state, number, metadata, extra, rng)
+    was = roles.get(str(me))
+    if restore_rng and rng is not None and was is not None and was != role:
+        raise ValueError(
+            f"fpipe.load_state: this process (global rank {me}) is {_said(role)}, but the save's rank {me} was "
+            f"{_said(was)}: the mesh's dimensions differ from the saving run's (names, order or sizes), and its "
+            f"random states would go to a process in another role (roles: saved {was}, here {role}). Resume on "
+            "the saving run's mesh, or pass restore_rng=False to load the parameters and optimizer state into "
+            "this layout, keeping this process's generators (NOTE [resuming in another layout] in "
+            "fpipe/_saving/_state.py)."
+        )
+    return TrainState(loaded.params, loaded.optimizer_state, number, metadata, extra, rng), states
+
+
+# NOTE [resuming in another layout]
+# Random states are restored by global rank, and a process's draws depend on its role: which
+# stages it runs (its pipeline rank), its data-parallel replica and its tensor-parallel index.
+# A ("dp", "pp") mesh of 2 x 2 and a ("pp", "dp") one give global rank 1 different roles (pipeline
+# rank 1 of replica 0, then pipeline rank 0 of replica 1), so a resume with the same number of
+# processes would silently give each rank another's generators, and the run would differ from
+# the saved one. ``save_state`` records each process's role, ``[pipeline rank, replica,
+# tensor-parallel index]``, next to its generators (``"roles"``), and ``load_state`` refuses to
+# restore a generator into a process of another role: every rank raises, nothing is changed.
+# ``restore_rng=False`` is the opt-in: the parameters and optimizer state load by name into any
+# layout. A process the save has no state for (another number of processes) warns, as before; a
+# save without roles (older fpipe) is not checked.
+
+
+def role_of(topology: Topology | None) -> list[int]:
+    """A process's ``[pipeline rank, replica, tensor-parallel index]`` (NOTE [resuming in another layout])."""
+    return [0, 0, 0] if topology is None else [topology.rank, topology.replica, topology.tensor_rank]
+
+
+def _said(role: list[int]) -> str:
+    rank, replica, tensor_rank = role
+    return f"pipeline rank {rank} of replica {replica} (tensor-parallel index {tensor_rank})"
 
 
 # --- Random generators ------------------------------------------------------------------------

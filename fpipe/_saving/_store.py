@@ -385,6 +385,39 @@ def _shape(info: dict[str, Any], key: str, where: str) -> list[int]:
     return list(shape)
 
 
+# NOTE [header size]
+# A safetensors file opens with its header's length (8 bytes) and the header, JSON naming every
+# tensor of the file; ``safetensors.safe_open`` parses all of it before it reads any tensor.
+# safetensors accepts headers up to 100 MB: one of a million tiny tensors (87 MB) took 6.6 s and
+# 700 MB of memory to open on the 2-core test VM (18 s and 1 GB in the issue's measurement),
+# whatever was read from it. So fpipe reads the length first and refuses a header larger than
+# MAX_HEADER_BYTES (16 MiB, about 150,000 tensors of 100-byte entries; opening one took 1 to 2.5
+# s and 50 MB there) with a ``ValueError`` naming the file, before safetensors sees it. An
+# fpipe file holds one rank's tensors of one kind, a Hugging Face shard a few hundred to a few
+# thousand tensors (headers of tens to hundreds of KB): neither comes near the limit.
+MAX_HEADER_BYTES = 16 << 20
+
+
+def safe_open(path: Path, function: str) -> Any:
+    """``safetensors.safe_open(path)`` for torch, once its header is known to be at most
+    ``MAX_HEADER_BYTES`` (NOTE [header size]).
+
+    Raises:
+        ValueError: the header is larger (``fpipe.<function>: ...`` naming ``path``).
+        OSError: ``path`` cannot be read.
+    """
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+    size = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+    if size > MAX_HEADER_BYTES:
+        raise ValueError(
+            f"fpipe.{function}: {path} has a safetensors header of {plural(size, 'byte')}, more than fpipe reads "
+            f"(MAX_HEADER_BYTES: {MAX_HEADER_BYTES}, about 150,000 tensors), since parsing it costs seconds and "
+            "memory before any tensor is read. Split the file into files of fewer tensors, or load an intact save."
+        )
+    return safetensors.safe_open(str(path), framework="pt")  # type: ignore[no-untyped-call]
+
+
 def is_plain(file: str) -> bool:
     """Whether ``file`` is a plain ``.safetensors`` name: no separator, no leading ``.`` (NOTE [trust model])."""
     return _PLAIN.fullmatch(file) is not None
@@ -466,7 +499,7 @@ def read_tensors(
                 "corrupt. Load an intact save."
             )
         try:
-            with safetensors.safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
+            with safe_open(path, "load") as f:
                 for name in sorted(names):
                     e = entries[name]
                     k = e.files.index(file)
