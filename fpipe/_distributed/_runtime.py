@@ -30,8 +30,10 @@ from .._random import Keys
 from .._record import active, clock, measured
 from .._run import Pending, Plan, Reduce, StageRuns, StepSpec, interpret, loss_weights, result, seed_scale
 from ..schedules._program import ScheduleError
+from ..schedules._simulate import Simulation
 from ._collectives import (
     PendingSum,
+    all_gather_json,
     all_reduce_sum,
     all_reduce_sum_async,
     check_usable,
@@ -217,7 +219,8 @@ def _run_row(
         transport.finish()
         recording = active()
         if recording is not None:
-            recording.timelines.append(measured(plan.program, plan.order, times, start, topology, spec.timeout))
+            timeline = measured(plan.program, plan.order, times, start)
+            recording.timelines.append(gathered(timeline, topology, spec.timeout))
     except BaseException as error:
         aborted = topology.board.aborted  # by the watchdog, for another rank's failure
         mark_broken(topology, error)
@@ -230,6 +233,16 @@ def _run_row(
             raise standing.error(topology.rank, "a collective inside its stage") from error
         raise
     return loss, aux, outputs
+
+
+def gathered(timeline: Simulation, topology: Topology, timeout: float) -> Simulation:
+    """``timeline`` with every pipeline rank's own row, all-gathered (as JSON, which gives floats
+    back exactly), each rank waiting at most ``timeout`` seconds."""
+    r = topology.rank
+    mine = [timeline.starts[r], timeline.ends[r]]
+    rows = all_gather_json(topology, topology.group, mine, timeout, "the other ranks' recorded timelines")
+    starts, ends = tuple(tuple(row[0]) for row in rows), tuple(tuple(row[1]) for row in rows)
+    return Simulation(timeline.program, None, starts, ends)
 
 
 def _from_board(error: BaseException, rank: int) -> bool:
