@@ -11,6 +11,11 @@ Three rules, each shown to fail on a small package written to ``tmp_path``:
   ``thing._y`` (read, written or deleted) where ``_y`` is a private name that another fpipe module
   defines (at its top level, in a class body, or as ``self._y``) and this one does not. Reads
   through ``self`` and ``cls`` are a class's own business and are not checked.
+- **Faces**: a private subpackage (``fpipe._saving``) is imported from outside only through its
+  ``__init__.py``, which exports what the rest of fpipe may use; each subpackage has a README.md
+  saying what it owns and may import. The public ``fpipe.schedules`` and ``fpipe.optim`` are
+  faces too, but their ``__init__.py`` is public API, so fpipe's own modules may also read the
+  program's internals (action kinds, checksums) from their modules.
 - **Rows**: notes/design.md's table "The map of the package" numbers the units top to bottom;
   a module imports only from its own unit and from units on rows above its own. The table must
   name every unit once and nothing else, so the note stays true.
@@ -167,6 +172,16 @@ def private_reads(root: Path) -> list[str]:
     return found
 
 
+def face_violations(root: Path) -> list[str]:
+    """Imports of a private subpackage's modules from outside it, around its face."""
+    found = []
+    for i in imports(root):
+        face = unit(i.target)
+        if face != i.target and face != unit(i.source) and face.rsplit(".", 1)[-1].startswith("_"):
+            found.append(f"{i.source}:{i.line} imports {i.target}, not the face {face}")
+    return found
+
+
 _ROW = re.compile(r"^\| *(\d+) *\| *`([\w/.]+)`")
 
 
@@ -203,6 +218,16 @@ def test_no_import_cycle() -> None:
 
 def test_no_private_read_across_modules() -> None:
     assert private_reads(PACKAGE) == []
+
+
+def test_private_subpackages_are_imported_through_their_faces() -> None:
+    assert face_violations(PACKAGE) == []
+
+
+def test_every_subpackage_has_a_face_and_a_readme() -> None:
+    for package in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists()):
+        assert ast.get_docstring(parse(package / "__init__.py")), package
+        assert (package / "README.md").exists(), package
 
 
 def test_imports_follow_the_rows_of_the_design_note() -> None:
@@ -293,6 +318,14 @@ def test_a_private_read_across_modules_fails(tmp_path: Path, b: str, read: str) 
     a = "def _helper():\n    pass\nclass Step:\n    def __init__(self):\n        self._cache = {}\n"
     root = write(tmp_path, {"__init__.py": "", "_a.py": a, "_b.py": b})
     assert private_reads(root) == [read]
+
+
+def test_an_import_around_a_face_fails(tmp_path: Path) -> None:
+    files = {"__init__.py": "from ._sub import x as x\n", "_sub/__init__.py": "from ._a import x as x\n"}
+    files |= {"_sub/_a.py": "x = 1\n", "_sub/_b.py": "from ._a import x\n", "pub/__init__.py": "", "pub/_c.py": ""}
+    files["_d.py"] = "from ._sub import x\nfrom .pub._c import y\nfrom ._sub._a import x\n"
+    root = write(tmp_path, files)
+    assert face_violations(root) == ["pkg._d:3 imports pkg._sub._a, not the face pkg._sub"]
 
 
 def test_own_private_names_and_foreign_ones_pass(tmp_path: Path) -> None:

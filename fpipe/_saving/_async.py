@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .._api import Step
-from .._distributed._topology import Topology
+from .._distributed import Topology
 from .._dtensor import is_dtensor
 from .._pytree import PyTree, map_tensors
 from ._boxes import HostPiece, host_piece

@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._dtensor import mesh_ranks
-from .._sharding._layout import cut_range
+from .._sharding import cut_range
 
 
 class Box(NamedTuple):

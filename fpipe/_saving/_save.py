@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from .._api import Step
-from .._distributed._topology import Topology
+from .._distributed import Topology
 from .._dtensor import local
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names

@@ -14,9 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._distributed._collectives import wait
-from .._distributed._topology import Topology
-from .._distributed._wire import as_bytes
+from .._distributed import Topology, as_bytes, wait
 from .._dtensor import DTensorLayout, check_mesh, dtensor_layout, local
 from .._plural import plural
 from .._pytree import PyTree, TreeSpec, detached, flatten, leaves_with_paths, unflatten

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from .._distributed._topology import Topology, resolve_topology
+from .._distributed import Topology, resolve_topology
 from .._pytree import PyTree
 from ._layout import DataParallel, cut, data_parallel, layout_of
 from ._runs import gather_tree
