@@ -1,6 +1,7 @@
 """Waits and collectives (fpipe/_distributed/_collectives.py), their parts that need no peer: a
-wait's failure as a ``PipelineError`` saying what was awaited, a group marked unusable after a
-failed step, and device types as handshake words (multi-process runs: tests/test_distributed.py)."""
+wait's failure as a ``PipelineError`` saying what was awaited, and a group marked unusable after a
+failed step (device types in the handshake: tests/test_devices.py; multi-process runs:
+tests/test_distributed.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,7 @@ import pytest
 import torch
 
 from fpipe import PipelineError, PipelineTimeoutError
-from fpipe._distributed._collectives import (
-    DEVICE_TYPE_WORDS,
-    check_usable,
-    device_type_words,
-    mark_broken,
-    mixed_device_types,
-    wait,
-)
+from fpipe._distributed._collectives import check_usable, mark_broken, wait
 from fpipe._distributed._topology import Topology
 
 
@@ -65,12 +59,3 @@ def test_a_failed_step_marks_its_group_unusable() -> None:
     with pytest.raises(PipelineError, match=r"rank 1 cannot run a step: .* \(ValueError: bad batch\)"):
         check_usable(_topology(group))
     check_usable(_topology(other))  # another group is not affected
-
-
-def test_device_types_travel_as_words_and_mixed_ones_are_named() -> None:
-    cpu, cuda = device_type_words(torch.device("cpu")), device_type_words(torch.device("cuda", 1))
-    assert len(cpu) == DEVICE_TYPE_WORDS and cpu != cuda
-    assert cuda == device_type_words(torch.device("cuda", 0))  # the type, not the index
-    assert mixed_device_types([[7, *cpu], [8, *cpu]]) is None
-    error = mixed_device_types([[0, *cpu], [0, *cuda], [0, *cpu]])
-    assert error is not None and "different device types (cpu: ranks [0, 2]; cuda: ranks [1])" in str(error)
