@@ -1,6 +1,6 @@
 """The layering is a test (STYLE.md, point 18): fpipe/ is parsed with ``ast``, never imported.
 
-Three rules, each shown to fail on a small package written to ``tmp_path``:
+Four rules, each shown to fail on a small package written to ``tmp_path``:
 
 - **No import cycle**, between modules or between units (a unit is a top-level module such as
   ``fpipe._api`` or a subpackage such as ``fpipe._saving``, all its modules together). Every
