@@ -101,7 +101,19 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("Microbatches", lambda: fpipe.Microbatches([]), TypeError, "give a non-empty list of microbatch pytrees"),
     ("stage_info", fpipe.stage_info, RuntimeError, "no stage is running"),
     ("record", lambda: fpipe.record().__enter__().timeline, LookupError, "no step ran inside the block"),
+    # shards
+    ("shard", lambda: fpipe.shard({"w": torch.ones(2)}, object()), ValueError, "shards are cut over the data-parallel"),
+    ("gather", lambda: fpipe.gather(TWO, TWO, None), ValueError, "and this has none (got: None)"),
+    # schedules
+    ("GPipe", lambda: GPipe(0), ScheduleError, "num_microbatches must be a positive int (num_microbatches: 0)"),
     # modules
+    ("split_module", lambda: fpipe.split_module(3, [["a"]]), TypeError, "expected an nn.Module (model: int)"),
+    (
+        "split_module name",
+        lambda: fpipe.split_module(nn.Sequential(nn.Linear(2, 2)), [["nothere"]]),
+        ValueError,
+        "the model has no module 'nothere' (stage 0: 'nothere')",
+    ),
     ("functionalize", lambda: fpipe.functionalize(3), TypeError, "expected an nn.Module (got: int)"),
     ("balance stages", lambda: fpipe.balance([1.0, 2.0], 3), ValueError, "num_stages must be between 1 and"),
     ("balance cost", lambda: fpipe.balance([1.0, -2.0], 1), ValueError, "costs must be finite and >= 0"),
@@ -109,6 +121,12 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     # optimizers
     ("sgd", lambda: fpipe.optim.sgd(-1.0), ValueError, "must be a finite number >= 0 (learning_rate: -1.0)"),
     ("adamw", lambda: fpipe.optim.adamw(float("nan")), ValueError, "(learning_rate: nan)"),
+    (
+        "clip_by_global_norm",
+        lambda: fpipe.optim.clip_by_global_norm(TWO, torch.tensor(1.0), max_norm=-1.0),
+        ValueError,
+        "max_norm must be positive (max_norm: -1.0)",
+    ),
     (
         "warmup_cosine",
         lambda: fpipe.optim.warmup_cosine(1.0, warmup_steps=1, total_steps=2)(-1),
@@ -139,6 +157,10 @@ def test_messages_name_their_function() -> None:
         (lambda d: fpipe.save(d, TWO, optimizer_state=[{}]), "optimizer_state has 1 entry but params has"),
         (lambda d: fpipe.save(d, [torch.ones(()), torch.ones(())]), "is a tensor, not a pytree of named tensors"),
         (lambda d: fpipe.load(d, [{"w": torch.ones(())}]), "fpipe.load: no committed save in"),
+        (lambda d: fpipe.save_state(d, {"params": TWO}), "state must be a fpipe.TrainState (got: dict)"),
+        (lambda d: fpipe.load_state(d, [{"w": torch.ones(())}]), "no committed save in"),
+        (lambda d: fpipe.save_hf(d, {"w": torch.ones(())}), "params must be a list with one pytree per stage"),
+        (lambda d: fpipe.load_hf(d, [{"w": torch.ones(())}]), "is not a directory. Pass a Hugging Face checkpoint"),
     ],
 )
 def test_saving_argument_errors(tmp_path: Path, call: Callable[[Path], Any], fragment: str) -> None:
