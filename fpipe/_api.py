@@ -21,8 +21,7 @@ from ._random import check_key, draw_key
 from ._run import Plan, ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
 from ._sharding import ShardedRuns, StageLayout, check_shards, data_parallel, gather_stages, norm_leaves, shard_stages
 from ._stage import StageFn, StageRun, not_inference
-from .schedules._action import Action
-from .schedules._program import Program, Schedule, ScheduleError, validate
+from .schedules import Action, Program, Schedule, ScheduleError, validate
 
 
 def pipeline(

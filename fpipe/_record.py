@@ -29,9 +29,7 @@ from typing import Any
 
 import torch
 
-from .schedules._action import Action
-from .schedules._program import Program
-from .schedules._simulate import Simulation
+from .schedules import Action, Program, Simulation
 
 Times = list[tuple[float, float]]
 

@@ -23,8 +23,8 @@ from ._pytree import PyTree, flatten, map_tensors
 from ._random import Keys, keep_generators
 from ._record import Stopwatch, active, clock, measured
 from ._stage import StageFn, StageRun
-from .schedules._action import Action
-from .schedules._program import Program, checksum, execution_order, forward_only
+from .schedules import Action, Program, execution_order
+from .schedules._program import checksum, forward_only
 
 
 class StepSpec(Protocol):

@@ -13,9 +13,10 @@ Four rules, each shown to fail on a small package written to ``tmp_path``:
   through ``self`` and ``cls`` are a class's own business and are not checked.
 - **Faces**: a private subpackage (``fpipe._saving``) is imported from outside only through its
   ``__init__.py``, which exports what the rest of fpipe may use; each subpackage has a README.md
-  saying what it owns and may import. The public ``fpipe.schedules`` and ``fpipe.optim`` are
-  faces too, but their ``__init__.py`` is public API, so fpipe's own modules may also read the
-  program's internals (action kinds, checksums) from their modules.
+  saying what it owns and may import. The public ``fpipe.schedules`` and ``fpipe.optim`` have
+  faces too, but their ``__init__.py`` is public API (its ``__all__``), so fpipe's own modules
+  take the names it exports from it and only the program's internals (action kinds,
+  ``checksum``) from its modules.
 - **Rows**: notes/design.md's table "The map of the package" numbers the units top to bottom;
   a module imports only from its own unit and from units on rows above its own. The table must
   name every unit once and nothing else, so the note stays true.
@@ -172,13 +173,30 @@ def private_reads(root: Path) -> list[str]:
     return found
 
 
+def exported(tree: ast.Module) -> set[str]:
+    """The names in a face's ``__all__``."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return {e.value for e in ast.walk(node.value) if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    return set()
+
+
 def face_violations(root: Path) -> list[str]:
-    """Imports of a private subpackage's modules from outside it, around its face."""
+    """Imports from outside a subpackage that go around its face: any of a private subpackage's
+    modules, and a name a public subpackage's face exports taken from one of its modules."""
+    known = modules(root)
     found = []
     for i in imports(root):
         face = unit(i.target)
-        if face != i.target and face != unit(i.source) and face.rsplit(".", 1)[-1].startswith("_"):
+        if face == i.target or face == unit(i.source):
+            continue
+        if face.rsplit(".", 1)[-1].startswith("_"):
             found.append(f"{i.source}:{i.line} imports {i.target}, not the face {face}")
+            continue
+        public = sorted(set(i.names) & exported(parse(known[face])))
+        if public:
+            names = ", ".join(public)
+            found.append(f"{i.source}:{i.line} imports {names} from {i.target}, which the face {face} exports")
     return found
 
 
@@ -322,10 +340,14 @@ def test_a_private_read_across_modules_fails(tmp_path: Path, b: str, read: str) 
 
 def test_an_import_around_a_face_fails(tmp_path: Path) -> None:
     files = {"__init__.py": "from ._sub import x as x\n", "_sub/__init__.py": "from ._a import x as x\n"}
-    files |= {"_sub/_a.py": "x = 1\n", "_sub/_b.py": "from ._a import x\n", "pub/__init__.py": "", "pub/_c.py": ""}
-    files["_d.py"] = "from ._sub import x\nfrom .pub._c import y\nfrom ._sub._a import x\n"
+    files |= {"_sub/_a.py": "x = 1\n", "_sub/_b.py": "from ._a import x\n", "pub/_c.py": "y = z = 1\n"}
+    files["pub/__init__.py"] = 'from ._c import y as y\n__all__ = ["y"]\n'
+    files["_d.py"] = "from ._sub import x\nfrom .pub._c import z\nfrom ._sub._a import x\nfrom .pub._c import y, z\n"
     root = write(tmp_path, files)
-    assert face_violations(root) == ["pkg._d:3 imports pkg._sub._a, not the face pkg._sub"]
+    assert face_violations(root) == [
+        "pkg._d:3 imports pkg._sub._a, not the face pkg._sub",
+        "pkg._d:4 imports y from pkg.pub._c, which the face pkg.pub exports",
+    ]
 
 
 def test_own_private_names_and_foreign_ones_pass(tmp_path: Path) -> None:

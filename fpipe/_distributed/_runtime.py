@@ -29,8 +29,7 @@ from .._pytree import PyTree, leaves_with_paths
 from .._random import Keys
 from .._record import active, clock, measured
 from .._run import Pending, Plan, Reduce, StageRuns, StepSpec, interpret, loss_weights, result, seed_scale
-from ..schedules._program import ScheduleError
-from ..schedules._simulate import Simulation
+from ..schedules import ScheduleError, Simulation
 from ._collectives import (
     PendingSum,
     all_gather_json,

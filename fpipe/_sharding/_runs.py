@@ -75,7 +75,7 @@ from .._plural import plural
 from .._pytree import PyTree, flatten, map_tensors
 from .._run import segments
 from .._stage import StageRun
-from ..schedules._action import Action
+from ..schedules import Action
 from ._layout import DataParallel, Gather, LeafLayout, ReduceScatter, StageLayout, cut, layout_of
 
 # -- the stages of one sharded step -------------------------------------------------------------
