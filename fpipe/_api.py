@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from ._distributed import Topology, WireState, all_reduce_sum, replica_mean, resolve_topology, run_distributed
-from ._dtensor import square_sum
 from ._microbatch import Microbatches
 from ._plural import plural
 from ._precision import LossScaleState, Precision, check_params, finish_grads
@@ -21,6 +20,7 @@ from ._random import check_key, draw_key
 from ._run import Plan, ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
 from ._sharding import ShardedRuns, StageLayout, check_shards, data_parallel, gather_stages, norm_leaves, shard_stages
 from ._stage import StageFn, StageRun, not_inference
+from ._tensor_parallel import square_sum
 from .schedules import Action, Program, Schedule, ScheduleError, validate
 
 

@@ -1,4 +1,4 @@
-"""DTensor leaves (fpipe/_dtensor.py): placements as plain data, a DTensor's description and
+"""DTensor leaves (fpipe/_tensor_parallel/_dtensor.py): placements as plain data, a DTensor's description and
 rebuild around its local piece without communication, copies that keep a ``Partial`` sum
 partial, and each rank's share of a squared norm. On a one-rank mesh in this process (tensor
 parallelism over many ranks: tests/test_tensor_parallel.py)."""
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from fpipe._dtensor import (
+from fpipe._tensor_parallel._dtensor import (
     check_mesh,
     clone,
     dtensor_layout,

@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._dtensor import check_mesh, is_dtensor, local
 from .._errors import PipelineError
 from .._executor import Executor
 from .._microbatch import Microbatches, counts, split
@@ -29,6 +28,7 @@ from .._pytree import PyTree, leaves_with_paths
 from .._random import Keys
 from .._record import active, clock, measured
 from .._run import Pending, Plan, Reduce, StageRuns, StepSpec, interpret, loss_weights, result, seed_scale
+from .._tensor_parallel import check_mesh, is_dtensor, local
 from ..schedules import ScheduleError, Simulation
 from ._collectives import (
     PendingSum,

@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from .._api import Step
 from .._distributed import Topology
-from .._dtensor import is_dtensor
 from .._pytree import PyTree, map_tensors
+from .._tensor_parallel import is_dtensor
 from ._boxes import HostPiece, host_piece
 from ._ranks import Ranks, resolve, stage_list
 from ._save import prepare, write

@@ -70,11 +70,11 @@ from dataclasses import replace
 import torch
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
-from .._dtensor import local
 from .._plural import plural
 from .._pytree import PyTree, flatten, map_tensors
 from .._run import segments
 from .._stage import StageRun
+from .._tensor_parallel import local
 from ..schedules import Action
 from ._layout import DataParallel, Gather, LeafLayout, ReduceScatter, StageLayout, cut, layout_of
 
