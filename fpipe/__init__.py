@@ -12,10 +12,10 @@ from ._api import pipeline as pipeline
 from ._errors import PipelineError as PipelineError
 from ._errors import PipelineTimeoutError as PipelineTimeoutError
 from ._microbatch import Microbatches as Microbatches
-from ._modules._balance import balance as balance
-from ._modules._functionalize import functionalize as functionalize
-from ._modules._split import split_module as split_module
-from ._modules._tied import sum_tied as sum_tied
+from ._modules import balance as balance
+from ._modules import functionalize as functionalize
+from ._modules import split_module as split_module
+from ._modules import sum_tied as sum_tied
 from ._precision import LossScale as LossScale
 from ._precision import LossScaleState as LossScaleState
 from ._precision import Precision as Precision
@@ -23,16 +23,16 @@ from ._random import StageInfo as StageInfo
 from ._random import stage_info as stage_info
 from ._record import Recording as Recording
 from ._record import record as record
-from ._saving._async import AsyncSaver as AsyncSaver
-from ._saving._hf_load import load_hf as load_hf
-from ._saving._hf_save import save_hf as save_hf
-from ._saving._load import load as load
-from ._saving._save import save as save
-from ._saving._state import TrainState as TrainState
-from ._saving._state import load_state as load_state
-from ._saving._state import save_state as save_state
-from ._sharding._public import gather as gather
-from ._sharding._public import shard as shard
+from ._saving import AsyncSaver as AsyncSaver
+from ._saving import TrainState as TrainState
+from ._saving import load as load
+from ._saving import load_hf as load_hf
+from ._saving import load_state as load_state
+from ._saving import save as save
+from ._saving import save_hf as save_hf
+from ._saving import save_state as save_state
+from ._sharding import gather as gather
+from ._sharding import shard as shard
 
 __all__ = [
     "AsyncSaver",

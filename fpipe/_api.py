@@ -11,22 +11,17 @@ from typing import Any
 
 import torch
 
-from ._distributed._collectives import all_reduce_sum
-from ._distributed._runtime import replica_mean, run_distributed
-from ._distributed._topology import Topology, resolve_topology
-from ._distributed._transport import WireState
-from ._dtensor import square_sum
+from ._distributed import Topology, WireState, all_reduce_sum, replica_mean, resolve_topology, run_distributed
 from ._microbatch import Microbatches
 from ._plural import plural
 from ._precision import LossScaleState, Precision, check_params, finish_grads
 from ._pytree import PyTree, flatten, leaves_with_paths
 from ._random import check_key, draw_key
 from ._run import Plan, ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
-from ._sharding._layout import StageLayout, check_shards, data_parallel, norm_leaves
-from ._sharding._runs import ShardedRuns, gather_stages, shard_stages
+from ._sharding import ShardedRuns, StageLayout, check_shards, data_parallel, gather_stages, norm_leaves, shard_stages
 from ._stage import StageFn, StageRun, not_inference
-from .schedules._action import Action
-from .schedules._program import Program, Schedule, ScheduleError, validate
+from ._tensor_parallel import square_sum
+from .schedules import Action, Program, Schedule, ScheduleError, validate
 
 
 def pipeline(

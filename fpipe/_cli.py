@@ -49,10 +49,13 @@ from .schedules import (
     ZeroBubbleH1,
     ZeroBubbleH2,
     ZeroBubbleV,
+    chrome_trace,
     load_costs,
     simulate,
+    svg,
+    terminal_grid,
 )
-from .schedules._pictures import chrome_trace, legend, svg, terminal_grid
+from .schedules._pictures import legend
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .schedules._action import Action
+from .schedules import Action
 
 
 class PipelineError(RuntimeError):

@@ -18,7 +18,8 @@ from ._pytree import PyTree
 from ._random import Keys
 from ._record import Stopwatch
 from ._stage import Grads, Pullback, StageRun
-from .schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from .schedules import Action
+from .schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 
 
 class Transport(Protocol):

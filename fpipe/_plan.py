@@ -34,8 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._modules._partition import partition
-from ._modules._schedule_split import split_for
+from ._modules import partition, split_for
 from .schedules import Costs, Program, ScheduleError, Simulation, simulate
 from .schedules._action import BACKWARD, BACKWARD_WEIGHT, FORWARD
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._dtensor import local
 from ._pytree import PyTree, flatten, leaves_with_paths, unflatten
+from ._tensor_parallel import local
 
 FLOAT8 = frozenset(  # torch's 8-bit floating dtypes
     getattr(torch, name)

@@ -177,7 +177,7 @@ def structure_data(tree: PyTree, spec: TreeSpec, encode: Callable[[Any, str], An
                     f"fpipe.step: a {kind} defined inside a function cannot be named to another rank "
                     f"(at {here}: {cls.__module__}.{cls.__qualname__}). Define it at module level."
                 )
-            data = [cls.__module__, cls.__qualname__, encode(meta, here) if kind == "custom" else _fields(cls)]
+            data = [cls.__module__, cls.__qualname__, encode(meta, here) if kind == "custom" else _field_names(cls)]
         elif kind is None:
             raise TypeError(f"fpipe.step: a pytree node of this kind cannot travel between ranks (at {here}: {cls}).")
         return [kind, data, subtrees]
@@ -247,11 +247,11 @@ def structure_from_data(data: Any, decode: Callable[[Any], Any]) -> TreeSpec:
             if kind == "custom":
                 return _registered(f"{module}.{qualname}", here).unflatten_func(decode(more), children)
             cls = _imported(kind, module, qualname, here)
-            if more != _fields(cls) or len(children) != len(more):
+            if more != _field_names(cls) or len(children) != len(more):
                 raise TypeError(
                     f"fpipe.step: a {kind} from the peer does not match the class here (at {here}: "
                     f"{module}.{qualname} with fields {more!r:.200} and {plural(len(children), 'child')}, here fields "
-                    f"{_fields(cls)}). Run the same code on every rank."
+                    f"{_field_names(cls)}). Run the same code on every rank."
                 )
             return cls(*children) if kind == "namedtuple" else cls(children)
         raise ValueError(f"at {here}: not a node: {data!r:.80}")
@@ -311,7 +311,7 @@ def _imported(kind: str, module: str, qualname: str, path: str) -> type:
     return found
 
 
-def _fields(cls: type) -> list[str]:
+def _field_names(cls: type) -> list[str]:
     if optree.is_namedtuple_class(cls):
         return list(optree.namedtuple_fields(cls))
     return list(optree.structseq_fields(cls))

@@ -72,22 +72,22 @@ class StageInfo(NamedTuple):
 class Keys:
     """The seeds of one step's stage calls (NOTE [randomness as data])."""
 
-    __slots__ = ("_base", "key", "replica", "training")
+    __slots__ = ("_root", "key", "replica", "training")
 
     def __init__(self, key: int, *, replica: int = 0, training: bool = True) -> None:
         self.key = key
         self.replica = replica
         self.training = training
-        self._base = _mix(_mix(0x243F6A8885A308D3, key), replica)
+        self._root = _mix(_mix(0x243F6A8885A308D3, key), replica)
 
     def seed(self, stage: int, microbatch: int) -> int:
         """The seed of ``stage``'s call on ``microbatch``."""
-        return (self._base + (stage << 20) + microbatch) & _MASK32
+        return (self._root + (stage << 20) + microbatch) & _MASK32
 
     def enter(self, stage: int, microbatch: int, device: torch.device | None) -> None:
         """Seed the default generators (CPU, and ``device``'s if it is an accelerator) for
         ``stage`` on ``microbatch``, and make it what ``stage_info()`` tells."""
-        seed = (self._base + (stage << 20) + microbatch) & _MASK32  # ``seed``, inlined: once per forward
+        seed = (self._root + (stage << 20) + microbatch) & _MASK32  # ``seed``, inlined: once per forward
         _CPU.manual_seed(seed)
         if device is not None and device.type != "cpu":
             _accelerator_generator(device).manual_seed(seed)

@@ -29,11 +29,7 @@ from typing import Any
 
 import torch
 
-from ._distributed._collectives import all_gather_json
-from ._distributed._topology import Topology
-from .schedules._action import Action
-from .schedules._program import Program
-from .schedules._simulate import Simulation
+from .schedules import Action, Program, Simulation
 
 Times = list[tuple[float, float]]
 
@@ -109,26 +105,15 @@ class Stopwatch:
         ]
 
 
-def measured(
-    program: Program,
-    order: Sequence[tuple[int, Action]],
-    times: Times,
-    start: float,
-    topology: Topology | None = None,
-    timeout: float = 300.0,
-) -> Simulation:
+def measured(program: Program, order: Sequence[tuple[int, Action]], times: Times, start: float) -> Simulation:
     """The ``Simulation`` of what ran: ``times[k]`` is when ``order[k]`` started and ended.
 
-    With ``topology``, each pipeline rank contributes its own row and the rows are all-gathered
-    (as JSON, which gives floats back exactly), each rank waiting at most ``timeout`` seconds.
+    A rank of many runs only its own row; the distributed runtime all-gathers the rows
+    (``gathered`` in fpipe/_distributed/_runtime.py).
     """
     starts: list[list[float]] = [[] for _ in program.ranks]
     ends: list[list[float]] = [[] for _ in program.ranks]
     for (rank, _), (t0, t1) in zip(order, times):
         starts[rank].append(t0 - start)
         ends[rank].append(t1 - start)
-    if topology is not None:
-        mine = [starts[topology.rank], ends[topology.rank]]
-        rows = all_gather_json(topology, topology.group, mine, timeout, "the other ranks' recorded timelines")
-        starts, ends = [row[0] for row in rows], [row[1] for row in rows]
     return Simulation(program, None, tuple(map(tuple, starts)), tuple(map(tuple, ends)))

@@ -23,8 +23,8 @@ from ._pytree import PyTree, flatten, map_tensors
 from ._random import Keys, keep_generators
 from ._record import Stopwatch, active, clock, measured
 from ._stage import StageFn, StageRun
-from .schedules._action import Action
-from .schedules._program import Program, checksum, execution_order, forward_only
+from .schedules import Action, Program, execution_order
+from .schedules._program import checksum, forward_only
 
 
 class StepSpec(Protocol):
@@ -105,7 +105,7 @@ class StageRuns(Protocol):
     def __iter__(self) -> Iterator[int]: ...
     def __len__(self) -> int: ...
     def finish_stage(self, stage: int) -> None: ...
-    def finish(self) -> list[torch.Tensor]: ...
+    def finish(self) -> None: ...
     def grads(self, num_stages: int) -> list[PyTree]: ...
 
 
@@ -122,8 +122,8 @@ Reduce = Callable[[int, list[torch.Tensor]], Pending]
 class ReplicatedRuns(dict[int, StageRun]):
     """Stages with their full parameters (``StageRuns``): gradients stay where they are computed.
 
-    Without ``reduce``, ``finish`` returns their leaves, which data-parallel replicas still have
-    to average. With it, ``finish_stage(s)`` posts the reduction of stage ``s``'s gradients as
+    Without ``reduce`` (one process, or no data-parallel replicas) nothing is reduced. With it,
+    ``finish_stage(s)`` posts the reduction of stage ``s``'s gradients as
     soon as its last action has run, so that it overlaps the rest of the pipeline, and
     ``finish`` waits for them all (NOTE [reduction overlap] in fpipe/_distributed/_runtime.py).
     A dict of the stages' runs, so that the executor's lookup of a stage, once per action, is
@@ -143,12 +143,10 @@ class ReplicatedRuns(dict[int, StageRun]):
             leaves = [g for g in flatten(grads)[0] if isinstance(g, torch.Tensor)]
             self._pending.append(self._reduce(stage, leaves))
 
-    def finish(self) -> list[torch.Tensor]:
-        if self._reduce is not None:
-            for pending in self._pending:
-                pending.wait()
-            return []
-        return [g for s in sorted(self) for g in flatten(self[s].grads())[0] if isinstance(g, torch.Tensor)]
+    def finish(self) -> None:
+        """Wait for the reductions ``finish_stage`` posted."""
+        for pending in self._pending:
+            pending.wait()
 
     def grads(self, num_stages: int) -> list[PyTree]:
         return [

@@ -75,7 +75,6 @@ from typing import Any
 
 import torch
 
-from ._dtensor import clone, is_dtensor, like_param, shares_storage
 from ._precision import Precision
 from ._purity import raise_if_in_place
 from ._pytree import (
@@ -89,6 +88,7 @@ from ._pytree import (
     map_tensors,
     unflatten,
 )
+from ._tensor_parallel import clone, is_dtensor, like_param, shares_storage
 from ._weight_grad import DeferredWeightGrad, input_grad
 
 StageFn = Callable[[Any, Any], Any]  # stage(stage_params, x) -> y

@@ -24,6 +24,7 @@ def test_the_device_follows_the_backend_or_the_mesh() -> None:
     assert device_of("gloo", None) == torch.device("cpu")
     assert device_of("gloo", "cpu") == torch.device("cpu")
     assert device_of("cpu:gloo,cuda:nccl", "cpu") == torch.device("cpu")
+    assert device_of("GLOO", None) == device_of("mpi", None) == torch.device("cpu")  # any host backend
 
 
 @pytest.mark.parametrize(
@@ -31,6 +32,8 @@ def test_the_device_follows_the_backend_or_the_mesh() -> None:
     [
         ("gloo", "cuda", "the mesh is on cuda but its process group's backend is gloo"),
         ("nccl", "cpu", "init_process_group('gloo') for a cpu mesh"),
+        ("gloo", "xpu", "init_process_group('xccl') for a xpu mesh"),
+        ("hccl", "cpu", "the mesh is on cpu but its process group's backend is hccl"),
     ],
 )
 def test_a_mesh_and_backend_on_different_device_types_fail(backend: str, mesh: str, fragment: str) -> None:

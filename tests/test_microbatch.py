@@ -161,3 +161,21 @@ def test_stack_detaches_tensors_in_mixed_columns() -> None:
     w = torch.ones(2, requires_grad=True)
     stacked = stack([{"a": (w * 2).sum()}, {"a": None}])
     assert stacked["a"][1] is None and stacked["a"][0].grad_fn is None
+
+
+@pytest.mark.parametrize(
+    ("make", "dim"),
+    [
+        (lambda: torch.arange(30.0).reshape(10, 3), 0),
+        (lambda: torch.arange(30.0).reshape(3, 10).t(), 0),  # not contiguous: pieces are laid out
+        (lambda: torch.arange(30.0).reshape(3, 10), 1),
+        (lambda: torch.arange(30.0).reshape(3, 10), -1),
+    ],
+)
+def test_a_plain_tensor_splits_bitwise_as_the_general_path(make: Any, dim: int) -> None:
+    batch = make()
+    fast, fast_sizes = split(batch, 4, dim)
+    general, sizes = split({"x": batch}, 4, dim)  # a dict: no fast path
+    assert fast_sizes == sizes == [3, 3, 2, 2]
+    for a, b in zip(fast, general, strict=True):
+        assert torch.equal(a, b["x"]) and a.stride() == b["x"].stride() and a.is_contiguous()

@@ -381,3 +381,47 @@ def test_other_errors_and_updates_outside_the_stage_are_left_as_they_were() -> N
     x = torch.randn(3, requires_grad=True) * 1
     with pytest.raises(RuntimeError, match=r"^a leaf Variable that requires grad is being used in an in-place"):
         run.forward_loss(x, None, lambda y, mb: y.mul_(2).sum(), has_aux=False, differentiate_input=True)
+
+
+# A plain tensor takes fast paths through a stage (``to_device``, ``forward``, ``_inputs``,
+# ``_graph_outputs``, ``_seeds``, the input cotangents of ``backward``): each must give bitwise
+# what the general path gives. The general path runs on the same numbers packed so that no fast
+# path applies: the input a tuple with an int leaf beside it, and the output a tuple whose second
+# leaf carries a graph but gets no cotangent.
+
+
+def _fast(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ p) * p[0]
+
+
+def _general(p: torch.Tensor, xs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fast(p, xs[0]), xs[0].sum() * xs[1]
+
+
+@pytest.mark.parametrize("backward", ["fused", "split"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
+def test_the_one_tensor_fast_paths_equal_the_general_path(backward: str, recompute: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(3, 3, dtype=torch.float64, generator=gen)
+    xs = [torch.randn(4, 3, dtype=torch.float64, generator=gen).requires_grad_() * 1 for _ in range(2)]
+    cots = [torch.randn(4, 3, dtype=torch.float64, generator=gen) for _ in range(2)]
+    fast, general = StageRun(1, _fast, p, recompute=recompute), StageRun(1, _general, p, recompute=recompute)
+    got: dict[str, list[Any]] = {"fast": [], "general": []}
+    for i, (x, cot) in enumerate(zip(xs, cots)):
+        for name, run, arg, cotangents in (
+            ("fast", fast, fast.to_device(x), [cot]),
+            ("general", general, general.to_device((x, torch.tensor(2))), [cot, None]),
+        ):
+            y, pullback = run.forward(arg, differentiate_input=True)
+            got[name].append(y if name == "fast" else y[0])
+            if backward == "fused":
+                dx = run.backward(pullback, cotangents, i)
+            else:
+                dx = run.backward_input(pullback, cotangents)
+                run.backward_weight(pullback, i)
+            got[name].append(dx[0])
+            assert len(dx) == (1 if name == "fast" else 2) and (name == "fast" or dx[1] is None)
+    got["fast"].append(fast.grads())
+    got["general"].append(general.grads())
+    for a, b in zip(got["fast"], got["general"], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.detach(), b.detach())

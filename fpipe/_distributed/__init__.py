@@ -1,0 +1,30 @@
+"""A step as one rank of many over torch.distributed: what the rest of fpipe may use.
+
+Where a process sits (``Topology``), the waits and collectives every distributed part of fpipe
+goes through, the wire's byte views, and the runtime ``Step`` calls. README.md says what each
+module owns.
+"""
+
+from ._collectives import all_gather_json as all_gather_json
+from ._collectives import all_reduce_sum as all_reduce_sum
+from ._collectives import wait as wait
+from ._runtime import replica_mean as replica_mean
+from ._runtime import run_distributed as run_distributed
+from ._topology import Topology as Topology
+from ._topology import resolve_topology as resolve_topology
+from ._transport import WireState as WireState
+from ._wire import as_bytes as as_bytes
+from ._wire import tensor_bytes as tensor_bytes
+
+__all__ = [
+    "Topology",
+    "WireState",
+    "all_gather_json",
+    "all_reduce_sum",
+    "as_bytes",
+    "replica_mean",
+    "resolve_topology",
+    "run_distributed",
+    "tensor_bytes",
+    "wait",
+]

@@ -60,7 +60,8 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from .._errors import PipelineError, PipelineTimeoutError
-from ..schedules._action import KINDS, Action
+from ..schedules import Action
+from ..schedules._action import KINDS
 
 POLL = 0.05  # seconds a wait lasts before the watchdog reads the board, and between readings
 BEAT = 0.25  # seconds between heartbeats

@@ -7,8 +7,8 @@ Each pipeline rank runs its own row of the program with the shared ``Executor`` 
    the data-parallel group, so replicas fail together), so a bad input anywhere fails every rank;
 2. ``_run_row``: run the row, exchanging activations and cotangents with the peers, and receive
    (or send) the loss;
-3. ``_average_replicas``: average the loss and the gradients still to be averaged over
-   data-parallel replicas.
+3. ``_average_loss``: average the loss over data-parallel replicas (their gradients were
+   averaged as each stage finished: NOTE [reduction overlap]).
 
 Any rank's failure fails every rank (NOTE [failure board] in fpipe/_distributed/_faults.py).
 """
@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._dtensor import check_mesh, is_dtensor, local
 from .._errors import PipelineError
 from .._executor import Executor
 from .._microbatch import Microbatches, counts, split
@@ -29,9 +28,11 @@ from .._pytree import PyTree, leaves_with_paths
 from .._random import Keys
 from .._record import active, clock, measured
 from .._run import Pending, Plan, Reduce, StageRuns, StepSpec, interpret, loss_weights, result, seed_scale
-from ..schedules._program import ScheduleError
+from .._tensor_parallel import check_mesh, is_dtensor, local
+from ..schedules import ScheduleError, Simulation
 from ._collectives import (
     PendingSum,
+    all_gather_json,
     all_reduce_sum,
     all_reduce_sum_async,
     check_usable,
@@ -81,10 +82,11 @@ def run_distributed(
             agreed = _agree(spec, plan, topology, params, batch, check_params, key, rejected)
             runs = runs_for(params)
             loss, aux, outputs = _run_row(spec, plan, topology, wire, runs, agreed, keep_outputs)
-            unaveraged = [] if plan.forward_only else runs.finish()
+            if not plan.forward_only:
+                runs.finish()
             if topology.data_group is not None:
                 # Weighted by weight_fn, each replica's share is already over the total count.
-                loss = _average_replicas(spec, topology, loss, unaveraged, divide=spec.weight_fn is None)
+                loss = _average_loss(spec, topology, loss, divide=spec.weight_fn is None)
             return (loss, aux, outputs), [] if plan.forward_only else runs.grads(spec.num_stages)
         except PipelineError as error:
             mark_broken(topology, error)
@@ -317,7 +319,8 @@ def _run_row(
         transport.finish()
         recording = active()
         if recording is not None:
-            recording.timelines.append(measured(plan.program, plan.order, times, start, topology, spec.timeout))
+            timeline = measured(plan.program, plan.order, times, start)
+            recording.timelines.append(gathered(timeline, topology, spec.timeout))
     except BaseException as error:
         aborted = topology.board.aborted  # by the watchdog, for another rank's failure
         mark_broken(topology, error)
@@ -330,6 +333,16 @@ def _run_row(
             raise standing.error(topology.rank, "a collective inside its stage") from error
         raise
     return loss, aux, outputs
+
+
+def gathered(timeline: Simulation, topology: Topology, timeout: float) -> Simulation:
+    """``timeline`` with every pipeline rank's own row, all-gathered (as JSON, which gives floats
+    back exactly), each rank waiting at most ``timeout`` seconds."""
+    r = topology.rank
+    mine = [timeline.starts[r], timeline.ends[r]]
+    rows = all_gather_json(topology, topology.group, mine, timeout, "the other ranks' recorded timelines")
+    starts, ends = tuple(tuple(row[0]) for row in rows), tuple(tuple(row[1]) for row in rows)
+    return Simulation(timeline.program, None, starts, ends)
 
 
 def _from_board(error: BaseException, rank: int) -> bool:
@@ -411,24 +424,17 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
-def _average_replicas(
-    spec: StepSpec, topology: Topology, loss: torch.Tensor, leaves: list[torch.Tensor], *, divide: bool = True
-) -> torch.Tensor:
-    """Average ``loss`` and the gradient ``leaves`` over data-parallel replicas, the leaves in
-    place (one all-reduce per dtype); the averaged loss. A replica that fails does not join: the
-    failure board fails the others (NOTE [failure board] in fpipe/_distributed/_faults.py).
-    Without ``divide`` the replicas' shares are summed (``weight_fn``: each is already a share
-    of the total count, so a replica with more tokens counts more).
+def _average_loss(spec: StepSpec, topology: Topology, loss: torch.Tensor, *, divide: bool = True) -> torch.Tensor:
+    """``loss`` averaged over the data-parallel replicas (one all-reduce). A replica that fails
+    does not join: the failure board fails the others (NOTE [failure board] in
+    fpipe/_distributed/_faults.py). Without ``divide`` the replicas' shares are summed
+    (``weight_fn``: each is already a share of the total count, so a replica with more tokens
+    counts more).
     """
     d = topology.data_size if divide else 1
-    # The loss in float64 whatever its dtype, so that averaging does not round it: with
-    # float64 grads this is one all-reduce; otherwise a second, one-element one.
+    # The loss in float64 whatever its dtype, so that averaging does not round it.
     total = loss.detach().to(torch.float64).reshape(1).to(topology.device)
-    pieces = [local(g) for g in leaves]  # a DTensor's own piece: its ranks in other replicas hold the same one
-    all_reduce_sum(topology, topology.data_group, [*pieces, total], spec.timeout, "the data-parallel all-reduce")
-    if d != 1:
-        for g in pieces:
-            g.div_(d)
+    all_reduce_sum(topology, topology.data_group, [total], spec.timeout, "the data-parallel all-reduce")
     return (total[0] / d).to(loss.device, loss.dtype).reshape(())
 
 
@@ -437,7 +443,7 @@ def _average_replicas(
 # gradient) action has run; ``replica_mean`` posts their all-reduce right then (one per dtype,
 # async), so that it runs while this rank goes on with its other stages' actions, and the step
 # waits for them all only before it returns (``ReplicatedRuns.finish``); the loss is averaged
-# after that (``_average_replicas``). Sharded runs do the same with reduce-scatters
+# after that (``_average_loss``). Sharded runs do the same with reduce-scatters
 # (fpipe/_sharding/_runs.py). Each replica runs the same row, so every replica posts the same
 # stages in the same order. The sums are those of the one all-reduce at the end that this
 # replaces: two replicas' sum is a + b either way; with three or more, the order of the backend's

@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from .._errors import PipelineError
 from .._pytree import PyTree
-from ..schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD, KINDS, Action
-from ..schedules._program import Program
+from ..schedules import Action, Program
+from ..schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD, KINDS
 from ._collectives import handshake, lost, wait
 from ._faults import RAISED, WATCHDOG, Failure
 from ._topology import Topology

@@ -91,9 +91,9 @@ from typing import Any
 
 import torch
 
-from .._dtensor import DTensorSpec, check_mesh, from_spec, is_dtensor, local, placements_from, spec_of
 from .._plural import plural
 from .._pytree import PyTree, TreeSpec, flatten, leaves_with_paths, structure_data, structure_from_data, unflatten
+from .._tensor_parallel import DTensorSpec, check_mesh, from_spec, is_dtensor, local, placements_from, spec_of
 
 META_WORDS = 6
 META_BYTES = 8 * META_WORDS  # a multiple of 16: an inline payload keeps its leaves aligned

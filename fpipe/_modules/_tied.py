@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from .._distributed._collectives import all_reduce_sum
-from .._distributed._topology import resolve_topology
+from .._distributed import all_reduce_sum, resolve_topology
 from .._plural import plural
 
 

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from .._api import Step
-from .._distributed._topology import Topology
-from .._dtensor import is_dtensor
+from .._distributed import Topology
 from .._pytree import PyTree, map_tensors
+from .._tensor_parallel import is_dtensor
 from ._boxes import HostPiece, host_piece
 from ._ranks import Ranks, resolve, stage_list
 from ._save import prepare, write

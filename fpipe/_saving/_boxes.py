@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .._dtensor import mesh_ranks
-from .._sharding._layout import cut_range
+from .._sharding import cut_range
+from .._tensor_parallel import mesh_ranks
 
 
 class Box(NamedTuple):

@@ -51,9 +51,9 @@ import safetensors
 import torch
 
 from .._api import Step
-from .._distributed._wire import tensor_bytes
+from .._distributed import tensor_bytes
 from .._pytree import PyTree
-from .._sharding._layout import cut_range
+from .._sharding import cut_range
 from ._boxes import Box, whole
 from ._directory import inside
 from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves, stage_list

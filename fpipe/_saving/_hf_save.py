@@ -57,11 +57,10 @@ import torch
 import torch.distributed as dist
 
 from .._api import Step
-from .._distributed._collectives import all_gather_json
-from .._distributed._topology import Topology
-from .._dtensor import is_dtensor
+from .._distributed import Topology, all_gather_json
 from .._pytree import PyTree, flatten, leaves_with_names, unflatten
-from .._sharding._public import gather
+from .._sharding import gather
+from .._tensor_parallel import is_dtensor
 from ._boxes import box_of
 from ._directory import fsync_directory, write_atomic
 from ._hf_load import HF_INDEX

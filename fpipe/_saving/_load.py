@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast
 
 from .._api import Step
-from .._distributed._topology import Topology
+from .._distributed import Topology
 from .._pytree import PyTree
 from ._directory import committed
 from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves, stage_list

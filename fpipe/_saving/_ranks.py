@@ -20,11 +20,10 @@ import torch
 import torch.distributed as dist
 
 from .._api import Step
-from .._distributed._collectives import all_gather_json
-from .._distributed._topology import Topology, resolve_topology
+from .._distributed import Topology, all_gather_json, resolve_topology
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names, unflatten
-from .._sharding._layout import StageLayout, cut_range
+from .._sharding import StageLayout, cut_range
 from ._boxes import Box, piece_box
 
 # --- Shards -----------------------------------------------------------------------------------

@@ -48,10 +48,10 @@ from typing import Any
 import torch
 
 from .._api import Step
-from .._distributed._topology import Topology
-from .._dtensor import local
+from .._distributed import Topology
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names
+from .._tensor_parallel import local
 from ._boxes import Box, HostPiece, box_of, is_piece, tiling_problem, whole
 from ._directory import commit, fsync_directory, locked, next_version
 from ._ranks import (

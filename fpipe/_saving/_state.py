@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .._api import Step
-from .._distributed._topology import Topology
+from .._distributed import Topology
 from .._pytree import PyTree
 from ._load import Loaded, load_then
 from ._ranks import Ranks

@@ -75,9 +75,9 @@ from typing import IO, Any, NamedTuple
 import safetensors
 import torch
 
-from .._distributed._wire import tensor_bytes
+from .._distributed import tensor_bytes
 from .._plural import plural
-from .._sharding._layout import cut_range
+from .._sharding import cut_range
 from ._boxes import Box, overlap, tiling_problem, whole
 from ._directory import INDEX, inside
 

@@ -13,9 +13,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._dtensor import from_spec, is_dtensor, local, spec_of
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names, unflatten
+from .._tensor_parallel import from_spec, is_dtensor, local, spec_of
 from ._boxes import Box, box_of, is_piece
 from ._ranks import Sharding, full_shapes
 from ._store import Part

@@ -1,0 +1,29 @@
+"""Sharded data parallel under the pipeline: what the rest of fpipe may use.
+
+``fpipe.shard`` and ``fpipe.gather``, the shard layouts ``Step`` keeps, and the sharded stage
+runs it builds. README.md says what each module owns.
+"""
+
+from ._layout import StageLayout as StageLayout
+from ._layout import check_shards as check_shards
+from ._layout import cut_range as cut_range
+from ._layout import data_parallel as data_parallel
+from ._layout import norm_leaves as norm_leaves
+from ._public import gather as gather
+from ._public import shard as shard
+from ._runs import ShardedRuns as ShardedRuns
+from ._runs import gather_stages as gather_stages
+from ._runs import shard_stages as shard_stages
+
+__all__ = [
+    "ShardedRuns",
+    "StageLayout",
+    "check_shards",
+    "cut_range",
+    "data_parallel",
+    "gather",
+    "gather_stages",
+    "norm_leaves",
+    "shard",
+    "shard_stages",
+]

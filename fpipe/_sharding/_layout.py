@@ -14,12 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._distributed._collectives import wait
-from .._distributed._topology import Topology
-from .._distributed._wire import as_bytes
-from .._dtensor import DTensorLayout, check_mesh, dtensor_layout, local
+from .._distributed import Topology, as_bytes, wait
 from .._plural import plural
 from .._pytree import PyTree, TreeSpec, detached, flatten, leaves_with_paths, unflatten
+from .._tensor_parallel import DTensorLayout, check_mesh, dtensor_layout, local
 
 # torch 2.13 deprecates ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (FutureWarning)
 # in favour of these names, which older releases lack; both are the same collective.

@@ -3,19 +3,30 @@ gather it back (NOTE [shard layout] in fpipe/_sharding/_runs.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from .._api import Step
-from .._distributed._topology import Topology, resolve_topology
+from .._distributed import Topology, resolve_topology
 from .._pytree import PyTree
 from ._layout import DataParallel, cut, data_parallel, layout_of
 from ._runs import gather_tree
 
 
+@runtime_checkable
+class _StepView(Protocol):
+    """What sharding reads of a ``Step`` (its public read-only view; fpipe/_api.py imports this
+    package, so it is never imported here)."""
+
+    @property
+    def topology(self) -> Topology | None: ...
+
+    @property
+    def timeout(self) -> float: ...
+
+
 def _data_parallel_of(over: Any, caller: str) -> DataParallel:
     topology: Topology | None = None
     timeout = 300.0
-    if isinstance(over, Step):
+    if isinstance(over, _StepView):
         topology, timeout = over.topology, over.timeout
     elif hasattr(over, "mesh_dim_names"):  # a DeviceMesh
         topology = resolve_topology(over, None)

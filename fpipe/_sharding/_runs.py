@@ -70,12 +70,12 @@ from dataclasses import replace
 import torch
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
-from .._dtensor import local
 from .._plural import plural
 from .._pytree import PyTree, flatten, map_tensors
 from .._run import segments
 from .._stage import StageRun
-from ..schedules._action import Action
+from .._tensor_parallel import local
+from ..schedules import Action
 from ._layout import DataParallel, Gather, LeafLayout, ReduceScatter, StageLayout, cut, layout_of
 
 # -- the stages of one sharded step -------------------------------------------------------------
@@ -175,13 +175,12 @@ class ShardedRuns(Mapping[int, StageRun]):
         self._full.pop(stage, None)
         self._reductions[stage] = ReduceScatter(self.dp, stage, grads, self._grad_layouts[stage], divide=self._divide)
 
-    def finish(self) -> list[torch.Tensor]:
-        """Wait for every reduce-scatter: the gradients are averaged, none is left to average
-        (a replica that fails does not join: the failure board fails the others, NOTE [failure
-        board] in fpipe/_distributed/_faults.py)."""
+    def finish(self) -> None:
+        """Wait for every reduce-scatter: the gradients are averaged (a replica that fails does
+        not join: the failure board fails the others, NOTE [failure board] in
+        fpipe/_distributed/_faults.py)."""
         for stage in self._finish_order:
             self._grads[stage] = self._reductions.pop(stage).wait()
-        return []
 
     def grads(self, num_stages: int) -> list[PyTree]:
         """The averaged gradient shards, one pytree per stage (``None`` for stages held elsewhere)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KIND_NAMES, KINDS
 from ._program import Program, ScheduleError
-from ._simulate import Costs, Simulation, _checked, activations_alive, simulate, stages_held
+from ._simulate import Costs, Simulation, activations_alive, checked, simulate, stages_held
 
 UNIT = Costs(forward=1, backward=1, backward_input=1, backward_weight=1)
 
@@ -31,7 +31,7 @@ def as_simulation(timeline: Program | Simulation, function: str = "terminal_grid
     """A ``Simulation`` checked (one finite start and end per action); a ``Program`` simulated with
     unit cost per action (``render``'s ticks). ``function`` names the caller in errors."""
     if isinstance(timeline, Simulation):
-        return _checked(function, timeline)[0]
+        return checked(function, timeline)[0]
     return simulate(timeline, UNIT)
 
 

@@ -237,7 +237,7 @@ def replay(timeline: Simulation, send: float = 0.0) -> Simulation:
         TypeError: if ``timeline`` is not a ``Simulation``.
         ValueError: if ``send`` is negative or not finite.
     """
-    (timeline,) = _checked("replay", (timeline,))
+    (timeline,) = checked("replay", (timeline,))
     if isinstance(send, bool) or not isinstance(send, (int, float)) or not math.isfinite(send) or send < 0:
         raise ValueError(f"fpipe.schedules.replay: send must be a finite number >= 0 (send: {send!r}).")
     validate(timeline.program)
@@ -319,7 +319,7 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
             times do not match its program.
         TypeError: if ``timeline`` holds something other than ``Simulation`` objects.
     """
-    timelines = _checked("fit_costs", timeline)
+    timelines = checked("fit_costs", timeline)
     program = timelines[0].program
     validate(program)
     split = split_backwards(program)
@@ -358,7 +358,7 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
     return tuple(fitted)
 
 
-def _checked(function: str, timeline: Simulation | Sequence[Simulation]) -> tuple[Simulation, ...]:
+def checked(function: str, timeline: Simulation | Sequence[Simulation]) -> tuple[Simulation, ...]:
     """``timeline`` as a non-empty tuple of timelines of one program, each with one start and one
     end per action, or an error naming ``function`` and what is wrong."""
     timelines = (timeline,) if isinstance(timeline, Simulation) else tuple(timeline)

@@ -1,0 +1,142 @@
+"""The one door to optree (fpipe/_pytree.py): options fixed once, a plain tensor's fast answers
+equal optree's, key paths and names, boundary layouts, and structures as plain data."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict, defaultdict, deque
+from typing import Any, NamedTuple
+
+import optree
+import pytest
+import torch
+
+from fpipe._pytree import (
+    boundary_layout,
+    broadcast_prefix,
+    detached,
+    flatten,
+    is_differentiable,
+    leaves_with_names,
+    leaves_with_paths,
+    map_tensors,
+    structure_data,
+    structure_from_data,
+    unflatten,
+)
+
+
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+def _plain(value: Any, path: str) -> Any:
+    return value
+
+
+def test_a_tensor_flattens_as_optree_flattens_it() -> None:
+    t = torch.ones(2)
+    leaves, spec = flatten(t)
+    reference_leaves, reference = optree.tree_flatten(t, none_is_leaf=True)
+    assert leaves == [t] and leaves[0] is t and spec == reference and reference_leaves[0] is t
+    assert unflatten(spec, [t]) is t
+
+
+def test_none_is_a_leaf_and_order_is_optrees() -> None:
+    tree = {"b": None, "a": [1.5, 3]}
+    leaves, spec = flatten(tree)
+    assert leaves == [1.5, 3, None]  # keys sorted, None kept
+    assert unflatten(spec, leaves) == tree
+
+
+def test_paths_and_names() -> None:
+    tree = {"h": [Pair(torch.ones(1), 2)], "w": torch.zeros(1)}
+    paths, _, _ = leaves_with_paths(tree)
+    assert paths == ["['h'][0][0]", "['h'][0][1]", "['w']"]
+    assert leaves_with_paths(torch.ones(1))[0] == ["<root>"]
+    names, code, _, _ = leaves_with_names(tree)
+    assert names == [("h", "0", "first"), ("h", "0", "second"), ("w",)]
+    assert code == ["['h'][0].first", "['h'][0].second", "['w']"]
+
+
+def test_broadcast_prefix_names_a_mismatch() -> None:
+    assert broadcast_prefix({"x": 0, "y": None}, {"x": [1, 2], "y": 3}) == [0, 0, None]
+    with pytest.raises(ValueError):
+        broadcast_prefix([0, 1], (1, 2))
+
+
+def test_differentiable_leaves_and_map_tensors() -> None:
+    assert [is_differentiable(x) for x in (torch.ones(1), torch.ones(1, dtype=torch.complex64))] == [True, True]
+    assert [is_differentiable(x) for x in (torch.ones(1, dtype=torch.int64), torch.ones(1).bool(), 1.0)] == [
+        False,
+        False,
+        False,
+    ]
+    out = map_tensors(lambda t: t + 1, {"a": torch.zeros(1), "b": "text", "c": None})
+    assert out["b"] == "text" and out["c"] is None and out["a"].item() == 1
+
+
+def test_detached_copies_only_inference_tensors() -> None:
+    t = torch.ones(2, requires_grad=True)
+    alias = detached(t)
+    assert not alias.requires_grad and alias.data_ptr() == t.data_ptr()
+    with torch.inference_mode():
+        frozen = torch.ones(2)
+    copy = detached(frozen)
+    assert not copy.is_inference() and copy.data_ptr() != frozen.data_ptr()
+
+
+def test_boundary_layout_is_contiguous_and_resolved() -> None:
+    t = torch.arange(6.0).reshape(2, 3)
+    assert boundary_layout(t) is t
+    moved = boundary_layout(t.t())
+    assert moved.is_contiguous() and torch.equal(moved, t.t())
+    z = torch.tensor([1 + 2j]).conj()
+    resolved = boundary_layout(z)
+    assert not resolved.is_conj() and torch.equal(resolved, z)
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {"b": 1, "a": [2, (3, None)]},
+        OrderedDict([("z", 1), ("y", 2)]),
+        defaultdict(list, {"k": 1}),
+        deque([1, 2], maxlen=3),
+        Pair(1, {"x": 2}),
+        torch.ones(1),
+    ],
+    ids=["dict", "OrderedDict", "defaultdict", "deque", "namedtuple", "leaf"],
+)
+def test_structure_as_data_round_trips_through_json(tree: Any) -> None:
+    spec = flatten(tree)[1]
+    data = json.loads(json.dumps(structure_data(tree, spec, _plain)))
+    assert structure_from_data(data, lambda v: v) == spec
+
+
+def test_structures_that_cannot_travel_are_named() -> None:
+    class Local(NamedTuple):
+        x: int
+
+    tree = {"a": Local(1)}
+    with pytest.raises(TypeError, match=r"defined inside a function cannot be named to another rank \(at \['a'\]"):
+        structure_data(tree, flatten(tree)[1], _plain)
+    odd = defaultdict(lambda: 0, {"k": 1})
+    with pytest.raises(TypeError, match="default factory cannot be named"):
+        structure_data(odd, flatten(odd)[1], _plain)
+
+
+@pytest.mark.parametrize(
+    ("data", "error", "fragment"),
+    [
+        (["list", None, [1, 0]], ValueError, "not numbered 0, 1, ..."),
+        (["dict", ["a"], [0, 1]], ValueError, "a dict of 2 children with 1 key"),
+        (["namedtuple", ["nowhere", "Pair", ["x"]], [0]], TypeError, "is not defined here"),
+        (["custom", ["nowhere", "Thing", None], [0]], TypeError, "is not registered here"),
+        ("leaf", ValueError, "neither a leaf index nor"),
+    ],
+)
+def test_structure_from_bad_data_fails(data: Any, error: type[Exception], fragment: str) -> None:
+    with pytest.raises(error, match=fragment.replace(".", r"\.")):
+        structure_from_data(data, lambda v: v)

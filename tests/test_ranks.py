@@ -1,0 +1,52 @@
+"""The ranks of a save or load (fpipe/_saving/_ranks.py), in one process: which ranks take part,
+their JSON all-gathers, the agreement that fails every rank together, and argument checks (over
+many ranks: tests/test_save.py, tests/test_save_sharded.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fpipe
+from fpipe._saving._ranks import Ranks, agree, check_stage_count, resolve, stage_list
+from fpipe.schedules import GPipe
+
+
+def _step() -> fpipe.Step:
+    return fpipe.pipeline(lambda y, b: y.sum(), [lambda p, x: x * p] * 2, GPipe(1))
+
+
+def test_one_process_is_one_rank_that_gathers_itself() -> None:
+    ranks = Ranks("save", None, 1.0)
+    assert (ranks.rank, ranks.size, ranks.writer, ranks.replicas, ranks.inner) == (0, 1, 0, False, [])
+    assert ranks.gather({"n": (1, 2)}, "x") == [{"n": [1, 2]}]  # as JSON gives it back
+    assert ranks.name(0) == "0"
+
+
+def test_agree_raises_the_problem_here() -> None:
+    ranks = Ranks("save", None, 1.0)
+    assert agree(ranks, None, {"bytes": 3}, "writing") == [{"bytes": 3, "error": False}]
+    with pytest.raises(OSError, match="disk full"):
+        agree(ranks, OSError("disk full"), {}, "writing")
+
+
+def test_resolve_takes_one_of_step_group_and_mesh() -> None:
+    step = _step()
+    assert resolve("save", None, None, None) == (None, None)
+    assert resolve("save", step, None, None) == (None, step.local_stages)
+    with pytest.raises(TypeError, match=r"fpipe\.load: pass one of step=, group= and mesh=, not several"):
+        resolve("load", step, object(), None)
+    with pytest.raises(TypeError, match=r"step must be a Step from fpipe\.pipeline"):
+        resolve("save", "step", None, None)
+    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialized"):
+        resolve("save", None, object(), None)
+
+
+def test_stage_lists_and_counts() -> None:
+    assert stage_list("save", "params", ({"w": 1}, None)) == [{"w": 1}, None]
+    with pytest.raises(TypeError, match=r"fpipe\.save: params must be a list with one pytree per stage \(got: dict\)"):
+        stage_list("save", "params", {"w": torch.ones(1)})
+    check_stage_count("save", [None, None], _step())
+    check_stage_count("save", [None], None)
+    with pytest.raises(ValueError, match="params has 1 entry but the step has 2 stages"):
+        check_stage_count("save", [None], _step())
