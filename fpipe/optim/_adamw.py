@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from torch.optim.adamw import adamw as torch_adamw
 
 from .._pytree import PyTree
-from ._optimizer import Group, LearningRate, Optimizer, check_learning_rate, make_optimizer
+from ._optimizer import Group, LearningRate, Optimizer, check_learning_rate, check_options, make_optimizer
 
 
 def adamw(
@@ -66,7 +66,13 @@ def adamw(
         (tensor([0.9999, 0.9999]), tensor(1.))
     """
     check_learning_rate("adamw", learning_rate)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise TypeError(
+            f"fpipe.optim.adamw: betas must be a pair of floats (betas: {betas!r}). Pass e.g. (0.9, 0.999)."
+        )
     beta1, beta2 = betas
+    options = {"betas[0]": beta1, "betas[1]": beta2, "eps": eps, "weight_decay": weight_decay}
+    check_options("fpipe.optim.adamw", options, below_one=("betas[0]", "betas[1]"))
 
     def kernel(group: Group, *, lr: float) -> None:
         steps = group.steps

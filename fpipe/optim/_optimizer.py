@@ -307,3 +307,20 @@ def check_rate(where: str, name: str, rate: object) -> float:
     if not 0 <= rate < math.inf:
         raise ValueError(f"{where}: {name} must be a finite number >= 0 ({name}: {rate!r}). Pass e.g. 1e-3.")
     return float(rate)
+
+
+def check_options(where: str, options: dict[str, float], *, below_one: tuple[str, ...] = ()) -> None:
+    """Check an optimizer's numeric options as ``torch.optim`` does: each a finite number >= 0,
+    and those named in ``below_one`` (AdamW's betas) also < 1.
+
+    Raises:
+        TypeError: an option that is not a number.
+        ValueError: one out of its range, naming it, its value and the range.
+    """
+    for name, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{where}: {name} must be a float ({name}: {value!r}).")
+        high = 1.0 if name in below_one else math.inf
+        if not 0 <= value < high:
+            needed = "in [0, 1)" if name in below_one else "a finite number >= 0"
+            raise ValueError(f"{where}: {name} must be {needed}, as torch.optim requires ({name}: {value!r}).")

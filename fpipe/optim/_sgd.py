@@ -8,7 +8,7 @@ import torch
 from torch.optim.sgd import sgd as torch_sgd
 
 from .._pytree import PyTree
-from ._optimizer import Group, LearningRate, Optimizer, check_learning_rate, make_optimizer
+from ._optimizer import Group, LearningRate, Optimizer, check_learning_rate, check_options, make_optimizer
 
 
 def sgd(
@@ -54,6 +54,7 @@ def sgd(
         (tensor([0.9000, 0.9000]), tensor([1., 1.]))
     """
     check_learning_rate("sgd", learning_rate)
+    check_options("fpipe.optim.sgd", {"momentum": momentum, "weight_decay": weight_decay})
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(
             f"fpipe.optim.sgd: nesterov needs a positive momentum and no dampening "

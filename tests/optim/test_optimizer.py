@@ -285,3 +285,30 @@ def test_a_step_counter_that_is_not_a_whole_number_is_refused(step: complex) -> 
     state[0]["step"] = torch.tensor(step)
     with pytest.raises(ValueError, match=r"step counter of stage 0 must be a whole number >= 0"):
         opt.update(params, [{"w": torch.ones(2)}], state)
+
+
+@pytest.mark.parametrize(
+    ("make", "torch_make", "options", "fragment"),
+    [
+        (fpipe.optim.adamw, torch.optim.AdamW, {"betas": (1.5, 0.9)}, r"betas\[0\] must be in \[0, 1\)"),
+        (fpipe.optim.adamw, torch.optim.AdamW, {"betas": (0.9, -0.1)}, r"betas\[1\] must be in \[0, 1\)"),
+        (fpipe.optim.adamw, torch.optim.AdamW, {"eps": -1e-8}, "eps must be a finite number >= 0"),
+        (fpipe.optim.adamw, torch.optim.AdamW, {"weight_decay": -0.1}, "weight_decay must be a finite number >= 0"),
+        (fpipe.optim.sgd, torch.optim.SGD, {"momentum": -1.0}, "momentum must be a finite number >= 0"),
+        (fpipe.optim.sgd, torch.optim.SGD, {"weight_decay": -0.1}, "weight_decay must be a finite number >= 0"),
+    ],
+)
+def test_options_out_of_range_are_refused_as_torch_optim_does(
+    make: Callable[..., object], torch_make: Callable[..., object], options: dict[str, Any], fragment: str
+) -> None:
+    with pytest.raises(ValueError, match="Invalid"):
+        torch_make([torch.zeros(1, requires_grad=True)], lr=1e-3, **options)
+    with pytest.raises(ValueError, match=fragment):
+        make(1e-3, **options)
+
+
+def test_options_in_range_are_accepted() -> None:
+    fpipe.optim.adamw(1e-3, betas=(0.0, 0.0), eps=0.0, weight_decay=0.0)
+    fpipe.optim.sgd(1e-3, momentum=0.0, weight_decay=0.0)
+    with pytest.raises(TypeError, match="betas must be a pair of floats"):
+        fpipe.optim.adamw(1e-3, betas=0.9)  # type: ignore[arg-type]
