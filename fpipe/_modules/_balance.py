@@ -147,16 +147,16 @@ def balance(
             f"fpipe.balance: num_stages must be between 1 and the number of layers, {len(items)} "
             f"(num_stages: {num_stages!r}). Every stage needs at least one layer."
         )
+    if by not in ("params", "time"):
+        raise TypeError(f'fpipe.balance: by must be "params" or "time" (by: {by!r}).')
     if all(isinstance(c, Real) and not isinstance(c, bool) for c in items):
         costs = [float(c) for c in items]  # type: ignore[arg-type]
     elif all(isinstance(m, nn.Module) for m in items):
         modules: list[nn.Module] = items  # type: ignore[assignment]
         if by == "params":
             costs = [float(sum(p.numel() for p in m.parameters() if p.requires_grad)) for m in modules]
-        elif by == "time":
-            costs = _times(names, modules, sample_input, adapter_map("balance", call), repeats)
         else:
-            raise TypeError(f'fpipe.balance: by must be "params" or "time" (by: {by!r}).')
+            costs = _times(names, modules, sample_input, adapter_map("balance", call), repeats)
     else:
         kinds = sorted({type(c).__name__ for c in items})
         raise TypeError(f"fpipe.balance: layers must be all modules or all numbers (got: {', '.join(kinds)}).")
