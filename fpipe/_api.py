@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ._distributed import Topology, WireState, all_reduce_sum, replica_mean, resolve_topology, run_distributed
+from ._errors import DEFAULT_TIMEOUT
 from ._microbatch import Microbatches
 from ._plural import plural
 from ._precision import LossScaleState, Precision, check_params, finish_grads
@@ -39,7 +40,7 @@ def pipeline(
     group: Any = None,
     shard_params: bool = False,
     regather: bool = False,
-    timeout: float = 300.0,
+    timeout: float = DEFAULT_TIMEOUT,
     precision: Precision | None = None,
 ) -> Step:
     """Turn stage functions and a schedule into ``step(params, batch) -> (loss, grads)``.

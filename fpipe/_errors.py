@@ -7,6 +7,11 @@ from typing import Any
 
 from .schedules import Action
 
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a rank waits for a peer (a message, a collective, a file another rank writes) before
+raising ``PipelineTimeoutError``: the default of every ``timeout=`` (``pipeline``, saving and
+loading, ``sum_tied``)."""
+
 
 class PipelineError(RuntimeError):
     """A step failed: a stage or ``loss_fn`` raised, or a rank of the pipeline was lost.

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .._distributed import all_reduce_sum, resolve_topology
+from .._errors import DEFAULT_TIMEOUT
 from .._plural import plural
 
 
@@ -30,7 +31,7 @@ def sum_tied(
     *,
     params: Sequence[Mapping[str, torch.Tensor]] | None = None,
     group: Any = None,
-    timeout: float = 300.0,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> list[dict[str, torch.Tensor | None] | None]:
     """Sum the gradients of names that appear in several stages; every stage gets the sum.
 

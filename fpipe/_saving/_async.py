@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from .._api import Step
 from .._distributed import Topology
+from .._errors import DEFAULT_TIMEOUT
 from .._pytree import PyTree, map_tensors
 from .._tensor_parallel import is_dtensor
 from ._boxes import HostPiece, host_piece
@@ -72,7 +73,9 @@ class AsyncSaver:
         tensor([0., 0., 0.])
     """
 
-    def __init__(self, *, step: Step | None = None, group: Any = None, mesh: Any = None, timeout: float = 300.0):
+    def __init__(
+        self, *, step: Step | None = None, group: Any = None, mesh: Any = None, timeout: float = DEFAULT_TIMEOUT
+    ):
         topology, _ = resolve("AsyncSaver", step, group, mesh)
         self._where = {"step": step, "group": group, "mesh": mesh}
         self._topology = _own_groups(topology)

@@ -52,6 +52,7 @@ import torch
 
 from .._api import Step
 from .._distributed import tensor_bytes
+from .._errors import DEFAULT_TIMEOUT
 from .._pytree import PyTree
 from .._sharding import cut_range
 from ._boxes import Box, whole
@@ -75,7 +76,7 @@ def load_hf(
     step: Step | None = None,
     group: Any = None,
     mesh: Any = None,
-    timeout: float = 300.0,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> list[PyTree]:
     """Load a Hugging Face checkpoint directory into the layout of ``template``, reading only its tensors.
 

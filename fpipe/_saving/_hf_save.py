@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from .._api import Step
 from .._distributed import Topology, all_gather_json
+from .._errors import DEFAULT_TIMEOUT
 from .._pytree import PyTree, flatten, leaves_with_names, unflatten
 from .._sharding import gather
 from .._tensor_parallel import is_dtensor
@@ -92,7 +93,7 @@ def save_hf(
     step: Step | None = None,
     group: Any = None,
     mesh: Any = None,
-    timeout: float = 300.0,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Path:
     """Write parameters as a Hugging Face checkpoint directory that ``from_pretrained`` loads.
 

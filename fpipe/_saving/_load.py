@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 
 from .._api import Step
 from .._distributed import Topology
+from .._errors import DEFAULT_TIMEOUT
 from .._pytree import PyTree
 from ._directory import committed
 from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves, stage_list
@@ -44,7 +45,7 @@ def load(
     step: Step | None = None,
     group: Any = None,
     mesh: Any = None,
-    timeout: float = 300.0,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Loaded:
     """Load a save into the layout of ``template``, as new tensors, checked against it.
 

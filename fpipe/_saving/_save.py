@@ -49,6 +49,7 @@ import torch
 
 from .._api import Step
 from .._distributed import Topology
+from .._errors import DEFAULT_TIMEOUT
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names
 from .._tensor_parallel import local
@@ -82,7 +83,7 @@ def save(
     step: Step | None = None,
     group: Any = None,
     mesh: Any = None,
-    timeout: float = 300.0,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Path:
     """Save parameters (and optimizer state and metadata) to ``directory``, atomically.
 

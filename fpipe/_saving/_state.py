@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .._api import Step
 from .._distributed import Topology
+from .._errors import DEFAULT_TIMEOUT
 from .._pytree import PyTree
 from ._load import Loaded, load_then
 from ._ranks import Ranks
@@ -78,7 +79,7 @@ def save_state(
     step: Step | None = None,
     group: Any = None,
     mesh: Any = None,
-    timeout: float = 300.0,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Path:
     """Save a whole training state atomically: ``fpipe.save`` plus step, RNG, extra tensors.
 
@@ -167,7 +168,7 @@ def load_state(
     step: Step | None = None,
     group: Any = None,
     mesh: Any = None,
-    timeout: float = 300.0,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> TrainState:
     """Load a ``save_state`` save and restore this process's random generators.
 

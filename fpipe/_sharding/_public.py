@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from .._distributed import Topology, resolve_topology
+from .._errors import DEFAULT_TIMEOUT
 from .._pytree import PyTree
 from ._layout import DataParallel, cut, data_parallel, layout_of
 from ._runs import gather_tree
@@ -25,7 +26,7 @@ class _StepView(Protocol):
 
 def _data_parallel_of(over: Any, caller: str) -> DataParallel:
     topology: Topology | None = None
-    timeout = 300.0
+    timeout = DEFAULT_TIMEOUT
     if isinstance(over, _StepView):
         topology, timeout = over.topology, over.timeout
     elif hasattr(over, "mesh_dim_names"):  # a DeviceMesh
