@@ -164,7 +164,7 @@ def main(argv=None):
     for it in range(args.steps):
         batch = get_batch(teacher_params, args.batch_size, data)
         loss, grads = step(params, batch if step.rank == 0 else None)  # loss: the replicas' mean
-        grads = fpipe.optim.clip_by_global_norm(grads, step.global_norm(grads), max_norm=args.max_norm)
+        grads = fpipe.optim.clip_by_global_norm(grads, step.global_norm, max_norm=args.max_norm)
         params, opt_state = opt.update(params, grads, opt_state)
         losses.append(loss.item())
         bar.set_postfix_str(f"loss {losses[-1]:.6f}", refresh=False)

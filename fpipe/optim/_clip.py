@@ -2,27 +2,36 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from .._pytree import PyTree, map_tensors
 
+Norm = Callable[[Sequence[PyTree]], torch.Tensor]
+"""A norm function: one gradient pytree per stage to their global 2-norm (``step.global_norm``)."""
 
-def clip_by_global_norm(grads: Sequence[PyTree], norm: torch.Tensor, /, *, max_norm: float) -> list[PyTree]:
+
+def clip_by_global_norm(
+    grads: Sequence[PyTree], norm: Norm | torch.Tensor | float, /, *, max_norm: float
+) -> list[PyTree]:
     """``grads`` scaled so that their global norm is at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` scales.
 
-    ``norm`` is ``step.global_norm(grads)``: the norm of the whole pipeline's gradients, summed
-    over the pipeline ranks and, with ``shard_params``, the data-parallel ranks, so every rank
-    scales by the same factor. Conceptually::
+    ``norm`` is a norm function, ``step.global_norm``, or the norm it returned,
+    ``step.global_norm(grads)``: the norm of the whole pipeline's gradients, summed over the
+    pipeline ranks and, with ``shard_params``, the data-parallel ranks, so every rank scales by
+    the same factor. A clip is a function of the gradients and a norm function, not of a step
+    (as optax's ``clip_by_global_norm`` is a transform). Conceptually::
 
+        norm = norm(grads) if callable(norm) else norm
         scale = min(1, max_norm / (norm + 1e-6))
         return [tree_map(lambda g: g * scale, stage) for stage in grads]
 
     Args:
         grads: one gradient pytree per stage (``None`` for stages held elsewhere and for leaves
             without a gradient: kept as they are).
-        norm: the global norm, a scalar tensor (or float).
+        norm: a norm function ``norm(grads) -> scalar`` (``step.global_norm``), or the global
+            norm itself, a scalar tensor (or float).
         max_norm: the largest norm allowed.
 
     Returns:
@@ -33,10 +42,16 @@ def clip_by_global_norm(grads: Sequence[PyTree], norm: torch.Tensor, /, *, max_n
         >>> grads = [{"w": torch.tensor([3.0, 4.0])}]
         >>> fpipe.optim.clip_by_global_norm(grads, torch.tensor(5.0), max_norm=1.0)[0]["w"]
         tensor([0.6000, 0.8000])
+        >>> norm = lambda grads: torch.linalg.vector_norm(grads[0]["w"])  # one process: step.global_norm
+        >>> fpipe.optim.clip_by_global_norm(grads, norm, max_norm=1.0)[0]["w"]
+        tensor([0.6000, 0.8000])
     """
+    if callable(norm):
+        norm = norm(grads)
     if not isinstance(norm, torch.Tensor | float | int) or torch.as_tensor(norm).numel() != 1:
         raise TypeError(
-            f"fpipe.optim.clip_by_global_norm: norm must be a scalar (norm: {norm!r}). Pass step.global_norm(grads)."
+            f"fpipe.optim.clip_by_global_norm: norm must be a scalar (norm: {norm!r}). "
+            "Pass step.global_norm, or step.global_norm(grads)."
         )
     if not max_norm > 0:
         raise ValueError(

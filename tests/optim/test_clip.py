@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fpipe
 import fpipe.optim
+import fpipe.schedules
 
 
 def test_scales_like_clip_grad_norm() -> None:
@@ -22,6 +24,16 @@ def test_scales_like_clip_grad_norm() -> None:
         assert torch.equal(clipped[0]["w"], copies[0].grad) and torch.equal(clipped[2]["b"], copies[1].grad)
     assert torch.linalg.vector_norm(fpipe.optim.clip_by_global_norm(grads, norm, max_norm=0.5)[2]["b"]) < 0.5
     assert torch.equal(grads[0]["w"], leaves[0])  # not modified
+
+
+def test_takes_a_norm_function() -> None:
+    """A norm function (``step.global_norm``) clips as the norm it returns does."""
+    stages = [lambda p, x: x @ p, lambda p, x: torch.tanh(x @ p)]
+    step = fpipe.pipeline(lambda y, mb: (y**2).mean(), stages, fpipe.schedules.GPipe(2))
+    _, grads = step([torch.randn(3, 3, dtype=torch.float64) for _ in range(2)], torch.randn(4, 3, dtype=torch.float64))
+    by_value = fpipe.optim.clip_by_global_norm(grads, step.global_norm(grads), max_norm=0.1)
+    by_function = fpipe.optim.clip_by_global_norm(grads, step.global_norm, max_norm=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(by_value, by_function))
 
 
 def test_errors() -> None:
