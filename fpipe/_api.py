@@ -15,7 +15,7 @@ from ._distributed import Topology, WireState, all_reduce_sum, replica_mean, res
 from ._errors import DEFAULT_TIMEOUT
 from ._microbatch import Microbatches
 from ._plural import plural
-from ._precision import LossScaleState, Precision, check_params, finish_grads
+from ._precision import LossScaleState, Precision, check_params, finish_precision
 from ._pytree import PyTree, flatten, leaves_with_paths
 from ._random import check_key, draw_key
 from ._run import Plan, ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
@@ -538,25 +538,26 @@ class Step:
     # the tensor-parallel group). The three sums in turn reach every rank of the mesh.
     def _finish_precision(self, params: Sequence[PyTree], grads: list[PyTree]) -> list[PyTree]:
         """Unscale and cast the summed gradients (NOTE [precision of a leaf]); under loss scaling,
-        agree with every rank on whether any gradient is ``inf``/``nan`` and update the scale."""
+        hold the next state ``finish_precision`` returns, agreed with every rank."""
         assert self.precision is not None
-        state, scaling = self._loss_scale, self.precision.loss_scale
-        grads, found = finish_grads(
-            self.precision, params, grads, self.local_stages, None if state is None else state.scale
+        grads, self._loss_scale, skipped = finish_precision(
+            self.precision, params, grads, self.local_stages, self._loss_scale, self._agree_found
         )
-        if state is None or scaling is None:
-            return grads
-        if self._topology is not None:
-            flag = torch.tensor([float(found)], dtype=torch.float64, device=self._topology.device)
-            topology, what = self._topology, "the loss scaling's inf/nan check"
-            all_reduce_sum(topology, topology.group, [flag], self.timeout, what)
-            for group in (topology.data_group, topology.tensor_group):  # NOTE [an agreed inf/nan check]
-                if group is not None:
-                    all_reduce_sum(topology, group, [flag], self.timeout, what)
-            found = flag.item() > 0
-        self.last_skipped = found
-        self._loss_scale = scaling.update(state, found)
+        if self._loss_scale is not None:
+            self.last_skipped = skipped
         return grads
+
+    def _agree_found(self, found: bool) -> bool:
+        """Whether any rank found ``inf``/``nan`` (NOTE [an agreed inf/nan check]); ``found`` in one process."""
+        if self._topology is None:
+            return found
+        flag = torch.tensor([float(found)], dtype=torch.float64, device=self._topology.device)
+        topology, what = self._topology, "the loss scaling's inf/nan check"
+        all_reduce_sum(topology, topology.group, [flag], self.timeout, what)
+        for group in (topology.data_group, topology.tensor_group):  # NOTE [an agreed inf/nan check]
+            if group is not None:
+                all_reduce_sum(topology, group, [flag], self.timeout, what)
+        return flag.item() > 0
 
     @property
     def topology(self) -> Topology | None:

@@ -21,7 +21,7 @@ counters, position tables) pass through as without a policy, uncast and without 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -232,6 +232,29 @@ def finish_grads(
             done.append(g)
         out[s] = unflatten(spec, done)
     return out, found
+
+
+def finish_precision(
+    precision: Precision,
+    params: Sequence[PyTree],
+    grads: list[PyTree],
+    local_stages: Sequence[int],
+    state: LossScaleState | None,
+    agree: Callable[[bool], bool],
+) -> tuple[list[PyTree], LossScaleState | None, bool]:
+    """The returned gradients, the next loss scaling state and whether the step is skipped.
+
+    The summed gradients are unscaled and cast (``finish_grads``); under loss scaling (``state``
+    given), ``agree(found)`` turns this rank's ``inf``/``nan`` finding into every rank's (NOTE [an
+    agreed inf/nan check]; in one process it is the finding itself) and the state moves by the
+    policy's rule. The state is returned, not kept: the caller holds it (``step.loss_scale``).
+    """
+    scaling = precision.loss_scale
+    grads, found = finish_grads(precision, params, grads, local_stages, None if state is None else state.scale)
+    if state is None or scaling is None:
+        return grads, state, False
+    skipped = agree(found)
+    return grads, scaling.update(state, skipped), skipped
 
 
 def _positive_number(value: object) -> bool:
