@@ -16,7 +16,7 @@ from ._errors import DEFAULT_TIMEOUT
 from ._microbatch import Microbatches
 from ._plural import plural
 from ._precision import LossScaleState, Precision, check_params, finish_precision
-from ._pytree import PyTree, flatten, leaves_with_paths
+from ._pytree import PyTree, flatten, leaves_with_paths, stage_list
 from ._random import check_key, draw_key
 from ._run import Plan, ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
 from ._sharding import ShardedRuns, StageLayout, check_shards, data_parallel, gather_stages, norm_leaves, shard_stages
@@ -489,16 +489,7 @@ class Step:
         """
         if not isinstance(keep_outputs, bool):
             raise TypeError(f"fpipe.step.evaluate: outputs must be True or False (outputs: {keep_outputs!r}).")
-        if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence):
-            raise TypeError(
-                f"fpipe.step: params must be a list with one pytree per stage (got: {type(params).__name__}). "
-                f"Pass [params_0, ..., params_{self.num_stages - 1}]."
-            )
-        if len(params) != self.num_stages:
-            raise ValueError(
-                f"fpipe.step: params has {plural(len(params), 'entry')} but the pipeline has "
-                f"{plural(self.num_stages, 'stage')}. Pass one parameter pytree per stage."
-            )
+        stage_list("fpipe.step", "params", params, self.num_stages)
         if self.split is not None and batch is not None and not isinstance(batch, Microbatches):
             batch = Microbatches(self.split(batch, self.num_microbatches))
         _check_not_meta(params, batch, self.local_stages)
@@ -662,11 +653,7 @@ class Step:
             raise ValueError(
                 "fpipe.step.shard: this step does not shard. Build it with pipeline(..., shard_params=True)."
             )
-        if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence) or len(params) != self.num_stages:
-            raise ValueError(
-                f"fpipe.step.shard: params must be a list with one pytree per stage ({self.num_stages}) "
-                f"(got: {type(params).__name__})."
-            )
+        stage_list("fpipe.step.shard", "params", params, self.num_stages)
         for s in self.local_stages:
             if params[s] is None:
                 raise ValueError(f"fpipe.step.shard: params[{s}] is None but this rank holds stage {s}. Pass it.")
@@ -683,8 +670,5 @@ class Step:
         """
         if not self._layouts or self._topology is None:
             raise ValueError("fpipe.step.unshard: the step has no layouts; cut the parameters with step.shard first.")
-        if len(shards) != self.num_stages:
-            raise ValueError(
-                f"fpipe.step.unshard: shards has {plural(len(shards), 'entry')} for {plural(self.num_stages, 'stage')}."
-            )
+        stage_list("fpipe.step.unshard", "shards", shards, self.num_stages)
         return gather_stages(data_parallel(self._topology, self.timeout), self._layouts, shards, "fpipe.step.unshard")

@@ -83,6 +83,42 @@ def broadcast_prefix(prefix: PyTree, tree: PyTree) -> list[Any]:
     return optree.broadcast_prefix(prefix, tree, **_OPTIONS)
 
 
+def stage_list(
+    where: str,
+    argument: str,
+    value: Any,
+    num_stages: int | None = None,
+    *,
+    against: str = "the pipeline",
+    each: str = "pytree",
+    got: str = "got",
+    fix: str = "",
+) -> list[PyTree]:
+    """``value`` as a list with one ``each`` per stage: the one check of "one pytree per stage".
+
+    Raises ``TypeError`` if ``value`` is not a list (a ``str``, ``bytes`` or ``dict`` is not one),
+    ``ValueError`` if it has not ``num_stages`` entries (when given; ``against`` names what has
+    that many: "the pipeline", "the step", "params"). ``where`` starts the message
+    ("fpipe.step"), ``got`` labels the type found ("got", or the argument's name), ``fix`` is
+    a last sentence added to the message.
+    """
+    extra = f" {fix}" if fix else ""
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence):
+        entries = (
+            "a list, one entry per stage" if not num_stages else f"[{argument}_0, ..., {argument}_{num_stages - 1}]"
+        )
+        raise TypeError(
+            f"{where}: {argument} must be a list with one {each} per stage ({got}: {type(value).__name__}). "
+            f"Pass {entries}.{extra}"
+        )
+    if num_stages is not None and len(value) != num_stages:
+        raise ValueError(
+            f"{where}: {argument} has {plural(len(value), 'entry')} but {against} has "
+            f"{plural(num_stages, 'stage')}. Pass one {each} per stage.{extra}"
+        )
+    return list(value)
+
+
 def is_differentiable(leaf: Any) -> bool:
     """Floating and complex tensors get gradients; everything else passes through untouched."""
     return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())

@@ -20,6 +20,7 @@ from fpipe._pytree import (
     leaves_with_names,
     leaves_with_paths,
     map_tensors,
+    stage_list,
     structure_data,
     structure_from_data,
     unflatten,
@@ -140,3 +141,15 @@ def test_structures_that_cannot_travel_are_named() -> None:
 def test_structure_from_bad_data_fails(data: Any, error: type[Exception], fragment: str) -> None:
     with pytest.raises(error, match=fragment.replace(".", r"\.")):
         structure_from_data(data, lambda v: v)
+
+
+def test_stage_list_is_the_one_check_of_one_pytree_per_stage() -> None:
+    """Not a list: ``TypeError``; a list of the wrong length: ``ValueError``; everywhere alike."""
+    assert stage_list("fpipe.step", "params", ({"w": 1}, None), 2) == [{"w": 1}, None]
+    for value in ({"w": 1}, "ab", b"ab", 3):
+        with pytest.raises(TypeError, match=r"fpipe\.step: params must be a list with one pytree per stage \(got: "):
+            stage_list("fpipe.step", "params", value, 2)
+    with pytest.raises(ValueError, match=r"fpipe\.save: params has 1 entry but the step has 2 stages\. Pass one"):
+        stage_list("fpipe.save", "params", [None], 2, against="the step")
+    with pytest.raises(TypeError, match=r"one dict per stage \(grads: dict\)\. Pass a list, one entry per stage\. Fix"):
+        stage_list("f", "grads", {}, each="dict", got="grads", fix="Fix.")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fpipe
-from fpipe._saving._ranks import Ranks, agree, check_stage_count, resolve, stage_list
+from fpipe._pytree import stage_list
+from fpipe._saving._ranks import Ranks, agree, check_stage_count, resolve
 from fpipe.schedules import GPipe
 
 
@@ -43,9 +44,9 @@ def test_resolve_takes_one_of_step_group_and_mesh() -> None:
 
 
 def test_stage_lists_and_counts() -> None:
-    assert stage_list("save", "params", ({"w": 1}, None)) == [{"w": 1}, None]
+    assert stage_list("fpipe.save", "params", ({"w": 1}, None)) == [{"w": 1}, None]
     with pytest.raises(TypeError, match=r"fpipe\.save: params must be a list with one pytree per stage \(got: dict\)"):
-        stage_list("save", "params", {"w": torch.ones(1)})
+        stage_list("fpipe.save", "params", {"w": torch.ones(1)})
     check_stage_count("save", [None, None], _step())
     check_stage_count("save", [None], None)
     with pytest.raises(ValueError, match="params has 1 entry but the step has 2 stages"):

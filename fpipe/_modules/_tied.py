@@ -23,6 +23,7 @@ import torch
 from .._distributed import all_reduce_sum, resolve_topology
 from .._errors import DEFAULT_TIMEOUT
 from .._plural import plural
+from .._pytree import stage_list
 
 
 def sum_tied(
@@ -72,8 +73,7 @@ def sum_tied(
         ValueError: if ``group`` is given without ``params``, the lengths disagree, or the copies
             of a tied name disagree in shape.
     """
-    if isinstance(grads, Mapping) or not isinstance(grads, Sequence):
-        raise TypeError(f"fpipe.sum_tied: grads must be a list with one dict per stage (got: {type(grads).__name__}).")
+    stage_list("fpipe.sum_tied", "grads", grads, each="dict")
     for s, g in enumerate(grads):
         if g is not None and not isinstance(g, Mapping):
             raise TypeError(

@@ -41,10 +41,10 @@ import torch.distributed as dist
 from .._api import Step
 from .._distributed import Topology
 from .._errors import DEFAULT_TIMEOUT
-from .._pytree import PyTree, map_tensors
+from .._pytree import PyTree, map_tensors, stage_list
 from .._tensor_parallel import is_dtensor
 from ._boxes import HostPiece, host_piece
-from ._ranks import Ranks, resolve, stage_list
+from ._ranks import Ranks, resolve
 from ._save import prepare, write
 from ._state import TrainState, prepare_state, write_state
 
@@ -189,7 +189,7 @@ def _own_groups(topology: Topology | None) -> Topology | None:
 
 def _snapshot(argument: str, trees: Sequence[PyTree]) -> list[PyTree]:
     """Host-memory copies of every tensor of ``trees`` (pinned for CUDA tensors)."""
-    copies = [map_tensors(_host_copy, tree) for tree in stage_list("save", argument, trees)]
+    copies = [map_tensors(_host_copy, tree) for tree in stage_list("fpipe.save", argument, trees)]
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # no CUDA start
         torch.cuda.synchronize()  # the non-blocking copies are done
     return copies

@@ -53,11 +53,11 @@ import torch
 from .._api import Step
 from .._distributed import tensor_bytes
 from .._errors import DEFAULT_TIMEOUT
-from .._pytree import PyTree
+from .._pytree import PyTree, stage_list
 from .._sharding import cut_range
 from ._boxes import Box, whole
 from ._directory import inside
-from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves, stage_list
+from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves
 from ._store import DTYPES, Part, is_plain, safe_open
 from ._template import Use, dtype_name, fill, listing, template_uses
 
@@ -137,7 +137,7 @@ def load_hf(
             dtype that differs (named with its key path, the value on disk and the expected one).
         RuntimeError: another rank failed; its own error says why.
     """
-    trees = stage_list("load_hf", "template", template)
+    trees = stage_list("fpipe.load_hf", "template", template)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"fpipe.load_hf: dtype must be a floating-point torch.dtype or None (dtype: {dtype!r}).")
     topology, _ = resolve("load_hf", step, group, mesh)

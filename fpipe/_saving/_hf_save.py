@@ -59,13 +59,13 @@ import torch.distributed as dist
 from .._api import Step
 from .._distributed import Topology, all_gather_json
 from .._errors import DEFAULT_TIMEOUT
-from .._pytree import PyTree, flatten, leaves_with_names, unflatten
+from .._pytree import PyTree, flatten, leaves_with_names, stage_list, unflatten
 from .._sharding import gather
 from .._tensor_parallel import is_dtensor
 from ._boxes import box_of
 from ._directory import fsync_directory, write_atomic
 from ._hf_load import HF_INDEX
-from ._ranks import Ranks, agree, check_stage_count, resolve, stage_list
+from ._ranks import Ranks, agree, check_stage_count, resolve
 from ._store import CODES, DTYPES, sha256, write_safetensors
 
 _SIZE = re.compile(r"\s*(\d+)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*")
@@ -149,7 +149,7 @@ def save_hf(
         OSError: writing failed (nothing is left at ``directory``).
         RuntimeError: another rank failed; its own error says why.
     """
-    trees = stage_list("save_hf", "params", params)
+    trees = stage_list("fpipe.save_hf", "params", params)
     limit = _shard_size(max_shard_size)
     config_files = _config_files(config)
     topology, held = resolve("save_hf", step, group, mesh)

@@ -20,9 +20,9 @@ from typing import Any, NamedTuple, TypeVar, cast
 from .._api import Step
 from .._distributed import Topology
 from .._errors import DEFAULT_TIMEOUT
-from .._pytree import PyTree
+from .._pytree import PyTree, stage_list
 from ._directory import committed
-from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves, stage_list
+from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves
 from ._store import DTYPES, MAPS, entry, read_index, read_tensors
 from ._template import Use, dtype_name, fill, label, listing, template_uses
 
@@ -135,9 +135,9 @@ def load_then(
     root, index, wanted, problem = Path(), {}, {}, None
     try:  # what one rank finds wrong here, every rank raises (``agree``)
         root = Path(directory)
-        trees["params"] = stage_list("load", "template", template)
+        trees["params"] = stage_list("fpipe.load", "template", template)
         if optimizer_state is not None:
-            trees["optimizer_state"] = stage_list("load", "optimizer_state", optimizer_state)
+            trees["optimizer_state"] = stage_list("fpipe.load", "optimizer_state", optimizer_state)
         sharding = sharded_leaves("load", step, trees)
         root = committed(root)
         index = read_index(root)

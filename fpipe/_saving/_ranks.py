@@ -3,7 +3,7 @@
 ``fpipe.save`` (``fpipe/_saving/_save.py``) and ``fpipe.load`` (``fpipe/_saving/_load.py``) both find their ranks
 from ``step=``, ``group=`` or ``mesh=`` (``resolve``), all-gather JSON values among them
 (``Ranks``, ``agree``: an error on one rank raises on every rank), check the per-stage arguments
-(``stage_list``, ``check_stage_count``) and, for a step built with ``shard_params=True``,
+(``check_stage_count``; ``stage_list`` of ``fpipe/_pytree.py``) and, for a step built with ``shard_params=True``,
 describe this rank's shards (``Sharding``, ``sharded_leaves``, ``full_shapes``: of a DTensor
 parameter, a shard of its local piece's box; NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
 """
@@ -21,8 +21,7 @@ import torch.distributed as dist
 
 from .._api import Step
 from .._distributed import Topology, all_gather_json, resolve_topology
-from .._plural import plural
-from .._pytree import PyTree, leaves_with_names, unflatten
+from .._pytree import PyTree, leaves_with_names, stage_list, unflatten
 from .._sharding import StageLayout, cut_range
 from ._boxes import Box, piece_box
 
@@ -206,20 +205,10 @@ def _first_line(error: BaseException) -> str:
     return text if len(text) <= 400 else f"{text[:397]}..."
 
 
-def stage_list(function: str, argument: str, value: Any) -> list[PyTree]:
-    """``value`` as a list with one pytree per stage, or a ``TypeError``."""
-    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence):
-        raise TypeError(
-            f"fpipe.{function}: {argument} must be a list with one pytree per stage (got: {type(value).__name__})."
-        )
-    return list(value)
+_OTHER_RANKS = "None stands for the stages of other ranks."
 
 
 def check_stage_count(function: str, params: Sequence[PyTree], step: Step | None) -> None:
     """Raise ``ValueError`` unless ``params`` has one entry per stage of ``step`` (when given)."""
-    if step is not None and len(params) != step.num_stages:
-        raise ValueError(
-            f"fpipe.{function}: params has {plural(len(params), 'entry')} but the step has "
-            f"{plural(step.num_stages, 'stage')}. "
-            "Pass one parameter pytree per stage (None for the stages of other ranks)."
-        )
+    if step is not None:
+        stage_list(f"fpipe.{function}", "params", params, step.num_stages, against="the step", fix=_OTHER_RANKS)

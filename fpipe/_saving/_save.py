@@ -51,7 +51,7 @@ from .._api import Step
 from .._distributed import Topology
 from .._errors import DEFAULT_TIMEOUT
 from .._plural import plural
-from .._pytree import PyTree, leaves_with_names
+from .._pytree import PyTree, leaves_with_names, stage_list
 from .._tensor_parallel import local
 from ._boxes import Box, HostPiece, box_of, is_piece, tiling_problem, whole
 from ._directory import commit, fsync_directory, locked, next_version
@@ -64,7 +64,6 @@ from ._ranks import (
     full_shapes,
     resolve,
     sharded_leaves,
-    stage_list,
 )
 from ._store import CODES, DTYPES, Entry, file_name, make_index, sha256, write_safetensors
 
@@ -195,15 +194,11 @@ def prepare(
     mesh: Any,
 ) -> Prepared:
     """Check ``save``'s arguments and find its ranks (no communication, nothing written)."""
-    trees = {"params": stage_list("save", "params", params)}
+    trees = {"params": stage_list("fpipe.save", "params", params)}
     if optimizer_state is not None:
-        trees["optimizer_state"] = stage_list("save", "optimizer_state", optimizer_state)
-        if len(optimizer_state) != len(params):
-            raise ValueError(
-                f"fpipe.save: optimizer_state has {plural(len(optimizer_state), 'entry')} but params has "
-                f"{len(params)}. "
-                "Pass one optimizer state pytree per stage."
-            )
+        trees["optimizer_state"] = stage_list(
+            "fpipe.save", "optimizer_state", optimizer_state, len(trees["params"]), against="params"
+        )
     if metadata is not None and not isinstance(metadata, dict):
         raise TypeError(f"fpipe.save: metadata must be a dict (metadata: {metadata!r}).")
     try:

@@ -33,7 +33,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from .._plural import plural
-from .._pytree import PyTree, TreeSpec, broadcast_prefix, flatten, leaves_with_paths, map_tensors, unflatten
+from .._pytree import PyTree, TreeSpec, broadcast_prefix, flatten, leaves_with_paths, map_tensors, stage_list, unflatten
 
 LearningRate = float | Callable[[int], float]
 
@@ -148,24 +148,18 @@ def _zeros(leaf: object) -> torch.Tensor | None:
     return torch.zeros_like(leaf, memory_format=torch.preserve_format) if isinstance(leaf, torch.Tensor) else None
 
 
+_FIX = "Pass the per-stage list that step(params, batch) takes, None for stages held elsewhere."
+
+
 def _check_sequence(where: str, name: str, value: object) -> None:
-    if not isinstance(value, Sequence) or isinstance(value, str):
-        raise TypeError(
-            f"{where}: {name} must be a list with one pytree per stage ({name}: {type(value).__name__}). "
-            "Pass the per-stage list that step(params, batch) takes, None for stages held elsewhere."
-        )
+    stage_list(where, name, value, got=name, fix=_FIX)
 
 
 def _held_stages(where: str, params: Sequence[PyTree], grads: Sequence[PyTree], state: Sequence[PyTree]) -> list[int]:
     """The stages this rank holds (``params[s]`` not ``None``), after checking the three lists agree."""
-    for name, value in [("params", params), ("grads", grads), ("state", state)]:
-        _check_sequence(where, name, value)
+    _check_sequence(where, "params", params)
     for name, value in [("grads", grads), ("state", state)]:
-        if len(value) != len(params):
-            raise ValueError(
-                f"{where}: {name} has {plural(len(value), 'entry')} but params has {len(params)} "
-                f"({name}: {len(value)}). Pass one entry per stage, as step(params, batch) returns them."
-            )
+        stage_list(where, name, value, len(params), against="params", got=name, fix=_FIX)
     held = [s for s, p in enumerate(params) if p is not None]
     for s in held:
         for name, value in [("grads", grads), ("state", state)]:
