@@ -11,13 +11,13 @@ MLP stages (``h + tanh(h W1 + b1) W2``, float32), ``Interleaved1F1B`` with 2 sta
 replicated parameters, in two modes timed A/B interleaved (one step of each in turn):
 
 - ``end``: the replicated run as it was, every gradient in one all-reduce per dtype after the
-  pipeline (``ReplicatedRuns`` without a ``Reduce``);
+  pipeline (``ReplicatedStages`` without a ``Reduce``);
 - ``overlap``: each stage's all-reduce posted at its last action (NOTE [reduction overlap] in
   fpipe/_distributed/_runtime.py), waited for when the row is done.
 
 Per rank it reports the median step time and the median exposed reduction time: the seconds the
 step spends, after its last action, waiting for the gradients' reduction and the loss's average
-(``ReplicatedRuns.finish`` plus ``_average_replicas``). Both modes' grads are checked bitwise equal.
+(``ReplicatedStages.finish`` plus ``_average_replicas``). Both modes' grads are checked bitwise equal.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def measure(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any
     from fpipe._distributed import _runtime
 
     timer = _Timer()
-    _run.ReplicatedRuns.finish = timer.wrap(_run.ReplicatedRuns.finish)  # type: ignore[method-assign]
+    _run.ReplicatedStages.finish = timer.wrap(_run.ReplicatedStages.finish)  # type: ignore[method-assign]
     _runtime._average_replicas = timer.wrap(_runtime._average_replicas)
     overlapping = _api.replica_mean
 

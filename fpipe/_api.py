@@ -18,8 +18,8 @@ from ._plural import plural
 from ._precision import LossScaleState, Precision, check_params, finish_precision
 from ._pytree import PyTree, flatten, leaves_with_paths, stage_list
 from ._random import check_key, draw_key
-from ._run import Plan, ReplicatedRuns, StageRuns, plan_for, run_local, stage_run
-from ._sharding import ShardedRuns, StageLayout, check_shards, data_parallel, gather_stages, norm_leaves, shard_stages
+from ._run import HeldStages, Order, ReplicatedStages, order_for, run_local, stage_run
+from ._sharding import ShardedStages, StageLayout, check_shards, data_parallel, gather_stages, norm_leaves, shard_stages
 from ._stage import StageFn, StageRun, not_inference
 from ._tensor_parallel import square_sum
 from .schedules import Action, Program, Schedule, ScheduleError, validate
@@ -357,8 +357,8 @@ class Step:
         else:
             self.rank = topology.rank
             self.local_stages = program.stages_of(topology.rank)
-        self._plan = plan_for(program, self.rank)
-        self._forward_plan = plan_for(program, self.rank, forward=True)
+        self._order = order_for(program, self.rank)
+        self._forward_order = order_for(program, self.rank, forward=True)
 
     def __repr__(self) -> str:
         p = self.program
@@ -391,7 +391,7 @@ class Step:
                 stage this process holds or a batch leaf is on the ``meta`` device, or the batch
                 cannot be split as ``batch_dims`` says.
         """
-        (loss, aux, _), grads = self._run(self._plan, params, batch, key=key, keep_outputs=False)
+        (loss, aux, _), grads = self._run(self._order, params, batch, key=key, keep_outputs=False)
         if self.precision is not None:
             grads = self._finish_precision(params, grads)
         return ((loss, aux), grads) if self.has_aux else (loss, grads)
@@ -440,14 +440,14 @@ class Step:
                 ``params`` are the shards, as ``step`` takes them (each stage is gathered for its
                 forwards; no reduce-scatter runs).
         """
-        (loss, aux, ys), _ = self._run(self._forward_plan, params, batch, key=key, keep_outputs=outputs)
+        (loss, aux, ys), _ = self._run(self._forward_order, params, batch, key=key, keep_outputs=outputs)
         result = (loss, aux) if self.has_aux else loss
         return (result, ys) if outputs else result
 
     def _run(
-        self, plan: Plan, params: Sequence[PyTree], batch: PyTree, *, key: int | None, keep_outputs: bool
+        self, order: Order, params: Sequence[PyTree], batch: PyTree, *, key: int | None, keep_outputs: bool
     ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
-        """Check the inputs and run ``plan`` here or distributed: ``((loss, aux, outputs), grads)``.
+        """Check the inputs and run ``order`` here or distributed: ``((loss, aux, outputs), grads)``.
 
         Distributed, what the checks find wrong is raised after the step's handshake, so that
         every rank fails (NOTE [a handshake of fixed size] in fpipe/_distributed/_runtime.py).
@@ -462,10 +462,10 @@ class Step:
         with not_inference():  # results are plain tensors whatever the ambient mode
             if self._topology is None:
                 self._check_precision(params)
-                return run_local(self, plan, params, batch, key=key, keep_outputs=keep_outputs)
+                return run_local(self, order, params, batch, key=key, keep_outputs=keep_outputs)
             return run_distributed(
                 self,
-                plan,
+                order,
                 self._topology,
                 self._wire,
                 params,
@@ -562,17 +562,17 @@ class Step:
         recorded by ``shard`` (empty before). A read-only view."""
         return MappingProxyType(self._layouts)
 
-    def _runs_for(self, params: Sequence[PyTree]) -> StageRuns:
+    def _runs_for(self, params: Sequence[PyTree]) -> HeldStages:
         """This rank's stages for a run; with ``shard_params``, every stage's all-gather is posted
         here and waited for at the stage's first forward (NOTE [gather overlap])."""
         if not self.shard_params:
             topology = self._topology
             if topology is None or topology.data_group is None:
-                return ReplicatedRuns(self, params)
-            return ReplicatedRuns(self, params, replica_mean(topology, self.timeout, divide=self.weight_fn is None))
+                return ReplicatedStages(self, params)
+            return ReplicatedStages(self, params, replica_mean(topology, self.timeout, divide=self.weight_fn is None))
         assert self._topology is not None
         dp = data_parallel(self._topology, self.timeout)
-        order = self._plan.order
+        order = self._order.actions
 
         def make_run(s: int, stage_params: PyTree) -> StageRun:
             return stage_run(self, s, stage_params)
@@ -593,7 +593,7 @@ class Step:
                 for s, layout in self._layouts.items()
             }
         divide = self.weight_fn is None  # with weight_fn each replica's share is already over the total
-        return ShardedRuns(
+        return ShardedStages(
             dp, make_run, params, self._layouts, order, regather=self.regather, grad_layouts=grad_layouts, divide=divide
         )
 
@@ -640,7 +640,7 @@ class Step:
         ``params`` has one full pytree per stage, as an unsharded step takes them (entries for
         stages held elsewhere are ignored and may be ``None``). Each tensor leaf of ``n`` elements
         becomes a 1-D tensor of ``ceil(n / d)`` elements (NOTE [shard layout] in
-        ``fpipe/_sharding/_runs.py``). The full shapes and dtypes are recorded in the step, which
+        ``fpipe/_sharding/_stages.py``). The full shapes and dtypes are recorded in the step, which
         needs them to gather; tensors on the ``meta`` device will do when only shapes are known.
         No communication.
 
@@ -664,6 +664,10 @@ class Step:
     def unshard(self, shards: Sequence[PyTree], /) -> list[PyTree]:
         """The full per-stage pytrees of ``shards`` (parameters, grads or optimizer state shaped
         like them), all-gathered over the data-parallel group: a collective, for checks.
+
+        ``fpipe.gather`` of each local stage, with the full shapes ``step.shard`` recorded as
+        ``like`` (one job, one code path: ``gather_tree`` in ``fpipe/_sharding/_stages.py``), as
+        ``step.shard`` is ``fpipe.shard`` of each local stage.
 
         ``None`` leaves (the grads of non-float leaves) stay ``None``; stages held elsewhere are
         ``None``.

@@ -38,7 +38,7 @@ class Transport(Protocol):
 
 
 class Stages(Protocol):
-    """The stages an executor runs, by stage index (a mapping, or a ``StageRuns``)."""
+    """The stages an executor runs, by stage index (a mapping, or a ``HeldStages``)."""
 
     def __getitem__(self, stage: int, /) -> StageRun: ...
 

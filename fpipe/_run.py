@@ -1,9 +1,9 @@
 """One step in this process, and what every run of a step shares with the distributed one.
 
-A ``Plan`` holds what a step fixes when it is built (its order of actions, and the program's
+An ``Order`` holds what a step fixes when it is built (its actions in order, and the program's
 checksum that the distributed handshake compares); each run reads it and never changes it. A
-run builds its stages (``StageRuns``), an ``Executor`` over a transport, and interprets the
-plan's order; the local run here uses the ``LocalTransport``, the distributed one
+run builds its stages (``HeldStages``), an ``Executor`` over a transport, and interprets the
+order's actions; the local run here uses the ``LocalTransport``, the distributed one
 (fpipe/_distributed/_runtime.py) a ``DistributedTransport`` between a handshake and the
 data-parallel reduction (notes/wire.md).
 """
@@ -27,7 +27,7 @@ from .schedules import Action, Program, execution_order
 from .schedules._program import checksum, forward_only
 
 
-class StepSpec(Protocol):
+class StepView(Protocol):
     """What a run reads of a step (``fpipe.Step`` has all of it)."""
 
     @property
@@ -65,38 +65,38 @@ Segments = tuple[tuple[Sequence[tuple[int, Action]], list[int]], ...]
 
 
 @dataclass(frozen=True)
-class Plan:
-    """What a step fixes when it is built and each of its runs reads (``plan_for``).
+class Order:
+    """What a step fixes when it is built and each of its runs reads (``order_for``).
 
     Attributes:
         program: the program it runs: the step's, or its forwards alone (``forward_only``).
-        order: the ``(rank, action)`` pairs this process runs, in order: every rank's row
+        actions: the ``(rank, action)`` pairs this process runs, in order: every rank's row
             interleaved in one process, its own row on a pipeline rank.
-        segments: ``order`` cut after each stage's last action (``segments``), for ``interpret``.
+        segments: ``actions`` cut after each stage's last action (``segments``), for ``interpret``.
         checksum: the program's checksum, which the distributed handshake compares (0 in one process).
         forward_only: an evaluation: forwards with no graph, no backward, no gradients.
     """
 
     program: Program
-    order: tuple[tuple[int, Action], ...]
-    segments: Segments = field(compare=False)  # follows from ``order``
+    actions: tuple[tuple[int, Action], ...]
+    segments: Segments = field(compare=False)  # follows from ``actions``
     checksum: int = 0
     forward_only: bool = False
 
 
-def plan_for(program: Program, rank: int | None, *, forward: bool = False) -> Plan:
-    """The ``Plan`` of ``program`` in one process (``rank=None``) or on pipeline rank ``rank``;
+def order_for(program: Program, rank: int | None, *, forward: bool = False) -> Order:
+    """The ``Order`` of ``program`` in one process (``rank=None``) or on pipeline rank ``rank``;
     with ``forward``, of its forwards alone (``forward_only``: an evaluation)."""
     if forward:
         program = forward_only(program)
     if rank is None:
         order = execution_order(program)
-        return Plan(program, order, segments(order), forward_only=forward)
+        return Order(program, order, segments(order), forward_only=forward)
     order = tuple((rank, a) for a in program.ranks[rank])
-    return Plan(program, order, segments(order), checksum(program), forward)
+    return Order(program, order, segments(order), checksum(program), forward)
 
 
-class StageRuns(Protocol):
+class HeldStages(Protocol):
     """The local stages of one run, as the executor sees them (a mapping stage -> ``StageRun``),
     told when a stage's last action has run, and asked for the gradients at the end."""
 
@@ -119,8 +119,8 @@ class Pending(Protocol):
 Reduce = Callable[[int, list[torch.Tensor]], Pending]
 
 
-class ReplicatedRuns(dict[int, StageRun]):
-    """Stages with their full parameters (``StageRuns``): gradients stay where they are computed.
+class ReplicatedStages(dict[int, StageRun]):
+    """Stages with their full parameters (``HeldStages``): gradients stay where they are computed.
 
     Without ``reduce`` (one process, or no data-parallel replicas) nothing is reduced. With it,
     ``finish_stage(s)`` posts the reduction of stage ``s``'s gradients as
@@ -130,8 +130,8 @@ class ReplicatedRuns(dict[int, StageRun]):
     no Python call.
     """
 
-    def __init__(self, spec: StepSpec, params: Sequence[PyTree], reduce: Reduce | None = None) -> None:
-        super().__init__((s, stage_run(spec, s, params[s])) for s in spec.local_stages)
+    def __init__(self, step: StepView, params: Sequence[PyTree], reduce: Reduce | None = None) -> None:
+        super().__init__((s, stage_run(step, s, params[s])) for s in step.local_stages)
         self._reduce = reduce
         self._grads: dict[int, PyTree] = {}  # with reduce: the gradients posted, by stage
         self._pending: list[Pending] = []
@@ -154,10 +154,10 @@ class ReplicatedRuns(dict[int, StageRun]):
         ]
 
 
-def stage_run(spec: StepSpec, stage: int, stage_params: PyTree) -> StageRun:
+def stage_run(step: StepView, stage: int, stage_params: PyTree) -> StageRun:
     """The ``StageRun`` of ``stage`` with ``stage_params``."""
     return StageRun(
-        stage, spec.stages[stage], stage_params, recompute=stage in spec.recompute, precision=spec.precision
+        stage, step.stages[stage], stage_params, recompute=stage in step.recompute, precision=step.precision
     )
 
 
@@ -175,15 +175,15 @@ def segments(order: Sequence[tuple[int, Action]]) -> Segments:
 
 
 def interpret(
-    executor: Executor, runs: StageRuns, plan: Plan, devices: Iterable[torch.device] = ()
+    executor: Executor, runs: HeldStages, order: Order, devices: Iterable[torch.device] = ()
 ) -> list[tuple[float, float]]:
-    """Run ``plan``'s order, telling ``runs`` as each stage's last action has run; the actions'
+    """Run ``order``'s actions, telling ``runs`` as each stage's last action has run; the actions'
     times when a recording is active (``fpipe.record``), on ``devices``' CUDA events if any
     (``Stopwatch``; read after the last action)."""
     marks: list[tuple[Any, Any]] = []
     watch = Stopwatch(devices) if active() is not None else None
     with keep_generators(runs[s].device for s in runs):  # NOTE [randomness as data] in fpipe/_random.py
-        for actions, finished in plan.segments:
+        for actions, finished in order.segments:
             executor.run(actions, times=marks if watch is not None else None, watch=watch)
             if not executor.forward_only:  # a forward-only run makes no gradient to reduce
                 for s in finished:
@@ -195,40 +195,40 @@ def interpret(
 
 
 def run_local(
-    spec: StepSpec, plan: Plan, params: Sequence[PyTree], batch: PyTree, *, key: int, keep_outputs: bool = False
+    step: StepView, order: Order, params: Sequence[PyTree], batch: PyTree, *, key: int, keep_outputs: bool = False
 ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
     """A step in this process: every stage, the program's ranks virtual; ``((loss, aux,
-    outputs), grads)`` (``outputs`` with ``keep_outputs``, grads empty for a forward-only plan);
+    outputs), grads)`` (``outputs`` with ``keep_outputs``, grads empty for a forward-only order);
     the stages' random draws are those of ``key`` (NOTE [randomness as data] in fpipe/_random.py)."""
-    microbatches, sizes = split(batch, spec.num_microbatches, spec.batch_dims)
-    count = None if spec.weight_fn is None else sum(counts(microbatches, spec.weight_fn))
+    microbatches, sizes = split(batch, step.num_microbatches, step.batch_dims)
+    count = None if step.weight_fn is None else sum(counts(microbatches, step.weight_fn))
     weights = loss_weights(sizes, count)
-    runs = ReplicatedRuns(spec, params)
+    runs = ReplicatedStages(step, params)
     executor = Executor(
         runs,
-        spec.num_stages,
-        spec.loss_fn,
-        has_aux=spec.has_aux,
+        step.num_stages,
+        step.loss_fn,
+        has_aux=step.has_aux,
         weights=weights,
         transport=LocalTransport(microbatches),
-        loss_scale=seed_scale(spec),
-        forward_only=plan.forward_only,
+        loss_scale=seed_scale(step),
+        forward_only=order.forward_only,
         keep_outputs=keep_outputs,
-        keys=Keys(key, training=not plan.forward_only),
+        keys=Keys(key, training=not order.forward_only),
     )
     start = clock()
     recording = active()
     devices = [t.device for p in params for t in flatten(p)[0] if isinstance(t, torch.Tensor)] if recording else []
-    times = interpret(executor, runs, plan, devices)
+    times = interpret(executor, runs, order, devices)
     if recording is not None:
-        recording.timelines.append(measured(plan.program, plan.order, times, start))
+        recording.timelines.append(measured(order.program, order.actions, times, start))
     explicit = isinstance(batch, Microbatches)
-    return result(spec, executor, explicit=explicit), [] if plan.forward_only else runs.grads(spec.num_stages)
+    return result(step, executor, explicit=explicit), [] if order.forward_only else runs.grads(step.num_stages)
 
 
-def seed_scale(spec: StepSpec) -> float | None:
+def seed_scale(step: StepView) -> float | None:
     """The factor the backward's seed is scaled by: the loss scale, if the step scales."""
-    return None if spec.loss_scale is None else spec.loss_scale.scale
+    return None if step.loss_scale is None else step.loss_scale.scale
 
 
 def loss_weights(sizes: Sequence[int], count: int | None) -> list[float]:
@@ -260,13 +260,13 @@ def loss_weights(sizes: Sequence[int], count: int | None) -> list[float]:
     return [1 / count] * len(sizes)
 
 
-def result(spec: StepSpec, executor: Executor, *, explicit: bool = False) -> tuple[torch.Tensor, Any, Any]:
+def result(step: StepView, executor: Executor, *, explicit: bool = False) -> tuple[torch.Tensor, Any, Any]:
     """The weighted loss (and gathered aux) of the last stage, summed in microbatch order, and
     its outputs (``None`` unless the executor kept them): stitched back in example order, or a
     list of them when the batch came as ``explicit`` microbatches (``fpipe.Microbatches``)."""
-    m = range(spec.num_microbatches)
+    m = range(step.num_microbatches)
     loss = _weighted_sum([executor.losses[i] for i in m], executor.weights)
-    aux = stack([executor.auxes[i] for i in m]) if spec.has_aux else None
+    aux = stack([executor.auxes[i] for i in m]) if step.has_aux else None
     if not executor.keep_outputs:
         return loss, aux, None
     outputs = [executor.outputs[i] for i in m]

@@ -27,7 +27,7 @@ from .._plural import plural
 from .._pytree import PyTree, leaves_with_paths
 from .._random import Keys
 from .._record import active, clock, measured
-from .._run import Pending, Plan, Reduce, StageRuns, StepSpec, interpret, loss_weights, result, seed_scale
+from .._run import HeldStages, Order, Pending, Reduce, StepView, interpret, loss_weights, result, seed_scale
 from .._tensor_parallel import check_mesh, is_dtensor, local
 from ..schedules import ScheduleError, Simulation
 from ._collectives import (
@@ -45,12 +45,12 @@ from ._faults import WATCHDOG, waiting
 from ._topology import Topology
 from ._transport import DistributedTransport, WireState
 
-RunsFor = Callable[[Sequence[PyTree]], StageRuns]  # this rank's stages for its params
+RunsFor = Callable[[Sequence[PyTree]], HeldStages]  # this rank's stages for its params
 
 
 def run_distributed(
-    spec: StepSpec,
-    plan: Plan,
+    step: StepView,
+    order: Order,
     topology: Topology,
     wire: WireState,
     params: Sequence[PyTree],
@@ -63,7 +63,7 @@ def run_distributed(
     keep_outputs: bool = False,
 ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
     """A step as pipeline rank ``topology.rank``: its row of the program; ``((loss, aux,
-    outputs), grads)`` (``outputs`` with ``keep_outputs``; no grads for a forward-only plan).
+    outputs), grads)`` (``outputs`` with ``keep_outputs``; no grads for a forward-only order).
 
     ``wire`` keeps the channels' layouts from step to step; ``runs_for(params)`` builds this
     rank's stages once every rank has agreed; ``check_params(params)`` raises ``ValueError`` for
@@ -79,15 +79,15 @@ def run_distributed(
             late = WATCHDOG.read(topology.board)  # the others gave up on this step before this rank came
             if late is not None:
                 raise late.error(topology.rank, "the other pipeline ranks at the start of the step")
-            agreed = _agree(spec, plan, topology, params, batch, check_params, key, rejected)
+            agreed = _agree(step, order, topology, params, batch, check_params, key, rejected)
             runs = runs_for(params)
-            loss, aux, outputs = _run_row(spec, plan, topology, wire, runs, agreed, keep_outputs)
-            if not plan.forward_only:
+            loss, aux, outputs = _run_row(step, order, topology, wire, runs, agreed, keep_outputs)
+            if not order.forward_only:
                 runs.finish()
             if topology.data_group is not None:
                 # Weighted by weight_fn, each replica's share is already over the total count.
-                loss = _average_loss(spec, topology, loss, divide=spec.weight_fn is None)
-            return (loss, aux, outputs), [] if plan.forward_only else runs.grads(spec.num_stages)
+                loss = _average_loss(step, topology, loss, divide=step.weight_fn is None)
+            return (loss, aux, outputs), [] if order.forward_only else runs.grads(step.num_stages)
         except PipelineError as error:
             mark_broken(topology, error)
             raise
@@ -121,7 +121,7 @@ _INT64 = 1 << 63
 class _Status(NamedTuple):
     """One pipeline rank's words in the step's handshake, before its sizes and device type."""
 
-    checksum: int  # the program's (``Plan.checksum``)
+    checksum: int  # the program's (``Order.checksum``)
     num_microbatches: int
     has_batch: int
     rejected: int  # its own checks failed: it raises its own error, the others say it did
@@ -133,8 +133,8 @@ class _Status(NamedTuple):
 
 
 def _agree(
-    spec: StepSpec,
-    plan: Plan,
+    step: StepView,
+    order: Order,
     topology: Topology,
     params: Sequence[PyTree],
     batch: PyTree,
@@ -149,33 +149,33 @@ def _agree(
     their failure flags, and replica 0's key (then tensor-parallel rank 0's) with them.
     ``rejected``: what the step's own checks found wrong before (raised here, after the handshake).
     """
-    placement, m = spec.program.placement(), spec.num_microbatches
+    placement, m = step.program.placement(), step.num_microbatches
     first, last = placement[0], placement[-1]
     microbatches, sizes, count = None, [0] * m, 0
     problem = rejected
     if problem is None:
         try:
-            microbatches, sizes, count = _local_inputs(spec, topology, params, batch, check_params)
+            microbatches, sizes, count = _local_inputs(step, topology, params, batch, check_params)
         except Exception as error:  # the user's weight_fn and split may raise anything: agree first
             problem = error
     status = _Status(
-        checksum=plan.checksum,
+        checksum=order.checksum,
         num_microbatches=m,
         has_batch=microbatches is not None,
         rejected=problem is not None,
         size=sum(sizes),
         explicit=isinstance(batch, Microbatches),
         weight_count=count,
-        weighted=spec.weight_fn is not None,
+        weighted=step.weight_fn is not None,
         key=key,
     )
     inline = (sizes + [0] * INLINE_SIZES)[:INLINE_SIZES]
-    words = handshake(topology, [*status, *inline, *device_type_words(topology.device)], spec.timeout)
+    words = handshake(topology, [*status, *inline, *device_type_words(topology.device)], step.timeout)
     statuses = [_Status(*w[: len(_Status._fields)]) for w in words]
-    problem = mixed_device_types(words) or problem or _disagreement(statuses, plan.checksum, m, first, last)
+    problem = mixed_device_types(words) or problem or _disagreement(statuses, order.checksum, m, first, last)
     agreed_sizes = words[first][len(_Status._fields) :][:m]
     if m > INLINE_SIZES and _same_program(statuses):
-        agreed_sizes = handshake(topology, sizes, spec.timeout)[first]
+        agreed_sizes = handshake(topology, sizes, step.timeout)[first]
     count, key = statuses[first].weight_count, statuses[first].key
     # Replicas must fail together too, or a healthy replica's gradient all-reduce would meet
     # another replica's next step (and weight_fn's total is every replica's tokens); so must
@@ -191,19 +191,19 @@ def _agree(
     if topology.data_group is not None:
         mine = key if topology.replica == 0 else 0
         problem, (count, key) = _across(
-            spec, plan, topology, topology.data_group, topology.data_size, problem, [count, mine],
+            step, order, topology, topology.data_group, topology.data_size, problem, [count, mine],
             ("data-parallel replica", "data-parallel replicas"),
         )  # fmt: skip
     if topology.tensor_group is not None:
         assert topology.tensor_ranks is not None
         mine = key if topology.tensor_rank == 0 else 0
         problem, (key,) = _across(
-            spec, plan, topology, topology.tensor_group, len(topology.tensor_ranks), problem, [mine],
+            step, order, topology, topology.tensor_group, len(topology.tensor_ranks), problem, [mine],
             ("tensor-parallel rank", "tensor-parallel ranks"),
         )  # fmt: skip
     if problem is None:
         try:
-            weights = loss_weights(agreed_sizes, count if spec.weight_fn is not None else None)
+            weights = loss_weights(agreed_sizes, count if step.weight_fn is not None else None)
         except ValueError as error:  # every rank knows the same count: all raise together
             problem = error
     if problem is not None:
@@ -212,8 +212,8 @@ def _agree(
 
 
 def _across(
-    spec: StepSpec,
-    plan: Plan,
+    step: StepView,
+    order: Order,
     topology: Topology,
     group: Any,
     size: int,
@@ -224,10 +224,10 @@ def _across(
     """Sum this rank's failure flag, ``values`` and its program's checksum words over ``group`` (of
     ``size`` ranks); the step's problem (this rank's, else a different program or another rank's
     rejection there) and the summed ``values``. ``names``: a rank of ``group``, singular and plural."""
-    low, high = plan.checksum & 0xFFFF, (plan.checksum >> 16) & 0xFFFF
+    low, high = order.checksum & 0xFFFF, (order.checksum >> 16) & 0xFFFF
     words = [float(problem is not None), *values, low, low * low, high, high * high]
     flag = torch.tensor(words, dtype=torch.float64, device=topology.device)
-    all_reduce_sum(topology, group, [flag], spec.timeout, f"the other {names[1]}")
+    all_reduce_sum(topology, group, [flag], step.timeout, f"the other {names[1]}")
     failed, *sums = [int(x) for x in flag.tolist()]
     # All halves are equal exactly when size * sum(h**2) == sum(h)**2; the sums are exact in float64.
     if problem is None and any(size * sums[-k] != sums[-k - 1] ** 2 for k in (1, 3)):
@@ -241,7 +241,7 @@ def _across(
 
 
 def _local_inputs(
-    spec: StepSpec,
+    step: StepView,
     topology: Topology,
     params: Sequence[PyTree],
     batch: PyTree,
@@ -253,11 +253,11 @@ def _local_inputs(
     Raises:
         TypeError, ValueError: for inputs this rank cannot run with.
     """
-    me, placement, m = topology.rank, spec.program.placement(), spec.num_microbatches
+    me, placement, m = topology.rank, step.program.placement(), step.num_microbatches
     first, last = placement[0], placement[-1]
-    _check_held(spec, params, placement)
-    _check_dtensors(spec, params, topology)
-    check_devices(spec, params, topology.device)
+    _check_held(step, params, placement)
+    _check_dtensors(step, params, topology)
+    check_devices(step, params, topology.device)
     check_params(params)
     if batch is None or me not in (first, last):
         if me == first:
@@ -266,8 +266,8 @@ def _local_inputs(
                 "the rank of the first stage (the last stage's rank may pass it too; others pass None)."
             )
         return None, [0] * m, 0
-    microbatches, sizes = split(batch, m, spec.batch_dims)
-    count = sum(counts(microbatches, spec.weight_fn)) if spec.weight_fn is not None and me == first else 0
+    microbatches, sizes = split(batch, m, step.batch_dims)
+    count = sum(counts(microbatches, step.weight_fn)) if step.weight_fn is not None and me == first else 0
     if count >= _INT64:
         raise ValueError(
             f"fpipe.step: weight_fn's counts sum past 2**63 - 1 over the batch's microbatches (count: {count}). "
@@ -277,35 +277,35 @@ def _local_inputs(
 
 
 def _run_row(
-    spec: StepSpec,
-    plan: Plan,
+    step: StepView,
+    order: Order,
     topology: Topology,
     wire: WireState,
-    runs: StageRuns,
+    runs: HeldStages,
     agreed: _Agreed,
     keep_outputs: bool,
 ) -> tuple[torch.Tensor, Any, Any]:
     """Run this rank's row; the loss, aux and outputs, received from the last stage's rank."""
-    last = spec.program.placement()[-1]
+    last = step.program.placement()[-1]
     transport = DistributedTransport(
         topology,
-        plan.program,
+        order.program,
         agreed.microbatches,
         send_microbatches=agreed.send_microbatches,
         wire=wire,
-        timeout=spec.timeout,
+        timeout=step.timeout,
     )
     executor = Executor(
         runs,
-        spec.num_stages,
-        spec.loss_fn,
-        has_aux=spec.has_aux,
+        step.num_stages,
+        step.loss_fn,
+        has_aux=step.has_aux,
         weights=agreed.weights,
         transport=transport,
-        forward_only=plan.forward_only,
+        forward_only=order.forward_only,
         keep_outputs=keep_outputs,
-        loss_scale=seed_scale(spec),
-        keys=Keys(agreed.key, replica=topology.replica, training=not plan.forward_only),
+        loss_scale=seed_scale(step),
+        keys=Keys(agreed.key, replica=topology.replica, training=not order.forward_only),
     )
     start = clock()
     try:
@@ -313,14 +313,14 @@ def _run_row(
         # own (DTensor's), which fpipe's waits do not see; the whole row counts as waiting, so the
         # watchdog reads the board every POLL and aborts the groups when another rank failed.
         with waiting(topology.board if topology.tensor_group is not None else None):
-            times = interpret(executor, runs, plan, [topology.device])
-        mine = result(spec, executor, explicit=agreed.explicit) if topology.rank == last else None
+            times = interpret(executor, runs, order, [topology.device])
+        mine = result(step, executor, explicit=agreed.explicit) if topology.rank == last else None
         loss, aux, outputs = transport.exchange_result(mine)
         transport.finish()
         recording = active()
         if recording is not None:
-            timeline = measured(plan.program, plan.order, times, start)
-            recording.timelines.append(gathered(timeline, topology, spec.timeout))
+            timeline = measured(order.program, order.actions, times, start)
+            recording.timelines.append(gathered(timeline, topology, step.timeout))
     except BaseException as error:
         aborted = topology.board.aborted  # by the watchdog, for another rank's failure
         mark_broken(topology, error)
@@ -379,7 +379,7 @@ def _disagreement(statuses: list[_Status], checksum: int, m: int, first: int, la
     return None
 
 
-def _check_held(step: StepSpec, params: Sequence[PyTree], placement: tuple[int, ...]) -> None:
+def _check_held(step: StepView, params: Sequence[PyTree], placement: tuple[int, ...]) -> None:
     """Raise unless ``params`` holds exactly the stages this rank runs."""
     for s in range(step.num_stages):
         if s in step.local_stages and params[s] is None:
@@ -395,7 +395,7 @@ def _check_held(step: StepSpec, params: Sequence[PyTree], placement: tuple[int, 
             )
 
 
-def _check_dtensors(step: StepSpec, params: Sequence[PyTree], topology: Topology) -> None:
+def _check_dtensors(step: StepView, params: Sequence[PyTree], topology: Topology) -> None:
     """Raise unless every DTensor parameter lives on this rank's tensor-parallel sub-mesh."""
     ranks = None if topology.tensor_ranks is None else list(topology.tensor_ranks)
     for s in step.local_stages:
@@ -405,16 +405,16 @@ def _check_dtensors(step: StepSpec, params: Sequence[PyTree], topology: Topology
                 check_mesh(leaf, ranks, f"params[{s}] leaf {path} (stage {s}, rank {step.rank})")
 
 
-def check_devices(spec: StepSpec, params: Sequence[PyTree], device: torch.device) -> None:
+def check_devices(step: StepView, params: Sequence[PyTree], device: torch.device) -> None:
     """Raise unless every tensor of the local stages' ``params`` is on this rank's ``device``
     (NOTE [the rank's device] in fpipe/_distributed/_topology.py); the ``meta`` device, which
     holds no data, is reported elsewhere."""
-    for s in spec.local_stages:
+    for s in step.local_stages:
         paths, leaves, _ = leaves_with_paths(params[s])
         for path, leaf in zip(paths, leaves):
             if isinstance(leaf, torch.Tensor) and not leaf.is_meta and not _same_device(leaf.device, device):
                 raise ValueError(
-                    f"fpipe.step: stage {s}'s parameters are on {leaf.device} but rank {spec.rank} runs on {device} "
+                    f"fpipe.step: stage {s}'s parameters are on {leaf.device} but rank {step.rank} runs on {device} "
                     f"(params[{s}]{path}: {leaf.device}). Move the parameters of every local stage to the "
                     f"rank's device (step.topology.device: {device}) before the step."
                 )
@@ -424,7 +424,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
-def _average_loss(spec: StepSpec, topology: Topology, loss: torch.Tensor, *, divide: bool = True) -> torch.Tensor:
+def _average_loss(step: StepView, topology: Topology, loss: torch.Tensor, *, divide: bool = True) -> torch.Tensor:
     """``loss`` averaged over the data-parallel replicas (one all-reduce). A replica that fails
     does not join: the failure board fails the others (NOTE [failure board] in
     fpipe/_distributed/_faults.py). Without ``divide`` the replicas' shares are summed
@@ -434,7 +434,7 @@ def _average_loss(spec: StepSpec, topology: Topology, loss: torch.Tensor, *, div
     d = topology.data_size if divide else 1
     # The loss in float64 whatever its dtype, so that averaging does not round it.
     total = loss.detach().to(torch.float64).reshape(1).to(topology.device)
-    all_reduce_sum(topology, topology.data_group, [total], spec.timeout, "the data-parallel all-reduce")
+    all_reduce_sum(topology, topology.data_group, [total], step.timeout, "the data-parallel all-reduce")
     return (total[0] / d).to(loss.device, loss.dtype).reshape(())
 
 
@@ -442,9 +442,9 @@ def _average_loss(spec: StepSpec, topology: Topology, loss: torch.Tensor, *, div
 # With data-parallel replicas, a stage's gradients are final once its last backward (or weight
 # gradient) action has run; ``replica_mean`` posts their all-reduce right then (one per dtype,
 # async), so that it runs while this rank goes on with its other stages' actions, and the step
-# waits for them all only before it returns (``ReplicatedRuns.finish``); the loss is averaged
+# waits for them all only before it returns (``ReplicatedStages.finish``); the loss is averaged
 # after that (``_average_loss``). Sharded runs do the same with reduce-scatters
-# (fpipe/_sharding/_runs.py). Each replica runs the same row, so every replica posts the same
+# (fpipe/_sharding/_stages.py). Each replica runs the same row, so every replica posts the same
 # stages in the same order. The sums are those of the one all-reduce at the end that this
 # replaces: two replicas' sum is a + b either way; with three or more, the order of the backend's
 # additions is its own, as before. Each leaf is then divided by the number of replicas (not with

@@ -11,7 +11,7 @@ of split_module's params is matched name by name.
 What a rank reads: only the names its template holds. Each needed file is opened once with
 ``safetensors.safe_open`` (a memory map: nothing is read until asked for); a whole tensor is
 ``get_tensor``, and a shard of a step built with ``shard_params=True`` (NOTE [shard layout] in
-``fpipe/_sharding/_runs.py``: elements ``[q * c, (q + 1) * c)`` of the flattened tensor) is read
+``fpipe/_sharding/_stages.py``: elements ``[q * c, (q + 1) * c)`` of the flattened tensor) is read
 with ``get_slice`` as at most two partial rows per dimension and one block of whole rows
 (``read_range``), so exactly the shard's bytes are touched, then zero-padded to ``c``.
 

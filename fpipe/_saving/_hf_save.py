@@ -19,7 +19,7 @@ The protocol, on each pipeline rank (one process: one rank, the all-gathers are 
 
 1. Name and hash the local tensors; all-gather the manifests (dtype, shape, sha256) and rank 0's
    temporary directory ``.<directory name>.tmp-<random>`` next to ``directory``. Every rank
-   computes the same plan: each name's writer, and each writer's names cut into files of at most
+   computes the same writers' files: each name's writer, and each writer's names cut into files of at most
    ``max_shard_size`` bytes (a larger tensor gets a file of its own), numbered across ranks.
 2. Each rank writes its files into the temporary directory; all-gather the outcome.
 3. Rank 0 writes the index and ``config.json``, fsyncs, and renames the temporary directory to
@@ -31,7 +31,7 @@ Hugging Face files hold whole tensors, so on a mesh with a ``"tp"`` dimension ea
 is gathered (``full_tensor()``, an all-gather over the tensor-parallel group) one at a time, in
 leaf order, and moved to the host at once: the device holds at most one full tensor beyond the
 local pieces, and tensor-parallel rank 0 keeps the host copies and writes them, as the protocol
-above (its plan among the tensor-parallel rank 0 of each pipeline rank); the other
+above (its writers among the tensor-parallel rank 0 of each pipeline rank); the other
 tensor-parallel ranks drop theirs and wait for it, as data-parallel replicas do. Before the first
 gather every rank all-gathers a description of its leaves (where, DTensor or not, shape, dtype,
 and the sha256 of each plain tensor, which only rank 0 writes), so a DTensor on the wrong mesh
@@ -262,7 +262,7 @@ def _whole(trees: list[PyTree], topology: Topology, timeout: float) -> list[PyTr
 
 def _gathered(trees: list[PyTree], step: Step) -> list[PyTree]:
     """The full stages of a step built with ``shard_params=True``, gathered one at a time from the
-    data-parallel ranks' shards (NOTE [shard layout] in ``fpipe/_sharding/_runs.py``)."""
+    data-parallel ranks' shards (NOTE [shard layout] in ``fpipe/_sharding/_stages.py``)."""
     missing = [s for s in step.local_stages if s not in step.shard_layouts or trees[s] is None]
     if missing:
         raise ValueError(
@@ -416,10 +416,10 @@ def _export(
     manifest = {name: [CODES[t.dtype], list(t.shape), sha256(t), where] for name, (where, t) in local.items()}
     mine = {"tmp": None if tmp is None else tmp.name, "stages": list(held or ()), "manifest": manifest}
     try:
-        # 1. Agree on the plan.
+        # 1. Agree on the writers and their files.
         statuses = agree(ranks, problem, mine, "naming their tensors")
         tmp = root.parent / str(statuses[0]["tmp"])
-        files = _plan(statuses, limit)
+        files = _writer_files(statuses, limit)
         # 2. Write this rank's files.
         problem = None
         try:
@@ -450,7 +450,7 @@ def _export(
         raise
 
 
-def _plan(statuses: list[dict[str, Any]], limit: int) -> list[dict[str, list[str]]]:
+def _writer_files(statuses: list[dict[str, Any]], limit: int) -> list[dict[str, list[str]]]:
     """Per rank, its files and their names: each name written by the lowest rank holding it, each
     rank's names cut into files of at most ``limit`` bytes, numbered across ranks. The same on every rank."""
     holders: dict[int, list[int]] = {}

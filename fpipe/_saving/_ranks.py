@@ -53,7 +53,7 @@ def sharded_leaves(function: str, step: Step | None, trees: dict[str, list[PyTre
 
 class Full(NamedTuple):
     """What a shard leaf is cut from: a tensor of ``shape``, or for a DTensor parameter's shard
-    (NOTE [tensor-parallel shards] in ``fpipe/_sharding/_runs.py``) the ``box`` of that global
+    (NOTE [tensor-parallel shards] in ``fpipe/_sharding/_stages.py``) the ``box`` of that global
     shape which this rank's local piece holds (NOTE [sharded saves] in ``fpipe/_saving/_store.py``)."""
 
     shape: list[int]

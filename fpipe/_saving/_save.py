@@ -439,7 +439,7 @@ def _save_pipeline(
             version = statuses[0]["version"]
             for st in statuses:  # the manifests, JSON lists on the way, back as Manifests
                 st["manifest"] = {k: {n: Manifest(*m) for n, m in ms.items()} for k, ms in st["manifest"].items()}
-            owners = _plan(statuses)
+            owners = _writers(statuses)
             # 2. Write the tensors this rank owns.
             tmp, files, problem = root / f".tmp-{version}", {}, None
             try:
@@ -466,7 +466,7 @@ def _save_pipeline(
         return str(version)
 
 
-def _plan(statuses: list[dict[str, Any]]) -> dict[str, dict[str, dict[Piece, int]]]:
+def _writers(statuses: list[dict[str, Any]]) -> dict[str, dict[str, dict[Piece, int]]]:
     """Per kind, per name, each piece's writer: the lowest rank holding it. The same on every rank."""
     counts = [st["num_stages"] for st in statuses]
     if len(set(counts)) > 1:

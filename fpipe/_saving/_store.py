@@ -13,7 +13,7 @@ hashes only the tensors it reads.
 
 NOTE [sharded saves]
 With a step built with ``shard_params=True`` (``save``/``load`` with ``step=``), tensors are
-shards (NOTE [shard layout] in ``fpipe/_sharding/_runs.py``: flattened, zero-padded to ``d * c``,
+shards (NOTE [shard layout] in ``fpipe/_sharding/_stages.py``: flattened, zero-padded to ``d * c``,
 ``c = ceil(n / d)``, piece ``q`` on data-parallel rank ``q``). Every rank of the mesh writes
 its own pieces, in parallel, to ``model-rank-0000r-of-0000p-dp-0000q-of-0000d.safetensors``
 (``optimizer-...`` likewise); no tensor is gathered. In the index a sharded name maps to the
@@ -35,7 +35,7 @@ box (a DTensor template's piece) or a whole tensor copies the overlap of each sa
 overlaps it, each piece read whole so that its hash is checked.
 
 Both at once (``shard_params=True`` on a mesh with ``"tp"``: NOTE [tensor-parallel shards] in
-``fpipe/_sharding/_runs.py``), a DTensor parameter's shard is a flat piece of its local piece:
+``fpipe/_sharding/_stages.py``), a DTensor parameter's shard is a flat piece of its local piece:
 shard ``q`` of ``d`` of a box. Every rank writes its own, to
 ``model-rank-0000r-of-0000p-dp-0000q-of-0000d-tp-0000t-of-0000T.safetensors``; the name maps to
 the list of its pieces' files, box by box (by offset) and within a box by ``q``, and each

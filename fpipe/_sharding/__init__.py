@@ -11,12 +11,12 @@ from ._layout import data_parallel as data_parallel
 from ._layout import norm_leaves as norm_leaves
 from ._public import gather as gather
 from ._public import shard as shard
-from ._runs import ShardedRuns as ShardedRuns
-from ._runs import gather_stages as gather_stages
-from ._runs import shard_stages as shard_stages
+from ._stages import ShardedStages as ShardedStages
+from ._stages import gather_stages as gather_stages
+from ._stages import shard_stages as shard_stages
 
 __all__ = [
-    "ShardedRuns",
+    "ShardedStages",
     "StageLayout",
     "check_shards",
     "cut_range",

@@ -1,5 +1,5 @@
 """Shards and their collectives: how a stage's parameters are cut over the data-parallel ranks
-(NOTE [shard layout] in ``fpipe/_sharding/_runs.py``), and the all-gather and reduce-scatter that
+(NOTE [shard layout] in ``fpipe/_sharding/_stages.py``), and the all-gather and reduce-scatter that
 move them, one flat buffer per dtype per stage.
 """
 
@@ -60,7 +60,7 @@ class LeafLayout:
     """A tensor leaf: its full shape and dtype, and ``size`` = elements per shard. For a DTensor
     the full tensor is this rank's local piece (``shape`` is the piece's), and ``dtensor`` says
     how to rebuild the DTensor around it (NOTE [tensor-parallel shards] in
-    ``fpipe/_sharding/_runs.py``)."""
+    ``fpipe/_sharding/_stages.py``)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype

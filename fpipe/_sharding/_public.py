@@ -1,5 +1,5 @@
 """``fpipe.shard`` and ``fpipe.gather``: cut a pytree over a mesh's data-parallel ranks, and
-gather it back (NOTE [shard layout] in fpipe/_sharding/_runs.py)."""
+gather it back (NOTE [shard layout] in fpipe/_sharding/_stages.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from .._distributed import Topology, resolve_topology
 from .._errors import DEFAULT_TIMEOUT
 from .._pytree import PyTree
 from ._layout import DataParallel, cut, data_parallel, layout_of
-from ._runs import gather_tree
+from ._stages import gather_tree
 
 
 @runtime_checkable
@@ -74,6 +74,8 @@ def gather(shards: PyTree, like: PyTree, over: Any, /) -> PyTree:
 
     A collective: every rank of the data-parallel group calls it with the same structure.
     ``None`` leaves in ``shards`` (gradients of non-float leaves) stay ``None``.
+    ``step.unshard(shards)`` does this for every local stage, with the full shapes ``step.shard``
+    recorded as ``like``.
 
     Args:
         shards: this rank's shards.

@@ -50,7 +50,7 @@ of one per stage per step, and without overlap (each gather is waited for at onc
 
 NOTE [gather overlap]
 Every all-gather of the step is posted (``async_op=True``) right after the handshake, in the
-order the rank first uses its stages; the executor reaches a stage through ``ShardedRuns``,
+order the rank first uses its stages; the executor reaches a stage through ``ShardedStages``,
 whose first lookup of stage ``s`` waits for that gather and builds the stage's ``StageRun``.
 So the gather of stage ``s`` lands while the rank waits for its first activation and while it
 runs the stages it uses before ``s`` (interleaved schedules hold several). A stage's
@@ -81,7 +81,7 @@ from ._layout import DataParallel, Gather, LeafLayout, ReduceScatter, StageLayou
 # -- the stages of one sharded step -------------------------------------------------------------
 
 
-class ShardedRuns(Mapping[int, StageRun]):
+class ShardedStages(Mapping[int, StageRun]):
     """The local stages of a sharded step, as the executor sees them (NOTE [gather overlap],
     NOTE [regather]).
 
