@@ -16,14 +16,14 @@ from typing import Any, Protocol
 
 import torch
 
-from ._executor import Executor, LocalTransport
+from ._executor import Executor, LocalTransport, Transport
 from ._microbatch import Microbatches, concat, counts, split, stack
 from ._precision import LossScaleState, Precision
 from ._pytree import PyTree, flatten, map_tensors
 from ._random import Keys, keep_generators
 from ._record import Stopwatch, active, clock, measured
 from ._stage import StageFn, StageRun
-from .schedules import Action, Program, execution_order
+from .schedules import Action, Program, Simulation, execution_order
 from .schedules._program import checksum, forward_only
 
 
@@ -194,6 +194,46 @@ def interpret(
     return list(zip(flat[::2], flat[1::2]))
 
 
+def executor_for(
+    step: StepView,
+    order: Order,
+    runs: HeldStages,
+    transport: Transport,
+    weights: Sequence[float],
+    *,
+    key: int,
+    replica: int = 0,
+    keep_outputs: bool = False,
+) -> Executor:
+    """The ``Executor`` of one run of ``order`` over ``transport`` for the stages a process holds
+    (``runs``): in one process (a ``LocalTransport``, every stage) or on a pipeline rank (a
+    ``DistributedTransport``, its row's stages); ``replica`` is the data-parallel replica's index
+    in the stages' keys (NOTE [randomness as data] in fpipe/_random.py)."""
+    return Executor(
+        runs,
+        step.num_stages,
+        step.loss_fn,
+        has_aux=step.has_aux,
+        weights=weights,
+        transport=transport,
+        forward_only=order.forward_only,
+        keep_outputs=keep_outputs,
+        loss_scale=seed_scale(step),
+        keys=Keys(key, replica=replica, training=not order.forward_only),
+    )
+
+
+def run_order(
+    executor: Executor, runs: HeldStages, order: Order, devices: Iterable[torch.device] = ()
+) -> Simulation | None:
+    """Run ``order`` with ``executor`` (``interpret``); its measured timeline when a recording is
+    active (``fpipe.record``, timed on ``devices``), else ``None``. The one run of a step: the
+    local and the distributed step differ only in their transport and the stages they hold."""
+    start = clock()
+    times = interpret(executor, runs, order, devices)
+    return None if active() is None else measured(order.program, order.actions, times, start)
+
+
 def run_local(
     step: StepView, order: Order, params: Sequence[PyTree], batch: PyTree, *, key: int, keep_outputs: bool = False
 ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
@@ -202,26 +242,16 @@ def run_local(
     the stages' random draws are those of ``key`` (NOTE [randomness as data] in fpipe/_random.py)."""
     microbatches, sizes = split(batch, step.num_microbatches, step.batch_dims)
     count = None if step.weight_fn is None else sum(counts(microbatches, step.weight_fn))
-    weights = loss_weights(sizes, count)
     runs = ReplicatedStages(step, params)
-    executor = Executor(
-        runs,
-        step.num_stages,
-        step.loss_fn,
-        has_aux=step.has_aux,
-        weights=weights,
-        transport=LocalTransport(microbatches),
-        loss_scale=seed_scale(step),
-        forward_only=order.forward_only,
-        keep_outputs=keep_outputs,
-        keys=Keys(key, training=not order.forward_only),
+    transport = LocalTransport(microbatches)
+    executor = executor_for(
+        step, order, runs, transport, loss_weights(sizes, count), key=key, keep_outputs=keep_outputs
     )
-    start = clock()
     recording = active()
     devices = [t.device for p in params for t in flatten(p)[0] if isinstance(t, torch.Tensor)] if recording else []
-    times = interpret(executor, runs, order, devices)
-    if recording is not None:
-        recording.timelines.append(measured(order.program, order.actions, times, start))
+    timeline = run_order(executor, runs, order, devices)
+    if recording is not None and timeline is not None:
+        recording.timelines.append(timeline)
     explicit = isinstance(batch, Microbatches)
     return result(step, executor, explicit=explicit), [] if order.forward_only else runs.grads(step.num_stages)
 

@@ -21,13 +21,11 @@ from typing import Any, NamedTuple
 import torch
 
 from .._errors import PipelineError
-from .._executor import Executor
 from .._microbatch import Microbatches, counts, split
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_paths
-from .._random import Keys
-from .._record import active, clock, measured
-from .._run import HeldStages, Order, Pending, Reduce, StepView, interpret, loss_weights, result, seed_scale
+from .._record import active
+from .._run import HeldStages, Order, Pending, Reduce, StepView, executor_for, loss_weights, result, run_order
 from .._tensor_parallel import check_mesh, is_dtensor, local
 from ..schedules import ScheduleError, Simulation
 from ._collectives import (
@@ -295,31 +293,21 @@ def _run_row(
         wire=wire,
         timeout=step.timeout,
     )
-    executor = Executor(
-        runs,
-        step.num_stages,
-        step.loss_fn,
-        has_aux=step.has_aux,
-        weights=agreed.weights,
-        transport=transport,
-        forward_only=order.forward_only,
-        keep_outputs=keep_outputs,
-        loss_scale=seed_scale(step),
-        keys=Keys(agreed.key, replica=topology.replica, training=not order.forward_only),
+    weights, replica = agreed.weights, topology.replica
+    executor = executor_for(
+        step, order, runs, transport, weights, key=agreed.key, replica=replica, keep_outputs=keep_outputs
     )
-    start = clock()
     try:
         # NOTE [tensor-parallel waits]: with a tp dimension, stages wait in collectives of their
         # own (DTensor's), which fpipe's waits do not see; the whole row counts as waiting, so the
         # watchdog reads the board every POLL and aborts the groups when another rank failed.
         with waiting(topology.board if topology.tensor_group is not None else None):
-            times = interpret(executor, runs, order, [topology.device])
+            timeline = run_order(executor, runs, order, [topology.device])
         mine = result(step, executor, explicit=agreed.explicit) if topology.rank == last else None
         loss, aux, outputs = transport.exchange_result(mine)
         transport.finish()
         recording = active()
-        if recording is not None:
-            timeline = measured(order.program, order.actions, times, start)
+        if recording is not None and timeline is not None:
             recording.timelines.append(gathered(timeline, topology, step.timeout))
     except BaseException as error:
         aborted = topology.board.aborted  # by the watchdog, for another rank's failure
