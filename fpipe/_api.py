@@ -5,22 +5,21 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import replace
-from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from ._distributed import Topology, WireState, all_reduce_sum, replica_mean, resolve_topology, run_distributed
+from ._distributed import Topology, WireState, all_reduce_sum, resolve_topology, run_distributed
 from ._errors import DEFAULT_TIMEOUT
 from ._microbatch import Microbatches
 from ._plural import plural
-from ._precision import LossScaleState, Precision, check_params, finish_precision
+from ._precision import LossScaleState, Precision, finish_precision
 from ._pytree import PyTree, flatten, leaves_with_paths, stage_list
 from ._random import check_key, draw_key
-from ._run import HeldStages, Order, ReplicatedStages, order_for, run_local, stage_run
-from ._sharding import ShardedStages, StageLayout, check_shards, data_parallel, gather_stages, norm_leaves, shard_stages
-from ._stage import StageFn, StageRun, not_inference
+from ._run import Order, order_for, run_local
+from ._sharding import StageLayout, data_parallel, gather_stages, norm_leaves, shard_stages
+from ._stage import StageFn, not_inference
+from ._strategy import Strategy
 from ._tensor_parallel import square_sum
 from .schedules import Action, Program, Schedule, ScheduleError, validate
 
@@ -210,6 +209,9 @@ def pipeline(
             f"fpipe.pipeline: the program has {plural(program.num_ranks, 'rank')} but the pipeline group has "
             f"{plural(topology.size, 'process')}. Use a schedule and stage count that fit the group size."
         )
+    # The parallel strategy, composed once here and handed to every run (fpipe/_strategy.py).
+    divide = weight_fn is None  # with weight_fn each replica's share is already over the total
+    strategy = Strategy(topology, shard_params, regather, divide, timeout, precision)
     return Step(
         loss_fn,
         tuple(stages),
@@ -219,11 +221,7 @@ def pipeline(
         weight_fn=weight_fn,
         split=split,
         recompute=recompute,
-        topology=topology,
-        shard_params=shard_params,
-        regather=regather,
-        timeout=timeout,
-        precision=precision,
+        strategy=strategy,
     )
 
 
@@ -325,11 +323,7 @@ class Step:
         weight_fn: Callable[[Any], Any] | None = None,
         split: Callable[[Any, int], Sequence[Any]] | None = None,
         recompute: frozenset[int],
-        topology: Topology | None,
-        shard_params: bool = False,
-        regather: bool = False,
-        timeout: float,
-        precision: Precision | None = None,
+        strategy: Strategy,
     ) -> None:
         self.loss_fn = loss_fn
         self.stages = stages
@@ -339,18 +333,18 @@ class Step:
         self.weight_fn = weight_fn
         self.split = split
         self.recompute = recompute
-        self.timeout = timeout
+        self.timeout = strategy.timeout
         self.num_stages = program.num_stages
         self.num_microbatches = program.num_microbatches
-        self.shard_params = shard_params
-        self.regather = regather
-        self.precision = precision
+        self.shard_params = strategy.shard_params
+        self.regather = strategy.regather
+        self.precision = precision = strategy.precision
+        self._strategy = strategy  # replaced, a new value, when step.shard records the layouts
         scaling = None if precision is None else precision.loss_scale
         self._loss_scale = None if scaling is None else scaling.start()
         self.last_skipped = False
-        self._topology = topology
+        self._topology = topology = strategy.topology
         self._wire = WireState()  # the distributed channels' layouts, kept from step to step
-        self._layouts: dict[int, StageLayout] = {}  # with shard_params: the full shapes, set by shard()
         if topology is None:
             self.rank: int | None = None
             self.local_stages = tuple(range(self.num_stages))
@@ -461,8 +455,7 @@ class Step:
             rejected, key = error, 0
         with not_inference():  # results are plain tensors whatever the ambient mode
             if self._topology is None:
-                self._check_precision(params)
-                return run_local(self, order, params, batch, key=key, keep_outputs=keep_outputs)
+                return run_local(self, order, self._strategy, params, batch, key=key, keep_outputs=keep_outputs)
             return run_distributed(
                 self,
                 order,
@@ -470,8 +463,7 @@ class Step:
                 self._wire,
                 params,
                 batch,
-                runs_for=self._runs_for,
-                check_params=self._check_params,
+                strategy=self._strategy,
                 key=key,
                 rejected=rejected,
                 keep_outputs=keep_outputs,
@@ -510,15 +502,6 @@ class Step:
         if not isinstance(state, LossScaleState):
             raise TypeError(f"fpipe.Step.loss_scale: expected an fpipe.LossScaleState (loss_scale: {state!r}).")
         self._loss_scale = state
-
-    def _check_precision(self, params: Sequence[PyTree]) -> None:
-        if self.precision is not None:
-            for s in self.local_stages:
-                check_params(self.precision, s, params[s])
-
-    def _check_params(self, params: Sequence[PyTree]) -> None:
-        self._check_shards(params)
-        self._check_precision(params)
 
     # NOTE [an agreed inf/nan check]
     # Every rank must skip a step, and move its scale, alike, or the ranks' parameters and scales
@@ -560,47 +543,7 @@ class Step:
     def shard_layouts(self) -> Mapping[int, StageLayout]:
         """With ``shard_params``: the full shapes and dtypes of the local stages' parameters,
         recorded by ``shard`` (empty before). A read-only view."""
-        return MappingProxyType(self._layouts)
-
-    def _runs_for(self, params: Sequence[PyTree]) -> HeldStages:
-        """This rank's stages for a run; with ``shard_params``, every stage's all-gather is posted
-        here and waited for at the stage's first forward (NOTE [gather overlap])."""
-        if not self.shard_params:
-            topology = self._topology
-            if topology is None or topology.data_group is None:
-                return ReplicatedStages(self, params)
-            return ReplicatedStages(self, params, replica_mean(topology, self.timeout, divide=self.weight_fn is None))
-        assert self._topology is not None
-        dp = data_parallel(self._topology, self.timeout)
-        order = self._order.actions
-
-        def make_run(s: int, stage_params: PyTree) -> StageRun:
-            return stage_run(self, s, stage_params)
-
-        grad_layouts = None
-        if self.precision is not None:  # the sums' dtypes (NOTE [precision of a leaf])
-            precision = self.precision
-            grad_layouts = {
-                s: StageLayout(
-                    layout.spec,
-                    layout.paths,
-                    tuple(
-                        None if leaf is None else replace(leaf, dtype=precision.accumulate_dtype(leaf.dtype))
-                        for leaf in layout.leaves
-                    ),
-                    layout.num_shards,
-                )
-                for s, layout in self._layouts.items()
-            }
-        divide = self.weight_fn is None  # with weight_fn each replica's share is already over the total
-        return ShardedStages(
-            dp, make_run, params, self._layouts, order, regather=self.regather, grad_layouts=grad_layouts, divide=divide
-        )
-
-    def _check_shards(self, params: Sequence[PyTree]) -> None:
-        if self.shard_params:
-            for s in self.local_stages:
-                check_shards(s, params[s], self._layouts.get(s))
+        return self._strategy.layouts
 
     def global_norm(self, grads: Sequence[PyTree], /) -> torch.Tensor:
         """The 2-norm of all gradients of the pipeline, for clipping, on every rank.
@@ -617,7 +560,7 @@ class Step:
         total = torch.zeros((), dtype=torch.float64)
         for s in self.local_stages:
             if self.shard_params and tensor_group is not None:  # shards are plain: the layout knows their DTensor
-                leaves = norm_leaves(s, grads[s], self._layouts.get(s))
+                leaves = norm_leaves(s, grads[s], self._strategy.layouts.get(s))
             else:
                 leaves = [(g, None) for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)]
             for g, placements in leaves:
@@ -658,7 +601,8 @@ class Step:
             if params[s] is None:
                 raise ValueError(f"fpipe.step.shard: params[{s}] is None but this rank holds stage {s}. Pass it.")
         dp = data_parallel(self._topology, self.timeout)
-        shards, self._layouts = shard_stages(dp, self.local_stages, params)
+        shards, layouts = shard_stages(dp, self.local_stages, params)
+        self._strategy = self._strategy.with_layouts(layouts)
         return shards
 
     def unshard(self, shards: Sequence[PyTree], /) -> list[PyTree]:
@@ -672,7 +616,8 @@ class Step:
         ``None`` leaves (the grads of non-float leaves) stay ``None``; stages held elsewhere are
         ``None``.
         """
-        if not self._layouts or self._topology is None:
+        if not self._strategy.layouts or self._topology is None:
             raise ValueError("fpipe.step.unshard: the step has no layouts; cut the parameters with step.shard first.")
         stage_list("fpipe.step.unshard", "shards", shards, self.num_stages)
-        return gather_stages(data_parallel(self._topology, self.timeout), self._layouts, shards, "fpipe.step.unshard")
+        layouts = self._strategy.layouts
+        return gather_stages(data_parallel(self._topology, self.timeout), layouts, shards, "fpipe.step.unshard")

@@ -109,6 +109,14 @@ class HeldStages(Protocol):
     def grads(self, num_stages: int) -> list[PyTree]: ...
 
 
+class StrategyView(Protocol):
+    """The parallel strategy as a run sees it (``Strategy`` in fpipe/_strategy.py): a value built
+    once by ``pipeline()``, which checks the held parameters and builds the held stages' runs."""
+
+    def check(self, step: StepView, params: Sequence[PyTree], /) -> None: ...
+    def held_stages(self, step: StepView, order: Order, params: Sequence[PyTree], /) -> HeldStages: ...
+
+
 class Pending(Protocol):
     """A reduction posted and not yet waited for."""
 
@@ -235,14 +243,22 @@ def run_order(
 
 
 def run_local(
-    step: StepView, order: Order, params: Sequence[PyTree], batch: PyTree, *, key: int, keep_outputs: bool = False
+    step: StepView,
+    order: Order,
+    strategy: StrategyView,
+    params: Sequence[PyTree],
+    batch: PyTree,
+    *,
+    key: int,
+    keep_outputs: bool = False,
 ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
     """A step in this process: every stage, the program's ranks virtual; ``((loss, aux,
     outputs), grads)`` (``outputs`` with ``keep_outputs``, grads empty for a forward-only order);
     the stages' random draws are those of ``key`` (NOTE [randomness as data] in fpipe/_random.py)."""
+    strategy.check(step, params)
     microbatches, sizes = split(batch, step.num_microbatches, step.batch_dims)
     count = None if step.weight_fn is None else sum(counts(microbatches, step.weight_fn))
-    runs = ReplicatedStages(step, params)
+    runs = strategy.held_stages(step, order, params)
     transport = LocalTransport(microbatches)
     executor = executor_for(
         step, order, runs, transport, loss_weights(sizes, count), key=key, keep_outputs=keep_outputs

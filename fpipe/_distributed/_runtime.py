@@ -15,7 +15,7 @@ Any rank's failure fails every rank (NOTE [failure board] in fpipe/_distributed/
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -25,7 +25,18 @@ from .._microbatch import Microbatches, counts, split
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_paths
 from .._record import active
-from .._run import HeldStages, Order, Pending, Reduce, StepView, executor_for, loss_weights, result, run_order
+from .._run import (
+    HeldStages,
+    Order,
+    Pending,
+    Reduce,
+    StepView,
+    StrategyView,
+    executor_for,
+    loss_weights,
+    result,
+    run_order,
+)
 from .._tensor_parallel import check_mesh, is_dtensor, local
 from ..schedules import ScheduleError, Simulation
 from ._collectives import (
@@ -43,8 +54,6 @@ from ._faults import WATCHDOG, waiting
 from ._topology import Topology
 from ._transport import DistributedTransport, WireState
 
-RunsFor = Callable[[Sequence[PyTree]], HeldStages]  # this rank's stages for its params
-
 
 def run_distributed(
     step: StepView,
@@ -54,8 +63,7 @@ def run_distributed(
     params: Sequence[PyTree],
     batch: PyTree,
     *,
-    runs_for: RunsFor,
-    check_params: Callable[[Sequence[PyTree]], None],
+    strategy: StrategyView,
     key: int,
     rejected: Exception | None = None,
     keep_outputs: bool = False,
@@ -63,9 +71,9 @@ def run_distributed(
     """A step as pipeline rank ``topology.rank``: its row of the program; ``((loss, aux,
     outputs), grads)`` (``outputs`` with ``keep_outputs``; no grads for a forward-only order).
 
-    ``wire`` keeps the channels' layouts from step to step; ``runs_for(params)`` builds this
-    rank's stages once every rank has agreed; ``check_params(params)`` raises ``ValueError`` for
-    parameters this rank cannot run with (every rank then fails together). The stages' random
+    ``wire`` keeps the channels' layouts from step to step; ``strategy`` (built once by
+    ``pipeline()``) builds this rank's held stages once every rank has agreed, and raises
+    ``ValueError`` for parameters this rank cannot run with (every rank then fails together). The stages' random
     draws are those of the key every rank agrees on, ``key`` of the first stage's rank of replica
     0 and tensor-parallel rank 0 (NOTE [randomness as data] in fpipe/_random.py). ``rejected``:
     what the step's checks found wrong before; this rank raises it after the handshake, and every
@@ -77,8 +85,8 @@ def run_distributed(
             late = WATCHDOG.read(topology.board)  # the others gave up on this step before this rank came
             if late is not None:
                 raise late.error(topology.rank, "the other pipeline ranks at the start of the step")
-            agreed = _agree(step, order, topology, params, batch, check_params, key, rejected)
-            runs = runs_for(params)
+            agreed = _agree(step, order, topology, params, batch, strategy, key, rejected)
+            runs = strategy.held_stages(step, order, params)
             loss, aux, outputs = _run_row(step, order, topology, wire, runs, agreed, keep_outputs)
             if not order.forward_only:
                 runs.finish()
@@ -136,7 +144,7 @@ def _agree(
     topology: Topology,
     params: Sequence[PyTree],
     batch: PyTree,
-    check_params: Callable[[Sequence[PyTree]], None],
+    strategy: StrategyView,
     key: int,
     rejected: Exception | None,
 ) -> _Agreed:
@@ -153,7 +161,7 @@ def _agree(
     problem = rejected
     if problem is None:
         try:
-            microbatches, sizes, count = _local_inputs(step, topology, params, batch, check_params)
+            microbatches, sizes, count = _local_inputs(step, topology, params, batch, strategy)
         except Exception as error:  # the user's weight_fn and split may raise anything: agree first
             problem = error
     status = _Status(
@@ -243,7 +251,7 @@ def _local_inputs(
     topology: Topology,
     params: Sequence[PyTree],
     batch: PyTree,
-    check_params: Callable[[Sequence[PyTree]], None],
+    strategy: StrategyView,
 ) -> tuple[list[PyTree] | None, list[int], int]:
     """This rank's microbatches (``None``: it holds no batch), their sizes and ``weight_fn``'s total
     count (0 but on the first stage's rank with ``weight_fn``), its inputs checked.
@@ -256,7 +264,7 @@ def _local_inputs(
     _check_held(step, params, placement)
     _check_dtensors(step, params, topology)
     check_devices(step, params, topology.device)
-    check_params(params)
+    strategy.check(step, params)
     if batch is None or me not in (first, last):
         if me == first:
             raise ValueError(
