@@ -29,6 +29,8 @@ from ._program import placement as placement
 from ._program import render as render
 from ._program import timeline as timeline
 from ._program import validate as validate
+from ._search import Searched as Searched
+from ._search import search as search
 from ._simulate import Costs as Costs
 from ._simulate import Simulation as Simulation
 from ._simulate import fit_costs as fit_costs
@@ -50,6 +52,7 @@ __all__ = [
     "Program",
     "Schedule",
     "ScheduleError",
+    "Searched",
     "Simulation",
     "ZeroBubbleH1",
     "ZeroBubbleH2",
@@ -62,6 +65,7 @@ __all__ = [
     "placement",
     "render",
     "replay",
+    "search",
     "simulate",
     "svg",
     "terminal_grid",
