@@ -102,7 +102,7 @@ def fifo_rows(stage: int, m: int, split: bool) -> list[tuple[Action, ...]]:
         )
         chained = all(
             position[Action(stage, a, i)] < position[Action(stage, b, i)]
-            for a, b in zip(kinds, kinds[1:])
+            for a, b in itertools.pairwise(kinds)
             for i in range(m)
         )
         if ordered and chained:
