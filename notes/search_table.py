@@ -74,15 +74,18 @@ def exact_row(p: int, m: int, heavy: int, weight: float, send: float, memory: fl
     listed = search(p, m, costs, memory=memory, exact=False)
     found = search(p, m, costs, memory=memory)
     limit = "none" if memory is None else f"{memory:g}"
+    gap = max(0.0, found.makespan / found.lower_bound - 1)
     return (
         f"| {p} | {m} | {heavy}x | {weight:g} | {send:g} | {limit} | {listed.makespan:.4g} | {found.makespan:.4g} "
-        f"| {'yes' if found.optimal else 'no'} | {found.lower_bound:.4g} | {max(0.0, found.makespan / found.lower_bound - 1):.1%} |"
+        f"| {'yes' if found.optimal else 'no'} | {found.lower_bound:.4g} | {gap:.1%} |"
     )
 
 
 def main(every: int = 1) -> None:
     """Print both tables (``every``: only every ``every``-th row of the first, for the tests)."""
-    print("| placement | last stage | W / I | latency | memory | best built-in | searched / it | searched | bound | gap |")
+    print(
+        "| placement | last stage | W / I | latency | memory | best built-in | searched / it | searched | bound | gap |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for k, case in enumerate(cases()):
         if k % every == 0:
