@@ -5,8 +5,9 @@ A schedule is a value (``GPipe(num_microbatches=8)``) whose ``program(num_stages
 from torch's CSV format (``load_csv``). ``placement(schedule, num_stages)`` says which rank holds
 each stage; ``simulate`` replays a program with costs to measure its bubble and memory (and
 ``fit_costs`` reads per-stage costs off a measured timeline, ``replay`` reruns one with its own
-durations, e.g. to find its critical path); and ``terminal_grid``,
-``chrome_trace`` and ``svg`` draw it (also ``python -m fpipe show``).
+durations, e.g. to find its critical path); ``search`` finds the fastest program it can for given
+costs, placement and memory limit, never slower than a built-in schedule that fits; and
+``terminal_grid``, ``chrome_trace`` and ``svg`` draw it (also ``python -m fpipe show``).
 """
 
 from ._action import Action as Action

@@ -142,7 +142,7 @@ def search(
         TypeError: if ``costs`` is neither a ``Costs`` nor a sequence of them.
     """
     started = time.perf_counter()
-    problem = _problem(num_ranks, num_microbatches, costs, placement, stages_per_rank, memory, activation_sizes)
+    problem = checked_problem(num_ranks, num_microbatches, costs, placement, stages_per_rank, memory, activation_sizes)
     if isinstance(time_budget, bool) or not isinstance(time_budget, (int, float)) or not time_budget > 0:
         raise ScheduleError(
             f"fpipe.schedules.search: time_budget must be a positive number of seconds (time_budget: {time_budget!r})."
@@ -150,7 +150,7 @@ def search(
     deadline = started + min(float(time_budget), 1e9)
     bound = lower_bound(problem)
     tried: list[tuple[str, float, Program]] = []
-    for name, program in _builtins(problem, placement):
+    for name, program in builtin_programs(problem, placement):
         if all(peak <= limit * (1 + 1e-9) for peak, limit in zip(peak_memory(program, problem.sizes), problem.limits)):
             tried.append((name, simulate(program, problem.costs).makespan, program))
     complete = True
@@ -201,7 +201,7 @@ def peak_memory(program: Program, sizes: Sequence[float]) -> tuple[float, ...]:
     return tuple(peaks)
 
 
-def _builtins(problem: Problem, placement: str) -> Iterator[tuple[str, Program]]:
+def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Program]]:
     """``(name, program)`` of every built-in schedule that lays out ``problem``'s placement."""
     p, m, S = problem.num_ranks, problem.num_microbatches, problem.num_stages
     v = S // p
@@ -247,7 +247,7 @@ def _positive(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def _problem(
+def checked_problem(
     p: int,
     m: int,
     costs: Costs | Sequence[Costs],

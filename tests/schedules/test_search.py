@@ -20,7 +20,7 @@ from fpipe.schedules import (
     simulate,
     validate,
 )
-from fpipe.schedules._search import _builtins, _problem, peak_memory
+from fpipe.schedules._search import builtin_programs, checked_problem, peak_memory
 
 
 def costs_of(num_stages: int, heavy: float, weight: float, send: float) -> list[Costs]:
@@ -49,15 +49,15 @@ def test_valid_within_memory_and_never_slower_than_a_builtin_that_fits(case: tup
     costs = costs_of(S, heavy, weight, send)
     found = search(p, m, costs, placement=placement, stages_per_rank=v, memory=memory, exact=False)
     validate(found.program)
-    assert found.complete and found.program.placement() == _problem(p, m, costs, placement, v, None, None).rank_of
+    problem = checked_problem(p, m, costs, placement, v, memory, None)
+    assert found.complete and found.program.placement() == problem.rank_of
     assert found.makespan == simulate(found.program, costs).makespan
     assert found.peak_memory == pytest.approx(simulate(found.program, costs).peak_activations)
     assert all(peak <= (memory or math.inf) + 1e-9 for peak in found.peak_memory)
     assert found.lower_bound <= found.makespan
-    problem = _problem(p, m, costs, placement, v, memory, None)
     fitting = [
         simulate(program, costs).makespan
-        for _, program in _builtins(problem, placement)
+        for _, program in builtin_programs(problem, placement)
         if all(x <= (memory or math.inf) + 1e-9 for x in peak_memory(program, problem.sizes))
     ]
     assert all(found.makespan <= t + 1e-9 for t in fitting)
