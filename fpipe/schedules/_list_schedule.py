@@ -91,8 +91,8 @@ class Policy:
             steady state); else the forward (GPipe's order when memory allows).
         deep_first: between two stages of a rank, prefer the one further along the pipeline (a
             later forward, an earlier backward); else the other.
-        extra: microbatches a rank admits beyond its fill estimate (``fill``), ``None``: as many
-            as memory allows.
+        extra: microbatches a rank admits beyond its fill estimate (``fill``; negative: fewer, at
+            least 1), ``None``: as many as memory allows.
         patient: do not start a ``W`` that would delay a backward or forward known to arrive
             before the ``W`` would end; wait for it instead.
     """
@@ -183,7 +183,6 @@ class _Pass:
         self.done = {FORWARD: [0] * S, BACKWARD: [0] * S, BACKWARD_WEIGHT: [0] * S}  # B counts I too
         self.ends = {FORWARD: [[0.0] * m for _ in range(S)], BACKWARD: [[0.0] * m for _ in range(S)]}
         self.free = [0.0] * p
-        self.not_before = [0.0] * p
         self.reserved = [0.0] * p
         self.inside = [0] * p  # microbatches admitted and not yet back through the rank's first stage
         self.rows: list[list[Action]] = [[] for _ in range(p)]
@@ -229,7 +228,7 @@ class _Pass:
         options = list(self.candidates(r))
         if not options:
             return None
-        t = max(self.free[r], self.not_before[r], min(ready for ready, _, _ in options))
+        t = max(self.free[r], min(ready for ready, _, _ in options))
         ready_now = [o for o in options if o[0] <= t * (1 + _SLACK)]
         _, kind, stage = min(ready_now, key=lambda o: self.rank(o[1], o[2]))
         if self.policy.patient and kind == BACKWARD_WEIGHT:
