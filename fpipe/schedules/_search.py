@@ -155,7 +155,7 @@ def search(
             tried.append((name, simulate(program, problem.costs).makespan, program))
     complete = True
     met = any(t <= bound * (1 + 1e-9) for _, t, _ in tried)
-    for k, policy in enumerate(_policies(problem)):
+    for k, policy in enumerate(policies(problem)):
         if met:
             break
         if k and time.perf_counter() > deadline:
@@ -223,7 +223,7 @@ def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Pr
         yield name, make().program(S, p)
 
 
-def _policies(problem: Problem) -> Iterator[Policy]:
+def policies(problem: Problem) -> Iterator[Policy]:
     """The list-scheduling policies to try, the likeliest winners first: over a grid of 972 cost
     cases (notes/search.md's costs, ``p`` 4 and 8, every placement), the order of how often each
     laid out the fastest program; fused backwards win only where ``B`` costs less than ``I + W``."""

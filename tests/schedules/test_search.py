@@ -20,7 +20,8 @@ from fpipe.schedules import (
     simulate,
     validate,
 )
-from fpipe.schedules._search import builtin_programs, checked_problem, peak_memory
+from fpipe.schedules._list_schedule import list_schedule
+from fpipe.schedules._search import builtin_programs, checked_problem, peak_memory, policies
 
 
 def costs_of(num_stages: int, heavy: float, weight: float, send: float) -> list[Costs]:
@@ -52,6 +53,7 @@ def test_valid_within_memory_and_never_slower_than_a_builtin_that_fits(case: tup
     problem = checked_problem(p, m, costs, placement, v, memory, None)
     assert found.complete and found.program.placement() == problem.rank_of
     assert found.makespan == simulate(found.program, costs).makespan
+    assert dict(found.candidates)[found.name] == pytest.approx(found.makespan)  # the pass's own clock
     assert found.peak_memory == pytest.approx(simulate(found.program, costs).peak_activations)
     assert all(peak <= (memory or math.inf) + 1e-9 for peak in found.peak_memory)
     assert found.lower_bound <= found.makespan
@@ -62,6 +64,21 @@ def test_valid_within_memory_and_never_slower_than_a_builtin_that_fits(case: tup
     ]
     assert all(found.makespan <= t + 1e-9 for t in fitting)
     assert [t for name, t in found.candidates if not name.startswith("list")] == fitting
+
+
+@pytest.mark.parametrize("placement, v", [("looped", 1), ("looped", 2), ("v", 2)])
+def test_every_list_scheduling_pass_keeps_simulate_s_clock_and_the_memory_limit(placement: str, v: int) -> None:
+    """NOTE [list scheduler]: a pass starts each action when ``simulate`` would, and admits a
+    microbatch only where all of it fits, so it never deadlocks and never exceeds the limit."""
+    S = 2 * 3 if placement == "v" else 3 * v
+    costs = costs_of(S, 3, 0.3, 1.0)
+    problem = checked_problem(3, 7, costs, placement, v, 1.5, None)
+    for policy in policies(problem):
+        laid_out = list_schedule(problem, policy)
+        assert laid_out is not None, policy
+        program, makespan = laid_out
+        assert simulate(program, costs).makespan == pytest.approx(makespan), policy
+        assert max(peak_memory(program, problem.sizes)) <= 1.5 + 1e-9, policy
 
 
 def test_it_beats_every_builtin_where_messages_are_slow() -> None:
