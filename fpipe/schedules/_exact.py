@@ -59,6 +59,7 @@ class _Search:
         self.free = [0.0] * problem.num_ranks
         self.memory = [0.0] * problem.num_ranks
         self.rows: list[list[Action]] = [[] for _ in range(problem.num_ranks)]
+        self.todo = m * problem.num_stages * len(self.kinds)  # actions not yet placed
         self.left = [
             m * sum(sum(problem.costs[s].of(k) for k in self.kinds) for s in problem.stages_of(r))
             for r in range(problem.num_ranks)
@@ -111,14 +112,14 @@ class _Search:
         self.nodes += 1
         if self.nodes % 1024 == 0 and time.perf_counter() > self.deadline:
             raise OutOfTime
-        if not any(self.left):
+        if not self.todo:
             if span < self.best - _EPSILON:
                 self.best = span
                 self.program = Program(
                     tuple(tuple(row) for row in self.rows), self.problem.num_stages, self.problem.num_microbatches
                 )
             return
-        bound = max(span, *(max(f, last[0]) + w for f, w in zip(self.free, self.left) if w > 0))
+        bound = max([span, *(max(f, last[0]) + w for f, w in zip(self.free, self.left))])
         if bound >= self.best - _EPSILON or self.dominated(last):
             return
         for start, r, kind, s in self.options(last):
@@ -137,6 +138,7 @@ class _Search:
         self.done[kind][s] = i + 1
         self.free[r] = start + cost
         self.left[r] -= cost
+        self.todo -= 1
         self.rows[r].append(Action(s, kind, i))
         if kind == FORWARD:
             self.ends[FORWARD][s][i] = start + cost
@@ -150,6 +152,7 @@ class _Search:
             self.done[kind][s] = i
             self.free[r], self.memory[r] = saved
             self.left[r] += cost
+            self.todo += 1
             self.rows[r].pop()
 
         return undo

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import pytest
 
@@ -214,3 +215,32 @@ def test_costs_that_are_not_finite_and_positive_are_refused_before_any_search(ba
 def test_the_v_needs_a_full_microbatch_on_every_rank() -> None:
     with pytest.raises(ScheduleError, match=r"rank 0 needs 1 activation units .* Use memory >= 1"):
         search(3, 6, Costs(), placement="v", memory=[0.5, 2, 2])
+
+
+def test_random_problems_give_valid_programs_within_memory_never_slower_than_a_builtin() -> None:
+    """Random sizes, placements, per-stage costs (fused B cheaper or dearer than I + W, latencies)
+    and limits, a short budget: valid, within memory, above the bound, never above a built-in."""
+    rng = random.Random(0)
+    for _ in range(20):
+        p, m = rng.randint(1, 4), rng.randint(1, 8)
+        placement, v = rng.choice([("looped", 1), ("looped", 2), ("looped", 3), ("v", 2)])
+        S = 2 * p if placement == "v" else p * v
+        costs = [
+            Costs(
+                forward=rng.uniform(0.1, 3),
+                backward_input=rng.uniform(0.1, 3),
+                backward_weight=rng.uniform(0.05, 3),
+                backward=rng.choice([None, rng.uniform(0.1, 5)]),
+                send=rng.choice([0.0, rng.uniform(0, 2)]),
+            )
+            for _ in range(S)
+        ]
+        memory = rng.choice([None, 1.0, 1.5, p / 2 + 1, 2.0 * p])
+        found = search(p, m, costs, placement=placement, stages_per_rank=v, memory=memory, time_budget=0.2)
+        validate(found.program)
+        assert max(found.peak_memory) <= (memory or math.inf) + 1e-9
+        assert found.lower_bound <= found.makespan + 1e-9
+        problem = checked_problem(p, m, costs, placement, v, memory, None)
+        for name, program in builtin_programs(problem, placement):
+            if max(peak_memory(program, problem.sizes)) <= (memory or math.inf) + 1e-9:
+                assert found.makespan <= simulate(program, costs).makespan + 1e-9, name
