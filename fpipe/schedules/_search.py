@@ -208,6 +208,15 @@ def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Pr
     schedules: list[tuple[str, Callable[[], Schedule]]]
     if placement == "v":
         schedules = [("ZeroBubbleV", lambda: ZeroBubbleV(m)), ("DualPipeV", lambda: DualPipeV(m))]
+    elif v == 1:  # InterleavedZeroBubble is ZeroBubbleH1 here
+        schedules = [
+            ("GPipe", lambda: GPipe(m)),
+            ("OneFOneB", lambda: OneFOneB(m)),
+            ("ZeroBubbleH1", lambda: ZeroBubbleH1(m)),
+            *([("ZeroBubbleH2", lambda: ZeroBubbleH2(m))] if m >= 2 * p - 1 else []),
+            ("Interleaved1F1B", lambda: Interleaved1F1B(m, stages_per_rank=1)),
+            ("LoopedBFS", lambda: LoopedBFS(m, stages_per_rank=1)),
+        ]
     else:
         schedules = [
             ("GPipe", lambda: GPipe(m)),
@@ -216,9 +225,6 @@ def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Pr
             ("InterleavedZeroBubble", lambda: InterleavedZeroBubble(m, stages_per_rank=v)),
             ("LoopedBFS", lambda: LoopedBFS(m, stages_per_rank=v)),
         ]
-        if v == 1:
-            schedules += [("ZeroBubbleH1", lambda: ZeroBubbleH1(m))]
-            schedules += [("ZeroBubbleH2", lambda: ZeroBubbleH2(m))] if m >= 2 * p - 1 else []
     for name, make in schedules:
         yield name, make().program(S, p)
 
