@@ -69,14 +69,16 @@ def heavy_last(num_stages: int) -> list[Costs]:
 @functools.cache
 def searched(num_stages: int, num_microbatches: int) -> Any:
     """``search``'s program for ``heavy_last`` costs, one stage per rank, memory half of 1F1B's: a
-    list-scheduled program from 2 stages and 3 microbatches on (a built-in below that)."""
+    list-scheduled program at most of the battery's sizes (a built-in with 1 stage or 1 microbatch,
+    and with 4 stages and 2 microbatches)."""
     costs = heavy_last(num_stages)
     return search(num_stages, num_microbatches, costs, memory=max(1, num_stages / 2), exact=False).program
 
 
 @functools.cache
 def searched_v(num_stages: int, num_microbatches: int) -> Any:
-    """``search``'s program in a V for ``heavy_last`` costs, no memory limit: list-scheduled from 4 stages."""
+    """``search``'s program in a V for ``heavy_last`` costs, no memory limit: list-scheduled from 4
+    stages on (but with 3 microbatches), ZB-V with 2."""
     return search(num_stages // 2, num_microbatches, heavy_last(num_stages), placement="v", exact=False).program
 
 
