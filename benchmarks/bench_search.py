@@ -49,33 +49,12 @@ import bench_vs_torch  # its run_ranks (one gloo process per rank) and barrier_t
 WORLD, STAGES = 2, 4
 
 
-def builtins(m: int) -> dict[str, Any]:
-    from fpipe.schedules import (
-        DualPipeV,
-        GPipe,
-        Interleaved1F1B,
-        InterleavedZeroBubble,
-        LoopedBFS,
-        OneFOneB,
-        ZeroBubbleV,
-    )
-
-    return {
-        "GPipe": GPipe(m),
-        "OneFOneB": OneFOneB(m),
-        "Interleaved1F1B": Interleaved1F1B(m, stages_per_rank=2),
-        "InterleavedZeroBubble": InterleavedZeroBubble(m, stages_per_rank=2),
-        "LoopedBFS": LoopedBFS(m, stages_per_rank=2),
-        "ZeroBubbleV": ZeroBubbleV(m),
-        "DualPipeV": DualPipeV(m),
-    }
-
-
 def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import fpipe
     from fpipe.schedules import Costs, InterleavedZeroBubble, fit_costs, search, simulate
+    from fpipe.schedules._search import builtin_programs, checked_problem  # the built-ins search tries
 
     torch.manual_seed(0)
     dim, m = opts["dim"], opts["microbatches"]
@@ -105,7 +84,9 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     dist.broadcast_object_list(found, src=0)
     looped, v, search_seconds = found
     programs: dict[str, Any] = {"search-looped": looped.program, "search-v": v.program}
-    programs.update({name: schedule.program(STAGES, WORLD) for name, schedule in builtins(m).items()})
+    for placement in ("looped", "v"):
+        problem = checked_problem(WORLD, m, costs, placement, 2, None, None)
+        programs.update(builtin_programs(problem, placement))
     steps = {name: make(program) for name, program in programs.items()}
     names = list(steps)
     for name in names:  # warm-up
