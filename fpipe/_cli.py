@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Literal, TextIO
 
 from ._plan import (
     GIB,
@@ -51,6 +51,7 @@ from .schedules import (
     ZeroBubbleV,
     chrome_trace,
     load_costs,
+    search,
     simulate,
     svg,
     terminal_grid,
@@ -213,12 +214,13 @@ _MODEL = ("layers", "hidden", "sequence", "vocabulary", "tflops", "bandwidth")
 
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
     """``python -m fpipe plan``: the table of ``fpipe._plan.table`` for the arguments."""
-    names = list(SCHEDULES) if args.schedules is None else args.schedules.split(",")
-    unknown = [n for n in names if n not in SCHEDULES]
+    known_names = [*SCHEDULES, *SEARCHED]
+    names = known_names if args.schedules is None else args.schedules.split(",")
+    unknown = [n for n in names if n not in known_names]
     missing = [f"--{n}" for n in _MODEL if getattr(args, n) is None]
     problem = None
     if unknown:
-        known = ", ".join(SCHEDULES)
+        known = ", ".join(known_names)
         problem = f"unknown schedules {', '.join(unknown)} (--schedules: {args.schedules}). Choose from {known}"
     elif args.costs is None and missing:
         problem = f"a model needs {', '.join(missing)}, or measured costs (--costs PATH)"
@@ -230,7 +232,12 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         print(f"python -m fpipe plan: {problem}.", file=sys.stderr)
         return 2
     p, m = args.ranks, args.microbatches
-    candidates = [Candidate(n, SCHEDULES[n].stages_per_rank, _builder(SCHEDULES[n], m, p)) for n in names]
+    candidates = [
+        Candidate(n, SEARCHED[n][1], _searcher(SEARCHED[n][0], m, p), adapts=True)
+        if n in SEARCHED
+        else Candidate(n, SCHEDULES[n].stages_per_rank, _builder(SCHEDULES[n], m, p))
+        for n in names
+    ]
     memory = None if args.memory is None else args.memory * GIB
     try:
         if args.costs is None:
@@ -283,6 +290,19 @@ def _builder(choice: _Choice, m: int, p: int) -> Callable[[tuple[Costs, ...]], P
     """The program of ``choice`` with its default stages per rank on ``p`` ranks, whatever the costs."""
     v = choice.stages_per_rank
     return lambda costs: choice.make(m, v).program(p * v, p)
+
+
+# The planner's searched programs: name -> (placement, stages per rank). NOTE [searched candidates]:
+# the search runs without a memory limit (the planner marks what does not fit), on the stage costs
+# of its own split and of every other schedule's split of as many stages (so its row is never
+# slower than a built-in's of its placement), without the exact branch and bound, so the table
+# does not depend on the machine's speed.
+SEARCHED: dict[str, tuple[Literal["looped", "v"], int]] = {"searched": ("looped", 1), "searched-v": ("v", 2)}
+
+
+def _searcher(placement: Literal["looped", "v"], m: int, p: int) -> Callable[[tuple[Costs, ...]], Program]:
+    """The program ``fpipe.schedules.search`` finds for a split's stage costs (NOTE [searched candidates])."""
+    return lambda costs: search(p, m, costs, placement=placement, time_budget=5.0, exact=False).program
 
 
 def _check_drawable(costs: Costs) -> None:

@@ -156,11 +156,14 @@ class Candidate:
         stages_per_rank: stages per rank of its placement.
         program: builds its program from the per-stage costs of a split (built-in schedules
             ignore them); raises ``ScheduleError`` when it cannot lay out the stages.
+        adapts: whether ``program`` depends on the costs (a searched program): then the
+            planner also tries it on every other candidate's split of the same stage count.
     """
 
     name: str
     stages_per_rank: int
     program: Callable[[tuple[Costs, ...]], Program]
+    adapts: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,7 @@ def plan(
             least memory any candidate needs.
     """
     rows = [_row(units, num_ranks, c) for c in candidates]
+    rows = [_on_other_splits(units, c, row, rows) if c.adapts else row for c, row in zip(candidates, rows)]
 
     def key(row: Row) -> tuple[int, float]:
         if row.simulation is None:
@@ -235,6 +239,25 @@ def _row(units: Sequence[Unit], num_ranks: int, candidate: Candidate) -> Row:
         return Row(candidate.name, error=str(error))
     simulation = simulate(program, costs)
     return Row(candidate.name, tuple(stages), simulation, _peak_bytes(units, stages, program))
+
+
+def _on_other_splits(units: Sequence[Unit], candidate: Candidate, row: Row, rows: Sequence[Row]) -> Row:
+    """``row``, or ``candidate`` built for another row's split of as many stages where that is
+    faster: a program searched for a split's costs is never slower than a built-in on that split
+    (NOTE [searched candidates] in ``fpipe/_cli.py``)."""
+    best = row
+    for other in rows:
+        if other.simulation is None or best.simulation is None or len(other.stages) != len(best.stages):
+            continue
+        costs = _stage_costs(units, other.stages)
+        try:
+            program = candidate.program(costs)
+        except ScheduleError:
+            continue
+        simulation = simulate(program, costs)
+        if simulation.makespan < best.simulation.makespan:
+            best = Row(candidate.name, other.stages, simulation, _peak_bytes(units, other.stages, program))
+    return best
 
 
 def _stage_costs(units: Sequence[Unit], stages: Sequence[range]) -> tuple[Costs, ...]:

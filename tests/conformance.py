@@ -7,11 +7,13 @@ against the single-process executor, bitwise.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fpipe.schedules import (
+    Costs,
     DualPipeV,
     GPipe,
     Interleaved1F1B,
@@ -23,6 +25,7 @@ from fpipe.schedules import (
     ZeroBubbleH1,
     ZeroBubbleH2,
     ZeroBubbleV,
+    search,
 )
 
 
@@ -57,6 +60,28 @@ def zero_bubble_h2(num_stages: int, num_microbatches: int) -> Any:
     if num_microbatches >= 2 * num_stages - 1:
         return ZeroBubbleH2(num_microbatches=num_microbatches)
     return ZeroBubbleH1(num_microbatches=num_microbatches)
+
+
+def heavy_last(num_stages: int) -> list[Costs]:
+    """Costs with a last stage three times heavier (a vocabulary head), W at half of I, latency 0.3."""
+    light = Costs(backward_weight=0.5, send=0.3)
+    return [light] * (num_stages - 1) + [Costs(forward=3, backward_input=3, backward_weight=1.5, send=0.3)]
+
+
+@functools.cache
+def searched(num_stages: int, num_microbatches: int) -> Any:
+    """``search``'s program for ``heavy_last`` costs, one stage per rank, memory half of 1F1B's: a
+    list-scheduled program at most of the battery's sizes (a built-in with 1 stage or 1 microbatch,
+    and with 4 stages and 2 microbatches)."""
+    costs = heavy_last(num_stages)
+    return search(num_stages, num_microbatches, costs, memory=max(1, num_stages / 2), exact=False).program
+
+
+@functools.cache
+def searched_v(num_stages: int, num_microbatches: int) -> Any:
+    """``search``'s program in a V for ``heavy_last`` costs, no memory limit: list-scheduled from 4
+    stages on (but with 3 microbatches), ZB-V with 2."""
+    return search(num_stages // 2, num_microbatches, heavy_last(num_stages), placement="v", exact=False).program
 
 
 @dataclass(frozen=True)
@@ -103,6 +128,8 @@ CONFORMANCE: list[Conformance] = [
     Conformance("VHalf", lambda S, M: VHalf(num_microbatches=M), (4, 6), ranks=((2, 4, 5),)),
     Conformance("VMin", lambda S, M: VMin(num_microbatches=M), (4, 6), ranks=((2, 4, 3), (3, 6, 2))),
     Conformance("DualPipeV", lambda S, M: DualPipeV(num_microbatches=M), (2, 4, 6), ranks=((2, 4, 4),)),
+    Conformance("search", searched, (1, 2, 3, 4)),
+    Conformance("search-v", searched_v, (2, 4, 6), ranks=((2, 4, 4),)),
     Conformance("program-backwards-reversed", gpipe_backwards_reversed),
     Conformance("program-split-backward", one_f_one_b_split_backward),
 ]

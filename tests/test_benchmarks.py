@@ -102,3 +102,15 @@ def test_bench_instructions_runs_its_steps() -> None:
     module.fpipe = type("F", (), {"pipeline": staticmethod(counting)})
     module.main(1)
     assert len(calls) == 3  # two warm-up steps and the one asked for
+
+
+def test_bench_search_quick(tmp_path: Path) -> None:
+    """Two gloo processes record, fit, search and time the searched programs against every built-in."""
+    out = tmp_path / "out.json"
+    results = _load("bench_search").main(["--quick", "--repeats", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    names = set(results["programs"])
+    assert {"search-looped", "search-v", "GPipe", "OneFOneB", "ZeroBubbleV", "DualPipeV"} <= names
+    assert results["programs"][results["best_search"]]["searched_over_this"] == 1.0
+    for row in results["programs"].values():
+        assert row["median_s"] > 0 and row["simulated_s"] > 0 and row["measured_over_simulated"] > 0

@@ -3,10 +3,13 @@ of schedules, and the memory check."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Literal
+
 import pytest
 
 from fpipe._plan import GIB, Candidate, Device, PlanError, Transformer, measured_units, plan, transformer_units
-from fpipe.schedules import Costs, GPipe, OneFOneB, ZeroBubbleH1, ZeroBubbleV, simulate
+from fpipe.schedules import Costs, GPipe, OneFOneB, Program, ZeroBubbleH1, ZeroBubbleV, search, simulate
 
 MODEL = Transformer(layers=2, hidden=4, sequence=8, vocabulary=16, microbatch_size=2)
 DEVICE = Device(flops=2.0, bandwidth=4.0, latency=0.5, bytes_per_param=16.0)
@@ -85,3 +88,24 @@ def test_memory_marks_and_the_least_that_works() -> None:
     least = min(max(r.peak_bytes) for r in rows.values() if r.peak_bytes is not None)  # zbv: 3 units, 4 stages
     with pytest.raises(PlanError, match=rf"the least any needs is {least / GIB:.4g} GiB \((1f1b|zbh1)\)"):
         plan(units, 2, candidates(4, 2), memory=least * 0.99)
+
+
+def test_a_searched_candidate_is_never_slower_than_a_built_in_of_its_stage_count() -> None:
+    """NOTE [searched candidates]: tried on every other row's split too. Here (a last unit 3x
+    heavier, messages as long as a unit's forward) the V searched on its own split is 60 against
+    ZB-V's 55; on ZB-V's split it is at most ZB-V."""
+    heavy = Costs(forward=3, backward_input=3, backward_weight=3, send=1.0)
+    units = measured_units([Costs(send=1.0)] * 5 + [heavy])
+    m, p = 4, 2
+
+    def searched(placement: Literal["looped", "v"]) -> Callable[[tuple[Costs, ...]], Program]:
+        return lambda costs: search(p, m, costs, placement=placement, exact=False).program
+
+    tried = [Candidate("searched", 1, searched("looped"), adapts=True)]
+    tried.append(Candidate("searched-v", 2, searched("v"), adapts=True))
+    rows = plan(units, p, [*candidates(m, p), *tried])
+    step = {r.name: r.simulation.makespan for r in rows if r.simulation is not None}
+    assert step["searched"] <= min(step["gpipe"], step["1f1b"], step["zbh1"])
+    assert step["searched-v"] <= step["zbv"] == 55.0
+    alone = plan(units, p, [Candidate("searched-v", 2, searched("v"))])  # its own split only
+    assert alone[0].simulation is not None and alone[0].simulation.makespan == 60.0

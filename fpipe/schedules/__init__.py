@@ -5,9 +5,10 @@ A schedule is a value (``GPipe(num_microbatches=8)``) whose ``program(num_stages
 from torch's CSV format (``load_csv``). ``placement(schedule, num_stages)`` says which rank holds
 each stage; ``simulate`` replays a program with costs to measure its bubble and memory (and
 ``fit_costs`` reads per-stage costs off a measured timeline, ``save_costs`` and ``load_costs``
-keep them in a JSON file, ``replay`` reruns one with its own
-durations, e.g. to find its critical path); and ``terminal_grid``,
-``chrome_trace`` and ``svg`` draw it (also ``python -m fpipe show``).
+keep them in a JSON file, ``replay`` reruns one with its own durations, e.g. to find its critical
+path); ``search`` finds the fastest program it can for given costs, placement and memory limit,
+never slower than a built-in schedule that fits; and ``terminal_grid``, ``chrome_trace`` and
+``svg`` draw it (also ``python -m fpipe show``).
 """
 
 from ._action import Action as Action
@@ -34,6 +35,8 @@ from ._program import placement as placement
 from ._program import render as render
 from ._program import timeline as timeline
 from ._program import validate as validate
+from ._search import Searched as Searched
+from ._search import search as search
 from ._simulate import Costs as Costs
 from ._simulate import Simulation as Simulation
 from ._simulate import fit_costs as fit_costs
@@ -55,6 +58,7 @@ __all__ = [
     "Program",
     "Schedule",
     "ScheduleError",
+    "Searched",
     "Simulation",
     "VHalf",
     "VMin",
@@ -71,6 +75,7 @@ __all__ = [
     "render",
     "replay",
     "save_costs",
+    "search",
     "simulate",
     "svg",
     "terminal_grid",

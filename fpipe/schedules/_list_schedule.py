@@ -1,0 +1,289 @@
+"""List scheduling: a program built action by action by simulating it, and the bounds that judge it.
+
+``search`` (``fpipe.schedules._search``) needs programs laid out for particular costs, not for the
+unit costs the papers draw. This module builds them the way the Zero Bubble authors' automatic
+scheduler does (``Graph.manual_order`` in ``megatron/core/pipeline_parallel/zerobubble/scheduler/zb.py``
+of sail-sg/zero-bubble-pipeline-parallelism: a greedy pass over warm-up counts under a memory cap,
+tried with a few flags, the best kept): a *list scheduler* replays the pipeline with the costs and,
+each time a rank is free, appends to its row the action that a ``Policy`` prefers among those whose
+inputs have arrived. Since it starts each action when ``simulate`` would (when the rank is free and
+the inputs are there), the makespan it computes is ``simulate``'s for the program it returns.
+
+NOTE [list scheduler]
+    Every stage runs each kind of action on its microbatches in increasing order (FIFO), so the
+    candidates of a rank are, per stage it holds, the next ``F``, the next backward (``B``, or
+    ``I`` when split) and the next ``W``. A rank decides at ``t = max(free, earliest arrival among
+    its candidates)``; actions on other ranks can only start at or after the smallest such ``t``
+    over all ranks, so deciding the rank with the smallest ``t`` first never misses an input that
+    would have arrived by then. Memory is a reservation: a microbatch enters a rank (the forward of
+    the rank's first stage) only if the activations of all the rank's stages for it still fit under
+    the limit, and each backward (``B``, or ``W`` when split) hands its stage's share back. Every
+    microbatch a rank admitted can therefore finish on it, so no choice deadlocks on memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from ._program import Program
+from ._simulate import Costs
+
+_SLACK = 1e-9  # relative tolerance on memory limits and times (sums of floats)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What to lay out: stages on ranks, their costs, and what memory each rank may use.
+
+    Attributes:
+        num_microbatches: microbatches per step.
+        rank_of: ``rank_of[s]`` is the rank that holds stage ``s``.
+        costs: one ``Costs`` per stage.
+        sizes: per stage, the memory one microbatch's activations take (activation units or bytes).
+        limits: per rank, the most memory its live activations may take (``math.inf``: no limit).
+    """
+
+    num_microbatches: int
+    rank_of: tuple[int, ...]
+    costs: tuple[Costs, ...]
+    sizes: tuple[float, ...]
+    limits: tuple[float, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.rank_of)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.limits)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` holds, in increasing order."""
+        return tuple(s for s, r in enumerate(self.rank_of) if r == rank)
+
+    def footprint(self, rank: int) -> float:
+        """The memory one microbatch takes on ``rank`` at its peak: every stage's activations at once.
+
+        A microbatch's forward on the rank's last stage comes before its backward on the first,
+        so whatever the program, all of them are alive together: no limit below this can be met.
+        """
+        return sum(self.sizes[s] for s in self.stages_of(rank))
+
+    def hop(self, stage: int, to: int) -> float:
+        """The latency of a message from ``stage`` to stage ``to``: its ``send``, 0 on one rank."""
+        return self.costs[stage].send if self.rank_of[stage] != self.rank_of[to] else 0.0
+
+    def backward(self, stage: int, split: bool) -> float:
+        """What the backward the previous stage waits for costs: ``I`` when split, else ``B``."""
+        return self.costs[stage].backward_input if split else self.costs[stage].of(BACKWARD)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The preferences of one list-scheduling pass (NOTE [list scheduler]).
+
+    Attributes:
+        split: backwards as ``I`` then ``W`` (``W`` fills idle time), or fused ``B``.
+        backward_first: between a ready backward and a ready forward, run the backward (1F1B's
+            steady state); else the forward (GPipe's order when memory allows).
+        deep_first: between two stages of a rank, prefer the one further along the pipeline (a
+            later forward, an earlier backward); else the other.
+        extra: microbatches a rank admits beyond its fill estimate (``fill``; negative: fewer, at
+            least 1), ``None``: as many as memory allows.
+        patient: do not start a ``W`` that would delay a backward or forward known to arrive
+            before the ``W`` would end; wait for it instead.
+    """
+
+    split: bool
+    backward_first: bool = True
+    deep_first: bool = True
+    extra: int | None = 0
+    patient: bool = False
+
+    def __str__(self) -> str:
+        admits = "memory" if self.extra is None else f"fill+{self.extra}"
+        return (
+            f"list({'I/W' if self.split else 'B'}, {'backward' if self.backward_first else 'forward'} first, "
+            f"{'deep' if self.deep_first else 'shallow'} first, {admits}{', patient' if self.patient else ''})"
+        )
+
+
+def fill(problem: Problem, rank: int, split: bool) -> int:
+    """How many microbatches ``rank`` must admit to stay busy until its first backward comes back.
+
+    The round trip of one microbatch from the forward of the rank's first stage to the end of
+    its backward there, through an empty pipeline, over the rank's own work per microbatch
+    (at least 1): 1F1B's ``p - r`` with equal costs.
+    """
+    first = problem.stages_of(rank)[0]
+    trip = problem.costs[first].forward
+    for s in range(first + 1, problem.num_stages):
+        trip += problem.hop(s - 1, s) + problem.costs[s].forward
+    for s in range(problem.num_stages - 1, first - 1, -1):
+        trip += problem.backward(s, split) + (problem.hop(s + 1, s) if s + 1 < problem.num_stages else 0.0)
+    work = sum(_work(problem.costs[s]) for s in problem.stages_of(rank))
+    return max(1, math.ceil(trip / work - _SLACK))
+
+
+def _work(costs: Costs) -> float:
+    """One microbatch's work on a stage, its backward fused or split, whichever is cheaper."""
+    return costs.forward + min(costs.of(BACKWARD), costs.backward_input + costs.backward_weight)
+
+
+def lower_bound(problem: Problem) -> float:
+    """A makespan no program for ``problem`` can beat, whatever its order.
+
+    The largest of three bounds:
+
+    - per rank, its work: the earliest its first action can start (the forwards of microbatch 0
+      through the stages before its first, with their messages) plus all its work (a backward
+      counted fused or split, whichever is cheaper); its last action can be a ``W``, which
+      nothing waits for, so nothing is added after it;
+    - per microbatch: the last microbatch to enter stage 0 waits for the ``m - 1`` forwards
+      before it, then crosses the pipeline and back (every forward, every backward the previous
+      stage waits for, every message) and ends with stage 0's backward;
+    - per rank, its memory: stage ``s``'s activations of a microbatch live at least from its
+      forward through the rest of the pipeline and back to the end of its own backward
+      (``alive(s)``), and the rank never holds more than its limit, so
+      ``limit * makespan >= m * sum(size(s) * alive(s) for s on the rank)``.
+    """
+    S, m = problem.num_stages, problem.num_microbatches
+    costs = problem.costs
+    ranks = 0.0
+    for r in range(problem.num_ranks):
+        stages = problem.stages_of(r)
+        head = sum(costs[s].forward + problem.hop(s, s + 1) for s in range(stages[0]))
+        ranks = max(ranks, head + m * sum(_work(costs[s]) for s in stages))
+    trip = [0.0] * S  # trip[s]: the least time from the end of F(s, i) to the start of stage s's backward on i
+    for s in range(S - 2, -1, -1):
+        c = costs[s + 1]
+        trip[s] = trip[s + 1] + c.forward + min(c.backward_input, c.of(BACKWARD)) + problem.hop(s, s + 1)
+        trip[s] += problem.hop(s + 1, s)
+    own = [c.forward + min(c.of(BACKWARD), c.backward_input + c.backward_weight) for c in costs]
+    path = (m - 1) * costs[0].forward + trip[0] + own[0]
+    memory = 0.0
+    for r in range(problem.num_ranks):
+        held = sum(problem.sizes[s] * (own[s] + trip[s]) for s in problem.stages_of(r))
+        memory = max(memory, m * held / problem.limits[r])
+    return max(ranks, path, memory)
+
+
+@dataclass
+class _Pass:
+    """The state of one list-scheduling pass: what each stage and rank has run, and when."""
+
+    problem: Problem
+    policy: Policy
+
+    def __post_init__(self) -> None:
+        p, S, m = self.problem.num_ranks, self.problem.num_stages, self.problem.num_microbatches
+        self.done = {FORWARD: [0] * S, BACKWARD: [0] * S, BACKWARD_WEIGHT: [0] * S}  # B counts I too
+        self.ends = {FORWARD: [[0.0] * m for _ in range(S)], BACKWARD: [[0.0] * m for _ in range(S)]}
+        self.free = [0.0] * p
+        self.reserved = [0.0] * p
+        self.inside = [0] * p  # microbatches admitted and not yet back through the rank's first stage
+        self.rows: list[list[Action]] = [[] for _ in range(p)]
+        self.stages = [self.problem.stages_of(r) for r in range(p)]
+        self.last = S - 1
+        forward = 1 if self.policy.backward_first else -1
+        self.order = {BACKWARD: 0, BACKWARD_INPUT: 0, FORWARD: forward, BACKWARD_WEIGHT: 2}
+        self.footprints = [self.problem.footprint(r) for r in range(p)]
+        split = self.policy.split
+        extra = self.policy.extra
+        self.admits = [m if extra is None else max(1, fill(self.problem, r, split) + extra) for r in range(p)]
+
+    def candidates(self, r: int) -> Iterator[tuple[float, str, int]]:
+        """``(ready, kind, stage)`` of every action rank ``r`` may run next (NOTE [list scheduler])."""
+        problem, done, ends, m = self.problem, self.done, self.ends, self.problem.num_microbatches
+        last = self.last
+        for s in self.stages[r]:
+            i = done[FORWARD][s]
+            if i < m and (s == 0 or done[FORWARD][s - 1] > i):
+                entering = s == self.stages[r][0]
+                if not entering or (
+                    self.inside[r] < self.admits[r]
+                    and self.reserved[r] + self.footprints[r] <= problem.limits[r] * (1 + _SLACK)
+                ):
+                    yield (ends[FORWARD][s - 1][i] + problem.hop(s - 1, s) if s else 0.0), FORWARD, s
+            j = done[BACKWARD][s]
+            if j < done[FORWARD][s] and (s == last or done[BACKWARD][s + 1] > j):
+                ready = ends[FORWARD][s][j]
+                if s < last:
+                    ready = max(ready, ends[BACKWARD][s + 1][j] + problem.hop(s + 1, s))
+                yield ready, (BACKWARD_INPUT if self.policy.split else BACKWARD), s
+            k = done[BACKWARD_WEIGHT][s]
+            if self.policy.split and k < j:
+                yield ends[BACKWARD][s][k], BACKWARD_WEIGHT, s
+
+    def rank(self, kind: str, stage: int) -> tuple[int, int]:
+        """The policy's preference (smaller first) among ready actions."""
+        further = stage if kind == FORWARD else -stage
+        return self.order[kind], -further if self.policy.deep_first else further
+
+    def decide(self, r: int) -> tuple[float, str, int] | None:
+        """When rank ``r`` starts its next action and which, or ``None`` while it has none."""
+        options = list(self.candidates(r))
+        if not options:
+            return None
+        t = max(self.free[r], min(ready for ready, _, _ in options))
+        ready_now = [o for o in options if o[0] <= t * (1 + _SLACK)]
+        _, kind, stage = min(ready_now, key=lambda o: self.rank(o[1], o[2]))
+        if self.policy.patient and kind == BACKWARD_WEIGHT:
+            end = t + self.problem.costs[stage].backward_weight
+            sooner = [o for o in options if o[1] != BACKWARD_WEIGHT and t < o[0] < end]
+            if sooner:
+                return min(sooner, key=lambda o: (o[0], self.rank(o[1], o[2])))
+        return t, kind, stage
+
+    def run(self, r: int, start: float, kind: str, stage: int) -> list[int]:
+        """Append ``kind`` of ``stage`` on its next microbatch to rank ``r`` at ``start``; the ranks
+        whose candidates that changes."""
+        problem = self.problem
+        counter = BACKWARD if kind in (BACKWARD, BACKWARD_INPUT) else kind
+        i = self.done[counter][stage]
+        self.done[counter][stage] = i + 1
+        end = start + problem.costs[stage].of(kind)
+        self.free[r] = end
+        self.rows[r].append(Action(stage, kind, i))
+        touched = [r]
+        if kind == FORWARD:
+            self.ends[FORWARD][stage][i] = end
+            if stage == self.stages[r][0]:
+                self.reserved[r] += self.footprints[r]
+                self.inside[r] += 1
+            if stage + 1 < problem.num_stages:
+                touched.append(problem.rank_of[stage + 1])
+        else:
+            if kind != BACKWARD_WEIGHT:
+                self.ends[BACKWARD][stage][i] = end
+                if stage:
+                    touched.append(problem.rank_of[stage - 1])
+                if stage == self.stages[r][0]:
+                    self.inside[r] -= 1
+            if kind != BACKWARD_INPUT:
+                self.reserved[r] -= problem.sizes[stage]
+        return touched
+
+
+def list_schedule(problem: Problem, policy: Policy) -> tuple[Program, float] | None:
+    """The program one pass of ``policy`` lays out, and its makespan (``simulate``'s), or ``None``
+    if the pass gets stuck (NOTE [list scheduler])."""
+    state = _Pass(problem, policy)
+    p = problem.num_ranks
+    decisions: list[tuple[float, str, int] | None] = [state.decide(r) for r in range(p)]
+    left = sum(len(problem.stages_of(r)) for r in range(p)) * problem.num_microbatches * (3 if policy.split else 2)
+    while left:
+        times = [math.inf if d is None else d[0] for d in decisions]
+        r = times.index(min(times))
+        decision = decisions[r]
+        if decision is None:
+            return None
+        start, kind, stage = decision
+        for q in set(state.run(r, start, kind, stage)):
+            decisions[q] = state.decide(q)
+        left -= 1
+    program = Program(tuple(tuple(row) for row in state.rows), problem.num_stages, problem.num_microbatches)
+    return program, max(state.free)

@@ -1,0 +1,325 @@
+"""Search: the fastest program for measured costs and a memory limit, never slower than a built-in.
+
+``search`` puts three sources of programs side by side and keeps the one ``simulate`` finds
+fastest (ties: the first found):
+
+1. every built-in schedule that lays out the placement and fits the memory limit;
+2. list-scheduled programs (``fpipe.schedules._list_schedule``, after the Zero Bubble authors'
+   automatic scheduler), one per ``Policy`` of a grid over split or fused backwards, the order
+   of kinds and of a rank's stages, how many microbatches a rank admits and whether ``W`` waits;
+3. for small problems (``p <= 4``, ``m <= 8``), an exact branch and bound
+   (``fpipe.schedules._exact``, NOTE [exact search]) seeded with the best of the above.
+
+Then it compares the winner with ``lower_bound`` (the busiest rank's work plus the fill before
+its first action, or the last microbatch's trip through the pipeline): a program that meets it
+is optimal among all programs; one the exact search could not beat is optimal among the
+programs that search covers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from .._plural import plural
+from ._action import BACKWARD, BACKWARD_WEIGHT, FORWARD
+from ._dual_pipe_v import DualPipeV
+from ._exact import exact as branch_and_bound
+from ._gpipe import GPipe
+from ._interleaved import Interleaved1F1B
+from ._interleaved_zero_bubble import InterleavedZeroBubble
+from ._list_schedule import Policy, Problem, list_schedule, lower_bound
+from ._looped_bfs import LoopedBFS
+from ._one_f_one_b import OneFOneB
+from ._program import Program, Schedule, ScheduleError
+from ._simulate import Costs, Simulation, simulate
+from ._zero_bubble_h1 import ZeroBubbleH1
+from ._zero_bubble_h2 import ZeroBubbleH2
+from ._zero_bubble_v import ZeroBubbleV
+
+EXACT_RANKS, EXACT_MICROBATCHES = 4, 8  # the largest problems the exact search is tried on
+EXACT_SECONDS = 2.0  # the most of the time budget it may take
+
+
+@dataclass(frozen=True)
+class Searched:
+    """What ``search`` found.
+
+    Attributes:
+        program: the fastest program found (pass it to ``fpipe.pipeline`` as the schedule).
+        simulation: ``simulate(program, costs)``.
+        name: where it came from: a built-in schedule (``"ZeroBubbleH1"``), a list-scheduling
+            policy (``"list(I/W, backward first, ...)"``) or ``"exact"``.
+        lower_bound: a makespan no program can beat (``makespan / lower_bound - 1`` is how far
+            from it the program may be).
+        complete: ``False`` when the time budget ran out before every candidate was tried.
+        optimal: ``True`` when the program is proven fastest: it meets ``lower_bound`` (no
+            program is faster), or the exact search (small problems) finished without beating it
+            (no program of the space it covers is faster, NOTE [exact search] in ``_exact.py``).
+        peak_memory: per rank, the most memory its live activations take, in the unit of
+            ``memory`` (activation units, or bytes with ``activation_sizes``).
+        candidates: ``(name, makespan)`` of every program tried that fits the memory limit, in
+            the order tried: the built-ins first.
+    """
+
+    program: Program
+    simulation: Simulation
+    name: str
+    lower_bound: float
+    complete: bool
+    optimal: bool
+    peak_memory: tuple[float, ...]
+    candidates: tuple[tuple[str, float], ...]
+
+    @property
+    def makespan(self) -> float:
+        """The simulated step time of ``program``."""
+        return self.simulation.makespan
+
+
+def search(
+    num_ranks: int,
+    num_microbatches: int,
+    costs: Costs | Sequence[Costs],
+    *,
+    placement: Literal["looped", "v"] = "looped",
+    stages_per_rank: int = 1,
+    memory: float | Sequence[float] | None = None,
+    activation_sizes: Sequence[float] | None = None,
+    time_budget: float = 10.0,
+    exact: bool = True,
+) -> Searched:
+    """The fastest program found for these ranks, microbatches, costs and memory limit.
+
+    Conceptually::
+
+        tried = [s.program(num_stages, num_ranks) for s in built_in_schedules]   # fitting memory
+        tried += [list_schedule(problem, policy) for policy in policies]         # until the budget
+        if num_ranks <= 4 and num_microbatches <= 8: tried += [exact(problem)]    # branch and bound
+        best = min(tried, key=lambda program: simulate(program, costs).makespan)
+
+    so its simulated step time is never above any built-in's that fits the same placement and
+    memory (notes/search.md shows by how much it is below, and how far above ``lower_bound``).
+    The program is plain data: ``fpipe.pipeline(loss_fn, stages, searched.program)`` runs it.
+
+    Args:
+        num_ranks: pipeline ranks ``p``.
+        num_microbatches: microbatches per step ``m``.
+        costs: one ``Costs`` for every stage, or one per stage (``p * stages_per_rank`` of them,
+            ``2p`` for the V): e.g. ``fit_costs(recording.timeline)``.
+        placement: ``"looped"`` (stage ``s`` on rank ``s % p``) or ``"v"`` (two stages per
+            rank, rank ``r`` holding ``r`` and ``2p - 1 - r``, as ``ZeroBubbleV``).
+        stages_per_rank: stages per rank of the looped placement (the V has 2).
+        memory: the most activations a rank may hold at once: one number for every rank or one
+            per rank, in activation units (NOTE [activation units] in ``_simulate.py``: 1F1B's
+            rank 0 holds ``p``), or in bytes with ``activation_sizes``; ``None``: no limit.
+        activation_sizes: per stage, the bytes of activations one microbatch leaves in it; then
+            ``memory`` is in bytes.
+        time_budget: seconds to spend; when they run out the best program so far is returned
+            with ``complete=False`` (at least one list-scheduled program is always built).
+        exact: run the exact search on problems of at most 4 ranks and 8 microbatches, for at
+            most ``EXACT_SECONDS`` (2) of the budget, unless the program already meets
+            ``lower_bound``; ``False``: never (the result no longer depends on the clock).
+
+    Example:
+        >>> from fpipe.schedules import Costs, search
+        >>> slow_messages = Costs(forward=0.5, backward_input=0.5, backward_weight=0.5, send=0.5)
+        >>> found = search(4, 8, slow_messages, placement="v")
+        >>> found.makespan, dict(found.candidates)["ZeroBubbleV"], found.lower_bound, found.optimal
+        (27.0, 32.5, 27.0, True)
+        >>> heavy_last = [Costs()] * 3 + [Costs(forward=2, backward_input=2, backward_weight=2)]
+        >>> found = search(4, 8, heavy_last, memory=2)  # half of 1F1B's: no built-in fits
+        >>> found.name, found.makespan, found.lower_bound, max(found.peak_memory)
+        ('list(I/W, backward first, deep first, memory)', 51.0, 51.0, 2.0)
+
+    Raises:
+        ScheduleError: for counts that are not positive ints, costs of the wrong number of stages,
+            an unknown placement, sizes, limits or a budget that are not positive finite numbers, or
+            a memory limit below what one microbatch needs on some rank (the message says the least).
+        TypeError: if ``costs`` is neither a ``Costs`` nor a sequence of them.
+    """
+    started = time.perf_counter()
+    problem = checked_problem(num_ranks, num_microbatches, costs, placement, stages_per_rank, memory, activation_sizes)
+    if isinstance(time_budget, bool) or not isinstance(time_budget, (int, float)) or not time_budget > 0:
+        raise ScheduleError(
+            f"fpipe.schedules.search: time_budget must be a positive number of seconds (time_budget: {time_budget!r})."
+        )
+    deadline = started + min(float(time_budget), 1e9)
+    bound = lower_bound(problem)
+    tried: list[tuple[str, float, Program]] = []
+    for name, program in builtin_programs(problem, placement):
+        if all(peak <= limit * (1 + 1e-9) for peak, limit in zip(peak_memory(program, problem.sizes), problem.limits)):
+            tried.append((name, simulate(program, problem.costs).makespan, program))
+    complete = True
+    met = any(t <= bound * (1 + 1e-9) for _, t, _ in tried)
+    for k, policy in enumerate(policies(problem)):
+        if met:
+            break
+        if k and time.perf_counter() > deadline:
+            complete = False
+            break
+        laid_out = list_schedule(problem, policy)
+        assert laid_out is not None, "a list-scheduling pass admits only what it can finish (NOTE [list scheduler])"
+        tried.append((str(policy), laid_out[1], laid_out[0]))
+        met = laid_out[1] <= bound * (1 + 1e-9)
+    name, best, program = min(tried, key=lambda t: t[1])
+    optimal = best <= bound * (1 + 1e-9)
+    small = num_ranks <= EXACT_RANKS and num_microbatches <= EXACT_MICROBATCHES
+    if exact and complete and not optimal and small:
+        found, makespan, finished = branch_and_bound(problem, best, min(deadline, time.perf_counter() + EXACT_SECONDS))
+        if found is not None:
+            tried.append(("exact", makespan, found))
+            name, best, program = "exact", makespan, found
+        optimal = finished
+        complete = finished or time.perf_counter() < deadline
+    return Searched(
+        program=program,
+        simulation=simulate(program, costs if isinstance(costs, Costs) else problem.costs),
+        name=name,
+        lower_bound=bound,
+        complete=complete,
+        optimal=optimal,
+        peak_memory=peak_memory(program, problem.sizes),
+        candidates=tuple((n, t) for n, t, _ in tried),
+    )
+
+
+def peak_memory(program: Program, sizes: Sequence[float]) -> tuple[float, ...]:
+    """Per rank, the most memory live activations take: stage ``s``'s ``sizes[s]`` per microbatch,
+    alive from its ``F`` to its ``B`` (or ``W``), as ``Simulation.peak_activations`` counts them."""
+    peaks = []
+    for row in program.ranks:
+        alive = peak = 0.0
+        for a in row:
+            if a.kind in (FORWARD, BACKWARD, BACKWARD_WEIGHT):
+                alive += sizes[a.stage] if a.kind == FORWARD else -sizes[a.stage]
+                peak = max(peak, alive)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Program]]:
+    """``(name, program)`` of every built-in schedule that lays out ``problem``'s placement."""
+    p, m, S = problem.num_ranks, problem.num_microbatches, problem.num_stages
+    v = S // p
+    schedules: list[tuple[str, Callable[[], Schedule]]]
+    if placement == "v":
+        schedules = [("ZeroBubbleV", lambda: ZeroBubbleV(m)), ("DualPipeV", lambda: DualPipeV(m))]
+    elif v == 1:  # InterleavedZeroBubble is ZeroBubbleH1 here
+        schedules = [
+            ("GPipe", lambda: GPipe(m)),
+            ("OneFOneB", lambda: OneFOneB(m)),
+            ("ZeroBubbleH1", lambda: ZeroBubbleH1(m)),
+            *([("ZeroBubbleH2", lambda: ZeroBubbleH2(m))] if m >= 2 * p - 1 else []),
+            ("Interleaved1F1B", lambda: Interleaved1F1B(m, stages_per_rank=1)),
+            ("LoopedBFS", lambda: LoopedBFS(m, stages_per_rank=1)),
+        ]
+    else:
+        schedules = [
+            ("GPipe", lambda: GPipe(m)),
+            ("OneFOneB", lambda: OneFOneB(m)),
+            ("Interleaved1F1B", lambda: Interleaved1F1B(m, stages_per_rank=v)),
+            ("InterleavedZeroBubble", lambda: InterleavedZeroBubble(m, stages_per_rank=v)),
+            ("LoopedBFS", lambda: LoopedBFS(m, stages_per_rank=v)),
+        ]
+    for name, make in schedules:
+        yield name, make().program(S, p)
+
+
+def policies(problem: Problem) -> Iterator[Policy]:
+    """The list-scheduling policies to try, the likeliest winners first: over a grid of 972 cost
+    cases (notes/search.md's costs, ``p`` 4 and 8, every placement), the order of how often each
+    laid out the fastest program; fused backwards win only where ``B`` costs less than ``I + W``."""
+    yield Policy(split=True, extra=None)
+    yield Policy(split=True, backward_first=False, extra=None)
+    yield Policy(split=True, extra=4)
+    yield Policy(split=True, extra=None, patient=True)
+    for extra in (2, 1, 0):
+        yield Policy(split=True, extra=extra, patient=True)
+        yield Policy(split=True, extra=extra)
+    yield Policy(split=True, backward_first=False, extra=0)
+    if problem.num_stages > problem.num_ranks:
+        yield Policy(split=True, deep_first=False, extra=None)
+    yield Policy(split=True, extra=-1)
+    yield Policy(split=False, backward_first=False, extra=None)
+    yield Policy(split=False, extra=0)
+    yield Policy(split=False, extra=None)
+
+
+def _positive(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def checked_problem(
+    p: int,
+    m: int,
+    costs: Costs | Sequence[Costs],
+    placement: str,
+    v: int,
+    memory: float | Sequence[float] | None,
+    sizes: Sequence[float] | None,
+) -> Problem:
+    """The search's arguments as a ``Problem``, or the ``ScheduleError`` that says what is wrong."""
+    for name, value in (("num_ranks", p), ("num_microbatches", m), ("stages_per_rank", v)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"fpipe.schedules.search: {name} must be a positive int ({name}: {value!r}).")
+    if placement == "v":
+        if v not in (1, 2):
+            raise ScheduleError(
+                f"fpipe.schedules.search: the V places 2 stages on each rank (stages_per_rank: {v}). "
+                "Leave stages_per_rank at 1 or 2, or use placement='looped'."
+            )
+        rank_of = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+    elif placement == "looped":
+        rank_of = tuple(s % p for s in range(p * v))
+    else:
+        raise ScheduleError(
+            f"fpipe.schedules.search: unknown placement (placement: {placement!r}). "
+            "Use 'looped' (stage s on rank s % p) or 'v' (rank r holds stages r and 2p - 1 - r)."
+        )
+    S = len(rank_of)
+    if isinstance(costs, Costs):
+        per_stage = (costs,) * S
+    elif isinstance(costs, Sequence) and not isinstance(costs, (str, bytes)):
+        if not all(isinstance(c, Costs) for c in costs):
+            raise TypeError(f"fpipe.schedules.search: costs must hold Costs only (costs: {costs!r}).")
+        if len(costs) != S:
+            raise ScheduleError(
+                f"fpipe.schedules.search: costs must hold one Costs per stage, {S} for {plural(p, 'rank')} in "
+                f"this placement (len(costs): {len(costs)}). Pass {S} Costs, or one Costs for every stage."
+            )
+        per_stage = tuple(costs)
+    else:
+        raise TypeError(
+            f"fpipe.schedules.search: costs must be a Costs or a sequence of one per stage (costs: {costs!r})."
+        )
+    held = [sum(1 for r in rank_of if r == rank_of[s]) for s in range(S)]
+    stage_sizes = tuple(1 / held[s] for s in range(S)) if sizes is None else tuple(sizes)
+    if len(stage_sizes) != S or not all(_positive(x) for x in stage_sizes):
+        raise ScheduleError(
+            f"fpipe.schedules.search: activation_sizes must hold one positive finite number of bytes per stage, "
+            f"{S} here (activation_sizes: {sizes!r})."
+        )
+    if memory is None:
+        limits = (math.inf,) * p
+    else:
+        limits = (memory,) * p if not isinstance(memory, Sequence) else tuple(memory)  # type: ignore[assignment]
+        if len(limits) != p or not all(_positive(x) for x in limits):
+            raise ScheduleError(
+                f"fpipe.schedules.search: memory must be a positive finite number, or one per rank ({p} here) "
+                f"(memory: {memory!r}). Pass None for no limit."
+            )
+    problem = Problem(m, rank_of, per_stage, stage_sizes, tuple(float(x) for x in limits))
+    least = [problem.footprint(r) for r in range(p)]
+    short = [r for r in range(p) if limits[r] < least[r] * (1 - 1e-9)]
+    if short:
+        r = short[0]
+        unit = "bytes" if sizes is not None else "activation units"
+        raise ScheduleError(
+            f"fpipe.schedules.search: no program fits the memory limit: rank {r} needs {least[r]:g} {unit} for one "
+            f"microbatch through its stages, alive at once (memory: {memory!r}). Use memory >= {max(least):g}."
+        )
+    return problem

@@ -1,0 +1,246 @@
+"""search: valid programs, never slower than a built-in that fits, near or at the optimum, and clear errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from fpipe.schedules import (
+    Action,
+    Costs,
+    InterleavedZeroBubble,
+    OneFOneB,
+    Program,
+    ScheduleError,
+    ZeroBubbleH1,
+    ZeroBubbleV,
+    search,
+    simulate,
+    validate,
+)
+from fpipe.schedules._list_schedule import list_schedule
+from fpipe.schedules._search import builtin_programs, checked_problem, peak_memory, policies
+
+
+def costs_of(num_stages: int, heavy: float, weight: float, send: float) -> list[Costs]:
+    """Every stage ``F = I = 1``, ``W = weight``, the last stage ``heavy`` times all of that."""
+    light = Costs(backward_weight=weight, send=send)
+    last = Costs(forward=heavy, backward_input=heavy, backward_weight=heavy * weight, send=send)
+    return [light] * (num_stages - 1) + [last]
+
+
+CASES = [  # (placement, stages per rank, heavy, W, send, memory)
+    ("looped", 1, 1, 1.0, 0.0, None),
+    ("looped", 1, 3, 0.3, 0.3, 3),
+    ("looped", 1, 2, 2.0, 1.0, 1.5),
+    ("looped", 2, 2, 0.3, 0.3, 5),
+    ("looped", 2, 1, 2.0, 0.0, 1.5),
+    ("v", 2, 3, 1.0, 0.3, 3),
+    ("v", 2, 1, 0.3, 1.0, None),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_valid_within_memory_and_never_slower_than_a_builtin_that_fits(case: tuple) -> None:
+    placement, v, heavy, weight, send, memory = case
+    p, m = 3, 6
+    S = 2 * p if placement == "v" else p * v
+    costs = costs_of(S, heavy, weight, send)
+    found = search(p, m, costs, placement=placement, stages_per_rank=v, memory=memory, exact=False)
+    validate(found.program)
+    problem = checked_problem(p, m, costs, placement, v, memory, None)
+    assert found.complete and found.program.placement() == problem.rank_of
+    assert found.makespan == simulate(found.program, costs).makespan
+    assert dict(found.candidates)[found.name] == pytest.approx(found.makespan)  # the pass's own clock
+    assert found.peak_memory == pytest.approx(simulate(found.program, costs).peak_activations)
+    assert all(peak <= (memory or math.inf) + 1e-9 for peak in found.peak_memory)
+    assert found.lower_bound <= found.makespan
+    fitting = [
+        simulate(program, costs).makespan
+        for _, program in builtin_programs(problem, placement)
+        if all(x <= (memory or math.inf) + 1e-9 for x in peak_memory(program, problem.sizes))
+    ]
+    assert all(found.makespan <= t + 1e-9 for t in fitting)
+    assert [t for name, t in found.candidates if not name.startswith("list")] == fitting
+
+
+@pytest.mark.parametrize("placement, v", [("looped", 1), ("looped", 2), ("v", 2)])
+def test_every_list_scheduling_pass_keeps_simulate_s_clock_and_the_memory_limit(placement: str, v: int) -> None:
+    """NOTE [list scheduler]: a pass starts each action when ``simulate`` would, and admits a
+    microbatch only where all of it fits, so it never deadlocks and never exceeds the limit."""
+    S = 2 * 3 if placement == "v" else 3 * v
+    costs = costs_of(S, 3, 0.3, 1.0)
+    problem = checked_problem(3, 7, costs, placement, v, 1.5, None)
+    for policy in policies(problem):
+        laid_out = list_schedule(problem, policy)
+        assert laid_out is not None, policy
+        program, makespan = laid_out
+        assert simulate(program, costs).makespan == pytest.approx(makespan), policy
+        assert max(peak_memory(program, problem.sizes)) <= 1.5 + 1e-9, policy
+
+
+def test_it_beats_every_builtin_where_messages_are_slow() -> None:
+    """A latency of one forward: ZB-V idles 65 chunk units where the searched V meets the bound, 54."""
+    half = Costs(forward=0.5, backward_input=0.5, backward_weight=0.5, send=0.5)
+    found = search(4, 8, half, placement="v", exact=False)
+    assert found.name.startswith("list(") and found.optimal and found.makespan == found.lower_bound == 27
+    assert dict(found.candidates)["ZeroBubbleV"] == simulate(ZeroBubbleV(8).program(8), half).makespan == 32.5
+
+
+def test_under_a_memory_limit_no_builtin_meets_it_still_lays_out_a_program() -> None:
+    found = search(4, 8, costs_of(4, 3, 0.3, 0.3), memory=2, exact=False)
+    assert [n for n, _ in found.candidates if not n.startswith("list")] == []
+    assert max(found.peak_memory) <= 2 and found.makespan <= 1.1 * found.lower_bound
+
+
+def test_equal_costs_meet_the_lower_bound_as_zero_bubble_does() -> None:
+    """T_F = T_I = T_W: ZB-H1's (and ZB-V's) makespan is the bound: 3m + p - 1 (6m + p - 1 chunks)."""
+    found = search(4, 8, Costs(), memory=4)
+    assert found.optimal and found.complete and found.makespan == found.lower_bound == 27
+    assert found.makespan == simulate(ZeroBubbleH1(8).program(4), Costs()).makespan
+    half = Costs(forward=0.5, backward_input=0.5, backward_weight=0.5)
+    found = search(4, 8, half, placement="v", memory=4)
+    assert found.optimal and found.makespan == found.lower_bound == simulate(ZeroBubbleV(8).program(8), half).makespan
+    fused = search(4, 8, Costs(backward=2), memory=4)  # a fused B no dearer than I + W: still split wins
+    assert fused.makespan == 27 and fused.makespan < simulate(OneFOneB(8).program(4), Costs(backward=2)).makespan
+
+
+def fifo_rows(stage: int, m: int, split: bool) -> list[tuple[Action, ...]]:
+    """Every order of one stage's actions that runs each kind in microbatch order."""
+    kinds = "FIW" if split else "FB"
+    actions = [Action(stage, k, i) for k in kinds for i in range(m)]
+    rows = []
+    for perm in itertools.permutations(actions):
+        position = {a: n for n, a in enumerate(perm)}
+        ordered = all(
+            position[Action(stage, k, i)] < position[Action(stage, k, i + 1)] for k in kinds for i in range(m - 1)
+        )
+        chained = all(
+            position[Action(stage, a, i)] < position[Action(stage, b, i)]
+            for a, b in itertools.pairwise(kinds)
+            for i in range(m)
+        )
+        if ordered and chained:
+            rows.append(perm)
+    return rows
+
+
+@pytest.mark.parametrize(
+    "costs, memory",
+    [
+        (costs_of(2, 1, 1.0, 0.0), None),
+        (costs_of(2, 3, 0.3, 1.0), None),
+        (costs_of(2, 2, 2.0, 0.3), 2),
+        (costs_of(2, 1, 0.3, 1.0), 1),
+    ],
+)
+def test_the_exact_search_finds_the_optimum_of_every_fifo_program(costs: list[Costs], memory: float | None) -> None:
+    """p = 2, m = 2: every program whose stages run each kind in microbatch order, all split or all
+    fused, tried one by one; the search's makespan is the least of them (NOTE [exact search])."""
+    best = math.inf
+    for split in (True, False):
+        for rows in itertools.product(fifo_rows(0, 2, split), fifo_rows(1, 2, split)):
+            try:
+                sim = simulate(Program(rows, 2, 2), costs)
+            except ScheduleError:  # a deadlock
+                continue
+            if all(peak <= (memory or math.inf) for peak in sim.peak_activations):
+                best = min(best, sim.makespan)
+    found = search(2, 2, costs, memory=memory)
+    assert found.optimal and found.makespan == pytest.approx(best)
+
+
+def test_small_problems_end_proven_optimal_within_a_few_percent_of_the_bound() -> None:
+    found = search(3, 4, costs_of(3, 2, 2.0, 1.0))
+    assert found.optimal and found.complete
+    assert found.makespan <= 1.15 * found.lower_bound
+
+
+def test_a_tiny_time_budget_returns_the_best_so_far_saying_so() -> None:
+    costs = costs_of(8, 3, 0.3, 0.3)
+    found = search(8, 32, costs, memory=4, time_budget=1e-9)
+    assert not found.complete and not found.optimal
+    validate(found.program)
+    assert [n for n, _ in found.candidates if n.startswith("list")] == [found.candidates[-1][0]]
+    assert found.makespan == min(t for _, t in found.candidates)
+
+
+def test_memory_in_bytes_with_activation_sizes() -> None:
+    sizes = [100.0, 100.0, 100.0, 400.0]  # a last stage with 4x the activations
+    found = search(4, 8, costs_of(4, 1, 1.0, 0.0), activation_sizes=sizes, memory=800.0, exact=False)
+    assert max(found.peak_memory) <= 800.0
+    assert found.peak_memory == peak_memory(found.program, sizes)
+    with pytest.raises(ScheduleError, match=r"rank 3 needs 400 bytes .* Use memory >= 400"):
+        search(4, 8, Costs(), activation_sizes=sizes, memory=300.0)
+
+
+def test_interleaved_placement_is_the_looped_one() -> None:
+    found = search(2, 4, Costs(), stages_per_rank=2)
+    assert found.program.placement() == (0, 1, 0, 1)
+    assert found.makespan <= simulate(InterleavedZeroBubble(4, stages_per_rank=2).program(4), Costs()).makespan
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"costs": {"forward": 1}}, TypeError, "costs must be a Costs or a sequence"),
+        ({"costs": [Costs()] * 3}, ScheduleError, r"one Costs per stage, 4 for 4 ranks .*len\(costs\): 3"),
+        ({"costs": [Costs()] * 3 + [1.0]}, TypeError, "costs must hold Costs only"),
+        ({"placement": "zigzag"}, ScheduleError, r"unknown placement \(placement: 'zigzag'\)"),
+        ({"placement": "v", "stages_per_rank": 3}, ScheduleError, r"the V places 2 stages .*stages_per_rank: 3"),
+        ({"num_ranks": 0}, ScheduleError, r"num_ranks must be a positive int \(num_ranks: 0\)"),
+        ({"num_microbatches": 2.5}, ScheduleError, r"num_microbatches must be a positive int"),
+        ({"memory": 0.5}, ScheduleError, r"no program fits the memory limit: rank 0 needs 1 activation units"),
+        ({"memory": math.nan}, ScheduleError, r"memory must be a positive finite number"),
+        ({"memory": [4, 4]}, ScheduleError, r"or one per rank \(4 here\)"),
+        ({"activation_sizes": [1.0, -1.0, 1.0, 1.0]}, ScheduleError, r"activation_sizes must hold one positive"),
+        ({"time_budget": 0}, ScheduleError, r"time_budget must be a positive number of seconds"),
+    ],
+)
+def test_bad_input_is_a_clear_error(kwargs: dict, error: type, match: str) -> None:
+    arguments = {"num_ranks": 4, "num_microbatches": 8, "costs": Costs(), **kwargs}
+    with pytest.raises(error, match=match):
+        search(arguments.pop("num_ranks"), arguments.pop("num_microbatches"), arguments.pop("costs"), **arguments)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.inf, math.nan])
+def test_costs_that_are_not_finite_and_positive_are_refused_before_any_search(bad: float) -> None:
+    with pytest.raises(ScheduleError, match=r"fpipe.schedules.Costs: forward must be a finite positive number"):
+        search(2, 4, Costs(forward=bad))
+
+
+def test_the_v_needs_a_full_microbatch_on_every_rank() -> None:
+    with pytest.raises(ScheduleError, match=r"rank 0 needs 1 activation units .* Use memory >= 1"):
+        search(3, 6, Costs(), placement="v", memory=[0.5, 2, 2])
+
+
+def test_random_problems_give_valid_programs_within_memory_never_slower_than_a_builtin() -> None:
+    """Random sizes, placements, per-stage costs (fused B cheaper or dearer than I + W, latencies)
+    and limits, a short budget: valid, within memory, above the bound, never above a built-in."""
+    rng = random.Random(0)
+    for _ in range(20):
+        p, m = rng.randint(1, 4), rng.randint(1, 8)
+        placement, v = rng.choice([("looped", 1), ("looped", 2), ("looped", 3), ("v", 2)])
+        S = 2 * p if placement == "v" else p * v
+        costs = [
+            Costs(
+                forward=rng.uniform(0.1, 3),
+                backward_input=rng.uniform(0.1, 3),
+                backward_weight=rng.uniform(0.05, 3),
+                backward=rng.choice([None, rng.uniform(0.1, 5)]),
+                send=rng.choice([0.0, rng.uniform(0, 2)]),
+            )
+            for _ in range(S)
+        ]
+        memory = rng.choice([None, 1.0, 1.5, p / 2 + 1, 2.0 * p])
+        found = search(p, m, costs, placement=placement, stages_per_rank=v, memory=memory, time_budget=0.2)
+        validate(found.program)
+        assert max(found.peak_memory) <= (memory or math.inf) + 1e-9
+        assert found.lower_bound <= found.makespan + 1e-9
+        problem = checked_problem(p, m, costs, placement, v, memory, None)
+        for name, program in builtin_programs(problem, placement):
+            if max(peak_memory(program, problem.sizes)) <= (memory or math.inf) + 1e-9:
+                assert found.makespan <= simulate(program, costs).makespan + 1e-9, name
