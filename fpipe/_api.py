@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ._distributed import Topology, WireState, all_reduce_sum, resolve_topology, run_distributed
+from ._distributed import Topology, WireState, resolve_topology, run_distributed
 from ._errors import DEFAULT_TIMEOUT
 from ._microbatch import Microbatches
 from ._plural import plural
@@ -17,10 +17,9 @@ from ._precision import LossScaleState, Precision, finish_precision
 from ._pytree import PyTree, flatten, leaves_with_paths, stage_list
 from ._random import check_key, draw_key
 from ._run import Order, order_for, run_local
-from ._sharding import StageLayout, data_parallel, gather_stages, norm_leaves, shard_stages
+from ._sharding import StageLayout, data_parallel, gather_stages, shard_stages
 from ._stage import StageFn, not_inference
 from ._strategy import Strategy
-from ._tensor_parallel import square_sum
 from .schedules import Action, Program, Schedule, ScheduleError, validate
 
 
@@ -503,35 +502,16 @@ class Step:
             raise TypeError(f"fpipe.Step.loss_scale: expected an fpipe.LossScaleState (loss_scale: {state!r}).")
         self._loss_scale = state
 
-    # NOTE [an agreed inf/nan check]
-    # Every rank must skip a step, and move its scale, alike, or the ranks' parameters and scales
-    # part. Each rank sees only its own gradients: its stages' (summed over the pipeline group),
-    # its replica's (or its shards' only, with shard_params: summed over the data-parallel
-    # group) and its tensor-parallel pieces (a sharded weight's gradient is never summed over tp,
-    # and a DTensor's own isfinite().all() reads the local piece only, as a Partial: summed over
-    # the tensor-parallel group). The three sums in turn reach every rank of the mesh.
     def _finish_precision(self, params: Sequence[PyTree], grads: list[PyTree]) -> list[PyTree]:
         """Unscale and cast the summed gradients (NOTE [precision of a leaf]); under loss scaling,
         hold the next state ``finish_precision`` returns, agreed with every rank."""
         assert self.precision is not None
         grads, self._loss_scale, skipped = finish_precision(
-            self.precision, params, grads, self.local_stages, self._loss_scale, self._agree_found
+            self.precision, params, grads, self.local_stages, self._loss_scale, self._strategy.any_rank_found
         )
         if self._loss_scale is not None:
             self.last_skipped = skipped
         return grads
-
-    def _agree_found(self, found: bool) -> bool:
-        """Whether any rank found ``inf``/``nan`` (NOTE [an agreed inf/nan check]); ``found`` in one process."""
-        if self._topology is None:
-            return found
-        flag = torch.tensor([float(found)], dtype=torch.float64, device=self._topology.device)
-        topology, what = self._topology, "the loss scaling's inf/nan check"
-        all_reduce_sum(topology, topology.group, [flag], self.timeout, what)
-        for group in (topology.data_group, topology.tensor_group):  # NOTE [an agreed inf/nan check]
-            if group is not None:
-                all_reduce_sum(topology, group, [flag], self.timeout, what)
-        return flag.item() > 0
 
     @property
     def topology(self) -> Topology | None:
@@ -546,7 +526,8 @@ class Step:
         return self._strategy.layouts
 
     def global_norm(self, grads: Sequence[PyTree], /) -> torch.Tensor:
-        """The 2-norm of all gradients of the pipeline, for clipping, on every rank.
+        """The 2-norm of all gradients of the pipeline, for clipping, on every rank: a norm
+        function for ``fpipe.optim.clip_by_global_norm`` (``Strategy.global_norm``).
 
         Each rank holds only its stages' gradients, so the local sums of squares are summed over
         the pipeline group (data-parallel replicas hold the same averaged gradients). With
@@ -556,26 +537,7 @@ class Step:
         counted once and each replicated gradient (plain, or ``Replicate``) on one rank only
         (with ``shard_params`` too: the plain shards of a DTensor's local piece count as it does).
         """
-        tensor_group = None if self._topology is None else self._topology.tensor_group
-        total = torch.zeros((), dtype=torch.float64)
-        for s in self.local_stages:
-            if self.shard_params and tensor_group is not None:  # shards are plain: the layout knows their DTensor
-                leaves = norm_leaves(s, grads[s], self._strategy.layouts.get(s))
-            else:
-                leaves = [(g, None) for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)]
-            for g, placements in leaves:
-                total = total + square_sum(g, tensor_group, placements)
-        if self._topology is not None:
-            buffer = total.reshape(1).to(self._topology.device)
-            all_reduce_sum(self._topology, self._topology.group, [buffer], self.timeout, "the global norm all-reduce")
-            if tensor_group is not None:
-                what = "the global norm all-reduce over the tensor-parallel group"
-                all_reduce_sum(self._topology, tensor_group, [buffer], self.timeout, what)
-            if self.shard_params:
-                what = "the global norm all-reduce over the data-parallel group"
-                all_reduce_sum(self._topology, self._topology.data_group, [buffer], self.timeout, what)
-            total = buffer.reshape(()).cpu()
-        return total.sqrt()
+        return self._strategy.global_norm(self.local_stages, grads)
 
     def shard(self, params: Sequence[PyTree], /) -> list[PyTree]:
         """This rank's shards of full per-stage parameters, for a step built with ``shard_params=True``.

@@ -24,12 +24,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from ._distributed import Topology, replica_mean
+import torch
+
+from ._distributed import Topology, all_reduce_sum, replica_mean
 from ._precision import Precision, check_params
-from ._pytree import PyTree
+from ._pytree import PyTree, flatten
 from ._run import HeldStages, Order, ReplicatedStages, StepView, stage_run
-from ._sharding import ShardedStages, StageLayout, check_shards, data_parallel
+from ._sharding import ShardedStages, StageLayout, check_shards, data_parallel, norm_leaves
 from ._stage import StageRun
+from ._tensor_parallel import square_sum
 
 
 @dataclass(frozen=True)
@@ -110,3 +113,56 @@ class Strategy:
             grad_layouts=grad_layouts,
             divide=self.divide,
         )
+
+    def global_norm(self, local_stages: Sequence[int], grads: Sequence[PyTree]) -> torch.Tensor:
+        """The 2-norm of all gradients of the pipeline (``step.global_norm``), on every rank.
+
+        Each rank holds only its stages' gradients, so the local sums of squares are summed over
+        the pipeline group (data-parallel replicas hold the same averaged gradients). With
+        ``shard_params`` each replica holds only its shards of them, so the sums are also summed
+        over the data-parallel group (padding is zero and adds nothing). With a ``"tp"`` mesh
+        dimension the sums are also summed over the tensor-parallel group, each DTensor shard
+        counted once and each replicated gradient (plain, or ``Replicate``) on one rank only
+        (with ``shard_params`` too: the plain shards of a DTensor's local piece count as it does).
+        """
+        topology = self.topology
+        tensor_group = None if topology is None else topology.tensor_group
+        total = torch.zeros((), dtype=torch.float64)
+        for s in local_stages:
+            if self.shard_params and tensor_group is not None:  # shards are plain: the layout knows their DTensor
+                leaves = norm_leaves(s, grads[s], self.layouts.get(s))
+            else:
+                leaves = [(g, None) for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)]
+            for g, placements in leaves:
+                total = total + square_sum(g, tensor_group, placements)
+        if topology is not None:
+            buffer = total.reshape(1).to(topology.device)
+            all_reduce_sum(topology, topology.group, [buffer], self.timeout, "the global norm all-reduce")
+            if tensor_group is not None:
+                what = "the global norm all-reduce over the tensor-parallel group"
+                all_reduce_sum(topology, tensor_group, [buffer], self.timeout, what)
+            if self.shard_params:
+                what = "the global norm all-reduce over the data-parallel group"
+                all_reduce_sum(topology, topology.data_group, [buffer], self.timeout, what)
+            total = buffer.reshape(()).cpu()
+        return total.sqrt()
+
+    # NOTE [an agreed inf/nan check]
+    # Every rank must skip a step, and move its scale, alike, or the ranks' parameters and scales
+    # part. Each rank sees only its own gradients: its stages' (summed over the pipeline group),
+    # its replica's (or its shards' only, with shard_params: summed over the data-parallel
+    # group) and its tensor-parallel pieces (a sharded weight's gradient is never summed over tp,
+    # and a DTensor's own isfinite().all() reads the local piece only, as a Partial: summed over
+    # the tensor-parallel group). The three sums in turn reach every rank of the mesh.
+    def any_rank_found(self, found: bool) -> bool:
+        """Whether any rank found ``inf``/``nan`` (NOTE [an agreed inf/nan check]); ``found`` in one process."""
+        topology = self.topology
+        if topology is None:
+            return found
+        flag = torch.tensor([float(found)], dtype=torch.float64, device=topology.device)
+        what = "the loss scaling's inf/nan check"
+        all_reduce_sum(topology, topology.group, [flag], self.timeout, what)
+        for group in (topology.data_group, topology.tensor_group):  # NOTE [an agreed inf/nan check]
+            if group is not None:
+                all_reduce_sum(topology, group, [flag], self.timeout, what)
+        return flag.item() > 0
