@@ -17,7 +17,7 @@ from ._precision import LossScaleState, Precision, finish_precision
 from ._pytree import PyTree, flatten, leaves_with_paths, stage_list
 from ._random import check_key, draw_key
 from ._run import Order, order_for, run_local
-from ._sharding import StageLayout, data_parallel, gather_stages, shard_stages
+from ._sharding import StageLayout
 from ._stage import StageFn, not_inference
 from ._strategy import Strategy
 from .schedules import Action, Program, Schedule, ScheduleError, validate
@@ -554,17 +554,7 @@ class Step:
             >>> loss, grads = step(shards, batch)  # grads[s]: shards, like shards[s]
             >>> shards = [update(p, g) for p, g in zip(shards, grads)]  # the optimizer sees shards only
         """
-        if not self.shard_params or self._topology is None:
-            raise ValueError(
-                "fpipe.step.shard: this step does not shard. Build it with pipeline(..., shard_params=True)."
-            )
-        stage_list("fpipe.step.shard", "params", params, self.num_stages)
-        for s in self.local_stages:
-            if params[s] is None:
-                raise ValueError(f"fpipe.step.shard: params[{s}] is None but this rank holds stage {s}. Pass it.")
-        dp = data_parallel(self._topology, self.timeout)
-        shards, layouts = shard_stages(dp, self.local_stages, params)
-        self._strategy = self._strategy.with_layouts(layouts)
+        shards, self._strategy = self._strategy.shard(self, params)
         return shards
 
     def unshard(self, shards: Sequence[PyTree], /) -> list[PyTree]:
@@ -578,8 +568,4 @@ class Step:
         ``None`` leaves (the grads of non-float leaves) stay ``None``; stages held elsewhere are
         ``None``.
         """
-        if not self._strategy.layouts or self._topology is None:
-            raise ValueError("fpipe.step.unshard: the step has no layouts; cut the parameters with step.shard first.")
-        stage_list("fpipe.step.unshard", "shards", shards, self.num_stages)
-        layouts = self._strategy.layouts
-        return gather_stages(data_parallel(self._topology, self.timeout), layouts, shards, "fpipe.step.unshard")
+        return self._strategy.unshard(self, shards)

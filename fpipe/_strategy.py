@@ -28,9 +28,17 @@ import torch
 
 from ._distributed import Topology, all_reduce_sum, replica_mean
 from ._precision import Precision, check_params
-from ._pytree import PyTree, flatten
+from ._pytree import PyTree, flatten, stage_list
 from ._run import HeldStages, Order, ReplicatedStages, StepView, stage_run
-from ._sharding import ShardedStages, StageLayout, check_shards, data_parallel, norm_leaves
+from ._sharding import (
+    ShardedStages,
+    StageLayout,
+    check_shards,
+    data_parallel,
+    gather_stages,
+    norm_leaves,
+    shard_stages,
+)
 from ._stage import StageRun
 from ._tensor_parallel import square_sum
 
@@ -113,6 +121,28 @@ class Strategy:
             grad_layouts=grad_layouts,
             divide=self.divide,
         )
+
+    def shard(self, step: StepView, params: Sequence[PyTree]) -> tuple[list[PyTree], Strategy]:
+        """``step.shard``: this rank's shards of the held stages' full ``params``, and this
+        strategy with their layouts recorded."""
+        if not self.shard_params or self.topology is None:
+            raise ValueError(
+                "fpipe.step.shard: this step does not shard. Build it with pipeline(..., shard_params=True)."
+            )
+        stage_list("fpipe.step.shard", "params", params, step.num_stages)
+        for s in step.local_stages:
+            if params[s] is None:
+                raise ValueError(f"fpipe.step.shard: params[{s}] is None but this rank holds stage {s}. Pass it.")
+        shards, layouts = shard_stages(data_parallel(self.topology, self.timeout), step.local_stages, params)
+        return shards, self.with_layouts(layouts)
+
+    def unshard(self, step: StepView, shards: Sequence[PyTree]) -> list[PyTree]:
+        """``step.unshard``: the full pytrees of the held stages' ``shards`` (a collective)."""
+        if not self.layouts or self.topology is None:
+            raise ValueError("fpipe.step.unshard: the step has no layouts; cut the parameters with step.shard first.")
+        stage_list("fpipe.step.unshard", "shards", shards, step.num_stages)
+        dp = data_parallel(self.topology, self.timeout)
+        return gather_stages(dp, self.layouts, shards, "fpipe.step.unshard")
 
     def global_norm(self, local_stages: Sequence[int], grads: Sequence[PyTree]) -> torch.Tensor:
         """The 2-norm of all gradients of the pipeline (``step.global_norm``), on every rank.
