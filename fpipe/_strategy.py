@@ -145,16 +145,8 @@ class Strategy:
         return gather_stages(dp, self.layouts, shards, "fpipe.step.unshard")
 
     def global_norm(self, local_stages: Sequence[int], grads: Sequence[PyTree]) -> torch.Tensor:
-        """The 2-norm of all gradients of the pipeline (``step.global_norm``), on every rank.
-
-        Each rank holds only its stages' gradients, so the local sums of squares are summed over
-        the pipeline group (data-parallel replicas hold the same averaged gradients). With
-        ``shard_params`` each replica holds only its shards of them, so the sums are also summed
-        over the data-parallel group (padding is zero and adds nothing). With a ``"tp"`` mesh
-        dimension the sums are also summed over the tensor-parallel group, each DTensor shard
-        counted once and each replicated gradient (plain, or ``Replicate``) on one rank only
-        (with ``shard_params`` too: the plain shards of a DTensor's local piece count as it does).
-        """
+        """The 2-norm of all gradients of the pipeline, on every rank: ``step.global_norm``, whose
+        docstring says which groups sum what."""
         topology = self.topology
         tensor_group = None if topology is None else topology.tensor_group
         total = torch.zeros((), dtype=torch.float64)
