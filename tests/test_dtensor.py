@@ -19,14 +19,14 @@ from fpipe._tensor_parallel._dtensor import (
     check_mesh,
     clone,
     dtensor_layout,
-    from_spec,
+    from_header,
+    header_of,
     is_dtensor,
     like_param,
     local,
     placements_data,
     placements_from,
     shares_storage,
-    spec_of,
     square_sum,
 )
 
@@ -75,11 +75,11 @@ def test_shared_storage_is_seen() -> None:
     assert not shares_storage(t)
 
 
-def test_a_dtensor_travels_as_its_piece_and_its_spec(mesh: DeviceMesh) -> None:
+def test_a_dtensor_travels_as_its_piece_and_its_header(mesh: DeviceMesh) -> None:
     t = distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Shard(1)])
-    spec = spec_of(t, "x")
-    assert spec == ((("Shard", 1),), (2, 3), (3, 1))
-    rebuilt = from_spec(local(t), mesh, spec)
+    header = header_of(t, "x")
+    assert header == ((("Shard", 1),), (2, 3), (3, 1))
+    rebuilt = from_header(local(t), mesh, header)
     assert isinstance(rebuilt, DTensor) and rebuilt.placements == (Shard(1),)
     assert local(rebuilt).data_ptr() == local(t).data_ptr()  # no copy
     layout = dtensor_layout(t)

@@ -93,7 +93,7 @@ import torch
 
 from .._plural import plural
 from .._pytree import PyTree, TreeSpec, flatten, leaves_with_paths, structure_data, structure_from_data, unflatten
-from .._tensor_parallel import DTensorSpec, check_mesh, from_spec, is_dtensor, local, placements_from, spec_of
+from .._tensor_parallel import DTensorHeader, check_mesh, from_header, header_of, is_dtensor, local, placements_from
 
 META_WORDS = 6
 META_BYTES = 8 * META_WORDS  # a multiple of 16: an inline payload keeps its leaves aligned
@@ -112,8 +112,8 @@ class Layout:
     tensors: tuple[tuple[int, torch.dtype, tuple[int, ...], int, int, bool], ...]
     values: tuple[tuple[int, Any], ...]  # (leaf, non-tensor value)
     nbytes: int  # of the packed leaves
-    # (leaf, its DTensor spec) for the DTensor leaves, whose ``tensors`` entry is the local piece's
-    dtensors: tuple[tuple[int, DTensorSpec], ...] = ()
+    # (leaf, its DTensor header) for the DTensor leaves, whose ``tensors`` entry is the local piece's
+    dtensors: tuple[tuple[int, DTensorHeader], ...] = ()
 
 
 def layout_of(tree: PyTree, tensor_ranks: list[int] | None = None) -> tuple[Layout, list[Any]]:
@@ -125,7 +125,7 @@ def layout_of(tree: PyTree, tensor_ranks: list[int] | None = None) -> tuple[Layo
         if is_dtensor(x):
             where = f"the leaf {leaves_with_paths(tree)[0][k]}"
             check_mesh(x, tensor_ranks, where)
-            dtensors.append((k, spec_of(x, where)))
+            dtensors.append((k, header_of(x, where)))
     pieces = [local(x) if isinstance(x, torch.Tensor) else x for x in leaves]
     tensors, nbytes = _placed(
         (k, p.dtype, tuple(p.shape), x.requires_grad)
@@ -307,7 +307,7 @@ def _parse(header: bytes, nbytes: int) -> Layout:
             tensors.append((k, *_tensor(leaf)))
         elif type(leaf) is list and leaf[:1] == ["dtensor"] and len(leaf) == 7:
             tensors.append((k, *_tensor(["tensor", *leaf[1:4]])))
-            dtensors.append((k, _dtensor_spec(leaf[4:])))
+            dtensors.append((k, _dtensor_header(leaf[4:])))
         else:
             values.append((k, _value(leaf)))
     placed, total = _placed(tensors)
@@ -316,7 +316,7 @@ def _parse(header: bytes, nbytes: int) -> Layout:
     return Layout(spec, placed, tuple(values), total, tuple(dtensors))
 
 
-def _dtensor_spec(fields: list[Any]) -> DTensorSpec:
+def _dtensor_header(fields: list[Any]) -> DTensorHeader:
     """``(placements, global shape, global stride)`` of a DTensor leaf in a header, checked."""
     placements, shape, stride = fields
     placements_from(placements)  # raises for anything but Shard, Replicate and Partial
@@ -527,7 +527,7 @@ class Decoder:
         if layout.dtensors and mesh is None:
             raise _invalid("a DTensor leaf, but this rank's mesh has no tensor-parallel dimension")
         for k, dtensor in layout.dtensors:
-            leaves[k] = from_spec(leaves[k].detach(), mesh, dtensor).requires_grad_(leaves[k].requires_grad)
+            leaves[k] = from_header(leaves[k].detach(), mesh, dtensor).requires_grad_(leaves[k].requires_grad)
         for k, value in layout.values:
             leaves[k] = value
         return unflatten(layout.spec, leaves)

@@ -34,7 +34,7 @@ from .._plural import listing, plural
 from ._functionalize import call_with
 
 Adapter = Callable[[Callable[..., Any], Any], Any]
-StageSpec = str | Sequence[str]
+StageNames = str | Sequence[str]
 
 # A module name is any text without brackets: ModuleDict keys may hold "-" or spaces ("conv-1").
 _SEGMENT = re.compile(r"^(?P<name>[^\[\]]*?)(?:\[(?P<start>-?\d*)(?P<colon>:(?P<stop>-?\d*))?\])?$")
@@ -43,7 +43,7 @@ _PLAIN_NAME = re.compile(r"^[\w.]*$")
 
 def split_module(
     model: nn.Module,
-    stages: Sequence[StageSpec],
+    stages: Sequence[StageNames],
     /,
     *,
     call: Adapter | Mapping[str, Adapter] | None = None,

@@ -15,7 +15,7 @@ import torch
 
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names, unflatten
-from .._tensor_parallel import from_spec, is_dtensor, local, spec_of
+from .._tensor_parallel import from_header, header_of, is_dtensor, local
 from ._boxes import Box, box_of, is_piece
 from ._ranks import Sharding, full_shapes
 from ._store import Part
@@ -112,7 +112,7 @@ def fill(
             if device.type != "meta":
                 tensor = tensor.to(device)
             if is_dtensor(use.leaf):
-                tensor = from_spec(tensor, use.leaf.device_mesh, spec_of(use.leaf, use.where))  # type: ignore[attr-defined]
+                tensor = from_header(tensor, use.leaf.device_mesh, header_of(use.leaf, use.where))  # type: ignore[attr-defined]
             leaves_of[use.stage][use.position] = tensor
     return [unflatten(spec, leaves) for (_, spec), leaves in zip(flat, leaves_of)]
 

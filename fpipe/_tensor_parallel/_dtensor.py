@@ -2,7 +2,7 @@
 
 A stage may hold ``torch.distributed.tensor.DTensor`` parameters on the mesh's tensor-parallel
 sub-mesh and return DTensors. fpipe never gathers them: the wire carries each rank's local
-piece with the placements in its header (``spec_of``, ``from_spec``), gradients are summed as
+piece with the placements in its header (``header_of``, ``from_header``), gradients are summed as
 DTensors (``clone`` keeps a ``Partial`` sum partial) and redistributed to their parameter's
 placements at the end of the step (``like_param``), and the global norm adds every piece once
 (``square_sum``). Sharded data parallelism cuts a DTensor parameter's local piece and rebuilds
@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 _REDUCE_OPS = ("sum", "avg", "max", "min", "product")  # of a Partial placement (c10d's names)
 
 # A DTensor's description on the wire: (placements as plain data, global shape, global stride).
-DTensorSpec = tuple[tuple[tuple[Any, ...], ...], tuple[int, ...], tuple[int, ...]]
+DTensorHeader = tuple[tuple[tuple[Any, ...], ...], tuple[int, ...], tuple[int, ...]]
 
 
 def is_dtensor(leaf: Any) -> bool:
@@ -124,15 +124,15 @@ def check_mesh(leaf: torch.Tensor, tensor_ranks: Sequence[int] | None, where: st
         )
 
 
-def spec_of(t: torch.Tensor, where: str) -> DTensorSpec:
+def header_of(t: torch.Tensor, where: str) -> DTensorHeader:
     """The description of DTensor ``t`` that its local piece travels with."""
     placements = placements_data(t.placements, where)  # type: ignore[attr-defined]
     return placements, tuple(t.shape), tuple(t.stride())
 
 
-def from_spec(piece: torch.Tensor, mesh: Any, spec: DTensorSpec) -> torch.Tensor:
+def from_header(piece: torch.Tensor, mesh: Any, header: DTensorHeader) -> torch.Tensor:
     """The DTensor on ``mesh`` whose local piece is ``piece`` (no copy, no communication)."""
-    placements, shape, stride = spec
+    placements, shape, stride = header
     out: torch.Tensor = DTensor.from_local(
         piece, mesh, placements_from(placements), run_check=False, shape=torch.Size(shape), stride=stride
     )
