@@ -97,7 +97,7 @@ def run_case(setup, victim, where, sig, timeout):
 @pytest.mark.parametrize(("setup", "victim", "where", "sig", "timeout"), CASES)
 def test_every_survivor_fails_fast_naming_the_victim(setup, victim, where, sig, timeout):
     results = run_case(setup, victim, where, sig, timeout)
-    names = f"rank {victim}" if isinstance(setup, int) else f"rank {victim % 2} of data-parallel replica {victim // 2}"
+    names = f"rank {victim}" if isinstance(setup, int) else f"rank {victim} (dp {victim // 2}, pp {victim % 2})"
     limit = SLACK if timeout is None else timeout + SLACK  # either way far below the default 300 s
     for rank, result in enumerate(results):
         if rank == victim:
@@ -264,14 +264,13 @@ def _abort_after_the_peer(rank, world):
     time.sleep(0.2)  # rank 0's side of the first group sees its pair close
     out = None
     if rank == 0:
-        board = WATCHDOG.board((0, 1), [first, second], {0: (0, None), 1: (1, None)})
-        with WATCHDOG.step(board):
-            WATCHDOG.report(board, board.failure_of(1, RAISED, "failed in a test"))
-            start = time.monotonic()
-            with pytest.raises(fpipe.PipelineError) as info:
-                work = dist.irecv(torch.empty(1), 1, group=second)
-                wait(work, timedelta(seconds=20), 0, "a message that never comes", peer=1)
-            out = (time.monotonic() - start, str(info.value))
+        board = WATCHDOG.board((0, 1), [first, second], {0: (0, None), 1: (1, None)}, {0: "rank 0", 1: "rank 1"})
+        WATCHDOG.report(board, board.failure_of(1, RAISED, "failed in a test"))
+        start = time.monotonic()
+        with pytest.raises(fpipe.PipelineError) as info:
+            work = dist.irecv(torch.empty(1), 1, group=second)
+            wait(work, board, timedelta(seconds=20), 0, "a message that never comes", peer=1)
+        out = (time.monotonic() - start, str(info.value))
     # The default group was not aborted: its barrier completes on both ranks.
     dist.barrier(async_op=True).wait(timeout=timedelta(seconds=10))
     return out
@@ -298,7 +297,7 @@ def _malformed_record(rank, world):
     def plant(x):
         if armed[0] and rank == 1:
             armed[0] = False
-            board = WATCHDOG.current
+            board = step.topology.board
             WATCHDOG.ask(lambda store: store.set(board.key(), "not a record"))
             time.sleep(0.5)  # rank 0 waits for this stage's output meanwhile
 
@@ -364,9 +363,7 @@ def matrix(setups=((2, 1), (3, 2), (4, 3), ((2, 2), 1)), timeouts=(4, DEFAULT)):
     print("| ranks | victim | fault | signal | timeout | survivors' seconds | error | names the victim |")
     print("|---|---|---|---|---|---|---|---|")
     for setup, victim in setups:
-        names = (
-            f"rank {victim}" if isinstance(setup, int) else f"rank {victim % 2} of data-parallel replica {victim // 2}"
-        )
+        names = f"rank {victim}" if isinstance(setup, int) else f"rank {victim} (dp {victim // 2}, pp {victim % 2})"
         for where in ("forward", "backward", "idle"):
             for sig in (signal.SIGKILL, signal.SIGSTOP):
                 for timeout in timeouts:

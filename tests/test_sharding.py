@@ -317,7 +317,7 @@ def test_a_failing_replica_fails_the_other():
     for r in (0, 2, 3):
         expected = f"rank {r % 2} stopped" if r else "rank 0 stopped because"
         assert expected in failures[r], failures[r]
-        assert "because rank 1 of data-parallel replica 0 failed in forward of stage 1" in failures[r]
+        assert "because rank 1 (dp 0, pp 1) failed in forward of stage 1" in failures[r]
 
 
 def _mixed_precision(rank, world):

@@ -4,20 +4,24 @@ NOTE [failure board]
 A process that dies closes its connections, so a peer receiving from it fails at once; one that
 freezes (SIGSTOP, a hung kernel, a lost machine) does not, and torch.distributed cannot interrupt
 a pending gloo receive from Python. Waiting ranks learn of a failure they are not waiting on
-through a board in torch.distributed's own store (the job's TCPStore), per step:
+through a board in torch.distributed's own store (the job's TCPStore), one per job (its
+groups: a failure breaks them for good, and new groups over the same ranks get a new board):
 
-1. A rank that fails (a stage or ``loss_fn`` raised, a peer died, a wait timed out) writes the
-   step's failure record before raising: compare-and-set, so the first record wins and every
-   rank reports the same failure.
-2. A watchdog thread per process reads the record while its rank has been waiting longer than
-   ``POLL`` seconds. When there is one, it aborts the job's process groups on this rank (gloo:
-   a receive that times out at once, which closes every pair of the group; other backends:
+1. A rank that fails (a stage or ``loss_fn`` raised, a peer died, a wait timed out, in a step
+   or in any other collective of fpipe's: a save, a load, ``global_norm``, the precision
+   agreement) writes the job's failure record before raising: compare-and-set, so the first
+   record wins and every rank reports the same failure.
+2. A watchdog thread per process reads the record while any of its threads (the training
+   thread, an ``AsyncSaver``'s) has been waiting on the job's groups longer than ``POLL``
+   seconds. When there is one, it aborts the job's process groups on this rank (gloo: a
+   receive that times out at once, which closes every pair of the group; other backends:
    ``ProcessGroup.abort``), so the pending wait raises at once, and the rank raises the record.
    With gloo, a pair whose peer aborted first (or died) is closed already and refuses that
    receive with an error: the abort then tries the next peer, and never raises. (It once
    raised there, which ended the watchdog thread before it aborted the job's other groups: a
    rank waiting on its data-parallel group then sat out its full ``timeout``, and a barrier on
-   the default group after the failure seemed to hang.) Only the job's groups are aborted; the
+   the default group after the failure seemed to hang.) An ``AsyncSaver``'s copies of the
+   groups are aborted with them (``Board.watch``). Only the job's groups are aborted; the
    default group is one of them only when the job runs on it (``group=dist.group.WORLD``, or a
    mesh dimension over every rank, for which torch's DeviceMesh reuses the default group).
 3. Every watchdog beats a counter in the store every ``BEAT`` seconds while its process lives,
@@ -28,7 +32,8 @@ through a board in torch.distributed's own store (the job's TCPStore), per step:
 Store operations run only on the watchdog thread, through its own client of the store: a rank's
 main thread never blocks on a store whose host is frozen (it gives up after ``ASK`` seconds).
 So every survivor raises within the ``timeout`` of its own wait plus about ``2 * POLL``, and
-within ``POLL`` of the first report when it waits on something else.
+within ``POLL`` of the first report when it waits on something else. When the store itself
+does not answer (its host died or froze), see NOTE [the store's host].
 
 The thread ends when its store is replaced (a new ``init_process_group``) or the process group
 is destroyed, or on the first error of its own store work. A store or connection error
@@ -44,12 +49,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import os
 import queue
 import threading
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -76,11 +82,12 @@ SILENT = "silent"  # a wait for it timed out
 
 @dataclass(frozen=True)
 class Failure:
-    """What failed in a step, as written on the board.
+    """What failed in a job, as written on the board.
 
     ``rank`` is the pipeline rank that failed (``None``: unknown), ``replica`` its data-parallel
-    replica when the job has several, ``action`` where it failed, ``kind`` one of ``RAISED``,
-    ``DIED``, ``SILENT``, and ``what`` a phrase that completes "rank r ...".
+    replica when the job has several, ``name`` the rank by its mesh coordinates, ``action``
+    where it failed, ``kind`` one of ``RAISED``, ``DIED``, ``SILENT``, and ``what`` a phrase that
+    completes "rank r ...".
     """
 
     rank: int | None
@@ -88,23 +95,24 @@ class Failure:
     kind: str
     what: str
     replica: int | None = None
+    name: str | None = None  # the rank by its mesh coordinates (``Board.labels``), as messages say it
 
     def to_json(self) -> str:
         action = self.action
         code = None if action is None else [action.stage, KINDS.index(action.kind), action.microbatch]
-        return json.dumps([self.rank, code, self.kind, self.what, self.replica])
+        return json.dumps([self.rank, code, self.kind, self.what, self.replica, self.name])
 
     @classmethod
     def from_json(cls, text: str) -> Failure:
-        rank, code, kind, what, replica = json.loads(text)
+        rank, code, kind, what, replica, name = json.loads(text)
         action = None if code is None else Action(code[0], KINDS[code[1]], code[2])
-        return cls(rank, action, kind, what, replica)
+        return cls(rank, action, kind, what, replica, name)
 
     def subject(self) -> str:
-        """``rank 3`` (or ``rank 1 of data-parallel replica 0``, or ``an unknown rank``)."""
-        if self.rank is None:
-            return "an unknown rank"
-        return f"rank {self.rank}" + ("" if self.replica is None else f" of data-parallel replica {self.replica}")
+        """``rank 3`` (or ``rank 2 (dp 1, pp 0, tp 0)`` on a mesh, or ``an unknown rank``)."""
+        if self.name is not None:
+            return self.name
+        return "an unknown rank" if self.rank is None else f"rank {self.rank}"
 
     def error(self, me: int, while_: str | None = None) -> PipelineError:
         """The error another rank raises for this failure (``while_``: what it was waiting for)."""
@@ -119,29 +127,36 @@ class Failure:
 
 @dataclass(eq=False)
 class Board:
-    """The failure board of one job (a pipeline group, or a whole dp x pp mesh) in the store."""
+    """The failure board of one job (a pipeline group, or a whole mesh) in the store: one record
+    for the job's life, read while any of this process's threads waits on the job's groups."""
 
     prefix: str  # of its keys in the store
     job: tuple[int, ...]  # the global ranks of the job
     me: int  # this process's global rank
-    groups: list[Any]  # the process groups to abort on a failure
+    groups: list[Any]  # the process groups to abort on a failure (``watch`` adds more)
     names: dict[int, tuple[int, int | None]]  # global rank -> (pipeline rank, replica or None)
-    step: int = 0
-    failure: Failure | None = None  # the current step's record, once read
+    labels: dict[int, str]  # global rank -> how messages name it: "rank 2 (dp 1, pp 0)"
+    generation: int = 0  # of boards of the same job and layout (``Watchdog.board``)
+    failure: Failure | None = None  # the job's record, once read
     beats: dict[int, tuple[int, float]] = field(default_factory=dict)  # global rank -> (counter, when it changed)
-    since: float | None = None  # when this rank's current wait began
+    waits: dict[int, float] = field(default_factory=dict)  # thread id -> when its current wait began
     read_at: float = 0.0  # when the heartbeats were last read
     aborted: bool = False
+    unanswered: BaseException | None = None  # why the store did not answer the last reading (None: it did)
 
     def key(self) -> str:
-        return f"{self.prefix}{self.step}/failed"
+        return f"{self.prefix}failed"
 
-    def failure_of(self, global_rank: int | None, kind: str, what: str) -> Failure:
+    def watch(self, groups: list[Any]) -> None:
+        """Abort ``groups`` too on a failure (an ``AsyncSaver``'s copies of the job's groups)."""
+        self.groups.extend(groups)
+
+    def failure_of(self, global_rank: int | None, kind: str, what: str, action: Action | None = None) -> Failure:
         """A failure of the process of global rank ``global_rank`` (``None``: unknown)."""
         if global_rank is None:
-            return Failure(None, None, kind, what)
+            return Failure(None, action, kind, what)
         rank, replica = self.names.get(global_rank, (global_rank, None))
-        return Failure(rank, None, kind, what, replica)
+        return Failure(rank, action, kind, what, replica, self.labels.get(global_rank, f"global rank {global_rank}"))
 
     def silent(self) -> list[int] | None:
         """The global ranks of the job whose heartbeat has not changed for ``STALE`` seconds
@@ -150,6 +165,15 @@ class Board:
         if now - self.read_at > STALE:
             return None
         return [g for g in self.job if g != self.me and (g not in self.beats or now - self.beats[g][1] > STALE)]
+
+    def store_gone(self) -> bool:
+        """Whether the last reading found the store gone (its host exited), not just slow to answer."""
+        error = self.unanswered
+        return error is not None and (not isinstance(error, TimeoutError) or isinstance(error, StoreGone))
+
+
+class StoreGone(TimeoutError):
+    """``Watchdog.ask`` after the watchdog stopped because the job's store is gone."""
 
 
 class Watchdog:
@@ -162,15 +186,18 @@ class Watchdog:
         self._serves: Any = None  # the default process group's store
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.current: Board | None = None  # the board of the step this process is running
+        self._busy: float | None = None  # since when the thread has been in a store call
         self.stopped_by: BaseException | None = None  # the error that ended the thread, if one did
 
-    def board(self, job: tuple[int, ...], groups: list[Any], names: dict[int, tuple[int, int | None]]) -> Board:
-        """The board of ``job`` laid out as ``names`` says, in the current process group's store
-        (beaten from now on). Two meshes over the same ranks (a 2 x 2 and a 4 x 1) get boards of
-        their own: their groups, rank names and step counts differ."""
+    def board(
+        self, job: tuple[int, ...], groups: list[Any], names: dict[int, tuple[int, int | None]], labels: dict[int, str]
+    ) -> Board:
+        """The board of ``job`` laid out as ``names`` says, over ``groups``, in the current process
+        group's store (beaten from now on). Two meshes over the same ranks (a 2 x 2 and a 4 x 1)
+        get boards of their own. A failed board stays failed for the groups it watched; new groups
+        over the same ranks (made after the failure, on every rank) get the next generation's."""
         layout = zlib.crc32(json.dumps(sorted(names.items())).encode())
-        prefix = "fpipe/" + ",".join(map(str, job)) + f"/{layout:08x}/"
+        base = "fpipe/" + ",".join(map(str, job)) + f"/{layout:08x}/"
         default = dist.distributed_c10d._get_default_store()
         with self._lock:
             if self._thread is None or not self._thread.is_alive() or self._serves is not default:
@@ -181,7 +208,12 @@ class Watchdog:
                     target=self._loop, args=(default, dist.get_rank()), name="fpipe-watchdog", daemon=True
                 )
                 self._thread.start()
-            return self._boards.setdefault(prefix, Board(prefix, job, dist.get_rank(), groups, names))
+            board = self._boards.get(base)
+            if board is None or (board.failure is not None and not any(g in board.groups for g in groups)):
+                generation = 0 if board is None else board.generation + 1
+                board = Board(f"{base}{generation}/", job, dist.get_rank(), groups, names, labels, generation)
+                self._boards[base] = board
+            return board
 
     def stop(self) -> None:
         """Stop the thread and wait for it (at exit: a daemon thread caught inside a store call
@@ -192,16 +224,6 @@ class Watchdog:
         if thread is not None and thread.is_alive():
             thread.join(timeout=2 * ASK)
 
-    @contextlib.contextmanager
-    def step(self, board: Board) -> Iterator[None]:
-        """Run one step on ``board``: a new record key, read while this rank waits."""
-        board.step += 1
-        board.failure, board.since, self.current = None, None, board
-        try:
-            yield
-        finally:
-            self.current, board.since = None, None
-
     # -- the main thread's side --------------------------------------------------------------
 
     def ask(self, job: Callable[[Any], Any]) -> Any:
@@ -211,18 +233,27 @@ class Watchdog:
         if self._thread is None or not self._thread.is_alive():
             cause = self.stopped_by
             if cause is None:
-                raise TimeoutError("fpipe: the watchdog has stopped: the job's store is gone")
-            why = "the job's store is gone" if _store_gone(cause) else "it failed"
-            raise TimeoutError(f"fpipe: the watchdog has stopped: {why} ({_named(cause)})") from cause
+                raise StoreGone("fpipe: the watchdog has stopped: the job's store is gone")
+            if _store_gone(cause):
+                why = f"the job's store is gone ({_named(cause)})"
+                raise StoreGone(f"fpipe: the watchdog has stopped: {why}") from cause
+            raise TimeoutError(f"fpipe: the watchdog has stopped: it failed ({_named(cause)})") from cause
+        busy = self._busy
+        if busy is not None and time.monotonic() - busy > ASK:  # stuck in a call the store does not answer
+            raise TimeoutError(f"fpipe: the job's store has not answered for {time.monotonic() - busy:.1f} s")
         self._requests.put((job, done))
         return done.result(timeout=ASK)
 
     def read(self, board: Board) -> Failure | None:
-        """The board's record for this step, read now (``None``: none, or the store does not answer)."""
+        """The board's record, read now (``None``: none, or the store does not answer: then
+        ``board.unanswered`` says why)."""
         if board.failure is not None:
             return board.failure
-        with contextlib.suppress(Exception):
+        try:
             self.ask(lambda store: self._check(board, store, abort=False))
+            board.unanswered = None
+        except Exception as error:  # kept: NOTE [the store's host]
+            board.unanswered = error
         return board.failure
 
     def report(self, board: Board, failure: Failure) -> Failure:
@@ -247,6 +278,7 @@ class Watchdog:
             with contextlib.suppress(queue.Empty):
                 job = requests.get(timeout=POLL)
             try:
+                self._busy = time.monotonic()
                 if self._store is None:
                     self._store = _own_client(serves)
                 store = self._store
@@ -260,10 +292,12 @@ class Watchdog:
                     last_beat = now
                     for board in list(self._boards.values()):
                         store.add(f"{board.prefix}beat/{board.me}", 1)
-                current = self.current
-                if current is not None and current.since is not None and now - current.since > POLL:
-                    self._check(current, store, abort=True)
-                    self._read_beats(current, store)
+                for board in list(self._boards.values()):
+                    waits = list(board.waits.values())  # (other threads add and remove theirs)
+                    if waits and now - min(waits) > POLL:
+                        self._check(board, store, abort=True)
+                        self._read_beats(board, store)
+                self._busy = None
             except Exception as error:
                 self._stopped(serves, me, error)
                 return
@@ -286,10 +320,8 @@ class Watchdog:
     def _check(self, board: Board, store: Any, *, abort: bool) -> None:
         if board.failure is None and store.check([board.key()]):
             board.failure = Failure.from_json(store.get(board.key()).decode())
-        if abort and board.failure is not None and not board.aborted:
-            board.aborted = True
-            for group in board.groups:
-                abort_group(group)
+        if abort and board.failure is not None:
+            abort_job(board)
 
     def _read_beats(self, board: Board, store: Any) -> None:
         now = time.monotonic()
@@ -321,6 +353,30 @@ def _own_client(store: Any) -> Any:
     return store
 
 
+def abort_job(board: Board) -> None:
+    """Abort every group of ``board``'s job on this rank, once (from any thread: aborting a group
+    twice is harmless)."""
+    if not board.aborted:
+        board.aborted = True
+        for group in list(board.groups):
+            abort_group(group)
+
+
+# NOTE [the store's host]
+# The board lives in the job's store, which one process hosts: global rank 0 for the rendezvous
+# of init_process_group (env:// and tcp:// start the store's server on rank 0), torchrun's agent
+# when it hosts the store (TORCHELASTIC_USE_AGENT_STORE). When that rank dies the store is gone;
+# when it freezes, every store call hangs. Either way no rank can read or write the board, and
+# the heartbeats say nothing. So a rank whose wait fails while the store does not answer (a
+# reading fails, or the watchdog has been stuck in a store call for ``ASK`` seconds) blames the
+# store's host, and aborts its own groups (``abort_job``): the ranks waiting on it fail at once
+# and, finding the store silent too, blame the host alike, instead of each waiting out its own
+# timeout after the first one gave up (which took twice the timeout).
+def store_host() -> int | None:
+    """The global rank whose process hosts the job's store (``None``: torchrun's agent does)."""
+    return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
+
+
 def abort_group(group: Any) -> None:
     """Make every pending and future operation of ``group`` on this rank fail at once."""
     if group is None or dist.get_world_size(group) < 2:
@@ -347,20 +403,23 @@ atexit.register(WATCHDOG.stop)
 
 
 class waiting:  # (lower case: used as a function, ``with waiting(board):``)
-    """Mark this rank as waiting (the watchdog reads the board after ``POLL`` seconds); inside
-    an outer ``waiting`` (a tensor-parallel row, NOTE [tensor-parallel waits] in
-    fpipe/_distributed/_runtime.py), the outer one goes on. A class, not a generator: it wraps
-    every receive of a step, and a ``contextlib.contextmanager`` costs a microsecond or two more."""
+    """Mark this thread as waiting on the job's groups (the watchdog reads the board after
+    ``POLL`` seconds); inside an outer ``waiting`` of the same thread (a tensor-parallel row, NOTE
+    [tensor-parallel waits] in fpipe/_distributed/_runtime.py), the outer one goes on. Each thread
+    counts for itself: an ``AsyncSaver``'s thread waits on the job's board while the training
+    thread runs a step. A class, not a generator: it wraps every receive of a step, and a
+    ``contextlib.contextmanager`` costs a microsecond or two more."""
 
-    __slots__ = ("_board",)
+    __slots__ = ("_board", "_thread")
 
     def __init__(self, board: Board | None) -> None:
-        self._board = board if board is not None and board.since is None else None
+        self._thread = threading.get_ident()
+        self._board = board if board is not None and self._thread not in board.waits else None
 
     def __enter__(self) -> None:
         if self._board is not None:
-            self._board.since = time.monotonic()
+            self._board.waits[self._thread] = time.monotonic()
 
     def __exit__(self, *exc: object) -> None:
         if self._board is not None:
-            self._board.since = None
+            del self._board.waits[self._thread]

@@ -38,6 +38,7 @@ from ._collectives import (
     device_type_words,
     handshake,
     mark_broken,
+    meet,
     mixed_device_types,
 )
 from ._faults import WATCHDOG, waiting
@@ -70,22 +71,37 @@ def run_distributed(
     0 and tensor-parallel rank 0 (NOTE [randomness as data] in fpipe/_random.py).
     """
     check_usable(topology)
-    with WATCHDOG.step(topology.board):
-        try:
-            late = WATCHDOG.read(topology.board)  # the others gave up on this step before this rank came
-            if late is not None:
-                raise late.error(topology.rank, "the other pipeline ranks at the start of the step")
-            agreed = _agree(spec, plan, topology, params, batch, check_params, key)
-            runs = runs_for(params)
-            loss, aux, outputs = _run_row(spec, plan, topology, wire, runs, agreed, keep_outputs)
-            unaveraged = [] if plan.forward_only else runs.finish()
-            if topology.data_group is not None:
-                # Weighted by weight_fn, each replica's share is already over the total count.
-                loss = _average_replicas(spec, topology, loss, unaveraged, divide=spec.weight_fn is None)
-            return (loss, aux, outputs), [] if plan.forward_only else runs.grads(spec.num_stages)
-        except PipelineError as error:
-            mark_broken(topology, error)
-            raise
+    try:
+        late = WATCHDOG.read(topology.board)  # the others gave up on the job before this rank came
+        if late is not None:
+            raise late.error(topology.rank, "the other pipeline ranks at the start of the step")
+        agreed = _agree(spec, plan, topology, params, batch, check_params, key)
+        runs = runs_for(params)
+        loss, aux, outputs = _run_row(spec, plan, topology, wire, runs, agreed, keep_outputs)
+        unaveraged = [] if plan.forward_only else runs.finish()
+        if topology.data_group is not None:
+            # Weighted by weight_fn, each replica's share is already over the total count.
+            loss = _average_replicas(spec, topology, loss, unaveraged, divide=spec.weight_fn is None)
+        if topology.tensor_group is not None:  # NOTE [a step ends together]
+            what = "the other tensor-parallel ranks at the end of the step"
+            meet(topology, topology.tensor_group, spec.timeout, what)
+        return (loss, aux, outputs), [] if plan.forward_only else runs.grads(spec.num_stages)
+    except PipelineError as error:
+        mark_broken(topology, error)
+        raise
+
+
+# NOTE [a step ends together]
+# A step returns on no rank when any rank of any mesh dimension failed in it. Each rank's last
+# collectives are, in turn, the pipeline group's closing all-gather (``_conclude``: a rank that
+# failed joins it with its code, and every rank then raises), the data-parallel average of the
+# loss, and a meeting of the tensor-parallel group (``meet``). A rank passes each only once every
+# rank of that group has arrived, so a rank that returns knows that its tensor-parallel partners
+# averaged with their replicas, which all concluded their pipelines: every rank of the mesh
+# finished its row. A rank that failed never arrives at the next one, and the failure board
+# aborts the wait of those that did. Without the meeting, with pp 2 x tp 2 and rank 0 killed in
+# its backward, its tensor-parallel partner (whose stage needed no collective in that backward)
+# and that partner's pipeline peer returned a loss for the step.
 
 
 class _Agreed(NamedTuple):
