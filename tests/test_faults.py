@@ -32,15 +32,20 @@ DEFAULT = None  # the pipeline's default timeout (300 s)
 SLACK = 10.0
 
 
-def scenario(rank, world, mesh_shape, victim, where, sig, timeout):
+DP_PP = (("dp", 2), ("pp", 2))  # a mesh, as (dimension, size) pairs
+PP_TP = (("pp", 2), ("tp", 2))  # the tensor-parallel ranks run the same plain stages
+
+
+def scenario(rank, world, mesh, victim, where, sig, timeout):
     """One healthy step, then the victim's fault; a survivor returns ``(seconds, error type, message)``."""
-    if mesh_shape is None:
+    if mesh is None:
         num_stages, place = world, {"group": dist.group.WORLD}
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
-        num_stages = mesh_shape[1]
-        place = {"mesh": init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "pp"))}
+        num_stages = dict(mesh)["pp"]
+        names, shape = zip(*mesh)
+        place = {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=names)}
     armed = [False]
 
     def fault():
@@ -82,22 +87,37 @@ CASES = [  # (ranks or mesh, victim, where, signal, timeout)
     (4, 3, "backward", signal.SIGKILL, DEFAULT),
     (4, 2, "idle", signal.SIGSTOP, 4),
     (3, 1, "idle", signal.SIGKILL, DEFAULT),
-    ((2, 2), 3, "backward", signal.SIGKILL, DEFAULT),
-    ((2, 2), 2, "forward", signal.SIGSTOP, 4),
+    (DP_PP, 3, "backward", signal.SIGKILL, DEFAULT),
+    (DP_PP, 2, "forward", signal.SIGSTOP, 4),
+    # The store's host (global rank 0): no board, no heartbeats (NOTE [the store's host]).
+    (4, 0, "idle", signal.SIGKILL, DEFAULT),
+    (DP_PP, 0, "forward", signal.SIGSTOP, 4),
+    # A tensor-parallel partner that needs no collective in the failed backward (and the
+    # store's host), or that froze: no rank returns a loss (NOTE [a step ends together]).
+    (PP_TP, 0, "backward", signal.SIGKILL, DEFAULT),
+    (PP_TP, 1, "backward", signal.SIGSTOP, 4),
 ]
 
 
 def run_case(setup, victim, where, sig, timeout):
     """Every survivor's ``(seconds, error type, message)``, by global rank (the victim's is None)."""
-    world, mesh_shape = (setup, None) if isinstance(setup, int) else (setup[0] * setup[1], setup)
-    args = (mesh_shape, victim, where, sig, timeout)
+    world, mesh = (setup, None) if isinstance(setup, int) else (setup[0][1] * setup[1][1], setup)
+    args = (mesh, victim, where, sig, timeout)
     return run_ranks(world, scenario, *args, timeout=90, may_die=frozenset({victim}))
+
+
+def name(setup, victim):
+    """How messages name global rank ``victim``: ``rank 1``, or ``rank 3 (dp 1, pp 1)`` on a mesh."""
+    if isinstance(setup, int):
+        return f"rank {victim}"
+    (first, _), (second, size) = setup
+    return f"rank {victim} ({first} {victim // size}, {second} {victim % size})"
 
 
 @pytest.mark.parametrize(("setup", "victim", "where", "sig", "timeout"), CASES)
 def test_every_survivor_fails_fast_naming_the_victim(setup, victim, where, sig, timeout):
     results = run_case(setup, victim, where, sig, timeout)
-    names = f"rank {victim}" if isinstance(setup, int) else f"rank {victim} (dp {victim // 2}, pp {victim % 2})"
+    names = name(setup, victim)
     limit = SLACK if timeout is None else timeout + SLACK  # either way far below the default 300 s
     for rank, result in enumerate(results):
         if rank == victim:
@@ -358,19 +378,19 @@ def test_a_watchdog_whose_store_is_gone_stops_without_a_warning():
     assert message.startswith("fpipe: the watchdog has stopped: the job's store is gone ("), message
 
 
-def matrix(setups=((2, 1), (3, 2), (4, 3), ((2, 2), 1)), timeouts=(4, DEFAULT)):
+def matrix(setups=((2, 1), (3, 2), (4, 3), (DP_PP, 1)), timeouts=(4, DEFAULT)):
     """Every setup x fault place x signal x timeout: the survivors' seconds, as a markdown table."""
     print("| ranks | victim | fault | signal | timeout | survivors' seconds | error | names the victim |")
     print("|---|---|---|---|---|---|---|---|")
     for setup, victim in setups:
-        names = f"rank {victim}" if isinstance(setup, int) else f"rank {victim} (dp {victim // 2}, pp {victim % 2})"
+        names = name(setup, victim)
         for where in ("forward", "backward", "idle"):
             for sig in (signal.SIGKILL, signal.SIGSTOP):
                 for timeout in timeouts:
                     if sig == signal.SIGSTOP and timeout is DEFAULT:
                         continue  # 300 s each: run separately (see notes/wire.md)
                     survivors = [r for r in run_case(setup, victim, where, sig, timeout) if r is not None]
-                    shown = "x".join(map(str, setup)) if isinstance(setup, tuple) else str(setup)
+                    shown = " x ".join(f"{n} {k}" for n, k in setup) if isinstance(setup, tuple) else str(setup)
                     seconds = ", ".join(f"{r[0]:.2f}" for r in survivors)
                     kinds = "/".join(sorted({r[1] for r in survivors}))
                     named = all(f"because {names} " in r[2] for r in survivors)
@@ -382,4 +402,4 @@ def matrix(setups=((2, 1), (3, 2), (4, 3), ((2, 2), 1)), timeouts=(4, DEFAULT)):
 
 
 if __name__ == "__main__":
-    matrix(*([((2, 2), 1)],) if "--mesh" in sys.argv else ())
+    matrix(*([(DP_PP, 1)],) if "--mesh" in sys.argv else ())

@@ -771,8 +771,9 @@ def test_a_failure_on_one_tensor_parallel_rank_fails_its_partners_in_their_colle
         assert seconds < 15, (rank, seconds)  # not the 30 s timeout, with room for a loaded machine
         assert "forward of stage 0 on microbatch 0 (0F0)" in message, (rank, message)
     assert "boom on tp rank 1" in results[1][2]
-    # its partner, in the stage's all-reduce; the next pipeline rank, in fpipe's own waits
-    assert "rank 0 stopped while waiting for a collective inside its stage because rank 0" in results[0][1]
+    # its partner, in the stage's all-reduce, named by its mesh coordinates; the next pipeline
+    # rank, in fpipe's own waits
+    assert "rank 0 stopped while waiting for a collective inside its stage because rank 1 (pp 0, tp 1)" in results[0][1]
     assert "rank 1 stopped while waiting for the activation of stage 0" in results[2][1]
 
 

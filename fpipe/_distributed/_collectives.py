@@ -94,9 +94,8 @@ def _without_store(board: Board, rank: int, what: str, seconds: str) -> Pipeline
     alone (no board to write it on); this rank's groups are aborted, so that the ranks waiting on
     it fail at once (NOTE [the store's host] in fpipe/_distributed/_faults.py)."""
     hosts = ", which it hosts," if store_host() is not None else ""
-    if board.store_gone():
-        gone = f"died: the job's store{hosts} is gone, and a connection closed while rank {rank} waited"
-        failure = board.failure_of(store_host(), DIED, gone)
+    if WATCHDOG.store_gone(board):
+        failure = board.failure_of(store_host(), DIED, f"died: the job's store{hosts} is gone")
     else:
         failure = board.failure_of(
             store_host(),

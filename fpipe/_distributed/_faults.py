@@ -51,6 +51,7 @@ import contextlib
 import json
 import os
 import queue
+import socket
 import threading
 import time
 import warnings
@@ -166,11 +167,6 @@ class Board:
             return None
         return [g for g in self.job if g != self.me and (g not in self.beats or now - self.beats[g][1] > STALE)]
 
-    def store_gone(self) -> bool:
-        """Whether the last reading found the store gone (its host exited), not just slow to answer."""
-        error = self.unanswered
-        return error is not None and (not isinstance(error, TimeoutError) or isinstance(error, StoreGone))
-
 
 class StoreGone(TimeoutError):
     """``Watchdog.ask`` after the watchdog stopped because the job's store is gone."""
@@ -214,6 +210,26 @@ class Watchdog:
                 board = Board(f"{base}{generation}/", job, dist.get_rank(), groups, names, labels, generation)
                 self._boards[base] = board
             return board
+
+    def store_gone(self, board: Board) -> bool:
+        """Whether the store that ``board``'s last reading found silent is gone (its host exited),
+        not frozen: the reading failed on a closed connection, or nothing listens at the store's
+        address any more (a frozen process's socket still accepts: its kernel answers)."""
+        error = board.unanswered
+        if error is not None and (not isinstance(error, TimeoutError) or isinstance(error, StoreGone)):
+            return True
+        store = self._serves
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        if not isinstance(store, TCPStore):
+            return False
+        try:
+            socket.create_connection((store.host, store.port), timeout=ASK).close()
+        except TimeoutError:
+            return False
+        except OSError:  # refused: the host's process is gone
+            return True
+        return False
 
     def stop(self) -> None:
         """Stop the thread and wait for it (at exit: a daemon thread caught inside a store call
