@@ -773,8 +773,9 @@ def test_a_failure_on_one_tensor_parallel_rank_fails_its_partners_in_their_colle
     assert "boom on tp rank 1" in results[1][2]
     # its partner, in the stage's all-reduce, named by its mesh coordinates; the next pipeline
     # rank, in fpipe's own waits
-    assert "rank 0 stopped while waiting for a collective inside its stage because rank 1 (pp 0, tp 1)" in results[0][1]
-    assert "rank 1 stopped while waiting for the activation of stage 0" in results[2][1]
+    partner = "rank 0 (pp 0, tp 0) stopped while waiting for a collective inside its stage because rank 1 (pp 0, tp 1)"
+    assert partner in results[0][1]
+    assert "rank 2 (pp 1, tp 0) stopped while waiting for the activation of stage 0" in results[2][1]
 
 
 def _mlp():

@@ -7,10 +7,11 @@ timeout becomes a ``PipelineError`` that says what was awaited and names the ran
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +39,19 @@ def wait(
         raise lost(board, error, rank, what, peer, timeout) from error
 
 
+@contextlib.contextmanager
+def watched(topology: Topology, timeout: float, what: str) -> Iterator[None]:
+    """Run collectives that fpipe does not wait for itself (DTensor's) under the failure board:
+    another rank's failure aborts them, and their backend errors raise as ``wait``'s do."""
+    try:
+        with waiting(topology.board):
+            yield
+    except PipelineError:  # from fpipe's own waits inside: it says what failed already
+        raise
+    except RuntimeError as error:
+        raise lost(topology.board, error, topology.rank, what, None, timedelta(seconds=timeout)) from error
+
+
 def lost(
     board: Board,
     error: BaseException,
@@ -59,7 +73,7 @@ def lost(
     seconds = f"{timeout.total_seconds():g}"
     standing = WATCHDOG.read(board)
     if standing is not None:
-        return standing.error(rank, what)
+        return standing.error(board, rank, what)
     if board.unanswered is not None:
         return _without_store(board, rank, what, seconds)
     if timed_out:
@@ -86,7 +100,7 @@ def lost(
             DIED,
             f"died: a connection closed while rank {rank} waited",
         )
-    return WATCHDOG.report(board, failure).error(rank, what)
+    return WATCHDOG.report(board, failure).error(board, rank, what)
 
 
 def _without_store(board: Board, rank: int, what: str, seconds: str) -> PipelineError:
@@ -105,7 +119,7 @@ def _without_store(board: Board, rank: int, what: str, seconds: str) -> Pipeline
         )
     board.failure = failure
     abort_job(board)
-    return failure.error(rank, what)
+    return failure.error(board, rank, what)
 
 
 def _first_silent(board: Board) -> int | None:

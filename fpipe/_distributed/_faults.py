@@ -115,12 +115,13 @@ class Failure:
             return self.name
         return "an unknown rank" if self.rank is None else f"rank {self.rank}"
 
-    def error(self, me: int, while_: str | None = None) -> PipelineError:
-        """The error another rank raises for this failure (``while_``: what it was waiting for)."""
+    def error(self, board: Board, me: int, while_: str | None = None) -> PipelineError:
+        """The error pipeline rank ``me`` of ``board``'s job raises for this failure (``while_``:
+        what it was waiting for); it names this rank as the board does (``Board.labels``)."""
         where = "" if while_ is None else f" while waiting for {while_}"
         cls = PipelineTimeoutError if self.kind == SILENT else PipelineError
         return cls(
-            f"fpipe: rank {me} stopped{where} because {self.subject()} {self.what}.",
+            f"fpipe: {board.label()} stopped{where} because {self.subject()} {self.what}.",
             rank=me if self.rank is None else self.rank,
             action=self.action,
         )
@@ -147,6 +148,10 @@ class Board:
 
     def key(self) -> str:
         return f"{self.prefix}failed"
+
+    def label(self) -> str:
+        """How messages name this process: ``rank 1``, or ``rank 2 (dp 1, pp 0)`` on a mesh."""
+        return self.labels[self.me]
 
     def watch(self, groups: list[Any]) -> None:
         """Abort ``groups`` too on a failure (an ``AsyncSaver``'s copies of the job's groups)."""

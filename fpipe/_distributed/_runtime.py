@@ -40,6 +40,7 @@ from ._collectives import (
     mark_broken,
     meet,
     mixed_device_types,
+    watched,
 )
 from ._faults import WATCHDOG, waiting
 from ._topology import Topology
@@ -74,7 +75,7 @@ def run_distributed(
     try:
         late = WATCHDOG.read(topology.board)  # the others gave up on the job before this rank came
         if late is not None:
-            raise late.error(topology.rank, "the other pipeline ranks at the start of the step")
+            raise late.error(topology.board, topology.rank, "the other pipeline ranks at the start of the step")
         agreed = _agree(spec, plan, topology, params, batch, check_params, key)
         runs = runs_for(params)
         loss, aux, outputs = _run_row(spec, plan, topology, wire, runs, agreed, keep_outputs)
@@ -82,10 +83,14 @@ def run_distributed(
         if topology.data_group is not None:
             # Weighted by weight_fn, each replica's share is already over the total count.
             loss = _average_replicas(spec, topology, loss, unaveraged, divide=spec.weight_fn is None)
+        grads: list[PyTree] = []
+        if not plan.forward_only:  # (a replicated DTensor's partial sums are summed over tp here)
+            with watched(topology, spec.timeout, "the tensor-parallel sums of the gradients"):
+                grads = runs.grads(spec.num_stages)
         if topology.tensor_group is not None:  # NOTE [a step ends together]
             what = "the other tensor-parallel ranks at the end of the step"
             meet(topology, topology.tensor_group, spec.timeout, what)
-        return (loss, aux, outputs), [] if plan.forward_only else runs.grads(spec.num_stages)
+        return (loss, aux, outputs), grads
     except PipelineError as error:
         mark_broken(topology, error)
         raise
@@ -240,17 +245,17 @@ def _run_row(
         transport.abort(error, executor.current)
         # A stage's own collective that the board aborted fails inside the stage, so the error
         # names this rank's action; the board's record says why (fpipe's own waits say so already).
-        own = aborted and topology.tensor_group is not None and not _from_board(error, topology.rank)
+        own = aborted and topology.tensor_group is not None and not _from_board(error, topology)
         standing = WATCHDOG.read(topology.board) if own else None
         if standing is not None:
-            raise standing.error(topology.rank, "a collective inside its stage") from error
+            raise standing.error(topology.board, topology.rank, "a collective inside its stage") from error
         raise
     return loss, aux, outputs
 
 
-def _from_board(error: BaseException, rank: int) -> bool:
-    """Whether ``error`` already reports the board's record (``Failure.error``) on ``rank``."""
-    return isinstance(error, PipelineError) and str(error).startswith(f"fpipe: rank {rank} stopped")
+def _from_board(error: BaseException, topology: Topology) -> bool:
+    """Whether ``error`` already reports the board's record (``Failure.error``) on this rank."""
+    return isinstance(error, PipelineError) and str(error).startswith(f"fpipe: {topology.board.label()} stopped")
 
 
 def _disagreement(checksum: int, statuses: list[list[int]], first: int, last: int) -> Exception | None:

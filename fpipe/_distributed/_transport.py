@@ -352,7 +352,7 @@ class DistributedTransport:
             subject = None if rank < 0 else self.topology.global_ranks[rank]
             what = f"failed {where}; its own error says why"
             standing = self.topology.board.failure_of(subject, RAISED, what, action)
-        raise standing.error(self.me)
+        raise standing.error(self.topology.board, self.me)
 
     def _irecv(self, tensor: torch.Tensor, peer: int, key: Key) -> Any:
         """Post a receive into ``tensor`` of (part of) message ``key`` from ``peer``; its work.
