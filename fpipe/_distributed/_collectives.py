@@ -73,6 +73,7 @@ def lost(
     seconds = f"{timeout.total_seconds():g}"
     standing = WATCHDOG.read(board)
     if standing is not None:
+        WATCHDOG.linger(board)
         return standing.error(board, rank, what)
     if board.unanswered is not None:
         return _without_store(board, rank, what, seconds)
@@ -100,7 +101,9 @@ def lost(
             DIED,
             f"died: a connection closed while rank {rank} waited",
         )
-    return WATCHDOG.report(board, failure).error(board, rank, what)
+    raised = WATCHDOG.report(board, failure).error(board, rank, what)
+    WATCHDOG.linger(board)
+    return raised
 
 
 def _without_store(board: Board, rank: int, what: str, seconds: str) -> PipelineError:

@@ -144,6 +144,7 @@ class Board:
     waits: dict[int, float] = field(default_factory=dict)  # thread id -> when its current wait began
     read_at: float = 0.0  # when the heartbeats were last read
     aborted: bool = False
+    seen: bool = False  # this rank has counted itself among those that saw the record
     unanswered: BaseException | None = None  # why the store did not answer the last reading (None: it did)
 
     def key(self) -> str:
@@ -270,18 +271,28 @@ class Watchdog:
         ``board.unanswered`` says why)."""
         if board.failure is not None:
             return board.failure
-        try:
-            self.ask(lambda store: self._check(board, store, abort=False))
-            board.unanswered = None
-        except Exception as error:  # kept: NOTE [the store's host]
-            board.unanswered = error
-        return board.failure
+        deadline = time.monotonic() + STALE
+        while True:
+            try:
+                self.ask(lambda store: self._check(board, store, abort=False))
+                board.unanswered = None
+                return board.failure
+            except Exception as error:  # kept: NOTE [the store's host]
+                board.unanswered = error
+            # A store slow to answer (a loaded machine) is asked again; one that has not answered
+            # the watchdog for STALE seconds, or is gone, is not.
+            busy = self._busy
+            stuck = busy is not None and time.monotonic() - busy > STALE
+            if stuck or self.store_gone(board) or time.monotonic() > deadline:
+                return board.failure
+            time.sleep(POLL)
 
     def report(self, board: Board, failure: Failure) -> Failure:
         """Write ``failure`` unless a record is there already; the record that stands."""
 
         def write(store: Any) -> Failure:
             standing = store.compare_set(board.key(), "", failure.to_json()).decode()
+            self._seen(board, store)
             return failure if not standing else Failure.from_json(standing)
 
         with contextlib.suppress(Exception):
@@ -341,8 +352,32 @@ class Watchdog:
     def _check(self, board: Board, store: Any, *, abort: bool) -> None:
         if board.failure is None and store.check([board.key()]):
             board.failure = Failure.from_json(store.get(board.key()).decode())
+            self._seen(board, store)
         if abort and board.failure is not None:
             abort_job(board)
+
+    def _seen(self, board: Board, store: Any) -> None:
+        """Count this rank, once, among those that have seen the board's record (``linger``)."""
+        if not board.seen:
+            board.seen = True
+            store.add(f"{board.prefix}seen", 1)
+
+    def linger(self, board: Board) -> None:
+        """On the store's host, after a failure: wait until every live rank of the job has seen
+        the record, for at most ``STALE`` seconds, so that the store outlives their readings
+        (NOTE [the store's host]): a host that raised and exited at once left a slower rank with
+        no record to read, and that rank then blamed the host."""
+        if board.me != store_host() or board.failure is None:
+            return
+        deadline = time.monotonic() + STALE
+        while time.monotonic() < deadline:
+            try:
+                seen = self.ask(lambda store: store.add(f"{board.prefix}seen", 0))
+            except Exception:  # the store does not answer: nothing to keep up
+                return
+            if seen >= len(board.job) - len(board.silent() or []):
+                return
+            time.sleep(POLL)
 
     def _read_beats(self, board: Board, store: Any) -> None:
         now = time.monotonic()
@@ -388,11 +423,14 @@ def abort_job(board: Board) -> None:
 # of init_process_group (env:// and tcp:// start the store's server on rank 0), torchrun's agent
 # when it hosts the store (TORCHELASTIC_USE_AGENT_STORE). When that rank dies the store is gone;
 # when it freezes, every store call hangs. Either way no rank can read or write the board, and
-# the heartbeats say nothing. So a rank whose wait fails while the store does not answer (a
-# reading fails, or the watchdog has been stuck in a store call for ``ASK`` seconds) blames the
-# store's host, and aborts its own groups (``abort_job``): the ranks waiting on it fail at once
-# and, finding the store silent too, blame the host alike, instead of each waiting out its own
-# timeout after the first one gave up (which took twice the timeout).
+# the heartbeats say nothing. So a rank whose wait fails while the store does not answer (it is
+# gone, or the watchdog has been stuck in a store call for ``STALE`` seconds: a reading that is
+# only slow is tried again until then, ``Watchdog.read``) blames the store's host, and aborts its
+# own groups (``abort_job``): the ranks waiting on it fail at once and, finding the store silent
+# too, blame the host alike, instead of each waiting out its own timeout after the first one
+# gave up (which took twice the timeout). The host died when nothing listens at the store's
+# address (``Watchdog.store_gone``); otherwise it froze. A host that merely failed (it raised,
+# and will exit) keeps the store up until the others have seen the record (``Watchdog.linger``).
 def store_host() -> int | None:
     """The global rank whose process hosts the job's store (``None``: torchrun's agent does)."""
     return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0

@@ -93,6 +93,7 @@ def run_distributed(
         return (loss, aux, outputs), grads
     except PipelineError as error:
         mark_broken(topology, error)
+        WATCHDOG.linger(topology.board)
         raise
 
 
