@@ -367,15 +367,17 @@ class Watchdog:
         the record, for at most ``STALE`` seconds, so that the store outlives their readings
         (NOTE [the store's host]): a host that raised and exited at once left a slower rank with
         no record to read, and that rank then blamed the host."""
-        if board.me != store_host() or board.failure is None:
+        failure = board.failure
+        if board.me != store_host() or failure is None:
             return
+        lost = failure.kind != RAISED and failure.rank is not None  # a dead or frozen rank never looks
         deadline = time.monotonic() + STALE
         while time.monotonic() < deadline:
             try:
                 seen = self.ask(lambda store: store.add(f"{board.prefix}seen", 0))
             except Exception:  # the store does not answer: nothing to keep up
                 return
-            if seen >= len(board.job) - len(board.silent() or []):
+            if seen >= len(board.job) - max(int(lost), len(board.silent() or [])):
                 return
             time.sleep(POLL)
 
