@@ -1,6 +1,7 @@
 """A rank that dies or freezes outside a step's own waits fails every survivor fast, naming it.
 
-The collectives fpipe runs between steps (``global_norm``, ``save``, ``load``) and those of an
+The collectives fpipe runs between steps (``global_norm``, ``save``, ``load``, ``save_state``,
+``load_state``) and those of an
 ``AsyncSaver``'s background thread are under the job's failure board too (NOTE [failure board]
 in fpipe/_distributed/_faults.py). The victim dies or freezes as it enters the collective (its
 ``torch.distributed`` collectives are replaced by the signal), so the survivor is waiting in it.
@@ -74,10 +75,13 @@ def _collective(rank, world, what, directory):
     step, params, _, grads = _pipeline(rank, world, None, timeout=30)
     template = [None if p is None else {k: torch.zeros_like(w) for k, w in p.items()} for p in params]
     fpipe.save(directory, params, step=step)  # (for load)
+    fpipe.save_state(f"{directory}/state", fpipe.TrainState(params), step=step)  # (for load_state)
     calls = {
         "global_norm": lambda: step.global_norm(grads),
         "save": lambda: fpipe.save(directory, params, step=step, timeout=30),
         "load": lambda: fpipe.load(directory, template, step=step, timeout=30),
+        "save_state": lambda: fpipe.save_state(directory, fpipe.TrainState(params), step=step, timeout=30),
+        "load_state": lambda: fpipe.load_state(f"{directory}/state", template, step=step, timeout=30),
     }
     if rank == 1:
         _fault_at_collectives(signal.SIGKILL)
@@ -89,7 +93,7 @@ def _collective(rank, world, what, directory):
     return time.monotonic() - start, "no error", ""
 
 
-@pytest.mark.parametrize("what", ["global_norm", "save", "load"])
+@pytest.mark.parametrize("what", ["global_norm", "save", "load", "save_state", "load_state"])
 def test_a_rank_that_dies_in_a_collective_between_steps_is_named(what, tmp_path):
     (seconds, kind, message), _ = run_ranks(2, _collective, what, str(tmp_path), timeout=60, may_die=frozenset({1}))
     assert kind == "PipelineError" and "because rank 1 died" in message, message
