@@ -8,7 +8,9 @@ Each pipeline rank runs its own row of the program with the shared ``Executor`` 
 2. ``_run_row``: run the row, exchanging activations and cotangents with the peers, and receive
    (or send) the loss;
 3. ``_average_replicas``: average the loss and the gradients still to be averaged over
-   data-parallel replicas.
+   data-parallel replicas;
+4. ``meet`` the tensor-parallel partners, so that no rank returns from a step in which any rank
+   failed (NOTE [a step ends together]).
 
 Any rank's failure fails every rank (NOTE [failure board] in fpipe/_distributed/_faults.py).
 """

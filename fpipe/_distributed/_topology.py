@@ -10,6 +10,7 @@ group (``mesh["tp"]``) is where its stages' DTensors live (notes/tensor_parallel
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,7 +113,8 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
         per_replica = mesh.size(names.index(tensor[0])) if tensor else 1
         for k, row in enumerate(rows.reshape(-1, rows.shape[-1]).tolist()):
             where.update({g: (r, k // per_replica if data else None) for r, g in enumerate(row)})
-        for coordinates, g in _coordinates(mesh.mesh.tolist(), ()):
+        for coordinates in itertools.product(*map(range, mesh.mesh.shape)):
+            g = int(mesh.mesh[coordinates])
             labels[g] = f"rank {g} (" + ", ".join(f"{n} {i}" for n, i in zip(names, coordinates)) + ")"
     size = dist.get_world_size(group)
     global_ranks = tuple(dist.get_global_rank(group, r) for r in range(size))
@@ -136,10 +138,3 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
         replica=0 if data_group is None else dist.get_rank(data_group),
         tensor_rank=0 if tensor_group is None else dist.get_rank(tensor_group),
     )
-
-
-def _coordinates(grid: Any, at: tuple[int, ...]) -> list[tuple[tuple[int, ...], int]]:
-    """``(coordinates, global rank)`` of every entry of a mesh's nested list of ranks."""
-    if isinstance(grid, int):
-        return [(at, grid)]
-    return [entry for i, sub in enumerate(grid) for entry in _coordinates(sub, (*at, i))]
