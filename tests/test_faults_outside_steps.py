@@ -1,11 +1,11 @@
 """A rank that dies or freezes outside a step's own waits fails every survivor fast, naming it.
 
 The collectives fpipe runs between steps (``global_norm``, ``save``, ``load``, ``save_state``,
-``load_state``) and those of an
-``AsyncSaver``'s background thread are under the job's failure board too (NOTE [failure board]
-in fpipe/_distributed/_faults.py). The victim dies or freezes as it enters the collective (its
-``torch.distributed`` collectives are replaced by the signal), so the survivor is waiting in it.
-The store's host and tensor-parallel partners are in tests/test_faults.py's cases.
+``load_state``, ``save_hf``, ``load_hf``) and those of an ``AsyncSaver``'s background thread
+are under the job's failure board too (NOTE [failure board] in fpipe/_distributed/_faults.py).
+The victim dies or freezes as it enters the collective (its ``torch.distributed`` collectives
+are replaced by the signal), so the survivor is waiting in it. The store's host and
+tensor-parallel partners are in tests/test_faults.py's cases.
 """
 
 from __future__ import annotations
@@ -76,12 +76,15 @@ def _collective(rank, world, what, directory):
     template = [None if p is None else {k: torch.zeros_like(w) for k, w in p.items()} for p in params]
     fpipe.save(directory, params, step=step)  # (for load)
     fpipe.save_state(f"{directory}/state", fpipe.TrainState(params), step=step)  # (for load_state)
+    fpipe.save_hf(f"{directory}/hf", params, config={"model_type": "x"}, step=step)  # (for load_hf)
     calls = {
         "global_norm": lambda: step.global_norm(grads),
         "save": lambda: fpipe.save(directory, params, step=step, timeout=30),
         "load": lambda: fpipe.load(directory, template, step=step, timeout=30),
         "save_state": lambda: fpipe.save_state(directory, fpipe.TrainState(params), step=step, timeout=30),
         "load_state": lambda: fpipe.load_state(f"{directory}/state", template, step=step, timeout=30),
+        "save_hf": lambda: fpipe.save_hf(f"{directory}/hf2", params, config={"model_type": "x"}, step=step, timeout=30),
+        "load_hf": lambda: fpipe.load_hf(f"{directory}/hf", template, step=step, timeout=30),
     }
     if rank == 1:
         _fault_at_collectives(signal.SIGKILL)
@@ -93,7 +96,7 @@ def _collective(rank, world, what, directory):
     return time.monotonic() - start, "no error", ""
 
 
-@pytest.mark.parametrize("what", ["global_norm", "save", "load", "save_state", "load_state"])
+@pytest.mark.parametrize("what", ["global_norm", "save", "load", "save_state", "load_state", "save_hf", "load_hf"])
 def test_a_rank_that_dies_in_a_collective_between_steps_is_named(what, tmp_path):
     (seconds, kind, message), _ = run_ranks(2, _collective, what, str(tmp_path), timeout=60, may_die=frozenset({1}))
     assert kind == "PipelineError" and "because rank 1 died" in message, message
