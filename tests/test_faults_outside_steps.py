@@ -1,7 +1,8 @@
 """A rank that dies or freezes outside a step's own waits fails every survivor fast, naming it.
 
-The collectives fpipe runs between steps (``global_norm``, ``save``, ``load``, ``save_state``,
-``load_state``, ``save_hf``, ``load_hf``) and those of an ``AsyncSaver``'s background thread
+The collectives fpipe runs outside a step's own waits (``global_norm``, the loss scaling's
+inf/nan agreement, ``save``, ``load``, ``save_state``, ``load_state``, ``save_hf``,
+``load_hf``) and those of an ``AsyncSaver``'s background thread
 are under the job's failure board too (NOTE [failure board] in fpipe/_distributed/_faults.py).
 The victim dies or freezes as it enters the collective (its ``torch.distributed`` collectives
 are replaced by the signal), so the survivor is waiting in it. The store's host and
@@ -27,9 +28,10 @@ from tests.test_faults import DP_PP, SLACK, name
 pytestmark = pytest.mark.timeout(120)
 
 
-def _fault_at_collectives(sig, thread=None):
-    """From now on this process gets ``sig`` as it enters a collective (on ``thread`` only, if given)."""
-    originals = {f: getattr(dist, f) for f in ("all_gather", "all_reduce")}
+def _fault_at_collectives(sig, thread=None, collectives=("all_gather", "all_reduce")):
+    """From now on this process gets ``sig`` as it enters one of ``collectives`` (on ``thread``
+    only, if given)."""
+    originals = {f: getattr(dist, f) for f in collectives}
 
     def fault(collective):
         def faulty(*args, **kwargs):
@@ -43,7 +45,7 @@ def _fault_at_collectives(sig, thread=None):
         setattr(dist, f, fault(collective))
 
 
-def _pipeline(rank, world, mesh, timeout):
+def _pipeline(rank, world, mesh, timeout, precision=None):
     """A small float64 pipeline (over every rank, or a mesh) after one healthy step: its step,
     params, batch and grads."""
     if mesh is None:
@@ -56,12 +58,12 @@ def _pipeline(rank, world, mesh, timeout):
 
     def stage(p, x):
         (w,) = p.values()  # named after its stage: a save keeps them apart
-        return torch.tanh(x @ w)
+        return torch.tanh(x.to(w.dtype) @ w)
 
     def loss_fn(y, mb):
         return (y**2).mean()
 
-    step = fpipe.pipeline(loss_fn, [stage] * num_stages, OneFOneB(4), **place, timeout=timeout)
+    step = fpipe.pipeline(loss_fn, [stage] * num_stages, OneFOneB(4), **place, timeout=timeout, precision=precision)
     g = torch.Generator().manual_seed(0)
     params = [{f"w{s}": torch.randn(3, 3, generator=g, dtype=torch.float64)} for s in range(num_stages)]
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
@@ -72,7 +74,8 @@ def _pipeline(rank, world, mesh, timeout):
 
 def _collective(rank, world, what, directory):
     """Rank 1 dies as it enters ``what``; rank 0 returns ``(seconds, error type, message)``."""
-    step, params, _, grads = _pipeline(rank, world, None, timeout=30)
+    scaled = fpipe.Precision(compute=torch.float16, loss_scale=fpipe.LossScale()) if what == "precision" else None
+    step, params, batch, grads = _pipeline(rank, world, None, timeout=30, precision=scaled)
     template = [None if p is None else {k: torch.zeros_like(w) for k, w in p.items()} for p in params]
     fpipe.save(directory, params, step=step)  # (for load)
     fpipe.save_state(f"{directory}/state", fpipe.TrainState(params), step=step)  # (for load_state)
@@ -85,9 +88,12 @@ def _collective(rank, world, what, directory):
         "load_state": lambda: fpipe.load_state(f"{directory}/state", template, step=step, timeout=30),
         "save_hf": lambda: fpipe.save_hf(f"{directory}/hf2", params, config={"model_type": "x"}, step=step, timeout=30),
         "load_hf": lambda: fpipe.load_hf(f"{directory}/hf", template, step=step, timeout=30),
+        "precision": lambda: step(params, batch),  # its only all-reduce: the inf/nan agreement
     }
     if rank == 1:
-        _fault_at_collectives(signal.SIGKILL)
+        _fault_at_collectives(
+            signal.SIGKILL, collectives=("all_reduce",) if what == "precision" else ("all_gather", "all_reduce")
+        )
     start = time.monotonic()
     try:
         calls[what]()
@@ -96,7 +102,9 @@ def _collective(rank, world, what, directory):
     return time.monotonic() - start, "no error", ""
 
 
-@pytest.mark.parametrize("what", ["global_norm", "save", "load", "save_state", "load_state", "save_hf", "load_hf"])
+@pytest.mark.parametrize(
+    "what", ["global_norm", "precision", "save", "load", "save_state", "load_state", "save_hf", "load_hf"]
+)
 def test_a_rank_that_dies_in_a_collective_between_steps_is_named(what, tmp_path):
     (seconds, kind, message), _ = run_ranks(2, _collective, what, str(tmp_path), timeout=60, may_die=frozenset({1}))
     assert kind == "PipelineError" and "because rank 1 died" in message, message
