@@ -145,6 +145,7 @@ class Board:
     read_at: float = 0.0  # when the heartbeats were last read
     aborted: bool = False
     seen: bool = False  # this rank has counted itself among those that saw the record
+    lingered: bool = False  # the store's host has waited for the others to see it (``linger``)
     unanswered: BaseException | None = None  # why the store did not answer the last reading (None: it did)
 
     def key(self) -> str:
@@ -366,10 +367,11 @@ class Watchdog:
         """On the store's host, after a failure: wait until every live rank of the job has seen
         the record, for at most ``STALE`` seconds, so that the store outlives their readings
         (NOTE [the store's host]): a host that raised and exited at once left a slower rank with
-        no record to read, and that rank then blamed the host."""
+        no record to read, and that rank then blamed the host. Once per board."""
         failure = board.failure
-        if board.me != store_host() or failure is None:
+        if board.me != store_host() or failure is None or board.lingered:
             return
+        board.lingered = True
         lost = failure.kind != RAISED and failure.rank is not None  # a dead or frozen rank never looks
         deadline = time.monotonic() + STALE
         while time.monotonic() < deadline:
