@@ -274,8 +274,9 @@ def _abort_after_the_peer(rank, world):
     that group, whose pair is closed already, and a second one, on which rank 0 waits."""
     from datetime import timedelta
 
+    from fpipe._distributed._board import RAISED
     from fpipe._distributed._collectives import wait
-    from fpipe._distributed._faults import RAISED, WATCHDOG, abort_group
+    from fpipe._distributed._faults import WATCHDOG, abort_group
 
     first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
     if rank == 1:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from .._errors import PipelineError
-from ._faults import BEAT, DIED, SILENT, STALE, WATCHDOG, Board, abort_job, store_host, waiting
+from ._board import BEAT, DIED, SILENT, STALE, Board, waiting
+from ._faults import WATCHDOG, abort_job, store_host
 from ._topology import Topology
 from ._wire import tensor_bytes
 

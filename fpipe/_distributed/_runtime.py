@@ -32,6 +32,7 @@ from .._random import Keys
 from .._record import active, clock, measured
 from .._run import Pending, Plan, Reduce, StageRuns, StepSpec, interpret, loss_weights, result, seed_scale
 from ..schedules._program import ScheduleError
+from ._board import waiting
 from ._collectives import (
     PendingSum,
     all_reduce_sum,
@@ -44,7 +45,7 @@ from ._collectives import (
     mixed_device_types,
     watched,
 )
-from ._faults import WATCHDOG, waiting
+from ._faults import WATCHDOG
 from ._topology import Topology
 from ._transport import DistributedTransport, WireState
 

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._faults import WATCHDOG, Board
+from ._board import Board
+from ._faults import WATCHDOG
 
 
 @dataclass(frozen=True)

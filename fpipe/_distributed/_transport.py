@@ -37,8 +37,9 @@ from .._errors import PipelineError
 from .._pytree import PyTree
 from ..schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD, KINDS, Action
 from ..schedules._program import Program
+from ._board import RAISED, Failure
 from ._collectives import handshake, lost, wait
-from ._faults import RAISED, WATCHDOG, Failure
+from ._faults import WATCHDOG
 from ._topology import Topology
 from ._wire import ERROR, Decoder, Encoder, as_bytes, error_message, meta_of
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._distributed._board import Board
 from .._distributed._collectives import wait
-from .._distributed._faults import Board
 from .._distributed._topology import Topology
 from .._distributed._wire import as_bytes
 from .._dtensor import DTensorLayout, check_mesh, dtensor_layout, local
