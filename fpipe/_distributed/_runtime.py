@@ -244,14 +244,16 @@ def _run_row(
         if recording is not None:
             recording.timelines.append(measured(plan.program, plan.order, times, start, topology, spec.timeout))
     except BaseException as error:
-        aborted = topology.board.aborted  # by the watchdog, for another rank's failure
         mark_broken(topology, error)
         transport.abort(error, executor.current)
-        # A stage's own collective that the board aborted fails inside the stage, so the error
-        # names this rank's action; the board's record says why (fpipe's own waits say so already).
-        own = aborted and topology.tensor_group is not None and not _from_board(error, topology)
-        standing = WATCHDOG.read(topology.board) if own else None
-        if standing is not None:
+        # A stage's own collective that failed for another rank's failure (the board aborted it,
+        # or that rank's connection closed first: it wrote its record before) fails inside the
+        # stage, so the error names this rank's action; the board's record, when it names another
+        # rank, says why (fpipe's own waits say so already). A stage that failed by itself raises
+        # its own error, as without a tp dimension.
+        inside = topology.tensor_group is not None and not _from_board(error, topology)
+        standing = WATCHDOG.read(topology.board) if inside else None
+        if standing is not None and standing.subject() != topology.board.label():
             raise standing.error(topology.board, topology.rank, "a collective inside its stage") from error
         raise
     return loss, aux, outputs
