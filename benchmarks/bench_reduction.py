@@ -10,14 +10,16 @@ Four processes (gloo, 127.0.0.1, one torch thread each) on a dp 2 x pp 2 mesh ru
 MLP stages (``h + tanh(h W1 + b1) W2``, float32), ``Interleaved1F1B`` with 2 stages per rank,
 replicated parameters, in two modes timed A/B interleaved (one step of each in turn):
 
-- ``end``: the replicated run as it was, every gradient in one all-reduce per dtype after the
-  pipeline (``ReplicatedStages`` without a ``Reduce``);
+- ``end``: the replicated run as it was, every gradient in one all-reduce after the pipeline
+  (``ReplicatedStages`` without a ``Reduce``, then ``end_mean`` here: the runtime no longer has
+  that path);
 - ``overlap``: each stage's all-reduce posted at its last action (NOTE [reduction overlap] in
   fpipe/_distributed/_runtime.py), waited for when the row is done.
 
 Per rank it reports the median step time and the median exposed reduction time: the seconds the
 step spends, after its last action, waiting for the gradients' reduction and the loss's average
-(``ReplicatedStages.finish`` plus ``_average_replicas``). Both modes' grads are checked bitwise equal.
+(``ReplicatedStages.finish`` plus ``_average_loss``, plus ``end_mean`` in ``end`` mode). Both
+modes' grads are checked bitwise equal.
 """
 
 from __future__ import annotations
@@ -65,16 +67,16 @@ def measure(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any
     """Both modes on this rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fpipe import _api, _run
+    from fpipe import _run, _strategy
     from fpipe._distributed import _runtime
 
     timer = _Timer()
     _run.ReplicatedStages.finish = timer.wrap(_run.ReplicatedStages.finish)  # type: ignore[method-assign]
-    _runtime._average_replicas = timer.wrap(_runtime._average_replicas)
-    overlapping = _api.replica_mean
+    _runtime._average_loss = timer.wrap(_runtime._average_loss)
+    overlapping = _strategy.replica_mean
 
     def use(mode: str) -> None:
-        _api.replica_mean = overlapping if mode == "overlap" else lambda topology, timeout, **_: None  # type: ignore[assignment]
+        _strategy.replica_mean = overlapping if mode == "overlap" else lambda topology, timeout, **_: None  # type: ignore[assignment]
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     replica = mesh.get_coordinate()[0]
@@ -90,10 +92,26 @@ def measure(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any
     batch["y"] = torch.randn(config["batch"], config["dim"], generator=g)
     mine = batch if step.rank == 0 else None
 
-    results = {}
-    for mode in MODES:
+    dp_group = mesh.get_group("dp")
+
+    @timer.wrap
+    def end_mean(grads: list[Any]) -> None:
+        """The old end of a replicated step: the gradients summed in one all-reduce, then halved."""
+        leaves = [g for s in step.local_stages for g in grads[s].values()]
+        flat = torch.cat([g.reshape(-1) for g in leaves])
+        dist.all_reduce(flat, group=dp_group)
+        flat.div_(2)
+        for g, piece in zip(leaves, torch.split(flat, [g.numel() for g in leaves])):
+            g.copy_(piece.view_as(g))
+
+    def run(mode: str) -> Any:
         use(mode)
-        results[mode] = step(params, mine)
+        result = step(params, mine)
+        if mode == "end":
+            end_mean(result[1])
+        return result
+
+    results = {mode: run(mode) for mode in MODES}
     for s in step.local_stages:
         for k in full[s]:
             assert torch.equal(results["end"][1][s][k], results["overlap"][1][s][k]), (s, k)
@@ -103,11 +121,10 @@ def measure(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any
     exposed: dict[str, list[float]] = {m: [] for m in MODES}
     for k in range(config["warmup"] + config["repeats"]):
         for mode in MODES:
-            use(mode)
             dist.barrier()
             timer.seconds = 0.0
             start = time.perf_counter()
-            step(params, mine)
+            run(mode)
             if k >= config["warmup"]:
                 times[mode].append(time.perf_counter() - start)
                 exposed[mode].append(timer.seconds)

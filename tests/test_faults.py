@@ -32,15 +32,20 @@ DEFAULT = None  # the pipeline's default timeout (300 s)
 SLACK = 10.0
 
 
-def scenario(rank, world, mesh_shape, victim, where, sig, timeout):
+DP_PP = (("dp", 2), ("pp", 2))  # a mesh, as (dimension, size) pairs
+PP_TP = (("pp", 2), ("tp", 2))  # the tensor-parallel ranks run the same plain stages
+
+
+def scenario(rank, world, mesh, victim, where, sig, timeout):
     """One healthy step, then the victim's fault; a survivor returns ``(seconds, error type, message)``."""
-    if mesh_shape is None:
+    if mesh is None:
         num_stages, place = world, {"group": dist.group.WORLD}
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
-        num_stages = mesh_shape[1]
-        place = {"mesh": init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "pp"))}
+        num_stages = dict(mesh)["pp"]
+        names, shape = zip(*mesh)
+        place = {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=names)}
     armed = [False]
 
     def fault():
@@ -82,22 +87,37 @@ CASES = [  # (ranks or mesh, victim, where, signal, timeout)
     (4, 3, "backward", signal.SIGKILL, DEFAULT),
     (4, 2, "idle", signal.SIGSTOP, 4),
     (3, 1, "idle", signal.SIGKILL, DEFAULT),
-    ((2, 2), 3, "backward", signal.SIGKILL, DEFAULT),
-    ((2, 2), 2, "forward", signal.SIGSTOP, 4),
+    (DP_PP, 3, "backward", signal.SIGKILL, DEFAULT),
+    (DP_PP, 2, "forward", signal.SIGSTOP, 4),
+    # The store's host (global rank 0): no board, no heartbeats (NOTE [the store's host]).
+    (4, 0, "idle", signal.SIGKILL, DEFAULT),
+    (DP_PP, 0, "forward", signal.SIGSTOP, 4),
+    # A tensor-parallel partner that needs no collective in the failed backward (and the
+    # store's host), or that froze: no rank returns a loss (NOTE [a step ends together]).
+    (PP_TP, 0, "backward", signal.SIGKILL, DEFAULT),
+    (PP_TP, 1, "backward", signal.SIGSTOP, 4),
 ]
 
 
 def run_case(setup, victim, where, sig, timeout):
     """Every survivor's ``(seconds, error type, message)``, by global rank (the victim's is None)."""
-    world, mesh_shape = (setup, None) if isinstance(setup, int) else (setup[0] * setup[1], setup)
-    args = (mesh_shape, victim, where, sig, timeout)
+    world, mesh = (setup, None) if isinstance(setup, int) else (setup[0][1] * setup[1][1], setup)
+    args = (mesh, victim, where, sig, timeout)
     return run_ranks(world, scenario, *args, timeout=90, may_die=frozenset({victim}))
+
+
+def name(setup, victim):
+    """How messages name global rank ``victim``: ``rank 1``, or ``rank 3 (dp 1, pp 1)`` on a mesh."""
+    if isinstance(setup, int):
+        return f"rank {victim}"
+    (first, _), (second, size) = setup
+    return f"rank {victim} ({first} {victim // size}, {second} {victim % size})"
 
 
 @pytest.mark.parametrize(("setup", "victim", "where", "sig", "timeout"), CASES)
 def test_every_survivor_fails_fast_naming_the_victim(setup, victim, where, sig, timeout):
     results = run_case(setup, victim, where, sig, timeout)
-    names = f"rank {victim}" if isinstance(setup, int) else f"rank {victim % 2} of data-parallel replica {victim // 2}"
+    names = name(setup, victim)
     limit = SLACK if timeout is None else timeout + SLACK  # either way far below the default 300 s
     for rank, result in enumerate(results):
         if rank == victim:
@@ -254,8 +274,9 @@ def _abort_after_the_peer(rank, world):
     that group, whose pair is closed already, and a second one, on which rank 0 waits."""
     from datetime import timedelta
 
+    from fpipe._distributed._board import RAISED
     from fpipe._distributed._collectives import wait
-    from fpipe._distributed._faults import RAISED, WATCHDOG, abort_group
+    from fpipe._distributed._faults import WATCHDOG, abort_group
 
     first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
     if rank == 1:
@@ -264,14 +285,13 @@ def _abort_after_the_peer(rank, world):
     time.sleep(0.2)  # rank 0's side of the first group sees its pair close
     out = None
     if rank == 0:
-        board = WATCHDOG.board((0, 1), [first, second], {0: (0, None), 1: (1, None)})
-        with WATCHDOG.step(board):
-            WATCHDOG.report(board, board.failure_of(1, RAISED, "failed in a test"))
-            start = time.monotonic()
-            with pytest.raises(fpipe.PipelineError) as info:
-                work = dist.irecv(torch.empty(1), 1, group=second)
-                wait(work, timedelta(seconds=20), 0, "a message that never comes", peer=1)
-            out = (time.monotonic() - start, str(info.value))
+        board = WATCHDOG.board((0, 1), [first, second], {0: (0, None), 1: (1, None)}, {0: "rank 0", 1: "rank 1"})
+        WATCHDOG.report(board, board.failure_of(1, RAISED, "failed in a test"))
+        start = time.monotonic()
+        with pytest.raises(fpipe.PipelineError) as info:
+            work = dist.irecv(torch.empty(1), 1, group=second)
+            wait(work, board, timedelta(seconds=20), 0, "a message that never comes", peer=1)
+        out = (time.monotonic() - start, str(info.value))
     # The default group was not aborted: its barrier completes on both ranks.
     dist.barrier(async_op=True).wait(timeout=timedelta(seconds=10))
     return out
@@ -298,7 +318,7 @@ def _malformed_record(rank, world):
     def plant(x):
         if armed[0] and rank == 1:
             armed[0] = False
-            board = WATCHDOG.current
+            board = step.topology.board
             WATCHDOG.ask(lambda store: store.set(board.key(), "not a record"))
             time.sleep(0.5)  # rank 0 waits for this stage's output meanwhile
 
@@ -359,21 +379,19 @@ def test_a_watchdog_whose_store_is_gone_stops_without_a_warning():
     assert message.startswith("fpipe: the watchdog has stopped: the job's store is gone ("), message
 
 
-def matrix(setups=((2, 1), (3, 2), (4, 3), ((2, 2), 1)), timeouts=(4, DEFAULT)):
+def matrix(setups=((2, 1), (3, 2), (4, 3), (DP_PP, 1)), timeouts=(4, DEFAULT)):
     """Every setup x fault place x signal x timeout: the survivors' seconds, as a markdown table."""
     print("| ranks | victim | fault | signal | timeout | survivors' seconds | error | names the victim |")
     print("|---|---|---|---|---|---|---|---|")
     for setup, victim in setups:
-        names = (
-            f"rank {victim}" if isinstance(setup, int) else f"rank {victim % 2} of data-parallel replica {victim // 2}"
-        )
+        names = name(setup, victim)
         for where in ("forward", "backward", "idle"):
             for sig in (signal.SIGKILL, signal.SIGSTOP):
                 for timeout in timeouts:
                     if sig == signal.SIGSTOP and timeout is DEFAULT:
                         continue  # 300 s each: run separately (see notes/wire.md)
                     survivors = [r for r in run_case(setup, victim, where, sig, timeout) if r is not None]
-                    shown = "x".join(map(str, setup)) if isinstance(setup, tuple) else str(setup)
+                    shown = " x ".join(f"{n} {k}" for n, k in setup) if isinstance(setup, tuple) else str(setup)
                     seconds = ", ".join(f"{r[0]:.2f}" for r in survivors)
                     kinds = "/".join(sorted({r[1] for r in survivors}))
                     named = all(f"because {names} " in r[2] for r in survivors)
@@ -385,4 +403,4 @@ def matrix(setups=((2, 1), (3, 2), (4, 3), ((2, 2), 1)), timeouts=(4, DEFAULT)):
 
 
 if __name__ == "__main__":
-    matrix(*([((2, 2), 1)],) if "--mesh" in sys.argv else ())
+    matrix(*([(DP_PP, 1)],) if "--mesh" in sys.argv else ())

@@ -315,9 +315,9 @@ def test_a_failing_replica_fails_the_other():
     assert "failed on rank 1" in failures[1] and "boom" in failures[1]
     # Every other rank names the failed one, its replica and its action (the failure board).
     for r in (0, 2, 3):
-        expected = f"rank {r % 2} stopped" if r else "rank 0 stopped because"
+        expected = f"rank {r} (dp {r // 2}, pp {r % 2}) stopped"
         assert expected in failures[r], failures[r]
-        assert "because rank 1 of data-parallel replica 0 failed in forward of stage 1" in failures[r]
+        assert "because rank 1 (dp 0, pp 1) failed in forward of stage 1" in failures[r]
 
 
 def _mixed_precision(rank, world):

@@ -5,9 +5,11 @@ goes through, the wire's byte views, and the runtime ``Step`` calls. README.md s
 module owns.
 """
 
+from ._board import Board as Board
 from ._collectives import all_gather_json as all_gather_json
 from ._collectives import all_reduce_sum as all_reduce_sum
 from ._collectives import wait as wait
+from ._collectives import watched as watched
 from ._runtime import replica_mean as replica_mean
 from ._runtime import run_distributed as run_distributed
 from ._topology import Topology as Topology
@@ -17,6 +19,7 @@ from ._wire import as_bytes as as_bytes
 from ._wire import tensor_bytes as tensor_bytes
 
 __all__ = [
+    "Board",
     "Topology",
     "WireState",
     "all_gather_json",
@@ -27,4 +30,5 @@ __all__ = [
     "run_distributed",
     "tensor_bytes",
     "wait",
+    "watched",
 ]

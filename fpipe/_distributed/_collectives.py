@@ -7,29 +7,32 @@ timeout becomes a ``PipelineError`` that says what was awaited and names the ran
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._errors import PipelineError, PipelineTimeoutError
-from ._faults import BEAT, DIED, SILENT, STALE, WATCHDOG, Board, waiting
+from .._errors import PipelineError
+from ._board import BEAT, DIED, SILENT, STALE, Board, waiting
+from ._faults import WATCHDOG, abort_job, store_host
 from ._topology import Topology
 from ._wire import tensor_bytes
 
 
-def wait(work: Any, timeout: timedelta, rank: int, what: str | Callable[[], str], peer: int | None = None) -> None:
-    """``work.wait`` with a timeout. A failure raises a ``PipelineError`` that says what ``rank``
-    was waiting for and names the rank that failed (NOTE [failure board] in fpipe/_distributed/_faults.py);
-    the backend's error is chained. ``what`` may be a function that says it (called only then: a
-    step waits for every message it receives). ``peer``: the global rank a receive waits on
-    (``None``: a collective)."""
-    board = WATCHDOG.current
+def wait(
+    work: Any, board: Board, timeout: timedelta, rank: int, what: str | Callable[[], str], peer: int | None = None
+) -> None:
+    """``work.wait`` with a timeout, under the job's failure ``board``. A failure raises a
+    ``PipelineError`` that says what ``rank`` was waiting for and names the rank that failed
+    (NOTE [failure board] in fpipe/_distributed/_faults.py); the backend's error is chained.
+    ``what`` may be a function that says it (called only then: a step waits for every message it
+    receives). ``peer``: the global rank a receive waits on (``None``: a collective)."""
     try:
         with waiting(board):
             work.wait(timeout=timeout)
@@ -37,8 +40,21 @@ def wait(work: Any, timeout: timedelta, rank: int, what: str | Callable[[], str]
         raise lost(board, error, rank, what, peer, timeout) from error
 
 
+@contextlib.contextmanager
+def watched(topology: Topology, timeout: float, what: str) -> Iterator[None]:
+    """Run collectives that fpipe does not wait for itself (DTensor's) under the failure board:
+    another rank's failure aborts them, and their backend errors raise as ``wait``'s do."""
+    try:
+        with waiting(topology.board):
+            yield
+    except PipelineError:  # from fpipe's own waits inside: it says what failed already
+        raise
+    except RuntimeError as error:
+        raise lost(topology.board, error, topology.rank, what, None, timedelta(seconds=timeout)) from error
+
+
 def lost(
-    board: Board | None,
+    board: Board,
     error: BaseException,
     rank: int,
     what: str | Callable[[], str],
@@ -47,25 +63,21 @@ def lost(
 ) -> PipelineError:
     """The error for a backend ``error`` while pipeline rank ``rank`` waited for ``what``.
 
-    In a step, the board's record if there is one (the failure that aborted this wait), else
-    this rank's finding, written on the board for the others: a silent rank (the wait timed
-    out: the ranks whose heartbeat stopped, or unknown) or a dead one (its connection closed).
+    The board's record if there is one (the failure that aborted this wait), else this rank's
+    finding, written on the board for the others: a silent rank (the wait timed out: the ranks
+    whose heartbeat stopped, or unknown) or a dead one (its connection closed); the store's host
+    when the store does not answer (NOTE [the store's host] in fpipe/_distributed/_faults.py).
     """
     what = what if isinstance(what, str) else what()
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     timed_out = "timed out" in text.lower() or "timeout" in text.lower()
     seconds = f"{timeout.total_seconds():g}"
-    if board is None:
-        if timed_out:
-            return PipelineTimeoutError(
-                f"fpipe: rank {rank} timed out after {seconds} s waiting for {what}. A peer has probably died "
-                "or hung; if it is just slow, raise pipeline(..., timeout=).",
-                rank=rank,
-            )
-        return PipelineError(f"fpipe: rank {rank} lost a peer while waiting for {what} ({text}).", rank=rank)
     standing = WATCHDOG.read(board)
     if standing is not None:
-        return standing.error(rank, what)
+        WATCHDOG.linger(board)
+        return standing.error(board, rank, what)
+    if board.unanswered is not None:
+        return _without_store(board, rank, what, seconds)
     if timed_out:
         silent = board.silent()
         if silent:
@@ -90,7 +102,28 @@ def lost(
             DIED,
             f"died: a connection closed while rank {rank} waited",
         )
-    return WATCHDOG.report(board, failure).error(rank, what)
+    raised = WATCHDOG.report(board, failure).error(board, rank, what)
+    WATCHDOG.linger(board)
+    return raised
+
+
+def _without_store(board: Board, rank: int, what: str, seconds: str) -> PipelineError:
+    """The error when the job's store does not answer: its host's failure, kept on this rank
+    alone (no board to write it on); this rank's groups are aborted, so that the ranks waiting on
+    it fail at once (NOTE [the store's host] in fpipe/_distributed/_faults.py)."""
+    hosts = ", which it hosts," if store_host() is not None else ""
+    if WATCHDOG.store_gone(board):
+        failure = board.failure_of(store_host(), DIED, f"died: the job's store{hosts} is gone")
+    else:
+        failure = board.failure_of(
+            store_host(),
+            SILENT,
+            f"stopped answering: the job's store{hosts} does not answer, so it is frozen or dead; rank {rank} "
+            f"stopped waiting (its timeout: {seconds} s)",
+        )
+    board.failure = failure
+    abort_job(board)
+    return failure.error(board, rank, what)
 
 
 def _first_silent(board: Board) -> int | None:
@@ -201,8 +234,15 @@ def all_gather_json(topology: Topology, group: Any, value: Any, timeout: float, 
 
 def _all_gather(topology: Topology, group: Any, mine: torch.Tensor, timeout: float, what: str) -> list[torch.Tensor]:
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    wait(dist.all_gather(every, mine, group=group, async_op=True), timedelta(seconds=timeout), topology.rank, what)
+    work = dist.all_gather(every, mine, group=group, async_op=True)
+    wait(work, topology.board, timedelta(seconds=timeout), topology.rank, what)
     return every
+
+
+def meet(topology: Topology, group: Any, timeout: float, what: str) -> None:
+    """Return once every rank of ``group`` has called ``meet`` too (one all-reduce of a zero,
+    under the failure board): a rank that failed never comes, and the board fails the others."""
+    all_reduce_sum(topology, group, [torch.zeros(1, dtype=torch.float64, device=topology.device)], timeout, what)
 
 
 def all_reduce_sum(topology: Topology, group: Any, tensors: list[torch.Tensor], timeout: float, what: str) -> None:
@@ -224,7 +264,7 @@ class PendingSum:
         """Wait (with the timeout, failures through ``wait``) and copy the sums back, once."""
         buckets, self._buckets = self._buckets, []
         for work, flat, members in buckets:
-            wait(work, self._timeout, self._topology.rank, self._what)
+            wait(work, self._topology.board, self._timeout, self._topology.rank, self._what)
             offset = 0
             for t in members:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))

@@ -4,20 +4,24 @@ NOTE [failure board]
 A process that dies closes its connections, so a peer receiving from it fails at once; one that
 freezes (SIGSTOP, a hung kernel, a lost machine) does not, and torch.distributed cannot interrupt
 a pending gloo receive from Python. Waiting ranks learn of a failure they are not waiting on
-through a board in torch.distributed's own store (the job's TCPStore), per step:
+through a board in torch.distributed's own store (the job's TCPStore), one per job (its
+groups: a failure breaks them for good, and new groups over the same ranks get a new board):
 
-1. A rank that fails (a stage or ``loss_fn`` raised, a peer died, a wait timed out) writes the
-   step's failure record before raising: compare-and-set, so the first record wins and every
-   rank reports the same failure.
-2. A watchdog thread per process reads the record while its rank has been waiting longer than
-   ``POLL`` seconds. When there is one, it aborts the job's process groups on this rank (gloo:
-   a receive that times out at once, which closes every pair of the group; other backends:
+1. A rank that fails (a stage or ``loss_fn`` raised, a peer died, a wait timed out, in a step
+   or in any other collective of fpipe's: a save, a load, ``global_norm``, the precision
+   agreement) writes the job's failure record before raising: compare-and-set, so the first
+   record wins and every rank reports the same failure.
+2. A watchdog thread per process reads the record while any of its threads (the training
+   thread, an ``AsyncSaver``'s) has been waiting on the job's groups longer than ``POLL``
+   seconds. When there is one, it aborts the job's process groups on this rank (gloo: a
+   receive that times out at once, which closes every pair of the group; other backends:
    ``ProcessGroup.abort``), so the pending wait raises at once, and the rank raises the record.
    With gloo, a pair whose peer aborted first (or died) is closed already and refuses that
    receive with an error: the abort then tries the next peer, and never raises. (It once
    raised there, which ended the watchdog thread before it aborted the job's other groups: a
    rank waiting on its data-parallel group then sat out its full ``timeout``, and a barrier on
-   the default group after the failure seemed to hang.) Only the job's groups are aborted; the
+   the default group after the failure seemed to hang.) An ``AsyncSaver``'s copies of the
+   groups are aborted with them (``Board.watch``). Only the job's groups are aborted; the
    default group is one of them only when the job runs on it (``group=dist.group.WORLD``, or a
    mesh dimension over every rank, for which torch's DeviceMesh reuses the default group).
 3. Every watchdog beats a counter in the store every ``BEAT`` seconds while its process lives,
@@ -28,7 +32,8 @@ through a board in torch.distributed's own store (the job's TCPStore), per step:
 Store operations run only on the watchdog thread, through its own client of the store: a rank's
 main thread never blocks on a store whose host is frozen (it gives up after ``ASK`` seconds).
 So every survivor raises within the ``timeout`` of its own wait plus about ``2 * POLL``, and
-within ``POLL`` of the first report when it waits on something else.
+within ``POLL`` of the first report when it waits on something else. When the store itself
+does not answer (its host died or froze), see NOTE [the store's host].
 
 The thread ends when its store is replaced (a new ``init_process_group``) or the process group
 is destroyed, or on the first error of its own store work. A store or connection error
@@ -44,14 +49,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import os
 import queue
+import socket
 import threading
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -59,98 +65,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from .._errors import PipelineError, PipelineTimeoutError
-from ..schedules import Action
-from ..schedules._action import KINDS
+from ._board import ASK, BEAT, POLL, RAISED, STALE, Board, Failure
 
-POLL = 0.05  # seconds a wait lasts before the watchdog reads the board, and between readings
-BEAT = 0.25  # seconds between heartbeats
-STALE = 1.5  # seconds without a heartbeat after which a rank counts as silent
-ASK = 1.0  # seconds the main thread waits for the watchdog to read or write the board
 _ABORT_TAG = 0x7FFF0000  # a tag no message uses: the receive that aborts a gloo group
 
 
-RAISED = "raised"  # a stage, loss_fn or the runtime raised on that rank (its own error says why)
-DIED = "died"  # its connection closed
-SILENT = "silent"  # a wait for it timed out
-
-
-@dataclass(frozen=True)
-class Failure:
-    """What failed in a step, as written on the board.
-
-    ``rank`` is the pipeline rank that failed (``None``: unknown), ``replica`` its data-parallel
-    replica when the job has several, ``action`` where it failed, ``kind`` one of ``RAISED``,
-    ``DIED``, ``SILENT``, and ``what`` a phrase that completes "rank r ...".
-    """
-
-    rank: int | None
-    action: Action | None
-    kind: str
-    what: str
-    replica: int | None = None
-
-    def to_json(self) -> str:
-        action = self.action
-        code = None if action is None else [action.stage, KINDS.index(action.kind), action.microbatch]
-        return json.dumps([self.rank, code, self.kind, self.what, self.replica])
-
-    @classmethod
-    def from_json(cls, text: str) -> Failure:
-        rank, code, kind, what, replica = json.loads(text)
-        action = None if code is None else Action(code[0], KINDS[code[1]], code[2])
-        return cls(rank, action, kind, what, replica)
-
-    def subject(self) -> str:
-        """``rank 3`` (or ``rank 1 of data-parallel replica 0``, or ``an unknown rank``)."""
-        if self.rank is None:
-            return "an unknown rank"
-        return f"rank {self.rank}" + ("" if self.replica is None else f" of data-parallel replica {self.replica}")
-
-    def error(self, me: int, while_: str | None = None) -> PipelineError:
-        """The error another rank raises for this failure (``while_``: what it was waiting for)."""
-        where = "" if while_ is None else f" while waiting for {while_}"
-        cls = PipelineTimeoutError if self.kind == SILENT else PipelineError
-        return cls(
-            f"fpipe: rank {me} stopped{where} because {self.subject()} {self.what}.",
-            rank=me if self.rank is None else self.rank,
-            action=self.action,
-        )
-
-
-@dataclass(eq=False)
-class Board:
-    """The failure board of one job (a pipeline group, or a whole dp x pp mesh) in the store."""
-
-    prefix: str  # of its keys in the store
-    job: tuple[int, ...]  # the global ranks of the job
-    me: int  # this process's global rank
-    groups: list[Any]  # the process groups to abort on a failure
-    names: dict[int, tuple[int, int | None]]  # global rank -> (pipeline rank, replica or None)
-    step: int = 0
-    failure: Failure | None = None  # the current step's record, once read
-    beats: dict[int, tuple[int, float]] = field(default_factory=dict)  # global rank -> (counter, when it changed)
-    since: float | None = None  # when this rank's current wait began
-    read_at: float = 0.0  # when the heartbeats were last read
-    aborted: bool = False
-
-    def key(self) -> str:
-        return f"{self.prefix}{self.step}/failed"
-
-    def failure_of(self, global_rank: int | None, kind: str, what: str) -> Failure:
-        """A failure of the process of global rank ``global_rank`` (``None``: unknown)."""
-        if global_rank is None:
-            return Failure(None, None, kind, what)
-        rank, replica = self.names.get(global_rank, (global_rank, None))
-        return Failure(rank, None, kind, what, replica)
-
-    def silent(self) -> list[int] | None:
-        """The global ranks of the job whose heartbeat has not changed for ``STALE`` seconds
-        (``None``: unknown, the store has not answered for that long)."""
-        now = time.monotonic()
-        if now - self.read_at > STALE:
-            return None
-        return [g for g in self.job if g != self.me and (g not in self.beats or now - self.beats[g][1] > STALE)]
+class StoreGone(TimeoutError):
+    """``Watchdog.ask`` after the watchdog stopped because the job's store is gone."""
 
 
 class Watchdog:
@@ -163,15 +84,18 @@ class Watchdog:
         self._serves: Any = None  # the default process group's store
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.current: Board | None = None  # the board of the step this process is running
+        self._busy: float | None = None  # since when the thread has been in a store call
         self.stopped_by: BaseException | None = None  # the error that ended the thread, if one did
 
-    def board(self, job: tuple[int, ...], groups: list[Any], names: dict[int, tuple[int, int | None]]) -> Board:
-        """The board of ``job`` laid out as ``names`` says, in the current process group's store
-        (beaten from now on). Two meshes over the same ranks (a 2 x 2 and a 4 x 1) get boards of
-        their own: their groups, rank names and step counts differ."""
+    def board(
+        self, job: tuple[int, ...], groups: list[Any], names: dict[int, tuple[int, int | None]], labels: dict[int, str]
+    ) -> Board:
+        """The board of ``job`` laid out as ``names`` says, over ``groups``, in the current process
+        group's store (beaten from now on). Two meshes over the same ranks (a 2 x 2 and a 4 x 1)
+        get boards of their own. A failed board stays failed for the groups it watched; new groups
+        over the same ranks (made after the failure, on every rank) get the next generation's."""
         layout = zlib.crc32(json.dumps(sorted(names.items())).encode())
-        prefix = "fpipe/" + ",".join(map(str, job)) + f"/{layout:08x}/"
+        base = "fpipe/" + ",".join(map(str, job)) + f"/{layout:08x}/"
         default = dist.distributed_c10d._get_default_store()
         with self._lock:
             if self._thread is None or not self._thread.is_alive() or self._serves is not default:
@@ -182,7 +106,32 @@ class Watchdog:
                     target=self._loop, args=(default, dist.get_rank()), name="fpipe-watchdog", daemon=True
                 )
                 self._thread.start()
-            return self._boards.setdefault(prefix, Board(prefix, job, dist.get_rank(), groups, names))
+            board = self._boards.get(base)
+            if board is None or (board.failure is not None and not any(g in board.groups for g in groups)):
+                generation = 0 if board is None else board.generation + 1
+                board = Board(f"{base}{generation}/", job, dist.get_rank(), groups, names, labels, generation)
+                self._boards[base] = board
+            return board
+
+    def store_gone(self, board: Board) -> bool:
+        """Whether the store that ``board``'s last reading found silent is gone (its host exited),
+        not frozen: the reading failed on a closed connection, or nothing listens at the store's
+        address any more (a frozen process's socket still accepts: its kernel answers)."""
+        error = board.unanswered
+        if error is not None and (not isinstance(error, TimeoutError) or isinstance(error, StoreGone)):
+            return True
+        store = self._serves
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        if not isinstance(store, TCPStore):
+            return False
+        try:
+            socket.create_connection((store.host, store.port), timeout=ASK).close()
+        except TimeoutError:
+            return False
+        except OSError:  # refused: the host's process is gone
+            return True
+        return False
 
     def stop(self) -> None:
         """Stop the thread and wait for it (at exit: a daemon thread caught inside a store call
@@ -193,16 +142,6 @@ class Watchdog:
         if thread is not None and thread.is_alive():
             thread.join(timeout=2 * ASK)
 
-    @contextlib.contextmanager
-    def step(self, board: Board) -> Iterator[None]:
-        """Run one step on ``board``: a new record key, read while this rank waits."""
-        board.step += 1
-        board.failure, board.since, self.current = None, None, board
-        try:
-            yield
-        finally:
-            self.current, board.since = None, None
-
     # -- the main thread's side --------------------------------------------------------------
 
     def ask(self, job: Callable[[Any], Any]) -> Any:
@@ -212,25 +151,44 @@ class Watchdog:
         if self._thread is None or not self._thread.is_alive():
             cause = self.stopped_by
             if cause is None:
-                raise TimeoutError("fpipe: the watchdog has stopped: the job's store is gone")
-            why = "the job's store is gone" if _store_gone(cause) else "it failed"
-            raise TimeoutError(f"fpipe: the watchdog has stopped: {why} ({_named(cause)})") from cause
+                raise StoreGone("fpipe: the watchdog has stopped: the job's store is gone")
+            if _store_gone(cause):
+                why = f"the job's store is gone ({_named(cause)})"
+                raise StoreGone(f"fpipe: the watchdog has stopped: {why}") from cause
+            raise TimeoutError(f"fpipe: the watchdog has stopped: it failed ({_named(cause)})") from cause
+        busy = self._busy
+        if busy is not None and time.monotonic() - busy > ASK:  # stuck in a call the store does not answer
+            raise TimeoutError(f"fpipe: the job's store has not answered for {time.monotonic() - busy:.1f} s")
         self._requests.put((job, done))
         return done.result(timeout=ASK)
 
     def read(self, board: Board) -> Failure | None:
-        """The board's record for this step, read now (``None``: none, or the store does not answer)."""
+        """The board's record, read now (``None``: none, or the store does not answer: then
+        ``board.unanswered`` says why)."""
         if board.failure is not None:
             return board.failure
-        with contextlib.suppress(Exception):
-            self.ask(lambda store: self._check(board, store, abort=False))
-        return board.failure
+        deadline = time.monotonic() + STALE
+        while True:
+            try:
+                self.ask(lambda store: self._check(board, store, abort=False))
+                board.unanswered = None
+                return board.failure
+            except Exception as error:  # kept: NOTE [the store's host]
+                board.unanswered = error
+            # A store slow to answer (a loaded machine) is asked again; one that has not answered
+            # the watchdog for STALE seconds, or is gone, is not.
+            busy = self._busy
+            stuck = busy is not None and time.monotonic() - busy > STALE
+            if stuck or self.store_gone(board) or time.monotonic() > deadline:
+                return board.failure
+            time.sleep(POLL)
 
     def report(self, board: Board, failure: Failure) -> Failure:
         """Write ``failure`` unless a record is there already; the record that stands."""
 
         def write(store: Any) -> Failure:
             standing = store.compare_set(board.key(), "", failure.to_json()).decode()
+            self._seen(board, store)
             return failure if not standing else Failure.from_json(standing)
 
         with contextlib.suppress(Exception):
@@ -248,6 +206,7 @@ class Watchdog:
             with contextlib.suppress(queue.Empty):
                 job = requests.get(timeout=POLL)
             try:
+                self._busy = time.monotonic()
                 if self._store is None:
                     self._store = _own_client(serves)
                 store = self._store
@@ -261,10 +220,12 @@ class Watchdog:
                     last_beat = now
                     for board in list(self._boards.values()):
                         store.add(f"{board.prefix}beat/{board.me}", 1)
-                current = self.current
-                if current is not None and current.since is not None and now - current.since > POLL:
-                    self._check(current, store, abort=True)
-                    self._read_beats(current, store)
+                for board in list(self._boards.values()):
+                    waits = list(board.waits.values())  # (other threads add and remove theirs)
+                    if waits and now - min(waits) > POLL:
+                        self._check(board, store, abort=True)
+                        self._read_beats(board, store)
+                self._busy = None
             except Exception as error:
                 self._stopped(serves, me, error)
                 return
@@ -287,10 +248,35 @@ class Watchdog:
     def _check(self, board: Board, store: Any, *, abort: bool) -> None:
         if board.failure is None and store.check([board.key()]):
             board.failure = Failure.from_json(store.get(board.key()).decode())
-        if abort and board.failure is not None and not board.aborted:
-            board.aborted = True
-            for group in board.groups:
-                abort_group(group)
+            self._seen(board, store)
+        if abort and board.failure is not None:
+            abort_job(board)
+
+    def _seen(self, board: Board, store: Any) -> None:
+        """Count this rank, once, among those that have seen the board's record (``linger``)."""
+        if not board.seen:
+            board.seen = True
+            store.add(f"{board.prefix}seen", 1)
+
+    def linger(self, board: Board) -> None:
+        """On the store's host, after a failure: wait until every live rank of the job has seen
+        the record, for at most ``STALE`` seconds, so that the store outlives their readings
+        (NOTE [the store's host]): a host that raised and exited at once left a slower rank with
+        no record to read, and that rank then blamed the host. Once per board."""
+        failure = board.failure
+        if board.me != store_host() or failure is None or board.lingered:
+            return
+        board.lingered = True
+        lost = failure.kind != RAISED and failure.rank is not None  # a dead or frozen rank never looks
+        deadline = time.monotonic() + STALE
+        while time.monotonic() < deadline:
+            try:
+                seen = self.ask(lambda store: store.add(f"{board.prefix}seen", 0))
+            except Exception:  # the store does not answer: nothing to keep up
+                return
+            if seen >= len(board.job) - max(int(lost), len(board.silent() or [])):
+                return
+            time.sleep(POLL)
 
     def _read_beats(self, board: Board, store: Any) -> None:
         now = time.monotonic()
@@ -322,6 +308,33 @@ def _own_client(store: Any) -> Any:
     return store
 
 
+def abort_job(board: Board) -> None:
+    """Abort every group of ``board``'s job on this rank, once (from any thread: aborting a group
+    twice is harmless)."""
+    if not board.aborted:
+        board.aborted = True
+        for group in list(board.groups):
+            abort_group(group)
+
+
+# NOTE [the store's host]
+# The board lives in the job's store, which one process hosts: global rank 0 for the rendezvous
+# of init_process_group (env:// and tcp:// start the store's server on rank 0), torchrun's agent
+# when it hosts the store (TORCHELASTIC_USE_AGENT_STORE). When that rank dies the store is gone;
+# when it freezes, every store call hangs. Either way no rank can read or write the board, and
+# the heartbeats say nothing. So a rank whose wait fails while the store does not answer (it is
+# gone, or the watchdog has been stuck in a store call for ``STALE`` seconds: a reading that is
+# only slow is tried again until then, ``Watchdog.read``) blames the store's host, and aborts its
+# own groups (``abort_job``): the ranks waiting on it fail at once and, finding the store silent
+# too, blame the host alike, instead of each waiting out its own timeout after the first one
+# gave up (which took twice the timeout). The host died when nothing listens at the store's
+# address (``Watchdog.store_gone``); otherwise it froze. A host that merely failed (it raised,
+# and will exit) keeps the store up until the others have seen the record (``Watchdog.linger``).
+def store_host() -> int | None:
+    """The global rank whose process hosts the job's store (``None``: torchrun's agent does)."""
+    return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
+
+
 def abort_group(group: Any) -> None:
     """Make every pending and future operation of ``group`` on this rank fail at once."""
     if group is None or dist.get_world_size(group) < 2:
@@ -345,23 +358,3 @@ def abort_group(group: Any) -> None:
 
 WATCHDOG = Watchdog()
 atexit.register(WATCHDOG.stop)
-
-
-class waiting:  # (lower case: used as a function, ``with waiting(board):``)
-    """Mark this rank as waiting (the watchdog reads the board after ``POLL`` seconds); inside
-    an outer ``waiting`` (a tensor-parallel row, NOTE [tensor-parallel waits] in
-    fpipe/_distributed/_runtime.py), the outer one goes on. A class, not a generator: it wraps
-    every receive of a step, and a ``contextlib.contextmanager`` costs a microsecond or two more."""
-
-    __slots__ = ("_board",)
-
-    def __init__(self, board: Board | None) -> None:
-        self._board = board if board is not None and board.since is None else None
-
-    def __enter__(self) -> None:
-        if self._board is not None:
-            self._board.since = time.monotonic()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._board is not None:
-            self._board.since = None

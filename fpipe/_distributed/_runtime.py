@@ -9,6 +9,8 @@ Each pipeline rank runs its own row of the program with the shared ``Executor`` 
    (or send) the loss;
 3. ``_average_loss``: average the loss over data-parallel replicas (their gradients were
    averaged as each stage finished: NOTE [reduction overlap]).
+4. ``meet`` the tensor-parallel partners, so that no rank returns from a step in which any rank
+   failed (NOTE [a step ends together]).
 
 Any rank's failure fails every rank (NOTE [failure board] in fpipe/_distributed/_faults.py).
 """
@@ -39,6 +41,7 @@ from .._run import (
 )
 from .._tensor_parallel import check_mesh, is_dtensor, local
 from ..schedules import ScheduleError, Simulation
+from ._board import waiting
 from ._collectives import (
     PendingSum,
     all_gather_json,
@@ -48,9 +51,11 @@ from ._collectives import (
     device_type_words,
     handshake,
     mark_broken,
+    meet,
     mixed_device_types,
+    watched,
 )
-from ._faults import WATCHDOG, waiting
+from ._faults import WATCHDOG
 from ._topology import Topology
 from ._transport import DistributedTransport, WireState
 
@@ -80,23 +85,43 @@ def run_distributed(
     other rank a ``ValueError`` saying so (NOTE [a handshake of fixed size]).
     """
     check_usable(topology)
-    with WATCHDOG.step(topology.board):
-        try:
-            late = WATCHDOG.read(topology.board)  # the others gave up on this step before this rank came
-            if late is not None:
-                raise late.error(topology.rank, "the other pipeline ranks at the start of the step")
-            agreed = _agree(step, order, topology, params, batch, strategy, key, rejected)
-            runs = strategy.held_stages(step, order, params)
-            loss, aux, outputs = _run_row(step, order, topology, wire, runs, agreed, keep_outputs)
-            if not order.forward_only:
-                runs.finish()
-            if topology.data_group is not None:
-                # Weighted by weight_fn, each replica's share is already over the total count.
-                loss = _average_loss(step, topology, loss, divide=step.weight_fn is None)
-            return (loss, aux, outputs), [] if order.forward_only else runs.grads(step.num_stages)
-        except PipelineError as error:
-            mark_broken(topology, error)
-            raise
+    try:
+        late = WATCHDOG.read(topology.board)  # the others gave up on the job before this rank came
+        if late is not None:
+            raise late.error(topology.board, topology.rank, "the other pipeline ranks at the start of the step")
+        agreed = _agree(step, order, topology, params, batch, strategy, key, rejected)
+        runs = strategy.held_stages(step, order, params)
+        loss, aux, outputs = _run_row(step, order, topology, wire, runs, agreed, keep_outputs)
+        if not order.forward_only:
+            runs.finish()
+        if topology.data_group is not None:
+            # Weighted by weight_fn, each replica's share is already over the total count.
+            loss = _average_loss(step, topology, loss, divide=step.weight_fn is None)
+        grads: list[PyTree] = []
+        if not order.forward_only:  # (a replicated DTensor's partial sums are summed over tp here)
+            with watched(topology, step.timeout, "the tensor-parallel sums of the gradients"):
+                grads = runs.grads(step.num_stages)
+        if topology.tensor_group is not None:  # NOTE [a step ends together]
+            what = "the other tensor-parallel ranks at the end of the step"
+            meet(topology, topology.tensor_group, step.timeout, what)
+        return (loss, aux, outputs), grads
+    except PipelineError as error:
+        mark_broken(topology, error)
+        WATCHDOG.linger(topology.board)
+        raise
+
+
+# NOTE [a step ends together]
+# A step returns on no rank when any rank of any mesh dimension failed in it. Each rank's last
+# collectives are, in turn, the pipeline group's closing all-gather (``_conclude``: a rank that
+# failed joins it with its code, and every rank then raises), the data-parallel average of the
+# loss, and a meeting of the tensor-parallel group (``meet``). A rank passes each only once every
+# rank of that group has arrived, so a rank that returns knows that its tensor-parallel partners
+# averaged with their replicas, which all concluded their pipelines: every rank of the mesh
+# finished its row. A rank that failed never arrives at the next one, and the failure board
+# aborts the wait of those that did. Without the meeting, with pp 2 x tp 2 and rank 0 killed in
+# its backward, its tensor-parallel partner (whose stage needed no collective in that backward)
+# and that partner's pipeline peer returned a loss for the step.
 
 
 class _Agreed(NamedTuple):
@@ -318,15 +343,17 @@ def _run_row(
         if recording is not None and timeline is not None:
             recording.timelines.append(gathered(timeline, topology, step.timeout))
     except BaseException as error:
-        aborted = topology.board.aborted  # by the watchdog, for another rank's failure
         mark_broken(topology, error)
         transport.abort(error, executor.current)
-        # A stage's own collective that the board aborted fails inside the stage, so the error
-        # names this rank's action; the board's record says why (fpipe's own waits say so already).
-        own = aborted and topology.tensor_group is not None and not _from_board(error, topology.rank)
-        standing = WATCHDOG.read(topology.board) if own else None
-        if standing is not None:
-            raise standing.error(topology.rank, "a collective inside its stage") from error
+        # A stage's own collective that failed for another rank's failure (the board aborted it,
+        # or that rank's connection closed first: it wrote its record before) fails inside the
+        # stage, so the error names this rank's action; the board's record, when it names another
+        # rank, says why (fpipe's own waits say so already). A stage that failed by itself raises
+        # its own error, as without a tp dimension.
+        inside = topology.tensor_group is not None and not _from_board(error, topology)
+        standing = WATCHDOG.read(topology.board) if inside else None
+        if standing is not None and standing.subject() != topology.board.label():
+            raise standing.error(topology.board, topology.rank, "a collective inside its stage") from error
         raise
     return loss, aux, outputs
 
@@ -341,9 +368,9 @@ def gathered(timeline: Simulation, topology: Topology, timeout: float) -> Simula
     return Simulation(timeline.program, None, starts, ends)
 
 
-def _from_board(error: BaseException, rank: int) -> bool:
-    """Whether ``error`` already reports the board's record (``Failure.error``) on ``rank``."""
-    return isinstance(error, PipelineError) and str(error).startswith(f"fpipe: rank {rank} stopped")
+def _from_board(error: BaseException, topology: Topology) -> bool:
+    """Whether ``error`` already reports the board's record (``Failure.error``) on this rank."""
+    return isinstance(error, PipelineError) and str(error).startswith(f"fpipe: {topology.board.label()} stopped")
 
 
 def _same_program(statuses: list[_Status]) -> bool:

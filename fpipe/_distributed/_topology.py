@@ -10,13 +10,15 @@ group (``mesh["tp"]``) is where its stages' DTensors live (notes/tensor_parallel
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._faults import WATCHDOG, Board
+from ._board import Board
+from ._faults import WATCHDOG
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
         )
     data_group = tensor_group = tensor_mesh = tensor_ranks = None
     where: dict[int, tuple[int, int | None]] = {}  # global rank -> (pipeline rank, replica)
+    labels: dict[int, str] = {}  # global rank -> its name in failure messages
     if mesh is not None:
         names = tuple(mesh.mesh_dim_names or ())
         if mesh.ndim == 1 and not names:
@@ -105,16 +108,19 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
         if tensor:
             tensor_group, tensor_mesh = mesh.get_group(tensor[0]), mesh[tensor[0]]
             tensor_ranks = tuple(tensor_mesh.mesh.reshape(-1).tolist())
-        # One pipeline per (data, tensor) coordinate; failure messages name a rank by its
-        # pipeline rank and data-parallel replica (the tensor-parallel ranks of one pipeline rank
-        # run the same stages, and fail together).
+        # One pipeline per (data, tensor) coordinate. Failure messages name a rank by its global
+        # rank and every coordinate, in the mesh's order: "rank 2 (dp 1, pp 0)".
         rows = mesh.mesh.permute(*(names.index(n) for n in (*data, *tensor, pipe[0])))
         per_replica = mesh.size(names.index(tensor[0])) if tensor else 1
         for k, row in enumerate(rows.reshape(-1, rows.shape[-1]).tolist()):
             where.update({g: (r, k // per_replica if data else None) for r, g in enumerate(row)})
+        for coordinates in itertools.product(*map(range, mesh.mesh.shape)):
+            g = int(mesh.mesh[coordinates])
+            labels[g] = f"rank {g} (" + ", ".join(f"{n} {i}" for n, i in zip(names, coordinates)) + ")"
     size = dist.get_world_size(group)
     global_ranks = tuple(dist.get_global_rank(group, r) for r in range(size))
     where = where or {g: (r, None) for r, g in enumerate(global_ranks)}
+    labels = labels or {g: f"rank {r}" for r, g in enumerate(global_ranks)}  # a group: its pipeline ranks
     device = device_of(dist.get_backend(group), None if mesh is None else mesh.device_type)
     return Topology(
         group=group,
@@ -125,7 +131,7 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
         data_size=1 if data_group is None else dist.get_world_size(data_group),
         device=device,
         board=WATCHDOG.board(
-            tuple(sorted(where)), [g for g in (group, data_group, tensor_group) if g is not None], where
+            tuple(sorted(where)), [g for g in (group, data_group, tensor_group) if g is not None], where, labels
         ),
         tensor_group=tensor_group,
         tensor_mesh=tensor_mesh,

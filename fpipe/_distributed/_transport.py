@@ -38,8 +38,9 @@ from .._errors import PipelineError
 from .._pytree import PyTree
 from ..schedules import Action, Program
 from ..schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD, KINDS
+from ._board import RAISED, Failure
 from ._collectives import handshake, lost, wait
-from ._faults import RAISED, WATCHDOG, Failure
+from ._faults import WATCHDOG
 from ._topology import Topology
 from ._wire import ERROR, Decoder, Encoder, as_bytes, error_message, meta_of
 
@@ -204,7 +205,7 @@ class DistributedTransport:
         if failure is not None:
             self._remote_failure(*failure)
         for work, _ in self._sends:
-            wait(work, self._timeout, self.me, "a send to complete")
+            wait(work, self.topology.board, self._timeout, self.me, "a send to complete")
         self._sends.clear()
         for peer in self.peers.values():
             assert peer.next_in == len(peer.incoming) and not peer.buffered, "fpipe: unread messages"
@@ -241,15 +242,15 @@ class DistributedTransport:
     def _failure(self, error: BaseException, action: Action | None) -> Failure:
         """This rank's failure for ``error`` raised in ``action`` (an error from a failure
         elsewhere names that one, which the board already holds)."""
-        replica = self._replica()
+        board, me = self.topology.board, self.topology.global_ranks[self.me]
         if isinstance(error, PipelineError) and error.action is not None:
             action = error.action
         if action is None:
-            return Failure(self.me, None, RAISED, f"failed outside any action ({type(error).__name__})", replica)
+            return board.failure_of(me, RAISED, f"failed outside any action ({type(error).__name__})")
         what = "loss_fn failed in" if isinstance(error, PipelineError) and error.in_loss_fn else "failed in"
         if isinstance(error, KeyboardInterrupt):
             what = "was interrupted (KeyboardInterrupt) in"
-        return Failure(self.me, action, RAISED, f"{what} {action.describe()}; its own error says why", replica)
+        return board.failure_of(me, RAISED, f"{what} {action.describe()}; its own error says why", action)
 
     def _replica(self) -> int | None:
         me = self.topology.global_ranks[self.me]
@@ -288,7 +289,7 @@ class DistributedTransport:
                 work = dist.isend(tensor, to, group=group)
             except RuntimeError as error:  # the peer is gone: not the stage's fault
                 what = f"{_describe(key)} to be sent to rank {dst}"
-                raise lost(WATCHDOG.current, error, self.me, what, to, self._timeout) from error
+                raise lost(self.topology.board, error, self.me, what, to, self._timeout) from error
             self._sends.append((work, (tensor,)))
 
     def _recv(self, src: int, key: Key) -> PyTree:
@@ -351,9 +352,9 @@ class DistributedTransport:
             action = None if kind_index < 0 else Action(stage, KINDS[kind_index], microbatch)
             where = "outside any action" if action is None else f"in {action.describe()}"
             subject = None if rank < 0 else self.topology.global_ranks[rank]
-            standing = self.topology.board.failure_of(subject, RAISED, f"failed {where}; its own error says why")
-            standing = Failure(standing.rank, action, RAISED, standing.what, standing.replica)
-        raise standing.error(self.me)
+            what = f"failed {where}; its own error says why"
+            standing = self.topology.board.failure_of(subject, RAISED, what, action)
+        raise standing.error(self.topology.board, self.me)
 
     def _irecv(self, tensor: torch.Tensor, peer: int, key: Key) -> Any:
         """Post a receive into ``tensor`` of (part of) message ``key`` from ``peer``; its work.
@@ -367,13 +368,13 @@ class DistributedTransport:
             return dist.irecv(tensor, source, group=self.topology.group)
         except RuntimeError as error:  # the peer is gone: not the stage's fault
             what = f"{_describe(key)} from rank {peer}"
-            raise lost(WATCHDOG.current, error, self.me, what, source, self._timeout) from error
+            raise lost(self.topology.board, error, self.me, what, source, self._timeout) from error
 
     def _wait(self, work: Any, key: Key, peer: int) -> None:
         """Wait for ``work``, a receive of message ``key`` from ``peer``; what it waits for is put
         in words only for an error (a step waits once per message)."""
         source = self.topology.global_ranks[peer]
-        wait(work, self._timeout, self.me, lambda: f"{_describe(key)} from rank {peer}", source)
+        wait(work, self.topology.board, self._timeout, self.me, lambda: f"{_describe(key)} from rank {peer}", source)
 
 
 # NOTE [small receives ahead]

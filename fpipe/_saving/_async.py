@@ -184,7 +184,10 @@ def _own_groups(topology: Topology | None) -> Topology | None:
 
     data_group = None if topology.data_group is None else copy(topology.data_group)
     tensor_group = None if topology.tensor_group is None else copy(topology.tensor_group)
-    return replace(topology, group=copy(topology.group), data_group=data_group, tensor_group=tensor_group)
+    group = copy(topology.group)
+    # A failure of the job aborts them too, so a save in flight fails with it (NOTE [failure board]).
+    topology.board.watch([g for g in (group, data_group, tensor_group) if g is not None])
+    return replace(topology, group=group, data_group=data_group, tensor_group=tensor_group)
 
 
 def _snapshot(argument: str, trees: Sequence[PyTree]) -> list[PyTree]:

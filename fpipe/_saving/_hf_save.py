@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from .._api import Step
-from .._distributed import Topology, all_gather_json
+from .._distributed import Topology, all_gather_json, watched
 from .._errors import DEFAULT_TIMEOUT
 from .._pytree import PyTree, flatten, leaves_with_names, stage_list, unflatten
 from .._sharding import gather
@@ -248,15 +248,16 @@ def _whole(trees: list[PyTree], topology: Topology, timeout: float) -> list[PyTr
                 )
     first = dist.get_rank(topology.tensor_group) == 0
     out: list[PyTree] = []
-    for tree in trees:
-        leaves, spec = flatten(tree)
-        whole = []
-        for leaf in leaves:
-            if is_dtensor(leaf):  # a collective over the tensor-parallel group; one full tensor at a time
-                full = leaf.full_tensor()  # type: ignore[attr-defined]
-                leaf = full.detach().to("cpu") if first else None
-            whole.append(leaf if first else None)
-        out.append(unflatten(spec, whole) if first else None)
+    with watched(topology, timeout, "the tensor-parallel gathers of the DTensors"):
+        for tree in trees:
+            leaves, spec = flatten(tree)
+            whole = []
+            for leaf in leaves:
+                if is_dtensor(leaf):  # a collective over the tensor-parallel group; one full tensor at a time
+                    full = leaf.full_tensor()  # type: ignore[attr-defined]
+                    leaf = full.detach().to("cpu") if first else None
+                whole.append(leaf if first else None)
+            out.append(unflatten(spec, whole) if first else None)
     return out
 
 

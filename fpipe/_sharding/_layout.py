@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._distributed import Topology, as_bytes, wait
+from .._distributed import Board, Topology, as_bytes, wait
 from .._plural import plural
 from .._pytree import PyTree, TreeSpec, detached, flatten, leaves_with_paths, unflatten
 from .._tensor_parallel import DTensorLayout, check_mesh, dtensor_layout, local
@@ -35,6 +35,7 @@ class DataParallel:
     device: torch.device  # where collective buffers live (cuda for NCCL)
     pipeline_rank: int  # for error messages
     timeout: timedelta
+    board: Board  # the job's failure board (NOTE [failure board] in fpipe/_distributed/_faults.py)
     tensor_ranks: tuple[int, ...] | None = None  # the tensor-parallel sub-mesh DTensor leaves must live on
 
 
@@ -48,6 +49,7 @@ def data_parallel(topology: Topology, timeout: float) -> DataParallel:
         topology.device,
         topology.rank,
         timedelta(seconds=timeout),
+        topology.board,
         topology.tensor_ranks,
     )
 
@@ -270,7 +272,7 @@ class Gather:
                 leaves[k] = torch.empty(shape.shape, dtype=shape.dtype, device=self.dp.device)
         what = f"the all-gather of {self.what} over the data-parallel group"
         for members, _, grid, work in self._posted:
-            wait(work, self.dp.timeout, self.dp.pipeline_rank, what)
+            wait(work, self.dp.board, self.dp.timeout, self.dp.pipeline_rank, what)
             for m in members:
                 padded = grid[:, m.columns].reshape(-1)  # the column block, row by row
                 leaves[m.index] = _unwire(padded, m.shape.dtype)[: m.shape.numel].view(m.shape.shape)
@@ -319,7 +321,7 @@ class ReduceScatter:
                 leaves[k] = torch.empty(0, dtype=shape.dtype, device=self.dp.device)
         what = f"the reduce-scatter of stage {self.stage}'s gradients over the data-parallel group"
         for members, _, out, work in self._posted:
-            wait(work, self.dp.timeout, self.dp.pipeline_rank, what)
+            wait(work, self.dp.board, self.dp.timeout, self.dp.pipeline_rank, what)
             if self.divide:
                 out.div_(self.dp.size)
             for m in members:

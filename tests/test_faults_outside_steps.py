@@ -1,0 +1,148 @@
+"""A rank that dies or freezes outside a step's own waits fails every survivor fast, naming it.
+
+The collectives fpipe runs outside a step's own waits (``global_norm``, the loss scaling's
+inf/nan agreement, ``save``, ``load``, ``save_state``, ``load_state``, ``save_hf``,
+``load_hf``) and those of an ``AsyncSaver``'s background thread
+are under the job's failure board too (NOTE [failure board] in fpipe/_distributed/_faults.py).
+The victim dies or freezes as it enters the collective (its ``torch.distributed`` collectives
+are replaced by the signal), so the survivor is waiting in it. The store's host and
+tensor-parallel partners are in tests/test_faults.py's cases.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fpipe
+from fpipe.schedules import OneFOneB
+from tests._multiprocess import run_ranks
+from tests.test_faults import DP_PP, SLACK, name
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _fault_at_collectives(sig, thread=None, collectives=("all_gather", "all_reduce")):
+    """From now on this process gets ``sig`` as it enters one of ``collectives`` (on ``thread``
+    only, if given)."""
+    originals = {f: getattr(dist, f) for f in collectives}
+
+    def fault(collective):
+        def faulty(*args, **kwargs):
+            if thread is None or threading.current_thread().name == thread:
+                os.kill(os.getpid(), sig)
+            return collective(*args, **kwargs)
+
+        return faulty
+
+    for f, collective in originals.items():
+        setattr(dist, f, fault(collective))
+
+
+def _pipeline(rank, world, mesh, timeout, precision=None):
+    """A small float64 pipeline (over every rank, or a mesh) after one healthy step: its step,
+    params, batch and grads."""
+    if mesh is None:
+        num_stages, place = world, {"group": dist.group.WORLD}
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names, shape = zip(*mesh)
+        num_stages, place = dict(mesh)["pp"], {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=names)}
+
+    def stage(p, x):
+        (w,) = p.values()  # named after its stage: a save keeps them apart
+        return torch.tanh(x.to(w.dtype) @ w)
+
+    def loss_fn(y, mb):
+        return (y**2).mean()
+
+    step = fpipe.pipeline(loss_fn, [stage] * num_stages, OneFOneB(4), **place, timeout=timeout, precision=precision)
+    g = torch.Generator().manual_seed(0)
+    params = [{f"w{s}": torch.randn(3, 3, generator=g, dtype=torch.float64)} for s in range(num_stages)]
+    params = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    batch = torch.randn(8, 3, generator=g, dtype=torch.float64) if step.rank == 0 else None
+    _, grads = step(params, batch)
+    return step, params, batch, grads
+
+
+def _collective(rank, world, what, directory):
+    """Rank 1 dies as it enters ``what``; rank 0 returns ``(seconds, error type, message)``."""
+    scaled = fpipe.Precision(compute=torch.float16, loss_scale=fpipe.LossScale()) if what == "precision" else None
+    step, params, batch, grads = _pipeline(rank, world, None, timeout=30, precision=scaled)
+    template = [None if p is None else {k: torch.zeros_like(w) for k, w in p.items()} for p in params]
+    fpipe.save(directory, params, step=step)  # (for load)
+    fpipe.save_state(f"{directory}/state", fpipe.TrainState(params), step=step)  # (for load_state)
+    fpipe.save_hf(f"{directory}/hf", params, config={"model_type": "x"}, step=step)  # (for load_hf)
+    calls = {
+        "global_norm": lambda: step.global_norm(grads),
+        "save": lambda: fpipe.save(directory, params, step=step, timeout=30),
+        "load": lambda: fpipe.load(directory, template, step=step, timeout=30),
+        "save_state": lambda: fpipe.save_state(directory, fpipe.TrainState(params), step=step, timeout=30),
+        "load_state": lambda: fpipe.load_state(f"{directory}/state", template, step=step, timeout=30),
+        "save_hf": lambda: fpipe.save_hf(f"{directory}/hf2", params, config={"model_type": "x"}, step=step, timeout=30),
+        "load_hf": lambda: fpipe.load_hf(f"{directory}/hf", template, step=step, timeout=30),
+        "precision": lambda: step(params, batch),  # its only all-reduce: the inf/nan agreement
+    }
+    if rank == 1:
+        _fault_at_collectives(
+            signal.SIGKILL, collectives=("all_reduce",) if what == "precision" else ("all_gather", "all_reduce")
+        )
+    start = time.monotonic()
+    try:
+        calls[what]()
+    except fpipe.PipelineError as error:
+        return time.monotonic() - start, type(error).__name__, str(error)
+    return time.monotonic() - start, "no error", ""
+
+
+@pytest.mark.parametrize(
+    "what", ["global_norm", "precision", "save", "load", "save_state", "load_state", "save_hf", "load_hf"]
+)
+def test_a_rank_that_dies_in_a_collective_between_steps_is_named(what, tmp_path):
+    (seconds, kind, message), _ = run_ranks(2, _collective, what, str(tmp_path), timeout=60, may_die=frozenset({1}))
+    assert kind == "PipelineError" and "because rank 1 died" in message, message
+    assert seconds < SLACK, (seconds, message)  # not the 30 s timeout
+
+
+def _saving(rank, world, mesh, victim, sig, timeout, directory):
+    """The victim dies or freezes as its ``AsyncSaver``'s thread enters a collective, while the
+    training thread steps on; a survivor returns ``(seconds, error type, message)``: from the
+    save's start until the error leaves the ``with`` block."""
+    step, params, batch, _ = _pipeline(rank, world, mesh, timeout)
+    if rank == victim:
+        _fault_at_collectives(sig, thread="fpipe-save")
+    start = time.monotonic()
+    try:
+        with fpipe.AsyncSaver(step=step, timeout=30) as saver:
+            saver.save(directory, params)
+            for _ in range(1000):  # training goes on until the failure reaches this rank
+                step(params, batch)
+    except fpipe.PipelineError as error:
+        return time.monotonic() - start, type(error).__name__, str(error)
+    return time.monotonic() - start, "no error", ""
+
+
+@pytest.mark.parametrize(
+    ("setup", "victim", "sig", "timeout"),
+    [(2, 1, signal.SIGSTOP, 4), (DP_PP, 3, signal.SIGSTOP, 4), (DP_PP, 3, signal.SIGKILL, 30)],
+)
+def test_a_save_in_flight_does_not_hold_the_error(setup, victim, sig, timeout, tmp_path):
+    """The saver's own timeout (30 s) is never waited out: its groups are aborted with the job's."""
+    world, mesh = (setup, None) if isinstance(setup, int) else (setup[0][1] * setup[1][1], setup)
+    args = (mesh, victim, sig, timeout, str(tmp_path))
+    results = run_ranks(world, _saving, *args, timeout=90, may_die=frozenset({victim}))
+    limit = SLACK if sig == signal.SIGKILL else timeout + SLACK
+    for rank, result in enumerate(results):
+        if rank == victim:
+            continue
+        seconds, kind, message = result
+        assert seconds < limit, (rank, seconds, message)
+        said = "died" if sig == signal.SIGKILL else "stopped answering"
+        assert kind.startswith("Pipeline") and f"because {name(setup, victim)} {said}" in message, (rank, message)
