@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 import torch
 
-from ._distributed import Topology, all_reduce_sum, replica_mean
+from ._distributed import Topology, any_rank, replica_mean, sum_over
 from ._precision import Precision, check_params
 from ._pytree import PyTree, flatten, stage_list
 from ._run import HeldStages, Order, ReplicatedStages, StepView, stage_run
@@ -159,13 +159,8 @@ class Strategy:
                 total = total + square_sum(g, tensor_group, placements)
         if topology is not None:
             buffer = total.reshape(1).to(topology.device)
-            all_reduce_sum(topology, topology.group, [buffer], self.timeout, "the global norm all-reduce")
-            if tensor_group is not None:
-                what = "the global norm all-reduce over the tensor-parallel group"
-                all_reduce_sum(topology, tensor_group, [buffer], self.timeout, what)
-            if self.shard_params:
-                what = "the global norm all-reduce over the data-parallel group"
-                all_reduce_sum(topology, topology.data_group, [buffer], self.timeout, what)
+            dims = ("pp", "tp", "dp") if self.shard_params else ("pp", "tp")  # replicas hold the same sums
+            sum_over(topology, dims, [buffer], self.timeout, "the global norm all-reduce")
             total = buffer.reshape(()).cpu()
         return total.sqrt()
 
@@ -178,13 +173,6 @@ class Strategy:
     # the tensor-parallel group). The three sums in turn reach every rank of the mesh.
     def any_rank_found(self, found: bool) -> bool:
         """Whether any rank found ``inf``/``nan`` (NOTE [an agreed inf/nan check]); ``found`` in one process."""
-        topology = self.topology
-        if topology is None:
+        if self.topology is None:
             return found
-        flag = torch.tensor([float(found)], dtype=torch.float64, device=topology.device)
-        what = "the loss scaling's inf/nan check"
-        all_reduce_sum(topology, topology.group, [flag], self.timeout, what)
-        for group in (topology.data_group, topology.tensor_group):  # NOTE [an agreed inf/nan check]
-            if group is not None:
-                all_reduce_sum(topology, group, [flag], self.timeout, what)
-        return flag.item() > 0
+        return any_rank(self.topology, ("pp", "dp", "tp"), found, self.timeout, "the loss scaling's inf/nan check")

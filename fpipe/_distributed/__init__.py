@@ -8,6 +8,8 @@ module owns.
 from ._board import Board as Board
 from ._collectives import all_gather_json as all_gather_json
 from ._collectives import all_reduce_sum as all_reduce_sum
+from ._collectives import any_rank as any_rank
+from ._collectives import sum_over as sum_over
 from ._collectives import wait as wait
 from ._collectives import watched as watched
 from ._runtime import replica_mean as replica_mean
@@ -24,10 +26,12 @@ __all__ = [
     "WireState",
     "all_gather_json",
     "all_reduce_sum",
+    "any_rank",
     "as_bytes",
     "replica_mean",
     "resolve_topology",
     "run_distributed",
+    "sum_over",
     "tensor_bytes",
     "wait",
     "watched",

@@ -11,7 +11,7 @@ import contextlib
 import json
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -249,6 +249,30 @@ def all_reduce_sum(topology: Topology, group: Any, tensors: list[torch.Tensor], 
     """Sum ``tensors`` in place over ``group``, one all-reduce per dtype (complex as real), on
     ``topology.device`` (CUDA for NCCL). All ranks must pass the same dtypes in the same order."""
     all_reduce_sum_async(topology, group, tensors, timeout, what).wait()
+
+
+# The mesh's groups by dimension: the topology's attribute and how messages name the group.
+_GROUPS = {"pp": ("group", None), "dp": ("data_group", "data-parallel"), "tp": ("tensor_group", "tensor-parallel")}
+
+
+def sum_over(topology: Topology, dims: Sequence[str], tensors: list[torch.Tensor], timeout: float, what: str) -> None:
+    """Sum ``tensors`` in place over the groups of the mesh dimensions ``dims`` in turn (``"pp"``,
+    ``"dp"``, ``"tp"``; a dimension the mesh lacks is skipped): after ``("pp", "dp", "tp")`` each
+    rank holds the sum over every rank of the mesh. ``what`` names the wait (the pipeline
+    group's; the others' say "over the data-parallel group" after it)."""
+    for dim in dims:
+        attribute, name = _GROUPS[dim]
+        group = getattr(topology, attribute)
+        if group is not None:
+            all_reduce_sum(topology, group, tensors, timeout, what if name is None else f"{what} over the {name} group")
+
+
+def any_rank(topology: Topology, dims: Sequence[str], found: bool, timeout: float, what: str) -> bool:
+    """Whether any rank of the groups of ``dims`` (``sum_over``) says ``found``: every rank gets
+    the same answer, so they all act alike (skip a step, fail together)."""
+    flag = torch.tensor([float(found)], dtype=torch.float64, device=topology.device)
+    sum_over(topology, dims, [flag], timeout, what)
+    return flag.item() > 0
 
 
 class PendingSum:
