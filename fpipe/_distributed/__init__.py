@@ -9,6 +9,7 @@ from ._board import Board as Board
 from ._collectives import all_gather_json as all_gather_json
 from ._collectives import all_reduce_sum as all_reduce_sum
 from ._collectives import any_rank as any_rank
+from ._collectives import one_writes as one_writes
 from ._collectives import sum_over as sum_over
 from ._collectives import wait as wait
 from ._collectives import watched as watched
@@ -28,6 +29,7 @@ __all__ = [
     "all_reduce_sum",
     "any_rank",
     "as_bytes",
+    "one_writes",
     "replica_mean",
     "resolve_topology",
     "run_distributed",

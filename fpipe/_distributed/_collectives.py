@@ -239,6 +239,30 @@ def _all_gather(topology: Topology, group: Any, mine: torch.Tensor, timeout: flo
     return every
 
 
+def one_writes(
+    topology: Topology | None, group: Any, write: Callable[[], Any] | None, timeout: float, waits: str, tells: str
+) -> tuple[bool, Any]:
+    """One rank writes, the others learn its outcome: the writer (rank 0 of ``group``, passing
+    ``write``) runs it and tells the group whether it failed and what it returned (JSON); every
+    other rank (``write=None``) waits for that (``waits`` names the wait) and gets ``(ok,
+    value)``. The writer gets ``(True, value)``, or raises ``write``'s error once it has told the
+    others (``tells`` names its wait). ``group=None``: no one to tell."""
+    if write is None:
+        assert topology is not None
+        status = all_gather_json(topology, group, {"error": False, "value": None}, timeout, waits)[0]
+        return not status["error"], status["value"]
+    try:
+        value = write()
+    except BaseException:
+        if group is not None and topology is not None:
+            with contextlib.suppress(Exception):  # the error to raise is write's
+                all_gather_json(topology, group, {"error": True, "value": None}, timeout, tells)
+        raise
+    if group is not None and topology is not None:
+        all_gather_json(topology, group, {"error": False, "value": value}, timeout, tells)
+    return True, value
+
+
 def meet(topology: Topology, group: Any, timeout: float, what: str) -> None:
     """Return once every rank of ``group`` has called ``meet`` too (one all-reduce of a zero,
     under the failure board): a rank that failed never comes, and the board fails the others."""

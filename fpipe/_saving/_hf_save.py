@@ -42,7 +42,6 @@ gathered over the data-parallel group into its DTensors (their local pieces), th
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -57,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from .._api import Step
-from .._distributed import Topology, all_gather_json, watched
+from .._distributed import Topology, one_writes, watched
 from .._errors import DEFAULT_TIMEOUT
 from .._pytree import PyTree, flatten, leaves_with_names, stage_list, unflatten
 from .._sharding import gather
@@ -165,18 +164,11 @@ def save_hf(
     first = dist.get_rank(tensor_group) == 0
     if Ranks("save_hf", topology, timeout).replica == 0:  # the other replicas write nothing: they only wait
         trees = _whole(trees, topology, timeout)
-    if not first:
-        what = "the export of tensor-parallel rank 0"
-        if all_gather_json(topology, tensor_group, {"error": False}, timeout, what)[0]["error"]:
-            raise RuntimeError("fpipe.save_hf: tensor-parallel rank 0 failed to export; its own error says why.")
-        return root
-    try:
-        _replicas(root, trees, held, config_files, limit, Ranks("save_hf", topology, timeout, tensor_parallel=False))
-    except BaseException:
-        with contextlib.suppress(Exception):  # the error to raise is the one above
-            all_gather_json(topology, tensor_group, {"error": True}, timeout, "the other tensor-parallel ranks")
-        raise
-    all_gather_json(topology, tensor_group, {"error": False}, timeout, "the other tensor-parallel ranks")
+    ranks = Ranks("save_hf", topology, timeout, tensor_parallel=False)  # tensor-parallel rank 0's: pp x dp
+    write = (lambda: _replicas(root, trees, held, config_files, limit, ranks)) if first else None
+    waits, tells = "the export of tensor-parallel rank 0", "the other tensor-parallel ranks"
+    if not one_writes(topology, tensor_group, write, timeout, waits, tells)[0]:
+        raise RuntimeError("fpipe.save_hf: tensor-parallel rank 0 failed to export; its own error says why.")
     return root
 
 
@@ -189,22 +181,11 @@ def _replicas(
     ranks: Ranks,
 ) -> None:
     """The export by the first data-parallel replica, which the others wait for."""
-    if ranks.replica != 0:  # the first replica writes; wait for it
-        status = ranks.gather_replicas({"error": False}, "the export of the first replica")[0]
-        if status["error"]:
-            raise RuntimeError(
-                "fpipe.save_hf: the first data-parallel replica failed to export; its own error says why."
-            )
-        return
-    try:
-        _export(root, trees, held, config_files, limit, ranks)
-    except BaseException:
-        if ranks.replicas:
-            with contextlib.suppress(Exception):  # the error to raise is the one above
-                ranks.gather_replicas({"error": True}, "the other data-parallel replicas")
-        raise
-    if ranks.replicas:
-        ranks.gather_replicas({"error": False}, "the other data-parallel replicas")
+    group = None if ranks.topology is None or not ranks.replicas else ranks.topology.data_group
+    write = None if ranks.replica != 0 else lambda: _export(root, trees, held, config_files, limit, ranks)
+    waits, tells = "the export of the first replica", "the other data-parallel replicas"
+    if not one_writes(ranks.topology, group, write, ranks.timeout, waits, tells)[0]:
+        raise RuntimeError("fpipe.save_hf: the first data-parallel replica failed to export; its own error says why.")
 
 
 def _whole(trees: list[PyTree], topology: Topology, timeout: float) -> list[PyTree]:

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from .._api import Step
-from .._distributed import Topology
+from .._distributed import Topology, one_writes
 from .._errors import DEFAULT_TIMEOUT
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names, stage_list
@@ -216,21 +216,14 @@ def write(prepared: Prepared, ranks: Ranks) -> Path:
     root, trees, user, held, sharding = prepared.root, prepared.trees, prepared.user, prepared.held, prepared.sharding
     if sharding is not None:  # NOTE [sharded saves]: every replica writes its own shards
         return root / _save_pipeline(root, trees, user, held, ranks, sharding)
-    if ranks.replica != 0:  # NOTE [the save protocol], 4: wait for the first replica
-        status = ranks.gather_replicas({"error": False, "version": None}, "the save of the first replica")[0]
-        if status["error"]:
-            raise RuntimeError("fpipe.save: the first data-parallel replica failed to save; its own error says why.")
-        return root / str(status["version"])
-    try:
-        version = _save_pipeline(root, trees, user, held, ranks, None)
-    except BaseException:
-        if ranks.replicas:
-            with contextlib.suppress(Exception):  # the error to raise is the one above
-                ranks.gather_replicas({"error": True, "version": None}, "the other data-parallel replicas")
-        raise
-    if ranks.replicas:
-        ranks.gather_replicas({"error": False, "version": version}, "the other data-parallel replicas")
-    return root / version
+    # NOTE [the save protocol], 4: the first replica saves, the others learn its version.
+    group = None if ranks.topology is None or not ranks.replicas else ranks.topology.data_group
+    write = None if ranks.replica != 0 else lambda: _save_pipeline(root, trees, user, held, ranks, None)
+    waits, tells = "the save of the first replica", "the other data-parallel replicas"
+    ok, version = one_writes(ranks.topology, group, write, ranks.timeout, waits, tells)
+    if not ok:
+        raise RuntimeError("fpipe.save: the first data-parallel replica failed to save; its own error says why.")
+    return root / str(version)
 
 
 # --- Naming and hashing the local stages ------------------------------------------------------
