@@ -14,7 +14,7 @@ replicated parameters, in two modes timed A/B interleaved (one step of each in t
   (``ReplicatedStages`` without a ``Reduce``, then ``end_mean`` here: the runtime no longer has
   that path);
 - ``overlap``: each stage's all-reduce posted at its last action (NOTE [reduction overlap] in
-  fpipe/_distributed/_runtime.py), waited for when the row is done.
+  fpipe/_distributed/_rank_step.py), waited for when the row is done.
 
 Per rank it reports the median step time and the median exposed reduction time: the seconds the
 step spends, after its last action, waiting for the gradients' reduction and the loss's average
@@ -68,11 +68,11 @@ def measure(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any
     from torch.distributed.device_mesh import init_device_mesh
 
     from fpipe import _run, _strategy
-    from fpipe._distributed import _runtime
+    from fpipe._distributed import _rank_step
 
     timer = _Timer()
     _run.ReplicatedStages.finish = timer.wrap(_run.ReplicatedStages.finish)  # type: ignore[method-assign]
-    _runtime._average_loss = timer.wrap(_runtime._average_loss)
+    _rank_step._average_loss = timer.wrap(_rank_step._average_loss)
     overlapping = _strategy.replica_mean
 
     def use(mode: str) -> None:

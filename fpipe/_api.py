@@ -443,7 +443,7 @@ class Step:
         """Check the inputs and run ``order`` here or distributed: ``((loss, aux, outputs), grads)``.
 
         Distributed, what the checks find wrong is raised after the step's handshake, so that
-        every rank fails (NOTE [a handshake of fixed size] in fpipe/_distributed/_runtime.py).
+        every rank fails (NOTE [a handshake of fixed size] in fpipe/_distributed/_rank_step.py).
         """
         rejected = None
         try:

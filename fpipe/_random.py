@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-KEY_LIMIT = 2**53  # keys travel in a float64 sum between replicas (fpipe/_distributed/_runtime.py)
+KEY_LIMIT = 2**53  # keys travel in a float64 sum between replicas (fpipe/_distributed/_rank_step.py)
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 

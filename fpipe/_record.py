@@ -109,7 +109,7 @@ def measured(program: Program, order: Sequence[tuple[int, Action]], times: Times
     """The ``Simulation`` of what ran: ``times[k]`` is when ``order[k]`` started and ended.
 
     A rank of many runs only its own row; the distributed runtime all-gathers the rows
-    (``gathered`` in fpipe/_distributed/_runtime.py).
+    (``gathered`` in fpipe/_distributed/_rank_step.py).
     """
     starts: list[list[float]] = [[] for _ in program.ranks]
     ends: list[list[float]] = [[] for _ in program.ranks]

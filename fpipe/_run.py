@@ -4,7 +4,7 @@ An ``Order`` holds what a step fixes when it is built (its actions in order, and
 checksum that the distributed handshake compares); each run reads it and never changes it. A
 run builds its stages (``HeldStages``), an ``Executor`` over a transport, and interprets the
 order's actions; the local run here uses the ``LocalTransport``, the distributed one
-(fpipe/_distributed/_runtime.py) a ``DistributedTransport`` between a handshake and the
+(fpipe/_distributed/_rank_step.py) a ``DistributedTransport`` between a handshake and the
 data-parallel reduction (notes/wire.md).
 """
 
@@ -133,7 +133,7 @@ class ReplicatedStages(dict[int, StageRun]):
     Without ``reduce`` (one process, or no data-parallel replicas) nothing is reduced. With it,
     ``finish_stage(s)`` posts the reduction of stage ``s``'s gradients as
     soon as its last action has run, so that it overlaps the rest of the pipeline, and
-    ``finish`` waits for them all (NOTE [reduction overlap] in fpipe/_distributed/_runtime.py).
+    ``finish`` waits for them all (NOTE [reduction overlap] in fpipe/_distributed/_rank_step.py).
     A dict of the stages' runs, so that the executor's lookup of a stage, once per action, is
     no Python call.
     """

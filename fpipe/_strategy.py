@@ -7,7 +7,7 @@ one place) and the step hands it to the run, here or distributed; nothing calls 
 
     replicated     every replica holds its stages' full parameters; with data-parallel replicas
                    each stage's gradients are averaged as soon as its last action has run
-                   (``replica_mean``, NOTE [reduction overlap] in fpipe/_distributed/_runtime.py)
+                   (``replica_mean``, NOTE [reduction overlap] in fpipe/_distributed/_rank_step.py)
     sharded        ``shard_params``: parameters are shards, all-gathered before a stage's first
                    forward and its gradients reduce-scattered after its last backward
                    (``ShardedStages``, notes/sharding.md)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import fpipe
 from fpipe._distributed import _topology
 from fpipe._distributed._collectives import device_type_words, mixed_device_types
-from fpipe._distributed._runtime import check_devices
+from fpipe._distributed._rank_step import check_devices
 from fpipe._distributed._topology import device_of
 from fpipe.schedules import GPipe
 from tests._multiprocess import run_ranks

@@ -1,5 +1,5 @@
 """Each stage's data-parallel gradient reduction is posted at the stage's last action and waited
-for when the step returns (NOTE [reduction overlap] in fpipe/_distributed/_runtime.py); the
+for when the step returns (NOTE [reduction overlap] in fpipe/_distributed/_rank_step.py); the
 results are bitwise the replicas' average computed in one process."""
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ def _schedule() -> Interleaved1F1B:
 def _train(rank: int, world: int) -> tuple[Any, ...]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fpipe._distributed import _runtime
+    from fpipe._distributed import _rank_step
     from fpipe._stage import StageRun
 
     log: list[tuple[str, int]] = []
-    posted, backward = _runtime.all_reduce_sum_async, StageRun.backward
+    posted, backward = _rank_step.all_reduce_sum_async, StageRun.backward
 
     def post(topology: Any, group: Any, leaves: Any, timeout: float, what: str) -> Any:
         log.append(("reduce", int(what.split("stage ")[1].split("'")[0])))
@@ -57,7 +57,7 @@ def _train(rank: int, world: int) -> tuple[Any, ...]:
         log.append(("B", self.index))
         return backward(self, *args)
 
-    _runtime.all_reduce_sum_async = post  # type: ignore[assignment]
+    _rank_step.all_reduce_sum_async = post  # type: ignore[assignment]
     StageRun.backward = backward_logged  # type: ignore[method-assign]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     step = fpipe.pipeline(_loss, [_stage] * NUM_STAGES, _schedule(), mesh=mesh, timeout=30)

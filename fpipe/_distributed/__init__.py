@@ -13,8 +13,8 @@ from ._collectives import one_writes as one_writes
 from ._collectives import sum_over as sum_over
 from ._collectives import wait as wait
 from ._collectives import watched as watched
-from ._runtime import replica_mean as replica_mean
-from ._runtime import run_distributed as run_distributed
+from ._rank_step import replica_mean as replica_mean
+from ._rank_step import run_distributed as run_distributed
 from ._topology import Topology as Topology
 from ._topology import resolve_topology as resolve_topology
 from ._transport import WireState as WireState

@@ -42,7 +42,7 @@ class Topology:
 
 # NOTE [the rank's device]
 # A rank's device is where its messages and collectives live, and where its stages must be
-# (``check_devices`` in fpipe/_distributed/_runtime.py): with ``mesh=``, the mesh's device type;
+# (``check_devices`` in fpipe/_distributed/_rank_step.py): with ``mesh=``, the mesh's device type;
 # with ``group=``, the backend's (nccl: cuda, xccl: xpu, hccl: hpu; gloo: cpu; a multi-device
 # backend such as "cpu:gloo,cuda:nccl" gives the accelerator's). An accelerator's index is its
 # module's current device (``torch.cuda.set_device(local_rank)`` before building the pipeline,

@@ -5,7 +5,7 @@ differs from one process. The protocol (notes/wire.md), per step:
 
 1. Handshake: one all-gather of ``[program checksum, microbatches, has batch, input error, batch size,
    ...]`` over the pipeline group, of a fixed size, so a bad input or a mismatched schedule on any rank
-   fails every rank (NOTE [a handshake of fixed size] in fpipe/_distributed/_runtime.py).
+   fails every rank (NOTE [a handshake of fixed size] in fpipe/_distributed/_rank_step.py).
 2. Messages: for each ordered pair of ranks, both sides derive from the program the sequence of
    messages the sender will send (activations, cotangents, microbatches for a last stage that
    has no batch, the final loss). Sends are non-blocking; the receiver reads each peer's
