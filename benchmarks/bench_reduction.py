@@ -18,7 +18,7 @@ replicated parameters, in two modes timed A/B interleaved (one step of each in t
 
 Per rank it reports the median step time and the median exposed reduction time: the seconds the
 step spends, after its last action, waiting for the gradients' reduction and the loss's average
-(``ReplicatedStages.finish`` plus ``_average_loss``, plus ``end_mean`` in ``end`` mode). Both
+(``ReplicatedStages.finish`` plus ``average_loss``, plus ``end_mean`` in ``end`` mode). Both
 modes' grads are checked bitwise equal.
 """
 
@@ -68,11 +68,10 @@ def measure(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any
     from torch.distributed.device_mesh import init_device_mesh
 
     from fpipe import _run, _strategy
-    from fpipe._distributed import _rank_step
 
     timer = _Timer()
     _run.ReplicatedStages.finish = timer.wrap(_run.ReplicatedStages.finish)  # type: ignore[method-assign]
-    _rank_step._average_loss = timer.wrap(_rank_step._average_loss)
+    _strategy.average_loss = timer.wrap(_strategy.average_loss)
     overlapping = _strategy.replica_mean
 
     def use(mode: str) -> None:

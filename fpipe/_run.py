@@ -111,10 +111,12 @@ class HeldStages(Protocol):
 
 class StrategyView(Protocol):
     """The parallel strategy as a run sees it (``Strategy`` in fpipe/_strategy.py): a value built
-    once by ``pipeline()``, which checks the held parameters and builds the held stages' runs."""
+    once by ``pipeline()``, which checks the held parameters, builds the held stages' runs (and
+    so how their gradients are reduced) and reduces the loss over data-parallel replicas."""
 
     def check(self, step: StepView, params: Sequence[PyTree], /) -> None: ...
     def held_stages(self, step: StepView, order: Order, params: Sequence[PyTree], /) -> HeldStages: ...
+    def reduce_loss(self, loss: torch.Tensor, /) -> torch.Tensor: ...
 
 
 class Pending(Protocol):

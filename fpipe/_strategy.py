@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 import torch
 
-from ._distributed import Topology, any_rank, replica_mean, sum_over
+from ._distributed import Topology, any_rank, average_loss, replica_mean, sum_over
 from ._precision import Precision, check_params
 from ._pytree import PyTree, flatten, stage_list
 from ._run import HeldStages, Order, ReplicatedStages, StepView, stage_run
@@ -121,6 +121,13 @@ class Strategy:
             grad_layouts=grad_layouts,
             divide=self.divide,
         )
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """This replica's ``loss`` reduced over the data-parallel replicas: averaged, or summed
+        with ``weight_fn`` (each replica's share is already over the total count)."""
+        if self.topology is None or self.topology.data_group is None:
+            return loss
+        return average_loss(self.topology, loss, self.timeout, divide=self.divide)
 
     def shard(self, step: StepView, params: Sequence[PyTree]) -> tuple[list[PyTree], Strategy]:
         """``step.shard``: this rank's shards of the held stages' full ``params``, and this

@@ -13,6 +13,7 @@ from ._collectives import one_writes as one_writes
 from ._collectives import sum_over as sum_over
 from ._collectives import wait as wait
 from ._collectives import watched as watched
+from ._rank_step import average_loss as average_loss
 from ._rank_step import replica_mean as replica_mean
 from ._rank_step import run_distributed as run_distributed
 from ._topology import Topology as Topology
@@ -29,6 +30,7 @@ __all__ = [
     "all_reduce_sum",
     "any_rank",
     "as_bytes",
+    "average_loss",
     "one_writes",
     "replica_mean",
     "resolve_topology",

@@ -7,7 +7,7 @@ Each pipeline rank runs its own row of the program with the shared ``Executor`` 
    the data-parallel group, so replicas fail together), so a bad input anywhere fails every rank;
 2. ``_run_row``: run the row, exchanging activations and cotangents with the peers, and receive
    (or send) the loss;
-3. ``_average_loss``: average the loss over data-parallel replicas (their gradients were
+3. ``strategy.reduce_loss`` (``average_loss``): average the loss over data-parallel replicas (their gradients were
    averaged as each stage finished: NOTE [reduction overlap]).
 4. ``meet`` the tensor-parallel partners, so that no rank returns from a step in which any rank
    failed (NOTE [a step ends together]).
@@ -95,8 +95,7 @@ def run_distributed(
         if not order.forward_only:
             runs.finish()
         if topology.data_group is not None:
-            # Weighted by weight_fn, each replica's share is already over the total count.
-            loss = _average_loss(step, topology, loss, divide=step.weight_fn is None)
+            loss = strategy.reduce_loss(loss)  # over the replicas, as the strategy reduces grads
         grads: list[PyTree] = []
         if not order.forward_only:  # (a replicated DTensor's partial sums are summed over tp here)
             with watched(topology, step.timeout, "the tensor-parallel sums of the gradients"):
@@ -447,7 +446,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
-def _average_loss(step: StepView, topology: Topology, loss: torch.Tensor, *, divide: bool = True) -> torch.Tensor:
+def average_loss(topology: Topology, loss: torch.Tensor, timeout: float, *, divide: bool = True) -> torch.Tensor:
     """``loss`` averaged over the data-parallel replicas (one all-reduce). A replica that fails
     does not join: the failure board fails the others (NOTE [failure board] in
     fpipe/_distributed/_faults.py). Without ``divide`` the replicas' shares are summed
@@ -457,7 +456,7 @@ def _average_loss(step: StepView, topology: Topology, loss: torch.Tensor, *, div
     d = topology.data_size if divide else 1
     # The loss in float64 whatever its dtype, so that averaging does not round it.
     total = loss.detach().to(torch.float64).reshape(1).to(topology.device)
-    all_reduce_sum(topology, topology.data_group, [total], step.timeout, "the data-parallel all-reduce")
+    all_reduce_sum(topology, topology.data_group, [total], timeout, "the data-parallel all-reduce")
     return (total[0] / d).to(loss.device, loss.dtype).reshape(())
 
 
@@ -466,7 +465,7 @@ def _average_loss(step: StepView, topology: Topology, loss: torch.Tensor, *, div
 # gradient) action has run; ``replica_mean`` posts their all-reduce right then (one per dtype,
 # async), so that it runs while this rank goes on with its other stages' actions, and the step
 # waits for them all only before it returns (``ReplicatedStages.finish``); the loss is averaged
-# after that (``_average_loss``). Sharded runs do the same with reduce-scatters
+# after that (``average_loss``). Sharded runs do the same with reduce-scatters
 # (fpipe/_sharding/_stages.py). Each replica runs the same row, so every replica posts the same
 # stages in the same order. The sums are those of the one all-reduce at the end that this
 # replaces: two replicas' sum is a + b either way; with three or more, the order of the backend's
