@@ -78,3 +78,25 @@ def test_a_failed_step_marks_its_group_unusable() -> None:
     with pytest.raises(PipelineError, match=r"rank 1 cannot run a step: .* \(ValueError: bad batch\)"):
         check_usable(_topology(group))
     check_usable(_topology(other))  # another group is not affected
+
+
+def test_sum_over_any_rank_and_one_writes_on_one_rank(world: None) -> None:
+    """The collectives written once over a topology: a sum over the mesh dimensions it has (a
+    group alone: only "pp"), an agreement on a flag, and one writer telling its outcome."""
+    from fpipe._distributed import any_rank, one_writes, sum_over
+
+    topology = resolve_topology(None, dist.new_group([0]))
+    assert topology is not None and topology.data_group is None and topology.tensor_group is None
+    total = torch.tensor([2.0, 3.0])
+    sum_over(topology, ("pp", "dp", "tp"), [total], 5.0, "the test's sum")
+    assert torch.equal(total, torch.tensor([2.0, 3.0]))  # one rank: the sum is its own
+    assert any_rank(topology, ("pp", "dp", "tp"), True, 5.0, "the test's flag")
+    assert not any_rank(topology, ("pp",), False, 5.0, "the test's flag")
+    assert one_writes(topology, topology.group, lambda: "v1", 5.0, "the writer", "the others") == (True, "v1")
+    assert one_writes(None, None, lambda: 7, 5.0, "the writer", "the others") == (True, 7)
+
+    def fail() -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):  # the writer raises its own error once it has told
+        one_writes(topology, topology.group, fail, 5.0, "the writer", "the others")
