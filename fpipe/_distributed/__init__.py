@@ -9,6 +9,7 @@ from ._board import Board as Board
 from ._collectives import all_gather_json as all_gather_json
 from ._collectives import all_reduce_sum as all_reduce_sum
 from ._collectives import any_rank as any_rank
+from ._collectives import gather_over as gather_over
 from ._collectives import one_writes as one_writes
 from ._collectives import sum_over as sum_over
 from ._collectives import wait as wait
@@ -31,6 +32,7 @@ __all__ = [
     "any_rank",
     "as_bytes",
     "average_loss",
+    "gather_over",
     "one_writes",
     "replica_mean",
     "resolve_topology",

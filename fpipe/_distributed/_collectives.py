@@ -239,6 +239,16 @@ def _all_gather(topology: Topology, group: Any, mine: torch.Tensor, timeout: flo
     return every
 
 
+def gather_over(topology: Topology, groups: Sequence[Any], value: Any, timeout: float, what: str) -> list[Any]:
+    """``value`` of every rank of ``groups`` together (JSON), all-gathered over each group in turn:
+    each gather's rows are the next one's value, so the result lists the last group's ranks
+    outermost, the first group's innermost (``[tp group, dp group, pipeline group]``: pp-major)."""
+    rows = [value]
+    for group in groups:
+        rows = [v for row in all_gather_json(topology, group, rows, timeout, what) for v in row]
+    return rows
+
+
 def one_writes(
     topology: Topology | None, group: Any, write: Callable[[], Any] | None, timeout: float, waits: str, tells: str
 ) -> tuple[bool, Any]:

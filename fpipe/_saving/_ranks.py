@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .._api import Step
-from .._distributed import Topology, all_gather_json, resolve_topology
+from .._distributed import Topology, all_gather_json, gather_over, resolve_topology
 from .._pytree import PyTree, leaves_with_names, stage_list, unflatten
 from .._sharding import StageLayout, cut_range
 from ._boxes import Box, piece_box
@@ -162,11 +162,8 @@ class Ranks:
         """``value`` of every pipeline rank (and every rank of the inner dimensions), as JSON gives it back."""
         if self.topology is None:
             return [json.loads(json.dumps(value))]
-        gather, topology, timeout = all_gather_json, self.topology, self.timeout
-        rows = [value]
-        for _, group in reversed(self.inner):  # the innermost first: tp, then dp
-            rows = [v for row in gather(topology, group, rows, timeout, what) for v in row]
-        return [v for row in gather(topology, topology.group, rows, timeout, what) for v in row]
+        groups = [group for _, group in reversed(self.inner)] + [self.topology.group]  # tp, then dp, then pp
+        return gather_over(self.topology, groups, value, self.timeout, what)
 
     def name(self, position: int) -> str:
         """How messages name the rank at ``position`` in ``gather``'s result: ``1``, or ``1 (dp 0 tp 1)``."""
