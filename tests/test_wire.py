@@ -29,6 +29,7 @@ from fpipe._distributed._wire import (
     META_BYTES,
     Decoder,
     Encoder,
+    FailureCode,
     as_bytes,
     error_message,
     layout_of,
@@ -203,7 +204,7 @@ def test_inline_leaves_stay_aligned() -> None:
 def test_an_error_message_fits_the_posted_receive() -> None:
     encoder, decoder = Encoder(), Decoder()
     transfer(encoder, decoder, {"h": torch.ones(5, dtype=torch.float32)})
-    message = error_message([3, 1, 2, 4], encoder.expected, CPU)
+    message = error_message(FailureCode(3, 1, 2, 4), encoder.expected, CPU)
     first = decoder.first_buffer(CPU)
     assert message.numel() == first.numel() == META_BYTES + 32
     first.copy_(message)

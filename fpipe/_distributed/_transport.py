@@ -42,7 +42,7 @@ from ._board import RAISED, Failure
 from ._collectives import handshake, lost, wait
 from ._faults import WATCHDOG
 from ._topology import Topology
-from ._wire import ERROR, Decoder, Encoder, as_bytes, error_message, meta_of
+from ._wire import ERROR, Decoder, Encoder, FailureCode, as_bytes, error_message, meta_of
 
 Key = tuple[str, int, int]  # ("act" | "cot" | "mb" | "result", stage, microbatch)
 
@@ -203,7 +203,7 @@ class DistributedTransport:
         """
         failure = self._conclude(None)
         if failure is not None:
-            self._remote_failure(*failure)
+            self._remote_failure(failure)
         for work, _ in self._sends:
             wait(work, self.topology.board, self._timeout, self.me, "a send to complete")
         self._sends.clear()
@@ -223,9 +223,10 @@ class DistributedTransport:
         board = self.topology.board
         standing = WATCHDOG.report(board, self._failure(error, action))
         rank = -1 if standing.rank is None or standing.replica not in (None, self._replica()) else standing.rank
-        code = [rank, -1, -1, -1]
+        code = FailureCode(rank)
         if standing.action is not None:
-            code = [rank, standing.action.stage, KINDS.index(standing.action.kind), standing.action.microbatch]
+            a = standing.action
+            code = FailureCode(rank, a.stage, KINDS.index(a.kind), a.microbatch)
         for peer in self.peers.values():
             if peer.next_out < len(peer.outgoing):
                 # Sized as the receive the peer posts for the message it expects next.
@@ -256,13 +257,13 @@ class DistributedTransport:
         me = self.topology.global_ranks[self.me]
         return self.topology.board.names.get(me, (self.me, None))[1]
 
-    def _conclude(self, failure: list[int] | None) -> list[int] | None:
-        """The step's closing all-gather of ``[failed, rank, stage, kind, microbatch]`` over the
-        pipeline group (``failure``: this rank's code as in ``abort``); the first failure's code."""
+    def _conclude(self, failure: FailureCode | None) -> FailureCode | None:
+        """The step's closing all-gather of ``[failed, *FailureCode]`` over the pipeline group
+        (``failure``: this rank's code as in ``abort``); the first failure's code."""
         self._concluded = True
         mine = [0, 0, 0, 0, 0] if failure is None else [1, *failure]
         statuses = handshake(self.topology, mine, self._seconds, "the other pipeline ranks at the end of the step")
-        return next((status[1:] for status in statuses if status[0]), None)
+        return next((FailureCode(*status[1:]) for status in statuses if status[0]), None)
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -326,7 +327,7 @@ class DistributedTransport:
         peer.next_in += 1
         meta = meta_of(first)
         if meta[0] == ERROR:
-            self._remote_failure(*meta[1:5])
+            self._remote_failure(FailureCode(*meta[1:5]))
         header, packed = decoder.opened(meta, self.topology.device)
         if header is not None:  # a new layout, with the new shapes: what was posted ahead is padding
             for work in works:
@@ -344,14 +345,14 @@ class DistributedTransport:
         self._now = self._needed[key]
         self._post_ahead(peer)
 
-    def _remote_failure(self, rank: int, stage: int, kind_index: int, microbatch: int) -> None:
+    def _remote_failure(self, code: FailureCode) -> None:
         """Raise the failure an ERROR meta or the closing all-gather reports: the board's record,
         or the sender's code when the board does not answer."""
         standing = WATCHDOG.read(self.topology.board)
         if standing is None:
-            action = None if kind_index < 0 else Action(stage, KINDS[kind_index], microbatch)
+            action = None if code.kind < 0 else Action(code.stage, KINDS[code.kind], code.microbatch)
             where = "outside any action" if action is None else f"in {action.describe()}"
-            subject = None if rank < 0 else self.topology.global_ranks[rank]
+            subject = None if code.rank < 0 else self.topology.global_ranks[code.rank]
             what = f"failed {where}; its own error says why"
             standing = self.topology.board.failure_of(subject, RAISED, what, action)
         raise standing.error(self.topology.board, self.me)

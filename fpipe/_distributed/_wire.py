@@ -87,7 +87,7 @@ import struct
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -368,7 +368,22 @@ def upload(data: list[int] | bytes, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def error_message(code: list[int], expected: int, device: torch.device) -> torch.Tensor:
+class FailureCode(NamedTuple):
+    """A failure as it travels between ranks, in an ERROR meta and in the step's closing
+    all-gather: four int64 words with names, read and written only through this codec.
+
+    Attributes:
+        rank: the failing pipeline rank (-1: unknown, or a rank of another replica).
+        stage, kind, microbatch: its action (``kind`` an index into ``KINDS``); -1 outside any.
+    """
+
+    rank: int
+    stage: int = -1
+    kind: int = -1
+    microbatch: int = -1
+
+
+def error_message(code: FailureCode, expected: int, device: torch.device) -> torch.Tensor:
     """The ``first`` buffer of an ERROR message, sized as the receiver's posted receive."""
     return _first([ERROR, *code], expected, device, inline=False)
 
