@@ -44,6 +44,7 @@ import re
 import secrets
 import shutil
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -104,7 +105,7 @@ def _unlocked(root: Path, why: str) -> None:
         "not kept apart. Save from one process (or pass group=) there, or save to a filesystem with file "
         "locks (NOTE [save concurrency] in fpipe/_saving/_directory.py).",
         RuntimeWarning,
-        stacklevel=9,  # the caller of fpipe.save (save_state and AsyncSaver: a frame inside fpipe)
+        stacklevel=_caller_outside_fpipe(),
     )
 
 
@@ -141,8 +142,19 @@ def _claim(fd: int, root: Path) -> None:
             "Each save commits whole, but a resume takes whichever committed last. Give each run a directory "
             "of its own (NOTE [a second live writer] in fpipe/_saving/_directory.py).",
             RuntimeWarning,
-            stacklevel=8,  # the caller of fpipe.save (save_state and AsyncSaver: a frame inside fpipe)
+            stacklevel=_caller_outside_fpipe(),
         )
+
+
+def _caller_outside_fpipe() -> int:
+    """The ``stacklevel`` that makes a warning raised by this function's caller point at the
+    first frame outside fpipe and its ``with`` blocks' ``contextlib`` frames: the user's call to
+    ``fpipe.save``, ``save_state``... (a count written by hand broke whenever a frame was added)."""
+    inside = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, contextlib.__file__)
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _job() -> str | None:
