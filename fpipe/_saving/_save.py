@@ -49,6 +49,7 @@ import torch
 
 from .._api import Step
 from .._distributed import Topology
+from .._errors import PipelineError
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names
 from .._tensor_parallel import local
@@ -227,6 +228,11 @@ def write(prepared: Prepared, ranks: Ranks) -> Path:
         return root / str(status["version"])
     try:
         version = _save_pipeline(root, trees, user, held, ranks, None)
+    except PipelineError:
+        # A rank failed in a collective: the other replicas learn it from the failure board,
+        # naming that rank (NOTE [failure board] in fpipe/_distributed/_faults.py), not from a
+        # status that would only say that this replica failed.
+        raise
     except BaseException:
         if ranks.replicas:
             with contextlib.suppress(Exception):  # the error to raise is the one above
