@@ -136,53 +136,6 @@ def test_every_survivor_fails_fast_naming_the_victim(setup, victim, where, sig, 
             assert kind == "PipelineTimeoutError" and f"because {names} stopped answering" in message, (rank, message)
 
 
-def _host_frozen_late(rank, world, directory):
-    """3 ranks, one pipeline, 1F1B: rank 0 (the store's host) freezes in its second forward; rank
-    1 waits for that activation from then on; rank 2 is busy LATE s in its first forward, and
-    only then waits for rank 1's next activation. A survivor returns ``(seconds since the step
-    began, error type, message)``, once both have raised (a process that exits closes its
-    connections, which would tell the other at once)."""
-    armed, forwards = [False], [0]
-
-    def stage(p, x):
-        if armed[0] and not torch.compiler.is_compiling():
-            forwards[0] += 1
-            if rank == 0 and forwards[0] == 2:
-                os.kill(os.getpid(), signal.SIGSTOP)
-            if rank == 2 and forwards[0] == 1:
-                time.sleep(LATE)
-        return torch.tanh(x @ p)
-
-    def loss_fn(y, mb):
-        return (y**2).mean()
-
-    step = fpipe.pipeline(loss_fn, [stage] * 3, OneFOneB(4), group=dist.group.WORLD, timeout=NEVER_TWICE)
-    params = [torch.eye(3, dtype=torch.float64) if s == rank else None for s in range(3)]
-    batch = torch.ones(8, 3, dtype=torch.float64) if rank == 0 else None
-    step(params, batch)
-    armed[0] = True
-    start = time.monotonic()
-    try:
-        step(params, batch)
-        out = time.monotonic() - start, "no error", ""
-    except fpipe.PipelineError as error:
-        out = time.monotonic() - start, type(error).__name__, str(error)
-    Path(directory, f"raised {rank}").touch()
-    for r in (1, 2):
-        _wait_for(Path(directory, f"raised {r}"))
-    return out
-
-
-def test_the_store_s_host_frozen_fails_a_late_survivor_within_the_timeout_not_twice(tmp_path):
-    """Rank 1 times out NEVER_TWICE s after the fault, finds the store silent and aborts its
-    groups (NOTE [the store's host]): rank 2, waiting on rank 1 since LATE s, fails then too,
-    not at the end of its own timeout (LATE + NEVER_TWICE s: no board can tell it)."""
-    _, *survivors = run_ranks(3, _host_frozen_late, str(tmp_path), timeout=90, may_die=frozenset({0}))
-    for rank, (seconds, kind, message) in enumerate(survivors, start=1):
-        assert kind == "PipelineTimeoutError" and "because rank 0 stopped answering" in message, (rank, message)
-        assert seconds < WITHIN, (rank, seconds, message)
-
-
 class _Beats:
     """A store whose heartbeat counters are ``counts`` (global rank -> count; 0 if absent)."""
 

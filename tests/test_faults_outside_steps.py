@@ -5,8 +5,11 @@ inf/nan agreement, ``save``, ``load``, ``save_state``, ``load_state``, ``save_hf
 ``load_hf``) and those of an ``AsyncSaver``'s background thread
 are under the job's failure board too (NOTE [failure board] in fpipe/_distributed/_faults.py).
 The victim dies or freezes as it enters the collective (its ``torch.distributed`` collectives
-are replaced by the signal), so the survivor is waiting in it. The store's host and
-tensor-parallel partners are in tests/test_faults.py's cases.
+are replaced by the signal), so the survivor is waiting in it. A frozen victim can be continued
+(SIGCONT) and the next case run on the same processes (``_in_turn``). With a timeout of 12 s,
+"never twice the timeout" is checked for a survivor whose wait began late, with a rank and with
+the store's host frozen. The store's host and tensor-parallel partners in a step are in
+tests/test_faults.py's cases.
 """
 
 from __future__ import annotations
@@ -274,7 +277,7 @@ def _late_survivor(rank, world, victim, directory):
 def test_a_frozen_rank_fails_a_late_survivor_within_the_timeout_not_twice(tmp_path):
     """The first survivor times out NEVER_TWICE s after the fault; the late one, in the same
     all-reduce, reads it on the board then, not at the end of its own timeout (LATE +
-    NEVER_TWICE). (The store's host frozen instead: tests/test_faults.py.)"""
+    NEVER_TWICE). (The store's host frozen instead: the next test.)"""
     victim = 1
     results = run_ranks(3, _late_survivor, victim, str(tmp_path), timeout=90, may_die=frozenset({victim}))
     for rank, result in enumerate(results):
@@ -282,4 +285,51 @@ def test_a_frozen_rank_fails_a_late_survivor_within_the_timeout_not_twice(tmp_pa
             continue
         seconds, kind, message = result
         assert kind == "PipelineTimeoutError" and f"because rank {victim} stopped answering" in message, (rank, message)
+        assert seconds < WITHIN, (rank, seconds, message)
+
+
+def _host_frozen_in_load(rank, world, directory):
+    """dp 2 x pp 2, ``load`` (an all-gather over the dp group, then one over the pp group; two
+    ``dist.all_gather`` calls each): rank 0, the store's host, freezes as it enters it. Ranks 1
+    and 2 wait on it from the start; rank 3 is descheduled LATE s between its two all-gathers,
+    then waits on rank 2, which waits on rank 0 in a collective (a collective that times out
+    closes no connection, so nothing but rank 2's abort of its groups tells rank 3). A survivor
+    returns ``(seconds since the fault, error type, message)`` once every survivor has raised."""
+    step, params, _, grads = _pipeline(rank, world, DP_PP, NEVER_TWICE)
+    call = _call("load", step, params, grads, directory, NEVER_TWICE)
+    dist.barrier()
+    start = time.monotonic()
+    if rank == 0:
+        _fault_at_collectives(signal.SIGSTOP)
+    if rank == 3:
+        all_gather, calls = dist.all_gather, [0]
+
+        def late_all_gather(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 3:  # the pp group's first
+                time.sleep(LATE)
+            return all_gather(*args, **kwargs)
+
+        dist.all_gather = late_all_gather
+    try:
+        call()
+        out = time.monotonic() - start, "no error", ""
+    except fpipe.PipelineError as error:
+        out = time.monotonic() - start, type(error).__name__, str(error)
+    Path(directory, f"raised {rank}").touch()
+    for r in (1, 2, 3):
+        _wait_for(Path(directory, f"raised {r}"))
+    return out
+
+
+def test_the_store_s_host_frozen_fails_a_late_survivor_within_the_timeout_not_twice(tmp_path):
+    """Rank 2 times out NEVER_TWICE s after the fault, finds the store silent and aborts its
+    groups (NOTE [the store's host]), so rank 3 fails then too, not at the end of its own
+    timeout (LATE + NEVER_TWICE s): no board can tell it."""
+    _, *survivors = run_ranks(4, _host_frozen_in_load, str(tmp_path), timeout=90, may_die=frozenset({0}))
+    for rank, (seconds, kind, message) in enumerate(survivors, start=1):
+        assert kind == "PipelineTimeoutError" and "because rank 0 (dp 0, pp 0) stopped answering" in message, (
+            rank,
+            message,
+        )
         assert seconds < WITHIN, (rank, seconds, message)
