@@ -242,10 +242,12 @@ def test_a_rank_that_freezes_in_a_collective_between_steps_is_named(tmp_path):
 
 
 def test_every_survivor_of_a_mesh_fails_in_a_collective_between_steps(tmp_path):
-    """dp 2 x pp 2: rank 3 (dp 1, pp 1) frozen in load_state, then rank 1 (dp 0, pp 1) killed in save;
-    every other rank raises, naming the victim by its mesh coordinates."""
-    faults = [("load_state", 3, signal.SIGSTOP), ("save", 1, signal.SIGKILL)]
-    results = run_ranks(4, _in_turn, DP_PP, faults, 4, str(tmp_path), timeout=90, may_die=frozenset({1}))
+    """dp 2 x pp 2: rank 1 (dp 0, pp 1) frozen in save, then rank 3 (dp 1, pp 1) killed in load;
+    every other rank raises, naming the victim by its mesh coordinates (the killed rank is the
+    one frozen first, so every survivor's result of both comes back)."""
+    faults = [("save", 1, signal.SIGSTOP), ("load", 3, signal.SIGKILL)]
+    results = run_ranks(4, _in_turn, DP_PP, faults, 4, str(tmp_path), timeout=90, may_die=frozenset({3}))
+    assert [r is None for r in results] == [False, False, False, True]
     _check_in_turn(DP_PP, faults, 4, results)
 
 
