@@ -30,6 +30,12 @@ DEFAULT = None  # the pipeline's default timeout (300 s)
 # its wait's timeout plus about 0.1 s (NOTE [failure board]), but a rank of a spawned job on 2
 # busy cores can be off the CPU for seconds.
 SLACK = 10.0
+# "Never twice the timeout", made detectable: with a timeout T of 12 s a survivor must raise
+# within T + 8 s of the fault (room for a loaded machine), below the 2 T = 24 s, and below the
+# LATE + T = 21 s of a survivor that, not told, waits out a timeout of its own begun LATE s
+# after the fault (a loaded machine only makes that later).
+NEVER_TWICE, LATE = 12, 9.0
+WITHIN = NEVER_TWICE + 8.0
 
 
 DP_PP = (("dp", 2), ("pp", 2))  # a mesh, as (dimension, size) pairs
@@ -128,6 +134,32 @@ def test_every_survivor_fails_fast_naming_the_victim(setup, victim, where, sig, 
             assert kind == "PipelineError" and f"because {names} died" in message, (rank, message)
         else:
             assert kind == "PipelineTimeoutError" and f"because {names} stopped answering" in message, (rank, message)
+
+
+class _Beats:
+    """A store whose heartbeat counters are ``counts`` (global rank -> count; 0 if absent)."""
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def add(self, key, amount):
+        return self.counts.get(int(key.rsplit("/", 1)[1]), 0)
+
+
+def test_a_rank_not_yet_seen_beating_a_new_board_is_not_silent():
+    """A rank beats a new board only from its next beat (every BEAT s): right after a job began,
+    a live rank that had not beaten yet was named as the rank that died (a dp 2 x pp 2 save
+    blamed rank 3 for rank 1's death, about 1 run in 5). It counts as silent only once the
+    heartbeats have been read for STALE s without it."""
+    from fpipe._distributed._board import STALE, Board
+    from fpipe._distributed._faults import Watchdog
+
+    names = {g: (g, None) for g in range(3)}
+    board = Board("fpipe/test/", (0, 1, 2), 0, [], names, {g: f"rank {g}" for g in range(3)})
+    Watchdog()._read_beats(board, _Beats({1: 4}))  # rank 2 has not beaten this board yet
+    assert board.silent() == []
+    board.first_read -= 2 * STALE  # read for longer than STALE, and rank 2 never beat
+    assert board.silent() == [2]
 
 
 def _two_stages(rank, timeout, stage_fault=None, loss_fault=None):

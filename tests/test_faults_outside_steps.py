@@ -5,8 +5,11 @@ inf/nan agreement, ``save``, ``load``, ``save_state``, ``load_state``, ``save_hf
 ``load_hf``) and those of an ``AsyncSaver``'s background thread
 are under the job's failure board too (NOTE [failure board] in fpipe/_distributed/_faults.py).
 The victim dies or freezes as it enters the collective (its ``torch.distributed`` collectives
-are replaced by the signal), so the survivor is waiting in it. The store's host and
-tensor-parallel partners are in tests/test_faults.py's cases.
+are replaced by the signal), so the survivor is waiting in it. A frozen victim can be continued
+(SIGCONT) and the next case run on the same processes (``_in_turn``). With a timeout of 12 s,
+"never twice the timeout" is checked for a survivor whose wait began late, with a rank and with
+the store's host frozen. The store's host and tensor-parallel partners in a step are in
+tests/test_faults.py's cases.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,19 +27,22 @@ import torch.distributed as dist
 import fpipe
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.test_faults import DP_PP, SLACK, name
+from tests.test_faults import DP_PP, LATE, NEVER_TWICE, SLACK, WITHIN, _wait_for, name
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _fault_at_collectives(sig, thread=None, collectives=("all_gather", "all_reduce")):
-    """From now on this process gets ``sig`` as it enters one of ``collectives`` (on ``thread``
-    only, if given)."""
+    """This process gets ``sig`` as it next enters one of ``collectives`` (on ``thread`` only, if
+    given), once: a process frozen there and continued (SIGCONT) goes on with the collectives
+    put back."""
     originals = {f: getattr(dist, f) for f in collectives}
 
     def fault(collective):
         def faulty(*args, **kwargs):
             if thread is None or threading.current_thread().name == thread:
+                for f, original in originals.items():
+                    setattr(dist, f, original)
                 os.kill(os.getpid(), sig)
             return collective(*args, **kwargs)
 
@@ -45,11 +52,11 @@ def _fault_at_collectives(sig, thread=None, collectives=("all_gather", "all_redu
         setattr(dist, f, fault(collective))
 
 
-def _pipeline(rank, world, mesh, timeout, precision=None):
-    """A small float64 pipeline (over every rank, or a mesh) after one healthy step: its step,
-    params, batch and grads."""
+def _pipeline(rank, world, mesh, timeout, precision=None, group=None):
+    """A small float64 pipeline (over ``group``, by default every rank, or a mesh) after one
+    healthy step: its step, params, batch and grads."""
     if mesh is None:
-        num_stages, place = world, {"group": dist.group.WORLD}
+        num_stages, place = world, {"group": dist.group.WORLD if group is None else group}
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -146,3 +153,185 @@ def test_a_save_in_flight_does_not_hold_the_error(setup, victim, sig, timeout, t
         assert seconds < limit, (rank, seconds, message)
         said = "died" if sig == signal.SIGKILL else "stopped answering"
         assert kind.startswith("Pipeline") and f"because {name(setup, victim)} {said}" in message, (rank, message)
+
+
+def _call(what, step, params, grads, directory, timeout):
+    """``what`` (one of fpipe's collectives outside a step) as a function of no arguments, after
+    writing what it reads, if anything."""
+    template = [None if p is None else {k: torch.zeros_like(w) for k, w in p.items()} for p in params]
+    if what == "load":
+        fpipe.save(directory, params, step=step)
+    if what == "load_state":
+        fpipe.save_state(f"{directory}/state", fpipe.TrainState(params), step=step)
+    calls = {
+        "global_norm": lambda: step.global_norm(grads),
+        "save": lambda: fpipe.save(directory, params, step=step, timeout=timeout),
+        "load": lambda: fpipe.load(directory, template, step=step, timeout=timeout),
+        "load_state": lambda: fpipe.load_state(f"{directory}/state", template, step=step, timeout=timeout),
+    }
+    return calls[what]
+
+
+def _in_turn(rank, world, mesh, faults, timeout, directory):
+    """Each of ``faults``, ``(collective, victim, signal)``, in turn, on groups of its own: the
+    victim dies or freezes as it enters the collective; each survivor times it from its call.
+    A frozen victim is continued (SIGCONT) once every survivor has raised, so the next fault
+    runs on the same processes; a killed one must come last. Returns ``[(seconds, error type,
+    message) or None (the victim)]``, one per fault."""
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    out = []
+    for i, (what, victim, sig) in enumerate(faults):
+        here = os.path.join(directory, str(i))
+        os.makedirs(here, exist_ok=True)
+        group = None if mesh is not None else dist.new_group(list(range(world)))
+        step, params, batch, grads = _pipeline(rank, world, mesh, timeout, group=group)
+        call = _call(what, step, params, grads, here, timeout)
+        dist.barrier()  # (the default group: never one of the job's groups here)
+        if rank == victim:
+            _fault_at_collectives(sig)
+            # Continued, it raises the board's record, or finishes the collective (the survivors'
+            # gloo work was still posted: a rank whose wait times out raises without aborting its
+            # groups) and raises at its next step: either way it has seen the record, so its next
+            # groups get a new board, as the survivors' do.
+            try:
+                call()
+            except fpipe.PipelineError:
+                pass
+            else:
+                with pytest.raises(fpipe.PipelineError, match="stopped while waiting for the other pipeline ranks"):
+                    step(params, batch)
+            out.append(None)
+        else:
+            start = time.monotonic()
+            try:
+                call()
+                out.append((time.monotonic() - start, "no error", ""))
+            except fpipe.PipelineError as error:
+                out.append((time.monotonic() - start, type(error).__name__, str(error)))
+            if sig == signal.SIGSTOP:
+                Path(here, f"raised {rank}").touch()
+                if rank == min(set(range(world)) - {victim}):
+                    for r in set(range(world)) - {victim}:
+                        _wait_for(Path(here, f"raised {r}"))
+                    os.kill(pids[victim], signal.SIGCONT)
+        if sig == signal.SIGSTOP:
+            dist.barrier()
+    return out
+
+
+def _check_in_turn(setup, faults, timeout, results):
+    for i, (what, victim, sig) in enumerate(faults):
+        limit = SLACK if sig == signal.SIGKILL else timeout + SLACK  # far below twice 30 s
+        said = "died" if sig == signal.SIGKILL else "stopped answering"
+        for rank, result in enumerate(results):
+            if rank == victim or result is None:
+                continue
+            seconds, kind, message = result[i]
+            named = f"because {name(setup, victim)} {said}"
+            assert kind.startswith("Pipeline") and named in message, (what, rank, message)
+            assert seconds < limit, (what, rank, seconds, message)
+
+
+def test_a_rank_that_freezes_in_a_collective_between_steps_is_named(tmp_path):
+    """global_norm, save and load_state on 2 processes, rank 1 frozen in each in turn."""
+    faults = [("global_norm", 1, signal.SIGSTOP), ("save", 1, signal.SIGSTOP), ("load_state", 1, signal.SIGSTOP)]
+    results = run_ranks(2, _in_turn, None, faults, 4, str(tmp_path), timeout=90)
+    _check_in_turn(2, faults, 4, results)
+    assert all(kind == "PipelineTimeoutError" for _, kind, _ in results[0])
+
+
+def test_every_survivor_of_a_mesh_fails_in_a_collective_between_steps(tmp_path):
+    """dp 2 x pp 2: rank 1 (dp 0, pp 1) frozen in save, then rank 3 (dp 1, pp 1) killed in load;
+    every other rank raises, naming the victim by its mesh coordinates (the killed rank is the
+    one frozen first, so every survivor's result of both comes back)."""
+    faults = [("save", 1, signal.SIGSTOP), ("load", 3, signal.SIGKILL)]
+    results = run_ranks(4, _in_turn, DP_PP, faults, 4, str(tmp_path), timeout=90, may_die=frozenset({3}))
+    assert [r is None for r in results] == [False, False, False, True]
+    _check_in_turn(DP_PP, faults, 4, results)
+
+
+def _late_survivor(rank, world, victim, directory):
+    """3 ranks, one pipeline: the victim freezes as it enters ``global_norm``'s all-reduce, rank
+    ``late`` (the other survivor but one) enters it only LATE seconds after the others, as a rank
+    busy elsewhere does. A survivor returns ``(seconds since the fault, error type, message)``."""
+    step, _, _, grads = _pipeline(rank, world, None, NEVER_TWICE)
+    late = 2 if victim != 2 else 1
+    dist.barrier()  # before the fault: every rank's clock starts here
+    start = time.monotonic()
+    if rank == victim:
+        _fault_at_collectives(signal.SIGSTOP)
+    if rank == late:
+        time.sleep(LATE)
+    try:
+        step.global_norm(grads)
+        out = time.monotonic() - start, "no error", ""
+    except fpipe.PipelineError as error:
+        out = time.monotonic() - start, type(error).__name__, str(error)
+    # Both survivors stay until both have raised: one that exits closes its connections, which
+    # would tell the other at once.
+    Path(directory, f"raised {rank}").touch()
+    for r in set(range(world)) - {victim}:
+        _wait_for(Path(directory, f"raised {r}"))
+    return out
+
+
+def test_a_frozen_rank_fails_a_late_survivor_within_the_timeout_not_twice(tmp_path):
+    """The first survivor times out NEVER_TWICE s after the fault; the late one, in the same
+    all-reduce, reads it on the board then, not at the end of its own timeout (LATE +
+    NEVER_TWICE). (The store's host frozen instead: the next test.)"""
+    victim = 1
+    results = run_ranks(3, _late_survivor, victim, str(tmp_path), timeout=90, may_die=frozenset({victim}))
+    for rank, result in enumerate(results):
+        if rank == victim:
+            continue
+        seconds, kind, message = result
+        assert kind == "PipelineTimeoutError" and f"because rank {victim} stopped answering" in message, (rank, message)
+        assert seconds < WITHIN, (rank, seconds, message)
+
+
+def _host_frozen_in_load(rank, world, directory):
+    """dp 2 x pp 2, ``load`` (an all-gather over the dp group, then one over the pp group; two
+    ``dist.all_gather`` calls each): rank 0, the store's host, freezes as it enters it. Ranks 1
+    and 2 wait on it from the start; rank 3 is descheduled LATE s between its two all-gathers,
+    then waits on rank 2, which waits on rank 0 in a collective (a collective that times out
+    closes no connection, so nothing but rank 2's abort of its groups tells rank 3). A survivor
+    returns ``(seconds since the fault, error type, message)`` once every survivor has raised."""
+    step, params, _, grads = _pipeline(rank, world, DP_PP, NEVER_TWICE)
+    call = _call("load", step, params, grads, directory, NEVER_TWICE)
+    dist.barrier()
+    start = time.monotonic()
+    if rank == 0:
+        _fault_at_collectives(signal.SIGSTOP)
+    if rank == 3:
+        all_gather, calls = dist.all_gather, [0]
+
+        def late_all_gather(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 3:  # the pp group's first
+                time.sleep(LATE)
+            return all_gather(*args, **kwargs)
+
+        dist.all_gather = late_all_gather
+    try:
+        call()
+        out = time.monotonic() - start, "no error", ""
+    except fpipe.PipelineError as error:
+        out = time.monotonic() - start, type(error).__name__, str(error)
+    Path(directory, f"raised {rank}").touch()
+    for r in (1, 2, 3):
+        _wait_for(Path(directory, f"raised {r}"))
+    return out
+
+
+def test_the_store_s_host_frozen_fails_a_late_survivor_within_the_timeout_not_twice(tmp_path):
+    """Rank 2 times out NEVER_TWICE s after the fault, finds the store silent and aborts its
+    groups (NOTE [the store's host]), so rank 3 fails then too, not at the end of its own
+    timeout (LATE + NEVER_TWICE s): no board can tell it."""
+    _, *survivors = run_ranks(4, _host_frozen_in_load, str(tmp_path), timeout=90, may_die=frozenset({0}))
+    for rank, (seconds, kind, message) in enumerate(survivors, start=1):
+        assert kind == "PipelineTimeoutError" and "because rank 0 (dp 0, pp 0) stopped answering" in message, (
+            rank,
+            message,
+        )
+        assert seconds < WITHIN, (rank, seconds, message)

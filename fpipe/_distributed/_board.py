@@ -88,6 +88,7 @@ class Board:
     beats: dict[int, tuple[int, float]] = field(default_factory=dict)  # global rank -> (counter, when it changed)
     waits: dict[int, float] = field(default_factory=dict)  # thread id -> when its current wait began
     read_at: float = 0.0  # when the heartbeats were last read
+    first_read: float | None = None  # when they were first read (``silent``)
     aborted: bool = False
     seen: bool = False  # this rank has counted itself among those that saw the record
     lingered: bool = False  # the store's host has waited for the others to see it (``linger``)
@@ -113,11 +114,15 @@ class Board:
 
     def silent(self) -> list[int] | None:
         """The global ranks of the job whose heartbeat has not changed for ``STALE`` seconds
-        (``None``: unknown, the store has not answered for that long)."""
+        (``None``: unknown, the store has not answered for that long). A rank not yet seen
+        beating counts only once the heartbeats have been read for ``STALE`` seconds: a live
+        rank may not have beaten a new board yet (it beats every ``BEAT`` seconds), and was
+        blamed for a death right after its job began."""
         now = time.monotonic()
         if now - self.read_at > STALE:
             return None
-        return [g for g in self.job if g != self.me and (g not in self.beats or now - self.beats[g][1] > STALE)]
+        unseen = self.first_read is not None and now - self.first_read > STALE
+        return [g for g in self.job if g != self.me and (now - self.beats[g][1] > STALE if g in self.beats else unseen)]
 
 
 class waiting:  # (lower case: used as a function, ``with waiting(board):``)

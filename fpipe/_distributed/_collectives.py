@@ -256,13 +256,19 @@ def one_writes(
     ``write``) runs it and tells the group whether it failed and what it returned (JSON); every
     other rank (``write=None``) waits for that (``waits`` names the wait) and gets ``(ok,
     value)``. The writer gets ``(True, value)``, or raises ``write``'s error once it has told the
-    others (``tells`` names its wait). ``group=None``: no one to tell."""
+    others (``tells`` names its wait; a ``PipelineError`` it raises at once: the board tells
+    them). ``group=None``: no one to tell."""
     if write is None:
         assert topology is not None
         status = all_gather_json(topology, group, {"error": False, "value": None}, timeout, waits)[0]
         return not status["error"], status["value"]
     try:
         value = write()
+    except PipelineError:
+        # A rank failed in a collective: the others learn it from the failure board, naming that
+        # rank (NOTE [failure board] in fpipe/_distributed/_faults.py), not from a status that
+        # would only say that the writer failed.
+        raise
     except BaseException:
         if group is not None and topology is not None:
             with contextlib.suppress(Exception):  # the error to raise is write's

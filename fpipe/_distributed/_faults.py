@@ -286,6 +286,8 @@ class Watchdog:
                 if count and (g not in board.beats or board.beats[g][0] != count):
                     board.beats[g] = (count, now)
         board.read_at = now
+        if board.first_read is None:
+            board.first_read = now
 
 
 def _store_gone(error: BaseException) -> bool:
