@@ -74,7 +74,7 @@ class VHalf(BuiltinSchedule):
         """The program for ``num_stages`` stages on ``num_stages // 2`` ranks.
 
         Raises:
-            ScheduleError: if ``num_stages`` is odd, or ``num_ranks`` is given and is not
+            ScheduleError: if ``num_stages`` is odd or below 2, or ``num_ranks`` is given and is not
                 ``num_stages // 2``.
         """
         p = v_ranks("VHalf", num_stages, num_ranks)
@@ -108,7 +108,7 @@ class VMin(BuiltinSchedule):
         """The program for ``num_stages`` stages on ``num_stages // 2`` ranks.
 
         Raises:
-            ScheduleError: if ``num_stages`` is odd, or ``num_ranks`` is given and is not
+            ScheduleError: if ``num_stages`` is odd or below 2, or ``num_ranks`` is given and is not
                 ``num_stages // 2``.
         """
         p = v_ranks("VMin", num_stages, num_ranks)

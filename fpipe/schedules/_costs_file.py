@@ -39,13 +39,16 @@ def save_costs(path: str | os.PathLike[str], costs: Sequence[Costs]) -> None:
 
     Raises:
         TypeError: if ``costs`` is not a sequence of ``Costs``.
+        ValueError: if it is empty (``load_costs`` would refuse the file).
         OSError: if the file cannot be written.
     """
-    if isinstance(costs, Costs) or not all(isinstance(c, Costs) for c in costs):
+    if isinstance(costs, Costs) or not isinstance(costs, Sequence) or not all(isinstance(c, Costs) for c in costs):
         raise TypeError(
             f"fpipe.schedules.save_costs: costs must be a sequence of one Costs per stage (costs: {costs!r}). "
             "Pass what fit_costs returns."
         )
+    if not costs:
+        raise ValueError("fpipe.schedules.save_costs: costs is empty; a file needs one Costs per stage (costs: []).")
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"format": _FORMAT, "version": _VERSION, "stages": [asdict(c) for c in costs]}, f, indent=1)
         f.write("\n")

@@ -26,6 +26,7 @@ from typing import Literal
 
 from .._plural import plural
 from ._action import BACKWARD, BACKWARD_WEIGHT, FORWARD
+from ._controllable_memory import VHalf, VMin
 from ._dual_pipe_v import DualPipeV
 from ._exact import exact as branch_and_bound
 from ._gpipe import GPipe
@@ -119,10 +120,13 @@ def search(
         activation_sizes: per stage, the bytes of activations one microbatch leaves in it; then
             ``memory`` is in bytes.
         time_budget: seconds to spend; when they run out the best program so far is returned
-            with ``complete=False`` (at least one list-scheduled program is always built).
+            with ``complete=False`` (at least one list-scheduled program is built, unless a
+            built-in already meets ``lower_bound``). The policies tried depend on the clock only
+            when it runs out.
         exact: run the exact search on problems of at most 4 ranks and 8 microbatches, for at
             most ``EXACT_SECONDS`` (2) of the budget, unless the program already meets
-            ``lower_bound``; ``False``: never (the result no longer depends on the clock).
+            ``lower_bound``; ``False``: never (then only a budget that runs out makes the result
+            depend on the machine's speed).
 
     Example:
         >>> from fpipe.schedules import Costs, search
@@ -143,11 +147,11 @@ def search(
     """
     started = time.perf_counter()
     problem = checked_problem(num_ranks, num_microbatches, costs, placement, stages_per_rank, memory, activation_sizes)
-    if isinstance(time_budget, bool) or not isinstance(time_budget, (int, float)) or not time_budget > 0:
+    if isinstance(time_budget, bool) or not isinstance(time_budget, (int, float)) or not 0 < time_budget < math.inf:
         raise ScheduleError(
             f"fpipe.schedules.search: time_budget must be a positive number of seconds (time_budget: {time_budget!r})."
         )
-    deadline = started + min(float(time_budget), 1e9)
+    deadline = started + float(time_budget)
     bound = lower_bound(problem)
     tried: list[tuple[str, float, Program]] = []
     for name, program in builtin_programs(problem, placement):
@@ -207,7 +211,12 @@ def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Pr
     v = S // p
     schedules: list[tuple[str, Callable[[], Schedule]]]
     if placement == "v":
-        schedules = [("ZeroBubbleV", lambda: ZeroBubbleV(m)), ("DualPipeV", lambda: DualPipeV(m))]
+        schedules = [
+            ("ZeroBubbleV", lambda: ZeroBubbleV(m)),
+            ("DualPipeV", lambda: DualPipeV(m)),
+            ("VHalf", lambda: VHalf(m)),
+            ("VMin", lambda: VMin(m)),
+        ]
     elif v == 1:  # InterleavedZeroBubble is ZeroBubbleH1 here
         schedules = [
             ("GPipe", lambda: GPipe(m)),

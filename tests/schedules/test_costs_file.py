@@ -35,3 +35,8 @@ def test_files_that_are_not_costs(tmp_path: Path, text: str, fragment: str) -> N
 def test_save_takes_a_sequence_of_costs(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="costs must be a sequence of one Costs per stage"):
         save_costs(tmp_path / "c.json", Costs())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="costs must be a sequence of one Costs per stage"):
+        save_costs(tmp_path / "c.json", iter([Costs()]))  # type: ignore[arg-type]  # would be used up by the check
+    with pytest.raises(ValueError, match=r"costs is empty"):
+        save_costs(tmp_path / "c.json", [])
+    assert not (tmp_path / "c.json").exists()  # nothing written that load_costs would refuse

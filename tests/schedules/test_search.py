@@ -198,6 +198,7 @@ def test_interleaved_placement_is_the_looped_one() -> None:
         ({"memory": [4, 4]}, ScheduleError, r"or one per rank \(4 here\)"),
         ({"activation_sizes": [1.0, -1.0, 1.0, 1.0]}, ScheduleError, r"activation_sizes must hold one positive"),
         ({"time_budget": 0}, ScheduleError, r"time_budget must be a positive number of seconds"),
+        ({"time_budget": float("inf")}, ScheduleError, r"time_budget must be a positive number of seconds"),
     ],
 )
 def test_bad_input_is_a_clear_error(kwargs: dict, error: type, match: str) -> None:
