@@ -210,6 +210,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _MODEL = ("layers", "hidden", "sequence", "vocabulary", "tflops", "bandwidth")
+# The model and device options that have defaults: with --costs, any of them set is refused too.
+_MODEL_DEFAULTS: dict[str, object] = {
+    "microbatch_size": 1,
+    "layer_params": None,
+    "recompute": False,
+    "latency": 0.0,
+    "bytes_per_param": 16.0,
+}
+
+
+def _set_options(args: argparse.Namespace, defaults: dict[str, object]) -> list[str]:
+    """The options of ``defaults`` that ``args`` sets to something else."""
+    return [name for name, default in defaults.items() if getattr(args, name) != default]
 
 
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
@@ -224,7 +237,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         problem = f"unknown schedules {', '.join(unknown)} (--schedules: {args.schedules}). Choose from {known}"
     elif args.costs is None and missing:
         problem = f"a model needs {', '.join(missing)}, or measured costs (--costs PATH)"
-    elif args.costs is not None and len(missing) < len(_MODEL):
+    elif args.costs is not None and (len(missing) < len(_MODEL) or _set_options(args, _MODEL_DEFAULTS)):
         problem = "--costs gives the costs: drop the model and device options"
     elif args.costs is not None and args.memory is not None:
         problem = "--memory needs a model's sizes (--layers ...): measured costs give no bytes"

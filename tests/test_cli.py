@@ -309,5 +309,8 @@ def test_plan_costs_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert message in capsys.readouterr().err
     assert run_plan("--costs", str(path), "--tflops", "1") == (2, "")
     assert "--costs gives the costs: drop the model and device options" in capsys.readouterr().err
+    for option in (["--latency", "5"], ["--recompute"], ["--microbatch-size", "2"], ["--bytes-per-param", "8"]):
+        assert run_plan("--costs", str(path), *option) == (2, "")  # ignored before: now refused
+        assert "--costs gives the costs: drop the model and device options" in capsys.readouterr().err
     assert run_plan("--costs", str(tmp_path / "missing.json")) == (1, "")
     assert "cannot read" in capsys.readouterr().err
