@@ -46,7 +46,23 @@ Times = list[list[int]]  # one rank's slot per pass type, per microbatch
 
 
 @dataclass(frozen=True)
-class VHalf(BuiltinSchedule):
+class _ControllableV(BuiltinSchedule):
+    """What V-Half and V-Min share: the V placement, and the repository's greedy passes over the
+    class's building block (``_BLOCKS``)."""
+
+    def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
+        """The program for ``num_stages`` stages on ``num_stages // 2`` ranks.
+
+        Raises:
+            ScheduleError: if ``num_stages`` is odd or below 2, or ``num_ranks`` is given and is not
+                ``num_stages // 2``.
+        """
+        name = type(self).__name__
+        return _greedy_v(v_ranks(name, num_stages, num_ranks), self.num_microbatches, _BLOCKS[name])
+
+
+@dataclass(frozen=True)
+class VHalf(_ControllableV):
     """V-Half (Qi et al., 2024): a V schedule at half of 1F1B's activation memory.
 
     ``ZeroBubbleV``'s placement (rank ``r`` holds stage ``r`` and stage ``2p - 1 - r``), its
@@ -70,19 +86,9 @@ class VHalf(BuiltinSchedule):
     number of microbatches.
     """
 
-    def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
-        """The program for ``num_stages`` stages on ``num_stages // 2`` ranks.
-
-        Raises:
-            ScheduleError: if ``num_stages`` is odd or below 2, or ``num_ranks`` is given and is not
-                ``num_stages // 2``.
-        """
-        p = v_ranks("VHalf", num_stages, num_ranks)
-        return _greedy_v(p, self.num_microbatches, _half_block)
-
 
 @dataclass(frozen=True)
-class VMin(BuiltinSchedule):
+class VMin(_ControllableV):
     """V-Min (Qi et al., 2024): a V schedule at a third of 1F1B's activation memory.
 
     As ``VHalf`` with the paper's smallest V-shape building block, which keeps about a third of
@@ -104,16 +110,6 @@ class VMin(BuiltinSchedule):
     It takes any number of microbatches.
     """
 
-    def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
-        """The program for ``num_stages`` stages on ``num_stages // 2`` ranks.
-
-        Raises:
-            ScheduleError: if ``num_stages`` is odd or below 2, or ``num_ranks`` is given and is not
-                ``num_stages // 2``.
-        """
-        p = v_ranks("VMin", num_stages, num_ranks)
-        return _greedy_v(p, self.num_microbatches, _min_block)
-
 
 def _half_block(p: int, r: int) -> list[int]:
     """V-Half's slots of microbatch 0's ``F, f, B, b`` on rank ``r`` (``stable_pattern_v_half``)."""
@@ -125,6 +121,9 @@ def _min_block(p: int, r: int) -> list[int]:
     """V-Min's slots of microbatch 0's ``F, f, B, b`` on rank ``r`` (``stable_pattern_v_min``)."""
     gap = 2 if p % 3 == 0 else 0
     return [r, 2 * p - r - 1, 2 * p + gap + r, 4 * p + gap - r - 1]
+
+
+_BLOCKS: dict[str, Callable[[int, int], list[int]]] = {"VHalf": _half_block, "VMin": _min_block}
 
 
 def _greedy_v(p: int, m: int, block: Callable[[int, int], list[int]]) -> Program:
