@@ -7,6 +7,7 @@ distributed one sends over torch.distributed. The executor knows nothing of any 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -18,7 +19,7 @@ from ._pytree import PyTree
 from ._random import Keys
 from ._record import Stopwatch
 from ._stage import Grads, Pullback, StageRun
-from .schedules import Action
+from .schedules import Action, Simulation
 from .schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 
 
@@ -65,6 +66,23 @@ class LocalTransport:
 
     def recv_cotangent(self, stage: int, microbatch: int) -> Grads:
         return self._cotangents.pop((stage, microbatch))
+
+    # -- a run's side (``RunTransport`` in fpipe/_run.py): no one else to wait for or tell --------
+
+    def running(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def exchange_result(self, result: PyTree) -> PyTree:
+        return result
+
+    def finish(self) -> None:
+        pass
+
+    def abort(self, error: BaseException, action: Action | None) -> None:
+        pass
+
+    def gather_timeline(self, timeline: Simulation) -> Simulation:
+        return timeline
 
 
 class Executor:

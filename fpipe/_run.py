@@ -1,16 +1,19 @@
-"""One step in this process, and what every run of a step shares with the distributed one.
+"""The one run of a step (``run``), in this process or on a pipeline rank, and what it reads.
 
 An ``Order`` holds what a step fixes when it is built (its actions in order, and the program's
 checksum that the distributed handshake compares); each run reads it and never changes it. A
-run builds its stages (``HeldStages``), an ``Executor`` over a transport, and interprets the
-order's actions; the local run here uses the ``LocalTransport``, the distributed one
-(fpipe/_distributed/_rank_step.py) a ``DistributedTransport`` between a handshake and the
-data-parallel reduction (notes/wire.md).
+run is handed its stages (``HeldStages``, built by the step's strategy), a transport and the
+microbatches' weights; it builds the ``Executor``, interprets the order's actions, sums the
+loss and records the timeline. The one-process step (``run_local``) and the per-rank one
+(fpipe/_distributed/_rank_step.py: a ``DistributedTransport`` between a handshake and the
+data-parallel reduction, notes/wire.md) are thin callers of it: they differ only in their
+transport and the stages they hold.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -204,22 +207,68 @@ def interpret(
     return list(zip(flat[::2], flat[1::2]))
 
 
-def executor_for(
+class RunTransport(Transport, Protocol):
+    """A ``Transport`` as ``run`` uses it: the ``LocalTransport`` in one process (no one to wait
+    for or tell: each of these is a no-op or gives its argument back), a ``DistributedTransport``
+    on a pipeline rank (fpipe/_distributed/_transport.py)."""
+
+    def running(self) -> AbstractContextManager[object]:
+        """The context the actions run in (NOTE [tensor-parallel waits] in fpipe/_distributed/_transport.py)."""
+        ...
+
+    def exchange_result(self, result: PyTree, /) -> PyTree:
+        """The last stage's ``result`` (``None`` where the last stage is held elsewhere), on every process."""
+        ...
+
+    def finish(self) -> None:
+        """Close the run once it succeeded: every message sent and read."""
+        ...
+
+    def abort(self, error: BaseException, action: Action | None, /) -> None:
+        """Tell the other processes that the run failed with ``error`` in ``action``."""
+        ...
+
+    def gather_timeline(self, timeline: Simulation, /) -> Simulation:
+        """``timeline`` (this process's rows measured) with every process's own rows."""
+        ...
+
+
+def split_batch(step: StepView, batch: PyTree, *, counted: bool = True) -> tuple[list[PyTree], list[int], int | None]:
+    """``batch`` cut into the step's microbatches (``split``, fpipe/_microbatch.py), their sizes, and
+    ``weight_fn``'s total count over them (``None`` without ``weight_fn`` or ``counted``: on a
+    pipeline rank, only the first stage's counts). The one place a step splits and counts a batch."""
+    microbatches, sizes = split(batch, step.num_microbatches, step.batch_dims)
+    count = sum(counts(microbatches, step.weight_fn)) if step.weight_fn is not None and counted else None
+    return microbatches, sizes, count
+
+
+def run(
     step: StepView,
     order: Order,
     runs: HeldStages,
-    transport: Transport,
+    transport: RunTransport,
     weights: Sequence[float],
     *,
     key: int,
+    explicit: bool,
     replica: int = 0,
     keep_outputs: bool = False,
-) -> Executor:
-    """The ``Executor`` of one run of ``order`` over ``transport`` for the stages a process holds
-    (``runs``): in one process (a ``LocalTransport``, every stage) or on a pipeline rank (a
-    ``DistributedTransport``, its row's stages); ``replica`` is the data-parallel replica's index
-    in the stages' keys (NOTE [randomness as data] in fpipe/_random.py)."""
-    return Executor(
+    devices: Iterable[torch.device] = (),
+) -> tuple[torch.Tensor, Any, Any]:
+    """The one run of a step: ``order``'s actions for the stages this process holds (``runs``)
+    over ``transport``; ``(loss, aux, outputs)`` on every process (``outputs`` with ``keep_outputs``).
+
+    In one process (``run_local``: a ``LocalTransport``, every stage) or on a pipeline rank
+    (``run_distributed``, fpipe/_distributed/_rank_step.py: a ``DistributedTransport``, its row's
+    stages, the weights and key every rank agreed on). ``weights``: each microbatch's in the loss
+    (``loss_weights``); ``key``: the stages' random draws' (NOTE [randomness as data] in
+    fpipe/_random.py), ``replica`` the data-parallel replica's index in them; ``explicit``: the
+    batch came as ``fpipe.Microbatches``. The last stage's holder sums the loss (``result``) and
+    the transport shares it; with a recording active (``fpipe.record``) the actions are timed on
+    ``devices`` and every process's rows recorded. On a failure the transport tells the others
+    (``abort``) and the error is raised.
+    """
+    executor = Executor(
         runs,
         step.num_stages,
         step.loss_fn,
@@ -231,17 +280,21 @@ def executor_for(
         loss_scale=seed_scale(step),
         keys=Keys(key, replica=replica, training=not order.forward_only),
     )
-
-
-def run_order(
-    executor: Executor, runs: HeldStages, order: Order, devices: Iterable[torch.device] = ()
-) -> Simulation | None:
-    """Run ``order`` with ``executor`` (``interpret``); its measured timeline when a recording is
-    active (``fpipe.record``, timed on ``devices``), else ``None``. The one run of a step: the
-    local and the distributed step differ only in their transport and the stages they hold."""
-    start = clock()
-    times = interpret(executor, runs, order, devices)
-    return None if active() is None else measured(order.program, order.actions, times, start)
+    try:
+        start = clock()
+        with transport.running():
+            times = interpret(executor, runs, order, devices)
+        mine = result(step, executor, explicit=explicit) if step.num_stages - 1 in runs else None
+        loss, aux, outputs = transport.exchange_result(mine)
+        transport.finish()
+        recording = active()
+        if recording is not None:
+            timeline = measured(order.program, order.actions, times, start)
+            recording.timelines.append(transport.gather_timeline(timeline))
+    except BaseException as error:
+        transport.abort(error, executor.current)
+        raise
+    return loss, aux, outputs
 
 
 def run_local(
@@ -258,20 +311,17 @@ def run_local(
     outputs), grads)`` (``outputs`` with ``keep_outputs``, grads empty for a forward-only order);
     the stages' random draws are those of ``key`` (NOTE [randomness as data] in fpipe/_random.py)."""
     strategy.check(step, params)
-    microbatches, sizes = split(batch, step.num_microbatches, step.batch_dims)
-    count = None if step.weight_fn is None else sum(counts(microbatches, step.weight_fn))
+    microbatches, sizes, count = split_batch(step, batch)
+    weights = loss_weights(sizes, count)
     runs = strategy.held_stages(step, order, params)
-    transport = LocalTransport(microbatches)
-    executor = executor_for(
-        step, order, runs, transport, loss_weights(sizes, count), key=key, keep_outputs=keep_outputs
-    )
-    recording = active()
+    recording = active() is not None  # (the devices are read only to time the actions)
     devices = [t.device for p in params for t in flatten(p)[0] if isinstance(t, torch.Tensor)] if recording else []
-    timeline = run_order(executor, runs, order, devices)
-    if recording is not None and timeline is not None:
-        recording.timelines.append(timeline)
     explicit = isinstance(batch, Microbatches)
-    return result(step, executor, explicit=explicit), [] if order.forward_only else runs.grads(step.num_stages)
+    out = run(
+        step, order, runs, LocalTransport(microbatches), weights,
+        key=key, explicit=explicit, keep_outputs=keep_outputs, devices=devices,
+    )  # fmt: skip
+    return out, [] if order.forward_only else runs.grads(step.num_stages)
 
 
 def seed_scale(step: StepView) -> float | None:

@@ -1,11 +1,18 @@
 """The distributed transport's plan of a step (``fpipe._distributed._transport``): which messages
-each rank receives, and which action needs each (NOTE [small receives ahead]). The messages
-themselves are tested on gloo ranks in tests/test_distributed.py."""
+each rank receives, and which action needs each (NOTE [small receives ahead]); and a recorded
+timeline gathered from every rank's own row. The messages themselves are tested on gloo ranks in
+tests/test_distributed.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from fpipe._distributed import _transport
 from fpipe._distributed._transport import Key, ahead_is_safe, consumers, messages, sends
-from fpipe.schedules import GPipe, OneFOneB
+from fpipe.schedules import GPipe, OneFOneB, simulate
 from fpipe.schedules._program import Program, Schedule
 
 
@@ -64,3 +71,22 @@ def test_a_receive_goes_ahead_in_stream_order_only_if_no_send_to_its_peer_comes_
     assert safe(GPipe(4), 0, ("cot", 1, 0)) == [True, True, True]
     assert ahead_is_safe([3, 5], 2, 0)  # nothing left to send
     assert ahead_is_safe([3, 5], 1, 5) and not ahead_is_safe([3, 5], 1, 6)  # a send in the needing action comes after
+
+
+def test_a_recorded_timeline_gathers_each_ranks_own_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    program = GPipe(2).program(2)
+    mine = simulate(program)  # rank 1 measured its own row; rank 0's row here is not its measure
+    theirs = [[[10.0, 11.0, 12.0, 13.0], [10.5, 11.5, 12.5, 13.5]], None]
+    calls = []
+
+    def all_gather_json(topology: Any, group: Any, value: Any, timeout: float, what: str) -> list[Any]:
+        calls.append((group, timeout, what))
+        return [theirs[0], [list(value[0]), list(value[1])]]
+
+    monkeypatch.setattr(_transport, "all_gather_json", all_gather_json)
+    topology: Any = SimpleNamespace(rank=1, group="pp")
+    timeline = _transport.gathered(mine, topology, 7.0)
+    assert calls == [("pp", 7.0, "the other ranks' recorded timelines")]
+    assert timeline.starts == ((10.0, 11.0, 12.0, 13.0), mine.starts[1])
+    assert timeline.ends == ((10.5, 11.5, 12.5, 13.5), mine.ends[1])
+    assert timeline.program is program and timeline.costs is None

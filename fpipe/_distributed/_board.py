@@ -128,7 +128,7 @@ class Board:
 class waiting:  # (lower case: used as a function, ``with waiting(board):``)
     """Mark this thread as waiting on the job's groups (the watchdog reads the board after
     ``POLL`` seconds); inside an outer ``waiting`` of the same thread (a tensor-parallel row, NOTE
-    [tensor-parallel waits] in fpipe/_distributed/_rank_step.py), the outer one goes on. Each thread
+    [tensor-parallel waits] in fpipe/_distributed/_transport.py), the outer one goes on. Each thread
     counts for itself: an ``AsyncSaver``'s thread waits on the job's board while the training
     thread runs a step. A class, not a generator: it wraps every receive of a step, and a
     ``contextlib.contextmanager`` costs a microsecond or two more."""

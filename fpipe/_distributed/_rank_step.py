@@ -1,12 +1,12 @@
 """One step as one rank of many over torch.distributed (notes/wire.md).
 
-Each pipeline rank runs its own row of the program with the shared ``Executor`` over a
-``DistributedTransport``:
+Each pipeline rank runs its own row of the program with the one run of a step (``run`` in
+fpipe/_run.py) over a ``DistributedTransport``:
 
 1. ``_agree``: check the local inputs, then agree with the other ranks (the handshake; and over
    the data-parallel group, so replicas fail together), so a bad input anywhere fails every rank;
-2. ``_run_row``: run the row, exchanging activations and cotangents with the peers, and receive
-   (or send) the loss;
+2. ``_run_row``: ``run`` the row with the agreed weights and key, exchanging activations and
+   cotangents with the peers, and receive (or send) the loss;
 3. ``strategy.reduce_loss`` (``average_loss``): average the loss over data-parallel replicas (their gradients were
    averaged as each stage finished: NOTE [reduction overlap]).
 4. ``meet`` the tensor-parallel partners, so that no rank returns from a step in which any rank
@@ -23,28 +23,14 @@ from typing import Any, NamedTuple
 import torch
 
 from .._errors import PipelineError
-from .._microbatch import Microbatches, counts, split
+from .._microbatch import Microbatches
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_paths
-from .._record import active
-from .._run import (
-    HeldStages,
-    Order,
-    Pending,
-    Reduce,
-    StepView,
-    StrategyView,
-    executor_for,
-    loss_weights,
-    result,
-    run_order,
-)
+from .._run import HeldStages, Order, Pending, Reduce, StepView, StrategyView, loss_weights, run, split_batch
 from .._tensor_parallel import check_mesh, is_dtensor, local
-from ..schedules import ScheduleError, Simulation
-from ._board import waiting
+from ..schedules import ScheduleError
 from ._collectives import (
     PendingSum,
-    all_gather_json,
     all_reduce_sum,
     all_reduce_sum_async,
     check_usable,
@@ -296,8 +282,8 @@ def _local_inputs(
                 "the rank of the first stage (the last stage's rank may pass it too; others pass None)."
             )
         return None, [0] * m, 0
-    microbatches, sizes = split(batch, m, step.batch_dims)
-    count = sum(counts(microbatches, step.weight_fn)) if step.weight_fn is not None and me == first else 0
+    microbatches, sizes, counted = split_batch(step, batch, counted=me == first)
+    count = 0 if counted is None else counted
     if count >= _INT64:
         raise ValueError(
             f"fpipe.step: weight_fn's counts sum past 2**63 - 1 over the batch's microbatches (count: {count}). "
@@ -315,8 +301,8 @@ def _run_row(
     agreed: _Agreed,
     keep_outputs: bool,
 ) -> tuple[torch.Tensor, Any, Any]:
-    """Run this rank's row; the loss, aux and outputs, received from the last stage's rank."""
-    last = step.program.placement()[-1]
+    """Run this rank's row (``run``, fpipe/_run.py, over a ``DistributedTransport``); the loss, aux
+    and outputs, received from the last stage's rank."""
     transport = DistributedTransport(
         topology,
         order.program,
@@ -325,25 +311,12 @@ def _run_row(
         wire=wire,
         timeout=step.timeout,
     )
-    weights, replica = agreed.weights, topology.replica
-    executor = executor_for(
-        step, order, runs, transport, weights, key=agreed.key, replica=replica, keep_outputs=keep_outputs
-    )
     try:
-        # NOTE [tensor-parallel waits]: with a tp dimension, stages wait in collectives of their
-        # own (DTensor's), which fpipe's waits do not see; the whole row counts as waiting, so the
-        # watchdog reads the board every POLL and aborts the groups when another rank failed.
-        with waiting(topology.board if topology.tensor_group is not None else None):
-            timeline = run_order(executor, runs, order, [topology.device])
-        mine = result(step, executor, explicit=agreed.explicit) if topology.rank == last else None
-        loss, aux, outputs = transport.exchange_result(mine)
-        transport.finish()
-        recording = active()
-        if recording is not None and timeline is not None:
-            recording.timelines.append(gathered(timeline, topology, step.timeout))
-    except BaseException as error:
-        mark_broken(topology, error)
-        transport.abort(error, executor.current)
+        return run(
+            step, order, runs, transport, agreed.weights, key=agreed.key, explicit=agreed.explicit,
+            replica=topology.replica, keep_outputs=keep_outputs, devices=[topology.device],
+        )  # fmt: skip
+    except BaseException as error:  # the transport told the others (``abort``)
         # A stage's own collective that failed for another rank's failure (the board aborted it,
         # or that rank's connection closed first: it wrote its record before) fails inside the
         # stage, so the error names this rank's action; the board's record, when it names another
@@ -354,17 +327,6 @@ def _run_row(
         if standing is not None and standing.subject() != topology.board.label():
             raise standing.error(topology.board, topology.rank, "a collective inside its stage") from error
         raise
-    return loss, aux, outputs
-
-
-def gathered(timeline: Simulation, topology: Topology, timeout: float) -> Simulation:
-    """``timeline`` with every pipeline rank's own row, all-gathered (as JSON, which gives floats
-    back exactly), each rank waiting at most ``timeout`` seconds."""
-    r = topology.rank
-    mine = [timeline.starts[r], timeline.ends[r]]
-    rows = all_gather_json(topology, topology.group, mine, timeout, "the other ranks' recorded timelines")
-    starts, ends = tuple(tuple(row[0]) for row in rows), tuple(tuple(row[1]) for row in rows)
-    return Simulation(timeline.program, None, starts, ends)
 
 
 def _from_board(error: BaseException, topology: Topology) -> bool:

@@ -36,10 +36,10 @@ import torch.distributed as dist
 
 from .._errors import PipelineError
 from .._pytree import PyTree
-from ..schedules import Action, Program
+from ..schedules import Action, Program, Simulation
 from ..schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD, KINDS
-from ._board import RAISED, Failure
-from ._collectives import handshake, lost, wait
+from ._board import RAISED, Failure, waiting
+from ._collectives import all_gather_json, handshake, lost, mark_broken, wait
 from ._faults import WATCHDOG
 from ._topology import Topology
 from ._wire import ERROR, Decoder, Encoder, FailureCode, as_bytes, error_message, meta_of
@@ -181,7 +181,15 @@ class DistributedTransport:
     def recv_cotangent(self, stage: int, microbatch: int) -> Any:
         return self._get(self.placement[stage + 1], ("cot", stage + 1, microbatch))
 
-    # -- results, completion and failure -----------------------------------------------------
+    # -- the run's side (``RunTransport`` in fpipe/_run.py): results, completion and failure ----
+
+    # NOTE [tensor-parallel waits]
+    # With a tp dimension, stages wait in collectives of their own (DTensor's), which fpipe's
+    # waits do not see; the whole row of actions counts as waiting, so the watchdog reads the
+    # board every POLL and aborts the groups when another rank failed.
+    def running(self) -> waiting:
+        """The context the row's actions run in (NOTE [tensor-parallel waits])."""
+        return waiting(self.topology.board if self.topology.tensor_group is not None else None)
 
     def exchange_result(self, result: PyTree | None) -> PyTree:
         """The last stage's rank sends ``result`` to every other rank; the others receive it."""
@@ -210,8 +218,13 @@ class DistributedTransport:
         for peer in self.peers.values():
             assert peer.next_in == len(peer.incoming) and not peer.buffered, "fpipe: unread messages"
 
+    def gather_timeline(self, timeline: Simulation) -> Simulation:
+        """``timeline`` with every pipeline rank's own row (``gathered``)."""
+        return gathered(timeline, self.topology, self._seconds)
+
     def abort(self, error: BaseException, action: Action | None) -> None:
-        """Tell the other ranks that the step failed: ``error``, raised on this rank in ``action``.
+        """Tell the other ranks that the step failed: ``error``, raised on this rank in ``action``;
+        the group can no longer be used (``mark_broken``).
 
         The board gets the failure first (the record that stands: an earlier one, when
         ``error`` comes from a failure elsewhere); then every peer that still expects a message
@@ -220,6 +233,7 @@ class DistributedTransport:
         waited for: a peer that has stopped reading (it left on the board's word, or it is the
         lost rank) would hold this rank for the timeout, and the board reaches every rank anyway.
         """
+        mark_broken(self.topology, error)
         board = self.topology.board
         standing = WATCHDOG.report(board, self._failure(error, action))
         rank = -1 if standing.rank is None or standing.replica not in (None, self._replica()) else standing.rank
@@ -427,3 +441,13 @@ def _describe(key: Key) -> str:
         return f"microbatch {i} (for the last stage's loss_fn)"
     assert kind == "result", kind
     return "the loss from the last stage"
+
+
+def gathered(timeline: Simulation, topology: Topology, timeout: float) -> Simulation:
+    """``timeline`` with every pipeline rank's own row, all-gathered (as JSON, which gives floats
+    back exactly), each rank waiting at most ``timeout`` seconds."""
+    r = topology.rank
+    mine = [timeline.starts[r], timeline.ends[r]]
+    rows = all_gather_json(topology, topology.group, mine, timeout, "the other ranks' recorded timelines")
+    starts, ends = tuple(tuple(row[0]) for row in rows), tuple(tuple(row[1]) for row in rows)
+    return Simulation(timeline.program, None, starts, ends)
