@@ -13,7 +13,7 @@ from ._distributed import Topology, WireState, resolve_topology, run_distributed
 from ._errors import DEFAULT_TIMEOUT
 from ._microbatch import Microbatches
 from ._plural import plural
-from ._precision import LossScaleState, Precision, finish_precision
+from ._precision import LossScaleState, Precision
 from ._pytree import PyTree, flatten, leaves_with_paths, stage_list
 from ._random import check_key, draw_key
 from ._run import Order, order_for, run_local
@@ -293,6 +293,25 @@ def _check_not_meta(params: Sequence[PyTree], batch: PyTree, local_stages: Seque
         )
 
 
+def _checked(
+    step: Step, params: Sequence[PyTree], batch: PyTree, key: int | None, keep_outputs: bool
+) -> tuple[PyTree, int]:
+    """The batch (split by the step's ``split=``, if given) and the step's key, ``params``, both
+    and ``evaluate``'s ``outputs`` (``keep_outputs``) checked: what depends on the data.
+
+    Raises:
+        TypeError, ValueError: for ``params`` that are not one pytree per stage, meta tensors,
+            a key out of range, or ``outputs`` not a bool; the user's ``split`` may raise anything.
+    """
+    if not isinstance(keep_outputs, bool):
+        raise TypeError(f"fpipe.step.evaluate: outputs must be True or False (outputs: {keep_outputs!r}).")
+    stage_list("fpipe.step", "params", params, step.num_stages)
+    if step.split is not None and batch is not None and not isinstance(batch, Microbatches):
+        batch = Microbatches(step.split(batch, step.num_microbatches))
+    _check_not_meta(params, batch, step.local_stages)
+    return batch, draw_key() if key is None else check_key(key)
+
+
 class Step:
     """The step function returned by ``fpipe.pipeline``: ``step(params, batch) -> (loss, grads)``.
 
@@ -385,8 +404,10 @@ class Step:
                 cannot be split as ``batch_dims`` says.
         """
         (loss, aux, _), grads = self._run(self._order, params, batch, key=key, keep_outputs=False)
-        if self.precision is not None:
-            grads = self._finish_precision(params, grads)
+        # With a precision policy: unscaled and cast; under loss scaling, the next state and the skip, agreed.
+        grads, self._loss_scale, self.last_skipped = self._strategy.finish(
+            params, grads, self.local_stages, self._loss_scale
+        )
         return ((loss, aux), grads) if self.has_aux else (loss, grads)
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -447,7 +468,7 @@ class Step:
         """
         rejected = None
         try:
-            batch, key = self._checked(params, batch, key, keep_outputs)
+            batch, key = _checked(self, params, batch, key, keep_outputs)
         except Exception as error:  # the user's split may raise anything
             if self._topology is None:
                 raise
@@ -468,24 +489,6 @@ class Step:
                 keep_outputs=keep_outputs,
             )
 
-    def _checked(
-        self, params: Sequence[PyTree], batch: PyTree, key: int | None, keep_outputs: bool
-    ) -> tuple[PyTree, int]:
-        """The batch (split by ``split=``, if given) and the step's key, ``params``, both and
-        ``evaluate``'s ``outputs`` (``keep_outputs``) checked.
-
-        Raises:
-            TypeError, ValueError: for ``params`` that are not one pytree per stage, meta tensors,
-                a key out of range, or ``outputs`` not a bool; the user's ``split`` may raise anything.
-        """
-        if not isinstance(keep_outputs, bool):
-            raise TypeError(f"fpipe.step.evaluate: outputs must be True or False (outputs: {keep_outputs!r}).")
-        stage_list("fpipe.step", "params", params, self.num_stages)
-        if self.split is not None and batch is not None and not isinstance(batch, Microbatches):
-            batch = Microbatches(self.split(batch, self.num_microbatches))
-        _check_not_meta(params, batch, self.local_stages)
-        return batch, draw_key() if key is None else check_key(key)
-
     @property
     def loss_scale(self) -> LossScaleState | None:
         """The loss scaling state of the next call (see the class docstring); assignable to resume."""
@@ -502,17 +505,6 @@ class Step:
             raise TypeError(f"fpipe.Step.loss_scale: expected an fpipe.LossScaleState (loss_scale: {state!r}).")
         self._loss_scale = state
 
-    def _finish_precision(self, params: Sequence[PyTree], grads: list[PyTree]) -> list[PyTree]:
-        """Unscale and cast the summed gradients (NOTE [precision of a leaf]); under loss scaling,
-        hold the next state ``finish_precision`` returns, agreed with every rank."""
-        assert self.precision is not None
-        grads, self._loss_scale, skipped = finish_precision(
-            self.precision, params, grads, self.local_stages, self._loss_scale, self._strategy.any_rank_found
-        )
-        if self._loss_scale is not None:
-            self.last_skipped = skipped
-        return grads
-
     @property
     def topology(self) -> Topology | None:
         """Where this process sits (its pipeline and data-parallel groups, its device); ``None``
@@ -527,7 +519,8 @@ class Step:
 
     def global_norm(self, grads: Sequence[PyTree], /) -> torch.Tensor:
         """The 2-norm of all gradients of the pipeline, for clipping, on every rank: a norm
-        function for ``fpipe.optim.clip_by_global_norm`` (``Strategy.global_norm``).
+        function for ``fpipe.optim.clip_by_global_norm`` (``Strategy.global_norm``, over the
+        mesh by ``norm_over``).
 
         Each rank holds only its stages' gradients, so the local sums of squares are summed over
         the pipeline group (data-parallel replicas hold the same averaged gradients). With
@@ -545,9 +538,10 @@ class Step:
         ``params`` has one full pytree per stage, as an unsharded step takes them (entries for
         stages held elsewhere are ignored and may be ``None``). Each tensor leaf of ``n`` elements
         becomes a 1-D tensor of ``ceil(n / d)`` elements (NOTE [shard layout] in
-        ``fpipe/_sharding/_stages.py``). The full shapes and dtypes are recorded in the step, which
-        needs them to gather; tensors on the ``meta`` device will do when only shapes are known.
-        No communication.
+        ``fpipe/_sharding/_stages.py``). The full shapes and dtypes are recorded in the step
+        (``step.shard_layouts``; besides the loss scale, the one thing a call changes in a step:
+        its strategy, a value, is replaced by one that holds them), which needs them to gather;
+        tensors on the ``meta`` device will do when only shapes are known. No communication.
 
         Example:
             >>> shards = step.shard(params)  # doctest: +SKIP
@@ -561,11 +555,8 @@ class Step:
         """The full per-stage pytrees of ``shards`` (parameters, grads or optimizer state shaped
         like them), all-gathered over the data-parallel group: a collective, for checks.
 
-        ``fpipe.gather`` of each local stage, with the full shapes ``step.shard`` recorded as
-        ``like`` (one job, one code path: ``gather_tree`` in ``fpipe/_sharding/_stages.py``), as
-        ``step.shard`` is ``fpipe.shard`` of each local stage.
-
-        ``None`` leaves (the grads of non-float leaves) stay ``None``; stages held elsewhere are
-        ``None``.
+        ``fpipe.gather`` (the one implementation, ``gather_tree`` in fpipe/_sharding/_stages.py)
+        of each local stage with the full shapes ``step.shard`` recorded as ``like``. ``None``
+        leaves (the grads of non-float leaves) stay ``None``; stages held elsewhere are ``None``.
         """
         return self._strategy.unshard(self, shards)

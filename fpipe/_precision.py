@@ -217,7 +217,8 @@ def finish_grads(
     """The returned gradients: the sums (in the accumulation dtype) divided by ``scale`` and cast
     to the returned dtype, and whether any of this rank's is ``inf`` or ``nan`` (only looked for
     with a ``scale``). For a DTensor gradient only this rank's local piece is looked at: the
-    caller agrees with the other tensor-parallel ranks (NOTE [an agreed inf/nan check] in fpipe/_strategy.py)."""
+    caller agrees with the other tensor-parallel ranks (NOTE [an agreed inf/nan check] in
+    fpipe/_distributed/_collectives.py)."""
     found = False
     out = list(grads)
     for s in local_stages:

@@ -20,14 +20,15 @@ With ``shard_params`` a strategy also carries the full shapes ``step.shard`` rec
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 import torch
 
-from ._distributed import Topology, any_rank, average_loss, replica_mean, sum_over
-from ._precision import Precision, check_params
+from ._distributed import Topology, any_inf_nan, average_loss, norm_over, replica_mean
+from ._precision import LossScaleState, Precision, check_params, finish_precision
 from ._pytree import PyTree, flatten, stage_list
 from ._run import HeldStages, Order, ReplicatedStages, StepView, stage_run
 from ._sharding import (
@@ -153,9 +154,10 @@ class Strategy:
 
     def global_norm(self, local_stages: Sequence[int], grads: Sequence[PyTree]) -> torch.Tensor:
         """The 2-norm of all gradients of the pipeline, on every rank: ``step.global_norm``, whose
-        docstring says which groups sum what."""
-        topology = self.topology
-        tensor_group = None if topology is None else topology.tensor_group
+        docstring says which groups sum what; this rank's sum of squares (a DTensor's as
+        ``square_sum`` counts it, a shard's by its layout, ``norm_leaves``), summed over the mesh
+        by ``norm_over`` (fpipe/_distributed/_collectives.py)."""
+        tensor_group = None if self.topology is None else self.topology.tensor_group
         total = torch.zeros((), dtype=torch.float64)
         for s in local_stages:
             if self.shard_params and tensor_group is not None:  # shards are plain: the layout knows their DTensor
@@ -164,22 +166,17 @@ class Strategy:
                 leaves = [(g, None) for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)]
             for g, placements in leaves:
                 total = total + square_sum(g, tensor_group, placements)
-        if topology is not None:
-            buffer = total.reshape(1).to(topology.device)
-            dims = ("pp", "tp", "dp") if self.shard_params else ("pp", "tp")  # replicas hold the same sums
-            sum_over(topology, dims, [buffer], self.timeout, "the global norm all-reduce")
-            total = buffer.reshape(()).cpu()
-        return total.sqrt()
+        dims = ("pp", "tp", "dp") if self.shard_params else ("pp", "tp")  # replicas hold the same sums
+        return norm_over(self.topology, dims, total, self.timeout)
 
-    # NOTE [an agreed inf/nan check]
-    # Every rank must skip a step, and move its scale, alike, or the ranks' parameters and scales
-    # part. Each rank sees only its own gradients: its stages' (summed over the pipeline group),
-    # its replica's (or its shards' only, with shard_params: summed over the data-parallel
-    # group) and its tensor-parallel pieces (a sharded weight's gradient is never summed over tp,
-    # and a DTensor's own isfinite().all() reads the local piece only, as a Partial: summed over
-    # the tensor-parallel group). The three sums in turn reach every rank of the mesh.
-    def any_rank_found(self, found: bool) -> bool:
-        """Whether any rank found ``inf``/``nan`` (NOTE [an agreed inf/nan check]); ``found`` in one process."""
-        if self.topology is None:
-            return found
-        return any_rank(self.topology, ("pp", "dp", "tp"), found, self.timeout, "the loss scaling's inf/nan check")
+    def finish(
+        self, params: Sequence[PyTree], grads: list[PyTree], local_stages: Sequence[int], state: LossScaleState | None
+    ) -> tuple[list[PyTree], LossScaleState | None, bool]:
+        """The returned gradients, the next loss scaling state and whether the step is skipped:
+        ``finish_precision`` (fpipe/_precision.py) with the inf/nan finding agreed over the mesh
+        (``any_inf_nan``, fpipe/_distributed/_collectives.py); ``(grads, state, False)`` as they
+        are without a precision policy. The state is returned, never changed in place."""
+        if self.precision is None:
+            return grads, state, False
+        agree = functools.partial(any_inf_nan, self.topology, self.timeout)
+        return finish_precision(self.precision, params, grads, local_stages, state, agree)

@@ -100,3 +100,15 @@ def test_sum_over_any_rank_and_one_writes_on_one_rank(world: None) -> None:
 
     with pytest.raises(OSError, match="disk full"):  # the writer raises its own error once it has told
         one_writes(topology, topology.group, fail, 5.0, "the writer", "the others")
+
+
+def test_norm_over_and_any_inf_nan_on_one_rank_and_in_one_process(world: None) -> None:
+    """The global norm and the inf/nan agreement, over a topology (one rank: its own sums) and
+    without one (one process: the values themselves)."""
+    from fpipe._distributed import any_inf_nan, norm_over
+
+    topology = resolve_topology(None, dist.new_group([0]))
+    square_sum, five = torch.tensor(25.0, dtype=torch.float64), torch.tensor(5.0, dtype=torch.float64)
+    for where in (topology, None):
+        assert torch.equal(norm_over(where, ("pp", "tp", "dp"), square_sum, 5.0), five)
+        assert any_inf_nan(where, 5.0, True) and not any_inf_nan(where, 5.0, False)

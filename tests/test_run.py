@@ -1,13 +1,44 @@
-"""A step in one process (``fpipe._run``): the step's loss is each microbatch's loss times its
-weight, the products added by one ``torch.sum`` (NOTE [loss weights], NOTE [the step's loss])."""
+"""The one run of a step (``fpipe._run``): both paths, in one process and on a pipeline rank, go
+through ``run``; the step's loss is each microbatch's loss times its weight, the products added
+by one ``torch.sum`` (NOTE [loss weights], NOTE [the step's loss])."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import fpipe
+from fpipe import _run
+from fpipe._distributed import _rank_step
 from fpipe.schedules import GPipe
+
+
+def test_one_process_and_a_pipeline_rank_run_through_the_one_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run`` is the only place an ``Executor`` is built: one per step, in one process and on a
+    pipeline rank (a one-rank gloo group of this process alone), and both give the same loss."""
+    assert _rank_step.run is _run.run
+    built: list[Any] = []
+
+    class Counted(_run.Executor):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self.transport)
+
+    monkeypatch.setattr(_run, "Executor", Counted)
+    stages = [lambda p, x: torch.tanh(x @ p)]
+    loss_fn = lambda y, mb: (y**2).mean()  # noqa: E731
+    params, batch = [torch.randn(3, 3, dtype=torch.float64)], torch.randn(4, 3, dtype=torch.float64)
+    here, _ = fpipe.pipeline(loss_fn, stages, GPipe(2))(params, batch, key=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranked, _ = fpipe.pipeline(loss_fn, stages, GPipe(2), group=dist.new_group([0]))(params, batch, key=1)
+    finally:
+        dist.destroy_process_group()
+    assert [type(t).__name__ for t in built] == ["LocalTransport", "DistributedTransport"]
+    assert torch.equal(here, ranked)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])

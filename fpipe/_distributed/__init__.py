@@ -8,8 +8,10 @@ module owns.
 from ._board import Board as Board
 from ._collectives import all_gather_json as all_gather_json
 from ._collectives import all_reduce_sum as all_reduce_sum
+from ._collectives import any_inf_nan as any_inf_nan
 from ._collectives import any_rank as any_rank
 from ._collectives import gather_over as gather_over
+from ._collectives import norm_over as norm_over
 from ._collectives import one_writes as one_writes
 from ._collectives import sum_over as sum_over
 from ._collectives import wait as wait
@@ -29,10 +31,12 @@ __all__ = [
     "WireState",
     "all_gather_json",
     "all_reduce_sum",
+    "any_inf_nan",
     "any_rank",
     "as_bytes",
     "average_loss",
     "gather_over",
+    "norm_over",
     "one_writes",
     "replica_mean",
     "resolve_topology",

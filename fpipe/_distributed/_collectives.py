@@ -315,6 +315,32 @@ def any_rank(topology: Topology, dims: Sequence[str], found: bool, timeout: floa
     return flag.item() > 0
 
 
+def norm_over(topology: Topology | None, dims: Sequence[str], square_sum: torch.Tensor, timeout: float) -> torch.Tensor:
+    """The global 2-norm on every rank: the square root of this rank's float64 ``square_sum``
+    summed over the groups of ``dims`` (``sum_over``; in one process, ``topology=None``, its own).
+    ``step.global_norm`` says which ranks' sums count which gradients."""
+    if topology is not None:
+        buffer = square_sum.reshape(1).to(topology.device)
+        sum_over(topology, dims, [buffer], timeout, "the global norm all-reduce")
+        square_sum = buffer.reshape(()).cpu()
+    return square_sum.sqrt()
+
+
+# NOTE [an agreed inf/nan check]
+# Every rank must skip a step, and move its scale, alike, or the ranks' parameters and scales
+# part. Each rank sees only its own gradients: its stages' (summed over the pipeline group),
+# its replica's (or its shards' only, with shard_params: summed over the data-parallel
+# group) and its tensor-parallel pieces (a sharded weight's gradient is never summed over tp,
+# and a DTensor's own isfinite().all() reads the local piece only, as a Partial: summed over
+# the tensor-parallel group). The three sums in turn reach every rank of the mesh.
+def any_inf_nan(topology: Topology | None, timeout: float, found: bool) -> bool:
+    """Whether any rank of the mesh found ``inf``/``nan`` in its gradients (NOTE [an agreed inf/nan
+    check]): the same answer on every rank; ``found`` itself in one process (``topology=None``)."""
+    if topology is None:
+        return found
+    return any_rank(topology, ("pp", "dp", "tp"), found, timeout, "the loss scaling's inf/nan check")
+
+
 class PendingSum:
     """Posted all-reduces (``all_reduce_sum_async``); ``wait`` copies the sums into the tensors."""
 
