@@ -284,7 +284,7 @@ def run(
         start = clock()
         with transport.running():
             times = interpret(executor, runs, order, devices)
-        mine = result(step, executor, explicit=explicit) if step.num_stages - 1 in runs else None
+        mine = result(step, executor, explicit=explicit) if step.num_stages - 1 in step.local_stages else None
         loss, aux, outputs = transport.exchange_result(mine)
         transport.finish()
         recording = active()
