@@ -16,6 +16,9 @@ one place) and the step hands it to the run, here or distributed; nothing calls 
 
 With ``shard_params`` a strategy also carries the full shapes ``step.shard`` recorded
 (``layouts``); the step holds the strategy and replaces it, a new value, when it records them.
+The collectives it needs are functions over its topology (fpipe/_distributed/_collectives.py):
+the global norm (``norm_over``) and, when it finishes a step's gradients under the precision
+policy (``finish``), loss scaling's inf/nan agreement (``any_inf_nan``), handed in.
 """
 
 from __future__ import annotations

@@ -41,6 +41,19 @@ def test_one_process_and_a_pipeline_rank_run_through_the_one_run(monkeypatch: py
     assert torch.equal(here, ranked)
 
 
+def test_split_batch_cuts_and_counts_once() -> None:
+    """``split_batch``: the microbatches, their sizes and ``weight_fn``'s total (``None`` without
+    it, or on a rank that does not count)."""
+    stages = [lambda p, x: x * p]
+    weighted = fpipe.pipeline(lambda y, mb: y.sum(), stages, GPipe(2), weight_fn=lambda mb: int(mb.sum()))
+    batch = torch.tensor([1.0, 2.0, 3.0])
+    microbatches, sizes, count = _run.split_batch(weighted, batch)
+    assert [mb.tolist() for mb in microbatches] == [[1.0, 2.0], [3.0]] and sizes == [2, 1] and count == 6
+    assert _run.split_batch(weighted, batch, counted=False)[2] is None
+    plain = fpipe.pipeline(lambda y, mb: y.sum(), stages, GPipe(2))
+    assert _run.split_batch(plain, batch)[1:] == ([2, 1], None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("sizes", [[3], [2, 2], [3] * 8, [3, 2, 2], [1] * 64], ids=str)
 def test_loss_is_the_sum_of_the_weighted_losses(dtype: torch.dtype, sizes: list[int]) -> None:
