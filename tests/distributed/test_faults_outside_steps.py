@@ -27,7 +27,7 @@ import torch.distributed as dist
 import fpipe
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.test_faults import DP_PP, LATE, NEVER_TWICE, SLACK, WITHIN, _wait_for, name
+from tests.distributed.test_faults import DP_PP, LATE, NEVER_TWICE, SLACK, WITHIN, _wait_for, name
 
 pytestmark = pytest.mark.timeout(120)
 
