@@ -1,6 +1,6 @@
 """One step as one rank of many (fpipe/_distributed/_rank_step.py), the parts a test can call in one
 process: which stages' parameters a rank must hold, and a recorded timeline made of every rank's
-own row (whole distributed steps: tests/test_distributed.py, tests/test_faults.py)."""
+own row (whole distributed steps: tests/test_distributed.py, tests/distributed/test_faults.py)."""
 
 from __future__ import annotations
 
