@@ -1,4 +1,4 @@
-"""A small training run that saves its whole state every few steps, for tests/test_save_state.py.
+"""A small training run that saves its whole state every few steps, for tests/saving/test_state.py.
 
 Two stages (the first draws a dropout mask, the second noise, both from torch's global
 generator), ``fpipe.optim.adamw``, and a data stream whose position is the save's metadata::

@@ -34,7 +34,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def hf() -> ModuleType:
-    from tests.test_hf_load import example  # the example's module, loaded by its path (after importorskip)
+    from tests.saving.test_hf_load import example  # the example's module, loaded by its path (after importorskip)
 
     return example()
 

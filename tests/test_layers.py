@@ -20,6 +20,11 @@ Four rules, each shown to fail on a small package written to ``tmp_path``:
 - **Rows**: notes/design.md's table "The map of the package" numbers the units top to bottom;
   a module imports only from its own unit and from units on rows above its own. The table must
   name every unit once and nothing else, so the note stays true.
+
+And the tests mirror the tree: every module that holds logic (defines a function or a class at
+its top level; ``__init__.py`` and ``__main__.py`` are faces) has a test module named after it,
+its path without the leading underscores (notes/design.md, "Tests mirror the tree"): ``fpipe/_saving/_async.py`` ->
+``tests/saving/test_async.py``, ``fpipe/_api.py`` -> ``tests/test_api.py``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fpipe"
 DESIGN = ROOT / "notes" / "design.md"
+TESTS = ROOT / "tests"
+FACES = ("__init__", "__main__")
 
 
 @dataclass(frozen=True)
@@ -230,6 +237,27 @@ def row_violations(root: Path, design: str) -> list[str]:
     return found
 
 
+def holds_logic(tree: ast.Module) -> bool:
+    """Whether a module defines a function or a class at its top level."""
+    return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for node in tree.body)
+
+
+def mirror(path: Path, root: Path, tests: Path) -> Path:
+    """The test module of the package module ``path``: its path under ``root`` without leading
+    underscores, under ``tests``, its name prefixed ``test_`` (``_saving/_async.py`` -> ``saving/test_async.py``)."""
+    *folders, name = (part.removeprefix("_") for part in path.relative_to(root).with_suffix("").parts)
+    return tests.joinpath(*folders, f"test_{name}.py")
+
+
+def untested_modules(root: Path, tests: Path) -> list[str]:
+    """The modules of the package in ``root`` that hold logic and have no test module in ``tests``."""
+    return [
+        f"{path.relative_to(root.parent)} has no {mirror(path, root, tests).relative_to(tests.parent)}"
+        for path in sorted(root.rglob("*.py"))
+        if path.stem not in FACES and holds_logic(parse(path)) and not mirror(path, root, tests).is_file()
+    ]
+
+
 def test_no_import_cycle() -> None:
     assert import_cycles(PACKAGE) == []
 
@@ -250,6 +278,10 @@ def test_every_subpackage_has_a_face_and_a_readme() -> None:
 
 def test_imports_follow_the_rows_of_the_design_note() -> None:
     assert row_violations(PACKAGE, DESIGN.read_text()) == []
+
+
+def test_every_module_that_holds_logic_has_a_test_module_named_after_it() -> None:
+    assert untested_modules(PACKAGE, TESTS) == []
 
 
 # The rules on synthetic packages: each one fails.
@@ -396,3 +428,17 @@ def test_a_table_naming_a_missing_unit_fails(tmp_path: Path) -> None:
 def test_the_design_note_numbers_its_rows_from_one_without_gaps() -> None:
     numbers = sorted(set(rows(DESIGN.read_text(), "fpipe").values()))
     assert numbers == list(range(1, len(numbers) + 1))
+
+
+def test_a_module_with_logic_and_no_test_module_fails(tmp_path: Path) -> None:
+    files = {"__init__.py": "def face():\n    pass\n", "__main__.py": "def main():\n    pass\n"}
+    files |= {"_a.py": "def f():\n    pass\n", "_data.py": "X = 1\n", "_sub/__init__.py": ""}
+    files |= {"_sub/_b.py": "class B:\n    pass\n", "_sub/_c.py": "async def c():\n    pass\n"}
+    root = write(tmp_path, files)
+    tests = tmp_path / "tests"
+    (tests / "sub").mkdir(parents=True)
+    (tests / "sub" / "test_b.py").write_text("")
+    assert untested_modules(root, tests) == [
+        "pkg/_a.py has no tests/test_a.py",
+        "pkg/_sub/_c.py has no tests/sub/test_c.py",
+    ]

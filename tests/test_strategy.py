@@ -1,6 +1,6 @@
 """The parallel strategy as a value (``fpipe._strategy``): built once by ``pipeline()``, handed
 to every run; in one process it builds replicated stages and agrees with no one (the
-collectives themselves: tests/test_collectives.py)."""
+collectives themselves: tests/distributed/test_collectives.py)."""
 
 from __future__ import annotations
 

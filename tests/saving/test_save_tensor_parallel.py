@@ -23,9 +23,9 @@ import fpipe
 from fpipe._saving._directory import INDEX, LATEST
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.test_hf_load import TWO, Spy, checkpoint, example, meta_model
-from tests.test_hf_save import assert_same_logits, from_pretrained
-from tests.test_save import assert_bitwise, edit_index, template
+from tests.saving.test_hf_load import TWO, Spy, checkpoint, example, meta_model
+from tests.saving.test_hf_save import assert_same_logits, from_pretrained
+from tests.saving.test_save import assert_bitwise, edit_index, template
 
 pytestmark = pytest.mark.timeout(120)
 

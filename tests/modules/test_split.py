@@ -1,7 +1,9 @@
 """``fpipe.split_module``: stages cut from an ``nn.Module`` train like the module itself.
 
 The oracle is the unsplit module's ``loss.backward()``: the gradient of every parameter of every
-stage, looked up by its name in the model, equals ``model.get_parameter(name).grad``.
+stage, looked up by its name in the model, equals ``model.get_parameter(name).grad``. Modules
+parallelized by torch's ``parallelize_module`` (DTensor weights) split the same way, on one spawn
+of 4 gloo ranks (pp 2 x tp 2).
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from test_transparency import assert_close
 from torch import nn
 
 import fpipe
 from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleH1
+from tests._multiprocess import run_ranks
+from tests.test_transparency import assert_close
 
 V, D, T = 11, 8, 5
 
@@ -425,3 +428,54 @@ def test_stage_params_must_match() -> None:
         stages[1]({**params[1], "extra": torch.zeros(())}, None)
     with pytest.raises(TypeError, match=r"stage 0: stage_params must be the dict"):
         stages[0]([1], None)
+
+
+# --- Modules parallelized by torch (DTensor weights on a tp sub-mesh), then split: pp 2 x tp 2 ---
+
+
+def _mlp():
+    torch.manual_seed(0)
+    f64 = {"dtype": torch.float64}  # the same draws here and in the ranks, whatever the default dtype
+    layers = [nn.Linear(4, 8, **f64), nn.Tanh(), nn.Linear(8, 4, **f64), nn.Linear(4, 8, **f64), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(8, 3, **f64))
+
+
+def _mse(y, mb):
+    return ((y - mb["y"]) ** 2).mean()
+
+
+def _mlp_batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    return {"x": x, "y": torch.randn(6, 3, generator=g, dtype=torch.float64)}
+
+
+def _parallelized(rank, world):
+    """torch's ColwiseParallel / RowwiseParallel on a model's Linears, then split_module."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    model = _mlp()
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(), "5": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)
+    call = {"": lambda module, x: module(x), "0": lambda module, mb: module(mb["x"])}
+    stages, params = fpipe.split_module(model, ["0+1+2", "3+4+5"], call=call)
+    step = fpipe.pipeline(_mse, stages, OneFOneB(3), mesh=mesh, timeout=60)
+    loss, grads = step([p if s in step.local_stages else None for s, p in enumerate(params)], _mlp_batch())
+    full = {k: g.full_tensor() if isinstance(g, DTensor) else g for s in step.local_stages for k, g in grads[s].items()}
+    return loss, full
+
+
+def test_modules_parallelized_by_torch_then_split():
+    results = run_ranks(4, _parallelized, timeout=120)
+    model = _mlp()
+    batch = _mlp_batch()
+    loss = _mse(model(batch["x"]), batch)
+    loss.backward()
+    for d_loss, d_grads in results:
+        torch.testing.assert_close(d_loss, loss.detach(), rtol=1e-13, atol=0)
+        assert len(d_grads) == 4
+        for name, g in d_grads.items():
+            torch.testing.assert_close(g, model.get_parameter(name).grad, rtol=1e-12, atol=1e-15)

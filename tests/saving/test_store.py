@@ -1,6 +1,6 @@
 """The save format (fpipe/_saving/_store.py): safetensors files and their index, written, checked
 (NOTE [trust model]) and read back by pieces, each file checked against its size and each tensor
-against its sha256 (whole saves end to end: tests/test_save.py)."""
+against its sha256 (whole saves end to end: tests/saving/test_save.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Shard layouts (fpipe/_sharding/_layout.py, NOTE [shard layout]): how a stage's leaves are cut
 into ``d`` flat, zero-padded shards, and the checks of a shard tree against its layout (the
-gathers and reduce-scatters over real ranks: tests/test_sharding.py)."""
+gathers and reduce-scatters over real ranks: tests/sharding/test_stages.py)."""
 
 from __future__ import annotations
 

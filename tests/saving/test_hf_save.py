@@ -17,8 +17,8 @@ import fpipe
 from fpipe._saving import _hf_save
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.test_hf_load import SIZE, TWO, _batch, example, hf, meta_model
-from tests.test_save import assert_bitwise
+from tests.saving.test_hf_load import SIZE, TWO, _batch, example, hf, meta_model
+from tests.saving.test_save import assert_bitwise
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,7 +16,6 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import fpipe
 from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1, ZeroBubbleV
@@ -778,51 +777,3 @@ def test_a_failure_on_one_tensor_parallel_rank_fails_its_partners_in_their_colle
     assert partner in results[0][1]
     assert results[2][1].startswith("fpipe: rank 2 (pp 1, tp 0) stopped "), results[2][1]
     assert "because rank 1 (pp 0, tp 1) failed in forward of stage 0" in results[2][1]
-
-
-def _mlp():
-    torch.manual_seed(0)
-    f64 = {"dtype": torch.float64}  # the same draws here and in the ranks, whatever the default dtype
-    layers = [nn.Linear(4, 8, **f64), nn.Tanh(), nn.Linear(8, 4, **f64), nn.Linear(4, 8, **f64), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(8, 3, **f64))
-
-
-def _mse(y, mb):
-    return ((y - mb["y"]) ** 2).mean()
-
-
-def _mlp_batch():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 4, generator=g, dtype=torch.float64)
-    return {"x": x, "y": torch.randn(6, 3, generator=g, dtype=torch.float64)}
-
-
-def _parallelized(rank, world):
-    """torch's ColwiseParallel / RowwiseParallel on a model's Linears, then split_module."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    model = _mlp()
-    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(), "5": RowwiseParallel()}
-    parallelize_module(model, mesh["tp"], plan)
-    call = {"": lambda module, x: module(x), "0": lambda module, mb: module(mb["x"])}
-    stages, params = fpipe.split_module(model, ["0+1+2", "3+4+5"], call=call)
-    step = fpipe.pipeline(_mse, stages, OneFOneB(3), mesh=mesh, timeout=60)
-    loss, grads = step([p if s in step.local_stages else None for s, p in enumerate(params)], _mlp_batch())
-    full = {k: g.full_tensor() if isinstance(g, DTensor) else g for s in step.local_stages for k, g in grads[s].items()}
-    return loss, full
-
-
-def test_modules_parallelized_by_torch_then_split():
-    results = run_ranks(4, _parallelized, timeout=120)
-    model = _mlp()
-    batch = _mlp_batch()
-    loss = _mse(model(batch["x"]), batch)
-    loss.backward()
-    for d_loss, d_grads in results:
-        torch.testing.assert_close(d_loss, loss.detach(), rtol=1e-13, atol=0)
-        assert len(d_grads) == 4
-        for name, g in d_grads.items():
-            torch.testing.assert_close(g, model.get_parameter(name).grad, rtol=1e-12, atol=1e-15)

@@ -9,7 +9,7 @@ are replaced by the signal), so the survivor is waiting in it. A frozen victim c
 (SIGCONT) and the next case run on the same processes (``_in_turn``). With a timeout of 12 s,
 "never twice the timeout" is checked for a survivor whose wait began late, with a rank and with
 the store's host frozen. The store's host and tensor-parallel partners in a step are in
-tests/test_faults.py's cases.
+tests/distributed/test_faults.py's cases.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import fpipe
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.test_faults import DP_PP, LATE, NEVER_TWICE, SLACK, WITHIN, _wait_for, name
+from tests.distributed.test_faults import DP_PP, LATE, NEVER_TWICE, SLACK, WITHIN, _wait_for, name
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,6 +1,6 @@
 """Boxes (fpipe/_saving/_boxes.py, NOTE [tensor-parallel saves]): the block of a global tensor a
 local piece holds, computed from placements as torch chunks, checked to tile the tensor once
-(DTensors on real meshes: tests/test_save_tensor_parallel.py)."""
+(DTensors on real meshes: tests/saving/test_save_tensor_parallel.py)."""
 
 from __future__ import annotations
 

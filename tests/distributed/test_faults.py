@@ -3,7 +3,7 @@
 Each test spawns 2 to 4 gloo ranks (tests/_multiprocess.py). The victim runs one healthy step,
 then dies (SIGKILL) or freezes (SIGSTOP) in its stage's forward, in its backward, or between
 steps ("idle"); every survivor times its failing step and returns what it raised.
-``python -m tests.test_faults`` runs the whole matrix and prints the table in notes/wire.md.
+``python -m tests.distributed.test_faults`` runs the whole matrix and prints the table in notes/wire.md.
 """
 
 from __future__ import annotations

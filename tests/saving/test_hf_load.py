@@ -29,11 +29,11 @@ from fpipe._saving._hf_load import read_range
 from fpipe._saving._store import MAX_HEADER_BYTES
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.test_save import assert_bitwise, template
+from tests.saving.test_save import assert_bitwise, template
 
 pytest.importorskip("transformers")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_llama.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_llama.py"
 SIZE = {"layers": 3, "hidden": 16, "heads": 4, "dtype": torch.float64}
 TWO = ["model.embed_tokens + model.rotary_emb + model.layers[0:2]", "model.layers[2:] + model.norm + lm_head"]
 

@@ -1,6 +1,6 @@
 """The ranks of a save or load (fpipe/_saving/_ranks.py), in one process: which ranks take part,
 their JSON all-gathers, the agreement that fails every rank together, and argument checks (over
-many ranks: tests/test_save.py, tests/test_save_sharded.py)."""
+many ranks: tests/saving/test_save.py, tests/saving/test_save_sharded.py)."""
 
 from __future__ import annotations
 

@@ -392,7 +392,7 @@ def test_train_sharded_example_equals_the_replica_average():
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "train_sharded.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "train_sharded.py"
     spec = importlib.util.spec_from_file_location("fpipe_example_train_sharded", path)
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import fpipe
 from fpipe._saving._directory import INDEX, LATEST, LOCK
 from tests._multiprocess import run_ranks, start_process
-from tests.test_save import assert_bitwise
+from tests.saving.test_save import assert_bitwise
 
 ROUNDS, N = 8, 50_000
 

@@ -1,5 +1,5 @@
 """A load's template (fpipe/_saving/_template.py): the names its leaves want, checked before
-anything is read, and the trees filled with what was read (whole loads: tests/test_save.py)."""
+anything is read, and the trees filled with what was read (whole loads: tests/saving/test_save.py)."""
 
 from __future__ import annotations
 

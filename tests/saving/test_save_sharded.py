@@ -19,7 +19,7 @@ from safetensors import safe_open
 import fpipe
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.test_save import TWO, assert_bitwise, layout, model, read_index, template
+from tests.saving.test_save import TWO, assert_bitwise, layout, model, read_index, template
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,7 +1,7 @@
 """One step as one rank of many (fpipe/_distributed/_rank_step.py), the parts a test can call in one
 process: which stages' parameters a rank must hold (whole distributed steps:
-tests/test_distributed.py, tests/test_faults.py; a recorded timeline made of every rank's own row:
-tests/test_transport.py)."""
+tests/test_distributed.py, tests/distributed/test_faults.py; a recorded timeline made of every
+rank's own row: tests/distributed/test_transport.py)."""
 
 from __future__ import annotations
 

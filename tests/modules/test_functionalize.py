@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_transparency import assert_close
 from torch import nn
 
 import fpipe
 from fpipe.schedules import GPipe, OneFOneB
+from tests.test_transparency import assert_close
 
 
 def test_fn_equals_module_forward() -> None:

@@ -1,0 +1,89 @@
+"""``fpipe.load`` (fpipe/_saving/_load.py) in one process: a save read into any grouping of stages
+by names, new tensors on the template's devices, the metadata back from JSON, and every refusal
+before anything is returned (distributed and hostile saves: test_save.py, test_save_sharded.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fpipe
+from fpipe._saving._load import Loaded, load_then
+
+F32 = torch.float32
+
+
+def saved(directory: Path) -> list[dict[str, Any]]:
+    """Two stages, with optimizer state on the first only and metadata, saved to ``directory``."""
+    params = [{"a": torch.arange(3.0), "b": {"c": torch.ones(2, 2, dtype=F32)}}, {"e": torch.tensor(5)}]
+    fpipe.save(directory, params, optimizer_state=[{"a": torch.full((3,), 0.5)}, None], metadata={"step": (1, 2)})
+    return params
+
+
+def test_a_save_loads_into_any_grouping_by_names(tmp_path: Path) -> None:
+    params = saved(tmp_path)
+    template = [
+        {"a": torch.empty(3)},
+        None,  # a stage this rank does not hold
+        {"b": {"c": torch.empty(2, 2, dtype=F32, device="meta")}, "e": torch.empty((), dtype=torch.int64)},
+    ]
+    loaded = fpipe.load(tmp_path, template, optimizer_state=[None, None, {"a": torch.empty(3)}])
+    assert loaded.params[1] is None
+    a, c, e = loaded.params[0]["a"], loaded.params[2]["b"]["c"], loaded.params[2]["e"]
+    for got, want in ((a, params[0]["a"]), (c, params[0]["b"]["c"]), (e, params[1]["e"])):
+        assert torch.equal(got, want) and got.dtype == want.dtype and got.device.type == "cpu"
+        assert not got.requires_grad and got.untyped_storage().data_ptr() != want.untyped_storage().data_ptr()
+    assert loaded.optimizer_state is not None and loaded.optimizer_state[:2] == [None, None]
+    assert torch.equal(loaded.optimizer_state[2]["a"], torch.full((3,), 0.5))
+    assert loaded.metadata == {"step": [1, 2]}  # as JSON gives it back
+    twice = fpipe.load(tmp_path, [{"a": torch.empty(3)}, {"a": torch.empty(3)}], strict=False).params
+    assert torch.equal(twice[0]["a"], twice[1]["a"]) and twice[0]["a"].data_ptr() != twice[1]["a"].data_ptr()
+
+
+def test_names_of_the_save_no_stage_loads_are_refused_unless_not_strict(tmp_path: Path) -> None:
+    saved(tmp_path)
+    extra = r"has 2 parameter name\(s\) that no stage of the template has: \['b.c', 'e'\]"
+    with pytest.raises(ValueError, match=extra):
+        fpipe.load(tmp_path, [{"a": torch.empty(3)}])
+    loaded = fpipe.load(tmp_path, [{"a": torch.empty(3)}], strict=False)
+    assert torch.equal(loaded.params[0]["a"], torch.arange(3.0)) and loaded.optimizer_state is None
+
+
+@pytest.mark.parametrize(
+    ("template", "error", "message"),
+    [
+        ([{"zz": torch.empty(3)}], ValueError, r"1 name\(s\) of the template are missing .* \['zz' \(template\[0\]"),
+        ([{"a": torch.empty(4)}], ValueError, r"template\[0\]\['a'\] \(name 'a'\): shape on disk \[3\], expected \[4"),
+        ([{"b": {"c": torch.empty(2, 2, dtype=torch.float64)}}], ValueError, r"\['b'\]\['c'\] \(name 'b.c'\): dtype"),
+        ([{"a": 3}], TypeError, r"template\[0\]\['a'\] is a int; template leaves are tensors"),
+    ],
+)
+def test_a_template_that_does_not_match_is_refused_naming_the_leaf(
+    tmp_path: Path, template: list[Any], error: type[Exception], message: str
+) -> None:
+    saved(tmp_path)
+    with pytest.raises(error, match=message):
+        fpipe.load(tmp_path, template, strict=False)
+
+
+def test_a_directory_without_a_committed_save_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no committed save in"):
+        fpipe.load(tmp_path, [{"a": torch.empty(3)}])
+
+
+def test_load_then_returns_what_then_makes_of_the_loaded_save(tmp_path: Path) -> None:
+    saved(tmp_path)
+    seen: list[Any] = []
+
+    def then(loaded: Loaded, topology: Any) -> str:
+        seen.append((loaded.metadata, topology))
+        return "made"
+
+    result = load_then(
+        tmp_path, [{"a": torch.empty(3)}], then, optimizer_state=None, strict=False, step=None, group=None, mesh=None,
+        timeout=5.0,
+    )  # fmt: skip
+    assert result == "made" and seen == [({"step": [1, 2]}, None)]  # no group: no topology
