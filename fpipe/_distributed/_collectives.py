@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import PipelineError
-from ._board import BEAT, DIED, SILENT, STALE, Board, waiting
+from ._board import ASK, BEAT, DIED, SILENT, STALE, Board, waiting
 from ._faults import WATCHDOG, abort_job, store_host
 from ._topology import Topology
 from ._wire import tensor_bytes
@@ -35,9 +35,23 @@ def wait(
     receives). ``peer``: the global rank a receive waits on (``None``: a collective)."""
     try:
         with waiting(board):
-            work.wait(timeout=timeout)
+            work.wait(timeout=_bounded(timeout))
     except RuntimeError as error:
         raise lost(board, error, rank, what, peer, timeout) from error
+
+
+_AT_ONCE = timedelta(milliseconds=1)  # the shortest wait (a gloo timeout of 0 means none)
+
+
+def _bounded(timeout: timedelta) -> timedelta:
+    """``timeout``, or less when the job's store has not answered for more than ``ASK`` seconds:
+    the wait then ends ``timeout`` after the store's silence began, so a rank that starts waiting
+    late on a frozen store's host fails within the timeout of the fault, as the ranks that waited
+    from the start do (NOTE [the store's host] in fpipe/_distributed/_faults.py)."""
+    silence = WATCHDOG.silence()
+    if silence <= ASK:
+        return timeout
+    return max(timeout - timedelta(seconds=silence), _AT_ONCE)
 
 
 @contextlib.contextmanager
