@@ -27,7 +27,7 @@ import torch.distributed as dist
 import fpipe
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.test_faults import DP_PP, LATE, NEVER_TWICE, SLACK, WITHIN, _wait_for, name
+from tests.test_faults import DP_PP, LATE, NEVER_TWICE, PP_TP, SLACK, WITHIN, _wait_for, name
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -155,19 +155,26 @@ def test_a_save_in_flight_does_not_hold_the_error(setup, victim, sig, timeout, t
         assert kind.startswith("Pipeline") and f"because {name(setup, victim)} {said}" in message, (rank, message)
 
 
-def _call(what, step, params, grads, directory, timeout):
-    """``what`` (one of fpipe's collectives outside a step) as a function of no arguments, after
-    writing what it reads, if anything."""
+def _call(what, step, params, batch, grads, directory, timeout):
+    """``what`` (one of fpipe's collectives outside a step, or ``"precision"``: a step of a
+    float16 pipeline, whose only all-reduce is the inf/nan agreement) as a function of no
+    arguments, after writing what it reads, if anything."""
     template = [None if p is None else {k: torch.zeros_like(w) for k, w in p.items()} for p in params]
     if what == "load":
         fpipe.save(directory, params, step=step)
     if what == "load_state":
         fpipe.save_state(f"{directory}/state", fpipe.TrainState(params), step=step)
+    if what == "load_hf":
+        fpipe.save_hf(f"{directory}/hf", params, config={"model_type": "x"}, step=step)
     calls = {
         "global_norm": lambda: step.global_norm(grads),
         "save": lambda: fpipe.save(directory, params, step=step, timeout=timeout),
         "load": lambda: fpipe.load(directory, template, step=step, timeout=timeout),
+        "save_state": lambda: fpipe.save_state(directory, fpipe.TrainState(params), step=step, timeout=timeout),
         "load_state": lambda: fpipe.load_state(f"{directory}/state", template, step=step, timeout=timeout),
+        "save_hf": lambda: fpipe.save_hf(directory, params, config={"model_type": "x"}, step=step, timeout=timeout),
+        "load_hf": lambda: fpipe.load_hf(f"{directory}/hf", template, step=step, timeout=timeout),
+        "precision": lambda: step(params, batch),
     }
     return calls[what]
 
@@ -177,7 +184,8 @@ def _in_turn(rank, world, mesh, faults, timeout, directory):
     victim dies or freezes as it enters the collective; each survivor times it from its call.
     A frozen victim is continued (SIGCONT) once every survivor has raised, so the next fault
     runs on the same processes; a killed one must come last. Returns ``[(seconds, error type,
-    message) or None (the victim)]``, one per fault."""
+    message), or for the victim (None, error type, message) of its call once continued]``, one
+    per fault."""
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
     out = []
@@ -185,23 +193,22 @@ def _in_turn(rank, world, mesh, faults, timeout, directory):
         here = os.path.join(directory, str(i))
         os.makedirs(here, exist_ok=True)
         group = None if mesh is not None else dist.new_group(list(range(world)))
-        step, params, batch, grads = _pipeline(rank, world, mesh, timeout, group=group)
-        call = _call(what, step, params, grads, here, timeout)
+        scaled = fpipe.Precision(compute=torch.float16, loss_scale=fpipe.LossScale()) if what == "precision" else None
+        step, params, batch, grads = _pipeline(rank, world, mesh, timeout, precision=scaled, group=group)
+        call = _call(what, step, params, batch, grads, here, timeout)
         dist.barrier()  # (the default group: never one of the job's groups here)
         if rank == victim:
-            _fault_at_collectives(sig)
-            # Continued, it raises the board's record, or finishes the collective (the survivors'
-            # gloo work was still posted: a rank whose wait times out raises without aborting its
-            # groups) and raises at its next step: either way it has seen the record, so its next
-            # groups get a new board, as the survivors' do.
+            # (a step's handshake is an all-gather: the inf/nan agreement is its only all-reduce)
+            _fault_at_collectives(
+                sig, collectives=("all_reduce",) if what == "precision" else ("all_gather", "all_reduce")
+            )
+            # Continued, it must raise (the survivors aborted the groups it finds them on), never
+            # finish the collective or return a loss: the board declared it failed.
             try:
                 call()
-            except fpipe.PipelineError:
-                pass
-            else:
-                with pytest.raises(fpipe.PipelineError, match="stopped while waiting for the other pipeline ranks"):
-                    step(params, batch)
-            out.append(None)
+                out.append((None, "no error", ""))
+            except fpipe.PipelineError as error:
+                out.append((None, type(error).__name__, str(error)))
         else:
             start = time.monotonic()
             try:
@@ -225,9 +232,16 @@ def _check_in_turn(setup, faults, timeout, results):
         limit = SLACK if sig == signal.SIGKILL else timeout + SLACK  # far below twice 30 s
         said = "died" if sig == signal.SIGKILL else "stopped answering"
         for rank, result in enumerate(results):
-            if rank == victim or result is None:
+            if result is None:
                 continue
             seconds, kind, message = result[i]
+            if rank == victim:  # continued (SIGCONT): it raises the board's record, naming itself
+                assert kind.startswith("Pipeline") and f"because {name(setup, victim)} {said}" in message, (
+                    what,
+                    rank,
+                    message,
+                )
+                continue
             named = f"because {name(setup, victim)} {said}"
             assert kind.startswith("Pipeline") and named in message, (what, rank, message)
             assert seconds < limit, (what, rank, seconds, message)
@@ -239,6 +253,25 @@ def test_a_rank_that_freezes_in_a_collective_between_steps_is_named(tmp_path):
     results = run_ranks(2, _in_turn, None, faults, 4, str(tmp_path), timeout=90)
     _check_in_turn(2, faults, 4, results)
     assert all(kind == "PipelineTimeoutError" for _, kind, _ in results[0])
+
+
+def test_a_rank_that_freezes_in_the_other_collectives_between_steps_is_named(tmp_path):
+    """save_state, load, save_hf, load_hf and the inf/nan agreement of a float16 step on 2
+    processes, rank 1 frozen in each in turn (timeout 3 s): rank 0 raises naming it within the
+    timeout, and rank 1, continued, raises too."""
+    faults = [(what, 1, signal.SIGSTOP) for what in ("save_state", "load", "save_hf", "load_hf", "precision")]
+    results = run_ranks(2, _in_turn, None, faults, 3, str(tmp_path), timeout=90)
+    _check_in_turn(2, faults, 3, results)
+    assert all(kind == "PipelineTimeoutError" for _, kind, _ in results[0])
+
+
+def test_every_survivor_of_a_tensor_parallel_mesh_fails_in_a_collective_between_steps(tmp_path):
+    """pp 2 x tp 2: rank 1 (pp 0, tp 1) frozen in save_state, then rank 2 (pp 1, tp 0) in
+    global_norm; every other rank raises within the timeout naming the victim by its mesh
+    coordinates, and the victim, continued, raises too."""
+    faults = [("save_state", 1, signal.SIGSTOP), ("global_norm", 2, signal.SIGSTOP)]
+    results = run_ranks(4, _in_turn, PP_TP, faults, 3, str(tmp_path), timeout=90)
+    _check_in_turn(PP_TP, faults, 3, results)
 
 
 def test_every_survivor_of_a_mesh_fails_in_a_collective_between_steps(tmp_path):

@@ -81,6 +81,7 @@ def lost(
     finding, written on the board for the others: a silent rank (the wait timed out: the ranks
     whose heartbeat stopped, or unknown) or a dead one (its connection closed); the store's host
     when the store does not answer (NOTE [the store's host] in fpipe/_distributed/_faults.py).
+    The job's groups are aborted on this rank either way (NOTE [a continued rank]).
     """
     what = what if isinstance(what, str) else what()
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -88,6 +89,7 @@ def lost(
     seconds = f"{timeout.total_seconds():g}"
     standing = WATCHDOG.read(board)
     if standing is not None:
+        abort_job(board)
         WATCHDOG.linger(board)
         return standing.error(board, rank, what)
     if board.unanswered is not None:
@@ -117,10 +119,20 @@ def lost(
             f"died: a connection closed while rank {rank} waited",
         )
     raised = WATCHDOG.report(board, failure).error(board, rank, what)
+    abort_job(board)  # once the record stands (a rank told by a closed pair reads it): NOTE [a continued rank]
     WATCHDOG.linger(board)
     return raised
 
 
+# NOTE [a continued rank]
+# A wait that times out does not end the backend's work: gloo keeps the collective posted. So a
+# rank frozen as it entered a collective (SIGSTOP) and continued after the others timed out
+# found their work still posted, finished the collective and went on: ``global_norm`` returned a
+# norm, a step a loss, though the board had declared that rank failed and every other rank had
+# raised (it learnt of it only at its next step's handshake). So a rank whose wait fails aborts
+# the job's groups on its side once the record stands (``lost``): a continued rank's collective
+# on them then fails on a closed pair, and it raises the record, which names it. (Its own
+# collective may still finish in the moment between the others' timeouts and their aborts.)
 def _without_store(board: Board, rank: int, what: str, seconds: str) -> PipelineError:
     """The error when the job's store does not answer: its host's failure, kept on this rank
     alone (no board to write it on); this rank's groups are aborted, so that the ranks waiting on
