@@ -333,8 +333,8 @@ def _host_frozen_in_load(rank, world, directory):
     then waits on rank 2, which waits on rank 0 in a collective (a collective that times out
     closes no connection, so nothing but rank 2's abort of its groups tells rank 3). A survivor
     returns ``(seconds since the fault, error type, message)`` once every survivor has raised."""
-    step, params, _, grads = _pipeline(rank, world, DP_PP, NEVER_TWICE)
-    call = _call("load", step, params, grads, directory, NEVER_TWICE)
+    step, params, batch, grads = _pipeline(rank, world, DP_PP, NEVER_TWICE)
+    call = _call("load", step, params, batch, grads, directory, NEVER_TWICE)
     dist.barrier()
     start = time.monotonic()
     if rank == 0:
