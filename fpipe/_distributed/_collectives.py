@@ -283,9 +283,17 @@ def one_writes(
     other rank (``write=None``) waits for that (``waits`` names the wait) and gets ``(ok,
     value)``. The writer gets ``(True, value)``, or raises ``write``'s error once it has told the
     others (``tells`` names its wait; a ``PipelineError`` it raises at once: the board tells
-    them). ``group=None``: no one to tell."""
+    them). ``group=None`` (or ``topology=None``: one process): no one to tell, so this rank is
+    the writer, and a call without ``write`` raises ``ValueError`` (there is no one to wait for;
+    it once all-gathered over the default group instead, or failed an assertion)."""
+    alone = group is None or topology is None
     if write is None:
-        assert topology is not None
+        if alone:
+            raise ValueError(
+                f"fpipe: one_writes without a group has no writer to wait for ({waits}): a rank with no one to "
+                "tell is the writer, so pass write="
+            )
+        assert topology is not None  # (for mypy: not alone)
         status = all_gather_json(topology, group, {"error": False, "value": None}, timeout, waits)[0]
         return not status["error"], status["value"]
     try:
@@ -296,11 +304,13 @@ def one_writes(
         # would only say that the writer failed.
         raise
     except BaseException:
-        if group is not None and topology is not None:
+        if not alone:
+            assert topology is not None  # (for mypy)
             with contextlib.suppress(Exception):  # the error to raise is write's
                 all_gather_json(topology, group, {"error": True, "value": None}, timeout, tells)
         raise
-    if group is not None and topology is not None:
+    if not alone:
+        assert topology is not None  # (for mypy)
         all_gather_json(topology, group, {"error": False, "value": value}, timeout, tells)
     return True, value
 
