@@ -177,14 +177,16 @@ def test_a_second_live_run_saving_into_the_directory_is_warned(tmp_path: Path, m
     assert_bitwise(fpipe.load(tmp_path, params).params, params)
 
 
-def _job_of_tcp(index: int, directory: str, ports: list[int], said: str) -> None:
-    """Processes 0 and 1 are one job, process 2 another, each joined by ``init_method="tcp://..."``
-    with no launcher's environment. In turn each saves into ``directory`` without ``group=``
+def _jobs(index: int, directory: str, port: int, said: str) -> None:
+    """Processes 0 and 1 are one job (``init_method="tcp://..."``), process 2 another
+    (``"file://..."``), with no launcher's environment. In turn each saves into ``directory`` without ``group=``
     while the others live, and writes the warnings it got into ``said/<index>``."""
     for name in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         os.environ.pop(name, None)
-    job, rank, size = (0, index, 2) if index < 2 else (1, 0, 1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[job]}", rank=rank, world_size=size)
+    if index < 2:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=2)
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{said}/store", rank=0, world_size=1)
     try:
         deadline = time.monotonic() + 60
         while index > 0 and not Path(said, str(index - 1)).exists():  # the previous one's turn
@@ -204,13 +206,12 @@ def _job_of_tcp(index: int, directory: str, ports: list[int], said: str) -> None
 
 def test_a_job_is_told_by_its_store_whatever_its_init_method(tmp_path: Path) -> None:
     """NOTE [a second live writer]: with ``init_method="tcp://..."`` and no environment, the
-    processes of one job saving in turn are not warned of each other, and another job is, named
-    by its store's address (before, every such process was of "no job")."""
-    ports = [free_port(), free_port()]
-    said = tmp_path / "said"
+    processes of one job saving in turn are not warned of each other, and another job is, both
+    named by their stores (before, every such process was of "no job")."""
+    port, said = free_port(), tmp_path / "said"
     said.mkdir()
-    assert run_processes(3, _job_of_tcp, str(tmp_path / "save"), ports, str(said), timeout=90) == [0, 0, 0]
+    assert run_processes(3, _jobs, str(tmp_path / "save"), port, str(said), timeout=90) == [0, 0, 0]
     warned = [json.loads((said / str(i)).read_text()) for i in range(3)]
     assert warned[:2] == [[], []]
-    assert len(warned[2]) == 1 and f"(job: 127.0.0.1:{ports[0]}), still alive" in warned[2][0], warned[2]
-    assert f"(job: 127.0.0.1:{ports[1]})" in warned[2][0], warned[2]
+    assert len(warned[2]) == 1 and f"(job: 127.0.0.1:{port}), still alive" in warned[2][0], warned[2]
+    assert f"(job: file://{said}/store)" in warned[2][0], warned[2]

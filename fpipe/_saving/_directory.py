@@ -178,17 +178,19 @@ def _store_address() -> str | None:
     ``MASTER_ADDR:MASTER_PORT`` says it for env://), ``file://<path>`` of a file store; ``None``
     without one (torch.distributed not initialized, or a store of one process). Every process of a
     job has the same, whatever its ``init_method``, and two live jobs cannot share one."""
-    import torch.distributed as dist  # (imported on call: the save directory needs no torch otherwise)
+    # (imported on call: the save directory needs no torch otherwise)
+    import torch.distributed as dist
+    from torch.distributed import FileStore, TCPStore  # type: ignore[attr-defined]
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
     store = dist.distributed_c10d._get_default_store()
     while hasattr(store, "underlying_store"):  # a PrefixStore
         store = store.underlying_store
-    if isinstance(store, dist.TCPStore):
+    if isinstance(store, TCPStore):
         return f"{store.host}:{store.port}"
-    if isinstance(store, dist.FileStore):
-        return f"file://{store.path}"
+    if isinstance(store, FileStore):
+        return f"file://{store.path}"  # type: ignore[attr-defined]  # (torch's stubs lack it)
     return None
 
 
