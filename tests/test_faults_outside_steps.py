@@ -6,7 +6,9 @@ inf/nan agreement, ``save``, ``load``, ``save_state``, ``load_state``, ``save_hf
 are under the job's failure board too (NOTE [failure board] in fpipe/_distributed/_faults.py).
 The victim dies or freezes as it enters the collective (its ``torch.distributed`` collectives
 are replaced by the signal), so the survivor is waiting in it. A frozen victim can be continued
-(SIGCONT) and the next case run on the same processes (``_in_turn``). With a timeout of 12 s,
+(SIGCONT) and the next case run on the same processes (``_in_turn``): continued, it raises the
+board's record, never finishing the collective (NOTE [a continued rank] in
+fpipe/_distributed/_collectives.py). With a timeout of 12 s,
 "never twice the timeout" is checked for a survivor whose wait began late, with a rank and with
 the store's host frozen. The store's host and tensor-parallel partners in a step are in
 tests/test_faults.py's cases.
