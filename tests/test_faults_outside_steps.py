@@ -265,6 +265,7 @@ def test_a_rank_that_freezes_in_the_other_collectives_between_steps_is_named(tmp
     results = run_ranks(2, _in_turn, None, faults, 3, str(tmp_path), timeout=90)
     _check_in_turn(2, faults, 3, results)
     assert all(kind == "PipelineTimeoutError" for _, kind, _ in results[0])
+    assert "while waiting for the loss scaling's inf/nan check" in results[0][-1][2], results[0][-1]
 
 
 def test_every_survivor_of_a_tensor_parallel_mesh_fails_in_a_collective_between_steps(tmp_path):
