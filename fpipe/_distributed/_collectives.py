@@ -32,7 +32,8 @@ def wait(
     ``PipelineError`` that says what ``rank`` was waiting for and names the rank that failed
     (NOTE [failure board] in fpipe/_distributed/_faults.py); the backend's error is chained.
     ``what`` may be a function that says it (called only then: a step waits for every message it
-    receives). ``peer``: the global rank a receive waits on (``None``: a collective)."""
+    receives). ``peer``: the global rank a receive waits on (``None``: a collective). A wait that
+    begins while the job's store is silent ends ``timeout`` after the silence began (``_bounded``)."""
     try:
         with waiting(board):
             work.wait(timeout=_bounded(timeout))
