@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import PipelineError
-from ._board import BEAT, DIED, SILENT, STALE, Board, waiting
+from ._board import ASK, BEAT, DIED, SILENT, STALE, Board, waiting
 from ._faults import WATCHDOG, abort_job, store_host
 from ._topology import Topology
 from ._wire import tensor_bytes
@@ -32,12 +32,27 @@ def wait(
     ``PipelineError`` that says what ``rank`` was waiting for and names the rank that failed
     (NOTE [failure board] in fpipe/_distributed/_faults.py); the backend's error is chained.
     ``what`` may be a function that says it (called only then: a step waits for every message it
-    receives). ``peer``: the global rank a receive waits on (``None``: a collective)."""
+    receives). ``peer``: the global rank a receive waits on (``None``: a collective). A wait that
+    begins while the job's store is silent ends ``timeout`` after the silence began (``_bounded``)."""
     try:
         with waiting(board):
-            work.wait(timeout=timeout)
+            work.wait(timeout=_bounded(timeout))
     except RuntimeError as error:
         raise lost(board, error, rank, what, peer, timeout) from error
+
+
+_AT_ONCE = timedelta(milliseconds=1)  # the shortest wait (a gloo timeout of 0 means none)
+
+
+def _bounded(timeout: timedelta) -> timedelta:
+    """``timeout``, or less when the job's store has not answered for more than ``ASK`` seconds:
+    the wait then ends ``timeout`` after the store's silence began, so a rank that starts waiting
+    late on a frozen store's host fails within the timeout of the fault, as the ranks that waited
+    from the start do (NOTE [the store's host] in fpipe/_distributed/_faults.py)."""
+    silence = WATCHDOG.silence()
+    if silence <= ASK:
+        return timeout
+    return max(timeout - timedelta(seconds=silence), _AT_ONCE)
 
 
 @contextlib.contextmanager
@@ -67,6 +82,7 @@ def lost(
     finding, written on the board for the others: a silent rank (the wait timed out: the ranks
     whose heartbeat stopped, or unknown) or a dead one (its connection closed); the store's host
     when the store does not answer (NOTE [the store's host] in fpipe/_distributed/_faults.py).
+    The job's groups are aborted on this rank either way (NOTE [a continued rank]).
     """
     what = what if isinstance(what, str) else what()
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -74,6 +90,7 @@ def lost(
     seconds = f"{timeout.total_seconds():g}"
     standing = WATCHDOG.read(board)
     if standing is not None:
+        abort_job(board)
         WATCHDOG.linger(board)
         return standing.error(board, rank, what)
     if board.unanswered is not None:
@@ -103,10 +120,20 @@ def lost(
             f"died: a connection closed while rank {rank} waited",
         )
     raised = WATCHDOG.report(board, failure).error(board, rank, what)
+    abort_job(board)  # once the record stands (a rank told by a closed pair reads it): NOTE [a continued rank]
     WATCHDOG.linger(board)
     return raised
 
 
+# NOTE [a continued rank]
+# A wait that times out does not end the backend's work: gloo keeps the collective posted. So a
+# rank frozen as it entered a collective (SIGSTOP) and continued after the others timed out
+# found their work still posted, finished the collective and went on: ``global_norm`` returned a
+# norm, a step a loss, though the board had declared that rank failed and every other rank had
+# raised (it learnt of it only at its next step's handshake). So a rank whose wait fails aborts
+# the job's groups on its side once the record stands (``lost``): a continued rank's collective
+# on them then fails on a closed pair, and it raises the record, which names it. (Its own
+# collective may still finish in the moment between the others' timeouts and their aborts.)
 def _without_store(board: Board, rank: int, what: str, seconds: str) -> PipelineError:
     """The error when the job's store does not answer: its host's failure, kept on this rank
     alone (no board to write it on); this rank's groups are aborted, so that the ranks waiting on
@@ -257,9 +284,17 @@ def one_writes(
     other rank (``write=None``) waits for that (``waits`` names the wait) and gets ``(ok,
     value)``. The writer gets ``(True, value)``, or raises ``write``'s error once it has told the
     others (``tells`` names its wait; a ``PipelineError`` it raises at once: the board tells
-    them). ``group=None``: no one to tell."""
+    them). ``group=None`` (or ``topology=None``: one process): no one to tell, so this rank is
+    the writer, and a call without ``write`` raises ``ValueError`` (there is no one to wait for;
+    it once all-gathered over the default group instead, or failed an assertion)."""
+    alone = group is None or topology is None
     if write is None:
-        assert topology is not None
+        if alone:
+            raise ValueError(
+                f"fpipe: one_writes without a group has no writer to wait for ({waits}): a rank with no one to "
+                "tell is the writer, so pass write="
+            )
+        assert topology is not None  # (for mypy: not alone)
         status = all_gather_json(topology, group, {"error": False, "value": None}, timeout, waits)[0]
         return not status["error"], status["value"]
     try:
@@ -270,11 +305,13 @@ def one_writes(
         # would only say that the writer failed.
         raise
     except BaseException:
-        if group is not None and topology is not None:
+        if not alone:
+            assert topology is not None  # (for mypy)
             with contextlib.suppress(Exception):  # the error to raise is write's
                 all_gather_json(topology, group, {"error": True, "value": None}, timeout, tells)
         raise
-    if group is not None and topology is not None:
+    if not alone:
+        assert topology is not None  # (for mypy)
         all_gather_json(topology, group, {"error": False, "value": value}, timeout, tells)
     return True, value
 

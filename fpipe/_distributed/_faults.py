@@ -100,7 +100,7 @@ class Watchdog:
         with self._lock:
             if self._thread is None or not self._thread.is_alive() or self._serves is not default:
                 # A new thread for a new store (after destroy_process_group and a new init).
-                self._serves, self._store, self._boards = default, None, {}
+                self._serves, self._store, self._boards, self._busy = default, None, {}, None
                 self._requests, self.stopped_by = queue.Queue(), None
                 self._thread = threading.Thread(
                     target=self._loop, args=(default, dist.get_rank()), name="fpipe-watchdog", daemon=True
@@ -132,6 +132,13 @@ class Watchdog:
         except OSError:  # refused: the host's process is gone
             return True
         return False
+
+    def silence(self) -> float:
+        """Seconds for which the job's store has not answered this process's watchdog: since the
+        store call it is in began (or the one it stopped on: the store is gone); ``0.0`` between
+        calls. Every wait is bounded by it (NOTE [the store's host])."""
+        busy = self._busy
+        return 0.0 if busy is None else time.monotonic() - busy
 
     def stop(self) -> None:
         """Stop the thread and wait for it (at exit: a daemon thread caught inside a store call
@@ -236,6 +243,8 @@ class Watchdog:
         records nothing: the new thread's ``stopped_by`` is its own."""
         if self._serves is serves:
             self.stopped_by = error
+            if not _store_gone(error):  # a bug, not a silent store (``silence``)
+                self._busy = None
         if not _store_gone(error):
             warnings.warn(
                 f"fpipe: the failure watchdog of rank {me} stopped on an unexpected error ({_named(error)}): "
@@ -332,6 +341,18 @@ def abort_job(board: Board) -> None:
 # gave up (which took twice the timeout). The host died when nothing listens at the store's
 # address (``Watchdog.store_gone``); otherwise it froze. A host that merely failed (it raised,
 # and will exit) keeps the store up until the others have seen the record (``Watchdog.linger``).
+# An abort fails another rank's pending gloo collective only when that rank receives from this
+# one, so a rank that enters a collective of three or more ranks late, after the host froze,
+# would learn nothing from the ranks that gave up before it and wait out its own timeout: up to
+# twice the timeout after the fault (21 s with a 12 s timeout, entering 9 s late). So the store's
+# silence is a clock too: the watchdog beats every ``BEAT`` seconds, so it is stuck in a store
+# call from about when the host froze (``Watchdog.silence``), and a wait that begins after the
+# store has been silent for more than ``ASK`` seconds lasts only until ``timeout`` after the
+# silence began (``_bounded`` in fpipe/_distributed/_collectives.py; at once if that is past):
+# every survivor then fails within the timeout of the fault, as the ranks that waited from the
+# start do, and blames the host alike. A store slower than ``ASK`` in a healthy job shortens the
+# waits that begin meanwhile by that silence only; after the store is gone (its host exited),
+# every wait that does not end at once fails, as the job is over.
 def store_host() -> int | None:
     """The global rank whose process hosts the job's store (``None``: torchrun's agent does)."""
     return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0

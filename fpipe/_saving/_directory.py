@@ -113,8 +113,11 @@ def _unlocked(root: Path, why: str) -> None:
 # Two runs that save into one directory take turns under the lock, and each commit is whole, but
 # a later resume takes whichever committed last: one run's state, silently, for the other's. So
 # the writer, holding the lock, writes who it is into the lock file (host, process id, and the
-# job: ``TORCHELASTIC_RUN_ID``, else ``MASTER_ADDR:MASTER_PORT``, as torchrun and
-# init_process_group's env:// set them), and warns (``RuntimeWarning``) when the previous
+# job: ``TORCHELASTIC_RUN_ID`` as torchrun sets it, else the address of the default process
+# group's store, which every process of a job rendezvoused at whatever its ``init_method``
+# (tcp://, file://, env://), else ``MASTER_ADDR:MASTER_PORT``; with only the environment, two
+# jobs started with ``init_method="tcp://..."`` were both "no job", and one job's processes
+# warned of each other), and warns (``RuntimeWarning``) when the previous
 # writer was another process of another job (or of no job) on this host that is still alive:
 # another live run writes here. Processes of one job saving without ``group=`` (NOTE [save
 # concurrency]) share the job and are not warned; a resumed run's predecessor is dead. A writer
@@ -158,12 +161,37 @@ def _caller_outside_fpipe() -> int:
 
 
 def _job() -> str | None:
-    """The job this process belongs to, as its launcher names it (NOTE [a second live writer])."""
+    """The job this process belongs to (NOTE [a second live writer]): torchrun's run id, else
+    where the default process group's store is (``_store_address``), else ``MASTER_ADDR:MASTER_PORT``."""
     run = os.environ.get("TORCHELASTIC_RUN_ID")
     if run:
         return run
+    store = _store_address()
+    if store is not None:
+        return store
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     return f"{address}:{port}" if address and port else None
+
+
+def _store_address() -> str | None:
+    """Where the store of the default process group is: ``host:port`` of a TCP store (as
+    ``MASTER_ADDR:MASTER_PORT`` says it for env://), ``file://<path>`` of a file store; ``None``
+    without one (torch.distributed not initialized, or a store of one process). Every process of a
+    job has the same, whatever its ``init_method``, and two live jobs cannot share one."""
+    # (imported on call: the save directory needs no torch otherwise)
+    import torch.distributed as dist
+    from torch.distributed import FileStore, TCPStore  # type: ignore[attr-defined]
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):  # a PrefixStore
+        store = store.underlying_store
+    if isinstance(store, TCPStore):
+        return f"{store.host}:{store.port}"
+    if isinstance(store, FileStore):
+        return f"file://{store.path}"  # type: ignore[attr-defined]  # (torch's stubs lack it)
+    return None
 
 
 def _alive(pid: int) -> bool:

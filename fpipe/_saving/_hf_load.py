@@ -135,7 +135,8 @@ def load_hf(
         ValueError: a pickled checkpoint, a malformed index or file, names missing or (with
             ``strict``) unexpected, a tied duplicate that differs from its partner, or a shape or
             dtype that differs (named with its key path, the value on disk and the expected one).
-        RuntimeError: another rank failed; its own error says why.
+        RuntimeError: another rank failed (a file it found truncated or corrupt, say); its own
+            error says why. Every rank raises, or none does.
     """
     trees = stage_list("fpipe.load_hf", "template", template)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -165,12 +166,14 @@ def load_hf(
         tensors = _read(root, {**wanted, **duplicates})
     except (ValueError, OSError) as error:
         problem, partners = error, {}
+    # Agreed (a file one rank finds truncated or unreadable fails every rank, and none returns
+    # its tensors), with the comparison of tied weights when there is one.
     if extra:
         equal = {e: {n: _same(tensors, e, n, wanted[n].uses) for n in found} for e, found in partners.items()}
         statuses = agree(ranks, problem, {"ties": equal}, "comparing tied weights")
         _check_duplicates(root, extra, [st["ties"] for st in statuses], ranks)
-    elif problem is not None:
-        raise problem
+    else:
+        agree(ranks, problem, {}, "reading their tensors")
     if dtype is not None:
         tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items() if k[0] in wanted}
     return fill(trees, {name: want.uses for name, want in wanted.items()}, tensors)

@@ -94,6 +94,10 @@ def test_sum_over_any_rank_and_one_writes_on_one_rank(world: None) -> None:
     assert not any_rank(topology, ("pp",), False, 5.0, "the test's flag")
     assert one_writes(topology, topology.group, lambda: "v1", 5.0, "the writer", "the others") == (True, "v1")
     assert one_writes(None, None, lambda: 7, 5.0, "the writer", "the others") == (True, 7)
+    assert one_writes(topology, None, lambda: 8, 5.0, "the writer", "the others") == (True, 8)
+    for alone in (None, topology):  # no group: this rank is the writer, so write= is needed
+        with pytest.raises(ValueError, match=r"one_writes without a group has no writer to wait for \(the writer\)"):
+            one_writes(alone, None, None, 5.0, "the writer", "the others")
 
     def fail() -> None:
         raise OSError("disk full")

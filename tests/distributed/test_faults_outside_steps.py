@@ -6,7 +6,9 @@ inf/nan agreement, ``save``, ``load``, ``save_state``, ``load_state``, ``save_hf
 are under the job's failure board too (NOTE [failure board] in fpipe/_distributed/_faults.py).
 The victim dies or freezes as it enters the collective (its ``torch.distributed`` collectives
 are replaced by the signal), so the survivor is waiting in it. A frozen victim can be continued
-(SIGCONT) and the next case run on the same processes (``_in_turn``). With a timeout of 12 s,
+(SIGCONT) and the next case run on the same processes (``_in_turn``): continued, it raises the
+board's record, never finishing the collective (NOTE [a continued rank] in
+fpipe/_distributed/_collectives.py). With a timeout of 12 s,
 "never twice the timeout" is checked for a survivor whose wait began late, with a rank and with
 the store's host frozen. The store's host and tensor-parallel partners in a step are in
 tests/distributed/test_faults.py's cases.
@@ -27,7 +29,7 @@ import torch.distributed as dist
 import fpipe
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.distributed.test_faults import DP_PP, LATE, NEVER_TWICE, SLACK, WITHIN, _wait_for, name
+from tests.distributed.test_faults import DP_PP, LATE, NEVER_TWICE, PP_TP, SLACK, WITHIN, _wait_for, name
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -155,19 +157,26 @@ def test_a_save_in_flight_does_not_hold_the_error(setup, victim, sig, timeout, t
         assert kind.startswith("Pipeline") and f"because {name(setup, victim)} {said}" in message, (rank, message)
 
 
-def _call(what, step, params, grads, directory, timeout):
-    """``what`` (one of fpipe's collectives outside a step) as a function of no arguments, after
-    writing what it reads, if anything."""
+def _call(what, step, params, batch, grads, directory, timeout):
+    """``what`` (one of fpipe's collectives outside a step, or ``"precision"``: a step of a
+    float16 pipeline, whose only all-reduce is the inf/nan agreement) as a function of no
+    arguments, after writing what it reads, if anything."""
     template = [None if p is None else {k: torch.zeros_like(w) for k, w in p.items()} for p in params]
     if what == "load":
         fpipe.save(directory, params, step=step)
     if what == "load_state":
         fpipe.save_state(f"{directory}/state", fpipe.TrainState(params), step=step)
+    if what == "load_hf":
+        fpipe.save_hf(f"{directory}/hf", params, config={"model_type": "x"}, step=step)
     calls = {
         "global_norm": lambda: step.global_norm(grads),
         "save": lambda: fpipe.save(directory, params, step=step, timeout=timeout),
         "load": lambda: fpipe.load(directory, template, step=step, timeout=timeout),
+        "save_state": lambda: fpipe.save_state(directory, fpipe.TrainState(params), step=step, timeout=timeout),
         "load_state": lambda: fpipe.load_state(f"{directory}/state", template, step=step, timeout=timeout),
+        "save_hf": lambda: fpipe.save_hf(directory, params, config={"model_type": "x"}, step=step, timeout=timeout),
+        "load_hf": lambda: fpipe.load_hf(f"{directory}/hf", template, step=step, timeout=timeout),
+        "precision": lambda: step(params, batch),
     }
     return calls[what]
 
@@ -177,7 +186,8 @@ def _in_turn(rank, world, mesh, faults, timeout, directory):
     victim dies or freezes as it enters the collective; each survivor times it from its call.
     A frozen victim is continued (SIGCONT) once every survivor has raised, so the next fault
     runs on the same processes; a killed one must come last. Returns ``[(seconds, error type,
-    message) or None (the victim)]``, one per fault."""
+    message), or for the victim (None, error type, message) of its call once continued]``, one
+    per fault."""
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
     out = []
@@ -185,23 +195,22 @@ def _in_turn(rank, world, mesh, faults, timeout, directory):
         here = os.path.join(directory, str(i))
         os.makedirs(here, exist_ok=True)
         group = None if mesh is not None else dist.new_group(list(range(world)))
-        step, params, batch, grads = _pipeline(rank, world, mesh, timeout, group=group)
-        call = _call(what, step, params, grads, here, timeout)
+        scaled = fpipe.Precision(compute=torch.float16, loss_scale=fpipe.LossScale()) if what == "precision" else None
+        step, params, batch, grads = _pipeline(rank, world, mesh, timeout, precision=scaled, group=group)
+        call = _call(what, step, params, batch, grads, here, timeout)
         dist.barrier()  # (the default group: never one of the job's groups here)
         if rank == victim:
-            _fault_at_collectives(sig)
-            # Continued, it raises the board's record, or finishes the collective (the survivors'
-            # gloo work was still posted: a rank whose wait times out raises without aborting its
-            # groups) and raises at its next step: either way it has seen the record, so its next
-            # groups get a new board, as the survivors' do.
+            # (a step's handshake is an all-gather: the inf/nan agreement is its only all-reduce)
+            _fault_at_collectives(
+                sig, collectives=("all_reduce",) if what == "precision" else ("all_gather", "all_reduce")
+            )
+            # Continued, it must raise (the survivors aborted the groups it finds them on), never
+            # finish the collective or return a loss: the board declared it failed.
             try:
                 call()
-            except fpipe.PipelineError:
-                pass
-            else:
-                with pytest.raises(fpipe.PipelineError, match="stopped while waiting for the other pipeline ranks"):
-                    step(params, batch)
-            out.append(None)
+                out.append((None, "no error", ""))
+            except fpipe.PipelineError as error:
+                out.append((None, type(error).__name__, str(error)))
         else:
             start = time.monotonic()
             try:
@@ -225,9 +234,16 @@ def _check_in_turn(setup, faults, timeout, results):
         limit = SLACK if sig == signal.SIGKILL else timeout + SLACK  # far below twice 30 s
         said = "died" if sig == signal.SIGKILL else "stopped answering"
         for rank, result in enumerate(results):
-            if rank == victim or result is None:
+            if result is None:
                 continue
             seconds, kind, message = result[i]
+            if rank == victim:  # continued (SIGCONT): it raises the board's record, naming itself
+                assert kind.startswith("Pipeline") and f"because {name(setup, victim)} {said}" in message, (
+                    what,
+                    rank,
+                    message,
+                )
+                continue
             named = f"because {name(setup, victim)} {said}"
             assert kind.startswith("Pipeline") and named in message, (what, rank, message)
             assert seconds < limit, (what, rank, seconds, message)
@@ -239,6 +255,26 @@ def test_a_rank_that_freezes_in_a_collective_between_steps_is_named(tmp_path):
     results = run_ranks(2, _in_turn, None, faults, 4, str(tmp_path), timeout=90)
     _check_in_turn(2, faults, 4, results)
     assert all(kind == "PipelineTimeoutError" for _, kind, _ in results[0])
+
+
+def test_a_rank_that_freezes_in_the_other_collectives_between_steps_is_named(tmp_path):
+    """save_state, load, save_hf, load_hf and the inf/nan agreement of a float16 step on 2
+    processes, rank 1 frozen in each in turn (timeout 3 s): rank 0 raises naming it within the
+    timeout, and rank 1, continued, raises too."""
+    faults = [(what, 1, signal.SIGSTOP) for what in ("save_state", "load", "save_hf", "load_hf", "precision")]
+    results = run_ranks(2, _in_turn, None, faults, 3, str(tmp_path), timeout=90)
+    _check_in_turn(2, faults, 3, results)
+    assert all(kind == "PipelineTimeoutError" for _, kind, _ in results[0])
+    assert "while waiting for the loss scaling's inf/nan check" in results[0][-1][2], results[0][-1]
+
+
+def test_every_survivor_of_a_tensor_parallel_mesh_fails_in_a_collective_between_steps(tmp_path):
+    """pp 2 x tp 2: rank 1 (pp 0, tp 1) frozen in save_state, then rank 2 (pp 1, tp 0) in
+    global_norm; every other rank raises within the timeout naming the victim by its mesh
+    coordinates, and the victim, continued, raises too."""
+    faults = [("save_state", 1, signal.SIGSTOP), ("global_norm", 2, signal.SIGSTOP)]
+    results = run_ranks(4, _in_turn, PP_TP, faults, 3, str(tmp_path), timeout=90)
+    _check_in_turn(PP_TP, faults, 3, results)
 
 
 def test_every_survivor_of_a_mesh_fails_in_a_collective_between_steps(tmp_path):
@@ -276,11 +312,14 @@ def _late_survivor(rank, world, victim, directory):
     return out
 
 
-def test_a_frozen_rank_fails_a_late_survivor_within_the_timeout_not_twice(tmp_path):
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_frozen_rank_fails_a_late_survivor_within_the_timeout_not_twice(victim, tmp_path):
     """The first survivor times out NEVER_TWICE s after the fault; the late one, in the same
     all-reduce, reads it on the board then, not at the end of its own timeout (LATE +
-    NEVER_TWICE). (The store's host frozen instead: the next test.)"""
-    victim = 1
+    NEVER_TWICE). With rank 0, the store's host, frozen there is no board to read: the late
+    survivor's wait is bounded by the store's silence instead, which began at the fault (NOTE
+    [the store's host]; the same host frozen on dp 2 x pp 2, where the late rank waits on a
+    survivor: the next test)."""
     results = run_ranks(3, _late_survivor, victim, str(tmp_path), timeout=90, may_die=frozenset({victim}))
     for rank, result in enumerate(results):
         if rank == victim:
@@ -297,8 +336,8 @@ def _host_frozen_in_load(rank, world, directory):
     then waits on rank 2, which waits on rank 0 in a collective (a collective that times out
     closes no connection, so nothing but rank 2's abort of its groups tells rank 3). A survivor
     returns ``(seconds since the fault, error type, message)`` once every survivor has raised."""
-    step, params, _, grads = _pipeline(rank, world, DP_PP, NEVER_TWICE)
-    call = _call("load", step, params, grads, directory, NEVER_TWICE)
+    step, params, batch, grads = _pipeline(rank, world, DP_PP, NEVER_TWICE)
+    call = _call("load", step, params, batch, grads, directory, NEVER_TWICE)
     dist.barrier()
     start = time.monotonic()
     if rank == 0:

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import multiprocessing
 import os
 import sys
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ import torch.distributed as dist
 
 import fpipe
 from fpipe._saving._directory import INDEX, LATEST, LOCK
-from tests._multiprocess import run_ranks, start_process
+from tests._multiprocess import free_port, run_processes, run_ranks, start_process
 from tests.saving.test_save import assert_bitwise
 
 ROUNDS, N = 8, 50_000
@@ -172,3 +175,43 @@ def test_a_second_live_run_saving_into_the_directory_is_warned(tmp_path: Path, m
     assert other.exitcode == 0
     fpipe.save(tmp_path, params)  # its writer is gone: no warning (warnings are errors here)
     assert_bitwise(fpipe.load(tmp_path, params).params, params)
+
+
+def _jobs(index: int, directory: str, port: int, said: str) -> None:
+    """Processes 0 and 1 are one job (``init_method="tcp://..."``), process 2 another
+    (``"file://..."``), with no launcher's environment. In turn each saves into ``directory`` without ``group=``
+    while the others live, and writes the warnings it got into ``said/<index>``."""
+    for name in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        os.environ.pop(name, None)
+    if index < 2:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=2)
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{said}/store", rank=0, world_size=1)
+    try:
+        deadline = time.monotonic() + 60
+        while index > 0 and not Path(said, str(index - 1)).exists():  # the previous one's turn
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fpipe.save(directory, [{"w": torch.full((3,), float(index))}])
+        Path(said, f"{index}.tmp").write_text(json.dumps([str(w.message) for w in caught]))
+        os.replace(Path(said, f"{index}.tmp"), Path(said, str(index)))
+        while not Path(said, "2").exists():  # alive until the last one has saved
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_job_is_told_by_its_store_whatever_its_init_method(tmp_path: Path) -> None:
+    """NOTE [a second live writer]: with ``init_method="tcp://..."`` and no environment, the
+    processes of one job saving in turn are not warned of each other, and another job is, both
+    named by their stores (before, every such process was of "no job")."""
+    port, said = free_port(), tmp_path / "said"
+    said.mkdir()
+    assert run_processes(3, _jobs, str(tmp_path / "save"), port, str(said), timeout=90) == [0, 0, 0]
+    warned = [json.loads((said / str(i)).read_text()) for i in range(3)]
+    assert warned[:2] == [[], []]
+    assert len(warned[2]) == 1 and f"(job: 127.0.0.1:{port}), still alive" in warned[2][0], warned[2]
+    assert f"(job: file://{said}/store)" in warned[2][0], warned[2]

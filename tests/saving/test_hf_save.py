@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 import fpipe
-from fpipe._saving import _hf_save
+from fpipe._saving import _hf_load, _hf_save
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
 from tests.saving.test_hf_load import SIZE, TWO, _batch, example, hf, meta_model
@@ -173,6 +174,41 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
         fpipe.save_hf(Path(directory).parent / "bad", bad, group=dist.group.WORLD)
     except (ValueError, RuntimeError) as error:
         out["error"] = f"{type(error).__name__}: {error}"
+    out.update(_one_rank_reads_badly(rank, Path(directory), mine, step))
+    return out
+
+
+def _one_rank_reads_badly(rank: int, directory: Path, mine: list[Any], step: fpipe.Step) -> dict[str, str]:
+    """``fpipe.load_hf`` of the export when rank 1 alone cannot read it: a file of its stage
+    truncated (found in its headers), then a read that fails after the headers (an I/O error, a
+    file cut meanwhile). Each rank's outcome: ``"loaded"``, or its error."""
+    template = [None if p is None else {k: torch.empty_like(v, device="meta") for k, v in p.items()} for p in mine]
+    truncated = directory.parent / "truncated"
+    if rank == 0:
+        shutil.copytree(directory, truncated)
+        index = json.loads((truncated / "model.safetensors.index.json").read_text())
+        file = truncated / index["weight_map"]["model.norm.weight"]  # stage 1's, read by rank 1 alone
+        file.write_bytes(file.read_bytes()[:-8])
+    dist.barrier()
+    out = {}
+    read = _hf_load._read
+
+    def unreadable(root: Path, wanted: Any) -> Any:
+        raise OSError(f"[Errno 5] Input/output error: '{root / 'model-00002.safetensors'}'")
+
+    for case, where in [("truncated", truncated), ("unreadable", directory)]:
+        if rank == 1 and case == "unreadable":
+            _hf_load._read = unreadable
+        try:
+            fpipe.load_hf(where, template, step=step)
+            out[case] = "loaded"
+        except (ValueError, OSError, RuntimeError) as error:
+            out[case] = f"{type(error).__name__}: {error}"
+        finally:
+            _hf_load._read = read
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(truncated)
     return out
 
 
@@ -198,6 +234,14 @@ def test_every_rank_writes_its_own_stages(hf: ModuleType, tmp_path: Path) -> Non
     )
     assert results[0]["other"].startswith("fpipe.save_hf: rank 0 holds stages [0] but params[1] is not None.")
     assert results[1]["other"].startswith("fpipe.save_hf: rank(s) [0] failed")
+    # A load that rank 1 alone cannot read fails on every rank (none returns tensors).
+    assert results[1]["truncated"].startswith("ValueError: fpipe.load_hf: ") and "truncated" in results[1]["truncated"]
+    assert results[0]["truncated"].startswith("RuntimeError: fpipe.load_hf: rank(s) [1] failed while reading their")
+    assert results[1]["unreadable"].startswith("OSError: [Errno 5] Input/output error")
+    assert results[0]["unreadable"].startswith(
+        "RuntimeError: fpipe.load_hf: rank(s) [1] failed while reading their tensors; their own errors say why "
+        "(rank 1: OSError: [Errno 5] Input/output error"
+    ), results[0]["unreadable"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "sharded"]
     assert_same_logits(tmp_path / "out", model, hf)
     assert_same_logits(tmp_path / "sharded", model, hf)
