@@ -18,6 +18,7 @@ has finished, plus the sender's ``send`` if that action ran on another rank::
 
     start(a) = max(end(previous action on the rank),
                    max(end(d) + (costs[stage(d)].send if rank(d) != rank(a) else 0) for d in dependencies(a)))
+               + costs[stage(a)].overhead
     end(a)   = start(a) + costs[stage(a)].of(kind(a))
 
 The costs are one ``Costs`` for every stage, or one per stage (a first stage with the embedding
@@ -31,6 +32,26 @@ fit_costs(measured))`` predicts the measured bubble and can then be asked about 
 or microbatch counts with the same stages. ``replay`` reruns a timeline with its own action
 durations: with free messages, its makespan is the step's critical path (what no runtime running
 those actions in that order can beat).
+
+NOTE [per-action overhead]
+    A runtime spends time on each action beyond its compute: the interpreter's dispatch, posting
+    the previous action's sends and this one's receives, taking a message that has arrived. A
+    recorded action starts once its inputs are there and ends when its compute returns, so that
+    time shows as a gap before each action even when no message is awaited. ``Costs.overhead``
+    models it: each action of the stage occupies its rank for ``overhead`` before it starts, after
+    the rank is free and its inputs have arrived (the formula above). So a program with more
+    actions (split backwards: an ``I`` and a ``W`` where a ``B`` would do) pays more, and
+    ``simulate`` with an overhead ends every action exactly where ``simulate`` without one ends
+    it when each duration grows by the overhead (``charged``); only the starts differ, and the
+    bubble counts the overhead as time the rank does not compute, as a measured timeline does.
+
+    ``fit_costs`` estimates it per rank as the median gap ``start(a) - end(previous action)``
+    over the actions ``a`` (all but a rank's first) that waited for no message: every
+    dependency on another rank had ended before the rank's previous action did. Such a gap is
+    exactly the overhead in the model above (when the message's latency is below that head
+    start, which the median makes immaterial when most are). A rank with no such action gets
+    the median over the other ranks' gaps. The latency of a message then is what an action that
+    did wait for it waited beyond its overhead: ``start(a) - end(d) - overhead``.
 """
 
 from __future__ import annotations
@@ -58,6 +79,9 @@ class Costs:
         backward_weight: the weight-gradient part (``W``).
         backward: the fused backward (``B``); ``None`` means ``backward_input + backward_weight``.
         send: latency of an activation or cotangent sent to another rank (``0`` on the same rank).
+        overhead: what each action of the stage costs its rank before it starts, beyond its own
+            duration: the runtime's dispatch and message posting (NOTE [per-action overhead]).
+            ``of`` does not include it.
     """
 
     forward: float = 1.0
@@ -65,13 +89,14 @@ class Costs:
     backward_weight: float = 1.0
     backward: float | None = None
     send: float = 0.0
+    overhead: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward_input", "backward_weight", "backward", "send"):
+        for name in ("forward", "backward_input", "backward_weight", "backward", "send", "overhead"):
             value = getattr(self, name)
             if value is None and name == "backward":
                 continue
-            positive = name != "send"
+            positive = name not in ("send", "overhead")
             number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not number or value < 0 or (positive and value == 0):
                 raise ScheduleError(
@@ -89,12 +114,29 @@ class Costs:
         raise ScheduleError(f"fpipe.schedules.Costs: unknown action kind {kind!r}. Kinds are F, B, I, W.")
 
 
+def charged(costs: Costs) -> Costs:
+    """``costs`` with its overhead added to each duration and set to 0: the same makespan and
+    action ends under ``simulate`` (NOTE [per-action overhead]), for the search's schedulers,
+    which know durations only. ``costs`` itself when it has no overhead."""
+    if costs.overhead == 0:
+        return costs
+    o = costs.overhead
+    return Costs(
+        forward=costs.forward + o,
+        backward_input=costs.backward_input + o,
+        backward_weight=costs.backward_weight + o,
+        backward=costs.of(BACKWARD) + o,
+        send=costs.send,
+    )
+
+
 @dataclass(frozen=True)
 class Simulation:
     """A program replayed with costs: when each action starts and ends, and what that gives.
 
     ``starts[r][k]`` and ``ends[r][k]`` are the times of ``program.ranks[r][k]``; time 0 is when
-    the first action starts.
+    the first action starts (when its overhead starts, for costs with one: NOTE [per-action
+    overhead]).
 
     A timeline measured by ``fpipe.record()`` has this type too, with ``costs=None`` and times
     in seconds.
@@ -188,7 +230,8 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
         costs: one ``Costs`` for every stage, or a sequence of one per stage: an action of stage
             ``s`` lasts ``costs[s].of(kind)``, and a message that stage ``s`` sends to another
             rank (an activation from its ``F``, a cotangent from its ``B`` or ``I``) travels
-            ``costs[s].send``.
+            ``costs[s].send``; each action of stage ``s`` first costs its rank ``costs[s].overhead``
+            (NOTE [per-action overhead]).
 
     Example:
         >>> from fpipe.schedules import Costs, OneFOneB, simulate
@@ -209,9 +252,15 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
     costs = Costs() if costs is None else costs
     validate(program)
     per_stage = _per_stage(program, costs)
+    occupied = tuple(charged(c) for c in per_stage)  # each action's overhead, then its duration
     starts, ends = as_soon_as_possible(
-        program, lambda r, k, a: per_stage[a.stage].of(a.kind), lambda d: per_stage[d.stage].send
+        program, lambda r, k, a: occupied[a.stage].of(a.kind), lambda d: per_stage[d.stage].send
     )
+    if any(c.overhead for c in per_stage):
+        starts = tuple(
+            tuple(t + per_stage[a.stage].overhead for t, a in zip(row_starts, row))
+            for row_starts, row in zip(starts, program.ranks)
+        )
     return Simulation(program, costs if isinstance(costs, Costs) else per_stage, starts, ends)
 
 
@@ -279,9 +328,12 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
     Conceptually, for each stage ``s``::
 
         forward  = median(end - start of every sF<i> recorded)      # and likewise B, I, W
-        send     = median(start(a) - end(d) for every action a that waited for a message from
-                          stage s: its dependency d ran on another rank and ended after
-                          the action before a on a's rank did)
+        overhead = median(start(a) - end(action before a) for every action a, but the first
+                          on stage s's rank, that waited for no message: each dependency on
+                          another rank ended before the action before a did)
+        send     = median(start(a) - end(d) - overhead of a's rank, for every action a that
+                          waited for a message from stage s: its dependency d ran on another
+                          rank and ended after the action before a on a's rank did)
 
     The executor records an action's start once its inputs have arrived (see ``fpipe.record``),
     so ``start(a) - end(d)`` is how long the message took, whenever ``a``'s rank was already free
@@ -290,6 +342,8 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
     latency. A stage whose messages never made anyone wait gets the median latency over all
     stages, and ``send=0.0`` when no action waited at all. A negative median (a message received
     before its sender's action returned, or clocks that differ between machines) counts as 0.
+    The overhead is the rank's (NOTE [per-action overhead]): every stage of a rank gets it, and a
+    rank none of whose actions went without waiting gets the median gap over all ranks.
 
     Kinds the program does not run keep a value that ``Costs`` accepts and ``simulate`` never
     uses: a stage with only fused backwards gets ``backward`` = the median ``B`` and
@@ -302,7 +356,8 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
         timeline: a timeline from ``fpipe.record()`` (``recording.timeline``), or several of the
             same program (``recording.timelines``), whose durations and latencies are pooled.
             Simulated timelines work too: ``fit_costs(simulate(program, costs))`` gives ``costs``
-            back when each stage sends some message that an action waits for, as defined above.
+            back when each stage sends some message that an action waits for, as defined above,
+            and the stages of a rank share one overhead.
 
     Returns:
         One ``Costs`` per stage, in stage order, in the timeline's unit (seconds when measured).
@@ -325,7 +380,8 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
     split = split_backwards(program)
     rank_of = program.placement()
     durations: dict[tuple[int, str], list[float]] = {}
-    latencies: dict[int, list[float]] = {}
+    waits: list[tuple[int, int, float]] = []  # (waiting rank, sending stage, start(a) - end(d))
+    gaps: dict[int, list[float]] = {}  # per rank, the gaps before actions that waited for nothing
     for t in timelines:
         end_of = {a: end for _, a, _, end in t.intervals()}
         for _, a, start, end in t.intervals():  # the median does not depend on the order
@@ -334,11 +390,17 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
             for pos, a in enumerate(row):
                 free = ends[pos - 1] if pos else 0.0
                 remote = [d for d in dependencies(a, program.num_stages, split) if rank_of[d.stage] != r]
-                if not remote:
-                    continue
-                sender = max(remote, key=lambda d: end_of[d])
-                if end_of[sender] > free:  # the rank was free before its input left: it waited for it
-                    latencies.setdefault(sender.stage, []).append(starts[pos] - end_of[sender])
+                sender = max(remote, key=lambda d: end_of[d]) if remote else None
+                if sender is not None and end_of[sender] > free:  # the rank was free before its input left
+                    waits.append((r, sender.stage, starts[pos] - end_of[sender]))
+                elif pos:
+                    gaps.setdefault(r, []).append(starts[pos] - free)
+    all_gaps = [x for values in gaps.values() for x in values]
+    overall = max(statistics.median(all_gaps), 0.0) if all_gaps else 0.0
+    overhead = [max(statistics.median(gaps[r]), 0.0) if r in gaps else overall for r in range(len(program.ranks))]
+    latencies: dict[int, list[float]] = {}
+    for r, stage, waited in waits:
+        latencies.setdefault(stage, []).append(waited - overhead[r])
     everywhere = [x for values in latencies.values() for x in values]
     fallback = max(statistics.median(everywhere), 0.0) if everywhere else 0.0
 
@@ -354,7 +416,16 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
             assert fused is not None
             inp = wgt = max(fused / 2, MIN_DURATION)
         send = max(statistics.median(latencies[s]), 0.0) if s in latencies else fallback
-        fitted.append(Costs(forward=forward, backward_input=inp, backward_weight=wgt, backward=fused, send=send))
+        fitted.append(
+            Costs(
+                forward=forward,
+                backward_input=inp,
+                backward_weight=wgt,
+                backward=fused,
+                send=send,
+                overhead=overhead[rank_of[s]],
+            )
+        )
     return tuple(fitted)
 
 
