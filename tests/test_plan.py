@@ -8,7 +8,18 @@ from typing import Literal
 
 import pytest
 
-from fpipe._plan import GIB, Candidate, Device, PlanError, Transformer, Unit, measured_units, plan, transformer_units
+from fpipe._plan import (
+    GIB,
+    Candidate,
+    Device,
+    PlanError,
+    Transformer,
+    Unit,
+    costs_text,
+    measured_units,
+    plan,
+    transformer_units,
+)
 from fpipe.schedules import Costs, GPipe, OneFOneB, Program, ZeroBubbleH1, ZeroBubbleV, search, simulate
 
 MODEL = Transformer(layers=2, hidden=4, sequence=8, vocabulary=16, microbatch_size=2)
@@ -167,3 +178,14 @@ def test_memory_of_measured_costs_is_in_activation_units() -> None:
     assert rows["gpipe"].peak() == 4 and rows["zbv"].error is not None and rows["zbv"].peak() is None
     with pytest.raises(PlanError, match=r"memory: 1 microbatches of a rank's layers\); the least any needs is 2 "):
         plan(units, 2, candidates(4, 2), memory=1)
+
+
+def test_measured_overhead_is_shown_and_paid_once_per_action_of_a_merged_stage() -> None:
+    """NOTE [per-action overhead]: a stage of several measured stages runs one action per
+    microbatch and kind, so it pays the largest of their overheads once, not their sum."""
+    assert costs_text(Costs(overhead=2e-5)) == "F 1 s, I 1 s, W 1 s, send 0 s, overhead 20 us"
+    assert "overhead" not in costs_text(Costs())
+    units = measured_units([Costs(overhead=0.25), Costs(overhead=0.5), Costs(overhead=0.125), Costs()])
+    (row,) = plan(units, 2, candidates(4, 2)[1:2])
+    assert row.simulation is not None and row.stages == (range(0, 2), range(2, 4))
+    assert [c.overhead for c in row.simulation.costs] == [0.5, 0.125]  # type: ignore[union-attr]
