@@ -119,6 +119,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
             backward_input=args.input_grad,
             backward_weight=args.weight_grad,
             send=args.send,
+            overhead=args.overhead,
         )
         _check_drawable(costs)
         sim = simulate(program, costs)
@@ -180,6 +181,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--input-grad", type=float, default=1.0, help="cost of an input-grad backward I (default 1)")
     show.add_argument("--weight-grad", type=float, default=1.0, help="cost of a weight-grad backward W (default 1)")
     show.add_argument("--send", type=float, default=0.0, help="latency of a message between ranks (default 0)")
+    show.add_argument("--overhead", type=float, default=0.0, help="the runtime's cost before each action (default 0)")
     show.add_argument("--trace", metavar="PATH", help="also write a Chrome trace (JSON) for Perfetto")
     show.add_argument("--svg", metavar="PATH", help="also write an SVG picture")
     show.add_argument(
@@ -393,7 +395,7 @@ def _check_drawable(costs: Costs) -> None:
     """Costs a terminal grid can draw: between 1e-6 and 1e6, within a factor 1000 of each other
     (one column is at least 1/8 of the shortest action, so the grid's width follows the ratio)."""
     values = [costs.forward, costs.of("B"), costs.backward_input, costs.backward_weight]
-    values += [costs.send] if costs.send > 0 else []
+    values += [x for x in (costs.send, costs.overhead) if x > 0]
     if min(values) < 1e-6 or max(values) > 1e6 or max(values) > 1000 * min(values):
         raise ScheduleError(
             f"costs must lie between 1e-6 and 1e6 and within a factor 1000 of each other, for the grid to fit "
@@ -405,6 +407,7 @@ def _listed(costs: Costs) -> str:
     return (
         f"F {costs.forward:g}, B {costs.of('B'):g}, I {costs.backward_input:g}, "
         f"W {costs.backward_weight:g}, send {costs.send:g}"
+        + (f", overhead {costs.overhead:g}" if costs.overhead else "")
     )
 
 

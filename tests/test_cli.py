@@ -91,6 +91,13 @@ def test_costs_change_the_grid() -> None:
     assert "costs: F 1, B 1, I 1, W 1, send 0.5" in text
 
 
+def test_overhead_delays_each_action() -> None:
+    """NOTE [per-action overhead]: four actions in a chain, each 0.5 late."""
+    _, text = show("gpipe", "--ranks", "2", "--microbatches", "1", "--backward", "1", "--overhead", "0.5")
+    assert "costs: F 1, B 1, I 1, W 1, send 0, overhead 0.5" in text
+    assert "makespan 6, bubble" in text
+
+
 def test_no_color_by_default_off_a_terminal_and_with_no_color() -> None:
     assert "\x1b" not in show("zbh1", "--ranks", "2", "--microbatches", "2")[1]
     assert "\x1b" not in show("zbh1", "--ranks", "2", "--microbatches", "2", "--color", "always", "--no-color")[1]
