@@ -13,7 +13,7 @@ each, 2 stages per rank. Each rank:
 
 1. records a few steps of ``InterleavedZeroBubble`` (split backwards, so that ``F``, ``I`` and
    ``W`` are all measured) with ``fpipe.record`` and fits per-stage costs (``fit_costs``), the
-   runtime's per-action overhead included (NOTE [per-action overhead] in
+   runtime's per-action overhead and receive cost included (NOTE [per-action overhead] in
    ``fpipe/schedules/_simulate.py``);
 2. rank 0 searches a program for the looped placement and one for the V (no memory limit, as
    GPipe and looped BFS have none) and sends them to rank 1;
@@ -29,7 +29,7 @@ each, 2 stages per rank. Each rank:
 It reports per program the median step time, the median over rounds of the faster searched
 program's time over this one's and of the tuned program's over this one's (below 1: the
 searched or tuned one is faster), and the simulated step with the fitted costs, with and
-without their overhead, against the measured median (how far the model that chose the program
+without their overhead and receive cost, against the measured median (how far the model that chose the program
 is from what it ran).
 
 NOTE [measured tuning]
@@ -119,7 +119,7 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         problem = checked_problem(WORLD, m, costs, placement, 2, None, None)
         programs.update(builtin_programs(problem, placement))
     simulated = {name: simulate(program, costs).makespan for name, program in programs.items()}
-    without = [replace(c, overhead=0.0) for c in costs]
+    without = [replace(c, overhead=0.0, receive=0.0) for c in costs]
     simulated_without = {name: simulate(program, without).makespan for name, program in programs.items()}
     steps = {name: make(program) for name, program in programs.items()}
     for name in steps:  # warm-up
@@ -138,7 +138,7 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         "times": rounds(steps, opts["rounds"]),
         "simulated_s": simulated,
         "simulated_without_overhead_s": simulated_without,
-        "costs": [[c.forward, c.backward_input, c.backward_weight, c.send, c.overhead] for c in costs],
+        "costs": [[c.forward, c.backward_input, c.backward_weight, c.send, c.overhead, c.receive] for c in costs],
         "searched": {
             "search-looped": {"source": looped.name, "lower_bound_s": looped.lower_bound},
             "search-v": {"source": v.name, "lower_bound_s": v.lower_bound},
@@ -178,7 +178,7 @@ def dist_max(times: dict[str, list[float]]) -> dict[str, list[float]]:
 
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Per program: the slower rank's step times, their median, the searched/this and tuned/this
-    ratios, the simulation with and without the fitted overhead."""
+    ratios, the simulation with and without the fitted overhead and receive cost."""
     names = list(ranks[0]["times"])
     steps = {n: [max(r["times"][n][k] for r in ranks) for k in range(len(ranks[0]["times"][n]))] for n in names}
     best_search = min(SEARCHED, key=lambda n: statistics.median(steps[n]))
@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         results[key] = ranks[0][key]
     results["recorded"] = {key: max(r["recorded"][key] for r in ranks) for key in ranks[0]["recorded"]}
     costs_ms = [[round(x * 1e3, 3) for x in c] for c in ranks[0]["costs"]]
-    print(f"fitted costs per stage (F, I, W, send, overhead; ms): {costs_ms}")
+    print(f"fitted costs per stage (F, I, W, send, overhead, receive; ms): {costs_ms}")
     print(f"searched: {results['searched']} in {results['search_seconds']:.2f} s; compared: {results['best_search']}")
     recorded = {key: round(value * 1e3, 1) for key, value in results["recorded"].items()}
     print(

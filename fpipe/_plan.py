@@ -348,7 +348,8 @@ def _on_other_splits(units: Sequence[Unit], candidate: Candidate, row: Row, rows
 
 def _stage_costs(units: Sequence[Unit], stages: Sequence[range]) -> tuple[Costs, ...]:
     """Each stage's ``Costs``: its units' durations summed, the last unit's message, and the
-    largest of their overheads (a stage's action is one dispatch, whatever units it runs)."""
+    largest of their overheads and receive costs (a stage's action is one dispatch and takes at
+    most one message, whatever units it runs)."""
     return tuple(
         Costs(
             forward=sum(units[k].costs.forward for k in r),
@@ -357,6 +358,7 @@ def _stage_costs(units: Sequence[Unit], stages: Sequence[range]) -> tuple[Costs,
             backward=sum(units[k].costs.of(BACKWARD) for k in r),
             send=units[r.stop - 1].costs.send,
             overhead=max(units[k].costs.overhead for k in r),
+            receive=max(units[k].costs.receive for k in r),
         )
         for r in stages
     )
@@ -440,9 +442,9 @@ def _units(r: range) -> str:
 
 def costs_text(costs: Costs) -> str:
     """``costs`` in seconds, for a line above the table: ``"F 1.2 ms, I 1.3 ms, W 1.1 ms, send 10 us"``,
-    then ``", overhead 20 us"`` when it has one (NOTE [per-action overhead])."""
+    then ``", overhead 20 us, receive 300 us"`` for those it has (NOTE [per-action overhead])."""
     named = [("F", costs.forward), ("I", costs.backward_input), ("W", costs.backward_weight), ("send", costs.send)]
-    named += [("overhead", costs.overhead)] if costs.overhead else []
+    named += [(name, value) for name, value in (("overhead", costs.overhead), ("receive", costs.receive)) if value]
     return ", ".join(f"{name} {format_seconds(value)}" for name, value in named)
 
 

@@ -184,6 +184,7 @@ def test_measured_overhead_is_shown_and_paid_once_per_action_of_a_merged_stage()
     """NOTE [per-action overhead]: a stage of several measured stages runs one action per
     microbatch and kind, so it pays the largest of their overheads once, not their sum."""
     assert costs_text(Costs(overhead=2e-5)) == "F 1 s, I 1 s, W 1 s, send 0 s, overhead 20 us"
+    assert costs_text(Costs(receive=3e-4)) == "F 1 s, I 1 s, W 1 s, send 0 s, receive 300 us"
     assert "overhead" not in costs_text(Costs())
     units = measured_units([Costs(overhead=0.25), Costs(overhead=0.5), Costs(overhead=0.125), Costs()])
     (row,) = plan(units, 2, candidates(4, 2)[1:2])

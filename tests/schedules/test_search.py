@@ -260,3 +260,13 @@ def test_search_charges_each_action_its_overhead() -> None:
     assert simulate(blind.program, costs).makespan == 24.0 > found.makespan
     assert found.simulation.costs == costs and found.makespan == simulate(found.program, costs).makespan
     assert dict(found.candidates)["ZeroBubbleH2"] == simulate(ZeroBubbleH2(4).program(2), costs).makespan
+
+
+def test_search_charges_the_receive_cost_of_each_message() -> None:
+    # The V's rank p-1 holds stages p-1 and p: the message between them costs nothing to take,
+    # which the schedulers see (NOTE [per-action overhead]); the simulated step is simulate's.
+    costs = Costs(backward_weight=0.5, receive=0.5, overhead=0.25)
+    found = search(2, 4, costs, placement="v", exact=False)
+    assert found.makespan == simulate(found.program, costs).makespan
+    assert dict(found.candidates)["ZeroBubbleV"] == simulate(ZeroBubbleV(4).program(4), costs).makespan
+    assert found.makespan <= min(t for _, t in found.candidates)

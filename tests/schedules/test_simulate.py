@@ -162,6 +162,7 @@ def test_rejects_invalid_program() -> None:
         ("backward_weight", "1", "backward_weight must be a finite positive number"),
         ("overhead", -0.25, "overhead must be a finite non-negative number"),
         ("overhead", math.nan, "overhead must be a finite non-negative number"),
+        ("receive", -1, "receive must be a finite non-negative number"),
     ],
 )
 def test_costs_reject_bad_values(field: str, value: object, fragment: str) -> None:
@@ -288,17 +289,30 @@ def test_overhead_literally() -> None:
     ("program", "costs"),
     [
         (
+            # Rank 1's actions all take a message, and rank 0 waits for each of its backwards'
+            # cotangents: their overhead and receive cost are the other ranks', shared here.
             OneFOneB(4).program(3),
             (
-                Costs(forward=1, backward=2, backward_input=1, backward_weight=1, send=0.5, overhead=0.25),
-                Costs(forward=2, backward=4, backward_input=2, backward_weight=2, send=0.25, overhead=0.125),
-                Costs(forward=4, backward=8, backward_input=4, backward_weight=4, overhead=0.375),
+                Costs(
+                    forward=1, backward=2, backward_input=1, backward_weight=1, send=0.5, overhead=0.25, receive=0.125
+                ),
+                Costs(
+                    forward=2, backward=4, backward_input=2, backward_weight=2, send=0.25, overhead=0.25, receive=0.125
+                ),
+                Costs(forward=4, backward=8, backward_input=4, backward_weight=4, overhead=0.25, receive=0.125),
             ),
         ),
         (
-            ZeroBubbleV(4).program(4),  # the stages of a rank share its overhead
+            ZeroBubbleV(4).program(4),  # the stages of a rank share its overhead and receive cost
             tuple(
-                Costs(forward=1 + s / 4, backward_input=1.5, backward_weight=0.75, send=0.5, overhead=0.125 * (1 + r))
+                Costs(
+                    forward=1 + s / 4,
+                    backward_input=1.5,
+                    backward_weight=0.75,
+                    send=0.5,
+                    overhead=0.125 * (1 + r),
+                    receive=0.0625 * (2 - r),
+                )
                 for s, r in enumerate((0, 1, 1, 0))
             ),
         ),
@@ -307,6 +321,16 @@ def test_overhead_literally() -> None:
 )
 def test_fit_costs_recovers_the_overhead_of_a_simulation(program: Program, costs: tuple[Costs, ...]) -> None:
     assert fit_costs(simulate(program, costs)) == costs
+
+
+def test_receive_is_paid_by_actions_that_take_a_message() -> None:
+    # GPipe(2) on 2 ranks, F 1, B 2, receive 0.5 (r), no overhead: 1F0, 1F1 take stage 0's
+    # activations, 0B0, 0B1 stage 1's cotangents; 0F0, 0F1, 1B0, 1B1 take nothing.
+    # rank 0 | 0F0 0F1 ........... r 0B0 r 0B1      0B0 at 6 (1B0's end) + 0.5
+    # rank 1 | ... r 1F0 r 1F1 1B0 1B1
+    sim = simulate(GPipe(2).program(2), Costs(forward=1, backward=2, receive=0.5))
+    assert sim.starts == ((0, 1, 6.5, 9), (1.5, 3, 4, 6))
+    assert sim.ends == ((1, 2, 8.5, 11), (2.5, 4, 6, 8))
 
 
 def test_fit_costs_estimates_the_overhead_of_a_noisy_timeline() -> None:
