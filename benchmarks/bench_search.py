@@ -17,9 +17,9 @@ each, 2 stages per rank. Each rank:
    ``fpipe/schedules/_simulate.py``);
 2. rank 0 searches a program for the looped placement and one for the V (no memory limit, as
    GPipe and looped BFS have none) and sends them to rank 1;
-3. tunes (NOTE [measured tuning] below): the ``TUNE_TOP`` programs with the shortest simulated
-   step among the two searched ones and every built-in, the best built-in always among them,
-   run for a few rounds, and the measured fastest is kept as "tuned";
+3. tunes (NOTE [measured tuning] below): the programs, among the two searched ones and every
+   built-in, whose simulated step is within 5% of the shortest (2 to 5 of them, the best
+   built-in always among them) run for a few rounds, and the measured fastest is kept as "tuned";
 4. times, A/B interleaved, every program that runs 4 stages on 2 ranks: the two searched ones,
    the tuned one and every built-in (GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble,
    looped BFS, ZB-V, V-Half, V-Min, DualPipeV; ZB-H1 and ZB-H2 run one stage per rank, so not
@@ -64,7 +64,10 @@ import _common  # the command line, JSON output and models the benchmarks share
 import bench_vs_torch  # its run_ranks (one gloo process per rank) and barrier_timed
 
 WORLD, STAGES = 2, 4
-TUNE_TOP = 3  # programs the tuning step times: the simulated fastest, the best built-in among them
+# The tuning step times the programs within TUNE_MARGIN of the shortest simulated step (the model's
+# error between two programs reaches that), at least TUNE_LEAST and at most TUNE_MOST of them, the
+# best built-in always among them (NOTE [measured tuning]).
+TUNE_MARGIN, TUNE_LEAST, TUNE_MOST = 0.05, 2, 5
 SEARCHED = ("search-looped", "search-v")
 
 
@@ -150,11 +153,13 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
 
 
 def tune_candidates(simulated: dict[str, float]) -> list[str]:
-    """The ``TUNE_TOP`` programs of shortest simulated step, the best built-in always among them."""
+    """The programs within ``TUNE_MARGIN`` of the shortest simulated step, at least ``TUNE_LEAST``
+    and at most ``TUNE_MOST``, in order of simulated step, the best built-in always among them."""
     ranked = sorted(simulated, key=lambda name: simulated[name])
+    close = [name for name in ranked if simulated[name] <= simulated[ranked[0]] * (1 + TUNE_MARGIN)]
+    top = ranked[: min(max(len(close), TUNE_LEAST), TUNE_MOST)]
     best_builtin = next(name for name in ranked if name not in SEARCHED)
-    top = ranked[:TUNE_TOP]
-    return top if best_builtin in top else [*top[: TUNE_TOP - 1], best_builtin]
+    return top if best_builtin in top else [*top[:-1], best_builtin]
 
 
 def rounds(steps: dict[str, Any], count: int) -> dict[str, list[float]]:

@@ -114,7 +114,7 @@ def test_bench_search_quick(tmp_path: Path) -> None:
     assert results["programs"][results["best_search"]]["searched_over_this"] == 1.0
     assert results["programs"]["tuned"]["tuned_over_this"] == 1.0
     tuning = results["tuning"]
-    assert len(tuning["tried"]) == 3 and tuning["kept"] in tuning["tried"]
+    assert 2 <= len(tuning["tried"]) <= 5 and tuning["kept"] in tuning["tried"]
     assert set(tuning["tried"]) - {"search-looped", "search-v"}  # the best built-in is always tried
     for row in results["programs"].values():
         assert row["median_s"] > 0 and row["simulated_s"] > 0 and row["measured_over_simulated"] > 0
