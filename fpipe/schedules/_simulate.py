@@ -43,8 +43,8 @@ NOTE [per-action overhead]
     each action of the stage occupies its rank for ``overhead``, plus ``receive`` if it takes a
     message, before it starts, after the rank is free and its inputs have arrived (the formula
     above). So a program with more actions (split backwards: an ``I`` and a ``W`` where a ``B``
-    would do) or more messages (a V's stages alternate ranks less than a loop's) pays
-    accordingly, and ``simulate`` ends every action exactly where ``simulate`` without them ends
+    would do) or more messages (a looped placement crosses ranks at every stage boundary, a V
+    not at its turn) pays accordingly, and ``simulate`` ends every action exactly where ``simulate`` without them ends
     it when each duration grows by what comes before it (``charged``); only the starts differ,
     and the bubble counts that time as time the rank does not compute, as a measured timeline
     does.
