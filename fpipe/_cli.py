@@ -61,30 +61,37 @@ from .schedules._pictures import legend
 
 @dataclass(frozen=True)
 class _Choice:
-    """A schedule the command line knows: how to build it and its default stages per rank."""
+    """A schedule the command line knows: how to build it, its default stages per rank, and
+    whether it takes any other (``looped``: a looped placement with any ``v >= 2``)."""
 
     make: Callable[[int, int], Schedule]
     stages_per_rank: int
     about: str
+    looped: bool = False
+
+    def supports(self, v: int) -> bool:
+        """Whether it lays out ``v`` stages per rank."""
+        return v == self.stages_per_rank or (self.looped and v >= 2)
 
 
 SCHEDULES: dict[str, _Choice] = {
     "gpipe": _Choice(lambda m, v: GPipe(m), 1, "GPipe: all forwards, then all backwards"),
     "1f1b": _Choice(lambda m, v: OneFOneB(m), 1, "1F1B (PipeDream-flush)"),
     "interleaved": _Choice(
-        lambda m, v: Interleaved1F1B(m, stages_per_rank=v), 2, "Megatron's interleaved 1F1B, looped placement"
+        lambda m, v: Interleaved1F1B(m, stages_per_rank=v), 2, "Megatron's interleaved 1F1B, looped placement", True
     ),
     "zbinterleaved": _Choice(
         lambda m, v: InterleavedZeroBubble(m, stages_per_rank=v),
         2,
         "interleaved zero bubble (torch's), looped placement",
+        True,
     ),
     "zbh1": _Choice(lambda m, v: ZeroBubbleH1(m), 1, "ZB-H1: 1F1B with deferred weight gradients"),
     "zbh2": _Choice(lambda m, v: ZeroBubbleH2(m), 1, "ZB-H2: ZB-H1 with a longer warm-up, 2p-1 activations"),
     "zbv": _Choice(lambda m, v: ZeroBubbleV(m), 2, "ZB-V: two stages per rank in a V"),
     "vhalf": _Choice(lambda m, v: VHalf(m), 2, "V-Half: a V at half of 1F1B's activations"),
     "vmin": _Choice(lambda m, v: VMin(m), 2, "V-Min: a V at a third of 1F1B's activations"),
-    "bfs": _Choice(lambda m, v: LoopedBFS(m, stages_per_rank=v), 2, "looped breadth-first"),
+    "bfs": _Choice(lambda m, v: LoopedBFS(m, stages_per_rank=v), 2, "looped breadth-first", True),
     "dualpipev": _Choice(lambda m, v: DualPipeV(m), 2, "DualPipeV: DeepSeek's DualPipe in a V, overlaps run in order"),
 }
 
@@ -112,6 +119,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
             backward_input=args.input_grad,
             backward_weight=args.weight_grad,
             send=args.send,
+            overhead=args.overhead,
         )
         _check_drawable(costs)
         sim = simulate(program, costs)
@@ -173,6 +181,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--input-grad", type=float, default=1.0, help="cost of an input-grad backward I (default 1)")
     show.add_argument("--weight-grad", type=float, default=1.0, help="cost of a weight-grad backward W (default 1)")
     show.add_argument("--send", type=float, default=0.0, help="latency of a message between ranks (default 0)")
+    show.add_argument("--overhead", type=float, default=0.0, help="the runtime's cost before each action (default 0)")
     show.add_argument("--trace", metavar="PATH", help="also write a Chrome trace (JSON) for Perfetto")
     show.add_argument("--svg", metavar="PATH", help="also write an SVG picture")
     show.add_argument(
@@ -200,7 +209,23 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--tflops", type=_positive, help="achieved TFLOP/s per rank (peak x utilization)")
     plan.add_argument("--bandwidth", type=_positive, help="GB/s between neighbouring ranks")
     plan.add_argument("--latency", type=_non_negative, default=0.0, help="microseconds per message (default 0)")
-    plan.add_argument("--memory", type=_positive, help="GiB per rank; schedules that need more are marked")
+    plan.add_argument(
+        "--memory",
+        type=_positive,
+        help="GiB per device; schedules that need more are marked. With --costs (no bytes): activations per rank "
+        "in microbatches of its layers, the table's unit (1F1B's rank 0 holds one per rank)",
+    )
+    plan.add_argument(
+        "--stages-per-rank",
+        type=_positive_ints,
+        help="comma-separated stages per rank to try, e.g. 1,2,4: each schedule runs with each it lays out "
+        "(1: gpipe, 1f1b, zbh1, zbh2, searched; 2: the V schedules, searched-v; any: interleaved, zbinterleaved, "
+        "bfs, searched). Default: each schedule's own (1, or 2)",
+    )
+    plan.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel devices per pipeline rank (1)")
+    plan.add_argument("--dp", type=_positive_int, default=1, help="data-parallel replicas of the pipeline (1)")
+    plan.add_argument("--tp-bandwidth", type=_positive, help="GB/s of the tensor-parallel all-reduces (--bandwidth)")
+    plan.add_argument("--dp-bandwidth", type=_positive, help="GB/s of the data-parallel all-reduce (--bandwidth)")
     plan.add_argument(
         "--bytes-per-param", type=_positive, default=16.0, help="bytes per parameter with its optimizer state (16)"
     )
@@ -217,6 +242,10 @@ _MODEL_DEFAULTS: dict[str, object] = {
     "recompute": False,
     "latency": 0.0,
     "bytes_per_param": 16.0,
+    "tp": 1,
+    "dp": 1,
+    "tp_bandwidth": None,
+    "dp_bandwidth": None,
 }
 
 
@@ -239,19 +268,22 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         problem = f"a model needs {', '.join(missing)}, or measured costs (--costs PATH)"
     elif args.costs is not None and (len(missing) < len(_MODEL) or _set_options(args, _MODEL_DEFAULTS)):
         problem = "--costs gives the costs: drop the model and device options"
-    elif args.costs is not None and args.memory is not None:
-        problem = "--memory needs a model's sizes (--layers ...): measured costs give no bytes"
     if problem:
         print(f"python -m fpipe plan: {problem}.", file=sys.stderr)
         return 2
     p, m = args.ranks, args.microbatches
-    candidates = [
-        Candidate(n, SEARCHED[n][1], _searcher(SEARCHED[n][0], m, p), adapts=True)
-        if n in SEARCHED
-        else Candidate(n, SCHEDULES[n].stages_per_rank, _builder(SCHEDULES[n], m, p))
-        for n in names
-    ]
-    memory = None if args.memory is None else args.memory * GIB
+    measured = args.costs is not None
+    # With --costs, memory is in activation units (no bytes), which the search takes as its limit.
+    memory = None if args.memory is None else args.memory if measured else args.memory * GIB
+    candidates = _candidates(names, m, p, args.stages_per_rank, memory if measured else None)
+    if not candidates:
+        tried = ",".join(str(v) for v in args.stages_per_rank)
+        print(
+            f"python -m fpipe plan: no schedule of {', '.join(names)} lays out {tried} stages per rank "
+            f"(--stages-per-rank: {tried}). Try 1, 2, or a looped schedule (interleaved, zbinterleaved, bfs).",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if args.costs is None:
             model = Transformer(
@@ -263,13 +295,25 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
                 args.layer_params,
                 args.recompute,
             )
-            device = Device(args.tflops * 1e12, args.bandwidth * 1e9, args.latency * 1e-6, memory, args.bytes_per_param)
+            device = Device(
+                args.tflops * 1e12,
+                args.bandwidth * 1e9,
+                args.latency * 1e-6,
+                memory,
+                args.bytes_per_param,
+                tp=args.tp,
+                dp=args.dp,
+                tp_bandwidth=None if args.tp_bandwidth is None else args.tp_bandwidth * 1e9,
+                dp_bandwidth=None if args.dp_bandwidth is None else args.dp_bandwidth * 1e9,
+            )
             units = transformer_units(model, device)
             tokens: float | None = tokens_per_step(model, m)
             about = (
                 f"{plural(model.layers, 'layer')}, hidden {model.hidden}, vocabulary {model.vocabulary}, "
                 f"{model.microbatch_size} x {model.sequence} tokens per microbatch"
             )
+            if device.tp > 1 or device.dp > 1:
+                about += f"; tp {device.tp}, dp {device.dp} (per device: TFLOP/s, memory, tokens/s)"
             head = units[-1].costs
             costs_line = f"layer: {costs_text(units[0].costs)}; head: {costs_text(head)}"
         else:
@@ -286,7 +330,8 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         return 1
     print(f"{plural(p, 'rank')}, {plural(m, 'microbatch')}; {about}", file=out)
     print(costs_line, file=out)
-    print(table(rows, tokens=tokens, num_ranks=p, memory=memory), file=out)
+    devices = 1 if measured else args.tp
+    print(table(rows, tokens=tokens, num_ranks=p, memory=memory, devices_per_rank=devices), file=out)
     fastest = rows[0].simulation
     if args.svg and fastest is not None:
         try:
@@ -299,30 +344,58 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _builder(choice: _Choice, m: int, p: int) -> Callable[[tuple[Costs, ...]], Program]:
-    """The program of ``choice`` with its default stages per rank on ``p`` ranks, whatever the costs."""
-    v = choice.stages_per_rank
+def _candidates(
+    names: Sequence[str], m: int, p: int, stages_per_rank: Sequence[int] | None, memory: float | None
+) -> list[Candidate]:
+    """The planner's rows: each schedule of ``names`` with its own stages per rank, or with each
+    of ``stages_per_rank`` it lays out (named ``"interleaved v=4"`` when it takes several)."""
+    candidates = []
+    for n in names:
+        looped = (n in SEARCHED and SEARCHED[n][0] == "looped") or (n in SCHEDULES and SCHEDULES[n].looped)
+        if stages_per_rank is None:
+            tried = [SEARCHED[n][1] if n in SEARCHED else SCHEDULES[n].stages_per_rank]
+        elif n in SEARCHED:
+            tried = [v for v in stages_per_rank if looped or v == SEARCHED[n][1]]
+        else:
+            tried = [v for v in stages_per_rank if SCHEDULES[n].supports(v)]
+        for v in tried:
+            name = f"{n} v={v}" if looped and stages_per_rank is not None else n
+            if n in SEARCHED:
+                candidates.append(Candidate(name, v, _searcher(SEARCHED[n][0], m, p, v, memory), adapts=True))
+            else:
+                candidates.append(Candidate(name, v, _builder(SCHEDULES[n], m, p, v)))
+    return candidates
+
+
+def _builder(choice: _Choice, m: int, p: int, v: int) -> Callable[[tuple[Costs, ...]], Program]:
+    """The program of ``choice`` with ``v`` stages per rank on ``p`` ranks, whatever the costs."""
     return lambda costs: choice.make(m, v).program(p * v, p)
 
 
 # The planner's searched programs: name -> (placement, stages per rank). NOTE [searched candidates]:
-# the search runs without a memory limit (the planner marks what does not fit), on the stage costs
+# the search runs without a memory limit (the planner marks what does not fit; with --costs and
+# --memory, whose unit is the search's, under that limit), on the stage costs
 # of its own split and of every other schedule's split of as many stages (so its row is never
 # slower than a built-in's of its placement), without the exact branch and bound, so the table
 # depends on the machine's speed only where the 5 s budget runs out (not at the sizes tested).
 SEARCHED: dict[str, tuple[Literal["looped", "v"], int]] = {"searched": ("looped", 1), "searched-v": ("v", 2)}
 
 
-def _searcher(placement: Literal["looped", "v"], m: int, p: int) -> Callable[[tuple[Costs, ...]], Program]:
-    """The program ``fpipe.schedules.search`` finds for a split's stage costs (NOTE [searched candidates])."""
-    return lambda costs: search(p, m, costs, placement=placement, time_budget=5.0, exact=False).program
+def _searcher(
+    placement: Literal["looped", "v"], m: int, p: int, v: int, memory: float | None
+) -> Callable[[tuple[Costs, ...]], Program]:
+    """The program ``fpipe.schedules.search`` finds for a split's stage costs (NOTE [searched candidates]),
+    with ``v`` stages per rank, within ``memory`` activation units per rank when given."""
+    return lambda costs: (
+        search(p, m, costs, placement=placement, stages_per_rank=v, memory=memory, time_budget=5.0, exact=False).program
+    )
 
 
 def _check_drawable(costs: Costs) -> None:
     """Costs a terminal grid can draw: between 1e-6 and 1e6, within a factor 1000 of each other
     (one column is at least 1/8 of the shortest action, so the grid's width follows the ratio)."""
     values = [costs.forward, costs.of("B"), costs.backward_input, costs.backward_weight]
-    values += [costs.send] if costs.send > 0 else []
+    values += [x for x in (costs.send, costs.overhead) if x > 0]
     if min(values) < 1e-6 or max(values) > 1e6 or max(values) > 1000 * min(values):
         raise ScheduleError(
             f"costs must lie between 1e-6 and 1e6 and within a factor 1000 of each other, for the grid to fit "
@@ -334,6 +407,7 @@ def _listed(costs: Costs) -> str:
     return (
         f"F {costs.forward:g}, B {costs.of('B'):g}, I {costs.backward_input:g}, "
         f"W {costs.backward_weight:g}, send {costs.send:g}"
+        + (f", overhead {costs.overhead:g}" if costs.overhead else "")
     )
 
 
@@ -354,6 +428,14 @@ def _number(text: str, *, positive: bool) -> float:
         kind = "positive" if positive else "non-negative"
         raise argparse.ArgumentTypeError(f"expected a finite {kind} number, got {text!r}")
     return value
+
+
+def _positive_ints(text: str) -> list[int]:
+    """``"1,2,4"`` as ``[1, 2, 4]``: positive ints, each once, in the order given."""
+    values = [_positive_int(part) for part in text.split(",")]
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, each once, got {text!r}")
+    return values
 
 
 def _positive_int(text: str) -> int:

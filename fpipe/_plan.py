@@ -24,9 +24,31 @@ NOTE [planner cost model]
     2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2 without the
     ``5 a s / h`` term that flash attention does not store; no tensor or sequence parallelism)
     and ``4 s b V`` for the head's fp32 logits. With full recomputation a layer keeps only its
-    input, ``2 s b h`` bytes, and its input-gradient pass reruns the forward first: ``I += F``. Nothing else: no
-    tensor-parallel or data-parallel communication, no kernel launch or allocator effects,
-    no overlap of messages with compute beyond what ``simulate`` models.
+    input, ``2 s b h`` bytes, and its input-gradient pass reruns the forward first: ``I += F``.
+
+    Tensor parallelism over ``n = tp`` devices (Megatron-LM's, with sequence parallelism, as
+    Korthikanti et al. and torchtitan run it): a pipeline rank is ``n`` devices, each with the
+    device's FLOP/s and memory. Each computes ``1/n`` of the FLOPs, holds ``1/n`` of the
+    parameters and of the activations (``34 s b h / n`` per layer), and sends its ``1/n`` of a
+    message over its own link. Each layer's forward runs two all-reduces of the activation
+    (``2 t h`` bytes; as all-gathers and reduce-scatters with sequence parallelism, the same
+    bytes), and its input-gradient pass two more; the head's forward one all-gather and its
+    input gradients one reduce-scatter. A ring all-reduce of ``x`` bytes over ``n`` devices takes
+    ``2 (n-1)/n x / tp_bandwidth + latency`` (an all-gather or reduce-scatter half the bytes).
+    They are not overlapped with compute (no async tensor parallelism): they add to ``F`` and
+    ``I``.
+
+    Data parallelism over ``d = dp`` replicas: after a rank's last action its gradients, 4 bytes
+    per parameter (reduced in fp32), are all-reduced across the replicas, ``2 (d-1)/d x /
+    dp_bandwidth``. A rank starts its reduction when its own last action ends, so the reduction
+    overlaps the other ranks' drain of the pipeline, not the rank's own compute (as Megatron-LM
+    and torchtitan reduce a pipeline stage's gradients once, after its last microbatch): the
+    step is ``max over ranks r of (end of r's last action + r's reduction)``. ZeRO or FSDP move
+    the same bytes (a reduce-scatter, then an all-gather); what they save in memory is
+    ``bytes_per_param``'s to say.
+
+    Nothing else: no kernel launch or allocator effects, no overlap of messages with compute
+    beyond what ``simulate`` models.
 """
 
 from __future__ import annotations
@@ -56,12 +78,15 @@ class Unit:
             for measured costs).
         param_bytes: its parameters with their gradients and optimizer state (``None`` when
             measured).
+        reduce_seconds: the data-parallel all-reduce of its gradients after the step's last
+            action on its rank (NOTE [planner cost model]; 0 without data parallelism).
     """
 
     name: str
     costs: Costs
     activation_bytes: float | None = None
     param_bytes: float | None = None
+    reduce_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -90,14 +115,18 @@ class Transformer:
 
 @dataclass(frozen=True)
 class Device:
-    """What one pipeline rank can do.
+    """What one device can do, and how a pipeline rank's devices are grouped.
 
     Attributes:
-        flops: achieved FLOP/s (peak times the utilization expected).
-        bandwidth: bytes per second between neighbouring ranks.
-        latency: seconds per message on top of its size over ``bandwidth``.
-        memory: bytes per rank for parameters, optimizer state and activations (``None``: no limit).
+        flops: achieved FLOP/s of a device (peak times the utilization expected).
+        bandwidth: bytes per second between neighbouring ranks (per device).
+        latency: seconds per message or collective on top of its size over the bandwidth.
+        memory: bytes per device for parameters, optimizer state and activations (``None``: no limit).
         bytes_per_param: bytes each parameter costs with its gradient and optimizer state.
+        tp: tensor-parallel devices per pipeline rank (NOTE [planner cost model]).
+        dp: data-parallel replicas of the pipeline.
+        tp_bandwidth: bytes per second of the tensor-parallel all-reduces (``None``: ``bandwidth``).
+        dp_bandwidth: bytes per second of the data-parallel all-reduce (``None``: ``bandwidth``).
     """
 
     flops: float
@@ -105,38 +134,66 @@ class Device:
     latency: float = 0.0
     memory: float | None = None
     bytes_per_param: float = 16.0
+    tp: int = 1
+    dp: int = 1
+    tp_bandwidth: float | None = None
+    dp_bandwidth: float | None = None
+
+
+GRADIENT_BYTES = 4.0  # per parameter in the data-parallel reduction (fp32)
+
+
+def all_reduce_seconds(size: float, devices: int, bandwidth: float, latency: float) -> float:
+    """A ring all-reduce of ``size`` bytes over ``devices``: ``2 (n-1)/n size / bandwidth + latency``
+    (0 on one device)."""
+    return 0.0 if devices == 1 else 2.0 * (devices - 1) / devices * size / bandwidth + latency
 
 
 def transformer_units(model: Transformer, device: Device) -> list[Unit]:
-    """The layers and the head of ``model`` on ``device`` (NOTE [planner cost model])."""
+    """The layers and the head of ``model`` on ``device`` (NOTE [planner cost model]): per pipeline
+    rank, ``device.tp`` devices; bytes per device."""
     h, s, b, vocabulary = model.hidden, model.sequence, model.microbatch_size, model.vocabulary
     t = b * s
+    n = device.tp
+    flops = device.flops * n
     params = 12.0 * h * h if model.layer_params is None else model.layer_params
-    send = 2.0 * t * h / device.bandwidth + device.latency
-    forward = (2 * params * t + 4 * b * s * s * h) / device.flops
+    send = 2.0 * t * h / n / device.bandwidth + device.latency
+    tp_bandwidth = device.bandwidth if device.tp_bandwidth is None else device.tp_bandwidth
+    dp_bandwidth = device.bandwidth if device.dp_bandwidth is None else device.dp_bandwidth
+    tp_all_reduce = all_reduce_seconds(2.0 * t * h, n, tp_bandwidth, device.latency)
+    tp_gather = 0.0 if n == 1 else (n - 1) / n * 2.0 * t * h / tp_bandwidth + device.latency
+    forward = (2 * params * t + 4 * b * s * s * h) / flops
     layer = Costs(
-        forward=forward,
-        backward_input=(2 * params * t + 8 * b * s * s * h) / device.flops + (forward if model.recompute else 0.0),
-        backward_weight=2 * params * t / device.flops,
+        forward=forward + 2 * tp_all_reduce,
+        backward_input=(2 * params * t + 8 * b * s * s * h) / flops
+        + (forward + 2 * tp_all_reduce if model.recompute else 0.0)
+        + 2 * tp_all_reduce,
+        backward_weight=2 * params * t / flops,
         send=send,
     )
-    head = 2.0 * h * vocabulary * t / device.flops
-    embedding_bytes = h * vocabulary * device.bytes_per_param
+    head = 2.0 * h * vocabulary * t / flops
+    embedding = h * vocabulary / n  # parameters per device
+
+    def reduce(count: float) -> float:
+        return all_reduce_seconds(GRADIENT_BYTES * count, device.dp, dp_bandwidth, 0.0)
+
     units = [
         Unit(
             f"layer {i}",
             layer,
-            (2.0 if model.recompute else 34.0) * s * b * h,
-            params * device.bytes_per_param + (embedding_bytes if i == 0 else 0),
+            (2.0 if model.recompute else 34.0) * s * b * h / n,
+            (params / n + (embedding if i == 0 else 0)) * device.bytes_per_param,
+            reduce(params / n + (embedding if i == 0 else 0)),
         )
         for i in range(model.layers)
     ]
     units.append(
         Unit(
             "head",
-            Costs(forward=head, backward_input=head, backward_weight=head, send=send),
-            4.0 * s * b * vocabulary,
-            embedding_bytes,
+            Costs(forward=head + tp_gather, backward_input=head + tp_gather, backward_weight=head, send=send),
+            4.0 * s * b * vocabulary / n,
+            embedding * device.bytes_per_param,
+            reduce(embedding),
         )
     )
     return units
@@ -177,6 +234,8 @@ class Row:
         peak_bytes: per rank, parameters plus activations at their peak (``None`` for
             measured costs, or when ``error`` is set).
         error: why the schedule cannot run here, or ``None``.
+        step: the predicted step: the simulation's makespan, or later where a rank's
+            data-parallel reduction ends after it (NOTE [planner cost model]); 0 with ``error``.
     """
 
     name: str
@@ -184,18 +243,28 @@ class Row:
     simulation: Simulation | None = None
     peak_bytes: tuple[float, ...] | None = None
     error: str | None = None
+    step: float = 0.0
+
+    def peak(self) -> float | None:
+        """The largest rank's peak memory: bytes, or for measured costs (no bytes) activations in
+        microbatches of a rank's layers (NOTE [activation units]); ``None`` with ``error``."""
+        if self.simulation is None:
+            return None
+        return max(self.peak_bytes) if self.peak_bytes is not None else max(self.simulation.peak_activations)
 
     def fits(self, memory: float | None) -> bool:
-        """Whether it runs within ``memory`` bytes per rank (always, without a limit or bytes)."""
-        return self.error is None and (memory is None or self.peak_bytes is None or max(self.peak_bytes) <= memory)
+        """Whether it runs within ``memory`` per rank, in ``peak``'s unit (always, without a limit)."""
+        peak = self.peak()
+        return peak is not None and (memory is None or peak <= memory)
 
 
 def plan(
     units: Sequence[Unit], num_ranks: int, candidates: Sequence[Candidate], *, memory: float | None = None
 ) -> list[Row]:
     """Each candidate's prediction with its fastest split of ``units`` (NOTE [schedule-aware split]
-    in ``fpipe/_modules/_schedule_split.py``), fastest first; those beyond ``memory`` bytes per
-    rank, then those that cannot run, after.
+    in ``fpipe/_modules/_schedule_split.py``), fastest first; those beyond ``memory`` per rank
+    (bytes, or for measured units activations in microbatches of a rank's layers: ``Row.peak``),
+    then those that cannot run, after.
 
     A candidate's program is built for the min-max split's stage costs, split for, and rebuilt
     for the chosen split's costs (the same program, for a built-in schedule).
@@ -210,16 +279,18 @@ def plan(
     def key(row: Row) -> tuple[int, float]:
         if row.simulation is None:
             return 2, 0.0
-        return (0 if row.fits(memory) else 1), row.simulation.makespan
+        return (0 if row.fits(memory) else 1), row.step
 
     rows.sort(key=key)
     if memory is not None and rows and not rows[0].fits(memory):
-        sized = [r for r in rows if r.peak_bytes is not None]
+        sized = [(peak, r.name) for r in rows if (peak := r.peak()) is not None]
         if sized:
-            least = min(sized, key=lambda r: max(r.peak_bytes or (0.0,)))
+            least, name = min(sized)
+            measured = any(r.simulation is not None and r.peak_bytes is None for r in rows)
+            scale, unit = (1.0, "microbatches of a rank's layers") if measured else (GIB, "GiB")
             raise PlanError(
-                f"python -m fpipe plan: no schedule fits in the memory of a rank (memory: {memory / GIB:.4g} GiB); "
-                f"the least any needs is {max(least.peak_bytes or (0.0,)) / GIB:.4g} GiB ({least.name}). "
+                "python -m fpipe plan: no schedule fits in the memory of a rank "
+                f"(memory: {memory / scale:.4g} {unit}); the least any needs is {least / scale:.4g} {unit} ({name}). "
                 "Use more ranks, smaller or fewer microbatches, or more memory."
             )
     return rows
@@ -237,8 +308,23 @@ def _row(units: Sequence[Unit], num_ranks: int, candidate: Candidate) -> Row:
         program = candidate.program(costs)
     except ScheduleError as error:
         return Row(candidate.name, error=str(error))
+    return _predicted(units, candidate.name, tuple(stages), program, costs)
+
+
+def _predicted(
+    units: Sequence[Unit], name: str, stages: tuple[range, ...], program: Program, costs: tuple[Costs, ...]
+) -> Row:
+    """The row of ``program`` run on ``stages``: simulated, its step extended by the ranks'
+    data-parallel reductions (NOTE [planner cost model])."""
     simulation = simulate(program, costs)
-    return Row(candidate.name, tuple(stages), simulation, _peak_bytes(units, stages, program))
+    step = simulation.makespan
+    if any(u.reduce_seconds for u in units):
+        reduce = [
+            sum(units[k].reduce_seconds for s in program.stages_of(r) for k in stages[s])
+            for r in range(len(program.ranks))
+        ]
+        step = max(max(ends, default=0.0) + seconds for ends, seconds in zip(simulation.ends, reduce))
+    return Row(name, stages, simulation, _peak_bytes(units, stages, program), step=step)
 
 
 def _on_other_splits(units: Sequence[Unit], candidate: Candidate, row: Row, rows: Sequence[Row]) -> Row:
@@ -254,14 +340,16 @@ def _on_other_splits(units: Sequence[Unit], candidate: Candidate, row: Row, rows
             program = candidate.program(costs)
         except ScheduleError:
             continue
-        simulation = simulate(program, costs)
-        if simulation.makespan < best.simulation.makespan:
-            best = Row(candidate.name, other.stages, simulation, _peak_bytes(units, other.stages, program))
+        row = _predicted(units, candidate.name, other.stages, program, costs)
+        if row.step < best.step:
+            best = row
     return best
 
 
 def _stage_costs(units: Sequence[Unit], stages: Sequence[range]) -> tuple[Costs, ...]:
-    """Each stage's ``Costs``: its units' durations summed, the last unit's message."""
+    """Each stage's ``Costs``: its units' durations summed, the last unit's message, and the
+    largest of their overheads and receive costs (a stage's action is one dispatch and takes at
+    most one message, whatever units it runs)."""
     return tuple(
         Costs(
             forward=sum(units[k].costs.forward for k in r),
@@ -269,6 +357,8 @@ def _stage_costs(units: Sequence[Unit], stages: Sequence[range]) -> tuple[Costs,
             backward_weight=sum(units[k].costs.backward_weight for k in r),
             backward=sum(units[k].costs.of(BACKWARD) for k in r),
             send=units[r.stop - 1].costs.send,
+            overhead=max(units[k].costs.overhead for k in r),
+            receive=max(units[k].costs.receive for k in r),
         )
         for r in stages
     )
@@ -297,9 +387,14 @@ def _peak_bytes(units: Sequence[Unit], stages: Sequence[range], program: Program
     return tuple(peaks)
 
 
-def table(rows: Sequence[Row], *, tokens: float | None, num_ranks: int, memory: float | None) -> str:
-    """The rows as text: a summary per schedule, its split, and its peak memory per rank."""
-    best = next((r.simulation.makespan for r in rows if r.simulation is not None and r.fits(memory)), None)
+def table(
+    rows: Sequence[Row], *, tokens: float | None, num_ranks: int, memory: float | None, devices_per_rank: int = 1
+) -> str:
+    """The rows as text: a summary per schedule, its split, and its peak memory per rank.
+
+    ``tokens`` (per step of one pipeline) gives a throughput column: per rank, or per device
+    when a rank has ``devices_per_rank > 1`` (tensor parallelism)."""
+    best = next((r.step for r in rows if r.simulation is not None and r.fits(memory)), None)
     measured = any(r.simulation is not None and r.peak_bytes is None for r in rows)
     unit = "microbatches of a rank's layers" if measured else "GiB"
     header = [
@@ -310,7 +405,7 @@ def table(rows: Sequence[Row], *, tokens: float | None, num_ranks: int, memory: 
         "bubble",
         "peak/rank" + (" (microbatches)" if measured else " (GiB)"),
     ]
-    header += ["tokens/s/rank"] if tokens is not None else []
+    header += [f"tokens/s/{'rank' if devices_per_rank == 1 else 'device'}"] if tokens is not None else []
     header += ["fits"] if memory is not None else []
     lines, splits, peaks, errors = [header], [], [], []
     for row in rows:
@@ -322,12 +417,12 @@ def table(rows: Sequence[Row], *, tokens: float | None, num_ranks: int, memory: 
         cells = [
             row.name,
             str(len(row.stages)),
-            format_seconds(sim.makespan),
-            f"{sim.makespan / best:.3f}x" if best else "-",
+            format_seconds(row.step),
+            f"{row.step / best:.3f}x" if best else "-",
             f"{sim.bubble_fraction:.1%}",
             f"{peak:.3g}",
         ]
-        cells += [f"{tokens / sim.makespan / num_ranks:,.0f}"] if tokens is not None else []
+        cells += [f"{tokens / row.step / num_ranks / devices_per_rank:,.0f}"] if tokens is not None else []
         cells += ["yes" if row.fits(memory) else "no"] if memory is not None else []
         lines.append(cells)
         splits.append(f"  {row.name}: " + " | ".join(_units(r) for r in row.stages))
@@ -346,16 +441,11 @@ def _units(r: range) -> str:
 
 
 def costs_text(costs: Costs) -> str:
-    """``costs`` in seconds, for a line above the table: ``"F 1.2 ms, I 1.3 ms, W 1.1 ms, send 10 us"``."""
-    return ", ".join(
-        f"{name} {format_seconds(value)}"
-        for name, value in (
-            ("F", costs.forward),
-            ("I", costs.backward_input),
-            ("W", costs.backward_weight),
-            ("send", costs.send),
-        )
-    )
+    """``costs`` in seconds, for a line above the table: ``"F 1.2 ms, I 1.3 ms, W 1.1 ms, send 10 us"``,
+    then ``", overhead 20 us, receive 300 us"`` for those it has (NOTE [per-action overhead])."""
+    named = [("F", costs.forward), ("I", costs.backward_input), ("W", costs.backward_weight), ("send", costs.send)]
+    named += [(name, value) for name, value in (("overhead", costs.overhead), ("receive", costs.receive)) if value]
+    return ", ".join(f"{name} {format_seconds(value)}" for name, value in named)
 
 
 def format_seconds(t: float) -> str:

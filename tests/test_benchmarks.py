@@ -105,12 +105,20 @@ def test_bench_instructions_runs_its_steps() -> None:
 
 
 def test_bench_search_quick(tmp_path: Path) -> None:
-    """Two gloo processes record, fit, search and time the searched programs against every built-in."""
+    """Two gloo processes record, fit, search, tune and time the searched programs against every built-in."""
     out = tmp_path / "out.json"
     results = _load("bench_search").main(["--quick", "--repeats", "1", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     names = set(results["programs"])
-    assert {"search-looped", "search-v", "GPipe", "OneFOneB", "ZeroBubbleV", "DualPipeV"} <= names
+    assert {"search-looped", "search-v", "tuned", "GPipe", "OneFOneB", "ZeroBubbleV", "DualPipeV"} <= names
     assert results["programs"][results["best_search"]]["searched_over_this"] == 1.0
+    assert results["programs"]["tuned"]["tuned_over_this"] == 1.0
+    tuning = results["tuning"]
+    assert 2 <= len(tuning["tried"]) <= 5 and tuning["kept"] in tuning["tried"]
+    assert set(tuning["tried"]) - {"search-looped", "search-v"}  # the best built-in is always tried
     for row in results["programs"].values():
         assert row["median_s"] > 0 and row["simulated_s"] > 0 and row["measured_over_simulated"] > 0
+        assert row["simulated_without_overhead_s"] <= row["simulated_s"]
+    assert all(len(c) == 6 and min(c[4:]) >= 0 for c in results["raw"][0]["costs"])  # F, I, W, send, overhead, receive
+    assert 0 < results["recorded"]["timeline_s"] <= results["recorded"]["step_s"]
+    assert results["recorded"]["simulated_s"] > 0

@@ -91,6 +91,13 @@ def test_costs_change_the_grid() -> None:
     assert "costs: F 1, B 1, I 1, W 1, send 0.5" in text
 
 
+def test_overhead_delays_each_action() -> None:
+    """NOTE [per-action overhead]: four actions in a chain, each 0.5 late."""
+    _, text = show("gpipe", "--ranks", "2", "--microbatches", "1", "--backward", "1", "--overhead", "0.5")
+    assert "costs: F 1, B 1, I 1, W 1, send 0, overhead 0.5" in text
+    assert "makespan 6, bubble" in text
+
+
 def test_no_color_by_default_off_a_terminal_and_with_no_color() -> None:
     assert "\x1b" not in show("zbh1", "--ranks", "2", "--microbatches", "2")[1]
     assert "\x1b" not in show("zbh1", "--ranks", "2", "--microbatches", "2", "--color", "always", "--no-color")[1]
@@ -314,3 +321,55 @@ def test_plan_costs_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert "--costs gives the costs: drop the model and device options" in capsys.readouterr().err
     assert run_plan("--costs", str(tmp_path / "missing.json")) == (1, "")
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_plan_stages_per_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each schedule with each stage count it lays out; looped ones (any v >= 2) named with it."""
+    path = tmp_path / "costs.json"
+    fpipe.schedules.save_costs(path, [fpipe.schedules.Costs()] * 4)
+    status, text = run_plan(
+        "--costs", str(path), "--schedules", "1f1b,interleaved,zbv,searched", "--stages-per-rank", "1,2"
+    )
+    assert status == 0
+    table = text[: text.index("units per stage:")].splitlines()[6:]  # after 4 stage lines and the header
+    names = {line.split("  ")[0] for line in table}
+    assert names == {"1f1b", "interleaved v=2", "zbv", "searched v=1", "searched v=2"}
+    assert run_plan("--costs", str(path), "--schedules", "1f1b,zbv", "--stages-per-rank", "4") == (2, "")
+    assert "no schedule of 1f1b, zbv lays out 4 stages per rank (--stages-per-rank: 4)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_plan("--costs", str(path), "--stages-per-rank", "1,1")
+    assert "expected comma-separated positive ints, each once, got '1,1'" in capsys.readouterr().err
+
+
+def test_plan_tensor_and_data_parallel(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--tp and --dp: per-device figures, all-reduces in the layers and at the step's end."""
+    plain_status, plain = run_plan(*MODEL, "--schedules", "1f1b")
+    status, text = run_plan(*MODEL, "--schedules", "1f1b", "--tp", "2", "--dp", "4", "--tp-bandwidth", "2")
+    assert plain_status == status == 0
+    assert "; tp 2, dp 4 (per device: TFLOP/s, memory, tokens/s)" in text.splitlines()[0]
+    assert "tokens/s/device" in text and "tokens/s/rank" in plain
+
+    def step(output: str) -> float:
+        value, unit = output.splitlines()[3].split()[2:4]
+        return float(value) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+
+    assert step(text) > step(plain)  # half the FLOPs per device, but the all-reduces
+    path = tmp_path / "costs.json"
+    fpipe.schedules.save_costs(path, [fpipe.schedules.Costs()] * 2)
+    for option in (["--tp", "2"], ["--dp", "2"], ["--dp-bandwidth", "1"]):
+        assert run_plan("--costs", str(path), *option) == (2, "")
+        assert "--costs gives the costs: drop the model and device options" in capsys.readouterr().err
+
+
+def test_plan_memory_with_measured_costs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With --costs, --memory is in microbatches of a rank's layers (the table's unit)."""
+    path = tmp_path / "costs.json"
+    fpipe.schedules.save_costs(path, [fpipe.schedules.Costs()] * 2)
+    status, text = run_plan("--costs", str(path), "--schedules", "gpipe,1f1b,searched", "--memory", "2")
+    assert status == 0
+    rows = [line.split() for line in text.splitlines()[4:7]]
+    assert {(row[0], row[-1]) for row in rows} == {("1f1b", "yes"), ("searched", "yes"), ("gpipe", "no")}
+    assert rows[-1][0] == "gpipe"  # what does not fit comes last
+    assert run_plan("--costs", str(path), "--schedules", "gpipe,1f1b", "--memory", "0.5") == (2, "")
+    err = capsys.readouterr().err
+    assert "(memory: 0.5 microbatches of a rank's layers); the least any needs is 2 microbatches" in err

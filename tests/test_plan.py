@@ -8,7 +8,18 @@ from typing import Literal
 
 import pytest
 
-from fpipe._plan import GIB, Candidate, Device, PlanError, Transformer, measured_units, plan, transformer_units
+from fpipe._plan import (
+    GIB,
+    Candidate,
+    Device,
+    PlanError,
+    Transformer,
+    Unit,
+    costs_text,
+    measured_units,
+    plan,
+    transformer_units,
+)
 from fpipe.schedules import Costs, GPipe, OneFOneB, Program, ZeroBubbleH1, ZeroBubbleV, search, simulate
 
 MODEL = Transformer(layers=2, hidden=4, sequence=8, vocabulary=16, microbatch_size=2)
@@ -109,3 +120,73 @@ def test_a_searched_candidate_is_never_slower_than_a_built_in_of_its_stage_count
     assert step["searched-v"] <= step["zbv"] == 55.0
     alone = plan(units, p, [Candidate("searched-v", 2, searched("v"))])  # its own split only
     assert alone[0].simulation is not None and alone[0].simulation.makespan == 60.0
+
+
+def test_tensor_parallelism_divides_the_work_and_adds_its_all_reduces() -> None:
+    """tp = 2 devices per rank at 2 FLOP/s each, all-reduces at 8 B/s: a layer's F and I gain two
+    all-reduces of t h values of 2 bytes, 2 (n-1)/n x / 8 + latency each; the head one all-gather
+    in F and one reduce-scatter in I; compute, bytes and messages per device are halved."""
+    tp = Device(flops=2.0, bandwidth=4.0, latency=0.5, tp=2, tp_bandwidth=8.0)
+    layer, _, head = transformer_units(MODEL, tp)
+    plain, _, plain_head = transformer_units(MODEL, DEVICE)
+    t, h = 16, 4
+    all_reduce = 2 * (1 / 2) * (2 * t * h) / 8 + 0.5  # 8.5
+    assert layer.costs == Costs(
+        forward=plain.costs.forward / 2 + 2 * all_reduce,
+        backward_input=plain.costs.backward_input / 2 + 2 * all_reduce,
+        backward_weight=plain.costs.backward_weight / 2,
+        send=2 * t * h / 2 / 4 + 0.5,
+    )
+    gather = (1 / 2) * (2 * t * h) / 8 + 0.5
+    assert (head.costs.forward, head.costs.backward_input) == (plain_head.costs.forward / 2 + gather,) * 2
+    assert head.costs.backward_weight == plain_head.costs.backward_weight / 2
+    assert (layer.activation_bytes, layer.param_bytes) == (plain.activation_bytes / 2, plain.param_bytes / 2)  # type: ignore[operator]
+    assert layer.reduce_seconds == head.reduce_seconds == 0.0  # no data parallelism
+
+
+def test_data_parallel_reduction_of_each_parameter() -> None:
+    """dp = 4 replicas at 8 B/s: 4 bytes per parameter, 2 (d-1)/d of them over the bandwidth."""
+    layer0, layer1, head = transformer_units(MODEL, Device(flops=2.0, bandwidth=4.0, dp=4, dp_bandwidth=8.0))
+    embedding, params = 4 * 16, 192
+    assert layer0.reduce_seconds == 2 * (3 / 4) * 4 * (params + embedding) / 8
+    assert (layer1.reduce_seconds, head.reduce_seconds) == (
+        2 * (3 / 4) * 4 * params / 8,
+        2 * (3 / 4) * 4 * embedding / 8,
+    )
+    assert layer0.costs == transformer_units(MODEL, Device(flops=2.0, bandwidth=4.0))[0].costs  # the step's end only
+
+
+def test_data_parallel_reduction_starts_when_its_rank_finishes() -> None:
+    """1F1B on 2 ranks: rank 1 finishes at 13, 2 before rank 0, so its reduction (8) hides 2
+    behind rank 0's drain and ends the step at 21, after rank 0's (1, ending at 16)."""
+    units = [Unit("a", Costs(), reduce_seconds=1.0), Unit("b", Costs(), reduce_seconds=8.0)]
+    (row,) = plan(units, 2, candidates(4, 2)[1:2])
+    assert row.simulation is not None
+    ends = [row.simulation.ends[r][-1] for r in range(2)]
+    assert ends[1] < ends[0] == row.simulation.makespan == 15.0
+    assert ends[1] == 13.0 and row.step == max(ends[0] + 1.0, ends[1] + 8.0) == 21.0
+    (plain,) = plan(measured_units([Costs(), Costs()]), 2, candidates(4, 2)[1:2])
+    assert plain.step == plain.simulation.makespan == 15.0  # type: ignore[union-attr]
+
+
+def test_memory_of_measured_costs_is_in_activation_units() -> None:
+    """Measured units have no bytes: a limit is in microbatches of a rank's layers, the unit of
+    ``Simulation.peak_activations``; nothing fitting names the least any needs in that unit."""
+    units = measured_units([Costs(), Costs()])
+    rows = {r.name: r for r in plan(units, 2, candidates(4, 2), memory=2)}
+    assert {name for name, row in rows.items() if row.fits(2)} == {"1f1b", "zbh1"}  # GPipe holds 4
+    assert rows["gpipe"].peak() == 4 and rows["zbv"].error is not None and rows["zbv"].peak() is None
+    with pytest.raises(PlanError, match=r"memory: 1 microbatches of a rank's layers\); the least any needs is 2 "):
+        plan(units, 2, candidates(4, 2), memory=1)
+
+
+def test_measured_overhead_is_shown_and_paid_once_per_action_of_a_merged_stage() -> None:
+    """NOTE [per-action overhead]: a stage of several measured stages runs one action per
+    microbatch and kind, so it pays the largest of their overheads once, not their sum."""
+    assert costs_text(Costs(overhead=2e-5)) == "F 1 s, I 1 s, W 1 s, send 0 s, overhead 20 us"
+    assert costs_text(Costs(receive=3e-4)) == "F 1 s, I 1 s, W 1 s, send 0 s, receive 300 us"
+    assert "overhead" not in costs_text(Costs())
+    units = measured_units([Costs(overhead=0.25), Costs(overhead=0.5), Costs(overhead=0.125), Costs()])
+    (row,) = plan(units, 2, candidates(4, 2)[1:2])
+    assert row.simulation is not None and row.stages == (range(0, 2), range(2, 4))
+    assert [c.overhead for c in row.simulation.costs] == [0.5, 0.125]  # type: ignore[union-attr]

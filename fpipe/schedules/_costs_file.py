@@ -5,7 +5,9 @@ The file is JSON, one object per stage with ``Costs``' fields::
 
     {"format": "fpipe.costs", "version": 1,
      "stages": [{"forward": 0.0012, "backward_input": 0.0013, "backward_weight": 0.0011,
-                 "backward": null, "send": 0.0001}, ...]}
+                 "backward": null, "send": 0.0001, "overhead": 0.00002, "receive": 0.0003}, ...]}
+
+A stage without ``overhead`` or ``receive`` (a file written before they existed) gets 0.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from ._list_schedule import Policy, Problem, list_schedule, lower_bound
 from ._looped_bfs import LoopedBFS
 from ._one_f_one_b import OneFOneB
 from ._program import Program, Schedule, ScheduleError
-from ._simulate import Costs, Simulation, simulate
+from ._simulate import Costs, Simulation, charged, receiving_kinds, simulate
 from ._zero_bubble_h1 import ZeroBubbleH1
 from ._zero_bubble_h2 import ZeroBubbleH2
 from ._zero_bubble_v import ZeroBubbleV
@@ -181,7 +181,7 @@ def search(
         complete = finished or time.perf_counter() < deadline
     return Searched(
         program=program,
-        simulation=simulate(program, costs if isinstance(costs, Costs) else problem.costs),
+        simulation=simulate(program, costs if isinstance(costs, Costs) else tuple(costs)),
         name=name,
         lower_bound=bound,
         complete=complete,
@@ -321,7 +321,9 @@ def checked_problem(
                 f"fpipe.schedules.search: memory must be a positive finite number, or one per rank ({p} here) "
                 f"(memory: {memory!r}). Pass None for no limit."
             )
-    problem = Problem(m, rank_of, per_stage, stage_sizes, tuple(float(x) for x in limits))
+    # The schedulers know durations only: each carries what comes before it (NOTE [per-action overhead]).
+    charged_costs = tuple(charged(c, r) for c, r in zip(per_stage, receiving_kinds(rank_of)))
+    problem = Problem(m, rank_of, charged_costs, stage_sizes, tuple(float(x) for x in limits))
     least = [problem.footprint(r) for r in range(p)]
     short = [r for r in range(p) if limits[r] < least[r] * (1 - 1e-9)]
     if short:

@@ -18,6 +18,7 @@ has finished, plus the sender's ``send`` if that action ran on another rank::
 
     start(a) = max(end(previous action on the rank),
                    max(end(d) + (costs[stage(d)].send if rank(d) != rank(a) else 0) for d in dependencies(a)))
+               + costs[stage(a)].overhead + (costs[stage(a)].receive if a takes a message else 0)
     end(a)   = start(a) + costs[stage(a)].of(kind(a))
 
 The costs are one ``Costs`` for every stage, or one per stage (a first stage with the embedding
@@ -31,6 +32,39 @@ fit_costs(measured))`` predicts the measured bubble and can then be asked about 
 or microbatch counts with the same stages. ``replay`` reruns a timeline with its own action
 durations: with free messages, its makespan is the step's critical path (what no runtime running
 those actions in that order can beat).
+
+NOTE [per-action overhead]
+    A runtime spends time on each action beyond its compute: the interpreter's dispatch and
+    posting the previous action's sends (every action), and taking a message from another rank
+    even when it has already arrived (an action that takes one: an ``F`` whose previous stage,
+    or a ``B`` or ``I`` whose next stage, is on another rank). A recorded action starts once its
+    inputs are there and ends when its compute returns, so that time shows as a gap before each
+    action even when no message is awaited. ``Costs.overhead`` and ``Costs.receive`` model it:
+    each action of the stage occupies its rank for ``overhead``, plus ``receive`` if it takes a
+    message, before it starts, after the rank is free and its inputs have arrived (the formula
+    above). So a program with more actions (split backwards: an ``I`` and a ``W`` where a ``B``
+    would do) or more messages (a looped placement crosses ranks at every stage boundary, a V
+    not at its turn) pays accordingly, and ``simulate`` ends every action exactly where ``simulate`` without them ends
+    it when each duration grows by what comes before it (``charged``); only the starts differ,
+    and the bubble counts that time as time the rank does not compute, as a measured timeline
+    does.
+
+    ``fit_costs`` estimates both per rank from the gaps ``start(a) - end(previous action)``
+    (for all but a rank's first action), in three passes:
+
+    1. ``overhead``: the median gap before the actions that take no message (all dependencies
+       on the rank). In the model that gap is exactly the overhead.
+    2. ``send`` of a stage, provisionally: the median of ``start(a) - end(d) - overhead`` over
+       the actions ``a`` that waited for a message from ``d`` of that stage (``d`` ended after
+       the rank's previous action did).
+    3. ``receive``: the median gap, less the overhead, before the actions that take a message
+       that was there in time, by that provisional latency (``end(d) + send <= end(previous
+       action)``). In the model that gap is exactly ``overhead + receive``. Then ``send`` is
+       refitted as ``start(a) - end(d) - overhead - receive`` over the actions that waited.
+
+    A rank without the actions a pass needs gets the median over the other ranks' samples (or 0
+    without any); negative medians count as 0. On a simulated timeline whose every rank has
+    both kinds of samples this gives the costs back exactly (the tests check it).
 """
 
 from __future__ import annotations
@@ -58,6 +92,11 @@ class Costs:
         backward_weight: the weight-gradient part (``W``).
         backward: the fused backward (``B``); ``None`` means ``backward_input + backward_weight``.
         send: latency of an activation or cotangent sent to another rank (``0`` on the same rank).
+        overhead: what each action of the stage costs its rank before it starts, beyond its own
+            duration: the runtime's dispatch and message posting (NOTE [per-action overhead]).
+            ``of`` does not include it.
+        receive: what an action of the stage that takes a message from another rank costs its
+            rank on top of ``overhead``, once the message is there (NOTE [per-action overhead]).
     """
 
     forward: float = 1.0
@@ -65,13 +104,15 @@ class Costs:
     backward_weight: float = 1.0
     backward: float | None = None
     send: float = 0.0
+    overhead: float = 0.0
+    receive: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward_input", "backward_weight", "backward", "send"):
+        for name in ("forward", "backward_input", "backward_weight", "backward", "send", "overhead", "receive"):
             value = getattr(self, name)
             if value is None and name == "backward":
                 continue
-            positive = name != "send"
+            positive = name not in ("send", "overhead", "receive")
             number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not number or value < 0 or (positive and value == 0):
                 raise ScheduleError(
@@ -89,12 +130,47 @@ class Costs:
         raise ScheduleError(f"fpipe.schedules.Costs: unknown action kind {kind!r}. Kinds are F, B, I, W.")
 
 
+def charged(costs: Costs, receives: tuple[bool, bool] = (False, False)) -> Costs:
+    """``costs`` with what comes before each action added to its duration, and ``overhead`` and
+    ``receive`` set to 0: the same makespan and action ends under ``simulate`` (NOTE [per-action
+    overhead]), for the search's schedulers, which know durations only. ``receives`` says
+    whether the stage's ``F`` and its ``B`` or ``I`` take a message (``receiving_kinds``).
+    ``costs`` itself when it has neither overhead nor receive cost."""
+    if costs.overhead == 0 and costs.receive == 0:
+        return costs
+    forward, backward = (costs.overhead + (costs.receive if r else 0.0) for r in receives)
+    return Costs(
+        forward=costs.forward + forward,
+        backward_input=costs.backward_input + backward,
+        backward_weight=costs.backward_weight + costs.overhead,
+        backward=costs.of(BACKWARD) + backward,
+        send=costs.send,
+    )
+
+
+def receiving_kinds(placement: Sequence[int]) -> tuple[tuple[bool, bool], ...]:
+    """Per stage, whether its ``F`` and whether its ``B`` or ``I`` take a message from another
+    rank, for stages placed on ranks ``placement[s]`` (an ``F`` from the previous stage, a
+    backward from the next)."""
+    last = len(placement) - 1
+    return tuple(
+        (s > 0 and placement[s - 1] != rank, s < last and placement[s + 1] != rank) for s, rank in enumerate(placement)
+    )
+
+
+def before(costs: Costs, receives: tuple[bool, bool], kind: str) -> float:
+    """What an action of ``kind`` costs its rank before it starts (NOTE [per-action overhead])."""
+    takes = receives[0] if kind == FORWARD else receives[1] if kind in (BACKWARD, BACKWARD_INPUT) else False
+    return costs.overhead + (costs.receive if takes else 0.0)
+
+
 @dataclass(frozen=True)
 class Simulation:
     """A program replayed with costs: when each action starts and ends, and what that gives.
 
     ``starts[r][k]`` and ``ends[r][k]`` are the times of ``program.ranks[r][k]``; time 0 is when
-    the first action starts.
+    the first action starts (when its overhead starts, for costs with one: NOTE [per-action
+    overhead]).
 
     A timeline measured by ``fpipe.record()`` has this type too, with ``costs=None`` and times
     in seconds.
@@ -188,7 +264,8 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
         costs: one ``Costs`` for every stage, or a sequence of one per stage: an action of stage
             ``s`` lasts ``costs[s].of(kind)``, and a message that stage ``s`` sends to another
             rank (an activation from its ``F``, a cotangent from its ``B`` or ``I``) travels
-            ``costs[s].send``.
+            ``costs[s].send``; each action of stage ``s`` first costs its rank ``costs[s].overhead``,
+            and ``costs[s].receive`` more if it takes a message (NOTE [per-action overhead]).
 
     Example:
         >>> from fpipe.schedules import Costs, OneFOneB, simulate
@@ -209,9 +286,16 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
     costs = Costs() if costs is None else costs
     validate(program)
     per_stage = _per_stage(program, costs)
+    receives = receiving_kinds(program.placement())
+    occupied = tuple(charged(c, r) for c, r in zip(per_stage, receives))  # what comes before, then the action
     starts, ends = as_soon_as_possible(
-        program, lambda r, k, a: per_stage[a.stage].of(a.kind), lambda d: per_stage[d.stage].send
+        program, lambda r, k, a: occupied[a.stage].of(a.kind), lambda d: per_stage[d.stage].send
     )
+    if any(c.overhead or c.receive for c in per_stage):
+        starts = tuple(
+            tuple(t + before(per_stage[a.stage], receives[a.stage], a.kind) for t, a in zip(row_starts, row))
+            for row_starts, row in zip(starts, program.ranks)
+        )
     return Simulation(program, costs if isinstance(costs, Costs) else per_stage, starts, ends)
 
 
@@ -279,9 +363,14 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
     Conceptually, for each stage ``s``::
 
         forward  = median(end - start of every sF<i> recorded)      # and likewise B, I, W
-        send     = median(start(a) - end(d) for every action a that waited for a message from
-                          stage s: its dependency d ran on another rank and ended after
-                          the action before a on a's rank did)
+        overhead = median(start(a) - end(action before a) for every action a on s's rank, but
+                          its first, that takes no message from another rank)
+        receive  = median(start(a) - end(action before a) - overhead, for every action a on
+                          s's rank, but its first, whose message from another rank was there
+                          before the action before a ended)
+        send     = median(start(a) - end(d) - overhead - receive of a's rank, for every action
+                          a that waited for a message from stage s: its dependency d ran on
+                          another rank and ended after the action before a on a's rank did)
 
     The executor records an action's start once its inputs have arrived (see ``fpipe.record``),
     so ``start(a) - end(d)`` is how long the message took, whenever ``a``'s rank was already free
@@ -290,6 +379,8 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
     latency. A stage whose messages never made anyone wait gets the median latency over all
     stages, and ``send=0.0`` when no action waited at all. A negative median (a message received
     before its sender's action returned, or clocks that differ between machines) counts as 0.
+    The overhead and the receive cost are the rank's, "there before" uses a provisional latency,
+    and a rank without samples gets the median over all ranks: NOTE [per-action overhead].
 
     Kinds the program does not run keep a value that ``Costs`` accepts and ``simulate`` never
     uses: a stage with only fused backwards gets ``backward`` = the median ``B`` and
@@ -302,7 +393,8 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
         timeline: a timeline from ``fpipe.record()`` (``recording.timeline``), or several of the
             same program (``recording.timelines``), whose durations and latencies are pooled.
             Simulated timelines work too: ``fit_costs(simulate(program, costs))`` gives ``costs``
-            back when each stage sends some message that an action waits for, as defined above.
+            back when each stage sends some message that an action waits for, as defined above,
+            and the stages of a rank share one overhead and one receive cost.
 
     Returns:
         One ``Costs`` per stage, in stage order, in the timeline's unit (seconds when measured).
@@ -325,7 +417,9 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
     split = split_backwards(program)
     rank_of = program.placement()
     durations: dict[tuple[int, str], list[float]] = {}
-    latencies: dict[int, list[float]] = {}
+    waits: list[tuple[int, int, float]] = []  # (waiting rank, sending stage, start(a) - end(d))
+    local: dict[int, list[float]] = {}  # per rank, the gaps before actions that take no message
+    early: list[tuple[int, int, float, float]] = []  # (rank, sending stage, free - end(d), gap): no wait
     for t in timelines:
         end_of = {a: end for _, a, _, end in t.intervals()}
         for _, a, start, end in t.intervals():  # the median does not depend on the order
@@ -334,13 +428,22 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
             for pos, a in enumerate(row):
                 free = ends[pos - 1] if pos else 0.0
                 remote = [d for d in dependencies(a, program.num_stages, split) if rank_of[d.stage] != r]
-                if not remote:
-                    continue
-                sender = max(remote, key=lambda d: end_of[d])
-                if end_of[sender] > free:  # the rank was free before its input left: it waited for it
-                    latencies.setdefault(sender.stage, []).append(starts[pos] - end_of[sender])
-    everywhere = [x for values in latencies.values() for x in values]
-    fallback = max(statistics.median(everywhere), 0.0) if everywhere else 0.0
+                sender = max(remote, key=lambda d: end_of[d]) if remote else None
+                if sender is not None and end_of[sender] > free:  # the rank was free before its input left
+                    waits.append((r, sender.stage, starts[pos] - end_of[sender]))
+                elif pos and sender is None:
+                    local.setdefault(r, []).append(starts[pos] - free)
+                elif pos and sender is not None:
+                    early.append((r, sender.stage, free - end_of[sender], starts[pos] - free))
+    num_ranks = len(program.ranks)
+    overhead = _per_rank_medians(local, num_ranks)  # NOTE [per-action overhead], pass 1
+    provisional = _latencies(waits, overhead, [0.0] * num_ranks, program.num_stages)  # pass 2
+    there: dict[int, list[float]] = {}  # pass 3
+    for r, stage, head_start, gap in early:
+        if provisional[stage] <= head_start:
+            there.setdefault(r, []).append(gap - overhead[r])
+    receive = _per_rank_medians(there, num_ranks)
+    latency = _latencies(waits, overhead, receive, program.num_stages)
 
     def median(s: int, kind: str) -> float | None:
         values = durations.get((s, kind))
@@ -353,9 +456,39 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
         if inp is None or wgt is None:
             assert fused is not None
             inp = wgt = max(fused / 2, MIN_DURATION)
-        send = max(statistics.median(latencies[s]), 0.0) if s in latencies else fallback
-        fitted.append(Costs(forward=forward, backward_input=inp, backward_weight=wgt, backward=fused, send=send))
+        fitted.append(
+            Costs(
+                forward=forward,
+                backward_input=inp,
+                backward_weight=wgt,
+                backward=fused,
+                send=latency[s],
+                overhead=overhead[rank_of[s]],
+                receive=receive[rank_of[s]],
+            )
+        )
     return tuple(fitted)
+
+
+def _per_rank_medians(samples: dict[int, list[float]], num_ranks: int) -> list[float]:
+    """Each rank's median sample, the median over all ranks' for a rank without any (0 without
+    any at all); negative medians count as 0."""
+    pooled = [x for values in samples.values() for x in values]
+    overall = max(statistics.median(pooled), 0.0) if pooled else 0.0
+    return [max(statistics.median(samples[r]), 0.0) if r in samples else overall for r in range(num_ranks)]
+
+
+def _latencies(
+    waits: Sequence[tuple[int, int, float]], overhead: Sequence[float], receive: Sequence[float], num_stages: int
+) -> list[float]:
+    """Per sending stage, the median wait beyond the waiting rank's overhead and receive cost; the
+    median over all stages for a stage that made no one wait (0 when none did); at least 0."""
+    latencies: dict[int, list[float]] = {}
+    for r, stage, waited in waits:
+        latencies.setdefault(stage, []).append(waited - overhead[r] - receive[r])
+    everywhere = [x for values in latencies.values() for x in values]
+    fallback = max(statistics.median(everywhere), 0.0) if everywhere else 0.0
+    return [max(statistics.median(latencies[s]), 0.0) if s in latencies else fallback for s in range(num_stages)]
 
 
 def checked(function: str, timeline: Simulation | Sequence[Simulation]) -> tuple[Simulation, ...]:

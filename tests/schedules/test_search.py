@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -16,6 +17,7 @@ from fpipe.schedules import (
     Program,
     ScheduleError,
     ZeroBubbleH1,
+    ZeroBubbleH2,
     ZeroBubbleV,
     search,
     simulate,
@@ -245,3 +247,26 @@ def test_random_problems_give_valid_programs_within_memory_never_slower_than_a_b
         for name, program in builtin_programs(problem, placement):
             if max(peak_memory(program, problem.sizes)) <= (memory or math.inf) + 1e-9:
                 assert found.makespan <= simulate(program, costs).makespan + 1e-9, name
+
+
+def test_search_charges_each_action_its_overhead() -> None:
+    # With an overhead of 1 per action, ZB-H2's split backwards (an I and a W for each B) cost
+    # more than their bubble saves: the search keeps GPipe, which the search without the
+    # overhead would not.
+    costs = Costs(backward_weight=0.5, overhead=1.0)
+    found = search(2, 4, costs, exact=False)
+    blind = search(2, 4, replace(costs, overhead=0.0), exact=False)
+    assert (found.name, found.makespan, blind.name) == ("GPipe", 22.5, "ZeroBubbleH2")
+    assert simulate(blind.program, costs).makespan == 24.0 > found.makespan
+    assert found.simulation.costs == costs and found.makespan == simulate(found.program, costs).makespan
+    assert dict(found.candidates)["ZeroBubbleH2"] == simulate(ZeroBubbleH2(4).program(2), costs).makespan
+
+
+def test_search_charges_the_receive_cost_of_each_message() -> None:
+    # The V's rank p-1 holds stages p-1 and p: the message between them costs nothing to take,
+    # which the schedulers see (NOTE [per-action overhead]); the simulated step is simulate's.
+    costs = Costs(backward_weight=0.5, receive=0.5, overhead=0.25)
+    found = search(2, 4, costs, placement="v", exact=False)
+    assert found.makespan == simulate(found.program, costs).makespan
+    assert dict(found.candidates)["ZeroBubbleV"] == simulate(ZeroBubbleV(4).program(4), costs).makespan
+    assert found.makespan <= min(t for _, t in found.candidates)

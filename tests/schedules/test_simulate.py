@@ -7,6 +7,7 @@ running actions, within the makespan.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -159,6 +160,9 @@ def test_rejects_invalid_program() -> None:
         ("backward", float("inf"), "backward must be a finite positive number"),
         ("send", -0.5, "send must be a finite non-negative number"),
         ("backward_weight", "1", "backward_weight must be a finite positive number"),
+        ("overhead", -0.25, "overhead must be a finite non-negative number"),
+        ("overhead", math.nan, "overhead must be a finite non-negative number"),
+        ("receive", -1, "receive must be a finite non-negative number"),
     ],
 )
 def test_costs_reject_bad_values(field: str, value: object, fragment: str) -> None:
@@ -252,6 +256,100 @@ def test_per_stage_costs_reject_other_types(costs: object, fragment: str) -> Non
 )
 def test_fit_costs_recovers_the_costs_of_a_simulation(program: Program, costs: tuple[Costs, ...]) -> None:
     assert fit_costs(simulate(program, costs)) == costs
+
+
+# Per-action overhead (NOTE [per-action overhead]): dyadic costs, so the sums are exact in floats.
+@pytest.mark.parametrize(
+    "program",
+    [OneFOneB(5).program(4), ZeroBubbleH1(4).program(3), GPipe(3).program(3)],
+    ids=["1f1b", "zbh1", "gpipe"],
+)
+def test_overhead_is_each_duration_grown_by_it(program: Program) -> None:
+    # The reference: one stage per rank, no latency; each action lasts its duration plus the
+    # overhead, and the overhead comes first, so only the starts move, by the overhead.
+    with_overhead = simulate(program, Costs(forward=1, backward_input=1.5, backward_weight=0.5, overhead=0.25))
+    grown = simulate(program, Costs(forward=1.25, backward_input=1.75, backward_weight=0.75, backward=2.25))
+    assert with_overhead.ends == grown.ends
+    assert with_overhead.starts == tuple(tuple(t + 0.25 for t in row) for row in grown.starts)
+    assert with_overhead.makespan == grown.makespan
+    assert all(b == g - 0.25 * len(row) for b, g, row in zip(with_overhead.busy, grown.busy, program.ranks))
+
+
+def test_overhead_literally() -> None:
+    # GPipe(2) on 2 ranks, F 1, B 2, overhead 0.5 (o) before each action, latency 0.25:
+    # rank 0 | o 0F0 o 0F1 ...................... o 0B0 o 0B1     0B0 at 7.25 + 0.25 + 0.5 = 8
+    # rank 1 | ......... o 1F0 o 1F1 o 1B0 o 1B1                 1F0 at 1.5 + 0.25 + 0.5 = 2.25
+    sim = simulate(GPipe(2).program(2), Costs(forward=1, backward=2, send=0.25, overhead=0.5))
+    assert sim.starts == ((0.5, 2, 8, 10.5), (2.25, 3.75, 5.25, 7.75))
+    assert sim.ends == ((1.5, 3, 10, 12.5), (3.25, 4.75, 7.25, 9.75))
+    assert sim.makespan == 12.5 and sim.busy == (6, 6)
+
+
+@pytest.mark.parametrize(
+    ("program", "costs"),
+    [
+        (
+            # Rank 1's actions all take a message, and rank 0 waits for each of its backwards'
+            # cotangents: their overhead and receive cost are the other ranks', shared here.
+            OneFOneB(4).program(3),
+            (
+                Costs(
+                    forward=1, backward=2, backward_input=1, backward_weight=1, send=0.5, overhead=0.25, receive=0.125
+                ),
+                Costs(
+                    forward=2, backward=4, backward_input=2, backward_weight=2, send=0.25, overhead=0.25, receive=0.125
+                ),
+                Costs(forward=4, backward=8, backward_input=4, backward_weight=4, overhead=0.25, receive=0.125),
+            ),
+        ),
+        (
+            ZeroBubbleV(4).program(4),  # the stages of a rank share its overhead and receive cost
+            tuple(
+                Costs(
+                    forward=1 + s / 4,
+                    backward_input=1.5,
+                    backward_weight=0.75,
+                    send=0.5,
+                    overhead=0.125 * (1 + r),
+                    receive=0.0625 * (2 - r),
+                )
+                for s, r in enumerate((0, 1, 1, 0))
+            ),
+        ),
+    ],
+    ids=["1f1b", "zbv"],
+)
+def test_fit_costs_recovers_the_overhead_of_a_simulation(program: Program, costs: tuple[Costs, ...]) -> None:
+    assert fit_costs(simulate(program, costs)) == costs
+
+
+def test_receive_is_paid_by_actions_that_take_a_message() -> None:
+    # GPipe(2) on 2 ranks, F 1, B 2, receive 0.5 (r), no overhead: 1F0, 1F1 take stage 0's
+    # activations, 0B0, 0B1 stage 1's cotangents; 0F0, 0F1, 1B0, 1B1 take nothing.
+    # rank 0 | 0F0 0F1 ........... r 0B0 r 0B1      0B0 at 6 (1B0's end) + 0.5
+    # rank 1 | ... r 1F0 r 1F1 1B0 1B1
+    sim = simulate(GPipe(2).program(2), Costs(forward=1, backward=2, receive=0.5))
+    assert sim.starts == ((0, 1, 6.5, 9), (1.5, 3, 4, 6))
+    assert sim.ends == ((1, 2, 8.5, 11), (2.5, 4, 6, 8))
+
+
+def test_fit_costs_estimates_the_overhead_of_a_noisy_timeline() -> None:
+    # A synthetic recording: 1F1B on 4 ranks, overhead 0.1 per action, every start and end
+    # jittered by up to 2% of an action, so no gap is exactly the overhead.
+    program = OneFOneB(8).program(4)
+    costs = Costs(forward=1, backward=2, send=0.05, overhead=0.1)
+    exact = simulate(program, costs)
+    noise = torch.Generator().manual_seed(0)
+
+    def jittered(times: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(t + 0.02 * (2 * torch.rand((), generator=noise).item() - 1) for t in row) for row in times)
+
+    fitted = fit_costs(Simulation(program, None, jittered(exact.starts), jittered(exact.ends)))
+    assert all(c.overhead == pytest.approx(0.1, abs=0.03) for c in fitted)
+    assert all(c.forward == pytest.approx(1, abs=0.04) and c.of("B") == pytest.approx(2, abs=0.04) for c in fitted)
+    predicted = simulate(program, fitted).makespan
+    assert predicted == pytest.approx(exact.makespan, rel=0.03)
+    assert simulate(program, [replace(c, overhead=0.0) for c in fitted]).makespan < exact.makespan - 1  # it matters
 
 
 def test_fit_costs_pools_timelines_by_median() -> None:
