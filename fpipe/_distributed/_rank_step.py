@@ -18,6 +18,7 @@ Any rank's failure fails every rank (NOTE [failure board] in fpipe/_distributed/
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -43,19 +44,23 @@ from .._tensor_parallel import check_mesh, is_dtensor, local
 from ..schedules import ScheduleError, Simulation
 from ._board import waiting
 from ._collectives import (
+    DEVICE_TYPE_WORDS,
     PendingSum,
+    all_gather_ints,
     all_gather_json,
     all_reduce_sum,
     all_reduce_sum_async,
     check_usable,
     device_type_words,
     handshake,
+    handshake_device,
     mark_broken,
     meet,
     mixed_device_types,
     watched,
 )
 from ._faults import WATCHDOG
+from ._status import Status, words
 from ._topology import Topology
 from ._transport import DistributedTransport, WireState
 
@@ -137,7 +142,8 @@ class _Agreed(NamedTuple):
 # The handshake is one all-gather, and an all-gather needs the same length on every rank: gloo
 # aborts the process (in C++, "Received data size doesn't match expected size") when a peer's
 # vector is longer or shorter. So its length depends on nothing a rank could disagree on: the
-# ``_Status`` words, INLINE_SIZES microbatch sizes (zeros past the rank's count), the device type.
+# words of a ``_Status`` (NOTE [one status codec] in fpipe/_distributed/_status.py), whose
+# INLINE_SIZES microbatch sizes are zeros past the rank's count, are the same number for all.
 # With more microbatches than that, the sizes follow in a second all-gather of ``m`` words, run
 # only when every rank's status shows the same program and ``m`` (so the same length), which
 # every rank decides from the same gathered words. A rank whose own checks fail (an input, the
@@ -148,18 +154,22 @@ INLINE_SIZES = 16
 _INT64 = 1 << 63
 
 
-class _Status(NamedTuple):
-    """One pipeline rank's words in the step's handshake, before its sizes and device type."""
+@dataclass(frozen=True)
+class _Status(Status):
+    """One pipeline rank's words in the step's handshake (NOTE [one status codec] in
+    fpipe/_distributed/_status.py)."""
 
     checksum: int  # the program's (``Order.checksum``)
     num_microbatches: int
-    has_batch: int
-    rejected: int  # its own checks failed: it raises its own error, the others say it did
+    has_batch: bool
+    rejected: bool  # its own checks failed: it raises its own error, the others say it did
     size: int  # examples in its batch
-    explicit: int  # the batch came as fpipe.Microbatches
+    explicit: bool  # the batch came as fpipe.Microbatches
     weight_count: int  # ``weight_fn``'s total on the first stage's rank
-    weighted: int  # the pipeline has a ``weight_fn``
+    weighted: bool  # the pipeline has a ``weight_fn``
     key: int
+    sizes: tuple[int, ...] = words(INLINE_SIZES)  # its first microbatch sizes, zeros past its count
+    device_type: tuple[int, ...] = words(DEVICE_TYPE_WORDS)  # NOTE [device types in the handshake]
 
 
 def _agree(
@@ -198,14 +208,16 @@ def _agree(
         weight_count=count,
         weighted=step.weight_fn is not None,
         key=key,
+        sizes=tuple((sizes + [0] * INLINE_SIZES)[:INLINE_SIZES]),
+        device_type=device_type_words(topology.device),
     )
-    inline = (sizes + [0] * INLINE_SIZES)[:INLINE_SIZES]
-    words = handshake(topology, [*status, *inline, *device_type_words(topology.device)], step.timeout)
-    statuses = [_Status(*w[: len(_Status._fields)]) for w in words]
-    problem = mixed_device_types(words) or problem or _disagreement(statuses, order.checksum, m, first, last)
-    agreed_sizes = words[first][len(_Status._fields) :][:m]
+    statuses = handshake(topology, status, step.timeout, "the other pipeline ranks at the start of the step")
+    mixed = mixed_device_types([st.device_type for st in statuses])
+    problem = mixed or problem or _disagreement(statuses, order.checksum, m, first, last)
+    agreed_sizes = list(statuses[first].sizes[:m])
     if m > INLINE_SIZES and _same_program(statuses):
-        agreed_sizes = handshake(topology, sizes, step.timeout)[first]
+        what, device = "the other pipeline ranks at the start of the step", handshake_device(topology)
+        agreed_sizes = all_gather_ints(topology, topology.group, sizes, step.timeout, what, device)[first]
     count, key = statuses[first].weight_count, statuses[first].key
     # Replicas must fail together too, or a healthy replica's gradient all-reduce would meet
     # another replica's next step (and weight_fn's total is every replica's tokens); so must
@@ -238,7 +250,7 @@ def _agree(
             problem = error
     if problem is not None:
         raise problem
-    return _Agreed(microbatches, weights, bool(statuses[first].explicit), not statuses[last].has_batch, key)
+    return _Agreed(microbatches, weights, statuses[first].explicit, not statuses[last].has_batch, key)
 
 
 def _across(
@@ -357,14 +369,21 @@ def _run_row(
     return loss, aux, outputs
 
 
+@dataclass(frozen=True)
+class _Row(Status):
+    """One pipeline rank's recorded row, as ``gathered`` all-gathers it."""
+
+    starts: tuple[float, ...]
+    ends: tuple[float, ...]
+
+
 def gathered(timeline: Simulation, topology: Topology, timeout: float) -> Simulation:
     """``timeline`` with every pipeline rank's own row, all-gathered (as JSON, which gives floats
     back exactly), each rank waiting at most ``timeout`` seconds."""
     r = topology.rank
-    mine = [timeline.starts[r], timeline.ends[r]]
-    rows = all_gather_json(topology, topology.group, mine, timeout, "the other ranks' recorded timelines")
-    starts, ends = tuple(tuple(row[0]) for row in rows), tuple(tuple(row[1]) for row in rows)
-    return Simulation(timeline.program, None, starts, ends)
+    mine, what = _Row(timeline.starts[r], timeline.ends[r]).to_json(), "the other ranks' recorded timelines"
+    rows = [_Row.from_json(row) for row in all_gather_json(topology, topology.group, mine, timeout, what)]
+    return Simulation(timeline.program, None, tuple(row.starts for row in rows), tuple(row.ends for row in rows))
 
 
 def _from_board(error: BaseException, topology: Topology) -> bool:
@@ -388,7 +407,7 @@ def _disagreement(statuses: list[_Status], checksum: int, m: int, first: int, la
     if len({st.weighted for st in statuses}) > 1:
         return ValueError(
             "fpipe.step: some pipeline ranks weigh the loss with weight_fn and others do not (weight_fn by rank: "
-            f"{[bool(st.weighted) for st in statuses]}). Pass the same weight_fn= to fpipe.pipeline on every rank."
+            f"{[st.weighted for st in statuses]}). Pass the same weight_fn= to fpipe.pipeline on every rank."
         )
     rejected = [r for r, st in enumerate(statuses) if st.rejected]
     if rejected:
