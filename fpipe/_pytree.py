@@ -55,40 +55,43 @@ def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
 
 def tensor_map(
     fn: Callable[[torch.Tensor], tuple[Any, bool]], tree: PyTree
-) -> tuple[list[Any], TreeSpec, Sequence[int]]:
-    """``flatten(tree)`` with each tensor leaf ``t`` replaced by ``fn(t)[0]``, and the positions
-    of the tensor leaves for which ``fn(t)[1]`` holds (in leaf order).
+) -> tuple[list[Any], TreeSpec, Sequence[int], list[Any]]:
+    """``flatten(tree)`` with each tensor leaf ``t`` replaced by ``fn(t)[0]``; the positions of
+    the tensor leaves for which ``fn(t)[1]`` holds (in leaf order), and their new leaves.
 
     Conceptually::
 
         leaves, spec = flatten(tree)
-        index = []
+        index, kept = [], []
         for k, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
                 leaves[k], keep = fn(t)
-                if keep: index.append(k)
-        return leaves, spec, index
+                if keep: index.append(k); kept.append(leaves[k])
+        return leaves, spec, index, kept
 
     which it is, but for a plain tensor (NOTE [one-tensor fast path]): no loop, no list to fill.
     """
     leaves, spec = flatten(tree)
     if spec is _LEAF:
-        leaves[0], keep = fn(leaves[0])
-        return leaves, spec, _FIRST if keep else ()
+        leaf, keep = fn(leaves[0])
+        leaves[0] = leaf
+        return (leaves, spec, _FIRST, [leaf]) if keep else (leaves, spec, (), [])
     return _tensor_map(fn, leaves, spec)
 
 
 def _tensor_map(
     fn: Callable[[torch.Tensor], tuple[Any, bool]], leaves: list[Any], spec: TreeSpec
-) -> tuple[list[Any], TreeSpec, Sequence[int]]:
+) -> tuple[list[Any], TreeSpec, Sequence[int], list[Any]]:
     """``tensor_map``'s general path, on ``flatten``'s ``leaves`` (replaced in place) and ``spec``."""
     index: list[int] = []
+    kept: list[Any] = []
     for k, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             leaves[k], keep = fn(leaf)
             if keep:
                 index.append(k)
-    return leaves, spec, index
+                kept.append(leaves[k])
+    return leaves, spec, index, kept
 
 
 def leaves_with_paths(tree: PyTree) -> tuple[list[str], list[Any], TreeSpec]:

@@ -257,7 +257,7 @@ class StageRun:
         device = self.device
         if device is None:
             return tree
-        leaves, spec, moved = tensor_map(lambda t: (t, False) if t.device == device else (t.to(device), True), tree)
+        leaves, spec, moved, _ = tensor_map(lambda t: (t, False) if t.device == device else (t.to(device), True), tree)
         return unflatten(spec, leaves) if moved else tree
 
     def forward(self, x: PyTree, *, differentiate_input: bool) -> tuple[Any, Pullback]:
@@ -354,12 +354,17 @@ class StageRun:
         # Only leaves that carry the previous stage's graph can use a cotangent (a RoPE table
         # passed along untouched cannot), so only those are differentiated (a tensor that
         # requires grad is floating or complex).
-        def prepare(leaf: torch.Tensor) -> tuple[torch.Tensor, bool]:
-            differentiate = differentiate_input and leaf.requires_grad
-            return self._input_leaf(leaf, differentiate), differentiate
+        leaves, spec, input_index, inputs = tensor_map(self._graph_input if differentiate_input else self._input, x)
+        return leaves, spec, inputs, input_index
 
-        leaves, spec, input_index = tensor_map(prepare, x)  # a fresh list: its leaves are replaced
-        return leaves, spec, [leaves[k] for k in input_index], input_index
+    def _graph_input(self, leaf: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``_input_leaf`` of an input leaf to differentiate if it can be, and whether it is."""
+        differentiate = leaf.requires_grad
+        return self._input_leaf(leaf, differentiate), differentiate
+
+    def _input(self, leaf: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``_input_leaf`` of an input leaf not to differentiate."""
+        return self._input_leaf(leaf, False), False
 
     def _input_leaf(self, leaf: torch.Tensor, differentiate: bool) -> torch.Tensor:
         """``leaf`` on this stage's device, laid out as it crosses a boundary (NOTE [boundary
@@ -531,10 +536,10 @@ def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], Sequence[int]]:
         TypeError: if a leaf is an object fpipe cannot flatten (an unregistered class) that holds
             tensors carrying the graph: their gradient would be lost without a word.
     """
-    leaves, _, index = tensor_map(_with_graph, out)
+    leaves, _, index, outputs = tensor_map(_with_graph, out)
     if len(index) < len(leaves):  # (not the usual output: its one leaf carries the graph)
         _check_hidden_graph(out, leaves)
-    return [leaves[k] for k in index], index
+    return outputs, index
 
 
 def _with_graph(leaf: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -193,7 +193,8 @@ def test_tensor_maps_fast_path_is_its_general_path(x: torch.Tensor, keep: bool) 
 
     fast = tensor_map(fn, x)
     general = _pytree._tensor_map(fn, *_general_flatten(x))
-    assert list(fast[2]) == list(general[2])
+    assert list(fast[2]) == list(general[2]) and len(fast[3]) == len(general[3])
+    assert all(a is c for a, c in zip(fast[3], fast[0], strict=False))  # the kept leaves are the new ones
     a, b = unflatten(fast[1], fast[0]), unflatten(general[1], general[0])
     assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
     assert flatten(x)[0][0] is _general_flatten(x)[0][0] is x
