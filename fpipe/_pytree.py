@@ -28,12 +28,12 @@ _OPTIONS: dict[str, Any] = {"none_is_leaf": _NONE_IS_LEAF}
 # NOTE [one-tensor fast path]
 # A plain tensor is the usual activation, microbatch and stage output, and a stage's forward and
 # backward flatten several per action. It is a leaf (no pytree library flattens one), so its
-# answer is known without asking optree: ``flatten`` tests ``type(tree) is torch.Tensor`` (one
-# test, cheaper than an ``isinstance``) and gives the shared structure ``_LEAF``, which
-# ``unflatten`` and ``tensor_map`` recognize by identity. This is the one place that tests for a
-# plain tensor: every other "one tensor, no loop" shortcut of the stage (its inputs, its outputs
+# answer is known without asking optree: ``flatten`` and ``tensor_map`` test ``type(tree) is
+# torch.Tensor`` (one test, cheaper than an ``isinstance``) and give the shared structure
+# ``_LEAF``, which ``unflatten`` recognizes by identity. This module is the one place that tests
+# for a plain tensor: every "one tensor, no loop" shortcut of the stage (its inputs, its outputs
 # that carry the graph, moving a microbatch to its device) is ``tensor_map``, whose answer for a
-# plain tensor equals its general path's bit for bit (tests/test_pytree.py).
+# plain tensor equals its general path's (``_tensor_map``) bit for bit (tests/test_pytree.py).
 def flatten(tree: PyTree) -> tuple[list[Any], TreeSpec]:
     """Leaves (in optree's order) and the structure of ``tree`` (NOTE [one-tensor fast path])."""
     # The option goes by keyword, not ``**_OPTIONS`` (unpacking a dict costs a third of a flatten).
@@ -71,12 +71,10 @@ def tensor_map(
 
     which it is, but for a plain tensor (NOTE [one-tensor fast path]): no loop, no list to fill.
     """
-    leaves, spec = flatten(tree)
-    if spec is _LEAF:
-        leaf, keep = fn(leaves[0])
-        leaves[0] = leaf
-        return (leaves, spec, _FIRST, [leaf]) if keep else (leaves, spec, (), [])
-    return _tensor_map(fn, leaves, spec)
+    if type(tree) is torch.Tensor:  # (flatten's test, not a call to it: this runs twice per forward)
+        leaf, keep = fn(tree)
+        return ([leaf], _LEAF, _FIRST, [leaf]) if keep else ([leaf], _LEAF, (), [])
+    return _tensor_map(fn, *optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF))
 
 
 def _tensor_map(
