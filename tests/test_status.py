@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fpipe._distributed._board import RAISED, SILENT, Failure
+from fpipe._distributed._rank_step import _Tally
 from fpipe._distributed._status import Status, words
 from fpipe._distributed._wire import ERROR, FailureCode, error_code
 from fpipe.schedules import Action
@@ -86,3 +87,10 @@ def test_the_boards_record_is_json_by_name() -> None:
     assert Failure.loads(failure.dumps()) == failure
     unknown = Failure(None, None, SILENT, "went silent")
     assert Failure.loads(unknown.dumps()) == unknown
+
+
+def test_statuses_summed_word_by_word_are_their_fields_summed() -> None:
+    """The data-parallel and tensor-parallel tallies (``_across``) are all-reduced as words."""
+    a, b = _Tally(1, 5, 0, 3, 9, 2, 4), _Tally(0, 7, 11, 3, 9, 2, 4)
+    total = _Tally.decode([x + y for x, y in zip(a.encode(), b.encode(), strict=True)])
+    assert (total.rejected, total.count, total.key, total.low, total.low_squared) == (1, 12, 11, 6, 18)

@@ -232,15 +232,15 @@ def _agree(
     # gradients of different steps (NOTE [a handshake of fixed size]).
     if topology.data_group is not None:
         mine = key if topology.replica == 0 else 0
-        problem, (count, key) = _across(
-            step, order, topology, topology.data_group, topology.data_size, problem, [count, mine],
+        problem, count, key = _across(
+            step, order, topology, topology.data_group, topology.data_size, problem, count, mine,
             ("data-parallel replica", "data-parallel replicas"),
         )  # fmt: skip
     if topology.tensor_group is not None:
         assert topology.tensor_ranks is not None
         mine = key if topology.tensor_rank == 0 else 0
-        problem, (key,) = _across(
-            step, order, topology, topology.tensor_group, len(topology.tensor_ranks), problem, [mine],
+        problem, _, key = _across(
+            step, order, topology, topology.tensor_group, len(topology.tensor_ranks), problem, 0, mine,
             ("tensor-parallel rank", "tensor-parallel ranks"),
         )  # fmt: skip
     if problem is None:
@@ -253,6 +253,20 @@ def _agree(
     return _Agreed(microbatches, weights, statuses[first].explicit, not statuses[last].has_batch, key)
 
 
+@dataclass(frozen=True)
+class _Tally(Status):
+    """What ``_across`` sums over a group, one rank's share: its words, summed as float64 (exact
+    below 2**53)."""
+
+    rejected: int  # 1 if its own checks failed (summed: how many ranks' did)
+    count: int  # ``weight_fn``'s total, or 0
+    key: int  # the step's key on the rank that gives it, else 0
+    low: int  # the program's checksum, its low 16 bits ...
+    low_squared: int
+    high: int  # ... and its next 16
+    high_squared: int
+
+
 def _across(
     step: StepView,
     order: Order,
@@ -260,26 +274,28 @@ def _across(
     group: Any,
     size: int,
     problem: Exception | None,
-    values: list[int],
+    count: int,
+    key: int,
     names: tuple[str, str],
-) -> tuple[Exception | None, list[int]]:
-    """Sum this rank's failure flag, ``values`` and its program's checksum words over ``group`` (of
-    ``size`` ranks); the step's problem (this rank's, else a different program or another rank's
-    rejection there) and the summed ``values``. ``names``: a rank of ``group``, singular and plural."""
+) -> tuple[Exception | None, int, int]:
+    """Sum this rank's failure flag, ``count``, ``key`` and its program's checksum words over
+    ``group`` (of ``size`` ranks); the step's problem (this rank's, else a different program or
+    another rank's rejection there) and the summed ``count`` and ``key``. ``names``: a rank of
+    ``group``, singular and plural."""
     low, high = order.checksum & 0xFFFF, (order.checksum >> 16) & 0xFFFF
-    words = [float(problem is not None), *values, low, low * low, high, high * high]
-    flag = torch.tensor(words, dtype=torch.float64, device=topology.device)
+    mine = _Tally(int(problem is not None), count, key, low, low * low, high, high * high)
+    flag = torch.tensor(mine.encode(), dtype=torch.float64, device=topology.device)
     all_reduce_sum(topology, group, [flag], step.timeout, f"the other {names[1]}")
-    failed, *sums = [int(x) for x in flag.tolist()]
+    total = _Tally.decode([int(x) for x in flag.tolist()])
     # All halves are equal exactly when size * sum(h**2) == sum(h)**2; the sums are exact in float64.
-    if problem is None and any(size * sums[-k] != sums[-k - 1] ** 2 for k in (1, 3)):
+    if problem is None and (size * total.low_squared != total.low**2 or size * total.high_squared != total.high**2):
         problem = ScheduleError(
             f"fpipe.step: the {names[1]} run different programs (another schedule, microbatch count or number "
             "of stages). Build the same pipeline, schedule and stages on every rank."
         )
-    if problem is None and failed > 0:
+    if problem is None and total.rejected > 0:
         problem = ValueError(f"fpipe.step: another {names[0]} rejected its inputs; its ranks' errors say why.")
-    return problem, sums[:-4]
+    return problem, total.count, total.key
 
 
 def _local_inputs(
