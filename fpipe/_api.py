@@ -14,7 +14,7 @@ from ._errors import DEFAULT_TIMEOUT
 from ._microbatch import Microbatches
 from ._plural import plural
 from ._precision import LossScaleState, Precision
-from ._pytree import PyTree, flatten, leaves_with_paths, stage_list
+from ._pytree import PyTree, leaves_with_paths, stage_list, tensor_map
 from ._random import check_key, draw_key
 from ._run import Order, order_for, run_local
 from ._sharding import StageLayout
@@ -279,9 +279,7 @@ def _check_not_meta(params: Sequence[PyTree], batch: PyTree, local_stages: Seque
         batch = list(batch.microbatches)
     for s in [*local_stages, None]:
         tree = batch if s is None else params[s]
-        if type(tree) is torch.Tensor and not tree.is_meta:  # (a plain tensor: no flatten)
-            continue
-        if not any(isinstance(x, torch.Tensor) and x.is_meta for x in flatten(tree)[0]):
+        if not tensor_map(_meta, tree)[3]:
             continue  # names and key paths are built only for the error
         what, name = ("stage 0's batch leaf", "batch") if s is None else (f"stage {s}'s parameter", f"params[{s}]")
         paths, leaves, _ = leaves_with_paths(tree)
@@ -310,6 +308,10 @@ def _checked(
         batch = Microbatches(step.split(batch, step.num_microbatches))
     _check_not_meta(params, batch, step.local_stages)
     return batch, draw_key() if key is None else check_key(key)
+
+
+def _meta(leaf: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    return leaf, leaf.is_meta
 
 
 class Step:

@@ -25,17 +25,25 @@ _NONE_IS_LEAF = True
 _OPTIONS: dict[str, Any] = {"none_is_leaf": _NONE_IS_LEAF}
 
 
+# NOTE [one-tensor fast path]
+# A plain tensor is the usual activation, microbatch and stage output, and a stage's forward and
+# backward flatten several per action. It is a leaf (no pytree library flattens one), so its
+# answer is known without asking optree: ``flatten`` and ``tensor_map`` test ``type(tree) is
+# torch.Tensor`` (one test, cheaper than an ``isinstance``) and give the shared structure
+# ``_LEAF``, which ``unflatten`` recognizes by identity. This module is the one place that tests
+# for a plain tensor: every "one tensor, no loop" shortcut of the stage (its inputs, its outputs
+# that carry the graph, moving a microbatch to its device) is ``tensor_map``, whose answer for a
+# plain tensor equals its general path's (``_tensor_map``) bit for bit (tests/test_pytree.py).
 def flatten(tree: PyTree) -> tuple[list[Any], TreeSpec]:
-    """Leaves (in optree's order) and the structure of ``tree``."""
-    # This runs several times per action. A plain tensor, the usual activation, is a leaf (no
-    # pytree library flattens one): its answer is known without asking optree, and the option
-    # goes by keyword, not ``**_OPTIONS`` (unpacking a dict costs a third of a flatten).
+    """Leaves (in optree's order) and the structure of ``tree`` (NOTE [one-tensor fast path])."""
+    # The option goes by keyword, not ``**_OPTIONS`` (unpacking a dict costs a third of a flatten).
     if type(tree) is torch.Tensor:
         return [tree], _LEAF
     return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF)
 
 
 _LEAF = optree.treespec_leaf(none_is_leaf=_NONE_IS_LEAF)  # the structure of any leaf
+_FIRST = (0,)  # the position of the one leaf of a plain tensor
 
 
 def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
@@ -43,6 +51,45 @@ def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
     if spec is _LEAF:  # what ``flatten`` gave a plain tensor
         return leaves[0]
     return spec.unflatten(leaves)
+
+
+def tensor_map(
+    fn: Callable[[torch.Tensor], tuple[Any, bool]], tree: PyTree
+) -> tuple[list[Any], TreeSpec, Sequence[int], list[Any]]:
+    """``flatten(tree)`` with each tensor leaf ``t`` replaced by ``fn(t)[0]``; the positions of
+    the tensor leaves for which ``fn(t)[1]`` holds (in leaf order), and their new leaves.
+
+    Conceptually::
+
+        leaves, spec = flatten(tree)
+        index, kept = [], []
+        for k, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor):
+                leaves[k], keep = fn(t)
+                if keep: index.append(k); kept.append(leaves[k])
+        return leaves, spec, index, kept
+
+    which it is, but for a plain tensor (NOTE [one-tensor fast path]): no loop, no list to fill.
+    """
+    if type(tree) is torch.Tensor:  # (flatten's test, not a call to it: this runs twice per forward)
+        leaf, keep = fn(tree)
+        return ([leaf], _LEAF, _FIRST, [leaf]) if keep else ([leaf], _LEAF, (), [])
+    return _tensor_map(fn, *optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF))
+
+
+def _tensor_map(
+    fn: Callable[[torch.Tensor], tuple[Any, bool]], leaves: list[Any], spec: TreeSpec
+) -> tuple[list[Any], TreeSpec, Sequence[int], list[Any]]:
+    """``tensor_map``'s general path, on ``flatten``'s ``leaves`` (replaced in place) and ``spec``."""
+    index: list[int] = []
+    kept: list[Any] = []
+    for k, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            leaves[k], keep = fn(leaf)
+            if keep:
+                index.append(k)
+                kept.append(leaves[k])
+    return leaves, spec, index, kept
 
 
 def leaves_with_paths(tree: PyTree) -> tuple[list[str], list[Any], TreeSpec]:

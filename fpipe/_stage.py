@@ -86,6 +86,7 @@ from ._pytree import (
     is_differentiable,
     leaves_with_paths,
     map_tensors,
+    tensor_map,
     unflatten,
 )
 from ._tensor_parallel import clone, is_dtensor, like_param, shares_storage
@@ -254,28 +255,16 @@ class StageRun:
     def to_device(self, tree: PyTree) -> PyTree:
         """``tree`` with its tensors on this stage's device (``tree`` itself where all already are)."""
         device = self.device
-        if type(tree) is torch.Tensor:  # the usual microbatch, one leaf (this runs once per microbatch)
-            return tree if device is None or tree.device == device else tree.to(device)
-        if device is None or all(t.device == device for t in flatten(tree)[0] if isinstance(t, torch.Tensor)):
+        if device is None:
             return tree
-        return map_tensors(lambda t: t.to(device), tree)
+        leaves, spec, moved, _ = tensor_map(lambda t: (t, False) if t.device == device else (t.to(device), True), tree)
+        return unflatten(spec, leaves) if moved else tree
 
     def forward(self, x: PyTree, *, differentiate_input: bool) -> tuple[Any, Pullback]:
         """Run the stage on ``x``; return its output and the pullback of this call."""
-        if type(x) is torch.Tensor and not (self.recompute or _graph_off()):
-            # The usual case, one tensor under grad mode: the general path below without its
-            # pytree calls (``_inputs``, ``unflatten``, ``_graph_outputs``), which were about a
-            # third of what a forward costs over plain autograd (notes/benchmarks.md, Session 5).
-            differentiate = differentiate_input and x.requires_grad
-            leaf = self._input_leaf(x, differentiate)
-            try:
-                y = self.fn(self.params, leaf)
-            except RuntimeError as error:
-                self._raise_if_in_place(error, leaf)
-                raise
-            inputs, index = ([leaf], _FIRST) if differentiate else ([], ())
-            graph = ([y], _FIRST) if type(y) is torch.Tensor and y.requires_grad else _graph_outputs(y)
-            return y, Pullback(*graph, inputs, index, 1)
+        # A plain tensor, the usual case, asks optree nothing (NOTE [one-tensor fast path] in
+        # fpipe/_pytree.py): its calls were about a third of what a forward costs over plain
+        # autograd (notes/benchmarks.md, Session 5).
         leaves, spec, inputs, input_index = self._inputs(x, differentiate_input)
         if self.recompute:
             return self._recomputed(
@@ -361,24 +350,21 @@ class StageRun:
     ) -> tuple[list[Any], TreeSpec, list[torch.Tensor], Sequence[int]]:
         """The input leaves, those to differentiate replaced by graph leaves (NOTE [differentiable
         leaves]), the structure, and the differentiated leaves with their positions."""
+
         # Only leaves that carry the previous stage's graph can use a cotangent (a RoPE table
         # passed along untouched cannot), so only those are differentiated (a tensor that
         # requires grad is floating or complex).
-        leaves, spec = flatten(x)  # a fresh list: its leaves are replaced in place
-        if type(x) is torch.Tensor:  # the usual activation, one leaf: no loop, no lists to fill
-            differentiate = differentiate_input and x.requires_grad
-            leaf = leaves[0] = self._input_leaf(x, differentiate)
-            return (leaves, spec, [leaf], _FIRST) if differentiate else (leaves, spec, [], ())
-        inputs: list[torch.Tensor] = []
-        input_index: list[int] = []
-        for k, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor):
-                differentiate = differentiate_input and leaf.requires_grad
-                leaves[k] = self._input_leaf(leaf, differentiate)
-                if differentiate:
-                    inputs.append(leaves[k])
-                    input_index.append(k)
+        leaves, spec, input_index, inputs = tensor_map(self._graph_input if differentiate_input else self._input, x)
         return leaves, spec, inputs, input_index
+
+    def _graph_input(self, leaf: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``_input_leaf`` of an input leaf to differentiate if it can be, and whether it is."""
+        differentiate = leaf.requires_grad
+        return self._input_leaf(leaf, differentiate), differentiate
+
+    def _input(self, leaf: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``_input_leaf`` of an input leaf not to differentiate."""
+        return self._input_leaf(leaf, False), False
 
     def _input_leaf(self, leaf: torch.Tensor, differentiate: bool) -> torch.Tensor:
         """``leaf`` on this stage's device, laid out as it crosses a boundary (NOTE [boundary
@@ -529,8 +515,6 @@ class StageRun:
 
 _AMBIENT = contextlib.nullcontext()
 
-_FIRST = (0,)  # the position of the one leaf of a plain tensor (``_inputs``, ``_graph_outputs``)
-
 
 _REPLAYING: ContextVar[bool] = ContextVar("fpipe_replaying", default=False)
 
@@ -552,16 +536,20 @@ def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], Sequence[int]]:
         TypeError: if a leaf is an object fpipe cannot flatten (an unregistered class) that holds
             tensors carrying the graph: their gradient would be lost without a word.
     """
-    if type(out) is torch.Tensor:  # the usual output, one leaf: no flatten, no loop
-        return ([out], _FIRST) if out.requires_grad else ([], ())
-    leaves, _ = flatten(out)
-    outputs, index = [], []
+    leaves, _, index, outputs = tensor_map(_with_graph, out)
+    if len(index) < len(leaves):  # (not the usual output: its one leaf carries the graph)
+        _check_hidden_graph(out, leaves)
+    return outputs, index
+
+
+def _with_graph(leaf: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    return leaf, leaf.requires_grad
+
+
+def _check_hidden_graph(out: PyTree, leaves: list[Any]) -> None:
+    """Raise if a leaf of ``out`` that is no tensor hides tensors that carry the graph."""
     for k, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            if leaf.requires_grad:
-                outputs.append(leaf)
-                index.append(k)
-        elif _hides_graph(leaf):
+        if not isinstance(leaf, torch.Tensor) and _hides_graph(leaf):
             paths, _, _ = leaves_with_paths(out)
             kind = type(leaf).__qualname__
             raise TypeError(
@@ -570,7 +558,6 @@ def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], Sequence[int]]:
                 f"{kind} as a pytree node (optree.register_pytree_node) or return its tensors in a dict, "
                 "list, tuple or namedtuple."
             )
-    return outputs, index
 
 
 def _hides_graph(value: Any) -> bool:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import fpipe
 from fpipe._distributed import _topology
-from fpipe._distributed._collectives import device_type_words, mixed_device_types
+from fpipe._distributed._collectives import DEVICE_TYPE_WORDS, device_type_words, mixed_device_types
 from fpipe._distributed._rank_step import check_devices
 from fpipe._distributed._topology import device_of
 from fpipe.schedules import GPipe
@@ -54,8 +54,8 @@ def test_stage_params_on_another_device_than_the_rank_fail() -> None:
 def test_device_types_travel_as_words_and_a_mix_is_named_by_rank() -> None:
     cpu, cuda = device_type_words(torch.device("cpu")), device_type_words(torch.device("cuda", 3))
     assert cpu != cuda and cuda == device_type_words(torch.device("cuda", 0))  # the type, not the index
-    assert mixed_device_types([[7, *cpu], [7, *cpu]]) is None
-    error = mixed_device_types([[7, *cpu], [7, *cuda], [7, *cpu], [7, *device_type_words(torch.device("meta"))]])
+    assert len(cpu) == DEVICE_TYPE_WORDS and mixed_device_types([cpu, cpu]) is None
+    error = mixed_device_types([cpu, cuda, cpu, device_type_words(torch.device("meta"))])
     assert error is not None
     assert "different device types (cpu: ranks [0, 2]; cuda: ranks [1]; meta: ranks [3])" in str(error)
 

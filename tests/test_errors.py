@@ -169,6 +169,31 @@ def test_saving_argument_errors(tmp_path: Path, call: Callable[[Path], Any], fra
     assert fragment in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("call", "exception", "fragment"),
+    [
+        (lambda d: _step({"w": 1}), TypeError, "fpipe.step: params must be a list with one pytree per stage"),
+        (lambda d: fpipe.optim.sgd(0.1).init({"w": 1}), TypeError, "fpipe.optim.sgd: params must be a list with one"),
+        (lambda d: fpipe.save(d, {"w": torch.ones(())}), TypeError, "fpipe.save: params must be a list with one"),
+        (lambda d: fpipe.load(d, {"w": torch.ones(())}), TypeError, "fpipe.load: template must be a list with one"),
+        (lambda d: fpipe.save_hf(d, {"w": torch.ones(())}), TypeError, "fpipe.save_hf: params must be a list with"),
+        (lambda d: fpipe.load_hf(d, {"w": torch.ones(())}), TypeError, "fpipe.load_hf: template must be a list"),
+        (lambda d: fpipe.sum_tied({"w": None}), TypeError, "fpipe.sum_tied: grads must be a list with one dict per"),
+        (lambda d: _step([torch.ones(())]), ValueError, "fpipe.step: params has 1 entry but the pipeline has 2 stages"),
+        (lambda d: fpipe.save(d, TWO, optimizer_state=[{}]), ValueError, "optimizer_state has 1 entry but params has"),
+        (lambda d: fpipe.sum_tied([{}], params=[{}, {}]), ValueError, "fpipe.sum_tied: params has 2 entries but grads"),
+    ],
+)
+def test_one_pytree_per_stage_is_one_check(
+    tmp_path: Path, call: Callable[[Path], Any], exception: type, fragment: str
+) -> None:
+    """Every function that takes one pytree per stage checks it alike (``stage_list`` of
+    fpipe/_pytree.py): ``TypeError`` for what is not a list, ``ValueError`` for a wrong length."""
+    with pytest.raises(exception) as raised:
+        call(tmp_path / "save")
+    assert type(raised.value) is exception and fragment in str(raised.value)
+
+
 def test_a_failing_action_names_it() -> None:
     def broken(params: Any, x: torch.Tensor) -> torch.Tensor:
         raise ArithmeticError("bad stage")

@@ -10,7 +10,10 @@ from typing import Any, NamedTuple
 import optree
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from fpipe import _pytree, _stage
 from fpipe._pytree import (
     boundary_layout,
     broadcast_prefix,
@@ -23,8 +26,10 @@ from fpipe._pytree import (
     stage_list,
     structure_data,
     structure_from_data,
+    tensor_map,
     unflatten,
 )
+from fpipe._stage import StageRun
 
 
 class Pair(NamedTuple):
@@ -153,3 +158,69 @@ def test_stage_list_is_the_one_check_of_one_pytree_per_stage() -> None:
         stage_list("fpipe.save", "params", [None], 2, against="the step")
     with pytest.raises(TypeError, match=r"one dict per stage \(grads: dict\)\. Pass a list, one entry per stage\. Fix"):
         stage_list("f", "grads", {}, each="dict", got="grads", fix="Fix.")
+
+
+# NOTE [one-tensor fast path]: ``tensor_map`` and ``flatten`` answer a plain tensor without optree;
+# the general path (optree's flatten, then the loop) must give the same bits.
+_DTYPES = [torch.float64, torch.float32, torch.complex128, torch.int64, torch.bool]
+
+
+def _general_flatten(tree: Any) -> Any:
+    return optree.tree_flatten(tree, none_is_leaf=True)
+
+
+def _plain_tensor(dtype: torch.dtype, shape: list[int], transpose: bool, grad: bool) -> torch.Tensor:
+    t = torch.randn(shape, dtype=torch.float64).to(dtype) if dtype != torch.bool else torch.ones(shape) > 0
+    if transpose and t.dim() >= 2:
+        t = t.transpose(0, 1)  # not contiguous: the stage lays it out anew
+    differentiable = dtype.is_floating_point or dtype.is_complex
+    return (t.detach().requires_grad_() * 1) if grad and differentiable else t
+
+
+_TENSORS = st.builds(
+    _plain_tensor,
+    st.sampled_from(_DTYPES),
+    st.lists(st.integers(0, 3), max_size=3),
+    st.booleans(),
+    st.booleans(),
+)
+
+
+@given(_TENSORS, st.booleans())
+def test_tensor_maps_fast_path_is_its_general_path(x: torch.Tensor, keep: bool) -> None:
+    def fn(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        return t.detach() * 2 if t.dtype != torch.bool else ~t, keep and t.dim() > 0
+
+    fast = tensor_map(fn, x)
+    general = _pytree._tensor_map(fn, *_general_flatten(x))
+    assert list(fast[2]) == list(general[2]) and len(fast[3]) == len(general[3])
+    assert all(a is c for a, c in zip(fast[3], fast[0], strict=False))  # the kept leaves are the new ones
+    a, b = unflatten(fast[1], fast[0]), unflatten(general[1], general[0])
+    assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    assert flatten(x)[0][0] is _general_flatten(x)[0][0] is x
+
+
+def test_a_stage_runs_a_plain_tensor_bitwise_as_its_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward, backward and gradients of a stage, with the one-tensor shortcut and with it
+    off (every flatten through optree): the same bits, tensor by tensor."""
+
+    def fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ p["w"]) + p["b"]
+
+    def run(x: torch.Tensor) -> list[torch.Tensor | None]:
+        params = {"w": torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3), "b": torch.ones(3)}
+        stage = StageRun(0, fn, params)
+        y, pullback = stage.forward(x, differentiate_input=True)
+        (cotangent,) = stage.backward(pullback, [torch.full_like(y, 0.5)], 0)
+        return [y, cotangent, *stage.grads().values()]
+
+    wide = torch.ones(4, 2, dtype=torch.float64, requires_grad=True)
+    for x in (torch.arange(8.0, dtype=torch.float64).reshape(2, 4).requires_grad_() * 1, wide.t(), torch.ones(2, 4)):
+        fast = run(x)
+        with monkeypatch.context() as patched:
+            patched.setattr(_stage, "tensor_map", lambda fn, tree: _pytree._tensor_map(fn, *_general_flatten(tree)))
+            general = run(x)
+        assert (fast[1] is None) == (general[1] is None) == (not x.requires_grad)
+        for a, b in zip(fast, general, strict=True):
+            if a is not None:
+                assert b is not None and a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)

@@ -19,6 +19,7 @@ from ._collectives import watched as watched
 from ._rank_step import average_loss as average_loss
 from ._rank_step import replica_mean as replica_mean
 from ._rank_step import run_distributed as run_distributed
+from ._status import Status as Status
 from ._topology import Topology as Topology
 from ._topology import resolve_topology as resolve_topology
 from ._transport import WireState as WireState
@@ -27,6 +28,7 @@ from ._wire import tensor_bytes as tensor_bytes
 
 __all__ = [
     "Board",
+    "Status",
     "Topology",
     "WireState",
     "all_gather_json",

@@ -13,7 +13,7 @@ from typing import Any
 
 from .._errors import PipelineError, PipelineTimeoutError
 from ..schedules import Action
-from ..schedules._action import KINDS
+from ._status import Status
 
 POLL = 0.05  # seconds a wait lasts before the watchdog reads the board, and between readings
 BEAT = 0.25  # seconds between heartbeats
@@ -27,7 +27,7 @@ SILENT = "silent"  # a wait for it timed out
 
 
 @dataclass(frozen=True)
-class Failure:
+class Failure(Status):
     """What failed in a job, as written on the board.
 
     ``rank`` is the pipeline rank that failed (``None``: unknown), ``replica`` its data-parallel
@@ -43,16 +43,15 @@ class Failure:
     replica: int | None = None
     name: str | None = None  # the rank by its mesh coordinates (``Board.labels``), as messages say it
 
-    def to_json(self) -> str:
-        action = self.action
-        code = None if action is None else [action.stage, KINDS.index(action.kind), action.microbatch]
-        return json.dumps([self.rank, code, self.kind, self.what, self.replica, self.name])
+    def dumps(self) -> str:
+        """The record as the board's store holds it: JSON by field name (NOTE [one status codec]
+        in fpipe/_distributed/_status.py)."""
+        return json.dumps(self.to_json())
 
     @classmethod
-    def from_json(cls, text: str) -> Failure:
-        rank, code, kind, what, replica, name = json.loads(text)
-        action = None if code is None else Action(code[0], KINDS[code[1]], code[2])
-        return cls(rank, action, kind, what, replica, name)
+    def loads(cls, text: str) -> Failure:
+        """The record ``dumps`` wrote."""
+        return cls.from_json(json.loads(text))
 
     def subject(self) -> str:
         """``rank 3`` (or ``rank 2 (dp 1, pp 0, tp 0)`` on a mesh, or ``an unknown rank``)."""

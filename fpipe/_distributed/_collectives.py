@@ -12,8 +12,9 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,8 +22,11 @@ import torch.distributed as dist
 from .._errors import PipelineError
 from ._board import ASK, BEAT, DIED, SILENT, STALE, Board, waiting
 from ._faults import WATCHDOG, abort_job, store_host
+from ._status import Status
 from ._topology import Topology
 from ._wire import tensor_bytes
+
+S = TypeVar("S", bound=Status)
 
 
 def wait(
@@ -187,18 +191,20 @@ def check_usable(topology: Topology) -> None:
         )
 
 
-def handshake(
-    topology: Topology,
-    status: list[int],
-    timeout: float,
-    what: str = "the other pipeline ranks at the start of the step",
-) -> list[list[int]]:
-    """All-gather each pipeline rank's ``status`` vector (same length on every rank), on the
-    host where the group's backend serves it (NOTE [device types in the handshake])."""
+def handshake(topology: Topology, status: S, timeout: float, what: str) -> list[S]:
+    """Each pipeline rank's ``status`` (NOTE [one status codec] in fpipe/_distributed/_status.py),
+    all-gathered as its fixed number of words, on the handshake's device (``handshake_device``)."""
+    words = all_gather_ints(topology, topology.group, status.encode(), timeout, what, handshake_device(topology))
+    return [type(status).decode(w) for w in words]
+
+
+def handshake_device(topology: Topology) -> torch.device:
+    """Where the pipeline group's handshakes run: on the host where the group's backend serves
+    it (NOTE [device types in the handshake]), else on the rank's device."""
     device = topology.device
     if device.type != "cpu" and "gloo" in str(dist.get_backend(topology.group)).lower():
         device = torch.device("cpu")
-    return all_gather_ints(topology, topology.group, status, timeout, what, device)
+    return device
 
 
 # NOTE [device types in the handshake]
@@ -206,29 +212,32 @@ def handshake(
 # one rank meets a CPU tensor on the other, and with a multi-device backend ("cpu:gloo,cuda:nccl")
 # the two go to different backends and wait for each other until the timeout. Ranks can differ
 # when each builds its own mesh (``init_device_mesh("cpu", ...)`` here, ``"cuda"`` there). So the
-# step's handshake carries each rank's device type (``device_type_words``, its last words) and
-# every rank checks them (``mixed_device_types``) before any other message; the handshake itself
-# runs on the host wherever the backend serves the host (gloo among its backends), so that it
-# reaches every rank whatever its device type. A backend that serves one device type only (nccl)
-# gives every rank that type (NOTE [the rank's device] in fpipe/_distributed/_topology.py). Only
-# the ranks of one pipeline are compared: data-parallel replicas whose pipelines differ in device
-# type from each other are not (their first all-reduce waits until the timeout).
+# step's handshake carries each rank's device type (``device_type_words``, a field of its
+# status) and every rank checks them (``mixed_device_types``) before any other message; the
+# handshake itself runs on the host wherever the backend serves the host (gloo among its
+# backends), so that it reaches every rank whatever its device type. A backend that serves one
+# device type only (nccl) gives every rank that type (NOTE [the rank's device] in
+# fpipe/_distributed/_topology.py). Only the ranks of one pipeline are compared: data-parallel
+# replicas whose pipelines differ in device type from each other are not (their first
+# all-reduce waits until the timeout).
 DEVICE_TYPE_WORDS = 2  # a device type's name, up to 16 ASCII characters, as int64 words
 
 
-def device_type_words(device: torch.device) -> list[int]:
-    """``device``'s type name as ``DEVICE_TYPE_WORDS`` int64 words, for a handshake's status vector."""
+def device_type_words(device: torch.device) -> tuple[int, ...]:
+    """``device``'s type name as ``DEVICE_TYPE_WORDS`` int64 words, for a status field
+    (``words(DEVICE_TYPE_WORDS)``)."""
     name = device.type.encode("ascii")[: 8 * DEVICE_TYPE_WORDS].ljust(8 * DEVICE_TYPE_WORDS, b"\0")
-    return [int.from_bytes(name[8 * k : 8 * k + 8], "little", signed=True) for k in range(DEVICE_TYPE_WORDS)]
+    return tuple(int.from_bytes(name[8 * k : 8 * k + 8], "little", signed=True) for k in range(DEVICE_TYPE_WORDS))
 
 
-def mixed_device_types(statuses: list[list[int]]) -> ValueError | None:
-    """The error for pipeline ranks on different device types, read from the last
-    ``DEVICE_TYPE_WORDS`` of each rank's status (``device_type_words``); ``None`` if they agree."""
-    words = [tuple(status[-DEVICE_TYPE_WORDS:]) for status in statuses]
-    if len(set(words)) == 1:
+def mixed_device_types(device_types: list[tuple[int, ...]]) -> ValueError | None:
+    """The error for pipeline ranks on different device types, read from each rank's
+    ``device_type_words``, by rank; ``None`` if they agree."""
+    if len(set(device_types)) == 1:
         return None
-    names = [b"".join(w.to_bytes(8, "little", signed=True) for w in word).rstrip(b"\0").decode() for word in words]
+    names = [
+        b"".join(w.to_bytes(8, "little", signed=True) for w in word).rstrip(b"\0").decode() for word in device_types
+    ]
     by_type = "; ".join(
         f"{name}: ranks {[r for r, n in enumerate(names) if n == name]}" for name in dict.fromkeys(names)
     )
@@ -276,6 +285,14 @@ def gather_over(topology: Topology, groups: Sequence[Any], value: Any, timeout: 
     return rows
 
 
+@dataclass(frozen=True)
+class _Outcome(Status):
+    """What the writer of ``one_writes`` tells the others."""
+
+    failed: bool
+    value: Any  # what ``write`` returned (JSON)
+
+
 def one_writes(
     topology: Topology | None, group: Any, write: Callable[[], Any] | None, timeout: float, waits: str, tells: str
 ) -> tuple[bool, Any]:
@@ -295,8 +312,10 @@ def one_writes(
                 "tell is the writer, so pass write="
             )
         assert topology is not None  # (for mypy: not alone)
-        status = all_gather_json(topology, group, {"error": False, "value": None}, timeout, waits)[0]
-        return not status["error"], status["value"]
+        outcome = _Outcome.from_json(
+            all_gather_json(topology, group, _Outcome(False, None).to_json(), timeout, waits)[0]
+        )
+        return not outcome.failed, outcome.value
     try:
         value = write()
     except PipelineError:
@@ -308,11 +327,11 @@ def one_writes(
         if not alone:
             assert topology is not None  # (for mypy)
             with contextlib.suppress(Exception):  # the error to raise is write's
-                all_gather_json(topology, group, {"error": True, "value": None}, timeout, tells)
+                all_gather_json(topology, group, _Outcome(True, None).to_json(), timeout, tells)
         raise
     if not alone:
         assert topology is not None  # (for mypy)
-        all_gather_json(topology, group, {"error": False, "value": value}, timeout, tells)
+        all_gather_json(topology, group, _Outcome(False, value).to_json(), timeout, tells)
     return True, value
 
 

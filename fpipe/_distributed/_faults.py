@@ -194,9 +194,9 @@ class Watchdog:
         """Write ``failure`` unless a record is there already; the record that stands."""
 
         def write(store: Any) -> Failure:
-            standing = store.compare_set(board.key(), "", failure.to_json()).decode()
+            standing = store.compare_set(board.key(), "", failure.dumps()).decode()
             self._seen(board, store)
-            return failure if not standing else Failure.from_json(standing)
+            return failure if not standing else Failure.loads(standing)
 
         with contextlib.suppress(Exception):
             board.failure = self.ask(write)
@@ -256,7 +256,7 @@ class Watchdog:
 
     def _check(self, board: Board, store: Any, *, abort: bool) -> None:
         if board.failure is None and store.check([board.key()]):
-            board.failure = Failure.from_json(store.get(board.key()).decode())
+            board.failure = Failure.loads(store.get(board.key()).decode())
             self._seen(board, store)
         if abort and board.failure is not None:
             abort_job(board)

@@ -18,6 +18,7 @@ Any rank's failure fails every rank (NOTE [failure board] in fpipe/_distributed/
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -30,18 +31,22 @@ from .._run import HeldStages, Order, Pending, Reduce, StepView, StrategyView, l
 from .._tensor_parallel import check_mesh, is_dtensor, local
 from ..schedules import ScheduleError
 from ._collectives import (
+    DEVICE_TYPE_WORDS,
     PendingSum,
+    all_gather_ints,
     all_reduce_sum,
     all_reduce_sum_async,
     check_usable,
     device_type_words,
     handshake,
+    handshake_device,
     mark_broken,
     meet,
     mixed_device_types,
     watched,
 )
 from ._faults import WATCHDOG
+from ._status import Status, words
 from ._topology import Topology
 from ._transport import DistributedTransport, WireState
 
@@ -123,7 +128,8 @@ class _Agreed(NamedTuple):
 # The handshake is one all-gather, and an all-gather needs the same length on every rank: gloo
 # aborts the process (in C++, "Received data size doesn't match expected size") when a peer's
 # vector is longer or shorter. So its length depends on nothing a rank could disagree on: the
-# ``_Status`` words, INLINE_SIZES microbatch sizes (zeros past the rank's count), the device type.
+# words of a ``_Status`` (NOTE [one status codec] in fpipe/_distributed/_status.py), whose
+# INLINE_SIZES microbatch sizes are zeros past the rank's count, are the same number for all.
 # With more microbatches than that, the sizes follow in a second all-gather of ``m`` words, run
 # only when every rank's status shows the same program and ``m`` (so the same length), which
 # every rank decides from the same gathered words. A rank whose own checks fail (an input, the
@@ -134,18 +140,22 @@ INLINE_SIZES = 16
 _INT64 = 1 << 63
 
 
-class _Status(NamedTuple):
-    """One pipeline rank's words in the step's handshake, before its sizes and device type."""
+@dataclass(frozen=True)
+class _Status(Status):
+    """One pipeline rank's words in the step's handshake (NOTE [one status codec] in
+    fpipe/_distributed/_status.py)."""
 
     checksum: int  # the program's (``Order.checksum``)
     num_microbatches: int
-    has_batch: int
-    rejected: int  # its own checks failed: it raises its own error, the others say it did
+    has_batch: bool
+    rejected: bool  # its own checks failed: it raises its own error, the others say it did
     size: int  # examples in its batch
-    explicit: int  # the batch came as fpipe.Microbatches
+    explicit: bool  # the batch came as fpipe.Microbatches
     weight_count: int  # ``weight_fn``'s total on the first stage's rank
-    weighted: int  # the pipeline has a ``weight_fn``
+    weighted: bool  # the pipeline has a ``weight_fn``
     key: int
+    sizes: tuple[int, ...] = words(INLINE_SIZES)  # its first microbatch sizes, zeros past its count
+    device_type: tuple[int, ...] = words(DEVICE_TYPE_WORDS)  # NOTE [device types in the handshake]
 
 
 def _agree(
@@ -184,14 +194,16 @@ def _agree(
         weight_count=count,
         weighted=step.weight_fn is not None,
         key=key,
+        sizes=tuple((sizes + [0] * INLINE_SIZES)[:INLINE_SIZES]),
+        device_type=device_type_words(topology.device),
     )
-    inline = (sizes + [0] * INLINE_SIZES)[:INLINE_SIZES]
-    words = handshake(topology, [*status, *inline, *device_type_words(topology.device)], step.timeout)
-    statuses = [_Status(*w[: len(_Status._fields)]) for w in words]
-    problem = mixed_device_types(words) or problem or _disagreement(statuses, order.checksum, m, first, last)
-    agreed_sizes = words[first][len(_Status._fields) :][:m]
+    statuses = handshake(topology, status, step.timeout, "the other pipeline ranks at the start of the step")
+    mixed = mixed_device_types([st.device_type for st in statuses])
+    problem = mixed or problem or _disagreement(statuses, order.checksum, m, first, last)
+    agreed_sizes = list(statuses[first].sizes[:m])
     if m > INLINE_SIZES and _same_program(statuses):
-        agreed_sizes = handshake(topology, sizes, step.timeout)[first]
+        what, device = "the other pipeline ranks at the start of the step", handshake_device(topology)
+        agreed_sizes = all_gather_ints(topology, topology.group, sizes, step.timeout, what, device)[first]
     count, key = statuses[first].weight_count, statuses[first].key
     # Replicas must fail together too, or a healthy replica's gradient all-reduce would meet
     # another replica's next step (and weight_fn's total is every replica's tokens); so must
@@ -206,15 +218,15 @@ def _agree(
     # gradients of different steps (NOTE [a handshake of fixed size]).
     if topology.data_group is not None:
         mine = key if topology.replica == 0 else 0
-        problem, (count, key) = _across(
-            step, order, topology, topology.data_group, topology.data_size, problem, [count, mine],
+        problem, count, key = _across(
+            step, order, topology, topology.data_group, topology.data_size, problem, count, mine,
             ("data-parallel replica", "data-parallel replicas"),
         )  # fmt: skip
     if topology.tensor_group is not None:
         assert topology.tensor_ranks is not None
         mine = key if topology.tensor_rank == 0 else 0
-        problem, (key,) = _across(
-            step, order, topology, topology.tensor_group, len(topology.tensor_ranks), problem, [mine],
+        problem, _, key = _across(
+            step, order, topology, topology.tensor_group, len(topology.tensor_ranks), problem, 0, mine,
             ("tensor-parallel rank", "tensor-parallel ranks"),
         )  # fmt: skip
     if problem is None:
@@ -224,7 +236,21 @@ def _agree(
             problem = error
     if problem is not None:
         raise problem
-    return _Agreed(microbatches, weights, bool(statuses[first].explicit), not statuses[last].has_batch, key)
+    return _Agreed(microbatches, weights, statuses[first].explicit, not statuses[last].has_batch, key)
+
+
+@dataclass(frozen=True)
+class _Tally(Status):
+    """What ``_across`` sums over a group, one rank's share: its words, summed as float64 (exact
+    below 2**53)."""
+
+    rejected: int  # 1 if its own checks failed (summed: how many ranks' did)
+    count: int  # ``weight_fn``'s total, or 0
+    key: int  # the step's key on the rank that gives it, else 0
+    low: int  # the program's checksum, its low 16 bits ...
+    low_squared: int
+    high: int  # ... and its next 16
+    high_squared: int
 
 
 def _across(
@@ -234,26 +260,28 @@ def _across(
     group: Any,
     size: int,
     problem: Exception | None,
-    values: list[int],
+    count: int,
+    key: int,
     names: tuple[str, str],
-) -> tuple[Exception | None, list[int]]:
-    """Sum this rank's failure flag, ``values`` and its program's checksum words over ``group`` (of
-    ``size`` ranks); the step's problem (this rank's, else a different program or another rank's
-    rejection there) and the summed ``values``. ``names``: a rank of ``group``, singular and plural."""
+) -> tuple[Exception | None, int, int]:
+    """Sum this rank's failure flag, ``count``, ``key`` and its program's checksum words over
+    ``group`` (of ``size`` ranks); the step's problem (this rank's, else a different program or
+    another rank's rejection there) and the summed ``count`` and ``key``. ``names``: a rank of
+    ``group``, singular and plural."""
     low, high = order.checksum & 0xFFFF, (order.checksum >> 16) & 0xFFFF
-    words = [float(problem is not None), *values, low, low * low, high, high * high]
-    flag = torch.tensor(words, dtype=torch.float64, device=topology.device)
+    mine = _Tally(int(problem is not None), count, key, low, low * low, high, high * high)
+    flag = torch.tensor(mine.encode(), dtype=torch.float64, device=topology.device)
     all_reduce_sum(topology, group, [flag], step.timeout, f"the other {names[1]}")
-    failed, *sums = [int(x) for x in flag.tolist()]
+    total = _Tally.decode([int(x) for x in flag.tolist()])
     # All halves are equal exactly when size * sum(h**2) == sum(h)**2; the sums are exact in float64.
-    if problem is None and any(size * sums[-k] != sums[-k - 1] ** 2 for k in (1, 3)):
+    if problem is None and (size * total.low_squared != total.low**2 or size * total.high_squared != total.high**2):
         problem = ScheduleError(
             f"fpipe.step: the {names[1]} run different programs (another schedule, microbatch count or number "
             "of stages). Build the same pipeline, schedule and stages on every rank."
         )
-    if problem is None and failed > 0:
+    if problem is None and total.rejected > 0:
         problem = ValueError(f"fpipe.step: another {names[0]} rejected its inputs; its ranks' errors say why.")
-    return problem, sums[:-4]
+    return problem, total.count, total.key
 
 
 def _local_inputs(
@@ -350,7 +378,7 @@ def _disagreement(statuses: list[_Status], checksum: int, m: int, first: int, la
     if len({st.weighted for st in statuses}) > 1:
         return ValueError(
             "fpipe.step: some pipeline ranks weigh the loss with weight_fn and others do not (weight_fn by rank: "
-            f"{[bool(st.weighted) for st in statuses]}). Pass the same weight_fn= to fpipe.pipeline on every rank."
+            f"{[st.weighted for st in statuses]}). Pass the same weight_fn= to fpipe.pipeline on every rank."
         )
     rejected = [r for r, st in enumerate(statuses) if st.rejected]
     if rejected:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -37,12 +38,13 @@ import torch.distributed as dist
 from .._errors import PipelineError
 from .._pytree import PyTree
 from ..schedules import Action, Program, Simulation
-from ..schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD, KINDS
+from ..schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD
 from ._board import RAISED, Failure, waiting
 from ._collectives import all_gather_json, handshake, lost, mark_broken, wait
 from ._faults import WATCHDOG
+from ._status import Status
 from ._topology import Topology
-from ._wire import ERROR, Decoder, Encoder, FailureCode, as_bytes, error_message, meta_of
+from ._wire import ERROR, Decoder, Encoder, FailureCode, as_bytes, error_code, error_message, meta_of
 
 Key = tuple[str, int, int]  # ("act" | "cot" | "mb" | "result", stage, microbatch)
 
@@ -89,6 +91,14 @@ def consumers(program: Program, rank: int, send_microbatches: bool) -> dict[Key,
     if placement[last] != rank:
         out["result", last, 0] = len(row)
     return out
+
+
+@dataclass(frozen=True)
+class _Concluded(Status):
+    """One pipeline rank's word in the step's closing all-gather (``_conclude``)."""
+
+    failed: bool  # the step failed on this rank
+    code: FailureCode  # how (zeros when it did not)
 
 
 class _Peer:
@@ -237,10 +247,7 @@ class DistributedTransport:
         board = self.topology.board
         standing = WATCHDOG.report(board, self._failure(error, action))
         rank = -1 if standing.rank is None or standing.replica not in (None, self._replica()) else standing.rank
-        code = FailureCode(rank)
-        if standing.action is not None:
-            a = standing.action
-            code = FailureCode(rank, a.stage, KINDS.index(a.kind), a.microbatch)
+        code = FailureCode.of(rank, standing.action)
         for peer in self.peers.values():
             if peer.next_out < len(peer.outgoing):
                 # Sized as the receive the peer posts for the message it expects next.
@@ -272,12 +279,12 @@ class DistributedTransport:
         return self.topology.board.names.get(me, (self.me, None))[1]
 
     def _conclude(self, failure: FailureCode | None) -> FailureCode | None:
-        """The step's closing all-gather of ``[failed, *FailureCode]`` over the pipeline group
+        """The step's closing all-gather of each rank's ``_Concluded`` over the pipeline group
         (``failure``: this rank's code as in ``abort``); the first failure's code."""
         self._concluded = True
-        mine = [0, 0, 0, 0, 0] if failure is None else [1, *failure]
+        mine = _Concluded(False, FailureCode(0, 0, 0, 0)) if failure is None else _Concluded(True, failure)
         statuses = handshake(self.topology, mine, self._seconds, "the other pipeline ranks at the end of the step")
-        return next((FailureCode(*status[1:]) for status in statuses if status[0]), None)
+        return next((status.code for status in statuses if status.failed), None)
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -341,7 +348,7 @@ class DistributedTransport:
         peer.next_in += 1
         meta = meta_of(first)
         if meta[0] == ERROR:
-            self._remote_failure(FailureCode(*meta[1:5]))
+            self._remote_failure(error_code(meta))
         header, packed = decoder.opened(meta, self.topology.device)
         if header is not None:  # a new layout, with the new shapes: what was posted ahead is padding
             for work in works:
@@ -364,7 +371,7 @@ class DistributedTransport:
         or the sender's code when the board does not answer."""
         standing = WATCHDOG.read(self.topology.board)
         if standing is None:
-            action = None if code.kind < 0 else Action(code.stage, KINDS[code.kind], code.microbatch)
+            action = code.action()
             where = "outside any action" if action is None else f"in {action.describe()}"
             subject = None if code.rank < 0 else self.topology.global_ranks[code.rank]
             what = f"failed {where}; its own error says why"
@@ -443,11 +450,18 @@ def _describe(key: Key) -> str:
     return "the loss from the last stage"
 
 
+@dataclass(frozen=True)
+class _Row(Status):
+    """One pipeline rank's recorded row, as ``gathered`` all-gathers it."""
+
+    starts: tuple[float, ...]
+    ends: tuple[float, ...]
+
+
 def gathered(timeline: Simulation, topology: Topology, timeout: float) -> Simulation:
     """``timeline`` with every pipeline rank's own row, all-gathered (as JSON, which gives floats
     back exactly), each rank waiting at most ``timeout`` seconds."""
     r = topology.rank
-    mine = [timeline.starts[r], timeline.ends[r]]
-    rows = all_gather_json(topology, topology.group, mine, timeout, "the other ranks' recorded timelines")
-    starts, ends = tuple(tuple(row[0]) for row in rows), tuple(tuple(row[1]) for row in rows)
-    return Simulation(timeline.program, None, starts, ends)
+    mine, what = _Row(timeline.starts[r], timeline.ends[r]).to_json(), "the other ranks' recorded timelines"
+    rows = [_Row.from_json(row) for row in all_gather_json(topology, topology.group, mine, timeout, what)]
+    return Simulation(timeline.program, None, tuple(row.starts for row in rows), tuple(row.ends for row in rows))

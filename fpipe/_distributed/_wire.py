@@ -87,13 +87,16 @@ import struct
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from .._plural import plural
 from .._pytree import PyTree, TreeSpec, flatten, leaves_with_paths, structure_data, structure_from_data, unflatten
 from .._tensor_parallel import DTensorHeader, check_mesh, from_header, header_of, is_dtensor, local, placements_from
+from ..schedules import Action
+from ..schedules._action import KINDS
+from ._status import Status
 
 META_WORDS = 6
 META_BYTES = 8 * META_WORDS  # a multiple of 16: an inline payload keeps its leaves aligned
@@ -368,9 +371,10 @@ def upload(data: list[int] | bytes, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-class FailureCode(NamedTuple):
+@dataclass(frozen=True)
+class FailureCode(Status):
     """A failure as it travels between ranks, in an ERROR meta and in the step's closing
-    all-gather: four int64 words with names, read and written only through this codec.
+    all-gather: four int64 words with names (NOTE [one status codec]).
 
     Attributes:
         rank: the failing pipeline rank (-1: unknown, or a rank of another replica).
@@ -382,10 +386,26 @@ class FailureCode(NamedTuple):
     kind: int = -1
     microbatch: int = -1
 
+    @classmethod
+    def of(cls, rank: int, action: Action | None) -> FailureCode:
+        """The code of a failure of ``rank`` in ``action`` (``None``: outside any)."""
+        if action is None:
+            return cls(rank)
+        return cls(rank, action.stage, KINDS.index(action.kind), action.microbatch)
+
+    def action(self) -> Action | None:
+        """The action the failure happened in (``None``: outside any)."""
+        return None if self.kind < 0 else Action(self.stage, KINDS[self.kind], self.microbatch)
+
 
 def error_message(code: FailureCode, expected: int, device: torch.device) -> torch.Tensor:
     """The ``first`` buffer of an ERROR message, sized as the receiver's posted receive."""
-    return _first([ERROR, *code], expected, device, inline=False)
+    return _first([ERROR, *code.encode()], expected, device, inline=False)
+
+
+def error_code(meta: list[int]) -> FailureCode:
+    """The failure an ERROR message's meta words (``meta_of``) carry."""
+    return FailureCode.decode(meta[1 : 1 + FailureCode.width()])
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,6 @@ import torch
 
 from .._distributed import all_reduce_sum, resolve_topology
 from .._errors import DEFAULT_TIMEOUT
-from .._plural import plural
 from .._pytree import stage_list
 
 
@@ -69,7 +68,7 @@ def sum_tied(
         >>> grads = fpipe.sum_tied(grads)   # model.head.weight is model.embed.weight
 
     Raises:
-        TypeError: if a stage's gradients are not a dict.
+        TypeError: if ``grads`` or ``params`` is not a list, or a stage's gradients are not a dict.
         ValueError: if ``group`` is given without ``params``, the lengths disagree, or the copies
             of a tied name disagree in shape.
     """
@@ -81,11 +80,9 @@ def sum_tied(
                 "names to tensors. sum_tied works on stages built by fpipe.split_module."
             )
     layout: Sequence[Mapping[str, Any] | None] = grads if params is None else params
-    if params is not None and len(params) != len(grads):
-        raise ValueError(
-            f"fpipe.sum_tied: params has {plural(len(params), 'stage')} but grads has {len(grads)}. "
-            "Pass the parameters of every stage, as split_module returned them."
-        )
+    if params is not None:
+        fix = "Pass the parameters of every stage, as split_module returned them."
+        stage_list("fpipe.sum_tied", "params", params, len(grads), against="grads", each="dict", fix=fix)
     if group is not None and params is None:
         raise ValueError(
             "fpipe.sum_tied: with group=, pass params= (every stage's parameters as split_module returned them), "

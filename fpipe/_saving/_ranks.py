@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .._api import Step
-from .._distributed import Topology, all_gather_json, gather_over, resolve_topology
+from .._distributed import Status, Topology, all_gather_json, gather_over, resolve_topology
 from .._pytree import PyTree, leaves_with_names, stage_list, unflatten
 from .._sharding import StageLayout, cut_range
 from ._boxes import Box, piece_box
@@ -179,21 +179,30 @@ class Ranks:
         return all_gather_json(self.topology, self.topology.data_group, value, self.timeout, what)
 
 
+@dataclass(frozen=True)
+class _Report(Status):
+    """What a rank tells the others in ``agree``."""
+
+    error: str | None  # the first line of its error (``None``: it did not fail)
+    value: dict[str, Any]  # what it has to say when it did not (JSON)
+
+
 def agree(ranks: Ranks, problem: BaseException | None, value: dict[str, Any], what: str) -> list[Any]:
     """All-gather ``value`` and an error flag; raise ``problem`` here, and elsewhere an error that
-    names each failed rank with the first line of its error (which names the file, for a read)."""
-    error = None if problem is None else _first_line(problem)
-    statuses = ranks.gather({**value, "error": error}, f"the other ranks to finish {what}")
+    names each failed rank with the first line of its error (which names the file, for a read).
+    Every rank's ``value``, in ``Ranks.gather``'s order."""
+    mine = _Report(None if problem is None else _first_line(problem), value).to_json()
+    reports = [_Report.from_json(r) for r in ranks.gather(mine, f"the other ranks to finish {what}")]
     if problem is not None:
         raise problem
-    failed = [(ranks.name(r), st["error"]) for r, st in enumerate(statuses) if st["error"] is not None]
+    failed = [(ranks.name(r), report.error) for r, report in enumerate(reports) if report.error is not None]
     if failed:
         said = "; ".join(f"rank {name}: {text}" for name, text in failed)
         raise RuntimeError(
             f"fpipe.{ranks.function}: rank(s) [{', '.join(name for name, _ in failed)}] failed while {what}; their "
             f"own errors say why ({said})."
         )
-    return statuses
+    return [report.value for report in reports]
 
 
 def _first_line(error: BaseException) -> str:

@@ -76,12 +76,12 @@ def test_a_receive_goes_ahead_in_stream_order_only_if_no_send_to_its_peer_comes_
 def test_a_recorded_timeline_gathers_each_ranks_own_row(monkeypatch: pytest.MonkeyPatch) -> None:
     program = GPipe(2).program(2)
     mine = simulate(program)  # rank 1 measured its own row; rank 0's row here is not its measure
-    theirs = [[[10.0, 11.0, 12.0, 13.0], [10.5, 11.5, 12.5, 13.5]], None]
+    theirs = [{"starts": [10.0, 11.0, 12.0, 13.0], "ends": [10.5, 11.5, 12.5, 13.5]}, None]
     calls = []
 
     def all_gather_json(topology: Any, group: Any, value: Any, timeout: float, what: str) -> list[Any]:
         calls.append((group, timeout, what))
-        return [theirs[0], [list(value[0]), list(value[1])]]
+        return [theirs[0], {"starts": list(value["starts"]), "ends": list(value["ends"])}]  # as JSON by name
 
     monkeypatch.setattr(_transport, "all_gather_json", all_gather_json)
     topology: Any = SimpleNamespace(rank=1, group="pp")

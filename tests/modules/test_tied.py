@@ -73,7 +73,7 @@ def test_errors() -> None:
         fpipe.sum_tied([{"a": torch.ones(1)}, torch.ones(1)])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"with group=, pass params="):
         fpipe.sum_tied([{"a": torch.ones(1)}], group=object())
-    with pytest.raises(ValueError, match=r"params has 1 stage but grads has 2"):
+    with pytest.raises(ValueError, match=r"params has 1 entry but grads has 2 stages"):
         fpipe.sum_tied([{}, {}], params=[{}])
 
 

@@ -26,7 +26,8 @@ def test_one_process_is_one_rank_that_gathers_itself() -> None:
 
 def test_agree_raises_the_problem_here() -> None:
     ranks = Ranks("save", None, 1.0)
-    assert agree(ranks, None, {"bytes": 3}, "writing") == [{"bytes": 3, "error": None}]
+    # each rank's value: its error travels beside it (``_Report``), not among its keys
+    assert agree(ranks, None, {"bytes": 3}, "writing") == [{"bytes": 3}]
     with pytest.raises(OSError, match="disk full"):
         agree(ranks, OSError("disk full"), {}, "writing")
 
