@@ -110,7 +110,7 @@ BATCH_DIMS = {"tokens": 0, "positions": 0, "targets": 0, "freqs_cis": None}
 #
 # The helpers do nothing to plain tensors, so the same functions are the one-process model. torch's
 # parallelize_module (ColwiseParallel, RowwiseParallel) does the same to nn.Linear modules (see
-# tests/tensor_parallel/test_tensor_parallel.py); this model has no modules, so its weights are placed by hand.
+# tests/saving/_tensor_parallel_saves.py); this model has no modules, so its weights are placed by hand.
 
 
 def local(w):

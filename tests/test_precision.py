@@ -3,6 +3,8 @@
 The accuracy claim is measured against a float64 reference; every other result is compared bitwise:
 across schedules, with a hand-written loop (cast, per-microbatch autograd, sum in float32 in
 microbatch order), with the run without a policy, and on two gloo ranks against one process.
+Loss scaling with tensor parallelism (pp 2 x tp 2, dp 2 x tp 2) skips a step on every rank when one
+tensor-parallel rank's piece of a gradient overflows (the model: tests/_tensor_parallel_llama.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 
 import fpipe
 from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1
+from tests import _tensor_parallel_llama as llama
 from tests._multiprocess import run_ranks
 from tests.conformance import CONFORMANCE
 
@@ -533,3 +536,158 @@ def test_float8_parameters_compute_in_bfloat16_with_float32_sums() -> None:
     assert torch.equal(loss8, loss16) and grads8[0]["w"].dtype == F32
     for g8, g16 in zip(grads8, grads16, strict=True):
         assert all(torch.equal(g8[k], g16[k]) for k in g16)
+
+
+# -- Loss scaling with tensor parallelism (the model: tests/_tensor_parallel_llama.py) --
+
+
+def _loss_scaled(rank, world, schedules):
+    """pp 2 x tp 2 under ``llama.SCALED``: 4 steps per schedule, the third with an ``inf`` in the gradient
+    of stage 0's ``w1`` on tp rank 1 only (global rank 2); per schedule and step the loss, full grads,
+    ``step.loss_scale``, ``step.last_skipped`` and whether this rank's local pieces were finite."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "pp"))
+    overflow = [False]
+
+    def first(p, mb):
+        if overflow[0] and mesh.get_local_rank("tp") == 1:
+            p = {**p, "w1": llama._infinite_grad(p["w1"])}
+        return llama._first(p, mb)
+
+    out = []
+    for schedule in schedules:
+        step = fpipe.pipeline(
+            llama._loss, [first, llama._last], schedule, mesh=mesh, timeout=60, precision=llama.SCALED
+        )
+        params = [
+            llama._distribute(p, mesh["tp"]) if s in step.local_stages else None
+            for s, p in enumerate(llama._float32(llama._params(2)))
+        ]
+        steps = []
+        for i in range(4):
+            overflow[0] = i == llama.OVERFLOW_STEP
+            loss, grads = step(params, llama._batch(10) if step.rank == 0 else None)
+            full = [llama._full(grads[s]) if s in step.local_stages else None for s in range(2)]
+            finite = all(
+                bool(torch.isfinite(llama._local(g)).all()) for s in step.local_stages for g in grads[s].values()
+            )
+            steps.append((step.local_stages, loss, full, step.loss_scale, step.last_skipped, finite))
+        out.append(steps)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_float16_loss_scaling_with_tensor_parallel():
+    """pp 2 x tp 2, GPipe and 1F1B under ``llama.SCALED``: the float16 step equals the reference to float16
+    rounding, bitwise across schedules and tp ranks; the scale moves alike on every rank, and an
+    ``inf`` in one tensor-parallel rank's piece of a gradient makes all 4 ranks skip the step."""
+    results = run_ranks(4, _loss_scaled, [GPipe(3), OneFOneB(3)], timeout=120)
+    first_steps = [[(*steps[0][:3], None) for steps in r] for r in results]
+    llama._check_mixed(first_steps, 2, torch.float16, (llama.SCALED_LOSS_RTOL, llama.SCALED_GRADS_RTOL))
+    S = llama.SCALING.init
+    states = [(S, 1), (2 * S, 0), (S, 0), (S, 1)]  # after each step; the third is skipped
+    for rank, r in enumerate(results):
+        for steps in r:
+            assert [(st.scale, st.good_steps) for _, _, _, st, _, _ in steps] == states, rank
+            assert [skipped for *_, skipped, _ in steps] == [i == llama.OVERFLOW_STEP for i in range(4)], rank
+            # only global rank 2 (tp 1, pp 0) saw an inf in its own pieces
+            assert [finite for *_, finite in steps] == [i != llama.OVERFLOW_STEP or rank != 2 for i in range(4)], rank
+            _, loss0, grads0, _, _, _ = steps[0]
+            for i, (local_stages, loss, grads, _, _, _) in enumerate(steps):
+                assert torch.equal(loss, loss0), (rank, i)  # the loss is never scaled
+                finite = [all(torch.isfinite(g).all() for g, _, _ in grads[s].values()) for s in local_stages]
+                if i == llama.OVERFLOW_STEP:  # stage 0's full w1: inf in tp rank 1's half
+                    assert finite == [s != 0 for s in local_stages], (rank, i)
+                else:  # the same grads at scale 2**10 or 2**11 (a power of two, no underflow)
+                    assert all(
+                        torch.equal(g, grads0[s][k][0]) for s in local_stages for k, (g, _, _) in grads[s].items()
+                    ), (rank, i)
+
+
+def _loss_scaled_data_parallel(rank, world):
+    """dp 2 x pp 1 x tp 2 under ``llama.SCALED``, replicated then with ``shard_params=True``: 4 steps each,
+    the third with an ``inf`` in the first element of the gradient of stage 0's ``w1`` on dp replica 1's
+    tp rank 1 only (global rank 3); per mode and step the loss, full grads (``unshard``-ed), ``step.loss_scale``,
+    ``step.last_skipped``, whether this rank's own grads (pieces or shards) were finite, and (sharded)
+    whether they were the shards of the replicated run's, bitwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "pp", "tp"))
+    replica = mesh.get_local_rank("dp")
+    overflow = [False]
+
+    def first(p, mb):
+        if overflow[0] and replica == 1 and mesh.get_local_rank("tp") == 1:
+            p = {**p, "w1": llama._infinite_grad(p["w1"], first_only=True)}
+        return llama._first(p, mb)
+
+    params = [llama._distribute(p, mesh["tp"]) for p in llama._float32(llama._params(2))]
+    batch = llama._batch(10 + replica)
+    out, plain_grads = {}, []
+    for shard_params in (False, True):
+        step = fpipe.pipeline(
+            llama._loss,
+            [first, llama._last],
+            OneFOneB(3),
+            mesh=mesh,
+            timeout=60,
+            precision=llama.SCALED,
+            shard_params=shard_params,
+        )
+        inputs = step.shard(params) if shard_params else params
+        steps = []
+        for i in range(4):
+            overflow[0] = i == llama.OVERFLOW_STEP
+            loss, grads = step(inputs, batch)
+            finite = all(bool(torch.isfinite(llama._local(g)).all()) for tree in grads for g in tree.values())
+            if shard_params:
+                bitwise = llama._same(grads, [fpipe.shard(tree, mesh) for tree in plain_grads[i]])
+                grads = step.unshard(grads)
+            else:
+                bitwise = None
+                plain_grads.append(grads)
+            full = [{k: g for k, (g, _, _) in llama._full(tree).items()} for tree in grads]
+            steps.append((loss, full, step.loss_scale, step.last_skipped, finite, bitwise))
+        out[shard_params] = steps
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_float16_loss_scaling_with_data_parallel_times_tensor_parallel():
+    """dp 2 x pp 1 x tp 2 under ``llama.SCALED``, replicated and with ``shard_params=True``: an ``inf`` in one
+    replica's one tensor-parallel rank's piece of a gradient makes all 4 ranks skip that step and only
+    that one, the scale moves alike on every rank, and the good steps equal the float64 reference
+    averaged over the replicas to float16 rounding (sharded: the replicated run's grads' shards)."""
+    results = run_ranks(4, _loss_scaled_data_parallel, timeout=120)
+    refs = [llama._reference(2, llama._batch(10 + r)) for r in range(2)]
+    ref_loss = float(refs[0][0] + refs[1][0]) / 2  # the step's loss is the replicas' mean
+    ref = torch.cat([((refs[0][1][s][k] + refs[1][1][s][k]) / 2).reshape(-1) for s in range(2) for k in refs[0][1][s]])
+    S = llama.SCALING.init
+    states = [(S, 1), (2 * S, 0), (S, 0), (S, 1)]  # after each step; the third is skipped
+    for rank, r in enumerate(results):  # global rank = 2 * dp + tp
+        for shard_params, steps in r.items():
+            where = (rank, shard_params)
+            assert [(st.scale, st.good_steps) for _, _, st, _, _, _ in steps] == states, where
+            assert [skipped for _, _, _, skipped, _, _ in steps] == [i == llama.OVERFLOW_STEP for i in range(4)], where
+            # the inf reached the tp-1 ranks of both replicas (summed over dp), never the tp-0 ranks; sharded,
+            # only the shard holding the piece's first element (dp 0's): rank 1 alone saw it
+            saw = rank == 1 if shard_params else rank % 2 == 1
+            assert [finite for *_, finite, _ in steps] == [i != llama.OVERFLOW_STEP or not saw for i in range(4)], where
+            if shard_params:
+                assert all(bitwise for *_, bitwise in steps), where
+            loss0, grads0 = steps[0][:2]
+            assert loss0.dtype == torch.float16
+            assert abs(float(loss0) - ref_loss) <= llama.SCALED_LOSS_RTOL * ref_loss, where
+            d_all = torch.cat([grads0[s][k].double().reshape(-1) for s in range(2) for k in refs[0][1][s]])
+            assert all(g.dtype == torch.float32 for tree in grads0 for g in tree.values()), where
+            error = float((d_all - ref).norm() / ref.norm())
+            assert error <= llama.SCALED_GRADS_RTOL, (where, error)
+            for i, (loss, grads, _, _, _, _) in enumerate(steps):
+                assert torch.equal(loss, loss0), (where, i)  # the loss is never scaled
+                if i == llama.OVERFLOW_STEP:  # stage 0's full w1 (16 x 8): inf at the first element of tp rank 1's half
+                    assert (~torch.isfinite(grads[0]["w1"])).nonzero().tolist() == [[llama.HIDDEN // 2, 0]], where
+                else:  # the same grads at scale 2**10 or 2**11 (a power of two, no underflow)
+                    assert llama._same(grads, grads0), (where, i)
+        for i in range(4):  # the replicated and the sharded runs' full grads, bitwise
+            assert llama._same(r[False][i][1], r[True][i][1]), (rank, i)

@@ -1,6 +1,6 @@
 """Where a process sits (fpipe/_distributed/_topology.py): what ``resolve_topology`` refuses before
 any group exists (the rank's device: tests/test_devices.py; meshes of many ranks:
-tests/test_distributed.py, tests/tensor_parallel/test_tensor_parallel.py)."""
+tests/test_distributed.py, tests/tensor_parallel/test_end_to_end.py)."""
 
 from __future__ import annotations
 

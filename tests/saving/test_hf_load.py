@@ -29,6 +29,9 @@ from fpipe._saving._hf_load import read_range
 from fpipe._saving._store import MAX_HEADER_BYTES
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
+from tests.saving._tensor_parallel_saves import (
+    TP_PLAN,
+)
 from tests.saving.test_save import assert_bitwise, template
 
 pytest.importorskip("transformers")
@@ -412,3 +415,24 @@ def test_two_ranks_load_their_own_stages_and_shards_and_train_like_the_model(hf:
         "fpipe.load_hf: template[0]['model.embed_tokens.weight'] should be this rank's shard of a tensor of shape "
         "[17, 16], a 1-D tensor of 136 elements (got: shape [17, 16])."
     )
+
+
+# --- With tensor parallelism (tests/saving/_tensor_parallel_saves.py; its spawns: tests/saving/conftest.py) ---
+
+
+def test_load_hf_into_tensor_parallel_stages_reads_only_their_pieces(tp_saves: tuple[Path, list[Any], Any]) -> None:
+    _, results, model = tp_saves
+    hf = example()
+    results = [r["hf"] for r in results]
+    named = {n: p.detach() for n, p in model.named_parameters()}
+    _, params = fpipe.split_module(model, TWO, call=hf.CALL)
+    for result in results:
+        names = set(params[result["pp"]])
+        assert result["full"].keys() == names
+        for name, (tensor, placements) in result["full"].items():
+            assert_bitwise(tensor, named[name])
+            kind = next((v for k, v in TP_PLAN.items() if name.startswith(k.replace("*", name.split(".")[2]))), None)
+            assert placements == {"colwise": "(Shard(dim=0),)", "rowwise": "(Shard(dim=1),)", None: ""}[kind], name
+        # each rank read exactly the elements of its own pieces: half of each cut weight
+        assert result["read"] == result["local"]
+        assert sum(n for n in result["local"].values()) < sum(named[n].numel() for n in names)

@@ -245,3 +245,20 @@ def test_every_rank_writes_its_own_stages(hf: ModuleType, tmp_path: Path) -> Non
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "sharded"]
     assert_same_logits(tmp_path / "out", model, hf)
     assert_same_logits(tmp_path / "sharded", model, hf)
+
+
+# --- With tensor parallelism (tests/saving/_tensor_parallel_saves.py; its spawns: tests/saving/conftest.py) ---
+
+
+def test_save_hf_from_tensor_parallel_stages_loads_with_from_pretrained(tp_saves: tuple[Path, list[Any], Any]) -> None:
+    """The pp 2 x tp 2 stages that ``load_hf`` filled, exported by ``save_hf`` (each DTensor
+    gathered to tensor-parallel rank 0): ``from_pretrained`` gives the model's weights and logits."""
+    directory, _, model = tp_saves
+    out = directory / "hf_out"
+    assert_bitwise(dict(from_pretrained(out).state_dict()), dict(model.state_dict()))
+    assert_same_logits(out, model, example())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]

@@ -12,6 +12,13 @@ import torch
 
 import fpipe
 from fpipe._saving._load import Loaded, load_then
+from tests.saving._tensor_parallel_saves import (
+    _check_gathered,
+    _full,
+    _state,
+    _state_template,
+)
+from tests.saving.test_save import assert_bitwise, template
 
 F32 = torch.float32
 
@@ -87,3 +94,70 @@ def test_load_then_returns_what_then_makes_of_the_loaded_save(tmp_path: Path) ->
         timeout=5.0,
     )  # fmt: skip
     assert result == "made" and seen == [({"step": [1, 2]}, None)]  # no group: no topology
+
+
+# --- With tensor parallelism (tests/saving/_tensor_parallel_saves.py; its spawns: tests/saving/conftest.py) ---
+
+
+def test_a_tensor_parallel_save_reloads_bitwise_into_the_same_layout(tp_saves: tuple[Path, list[Any], Any]) -> None:
+    _, results, _ = tp_saves
+    full = _full()
+    for r in results:
+        params, state, metadata = r["same layout"]
+        _check_gathered(params, full, r["pp"])
+        _check_gathered([None if t is None else t["m"] for t in state], full, r["pp"], state=True)
+        assert [None if t is None else t["step"][0] for t in state] == [
+            torch.tensor(3) if s == r["pp"] else None for s in range(2)
+        ]
+        assert metadata == {"step": 3}
+        # Uneven pieces as torch.chunk cuts them: 5 rows as 3 and 2, 1 row as 1 and 0.
+        stage = params[r["pp"]]
+        assert stage[f"b{r['pp']}.odd"][3] == [[3, 3], [2, 3]][r["tp"]]
+        assert stage[f"b{r['pp']}.tiny"][3] == [[1, 4], [0, 4]][r["tp"]]
+        _check_gathered(r["after"], full, r["pp"])
+
+
+@pytest.mark.timeout(120)
+def test_a_tensor_parallel_save_loads_into_one_process_and_a_plain_save_into_tensor_parallel(
+    tp_saves: tuple[Path, list[Any], Any],
+) -> None:
+    directory, results, _ = tp_saves
+    full = _full()
+    loaded = fpipe.load(directory / "tp", template(full), optimizer_state=_state_template(template(full)))
+    assert_bitwise(loaded.params, full)
+    assert_bitwise(loaded.optimizer_state, _state(full))
+    merged = fpipe.load(directory / "tp", [{**template(full[0]), **template(full[1])}]).params[0]
+    assert_bitwise(merged, {**full[0], **full[1]})  # one stage: every name, the tied one once
+    for r in results:
+        _check_gathered(r["from plain"], full, r["pp"])
+        _check_gathered(r["async"], full, r["pp"])
+
+
+@pytest.mark.timeout(120)
+def test_sharded_tensor_parallel_saves_reload_bitwise_into_every_layout(
+    tp_sharded_saves: tuple[Path, list[Any]],
+) -> None:
+    directory, results = tp_sharded_saves
+    full = _full()
+    for r in results:
+        params, state, metadata = r["same layout"]
+        assert_bitwise(params, r["shards"])
+        assert_bitwise(state, r["state"])
+        assert metadata == {"step": 3}
+        tp_params, tp_state = r["tp layout"]
+        for s in (0, 1):
+            _check_gathered([t if i == s else None for i, t in enumerate(tp_params)], full, s)
+            _check_gathered([t if i == s else None for i, t in enumerate(tp_state)], full, s, state=True)
+        assert_bitwise(r["from plain"], r["shards"])
+        assert_bitwise(*r["dp 4"])
+        assert_bitwise(r["train state"][:2], (r["shards"], r["state"]))
+        assert r["train state"][2] == 5
+        assert_bitwise(r["async"], (r["shards"], r["state"]))
+        assert_bitwise(r["hf"], r["shards"])
+        assert r["hf read"] == {n: k for n, k in r["hf expected"].items() if k}
+    # the replicated run's params, bitwise: into one process, from the shards of every rank, and
+    # exported by save_hf (each DTensor's local piece gathered over dp, then over tp)
+    assert_bitwise(fpipe.load_hf(directory / "hf_out", template(full)), full)
+    loaded = fpipe.load(directory / "sharded", template(full), optimizer_state=_state_template(template(full)))
+    assert_bitwise(loaded.params, full)
+    assert_bitwise(loaded.optimizer_state, _state(full))

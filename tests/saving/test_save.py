@@ -26,6 +26,13 @@ from fpipe._saving._directory import INDEX, LATEST, LOCK
 from fpipe._saving._store import MAX_HEADER_BYTES
 from fpipe.schedules import Interleaved1F1B, OneFOneB
 from tests._multiprocess import exec_script, run_ranks, start_process
+from tests.saving._tensor_parallel_saves import (
+    PLACEMENTS,
+    _check_gathered,
+    _distribute,
+    _full,
+    _gathered,
+)
 
 LAYERS, D, V = 8, 4, 11
 
@@ -669,3 +676,183 @@ def test_malformed_indexes_say_which_field_is_wrong(hostile: tuple[Path, dict[st
     sharded["tensors"][FILE]["w"]["full_shape"] = [3]  # one piece of a tensor of 3: a valid index
     (version / INDEX).write_text(json.dumps(sharded))
     assert_bitwise(fpipe.load(version.parent, [{"w": torch.empty(3)}]).params, [{"w": torch.ones(3)}])
+
+
+# --- With tensor parallelism (tests/saving/_tensor_parallel_saves.py; its spawns: tests/saving/conftest.py) ---
+
+
+def test_each_rank_writes_and_reads_only_its_own_pieces(tp_saves: tuple[Path, list[Any], Any]) -> None:
+    directory, results, _ = tp_saves
+    root = directory / "tp"
+    version = root / (root / LATEST).read_text().strip()
+    index = json.loads((version / INDEX).read_text())
+    name = "model-rank-0000{}-of-00002-tp-0000{}-of-00002.safetensors"
+    files = {f: (i["rank"], i["tp"]) for f, i in index["files"].items() if f.startswith("model")}
+    assert files == {name.format(p, t): (p, t) for p in (0, 1) for t in (0, 1)}
+    for p in (0, 1):
+        for t in (0, 1):
+            with safe_open(version / name.format(p, t), "pt") as f:
+                shapes = {n: list(f.get_slice(n).get_shape()) for n in f.keys()}  # noqa: SIM118
+            # the pieces of this (pp, tp); whole tensors (norms, biases) once, by tp 0; the tied
+            # parameter by pipeline rank 0 only
+            expected = {f"b{p}.wq": [4, 8], f"b{p}.wo": [8, 4], f"b{p}.odd": [[3, 3], [2, 3]][t]}
+            expected |= {f"b{p}.col": [[3, 3], [3, 2]][t], f"b{p}.tiny": [[1, 4], [0, 4]][t]}
+            expected |= {f"b{p}.norm": [8], f"bias{p}": [3]} if t == 0 else {}
+            expected |= {"tied": [[4, 4], [3, 4]][t]} if p == 0 else {}
+            assert shapes == expected, (p, t)
+    assert index["weight_map"]["b1.norm"] == name.format(1, 0)
+    assert index["weight_map"]["b1.odd"] == [name.format(1, 0), name.format(1, 1)]
+    piece = index["tensors"][name.format(1, 1)]["b1.odd"]
+    assert piece["offset"] == [3, 0] and piece["shape"] == [2, 3] and piece["full_shape"] == [5, 3]
+    assert index["weight_map"]["tied"] == [name.format(0, 0), name.format(0, 1)]
+    for r in results:  # the same layout reads exactly its own pieces, each once (none if empty)
+        mine = {k: _local_numel(k, v, r["tp"]) for k, v in _full()[r["pp"]].items()}
+        expected = {k: n for k, n in mine.items() if n} | {f"m.{k}": n for k, n in mine.items() if n} | {"step": 1}
+        assert r["read"] == expected
+
+
+def _local_numel(name: str, t: torch.Tensor, tp: int) -> int:
+    """The elements of ``t`` that tensor-parallel rank ``tp`` of 2 holds (torch.chunk's pieces)."""
+    p = PLACEMENTS.get(name.split(".")[-1])
+    if p is None or p[0] == "Replicate":
+        return t.numel()
+    n = t.shape[p[1]]
+    c = -(-n // 2)
+    return t.numel() // n * max(0, min(n, (tp + 1) * c) - tp * c)
+
+
+@pytest.mark.timeout(120)
+def test_bad_tensor_parallel_saves_fail_on_every_rank(tp_saves: tuple[Path, list[Any], Any]) -> None:
+    for r in tp_saves[1]:
+        errors = r["errors"]
+        # bias0 is the first name checked, the same on every rank
+        assert (
+            "ValueError: fpipe.save: params[0]['bias0'] differs between tensor-parallel ranks (rank 0: "
+            in (errors["differ"])
+        )
+        assert "; rank 0 tp 1: sha256 " in errors["differ"]
+        if (r["pp"], r["tp"]) == (1, 1):
+            assert (
+                "params[1]['b1.norm'] is a DTensor on a mesh that is not this rank's tensor-parallel"
+                in (errors["wrong mesh"])
+            )
+        else:
+            assert "RuntimeError: fpipe.save: rank(s) [1 (tp 1)] failed while naming their" in errors["wrong mesh"]
+        assert (
+            "the pieces of 'tied' held by params[0]['tied'] (rank 0), params[0]['tied'] (rank 0 tp 1)"
+            in (errors["other layout"])
+        )
+        assert "do not cover its shape [7, 4] exactly once: they cover 56 of its 28 elements" in errors["other layout"]
+        b = f"b{r['pp']}"
+        assert (
+            f"ValueError: fpipe.save: params[{r['pp']}]['{b}.col'] is a DTensor but the save has no tensor-"
+            in (errors["no tp"])
+        )
+        assert (
+            f"TypeError: fpipe.save: params[{r['pp']}]['{b}.wq'] is a DTensor with placement Partial"
+            in (errors["partial"])
+        )
+        assert (
+            "have the same name 'tied' but different dtypes or shapes (float64[7, 4] vs float64[6, 4])"
+            in (errors["other shape"])
+        )
+        assert (
+            f"ValueError: fpipe.load: template[{r['pp']}]['{b}.wq'] is a DTensor whose local piece has shape "
+            in (errors["odd piece"])
+        )
+        assert (
+            "[2, 8], but its placements [Shard(dim=0)] cut shape [8, 8] into pieces of shape [4, 8]"
+            in (errors["odd piece"])
+        )
+        assert (
+            "ValueError: fpipe.save_hf: the tensor-parallel ranks of pipeline rank 0 hold different leaves (rank 0 "
+            "(tp 0): params[0]['bias0']: a Tensor float64[3] sha256 " in errors["save_hf differ"]
+        )
+        if (r["pp"], r["tp"]) == (1, 1):
+            assert (
+                "ValueError: fpipe.save_hf: params[1]['b1.norm'] is a DTensor on a mesh that is not this rank's "
+                "tensor-parallel sub-mesh" in errors["save_hf wrong mesh"]
+            )
+        else:
+            assert (
+                "RuntimeError: fpipe.save_hf: rank(s) [1 (tp 1)] failed while checking their DTensors"
+                in errors["save_hf wrong mesh"]
+            )
+        assert not (tp_saves[0] / "hf bad").exists()
+
+
+def _three_dimensions(rank: int, world: int, directory: str) -> tuple[int, list[Any]]:
+    """dp 2 x pp 2 x tp 2: the first replica's ranks write, the other replica waits; all load."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    pp = mesh.get_coordinate()[1]
+    full = _full()
+    params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
+    fpipe.save(directory, params, mesh=mesh)
+    meta = [_distribute(template(p), mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
+    return pp, _gathered(fpipe.load(directory, meta, mesh=mesh).params)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_data_times_pipeline_times_tensor_parallel_saves(tmp_path: Path) -> None:
+    results = run_ranks(8, _three_dimensions, str(tmp_path), timeout=200)
+    full = _full()
+    for pp, gathered in results:
+        _check_gathered(gathered, full, pp)
+    index = json.loads((tmp_path / (tmp_path / LATEST).read_text().strip() / INDEX).read_text())
+    assert sorted((f["rank"], f["tp"]) for f in index["files"].values()) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_bitwise(fpipe.load(tmp_path, template(full)).params, full)
+
+
+@pytest.mark.timeout(120)
+def test_each_sharded_tensor_parallel_rank_writes_and_reads_its_own_shards(
+    tp_sharded_saves: tuple[Path, list[Any]],
+) -> None:
+    directory, results = tp_sharded_saves
+    root = directory / "sharded"
+    version = root / (root / LATEST).read_text().strip()
+    index = json.loads((version / INDEX).read_text())
+    name = "model-rank-00000-of-00001-dp-0000{}-of-00002-tp-0000{}-of-00002.safetensors"
+    files = {f: (i["replica"], i["tp"]) for f, i in index["files"].items() if f.startswith("model")}
+    assert files == {name.format(q, t): (q, t) for q in (0, 1) for t in (0, 1)}
+    # b0.odd: 5 x 3 by rows over tp 2 (3 and 2 rows), each piece cut in 2 flat shards over dp
+    assert index["weight_map"]["b0.odd"] == [name.format(q, t) for t in (0, 1) for q in (0, 1)]
+    piece = index["tensors"][name.format(1, 1)]["b0.odd"]
+    assert piece == {
+        **piece,
+        "shard": [1, 2],
+        "offset": [3, 0],
+        "box_shape": [2, 3],
+        "shape": [3],
+        "full_shape": [5, 3],
+    }
+    # a plain tensor and a Replicate DTensor: flat shards of the whole tensor, written by tp 0
+    assert index["weight_map"]["b0.norm"] == [name.format(q, 0) for q in (0, 1)]
+    assert "offset" not in index["tensors"][name.format(0, 0)]["b0.norm"]
+    for r in results:  # the same layout reads exactly its own shards, each once
+        with safe_open(version / name.format(r["dp"], r["tp"]), "pt") as f:
+            mine = {n: f.get_slice(n).get_shape()[0] for n in f.keys()}  # noqa: SIM118
+        shards = {n: t.numel() for p in r["shards"] for n, t in p.items()}
+        nonempty = {n: k for n, k in shards.items() if k}
+        assert r["read"] == nonempty | {f"m.{n}": k for n, k in nonempty.items()} | {"step": 1}
+        assert all(mine[n] == shards[n] for n in mine)
+
+
+@pytest.mark.timeout(120)
+def test_bad_sharded_tensor_parallel_saves_fail_on_every_rank(tp_sharded_saves: tuple[Path, list[Any]]) -> None:
+    for rank, r in enumerate(tp_sharded_saves[1]):
+        errors = r["errors"]
+        if rank == 3:
+            assert (
+                "ValueError: fpipe.save: params[0]['b0.wq'] should be this rank's shard of the local piece (shape "
+                "[4, 8]) of a tensor of shape [8, 8], a 1-D tensor of 16 elements (got: shape [4, 8])"
+                in errors["full here"]
+            )
+        else:
+            assert "RuntimeError: fpipe.save: rank(s) [0 (dp 1 tp 1)] failed while naming" in errors["full here"]
+        assert (
+            "ValueError: fpipe.load: template[0]['b0.col'] should be this rank's shard of the local piece (shape "
+            f"{[[3, 3], [3, 2]][r['tp']]}) of a tensor of shape [3, 5]" in errors["unsharded template"]
+        )

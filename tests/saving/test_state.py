@@ -24,6 +24,10 @@ import fpipe.optim
 from fpipe._saving._directory import INDEX, LATEST
 from tests import _resume_run
 from tests._multiprocess import free_port, run_processes, run_ranks
+from tests.saving._tensor_parallel_saves import (
+    _check_gathered,
+    _full,
+)
 
 STEPS, EVERY = 12, 3
 KILL_AT = random.Random(14).randint(EVERY + 1, STEPS - 1)  # the step the killed run dies before
@@ -297,3 +301,15 @@ def test_a_load_fails_on_every_rank_when_one_ranks_file_is_bad(tmp_path: Path) -
         assert own_kept and other_kept, case  # no generator restored anywhere
     assert results[1]["template"][0].startswith("TypeError: fpipe.load: template must be a list")
     assert results[0]["template"][0].startswith("RuntimeError: fpipe.load_state: rank(s) [1] failed while reading")
+
+
+# --- With tensor parallelism (tests/saving/_tensor_parallel_saves.py; its spawns: tests/saving/conftest.py) ---
+
+
+def test_save_state_round_trips_with_tensor_parallel(tp_saves: tuple[Path, list[Any], Any]) -> None:
+    full = _full()
+    for r in tp_saves[1]:
+        params, state, number, metadata = r["state"]
+        _check_gathered(params, full, r["pp"])
+        _check_gathered([None if t is None else t["m"] for t in state], full, r["pp"], state=True)
+        assert (number, metadata) == (5, {"at": 1})

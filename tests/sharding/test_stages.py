@@ -5,6 +5,8 @@ mesh with 4 stages (interleaved 1F1B: two stages per rank, so a second stage's a
 flight while the first one computes), then a 4 x 1 mesh (4 shards), the error cases and a
 failing replica. Parameters have leaves that do not divide by the data-parallel size, a scalar
 (fewer elements than shards), an empty tensor, a complex, a float32, an int64 and a string leaf.
+Another spawn shards the DTensor parameters of tensor-parallel stages (dp 2 x pp 1 x tp 2, the model
+of tests/_tensor_parallel_llama.py) by their local pieces.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from fpipe._run import segments
 from fpipe._sharding._layout import LeafLayout, StageLayout, cut, layout_of
 from fpipe.schedules import Interleaved1F1B, OneFOneB
 from tests._multiprocess import run_ranks
+from tests._tensor_parallel_llama import _check_sharded, _sharded
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -446,3 +449,11 @@ def test_regather_is_bitwise_and_frees_between_actions(ranks, name):
 def test_regather_needs_sharding():
     with pytest.raises(ValueError, match="regather=True re-gathers sharded parameters"):
         fpipe.pipeline(_loss, [_stage], OneFOneB(2), regather=True)
+
+
+@pytest.mark.timeout(240)
+def test_sharded_data_parallel_times_tensor_parallel():
+    """dp 2 x pp 1 x tp 2 (both stages on the one pipeline rank, interleaved): shard_params=True
+    gives the shards of the replicated run's grads bitwise, and the reference to rounding."""
+    results = run_ranks(4, _sharded, ("dp", "pp", "tp"), (2, 1, 2), OneFOneB(3), 2, timeout=180)
+    _check_sharded(results, 2, replicas=2)

@@ -1,7 +1,7 @@
 """DTensor leaves (fpipe/_tensor_parallel/_dtensor.py): placements as plain data, a DTensor's description and
 rebuild around its local piece without communication, copies that keep a ``Partial`` sum
 partial, and each rank's share of a squared norm. On a one-rank mesh in this process (tensor
-parallelism over many ranks: tests/tensor_parallel/test_tensor_parallel.py)."""
+parallelism over many ranks: tests/tensor_parallel/test_end_to_end.py)."""
 
 from __future__ import annotations
 
