@@ -70,14 +70,6 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
             )
         each = [split(mb, 1, batch_dims) for mb in batch.microbatches]
         return [mbs[0] for mbs, _ in each], [sizes[0] for _, sizes in each]
-    if type(batch) is torch.Tensor and type(batch_dims) is int and -batch.dim() <= batch_dims < batch.dim():
-        size = batch.shape[batch_dims]
-        if size >= num_microbatches:  # the usual batch, one tensor: the general path without pytree calls
-            pieces = list(torch.tensor_split(detached(batch), num_microbatches, dim=batch_dims))
-            if batch_dims % batch.dim() or boundary_layout(batch) is not batch:  # else so are its rows
-                pieces = [boundary_layout(piece) for piece in pieces]
-            q, r = divmod(size, num_microbatches)  # the sizes of tensor_split's pieces
-            return pieces, [q + 1] * r + [q] * (num_microbatches - r)
     leaves, spec = flatten(batch)  # key paths only for an error (``_paths``): they cost more than the split
     try:
         # One int (or None) for every leaf, the default, needs no matching against the batch.
@@ -132,15 +124,19 @@ def split(batch: PyTree, num_microbatches: int, batch_dims: PyTree) -> tuple[lis
         )
     # Each leaf's column: its pieces, or the leaf itself in every microbatch; a row of them is a microbatch.
     columns = [
-        [leaf] * num_microbatches
-        if d is None
-        else [boundary_layout(piece) for piece in torch.tensor_split(leaf, num_microbatches, dim=d)]
+        [leaf] * num_microbatches if d is None else _pieces(leaf, num_microbatches, d)
         for leaf, d in zip(leaves, split_dims)
     ]
-    microbatches = [unflatten(spec, row) for row in zip(*columns)]
-    first, dim = next((k, d) for k, d in enumerate(split_dims) if d is not None)
-    sizes = [piece.shape[dim] for piece in columns[first]]
-    return microbatches, sizes
+    q, r = divmod(size, num_microbatches)  # the sizes of tensor_split's pieces
+    return [unflatten(spec, row) for row in zip(*columns)], [q + 1] * r + [q] * (num_microbatches - r)
+
+
+def _pieces(leaf: torch.Tensor, num_microbatches: int, dim: int) -> list[torch.Tensor]:
+    """``leaf`` cut along ``dim`` into ``num_microbatches`` pieces, each laid out for the boundary."""
+    pieces = list(torch.tensor_split(leaf, num_microbatches, dim=dim))
+    if dim == 0 and boundary_layout(leaf) is leaf:  # the usual batch: its rows are laid out already
+        return pieces
+    return [boundary_layout(piece) for piece in pieces]
 
 
 def _paths(batch: PyTree) -> list[str]:

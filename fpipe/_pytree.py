@@ -34,6 +34,12 @@ _OPTIONS: dict[str, Any] = {"none_is_leaf": _NONE_IS_LEAF}
 # for a plain tensor: every "one tensor, no loop" shortcut of the stage (its inputs, its outputs
 # that carry the graph, moving a microbatch to its device) is ``tensor_map``, whose answer for a
 # plain tensor equals its general path's (``_tensor_map``) bit for bit (tests/test_pytree.py).
+# Its one sibling, ``scatter``, places a backward's input cotangents: for one input, no loop, and
+# bitwise its general path's (``_scatter``). Neither the stage nor microbatching keeps a shortcut of its own: the
+# stage's ``_seeds`` loops over its one graph output, and ``split`` (fpipe/_microbatch.py) cuts a
+# plain tensor on the general path, which skips laying out the rows of a laid-out batch; both
+# shortcuts they had cost nothing measurable to drop (notes/benchmarks.md, "one-tensor fast paths
+# folded": the split adds about 4 us per step for 8 microbatches, 0.3 us per action of 1 x 8).
 def flatten(tree: PyTree) -> tuple[list[Any], TreeSpec]:
     """Leaves (in optree's order) and the structure of ``tree`` (NOTE [one-tensor fast path])."""
     # The option goes by keyword, not ``**_OPTIONS`` (unpacking a dict costs a third of a flatten).
@@ -90,6 +96,38 @@ def _tensor_map(
                 index.append(k)
                 kept.append(leaves[k])
     return leaves, spec, index, kept
+
+
+def scatter(
+    fn: Callable[[Any], torch.Tensor | None], index: Sequence[int], values: Sequence[Any], size: int
+) -> list[torch.Tensor | None]:
+    """``size`` leaves, ``None`` but at the positions ``index``, where ``fn`` of each of ``values``
+    goes (a ``None`` value stays ``None``).
+
+    Conceptually::
+
+        out = [None] * size
+        for k, v in zip(index, values):
+            if v is not None: out[k] = fn(v)
+        return out
+
+    which it is, but for one value in one position (NOTE [one-tensor fast path]): no loop.
+    """
+    if size == 1 and len(values) == 1:  # then ``index`` is ``(0,)``; a stage's one input, once per backward
+        value = values[0]
+        return [None if value is None else fn(value)]
+    return _scatter(fn, index, values, size)
+
+
+def _scatter(
+    fn: Callable[[Any], torch.Tensor | None], index: Sequence[int], values: Sequence[Any], size: int
+) -> list[torch.Tensor | None]:
+    """``scatter``'s general path."""
+    out: list[torch.Tensor | None] = [None] * size
+    for k, value in zip(index, values):
+        if value is not None:
+            out[k] = fn(value)
+    return out
 
 
 def leaves_with_paths(tree: PyTree) -> tuple[list[str], list[Any], TreeSpec]:

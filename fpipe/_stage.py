@@ -86,6 +86,7 @@ from ._pytree import (
     is_differentiable,
     leaves_with_paths,
     map_tensors,
+    scatter,
     tensor_map,
     unflatten,
 )
@@ -426,11 +427,6 @@ class StageRun:
         """The outputs that carry a graph and a cotangent, and those cotangents."""
         if pullback.replay is not None:
             self._replay(pullback)
-        if len(pullback.outputs) == 1:  # the usual case, one output with a graph: no loop (once per action)
-            out, cot = pullback.outputs[0], cotangents[pullback.output_index[0]]
-            if cot is None:
-                return [], []
-            return [out], [cot if cot.device == out.device else cot.to(out.device)]
         outputs, grad_outputs = [], []
         for k, out in zip(pullback.output_index, pullback.outputs):
             cot = cotangents[k]
@@ -441,11 +437,7 @@ class StageRun:
 
     def _input_cotangents(self, pullback: Pullback, grads: Sequence[torch.Tensor | None]) -> Grads:
         """One cotangent per input leaf, in one layout whichever backward made it (NOTE [boundary layout])."""
-        input_cotangents: Grads = [None] * pullback.num_inputs
-        for k, g in zip(pullback.input_index, grads):
-            if g is not None:
-                input_cotangents[k] = boundary_layout(g)
-        return input_cotangents
+        return scatter(boundary_layout, pullback.input_index, grads, pullback.num_inputs)
 
     def backward(self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None], microbatch: int) -> Grads:
         """The fused backward: pull ``cotangents`` (one per output leaf, ``None`` for none) back.
@@ -471,15 +463,7 @@ class StageRun:
                 self._grads.own()
         self._grads.accumulated(microbatch)
         # The input leaves are this call's own detached copies: their ``.grad`` is the cotangent.
-        if pullback.num_inputs == 1 and inputs:  # the usual case, one input leaf: no loop (once per action)
-            g = inputs[0].grad
-            return [None if g is None else boundary_layout(g)]
-        input_cotangents: Grads = [None] * pullback.num_inputs
-        for k, x in zip(pullback.input_index, inputs):
-            g = x.grad
-            if g is not None:
-                input_cotangents[k] = boundary_layout(g)
-        return input_cotangents
+        return scatter(_accumulated_cotangent, pullback.input_index, inputs, pullback.num_inputs)
 
     def backward_input(self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None]) -> Grads:
         """The input half of a split backward (NOTE [split backward]); ``backward_weight`` finishes it."""
@@ -527,6 +511,12 @@ def replaying() -> bool:
     microbatch, in the forward, and not again in the replay.
     """
     return _REPLAYING.get()
+
+
+def _accumulated_cotangent(x: torch.Tensor) -> torch.Tensor | None:
+    """The cotangent the engine accumulated into the input leaf ``x``, laid out (NOTE [boundary layout])."""
+    g = x.grad
+    return None if g is None else boundary_layout(g)
 
 
 def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], Sequence[int]]:

@@ -12,6 +12,7 @@ from test_transparency import assert_close, reference
 
 import fpipe
 from fpipe._microbatch import split, stack
+from fpipe._pytree import boundary_layout
 from fpipe.schedules import OneFOneB
 
 
@@ -179,3 +180,42 @@ def test_a_plain_tensor_splits_bitwise_as_the_general_path(make: Any, dim: int) 
     assert fast_sizes == sizes == [3, 3, 2, 2]
     for a, b in zip(fast, general, strict=True):
         assert torch.equal(a, b["x"]) and a.stride() == b["x"].stride() and a.is_contiguous()
+
+
+@given(
+    st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    st.integers(-3, 2),
+    st.integers(1, 6),
+    st.sampled_from(["contiguous", "transposed", "conj", "neg", "sliced"]),
+    st.sampled_from([torch.float64, torch.complex128, torch.int64]),
+)
+def test_a_plain_tensors_split_is_the_general_path_bitwise(
+    shape: list[int], dim: int, num_microbatches: int, layout: str, dtype: torch.dtype
+) -> None:
+    """A plain tensor takes no shortcut of its own (NOTE [one-tensor fast path] in fpipe/_pytree.py):
+    its pieces are bitwise, stride for stride, the general path's on a dict and tensor_split's
+    pieces laid out; a laid-out batch's rows (dim 0) are passed on as tensor_split's views."""
+    batch = torch.arange(float(torch.Size(shape).numel()), dtype=torch.float64).reshape(shape).to(dtype)
+    if layout == "transposed" and batch.dim() >= 2:
+        batch = batch.transpose(0, -1)
+    elif layout == "conj" and dtype.is_complex:
+        batch = batch.conj()
+    elif layout == "neg" and dtype.is_complex:
+        batch = torch._neg_view(batch)
+    elif layout == "sliced":
+        batch = batch[..., ::2]
+    dim = dim % batch.dim() - (batch.dim() if dim < 0 else 0)
+    if batch.shape[dim] < num_microbatches:
+        with pytest.raises(ValueError, match="cannot be split"):
+            split(batch, num_microbatches, dim)
+        return
+    pieces, sizes = split(batch, num_microbatches, dim)
+    general, general_sizes = split({"x": batch}, num_microbatches, dim)  # a dict: flattened by optree
+    expected = [boundary_layout(p) for p in torch.tensor_split(batch, num_microbatches, dim=dim)]
+    assert sizes == general_sizes == [p.shape[dim] for p in expected]
+    for a, b, e in zip(pieces, [g["x"] for g in general], expected, strict=True):
+        for x in (a, b):
+            assert x.dtype == e.dtype and x.stride() == e.stride() and torch.equal(x, e)
+            assert x.is_contiguous() and not x.is_conj() and not x.is_neg()
+        if dim % batch.dim() == 0 and boundary_layout(batch) is batch:
+            assert a.data_ptr() == e.data_ptr()  # a view of the batch, not a copy

@@ -23,6 +23,7 @@ from fpipe._pytree import (
     leaves_with_names,
     leaves_with_paths,
     map_tensors,
+    scatter,
     stage_list,
     structure_data,
     structure_from_data,
@@ -198,6 +199,31 @@ def test_tensor_maps_fast_path_is_its_general_path(x: torch.Tensor, keep: bool) 
     a, b = unflatten(fast[1], fast[0]), unflatten(general[1], general[0])
     assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
     assert flatten(x)[0][0] is _general_flatten(x)[0][0] is x
+
+
+@given(st.one_of(st.none(), _TENSORS), st.booleans())
+def test_scatters_fast_path_is_its_general_path(value: torch.Tensor | None, relayout: bool) -> None:
+    """One value in one position: the shortcut's list is the loop's, the same tensors bitwise."""
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return boundary_layout(t) if relayout else t.detach().clone()
+
+    fast, general = scatter(fn, (0,), [value], 1), _pytree._scatter(fn, (0,), [value], 1)
+    assert len(fast) == len(general) == 1
+    a, b = fast[0], general[0]
+    if value is None:
+        assert a is None and b is None
+        return
+    assert a is not None and b is not None
+    assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    assert (a is value) == (b is value)  # a laid-out value is passed on, not copied, on both paths
+
+
+def test_scatter_places_each_value_at_its_position() -> None:
+    values = [torch.ones(1), None, torch.zeros(2)]
+    out = scatter(lambda t: t * 2, (0, 2, 3), values, 5)
+    assert [None if t is None else t.tolist() for t in out] == [[2.0], None, None, [0.0, 0.0], None]
+    assert scatter(lambda t: t, (), [], 1) == [None]  # an input without a gradient
 
 
 def test_a_stage_runs_a_plain_tensor_bitwise_as_its_general_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -384,7 +384,7 @@ def test_other_errors_and_updates_outside_the_stage_are_left_as_they_were() -> N
 
 
 # A plain tensor takes fast paths through a stage (``to_device``, ``forward``, ``_inputs``,
-# ``_graph_outputs``, ``_seeds``, the input cotangents of ``backward``): each must give bitwise
+# ``_graph_outputs``, the input cotangents of ``backward`` and ``backward_input``): each must give bitwise
 # what the general path gives. The general path runs on the same numbers packed so that no fast
 # path applies: the input a tuple with an int leaf beside it, and the output a tuple whose second
 # leaf carries a graph but gets no cotangent.
