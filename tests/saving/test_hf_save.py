@@ -1,5 +1,6 @@
 """``fpipe.save_hf``: parameters out as a Hugging Face checkpoint that ``from_pretrained`` loads
-(NOTE [Hugging Face export])."""
+(NOTE [Hugging Face export]). Its last test exports tensor-parallel stages
+(the spawn: tests/saving/_tensor_parallel_saves.py, once per session)."""
 
 from __future__ import annotations
 

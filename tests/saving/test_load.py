@@ -1,6 +1,8 @@
 """``fpipe.load`` (fpipe/_saving/_load.py) in one process: a save read into any grouping of stages
 by names, new tensors on the template's devices, the metadata back from JSON, and every refusal
-before anything is returned (distributed and hostile saves: test_save.py, test_save_sharded.py)."""
+before anything is returned (distributed and hostile saves: test_save.py, test_save_sharded.py).
+Its last tests read DTensor saves of pp 2 x tp 2 and dp 2 x pp 1 x tp 2 ranks back into every layout
+(the spawns: tests/saving/_tensor_parallel_saves.py, once per session)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 The training runs are ``tests/_resume_run.py`` in processes of their own: uninterrupted, killed with
 SIGKILL at a step drawn from a fixed seed (saving its state every few steps), and resumed from
 its last save. From the resume on, losses and final parameters must equal the uninterrupted
-run's bit for bit.
+run's bit for bit. A state of DTensors on pp 2 x tp 2 round trips too (the spawn:
+tests/saving/_tensor_parallel_saves.py, once per session).
 """
 
 from __future__ import annotations
