@@ -149,18 +149,16 @@ def test_every_survivor_fails_fast_naming_the_victim(setup, victim, where, sig, 
             assert kind == "PipelineTimeoutError" and f"because {names} stopped answering" in message, (rank, message)
 
 
-def _continued(rank, world, mesh, faults, timeout):
+def _continued(rank, world, mesh, faults, timeout, directory):
     """Each of ``faults``, ``(where, victim)``, in turn, on groups of its own: the victim freezes
     (SIGSTOP) in its stage's ``where`` in a step; each survivor times its step. The first
     survivor continues the victim (SIGCONT) once every survivor has raised (told by the others
-    through the store, not by a sleep), so its stage goes on in a step the board has declared
+    through files, not by a sleep), so its stage goes on in a step the board has declared
     failed, and the next fault runs on the same processes. Returns ``[(seconds, error type,
     message), or for the victim (None, error type, message) of its step once continued]``, one
     per fault."""
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
-    store = dist.distributed_c10d._get_default_store()
-    survivors = []
     out = []
     for i, (where, victim) in enumerate(faults):
         survivors = sorted(set(range(world)) - {victim})
@@ -177,10 +175,10 @@ def _continued(rank, world, mesh, faults, timeout):
         if rank == victim:
             result[0] = None
         else:
-            store.add(f"continued/{i}/raised", 1)
+            Path(directory, f"{i} raised {rank}").touch()
             if rank == survivors[0]:
-                while store.add(f"continued/{i}/raised", 0) < len(survivors):
-                    time.sleep(0.02)
+                for r in survivors:
+                    _wait_for(Path(directory, f"{i} raised {r}"))
                 os.kill(pids[victim], signal.SIGCONT)
         out.append(tuple(result))
         dist.barrier()
@@ -190,19 +188,19 @@ def _continued(rank, world, mesh, faults, timeout):
 @pytest.mark.parametrize(
     ("setup", "faults"),
     [
-        (2, [("forward", 1), ("backward", 1)]),
+        (2, [("forward", 1)]),
         # The victim's tensor-parallel partner (rank 0) runs its row to the end: it must not return.
         (PP_TP, [("backward", 1)]),
     ],
 )
-def test_a_victim_continued_after_the_survivors_failed_raises_too(setup, faults):
+def test_a_victim_continued_after_the_survivors_failed_raises_too(setup, faults, tmp_path):
     """A rank frozen mid-step (its forward or backward) and continued (SIGCONT) after every
     survivor has raised must raise fpipe's error naming itself, never return a loss: the
     survivors aborted the job's groups (NOTE [a continued rank] in
     fpipe/_distributed/_collectives.py). Rank 0, the store's host, is not a victim here: frozen,
     it leaves no record on the board (NOTE [the store's host])."""
     world, mesh = (setup, None) if isinstance(setup, int) else (setup[0][1] * setup[1][1], setup)
-    results = run_ranks(world, _continued, mesh, faults, 3, timeout=90)
+    results = run_ranks(world, _continued, mesh, faults, 3, str(tmp_path), timeout=90)
     for i, (where, victim) in enumerate(faults):
         said = f"because {name(setup, victim)} stopped answering"
         for rank, result in enumerate(results):
