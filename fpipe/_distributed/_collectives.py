@@ -157,10 +157,13 @@ def lost(
 # fails a later operation. A rank that reads a record written after every rank passed its last
 # collective (another rank failed in the next operation) raises one operation early, as every
 # rank of a failed job does. What remains: a victim continued after a survivor's wait timed out
-# but before that survivor's record reached the store (its heartbeat check and one compare-set,
-# about a millisecond) can finish its collective and read an empty board inside that interval,
-# and return. Closing it would need a decision that both ranks take through the store for every
-# wait (a compare-set of "done" against "failed"), a store round trip per message, not per step.
+# but before that survivor's record reached the store (``lost`` reads the board, then writes it
+# with a compare-set: two store round trips, a millisecond or less) can finish its collective and
+# read an empty board inside that interval, and return. Closing it would need a decision that both
+# ranks take through the store for every wait (a compare-set of "done" against "failed"), a store
+# round trip per message, not per step. And the store's host, frozen and continued, finds no
+# record (the survivors could not write one: NOTE [the store's host] in
+# fpipe/_distributed/_faults.py): it raises, but blames the peer whose pair closed.
 def standing(topology: Topology, what: str) -> None:
     """Raise the job's failure record if the board holds one, read now (one store read; none
     once this rank knows of a record), after aborting the job's groups on this rank: called
