@@ -134,10 +134,49 @@ def lost(
 # rank frozen as it entered a collective (SIGSTOP) and continued after the others timed out
 # found their work still posted, finished the collective and went on: ``global_norm`` returned a
 # norm, a step a loss, though the board had declared that rank failed and every other rank had
-# raised (it learnt of it only at its next step's handshake). So a rank whose wait fails aborts
-# the job's groups on its side once the record stands (``lost``): a continued rank's collective
-# on them then fails on a closed pair, and it raises the record, which names it. (Its own
-# collective may still finish in the moment between the others' timeouts and their aborts.)
+# raised (it learnt of it only at its next step's handshake). Two guards:
+#
+# 1. A rank whose wait fails aborts the job's groups on its side once the record stands
+#    (``lost``): a continued rank's collective on them then fails on a closed pair, and it raises
+#    the record, which names it. A rank frozen mid-step needs no more: its peers stopped sending
+#    to it, so it waits, and its watchdog reads the record within ``POLL``.
+# 2. Its collective can still finish in the moment between the others' timeouts and their
+#    aborts. So before a step, ``global_norm``, the inf/nan agreement and the saving's
+#    agreements (``gather_over``, ``one_writes``) return, the rank reads the board once more
+#    (``standing``: one store read, through the watchdog, none once a record is known): a record
+#    there fails it. The survivors write the record before they abort, and the store orders the
+#    two ranks' calls, so a continued rank whose collective finished in that moment raises too.
+#
+#   survivor  ..wait.....................|timed out|record written|groups aborted|raises
+#   victim    ..frozen.......................|continued: collective finishes|reads the board|raises
+#
+# The board is scoped to the job's groups (``Watchdog.board``): a record there means that those
+# groups failed for good, in this operation or an earlier one (a step on them raises before its
+# handshake: ``check_usable``, or the record read at its start), and a job that recovers makes
+# new groups, with a board of a new generation, so no record of a failure that the job got past
+# fails a later operation. A rank that reads a record written after every rank passed its last
+# collective (another rank failed in the next operation) raises one operation early, as every
+# rank of a failed job does. What remains: a victim continued after a survivor's wait timed out
+# but before that survivor's record reached the store (``lost`` reads the board, then writes it
+# with a compare-set: two store round trips, a millisecond or less) can finish its collective and
+# read an empty board inside that interval, and return. Closing it would need a decision that both
+# ranks take through the store for every wait (a compare-set of "done" against "failed"), a store
+# round trip per message, not per step. And the store's host, frozen and continued, finds no
+# record (the survivors could not write one: NOTE [the store's host] in
+# fpipe/_distributed/_faults.py): it raises, but blames the peer whose pair closed.
+def standing(topology: Topology, what: str) -> None:
+    """Raise the job's failure record if the board holds one, read now (one store read; none
+    once this rank knows of a record), after aborting the job's groups on this rank: called
+    before an operation returns, so that a rank continued after the others gave up on it fails
+    even when its last collective finished (NOTE [a continued rank], point 2). ``what`` says
+    what this rank waited for, as ``wait``'s errors do."""
+    failure = WATCHDOG.read(topology.board)
+    if failure is not None:
+        abort_job(topology.board)
+        WATCHDOG.linger(topology.board)
+        raise failure.error(topology.board, topology.rank, what)
+
+
 def _without_store(board: Board, rank: int, what: str, seconds: str) -> PipelineError:
     """The error when the job's store does not answer: its host's failure, kept on this rank
     alone (no board to write it on); this rank's groups are aborted, so that the ranks waiting on
@@ -282,6 +321,7 @@ def gather_over(topology: Topology, groups: Sequence[Any], value: Any, timeout: 
     rows = [value]
     for group in groups:
         rows = [v for row in all_gather_json(topology, group, rows, timeout, what) for v in row]
+    standing(topology, what)  # NOTE [a continued rank]
     return rows
 
 
@@ -315,6 +355,7 @@ def one_writes(
         outcome = _Outcome.from_json(
             all_gather_json(topology, group, _Outcome(False, None).to_json(), timeout, waits)[0]
         )
+        standing(topology, waits)  # NOTE [a continued rank]
         return not outcome.failed, outcome.value
     try:
         value = write()
@@ -332,6 +373,7 @@ def one_writes(
     if not alone:
         assert topology is not None  # (for mypy)
         all_gather_json(topology, group, _Outcome(False, value).to_json(), timeout, tells)
+        standing(topology, tells)  # NOTE [a continued rank]
     return True, value
 
 
@@ -361,6 +403,7 @@ def sum_over(topology: Topology, dims: Sequence[str], tensors: list[torch.Tensor
         group = getattr(topology, attribute)
         if group is not None:
             all_reduce_sum(topology, group, tensors, timeout, what if name is None else f"{what} over the {name} group")
+    standing(topology, what)  # NOTE [a continued rank]
 
 
 def any_rank(topology: Topology, dims: Sequence[str], found: bool, timeout: float, what: str) -> bool:

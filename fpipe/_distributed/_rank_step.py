@@ -10,7 +10,8 @@ fpipe/_run.py) over a ``DistributedTransport``:
 3. ``strategy.reduce_loss`` (``average_loss``): average the loss over data-parallel replicas (their gradients were
    averaged as each stage finished: NOTE [reduction overlap]).
 4. ``meet`` the tensor-parallel partners, so that no rank returns from a step in which any rank
-   failed (NOTE [a step ends together]).
+   failed (NOTE [a step ends together]), and read the failure board once more (``standing``:
+   NOTE [a continued rank] in fpipe/_distributed/_collectives.py).
 
 Any rank's failure fails every rank (NOTE [failure board] in fpipe/_distributed/_faults.py).
 """
@@ -43,6 +44,7 @@ from ._collectives import (
     mark_broken,
     meet,
     mixed_device_types,
+    standing,
     watched,
 )
 from ._faults import WATCHDOG
@@ -94,6 +96,7 @@ def run_distributed(
         if topology.tensor_group is not None:  # NOTE [a step ends together]
             what = "the other tensor-parallel ranks at the end of the step"
             meet(topology, topology.tensor_group, step.timeout, what)
+        standing(topology, "the end of the step")  # NOTE [a continued rank] in fpipe/_distributed/_collectives.py
         return (loss, aux, outputs), grads
     except PipelineError as error:
         mark_broken(topology, error)

@@ -44,8 +44,22 @@ PP_TP = (("pp", 2), ("tp", 2))  # the tensor-parallel ranks run the same plain s
 
 def scenario(rank, world, mesh, victim, where, sig, timeout):
     """One healthy step, then the victim's fault; a survivor returns ``(seconds, error type, message)``."""
+    step, params, batch, arm = _faulty(world, mesh, victim, where, sig, timeout)
+    arm()
+    start = time.monotonic()
+    try:
+        step(params, batch)
+    except fpipe.PipelineError as error:
+        return time.monotonic() - start, type(error).__name__, str(error)
+    return time.monotonic() - start, "no error", ""
+
+
+def _faulty(world, mesh, victim, where, sig, timeout, group=None):
+    """A pipeline (over ``group``, by default every rank, or a mesh) after one healthy step: its
+    step, params and batch, and ``arm``, which sends the victim ``sig`` in its stage's next
+    ``where`` ("forward", "backward"; at once for "idle"), once."""
     if mesh is None:
-        num_stages, place = world, {"group": dist.group.WORLD}
+        num_stages, place = world, {"group": dist.group.WORLD if group is None else group}
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -56,6 +70,7 @@ def scenario(rank, world, mesh, victim, where, sig, timeout):
 
     def fault():
         if armed[0] and dist.get_rank() == victim:
+            armed[0] = False
             os.kill(os.getpid(), sig)
 
     def stage(p, x):
@@ -76,15 +91,13 @@ def scenario(rank, world, mesh, victim, where, sig, timeout):
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
     batch = torch.randn(8, 3, generator=g, dtype=torch.float64) if step.rank == 0 else None
     step(params, batch)
-    armed[0] = True
-    if where == "idle":
-        fault()
-    start = time.monotonic()
-    try:
-        step(params, batch)
-    except fpipe.PipelineError as error:
-        return time.monotonic() - start, type(error).__name__, str(error)
-    return time.monotonic() - start, "no error", ""
+
+    def arm():
+        armed[0] = True
+        if where == "idle":
+            fault()
+
+    return step, params, batch, arm
 
 
 CASES = [  # (ranks or mesh, victim, where, signal, timeout)
@@ -134,6 +147,67 @@ def test_every_survivor_fails_fast_naming_the_victim(setup, victim, where, sig, 
             assert kind == "PipelineError" and f"because {names} died" in message, (rank, message)
         else:
             assert kind == "PipelineTimeoutError" and f"because {names} stopped answering" in message, (rank, message)
+
+
+def _continued(rank, world, mesh, faults, timeout, directory):
+    """Each of ``faults``, ``(where, victim)``, in turn, on groups of its own: the victim freezes
+    (SIGSTOP) in its stage's ``where`` in a step; each survivor times its step. The first
+    survivor continues the victim (SIGCONT) once every survivor has raised (told by the others
+    through files, not by a sleep), so its stage goes on in a step the board has declared
+    failed, and the next fault runs on the same processes. Returns ``[(seconds, error type,
+    message), or for the victim (None, error type, message) of its step once continued]``, one
+    per fault."""
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    out = []
+    for i, (where, victim) in enumerate(faults):
+        survivors = sorted(set(range(world)) - {victim})
+        group = None if mesh is not None else dist.new_group(list(range(world)))
+        step, params, batch, arm = _faulty(world, mesh, victim, where, signal.SIGSTOP, timeout, group)
+        dist.barrier()  # (the default group: never one of the job's groups here)
+        arm()
+        start = time.monotonic()
+        try:
+            step(params, batch)
+            result = [time.monotonic() - start, "no error", ""]
+        except fpipe.PipelineError as error:
+            result = [time.monotonic() - start, type(error).__name__, str(error)]
+        if rank == victim:
+            result[0] = None
+        else:
+            Path(directory, f"{i} raised {rank}").touch()
+            if rank == survivors[0]:
+                for r in survivors:
+                    _wait_for(Path(directory, f"{i} raised {r}"))
+                os.kill(pids[victim], signal.SIGCONT)
+        out.append(tuple(result))
+        dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("setup", "faults"),
+    [
+        (2, [("forward", 1)]),
+        # The victim's tensor-parallel partner (rank 0) runs its row to the end: it must not return.
+        (PP_TP, [("backward", 1)]),
+    ],
+)
+def test_a_victim_continued_after_the_survivors_failed_raises_too(setup, faults, tmp_path):
+    """A rank frozen mid-step (its forward or backward) and continued (SIGCONT) after every
+    survivor has raised must raise fpipe's error naming itself, never return a loss: the
+    survivors aborted the job's groups (NOTE [a continued rank] in
+    fpipe/_distributed/_collectives.py). Rank 0, the store's host, is not a victim here: frozen,
+    it leaves no record on the board (NOTE [the store's host])."""
+    world, mesh = (setup, None) if isinstance(setup, int) else (setup[0][1] * setup[1][1], setup)
+    results = run_ranks(world, _continued, mesh, faults, 3, str(tmp_path), timeout=90)
+    for i, (where, victim) in enumerate(faults):
+        said = f"because {name(setup, victim)} stopped answering"
+        for rank, result in enumerate(results):
+            seconds, kind, message = result[i]
+            assert kind == "PipelineTimeoutError" and said in message, (where, rank, kind, message)
+            if rank != victim:
+                assert seconds < 3 + SLACK, (where, rank, seconds, message)
 
 
 class _Beats:

@@ -7,8 +7,9 @@ are under the job's failure board too (NOTE [failure board] in fpipe/_distribute
 The victim dies or freezes as it enters the collective (its ``torch.distributed`` collectives
 are replaced by the signal), so the survivor is waiting in it. A frozen victim can be continued
 (SIGCONT) and the next case run on the same processes (``_in_turn``): continued, it raises the
-board's record, never finishing the collective (NOTE [a continued rank] in
-fpipe/_distributed/_collectives.py). With a timeout of 12 s,
+board's record, never returning from the call (NOTE [a continued rank] in
+fpipe/_distributed/_collectives.py): its collective fails on the groups the survivors aborted,
+or, when it finished before their aborts, the board read before the call returns fails it. With a timeout of 12 s,
 "never twice the timeout" is checked for a survivor whose wait began late, with a rank and with
 the store's host frozen. The store's host and tensor-parallel partners in a step are in
 tests/distributed/test_faults.py's cases.
@@ -34,15 +35,18 @@ from tests.distributed.test_faults import DP_PP, LATE, NEVER_TWICE, PP_TP, SLACK
 pytestmark = pytest.mark.timeout(120)
 
 
-def _fault_at_collectives(sig, thread=None, collectives=("all_gather", "all_reduce")):
-    """This process gets ``sig`` as it next enters one of ``collectives`` (on ``thread`` only, if
-    given), once: a process frozen there and continued (SIGCONT) goes on with the collectives
-    put back."""
+def _fault_at_collectives(sig, thread=None, collectives=("all_gather", "all_reduce"), skip=0):
+    """This process gets ``sig`` as it enters one of ``collectives`` (on ``thread`` only, if
+    given) after ``skip`` calls of them, once: a process frozen there and continued (SIGCONT)
+    goes on with the collectives put back."""
     originals = {f: getattr(dist, f) for f in collectives}
+    calls = [0]
 
     def fault(collective):
         def faulty(*args, **kwargs):
             if thread is None or threading.current_thread().name == thread:
+                calls[0] += 1
+            if calls[0] > skip and (thread is None or threading.current_thread().name == thread):
                 for f, original in originals.items():
                     setattr(dist, f, original)
                 os.kill(os.getpid(), sig)
@@ -177,19 +181,46 @@ def _call(what, step, params, batch, grads, directory, timeout):
         "save_hf": lambda: fpipe.save_hf(directory, params, config={"model_type": "x"}, step=step, timeout=timeout),
         "load_hf": lambda: fpipe.load_hf(f"{directory}/hf", template, step=step, timeout=timeout),
         "precision": lambda: step(params, batch),
+        "step": lambda: step(params, batch),
     }
     return calls[what]
 
 
-def _in_turn(rank, world, mesh, faults, timeout, directory):
+def _collectives_of(call):
+    """How many ``all_gather`` and ``all_reduce`` calls ``call()`` makes (every rank must call it)."""
+    originals, calls = {f: getattr(dist, f) for f in ("all_gather", "all_reduce")}, [0]
+
+    def counted(collective):
+        def counting(*args, **kwargs):
+            calls[0] += 1
+            return collective(*args, **kwargs)
+
+        return counting
+
+    for f, collective in originals.items():
+        setattr(dist, f, counted(collective))
+    try:
+        call()
+    finally:
+        for f, collective in originals.items():
+            setattr(dist, f, collective)
+    return calls[0]
+
+
+def _in_turn(rank, world, mesh, faults, timeout, directory, aborts=True):
     """Each of ``faults``, ``(collective, victim, signal)``, in turn, on groups of its own: the
-    victim dies or freezes as it enters the collective; each survivor times it from its call.
-    A frozen victim is continued (SIGCONT) once every survivor has raised, so the next fault
-    runs on the same processes; a killed one must come last. Returns ``[(seconds, error type,
-    message), or for the victim (None, error type, message) of its call once continued]``, one
-    per fault."""
+    victim dies or freezes as it enters the collective (for ``"step"``: the step's last one);
+    each survivor times it from its call. A frozen victim is continued (SIGCONT) once every
+    survivor has raised, so the next fault runs on the same processes; a killed one must come
+    last. Without ``aborts`` the survivors abort no group, as if their aborts came after the
+    victim's collective finished. Returns ``[(seconds, error type, message), or for the victim
+    (None, error type, message) of its call once continued]``, one per fault."""
+    from fpipe._distributed import _faults
+
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
+    if not aborts and rank not in {victim for _, victim, _ in faults}:
+        _faults.abort_group = lambda group: None
     out = []
     for i, (what, victim, sig) in enumerate(faults):
         here = os.path.join(directory, str(i))
@@ -198,11 +229,12 @@ def _in_turn(rank, world, mesh, faults, timeout, directory):
         scaled = fpipe.Precision(compute=torch.float16, loss_scale=fpipe.LossScale()) if what == "precision" else None
         step, params, batch, grads = _pipeline(rank, world, mesh, timeout, precision=scaled, group=group)
         call = _call(what, step, params, batch, grads, here, timeout)
+        skip = _collectives_of(call) - 1 if what == "step" else 0
         dist.barrier()  # (the default group: never one of the job's groups here)
         if rank == victim:
             # (a step's handshake is an all-gather: the inf/nan agreement is its only all-reduce)
             _fault_at_collectives(
-                sig, collectives=("all_reduce",) if what == "precision" else ("all_gather", "all_reduce")
+                sig, collectives=("all_reduce",) if what == "precision" else ("all_gather", "all_reduce"), skip=skip
             )
             # Continued, it must raise (the survivors aborted the groups it finds them on), never
             # finish the collective or return a loss: the board declared it failed.
@@ -266,6 +298,21 @@ def test_a_rank_that_freezes_in_the_other_collectives_between_steps_is_named(tmp
     _check_in_turn(2, faults, 3, results)
     assert all(kind == "PipelineTimeoutError" for _, kind, _ in results[0])
     assert "while waiting for the loss scaling's inf/nan check" in results[0][-1][2], results[0][-1]
+
+
+def test_a_victim_whose_collective_finishes_after_the_survivors_timed_out_raises_too(tmp_path):
+    """The survivors abort no group here, as if the victim, continued, finished its collective
+    in the moment between their timeouts and their aborts (gloo keeps a survivor's side of a
+    timed-out collective posted): the victim still raises the board's record naming itself, read
+    before the call returns, never a loss, a norm or a save (NOTE [a continued rank] in
+    fpipe/_distributed/_collectives.py, point 2). 3 ranks, so that the victim (rank 1, the middle
+    stage) has received the step's loss before it freezes in the step's last collective, the
+    closing all-gather, where both survivors wait for it."""
+    faults = [("step", 1, signal.SIGSTOP), ("global_norm", 1, signal.SIGSTOP), ("save", 1, signal.SIGSTOP)]
+    results = run_ranks(3, _in_turn, None, faults, 3, str(tmp_path), False, timeout=90)
+    _check_in_turn(3, faults, 3, results)
+    # The step's closing all-gather finished on the victim: the board, read at the end, failed it.
+    assert "rank 1 stopped while waiting for the end of the step because" in results[1][0][2], results[1][0]
 
 
 def test_every_survivor_of_a_tensor_parallel_mesh_fails_in_a_collective_between_steps(tmp_path):
