@@ -12,9 +12,11 @@ NOTE [release bound]
     Then put the one-action-at-a-time back, per rank only: the rank runs its remaining actions,
     each no earlier than its release, one at a time; running them in order of release is the
     fastest such one-machine schedule, so its end is a bound. So is the rank's remaining ``F`` and
-    backward work from the first of their releases, plus the least time any backward of its
-    stages still needs after it (``after``: the backwards of the earlier stages, their messages,
-    stage 0's ``W``), and the end of the last ``W`` (or fused ``B``) of each stage.
+    backward work, and the ``W`` that must free room before its stage's last forward (all but
+    the last ``capacity`` of them), from the first of their releases, plus the least time any
+    backward of its stages still needs after it (``after``: the backwards of the earlier stages,
+    their messages, stage 0's ``W``): each action of that set is followed by at least that much;
+    and the end of the last ``W`` (or fused ``B``) of each stage.
 
     Each inequality holds for the ``k``-th action of a kind in time order, whatever the program
     runs first: the ``k``-th smallest of values each at least its own lower bound is at least the
@@ -142,7 +144,12 @@ class Relaxation:
                 best = t
             tails = [self.after[s] for s in stages if done_b[s] < m]
             if tails:
-                before = sum((m - done_f[s]) * forward[s] + (m - done_b[s]) * back[s] for s in stages)
+                before = sum(
+                    (m - done_f[s]) * forward[s]
+                    + (m - done_b[s]) * back[s]
+                    + max(0, m - capacity[s] - done_w[s]) * weight[s]
+                    for s in stages
+                )
                 best = max(best, firsts[r] + before + min(tails))
         return best
 

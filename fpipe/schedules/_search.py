@@ -56,7 +56,8 @@ class Searched:
         name: where it came from: a built-in schedule (``"ZeroBubbleH1"``), a list-scheduling
             policy (``"list(I/W, backward first, ...)"``) or ``"exact"``.
         lower_bound: a makespan no program can beat (``makespan / lower_bound - 1`` is how far
-            from it the program may be).
+            from it the program may be); never above ``makespan`` (where the two differ by
+            rounding only, the bound is the makespan).
         complete: ``False`` when the time budget ran out before every candidate was tried.
         optimal: ``True`` when the program is proven fastest: it meets ``lower_bound`` (no
             program is faster), or the exact search (small problems) finished without beating it
@@ -184,7 +185,7 @@ def search(
         program=program,
         simulation=simulate(program, costs if isinstance(costs, Costs) else problem.costs),
         name=name,
-        lower_bound=bound,
+        lower_bound=min(bound, best),
         complete=complete,
         optimal=optimal,
         peak_memory=peak_memory(program, problem.sizes),
