@@ -30,6 +30,7 @@ from ._bound import lower_bound
 from ._controllable_memory import VHalf, VMin
 from ._dual_pipe_v import DualPipeV
 from ._exact import exact as branch_and_bound
+from ._improve import improve, peak_memory
 from ._gpipe import GPipe
 from ._interleaved import Interleaved1F1B
 from ._interleaved_zero_bubble import InterleavedZeroBubble
@@ -44,6 +45,7 @@ from ._zero_bubble_v import ZeroBubbleV
 
 EXACT_RANKS, EXACT_MICROBATCHES = 4, 8  # the largest problems the exact search is tried on
 EXACT_SECONDS = 2.0  # the most of the time budget it may take
+LOCAL_ACTIONS, LOCAL_SWEEPS = 200, 4  # the largest programs local improvement is tried on, its most sweeps
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class Searched:
         program: the fastest program found (pass it to ``fpipe.pipeline`` as the schedule).
         simulation: ``simulate(program, costs)``.
         name: where it came from: a built-in schedule (``"ZeroBubbleH1"``), a list-scheduling
-            policy (``"list(I/W, backward first, ...)"``) or ``"exact"``.
+            policy (``"list(I/W, backward first, ...)"``), the best of those improved by swaps
+            of neighbouring actions (``"list swaps of ZeroBubbleH1"``) or ``"exact"``.
         lower_bound: a makespan no program can beat (``makespan / lower_bound - 1`` is how far
             from it the program may be); never above ``makespan`` (where the two differ by
             rounding only, the bound is the makespan).
@@ -173,6 +176,13 @@ def search(
         met = laid_out[1] <= bound * (1 + 1e-9)
     name, best, program = min(tried, key=lambda t: t[1])
     optimal = best <= bound * (1 + 1e-9)
+    actions = problem.num_stages * num_microbatches * 3
+    if complete and not optimal and actions <= LOCAL_ACTIONS:
+        better = improve(problem, program, best, LOCAL_SWEEPS, deadline)
+        if better is not None:
+            name, program, best = f"list swaps of {name}", *better
+            tried.append((name, best, program))
+            optimal = best <= bound * (1 + 1e-9)
     small = num_ranks <= EXACT_RANKS and num_microbatches <= EXACT_MICROBATCHES
     if exact and complete and not optimal and small:
         found, makespan, finished = branch_and_bound(problem, best, min(deadline, time.perf_counter() + EXACT_SECONDS))
@@ -191,20 +201,6 @@ def search(
         peak_memory=peak_memory(program, problem.sizes),
         candidates=tuple((n, t) for n, t, _ in tried),
     )
-
-
-def peak_memory(program: Program, sizes: Sequence[float]) -> tuple[float, ...]:
-    """Per rank, the most memory live activations take: stage ``s``'s ``sizes[s]`` per microbatch,
-    alive from its ``F`` to its ``B`` (or ``W``), as ``Simulation.peak_activations`` counts them."""
-    peaks = []
-    for row in program.ranks:
-        alive = peak = 0.0
-        for a in row:
-            if a.kind in (FORWARD, BACKWARD, BACKWARD_WEIGHT):
-                alive += sizes[a.stage] if a.kind == FORWARD else -sizes[a.stage]
-                peak = max(peak, alive)
-        peaks.append(peak)
-    return tuple(peaks)
 
 
 def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Program]]:
