@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .._plural import plural
-from ._action import BACKWARD, BACKWARD_WEIGHT, FORWARD
 from ._bound import lower_bound
 from ._controllable_memory import VHalf, VMin
 from ._dual_pipe_v import DualPipeV
 from ._exact import exact as branch_and_bound
-from ._improve import improve, peak_memory
 from ._gpipe import GPipe
+from ._improve import improve, peak_memory
 from ._interleaved import Interleaved1F1B
 from ._interleaved_zero_bubble import InterleavedZeroBubble
 from ._list_schedule import Policy, Problem, list_schedule
