@@ -8,7 +8,11 @@ NOTE [release bound]
     ``k-1``-th ends), after its inputs and their messages (the previous stage's forward, the next
     stage's backward), and, for a forward, after the end of the ``W`` (or fused ``B``) that frees
     room for it: stage ``s`` alone keeps at most ``capacity[s] = floor(limit / size)``
-    microbatches alive, so its ``k``-th forward waits for the ``k - capacity``-th to be freed.
+    microbatches alive, so its ``k``-th forward waits for the ``k - capacity``-th to be freed;
+    and on a rank holding several stages, a microbatch at the forward of the rank's last stage
+    holds the rank's whole footprint, so at most ``(limit - footprint) / size`` others may hold
+    the rank's first stage then: that forward's ``k``-th waits for the first stage to free its
+    ``k - others``-th.
     Then put the one-action-at-a-time back, per rank only: the rank runs its remaining actions,
     each no earlier than its release, one at a time; running them in order of release is the
     fastest such one-machine schedule, so its end is a bound. So is the rank's remaining ``F`` and
@@ -62,6 +66,15 @@ class Relaxation:
         alive = [problem.limits[r] / problem.sizes[s] for s, r in enumerate(problem.rank_of)]
         self.capacity = [m if math.isinf(x) else max(1, min(m, math.floor(x * (1 + _SLACK)))) for x in alive]
         self.held = [problem.stages_of(r) for r in range(problem.num_ranks)]
+        # entry[s]: for the last stage s of a rank holding several, (the rank's first stage, how many
+        # other microbatches can still hold that first stage's activations while one holds the
+        # rank's whole footprint): its forward of microbatch i waits for the first stage to free
+        # microbatch i - others - 1
+        self.entry: dict[int, tuple[int, int]] = {}
+        for r, stages in enumerate(self.held):
+            spare = (problem.limits[r] - problem.footprint(r)) / problem.sizes[stages[0]]
+            if len(stages) > 1 and not math.isinf(spare):
+                self.entry[stages[-1]] = stages[0], math.floor(spare * (1 + _SLACK) + _SLACK)
 
     def bound(
         self,
@@ -81,7 +94,7 @@ class Relaxation:
         done_f, done_b, done_w = done
         known_f, known_b = ends
         rank_of, forward, back, weight = problem.rank_of, self.forward, self.back, self.weight
-        up, down, capacity = self.up, self.down, self.capacity
+        up, down, capacity, entry = self.up, self.down, self.capacity, self.entry
         # the ends of microbatch i's actions, per stage, and of the W that frees each earlier one
         end_f = [0.0] * S
         end_b = [0.0] * S
@@ -102,6 +115,10 @@ class Relaxation:
                     t = previous + up[s]
                 if i >= capacity[s] and end_w[s][i - capacity[s]] > t:
                     t = end_w[s][i - capacity[s]]
+                if s in entry:
+                    first, others = entry[s]
+                    if i > others and end_w[first][i - others - 1] > t:
+                        t = end_w[first][i - others - 1]
                 previous = end_f[s] = t + forward[s]
                 work[r].append((t, forward[s]))
                 if t < firsts[r]:
