@@ -86,3 +86,20 @@ def test_the_lower_bound_is_below_every_program_of_a_tiny_problem(costs: list[Co
     assert lower_bound(problem) <= best + 1e-9
     found = search(2, 2, costs, memory=memory)
     assert found.optimal and found.makespan == pytest.approx(best)
+
+
+def test_the_w_that_free_room_are_charged_zb_h1_is_optimal_under_1f1b_s_memory() -> None:
+    """W = 0.3 I: with 1F1B's memory the last rank must run 4 of its 8 W before its last forward,
+    which the bound charges (it was 22.3 without them): ZB-H1's 23.5 is proven optimal."""
+    costs = [Costs(backward_weight=0.3)] * 4
+    found = search(4, 8, costs, memory=4, exact=False)
+    assert found.optimal and found.name == "ZeroBubbleH1" and found.lower_bound == pytest.approx(23.5)
+
+
+def test_a_rank_of_two_stages_holds_its_whole_footprint_at_its_last_stage_s_forward() -> None:
+    """The V, p = 2, memory 1: a microbatch fills rank 0 at stage 3's forward, so that forward
+    waits until stage 0 freed the microbatch before: the bound is 13.5 (12.5 without that rule),
+    the optimum, which the exact search proves, 16.5."""
+    costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.5)] * 4
+    found = search(2, 4, costs, placement="v", memory=1)
+    assert found.optimal and found.makespan == 16.5 and found.lower_bound == 13.5
