@@ -14,8 +14,10 @@ NOTE [release bound]
     the rank's first stage then: that forward's ``k``-th waits for the first stage to free its
     ``k - others``-th.
     Then put the one-action-at-a-time back, per rank only: the rank runs its remaining actions,
-    each no earlier than its release, one at a time; running them in order of release is the
-    fastest such one-machine schedule, so its end is a bound. So is the rank's remaining ``F`` and
+    each no earlier than its release, one at a time, and after each the step lasts at least its
+    *tail* (after a forward, the trip through the later stages and back, its own backward and
+    ``after``; after a backward, ``after``; after a ``W``, nothing): the least ``max(end +
+    tail)`` of one machine allowed to interrupt its jobs (``jackson``) is a bound. So is the rank's remaining ``F`` and
     backward work, and the ``W`` that must free room before its stage's last forward (all but
     the last ``capacity`` of them), from the first of their releases, plus the least time any
     backward of its stages still needs after it (``after``: the backwards of the earlier stages,
@@ -32,6 +34,7 @@ NOTE [release bound]
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 
@@ -63,6 +66,12 @@ class Relaxation:
         self.after = [weight[0]] * S
         for s in range(1, S):
             self.after[s] = self.after[s - 1] + self.back[s - 1] + self.down[s]
+        # through[s]: the least time from the end of a forward of stage s to the end of the step
+        self.through = [0.0] * S
+        trip = 0.0
+        for s in range(S - 1, -1, -1):
+            self.through[s] = trip + self.back[s] + self.after[s]
+            trip += self.up[s] + self.forward[s] + self.back[s] + self.down[s]
         alive = [problem.limits[r] / problem.sizes[s] for s, r in enumerate(problem.rank_of)]
         self.capacity = [m if math.isinf(x) else max(1, min(m, math.floor(x * (1 + _SLACK)))) for x in alive]
         self.held = [problem.stages_of(r) for r in range(problem.num_ranks)]
@@ -95,11 +104,12 @@ class Relaxation:
         known_f, known_b = ends
         rank_of, forward, back, weight = problem.rank_of, self.forward, self.back, self.weight
         up, down, capacity, entry = self.up, self.down, self.capacity, self.entry
+        after, through = self.after, self.through
         # the ends of microbatch i's actions, per stage, and of the W that frees each earlier one
         end_f = [0.0] * S
         end_b = [0.0] * S
         end_w: list[list[float]] = [[] for _ in range(S)]
-        work: list[list[tuple[float, float]]] = [[] for _ in opens]  # per rank, (release, cost) still to run
+        work: list[list[tuple[float, float, float]]] = [[] for _ in opens]  # per rank, (release, cost, tail)
         firsts = [math.inf for _ in opens]  # per rank, the first release of an F or a backward
         for i in range(m):
             previous = 0.0  # the end of the previous stage's forward of i
@@ -120,7 +130,7 @@ class Relaxation:
                     if i > others and end_w[first][i - others - 1] > t:
                         t = end_w[first][i - others - 1]
                 previous = end_f[s] = t + forward[s]
-                work[r].append((t, forward[s]))
+                work[r].append((t, forward[s], through[s]))
                 if t < firsts[r]:
                     firsts[r] = t
             later = 0.0  # the end of the next stage's backward of i, plus its message
@@ -137,7 +147,7 @@ class Relaxation:
                     if later > t:
                         t = later
                     end = end_b[s] = t + back[s]
-                    work[r].append((t, back[s]))
+                    work[r].append((t, back[s], after[s]))
                     if t < firsts[r]:
                         firsts[r] = t
                 later = end + down[s]
@@ -151,14 +161,10 @@ class Relaxation:
                     t = end_w[s][i - 1]
                 end_w[s].append(t + weight[s])
                 if weight[s]:
-                    work[r].append((t, weight[s]))
+                    work[r].append((t, weight[s], 0.0))
         best = max(w[m - 1] for w in end_w)
         for r, stages in enumerate(self.held):
-            t = opens[r]
-            for release, cost in sorted(work[r]):
-                t = (release if release > t else t) + cost
-            if t > best:
-                best = t
+            best = max(best, jackson(work[r]))
             tails = [self.after[s] for s in stages if done_b[s] < m]
             if tails:
                 before = sum(
@@ -169,6 +175,31 @@ class Relaxation:
                 )
                 best = max(best, firsts[r] + before + min(tails))
         return best
+
+
+def jackson(jobs: list[tuple[float, float, float]]) -> float:
+    """The least ``max(end + tail)`` over ``(release, cost, tail)`` jobs on one machine that may
+    interrupt a job and resume it later: Jackson's rule, always run the released job of the
+    largest tail, is optimal for it, so no order without interruptions does better."""
+    jobs.sort()
+    waiting: list[tuple[float, float]] = []  # (-tail, cost left) of released jobs
+    t = best = 0.0
+    k = 0
+    while k < len(jobs) or waiting:
+        if not waiting and jobs[k][0] > t:
+            t = jobs[k][0]
+        while k < len(jobs) and jobs[k][0] <= t:
+            heapq.heappush(waiting, (-jobs[k][2], jobs[k][1]))
+            k += 1
+        tail, cost = heapq.heappop(waiting)
+        release = jobs[k][0] if k < len(jobs) else math.inf
+        if t + cost <= release:
+            t += cost
+            best = max(best, t - tail)
+        else:
+            heapq.heappush(waiting, (tail, cost - (release - t)))
+            t = release
+    return best
 
 
 def lower_bound(problem: Problem) -> float:

@@ -1,19 +1,21 @@
 """Search: the fastest program for measured costs and a memory limit, never slower than a built-in.
 
-``search`` puts three sources of programs side by side and keeps the one ``simulate`` finds
+``search`` puts four sources of programs side by side and keeps the one ``simulate`` finds
 fastest (ties: the first found):
 
 1. every built-in schedule that lays out the placement and fits the memory limit;
 2. list-scheduled programs (``fpipe.schedules._list_schedule``, after the Zero Bubble authors'
    automatic scheduler), one per ``Policy`` of a grid over split or fused backwards, the order
    of kinds and of a rank's stages, how many microbatches a rank admits and whether ``W`` waits;
-3. for small problems (``p <= 4``, ``m <= 8``), an exact branch and bound
+3. for programs of at most ``LOCAL_ACTIONS`` actions, the best of those with neighbouring
+   actions of a rank swapped while it gets faster (``fpipe.schedules._improve``);
+4. for small problems (``p <= 4``, ``m <= 8``), an exact branch and bound
    (``fpipe.schedules._exact``, NOTE [exact search]) seeded with the best of the above.
 
-Then it compares the winner with ``lower_bound`` (the busiest rank's work plus the fill before
-its first action, or the last microbatch's trip through the pipeline): a program that meets it
-is optimal among all programs; one the exact search could not beat is optimal among the
-programs that search covers.
+Then it compares the winner with ``lower_bound`` (``fpipe.schedules._bound``, NOTE [release
+bound]: every rank's work from when its inputs can first arrive, the trips through the
+pipeline, the ``W`` that must free memory, ...): a program that meets it is optimal among all
+programs; one the exact search could not beat is optimal among the programs that search covers.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def search(
 
         tried = [s.program(num_stages, num_ranks) for s in built_in_schedules]   # fitting memory
         tried += [list_schedule(problem, policy) for policy in policies]         # until the budget
+        tried += [improve(min(tried))]                                            # swaps, if small
         if num_ranks <= 4 and num_microbatches <= 8: tried += [exact(problem)]    # branch and bound
         best = min(tried, key=lambda program: simulate(program, costs).makespan)
 
@@ -125,8 +128,8 @@ def search(
             ``memory`` is in bytes.
         time_budget: seconds to spend; when they run out the best program so far is returned
             with ``complete=False`` (at least one list-scheduled program is built, unless a
-            built-in already meets ``lower_bound``). The policies tried depend on the clock only
-            when it runs out.
+            built-in already meets ``lower_bound``). The policies tried and the swaps kept
+            depend on the clock only when it runs out.
         exact: run the exact search on problems of at most 4 ranks and 8 microbatches, for at
             most ``EXACT_SECONDS`` (2) of the budget, unless the program already meets
             ``lower_bound``; ``False``: never (then only a budget that runs out makes the result
@@ -178,6 +181,7 @@ def search(
     actions = problem.num_stages * num_microbatches * 3
     if complete and not optimal and actions <= LOCAL_ACTIONS:
         better = improve(problem, program, best, LOCAL_SWEEPS, deadline)
+        complete = time.perf_counter() <= deadline
         if better is not None:
             name, program, best = f"list swaps of {name}", *better
             tried.append((name, best, program))
