@@ -85,6 +85,10 @@ def exact_case(placement: str, v: int, p: int, m: int, costs: list[Costs], memor
         problem = checked_problem(p, m, costs, placement, v, memory, None)
         _, best, finished = exact(problem, found.makespan, time.perf_counter() + PROOF_SECONDS)
         optimum = best if finished else math.nan
+    if found.lower_bound > optimum * (1 + 1e-9):  # never, or the bound is wrong (NaN compares False)
+        raise AssertionError(
+            f"lower bound {found.lower_bound} above the optimum {optimum}: {placement, v, p, m, costs}"
+        )
     return {"listed": listed.makespan, "found": found.makespan, "optimum": optimum, "bound": found.lower_bound}
 
 
