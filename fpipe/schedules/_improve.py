@@ -1,11 +1,12 @@
-"""Local improvement: swap neighbouring actions of a rank while the program gets faster.
+"""Local improvement: move actions of a rank a few places while the program gets faster.
 
 The list scheduler decides greedily, one action at a time; a decision that looked best when it
 was made can cost time later (a forward that delays a backward the next rank waits for). The
-pass below tries every swap of two neighbouring actions of a rank's row that keeps each stage's
-actions of one kind in microbatch order, replays the program (``replay``: ``simulate``'s clock
-for the problem's costs) and keeps the swap if the makespan drops and the memory limit still
-holds; it sweeps the rows until a sweep keeps nothing or ``sweeps`` sweeps are done.
+pass below tries, for each action of a rank's row, moving it 1, 2, ... ``reach`` places later or
+earlier (a swap of neighbours first) past actions it may trade places with (each stage's actions
+of one kind stay in microbatch order), replays the program (``replay``: ``simulate``'s clock for
+the problem's costs) and keeps the first move that makes it faster within the memory limit; it
+sweeps the rows until a sweep keeps nothing or ``sweeps`` sweeps are done.
 """
 
 from __future__ import annotations
@@ -84,26 +85,32 @@ def _swappable(a: Action, b: Action) -> bool:
 
 
 def improve(
-    problem: Problem, program: Program, makespan: float, sweeps: int, deadline: float
+    problem: Problem, program: Program, makespan: float, sweeps: int, reach: int, deadline: float
 ) -> tuple[Program, float] | None:
-    """A faster program than ``program`` (of ``makespan``) by swaps of neighbouring actions, within
-    the memory limit, or ``None`` if no swap helps; at most ``sweeps`` sweeps over the rows, none
-    started after ``deadline`` (``time.perf_counter()``)."""
+    """A faster program than ``program`` (of ``makespan``) by moves of one action at a time up to
+    ``reach`` places along its row, within the memory limit, or ``None`` if no move helps; at
+    most ``sweeps`` sweeps over the rows, none started after ``deadline``
+    (``time.perf_counter()``)."""
     rows = [list(row) for row in program.ranks]
     best, improved = makespan, False
+    moves = [1, *(d for x in range(2, reach + 1) for d in (x, -x)), *([-1] if reach > 1 else [])]
     for _ in range(sweeps):
         kept = False
         for row in rows:
-            for k in range(len(row) - 1):
-                a, b = row[k], row[k + 1]
-                if not _swappable(a, b):
-                    continue
-                row[k], row[k + 1] = b, a
-                t = replay(problem, rows)
-                if t < best * (1 - _SLACK) and _fits(problem, rows):
-                    best, kept = t, True
-                else:
-                    row[k], row[k + 1] = a, b
+            for k in range(len(row)):
+                for d in moves:  # the first move that helps is kept
+                    j = k + d
+                    passed = row[k + 1 : j + 1] if d > 0 else row[max(j, 0) : k]
+                    if not 0 <= j < len(row) or not all(_swappable(row[k], b) for b in passed):
+                        continue
+                    a = row.pop(k)
+                    row.insert(j, a)
+                    t = replay(problem, rows)
+                    if t < best * (1 - _SLACK) and _fits(problem, rows):
+                        best, kept = t, True
+                        break
+                    row.pop(j)
+                    row.insert(k, a)
         improved |= kept
         if not kept or time.perf_counter() > deadline:
             break

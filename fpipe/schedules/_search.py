@@ -7,8 +7,8 @@ fastest (ties: the first found):
 2. list-scheduled programs (``fpipe.schedules._list_schedule``, after the Zero Bubble authors'
    automatic scheduler), one per ``Policy`` of a grid over split or fused backwards, the order
    of kinds and of a rank's stages, how many microbatches a rank admits and whether ``W`` waits;
-3. for programs of at most ``LOCAL_ACTIONS`` actions, the best of those with neighbouring
-   actions of a rank swapped while it gets faster (``fpipe.schedules._improve``);
+3. for programs of at most ``LOCAL_ACTIONS`` actions, the best of those with actions of a rank
+   moved a few places while it gets faster (``fpipe.schedules._improve``);
 4. for small problems (``p <= 4``, ``m <= 8``), an exact branch and bound
    (``fpipe.schedules._exact``, NOTE [exact search]) seeded with the best of the above.
 
@@ -46,7 +46,8 @@ from ._zero_bubble_v import ZeroBubbleV
 
 EXACT_RANKS, EXACT_MICROBATCHES = 4, 8  # the largest problems the exact search is tried on
 EXACT_SECONDS = 2.0  # the most of the time budget it may take
-LOCAL_ACTIONS, LOCAL_SWEEPS = 200, 4  # the largest programs local improvement is tried on, its most sweeps
+LOCAL_ACTIONS = 200  # the largest programs local improvement is tried on
+LOCAL_SWEEPS, LOCAL_REACH = 4, 3  # its most sweeps over the rows, and how far it moves an action
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,8 @@ class Searched:
         program: the fastest program found (pass it to ``fpipe.pipeline`` as the schedule).
         simulation: ``simulate(program, costs)``.
         name: where it came from: a built-in schedule (``"ZeroBubbleH1"``), a list-scheduling
-            policy (``"list(I/W, backward first, ...)"``), the best of those improved by swaps
-            of neighbouring actions (``"list swaps of ZeroBubbleH1"``) or ``"exact"``.
+            policy (``"list(I/W, backward first, ...)"``), the best of those improved by moving
+            actions a few places (``"list swaps of ZeroBubbleH1"``) or ``"exact"``.
         lower_bound: a makespan no program can beat (``makespan / lower_bound - 1`` is how far
             from it the program may be); never above ``makespan`` (where the two differ by
             rounding only, the bound is the makespan).
@@ -105,7 +106,7 @@ def search(
 
         tried = [s.program(num_stages, num_ranks) for s in built_in_schedules]   # fitting memory
         tried += [list_schedule(problem, policy) for policy in policies]         # until the budget
-        tried += [improve(min(tried))]                                            # swaps, if small
+        tried += [improve(min(tried))]                                            # moves, if small
         if num_ranks <= 4 and num_microbatches <= 8: tried += [exact(problem)]    # branch and bound
         best = min(tried, key=lambda program: simulate(program, costs).makespan)
 
@@ -180,7 +181,7 @@ def search(
     optimal = best <= bound * (1 + 1e-9)
     actions = problem.num_stages * num_microbatches * 3
     if complete and not optimal and actions <= LOCAL_ACTIONS:
-        better = improve(problem, program, best, LOCAL_SWEEPS, deadline)
+        better = improve(problem, program, best, LOCAL_SWEEPS, LOCAL_REACH, deadline)
         complete = time.perf_counter() <= deadline
         if better is not None:
             name, program, best = f"list swaps of {name}", *better
