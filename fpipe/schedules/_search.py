@@ -181,10 +181,13 @@ def search(
     optimal = best <= bound * (1 + 1e-9)
     actions = problem.num_stages * num_microbatches * 3
     if complete and not optimal and actions <= LOCAL_ACTIONS:
-        better = improve(problem, program, best, LOCAL_SWEEPS, LOCAL_REACH, deadline)
+        start = name
+        for reach in (1, LOCAL_REACH):  # swaps first: moves from where they end are never worse
+            better = improve(problem, program, best, LOCAL_SWEEPS, reach, deadline)
+            if better is not None:
+                name, program, best = f"list swaps of {start}", *better
         complete = time.perf_counter() <= deadline
-        if better is not None:
-            name, program, best = f"list swaps of {name}", *better
+        if name != start:
             tried.append((name, best, program))
             optimal = best <= bound * (1 + 1e-9)
     small = num_ranks <= EXACT_RANKS and num_microbatches <= EXACT_MICROBATCHES
