@@ -10,12 +10,17 @@ NOTE [exact search]
     allow, in non-decreasing (start, rank). The search enumerates exactly those sequences (one
     per program), depth first, best-looking action first. It prunes a branch when
 
-    - a bound says it cannot beat the best program known: every rank still has its remaining
-      work to run, none of it before the rank is free or before the last start (the order);
+    - a bound says it cannot beat the best program known: the release bound (NOTE [release
+      bound] in ``_bound.py``) of what is left, nothing starting before the last start (the
+      order) or before its rank is free;
     - another branch reached the same counts of actions per stage (so the same memory) with
       every time that matters (when each rank is free, the last start, when each input still
       awaited by another stage arrived) no later: whatever follows one follows the other, no
       later.
+
+    The fused programs are searched only where some stage's ``B`` costs less than ``I + W``:
+    otherwise each ``B`` split into ``I`` then ``W`` at once keeps the memory and no action ends
+    later, so the split space holds a program as fast as any fused one.
 
     Exhausting the space proves the best program found optimal within it. The sizes this
     finishes for in seconds are small (notes/search.md); ``search`` runs it when
@@ -30,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from ._bound import Relaxation
 from ._list_schedule import Problem
 from ._program import Program
 
@@ -64,6 +70,9 @@ class _Search:
             m * sum(sum(problem.costs[s].of(k) for k in self.kinds) for s in problem.stages_of(r))
             for r in range(problem.num_ranks)
         ]
+        costs = problem.costs
+        back = [problem.backward(s, self.split) for s in range(S)]
+        self.relaxation = Relaxation(problem, back, [c.backward_weight if self.split else 0.0 for c in costs])
 
     def options(self, last: tuple[float, int]) -> list[tuple[float, int, str, int]]:
         """``(start, rank, kind, stage)`` of every action that may come next in the order."""
@@ -87,6 +96,14 @@ class _Search:
         order = {BACKWARD: 0, BACKWARD_INPUT: 0, FORWARD: 1, BACKWARD_WEIGHT: 2}
         kept = [o for o in found if o[0] > last[0] + _EPSILON or (o[0] >= last[0] - _EPSILON and o[1] >= last[1])]
         return sorted(kept, key=lambda o: (o[0], order[o[2]], o[1]))
+
+    def bound(self, start: float, span: float) -> float:
+        """A makespan no completion of the partial program can beat (NOTE [release bound] in
+        ``_bound.py``); ``start``: the last action's, before which no other action can start."""
+        backward = BACKWARD_INPUT if self.split else BACKWARD
+        done = self.done[FORWARD], self.done[backward], self.done[BACKWARD_WEIGHT if self.split else backward]
+        opens = [max(f, start) for f in self.free]
+        return max(span, self.relaxation.bound(done, (self.ends[FORWARD], self.ends[BACKWARD]), opens))
 
     def dominated(self, last: tuple[float, int]) -> bool:
         """Whether a branch already seen reached these counts with every time that matters no later
@@ -119,8 +136,7 @@ class _Search:
                     tuple(tuple(row) for row in self.rows), self.problem.num_stages, self.problem.num_microbatches
                 )
             return
-        bound = max([span, *(max(f, last[0]) + w for f, w in zip(self.free, self.left))])
-        if bound >= self.best - _EPSILON or self.dominated(last):
+        if self.bound(last[0], span) >= self.best - _EPSILON or self.dominated(last):
             return
         for start, r, kind, s in self.options(last):
             if max(start, last[0]) + self.left[r] >= self.best - _EPSILON:
@@ -166,7 +182,8 @@ def exact(problem: Problem, best: float, deadline: float) -> tuple[Program | Non
     program is then the best found so far.
     """
     program = None
-    for split in (True, False):
+    fused = any(c.of(BACKWARD) < c.backward_input + c.backward_weight for c in problem.costs)
+    for split in (True, False) if fused else (True,):
         search = _Search(problem, split, best, deadline)
         try:
             search.descend((-math.inf, 0), 0.0)

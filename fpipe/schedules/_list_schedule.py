@@ -1,4 +1,4 @@
-"""List scheduling: a program built action by action by simulating it, and the bounds that judge it.
+"""List scheduling: a program built action by action by simulating it.
 
 ``search`` (``fpipe.schedules._search``) needs programs laid out for particular costs, not for the
 unit costs the papers draw. This module builds them the way the Zero Bubble authors' automatic
@@ -131,44 +131,6 @@ def fill(problem: Problem, rank: int, split: bool) -> int:
 def _work(costs: Costs) -> float:
     """One microbatch's work on a stage, its backward fused or split, whichever is cheaper."""
     return costs.forward + min(costs.of(BACKWARD), costs.backward_input + costs.backward_weight)
-
-
-def lower_bound(problem: Problem) -> float:
-    """A makespan no program for ``problem`` can beat, whatever its order.
-
-    The largest of three bounds:
-
-    - per rank, its work: the earliest its first action can start (the forwards of microbatch 0
-      through the stages before its first, with their messages) plus all its work (a backward
-      counted fused or split, whichever is cheaper); its last action can be a ``W``, which
-      nothing waits for, so nothing is added after it;
-    - per microbatch: the last microbatch to enter stage 0 waits for the ``m - 1`` forwards
-      before it, then crosses the pipeline and back (every forward, every backward the previous
-      stage waits for, every message) and ends with stage 0's backward;
-    - per rank, its memory: stage ``s``'s activations of a microbatch live at least from its
-      forward through the rest of the pipeline and back to the end of its own backward
-      (``alive(s)``), and the rank never holds more than its limit, so
-      ``limit * makespan >= m * sum(size(s) * alive(s) for s on the rank)``.
-    """
-    S, m = problem.num_stages, problem.num_microbatches
-    costs = problem.costs
-    ranks = 0.0
-    for r in range(problem.num_ranks):
-        stages = problem.stages_of(r)
-        head = sum(costs[s].forward + problem.hop(s, s + 1) for s in range(stages[0]))
-        ranks = max(ranks, head + m * sum(_work(costs[s]) for s in stages))
-    trip = [0.0] * S  # trip[s]: the least time from the end of F(s, i) to the start of stage s's backward on i
-    for s in range(S - 2, -1, -1):
-        c = costs[s + 1]
-        trip[s] = trip[s + 1] + c.forward + min(c.backward_input, c.of(BACKWARD)) + problem.hop(s, s + 1)
-        trip[s] += problem.hop(s + 1, s)
-    own = [c.forward + min(c.of(BACKWARD), c.backward_input + c.backward_weight) for c in costs]
-    path = (m - 1) * costs[0].forward + trip[0] + own[0]
-    memory = 0.0
-    for r in range(problem.num_ranks):
-        held = sum(problem.sizes[s] * (own[s] + trip[s]) for s in problem.stages_of(r))
-        memory = max(memory, m * held / problem.limits[r])
-    return max(ranks, path, memory)
 
 
 @dataclass

@@ -1,19 +1,21 @@
 """Search: the fastest program for measured costs and a memory limit, never slower than a built-in.
 
-``search`` puts three sources of programs side by side and keeps the one ``simulate`` finds
+``search`` puts four sources of programs side by side and keeps the one ``simulate`` finds
 fastest (ties: the first found):
 
 1. every built-in schedule that lays out the placement and fits the memory limit;
 2. list-scheduled programs (``fpipe.schedules._list_schedule``, after the Zero Bubble authors'
    automatic scheduler), one per ``Policy`` of a grid over split or fused backwards, the order
    of kinds and of a rank's stages, how many microbatches a rank admits and whether ``W`` waits;
-3. for small problems (``p <= 4``, ``m <= 8``), an exact branch and bound
+3. for programs of at most ``LOCAL_ACTIONS`` actions, the best of those with actions of a rank
+   moved a few places while it gets faster (``fpipe.schedules._improve``);
+4. for small problems (``p <= 4``, ``m <= 8``), an exact branch and bound
    (``fpipe.schedules._exact``, NOTE [exact search]) seeded with the best of the above.
 
-Then it compares the winner with ``lower_bound`` (the busiest rank's work plus the fill before
-its first action, or the last microbatch's trip through the pipeline): a program that meets it
-is optimal among all programs; one the exact search could not beat is optimal among the
-programs that search covers.
+Then it compares the winner with ``lower_bound`` (``fpipe.schedules._bound``, NOTE [release
+bound]: every rank's work from when its inputs can first arrive, the trips through the
+pipeline, the ``W`` that must free memory, ...): a program that meets it is optimal among all
+programs; one the exact search could not beat is optimal among the programs that search covers.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .._plural import plural
-from ._action import BACKWARD, BACKWARD_WEIGHT, FORWARD
+from ._bound import lower_bound
 from ._controllable_memory import VHalf, VMin
 from ._dual_pipe_v import DualPipeV
 from ._exact import exact as branch_and_bound
 from ._gpipe import GPipe
+from ._improve import improve, peak_memory
 from ._interleaved import Interleaved1F1B
 from ._interleaved_zero_bubble import InterleavedZeroBubble
-from ._list_schedule import Policy, Problem, list_schedule, lower_bound
+from ._list_schedule import Policy, Problem, list_schedule
 from ._looped_bfs import LoopedBFS
 from ._one_f_one_b import OneFOneB
 from ._program import Program, Schedule, ScheduleError
@@ -43,6 +46,8 @@ from ._zero_bubble_v import ZeroBubbleV
 
 EXACT_RANKS, EXACT_MICROBATCHES = 4, 8  # the largest problems the exact search is tried on
 EXACT_SECONDS = 2.0  # the most of the time budget it may take
+LOCAL_ACTIONS = 200  # the largest programs local improvement is tried on
+LOCAL_SWEEPS, LOCAL_REACH = 4, 3  # its most sweeps over the rows, and how far it moves an action
 
 
 @dataclass(frozen=True)
@@ -53,9 +58,11 @@ class Searched:
         program: the fastest program found (pass it to ``fpipe.pipeline`` as the schedule).
         simulation: ``simulate(program, costs)``.
         name: where it came from: a built-in schedule (``"ZeroBubbleH1"``), a list-scheduling
-            policy (``"list(I/W, backward first, ...)"``) or ``"exact"``.
+            policy (``"list(I/W, backward first, ...)"``), the best of those improved by moving
+            actions a few places (``"list swaps of ZeroBubbleH1"``) or ``"exact"``.
         lower_bound: a makespan no program can beat (``makespan / lower_bound - 1`` is how far
-            from it the program may be).
+            from it the program may be); never above ``makespan`` (where the two differ by
+            rounding only, the bound is the makespan).
         complete: ``False`` when the time budget ran out before every candidate was tried.
         optimal: ``True`` when the program is proven fastest: it meets ``lower_bound`` (no
             program is faster), or the exact search (small problems) finished without beating it
@@ -99,6 +106,7 @@ def search(
 
         tried = [s.program(num_stages, num_ranks) for s in built_in_schedules]   # fitting memory
         tried += [list_schedule(problem, policy) for policy in policies]         # until the budget
+        tried += [improve(min(tried))]                                            # moves, if small
         if num_ranks <= 4 and num_microbatches <= 8: tried += [exact(problem)]    # branch and bound
         best = min(tried, key=lambda program: simulate(program, costs).makespan)
 
@@ -121,8 +129,8 @@ def search(
             ``memory`` is in bytes.
         time_budget: seconds to spend; when they run out the best program so far is returned
             with ``complete=False`` (at least one list-scheduled program is built, unless a
-            built-in already meets ``lower_bound``). The policies tried depend on the clock only
-            when it runs out.
+            built-in already meets ``lower_bound``). The policies tried and the swaps kept
+            depend on the clock only when it runs out.
         exact: run the exact search on problems of at most 4 ranks and 8 microbatches, for at
             most ``EXACT_SECONDS`` (2) of the budget, unless the program already meets
             ``lower_bound``; ``False``: never (then only a budget that runs out makes the result
@@ -171,6 +179,17 @@ def search(
         met = laid_out[1] <= bound * (1 + 1e-9)
     name, best, program = min(tried, key=lambda t: t[1])
     optimal = best <= bound * (1 + 1e-9)
+    actions = problem.num_stages * num_microbatches * 3
+    if complete and not optimal and actions <= LOCAL_ACTIONS:
+        start = name
+        for reach in (1, LOCAL_REACH):  # swaps first: moves from where they end are never worse
+            better = improve(problem, program, best, LOCAL_SWEEPS, reach, deadline)
+            if better is not None:
+                name, program, best = f"list swaps of {start}", *better
+        complete = time.perf_counter() <= deadline
+        if name != start:
+            tried.append((name, best, program))
+            optimal = best <= bound * (1 + 1e-9)
     small = num_ranks <= EXACT_RANKS and num_microbatches <= EXACT_MICROBATCHES
     if exact and complete and not optimal and small:
         found, makespan, finished = branch_and_bound(problem, best, min(deadline, time.perf_counter() + EXACT_SECONDS))
@@ -183,26 +202,12 @@ def search(
         program=program,
         simulation=simulate(program, costs if isinstance(costs, Costs) else tuple(costs)),
         name=name,
-        lower_bound=bound,
+        lower_bound=min(bound, best),
         complete=complete,
         optimal=optimal,
         peak_memory=peak_memory(program, problem.sizes),
         candidates=tuple((n, t) for n, t, _ in tried),
     )
-
-
-def peak_memory(program: Program, sizes: Sequence[float]) -> tuple[float, ...]:
-    """Per rank, the most memory live activations take: stage ``s``'s ``sizes[s]`` per microbatch,
-    alive from its ``F`` to its ``B`` (or ``W``), as ``Simulation.peak_activations`` counts them."""
-    peaks = []
-    for row in program.ranks:
-        alive = peak = 0.0
-        for a in row:
-            if a.kind in (FORWARD, BACKWARD, BACKWARD_WEIGHT):
-                alive += sizes[a.stage] if a.kind == FORWARD else -sizes[a.stage]
-                peak = max(peak, alive)
-        peaks.append(peak)
-    return tuple(peaks)
 
 
 def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Program]]:

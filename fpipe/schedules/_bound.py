@@ -1,0 +1,234 @@
+"""Lower bounds on the makespan: what no program can beat (``lower_bound``) and what no completion
+of a partial program can beat (``Relaxation.bound``, the exact search's pruning).
+
+NOTE [release bound]
+    Relax the pipeline in two ways. First, forget that a rank runs one action at a time and
+    compute, microbatch by microbatch, the earliest each action can start (its *release*): after
+    its stage's previous action of its kind (the ``k``-th forward of a stage starts after the
+    ``k-1``-th ends), after its inputs and their messages (the previous stage's forward, the next
+    stage's backward), and, for a forward, after the end of the ``W`` (or fused ``B``) that frees
+    room for it: stage ``s`` alone keeps at most ``capacity[s] = floor(limit / size)``
+    microbatches alive, so its ``k``-th forward waits for the ``k - capacity``-th to be freed;
+    and on a rank holding several stages, a microbatch at the forward of the rank's last stage
+    holds the rank's whole footprint, so at most ``(limit - footprint) / size`` others may hold
+    the rank's first stage then: that forward's ``k``-th waits for the first stage to free its
+    ``k - others``-th.
+    Then put the one-action-at-a-time back, per rank only: the rank runs its remaining actions,
+    each no earlier than its release, one at a time, and after each the step lasts at least its
+    *tail* (after a forward, the trip through the later stages and back, its own backward and
+    ``after``; after a backward, ``after``; after a ``W``, nothing): the least ``max(end +
+    tail)`` of one machine allowed to interrupt its jobs (``jackson``) is a bound. So is the rank's remaining ``F`` and
+    backward work, and the ``W`` that must free room before its stage's last forward (all but
+    the last ``capacity`` of them), from the first of their releases, plus the least time any
+    backward of its stages still needs after it (``after``: the backwards of the earlier stages,
+    their messages, stage 0's ``W``): each action of that set is followed by at least that much;
+    and the end of the last ``W`` (or fused ``B``) of each stage.
+
+    Each inequality holds for the ``k``-th action of a kind in time order, whatever the program
+    runs first: the ``k``-th smallest of values each at least its own lower bound is at least the
+    ``k``-th smallest of the bounds. So with a backward costing the least of ``I`` and ``B`` (what
+    the previous stage waits for) and the rest, ``min(B, I + W)`` minus that, freeing memory, the
+    bound holds for every program (``lower_bound``), not only the FIFO ones the exact search
+    enumerates; the search itself uses the costs of its space (``I`` and ``W``, or ``B`` and 0).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+from ._action import BACKWARD
+from ._list_schedule import Problem
+
+_SLACK = 1e-9  # relative tolerance on memory limits (sums of floats)
+
+
+class Relaxation:
+    """The release bound of a problem for given backward costs (NOTE [release bound]).
+
+    Args:
+        problem: what is laid out.
+        back: per stage, the cost of the backward the previous stage waits for.
+        weight: per stage, the cost of the rest of its backward, at whose end its activations
+            are freed (0 for a fused ``B``).
+    """
+
+    def __init__(self, problem: Problem, back: Sequence[float], weight: Sequence[float]) -> None:
+        S, m = problem.num_stages, problem.num_microbatches
+        self.problem = problem
+        self.forward = [c.forward for c in problem.costs]
+        self.back = list(back)
+        self.weight = list(weight)
+        self.up = [problem.hop(s - 1, s) if s else 0.0 for s in range(S)]  # the message into stage s
+        self.down = [problem.hop(s, s - 1) if s else 0.0 for s in range(S)]  # stage s's message back
+        # after[s]: the least time from the end of a backward of stage s to the end of the step
+        self.after = [weight[0]] * S
+        for s in range(1, S):
+            self.after[s] = self.after[s - 1] + self.back[s - 1] + self.down[s]
+        # through[s]: the least time from the end of a forward of stage s to the end of the step
+        self.through = [0.0] * S
+        trip = 0.0
+        for s in range(S - 1, -1, -1):
+            self.through[s] = trip + self.back[s] + self.after[s]
+            trip += self.up[s] + self.forward[s] + self.back[s] + self.down[s]
+        alive = [problem.limits[r] / problem.sizes[s] for s, r in enumerate(problem.rank_of)]
+        self.capacity = [m if math.isinf(x) else max(1, min(m, math.floor(x * (1 + _SLACK)))) for x in alive]
+        self.held = [problem.stages_of(r) for r in range(problem.num_ranks)]
+        # entry[s]: for the last stage s of a rank holding several, (the rank's first stage, how many
+        # other microbatches can still hold that first stage's activations while one holds the
+        # rank's whole footprint): its forward of microbatch i waits for the first stage to free
+        # microbatch i - others - 1
+        self.entry: dict[int, tuple[int, int]] = {}
+        for r, stages in enumerate(self.held):
+            spare = (problem.limits[r] - problem.footprint(r)) / problem.sizes[stages[0]]
+            if len(stages) > 1 and not math.isinf(spare):
+                self.entry[stages[-1]] = stages[0], math.floor(spare * (1 + _SLACK) + _SLACK)
+
+    def bound(
+        self,
+        done: tuple[Sequence[int], Sequence[int], Sequence[int]],
+        ends: tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]],
+        opens: Sequence[float],
+    ) -> float:
+        """A makespan no completion of a partial FIFO program can beat (NOTE [release bound]).
+
+        Args:
+            done: per stage, how many forwards, backwards (``B`` or ``I``) and ``W`` (the
+                backwards again when fused) it has run: microbatches ``0`` to ``done - 1``.
+            ends: when each forward and each backward that ran ended, per stage and microbatch.
+            opens: per rank, the earliest its next action can start.
+        """
+        problem, m, S = self.problem, self.problem.num_microbatches, self.problem.num_stages
+        done_f, done_b, done_w = done
+        known_f, known_b = ends
+        rank_of, forward, back, weight = problem.rank_of, self.forward, self.back, self.weight
+        up, down, capacity, entry = self.up, self.down, self.capacity, self.entry
+        after, through = self.after, self.through
+        # the ends of microbatch i's actions, per stage, and of the W that frees each earlier one
+        end_f = [0.0] * S
+        end_b = [0.0] * S
+        end_w: list[list[float]] = [[] for _ in range(S)]
+        work: list[list[tuple[float, float, float]]] = [[] for _ in opens]  # per rank, (release, cost, tail)
+        firsts = [math.inf for _ in opens]  # per rank, the first release of an F or a backward
+        for i in range(m):
+            previous = 0.0  # the end of the previous stage's forward of i
+            for s in range(S):
+                r = rank_of[s]
+                if i < done_f[s]:
+                    previous = end_f[s] = known_f[s][i]
+                    continue
+                t = opens[r]
+                if i > done_f[s] and end_f[s] > t:
+                    t = end_f[s]
+                if s and previous + up[s] > t:
+                    t = previous + up[s]
+                if i >= capacity[s] and end_w[s][i - capacity[s]] > t:
+                    t = end_w[s][i - capacity[s]]
+                if s in entry:
+                    first, others = entry[s]
+                    if i > others and end_w[first][i - others - 1] > t:
+                        t = end_w[first][i - others - 1]
+                previous = end_f[s] = t + forward[s]
+                work[r].append((t, forward[s], through[s]))
+                if t < firsts[r]:
+                    firsts[r] = t
+            later = 0.0  # the end of the next stage's backward of i, plus its message
+            for s in range(S - 1, -1, -1):
+                r = rank_of[s]
+                if i < done_b[s]:
+                    end = end_b[s] = known_b[s][i]
+                else:
+                    t = opens[r]
+                    if end_f[s] > t:
+                        t = end_f[s]
+                    if i > done_b[s] and end_b[s] > t:
+                        t = end_b[s]
+                    if later > t:
+                        t = later
+                    end = end_b[s] = t + back[s]
+                    work[r].append((t, back[s], after[s]))
+                    if t < firsts[r]:
+                        firsts[r] = t
+                later = end + down[s]
+                if i < done_w[s]:
+                    end_w[s].append(-math.inf)
+                    continue
+                t = opens[r]
+                if end > t:
+                    t = end
+                if i > done_w[s] and end_w[s][i - 1] > t:
+                    t = end_w[s][i - 1]
+                end_w[s].append(t + weight[s])
+                if weight[s]:
+                    work[r].append((t, weight[s], 0.0))
+        best = max(w[m - 1] for w in end_w)
+        for r, stages in enumerate(self.held):
+            best = max(best, jackson(work[r]))
+            tails = [self.after[s] for s in stages if done_b[s] < m]
+            if tails:
+                before = sum(
+                    (m - done_f[s]) * forward[s]
+                    + (m - done_b[s]) * back[s]
+                    + max(0, m - capacity[s] - done_w[s]) * weight[s]
+                    for s in stages
+                )
+                best = max(best, firsts[r] + before + min(tails))
+        return best
+
+
+def jackson(jobs: list[tuple[float, float, float]]) -> float:
+    """The least ``max(end + tail)`` over ``(release, cost, tail)`` jobs on one machine that may
+    interrupt a job and resume it later: Jackson's rule, always run the released job of the
+    largest tail, is optimal for it, so no order without interruptions does better."""
+    jobs.sort()
+    waiting: list[tuple[float, float]] = []  # (-tail, cost left) of released jobs
+    t = best = 0.0
+    k = 0
+    while k < len(jobs) or waiting:
+        if not waiting and jobs[k][0] > t:
+            t = jobs[k][0]
+        while k < len(jobs) and jobs[k][0] <= t:
+            heapq.heappush(waiting, (-jobs[k][2], jobs[k][1]))
+            k += 1
+        tail, cost = heapq.heappop(waiting)
+        release = jobs[k][0] if k < len(jobs) else math.inf
+        if t + cost <= release:
+            t += cost
+            best = max(best, t - tail)
+        else:
+            heapq.heappush(waiting, (tail, cost - (release - t)))
+            t = release
+    return best
+
+
+def lower_bound(problem: Problem) -> float:
+    """A makespan no program for ``problem`` can beat, whatever its order.
+
+    The larger of two bounds:
+
+    - the release bound (NOTE [release bound]) with a backward costing the least of ``I`` and
+      ``B`` and the rest of ``min(B, I + W)`` after it: among others, every rank's work after the
+      forwards before its first action, and the last microbatch's trip through the pipeline after
+      the ``m - 1`` forwards before it;
+    - per rank, its memory: stage ``s``'s activations of a microbatch live at least from its
+      forward through the rest of the pipeline and back to the end of its own backward
+      (``alive(s)``), and the rank never holds more than its limit, so
+      ``limit * makespan >= m * sum(size(s) * alive(s) for s on the rank)``.
+    """
+    S, m = problem.num_stages, problem.num_microbatches
+    costs = problem.costs
+    back = [min(c.backward_input, c.of(BACKWARD)) for c in costs]
+    own = [c.forward + min(c.of(BACKWARD), c.backward_input + c.backward_weight) for c in costs]
+    relaxation = Relaxation(problem, back, [o - c.forward - b for o, c, b in zip(own, costs, back)])
+    zeros = [0] * S
+    released = relaxation.bound((zeros, zeros, zeros), ([], []), [0.0] * problem.num_ranks)
+    trip = [0.0] * S  # trip[s]: the least time from the end of F(s, i) to the start of stage s's backward on i
+    for s in range(S - 2, -1, -1):
+        c = costs[s + 1]
+        trip[s] = trip[s + 1] + c.forward + back[s + 1] + problem.hop(s, s + 1) + problem.hop(s + 1, s)
+    memory = 0.0
+    for r in range(problem.num_ranks):
+        held = sum(problem.sizes[s] * (own[s] + trip[s]) for s in problem.stages_of(r))
+        memory = max(memory, m * held / problem.limits[r])
+    return max(released, memory)

@@ -1,0 +1,126 @@
+"""Local improvement: move actions of a rank a few places while the program gets faster.
+
+The list scheduler decides greedily, one action at a time; a decision that looked best when it
+was made can cost time later (a forward that delays a backward the next rank waits for). The
+pass below tries, for each action of a rank's row, moving it 1, 2, ... ``reach`` places later or
+earlier (a swap of neighbours first) past actions it may trade places with (each stage's actions
+of one kind stay in microbatch order), replays the program (``replay``: ``simulate``'s clock for
+the problem's costs) and keeps the first move that makes it faster within the memory limit; it
+sweeps the rows until a sweep keeps nothing or ``sweeps`` sweeps are done.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+from ._action import BACKWARD, BACKWARD_WEIGHT, FORWARD, Action
+from ._list_schedule import Problem
+from ._program import Program
+
+_SLACK = 1e-9  # relative tolerance on memory limits and times (sums of floats)
+
+
+def peak_memory(program: Program, sizes: Sequence[float]) -> tuple[float, ...]:
+    """Per rank, the most memory live activations take: stage ``s``'s ``sizes[s]`` per microbatch,
+    alive from its ``F`` to its ``B`` (or ``W``), as ``Simulation.peak_activations`` counts them."""
+    peaks = []
+    for row in program.ranks:
+        alive = peak = 0.0
+        for a in row:
+            if a.kind in (FORWARD, BACKWARD, BACKWARD_WEIGHT):
+                alive += sizes[a.stage] if a.kind == FORWARD else -sizes[a.stage]
+                peak = max(peak, alive)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def replay(problem: Problem, rows: Sequence[Sequence[Action]]) -> float:
+    """The makespan ``simulate`` gives the program of these rows with the problem's costs (each
+    action when its rank is free and its inputs, plus their messages, have arrived); ``math.inf``
+    if the rows deadlock."""
+    costs, rank_of = problem.costs, problem.rank_of
+    ends: dict[tuple[int, str, int], float] = {}  # (stage, "F" or "B" (B or I) or "W", microbatch)
+    position = [0] * len(rows)
+    free = [0.0] * len(rows)
+    left = sum(len(row) for row in rows)
+    while left:
+        moved = False
+        for r, row in enumerate(rows):
+            while position[r] < len(row):
+                a = row[position[r]]
+                s, i = a.stage, a.microbatch
+                ready = free[r]
+                if a.kind == FORWARD:
+                    inputs = [(s - 1, FORWARD)] if s else []
+                    key = FORWARD
+                elif a.kind == BACKWARD_WEIGHT:
+                    inputs, key = [(s, BACKWARD)], BACKWARD_WEIGHT
+                else:
+                    inputs = [(s, FORWARD)] + ([(s + 1, BACKWARD)] if s + 1 < problem.num_stages else [])
+                    key = BACKWARD
+                waiting = False
+                for t, kind in inputs:
+                    end = ends.get((t, kind, i))
+                    if end is None:
+                        waiting = True
+                        break
+                    ready = max(ready, end + (costs[t].send if rank_of[t] != r else 0.0))
+                if waiting:
+                    break
+                free[r] = ends[(s, key, i)] = ready + costs[s].of(a.kind)
+                position[r] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            return math.inf
+    return max(free)
+
+
+def _swappable(a: Action, b: Action) -> bool:
+    """Whether neighbours ``a``, ``b`` may trade places: different stages, or one stage's
+    different kinds on different microbatches (each kind of a stage stays in microbatch order)."""
+    return a.stage != b.stage or (a.kind != b.kind and a.microbatch != b.microbatch)
+
+
+def improve(
+    problem: Problem, program: Program, makespan: float, sweeps: int, reach: int, deadline: float
+) -> tuple[Program, float] | None:
+    """A faster program than ``program`` (of ``makespan``) by moves of one action at a time up to
+    ``reach`` places along its row, within the memory limit, or ``None`` if no move helps; at
+    most ``sweeps`` sweeps over the rows, none started after ``deadline``
+    (``time.perf_counter()``)."""
+    rows = [list(row) for row in program.ranks]
+    best, improved = makespan, False
+    moves = [1, *(d for x in range(2, reach + 1) for d in (x, -x)), *([-1] if reach > 1 else [])]
+    for _ in range(sweeps):
+        kept = False
+        for row in rows:
+            for k in range(len(row)):
+                for d in moves:  # the first move that helps is kept
+                    j = k + d
+                    passed = row[k + 1 : j + 1] if d > 0 else row[max(j, 0) : k]
+                    if not 0 <= j < len(row) or not all(_swappable(row[k], b) for b in passed):
+                        continue
+                    a = row.pop(k)
+                    row.insert(j, a)
+                    t = replay(problem, rows)
+                    if t < best * (1 - _SLACK) and _fits(problem, rows):
+                        best, kept = t, True
+                        break
+                    row.pop(j)
+                    row.insert(k, a)
+        improved |= kept
+        if not kept or time.perf_counter() > deadline:
+            break
+    if not improved:
+        return None
+    return Program(tuple(tuple(row) for row in rows), problem.num_stages, problem.num_microbatches), best
+
+
+def _fits(problem: Problem, rows: Sequence[Sequence[Action]]) -> bool:
+    peaks = peak_memory(
+        Program(tuple(tuple(row) for row in rows), problem.num_stages, problem.num_microbatches), problem.sizes
+    )
+    return all(peak <= limit * (1 + _SLACK) for peak, limit in zip(peaks, problem.limits))

@@ -1,0 +1,105 @@
+"""lower_bound and the release bound (NOTE [release bound] in fpipe/schedules/_bound.py): never above
+any program's simulated makespan, in random problems against every built-in that fits, and in tiny
+ones against every program, microbatches in any order."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fpipe.schedules import Action, Costs, Program, ScheduleError, simulate
+from fpipe.schedules._bound import lower_bound
+from fpipe.schedules._search import builtin_programs, checked_problem, peak_memory, search
+
+costs_strategy = st.builds(
+    Costs,
+    forward=st.floats(0.1, 3),
+    backward_input=st.floats(0.1, 3),
+    backward_weight=st.floats(0.05, 3),
+    backward=st.one_of(st.none(), st.floats(0.1, 5)),
+    send=st.one_of(st.just(0.0), st.floats(0, 2)),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    p=st.integers(1, 4),
+    m=st.integers(1, 8),
+    layout=st.sampled_from([("looped", 1), ("looped", 2), ("looped", 3), ("v", 2)]),
+    costs=st.lists(costs_strategy, min_size=16, max_size=16),
+    memory=st.sampled_from([None, 1.0, 1.5, 2.0, 3.0, 4.0, 7.0]),
+)
+def test_the_lower_bound_is_never_above_a_builtin_that_fits(
+    p: int, m: int, layout: tuple[str, int], costs: list[Costs], memory: float | None
+) -> None:
+    placement, v = layout
+    S = 2 * p if placement == "v" else p * v
+    problem = checked_problem(p, m, costs[:S], placement, v, memory, None)
+    bound = lower_bound(problem)
+    for name, program in builtin_programs(problem, placement):
+        if max(peak_memory(program, problem.sizes)) <= (memory or math.inf) + 1e-9:
+            assert bound <= simulate(program, costs[:S]).makespan + 1e-9, name
+
+
+def every_row(stage: int, m: int, kinds: str) -> list[tuple[Action, ...]]:
+    """Every order of one stage's actions in which each microbatch runs its kinds in order (the
+    microbatches in any order)."""
+    actions = [Action(stage, k, i) for k in kinds for i in range(m)]
+    rows = []
+    for perm in itertools.permutations(actions):
+        position = {a: n for n, a in enumerate(perm)}
+        if all(
+            position[Action(stage, a, i)] < position[Action(stage, b, i)]
+            for a, b in itertools.pairwise(kinds)
+            for i in range(m)
+        ):
+            rows.append(perm)
+    return rows
+
+
+@pytest.mark.parametrize(
+    "costs, memory",
+    [
+        ([Costs(backward_weight=0.3), Costs(forward=3, backward_input=3, backward_weight=0.9)], None),
+        ([Costs(send=1.0), Costs(send=1.0)], 1.0),
+        ([Costs(backward_weight=2.0, send=0.3), Costs(forward=2, backward_input=2, backward_weight=4, send=0.3)], 1.0),
+        ([Costs(backward=1.2, send=0.5), Costs(forward=2, backward=1.5, backward_weight=2)], 2.0),
+    ],
+)
+def test_the_lower_bound_is_below_every_program_of_a_tiny_problem(costs: list[Costs], memory: float | None) -> None:
+    """p = 2, m = 2: every program, split or fused, microbatches in any order; the least makespan
+    of those within memory is the optimum, and the bound and the exact search's answer meet it."""
+    best = math.inf
+    for kinds in ("FIW", "FB"):
+        for rows in itertools.product(every_row(0, 2, kinds), every_row(1, 2, kinds)):
+            try:
+                sim = simulate(Program(rows, 2, 2), costs)
+            except ScheduleError:  # a deadlock
+                continue
+            if all(peak <= (memory or math.inf) for peak in sim.peak_activations):
+                best = min(best, sim.makespan)
+    problem = checked_problem(2, 2, costs, "looped", 1, memory, None)
+    assert lower_bound(problem) <= best + 1e-9
+    found = search(2, 2, costs, memory=memory)
+    assert found.optimal and found.makespan == pytest.approx(best)
+
+
+def test_the_w_that_free_room_are_charged_zb_h1_is_optimal_under_1f1b_s_memory() -> None:
+    """W = 0.3 I: with 1F1B's memory the last rank must run 4 of its 8 W before its last forward,
+    which the bound charges (it was 22.3 without them): ZB-H1's 23.5 is proven optimal."""
+    costs = [Costs(backward_weight=0.3)] * 4
+    found = search(4, 8, costs, memory=4, exact=False)
+    assert found.optimal and found.name == "ZeroBubbleH1" and found.lower_bound == pytest.approx(23.5)
+
+
+def test_a_rank_of_two_stages_holds_its_whole_footprint_at_its_last_stage_s_forward() -> None:
+    """The V, p = 2, memory 1: a microbatch fills rank 0 at stage 3's forward, so that forward
+    waits until stage 0 freed the microbatch before: the bound is 13.5 (12.5 without that rule),
+    the optimum, which the exact search proves, 16.5."""
+    costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.5)] * 4
+    found = search(2, 4, costs, placement="v", memory=1)
+    assert found.optimal and found.makespan == 16.5 and found.lower_bound == 13.5
