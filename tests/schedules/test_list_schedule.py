@@ -13,7 +13,8 @@ import math
 import pytest
 
 from fpipe.schedules import Costs, OneFOneB, simulate, validate
-from fpipe.schedules._list_schedule import Policy, Problem, fill, list_schedule, lower_bound
+from fpipe.schedules._bound import lower_bound
+from fpipe.schedules._list_schedule import Policy, Problem, fill, list_schedule
 
 POLICIES = [
     Policy(split=True, extra=None),
