@@ -45,7 +45,6 @@ from ._zero_bubble_h2 import ZeroBubbleH2
 from ._zero_bubble_v import ZeroBubbleV
 
 EXACT_RANKS, EXACT_MICROBATCHES = 4, 8  # the largest problems the exact search is tried on
-EXACT_SECONDS = 2.0  # the most of the time budget it may take
 LOCAL_ACTIONS = 200  # the largest programs local improvement is tried on
 LOCAL_SWEEPS, LOCAL_REACH = 4, 3  # its most sweeps over the rows, and how far it moves an action
 
@@ -131,9 +130,8 @@ def search(
             with ``complete=False`` (at least one list-scheduled program is built, unless a
             built-in already meets ``lower_bound``). The policies tried and the swaps kept
             depend on the clock only when it runs out.
-        exact: run the exact search on problems of at most 4 ranks and 8 microbatches, for at
-            most ``EXACT_SECONDS`` (2) of the budget, unless the program already meets
-            ``lower_bound``; ``False``: never (then only a budget that runs out makes the result
+        exact: run the exact search on problems of at most 4 ranks and 8 microbatches, for the
+            rest of the budget, unless the program already meets ``lower_bound``; ``False``: never (then only a budget that runs out makes the result
             depend on the machine's speed).
 
     Example:
@@ -192,7 +190,7 @@ def search(
             optimal = best <= bound * (1 + 1e-9)
     small = num_ranks <= EXACT_RANKS and num_microbatches <= EXACT_MICROBATCHES
     if exact and complete and not optimal and small:
-        found, makespan, finished = branch_and_bound(problem, best, min(deadline, time.perf_counter() + EXACT_SECONDS))
+        found, makespan, finished = branch_and_bound(problem, best, deadline)
         if found is not None:
             tried.append(("exact", makespan, found))
             name, best, program = "exact", makespan, found
