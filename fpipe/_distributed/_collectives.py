@@ -85,13 +85,15 @@ def lost(
     The board's record if there is one (the failure that aborted this wait), else this rank's
     finding, written on the board for the others: a silent rank (the wait timed out: the ranks
     whose heartbeat stopped, or unknown) or a dead one (its connection closed); the store's host
-    when the store does not answer (NOTE [the store's host] in fpipe/_distributed/_faults.py).
+    when the store does not answer (NOTE [the store's host] in fpipe/_distributed/_faults.py);
+    this rank itself when its process was stopped meanwhile (NOTE [a stopped process]).
     The job's groups are aborted on this rank either way (NOTE [a continued rank]).
     """
     what = what if isinstance(what, str) else what()
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     timed_out = "timed out" in text.lower() or "timeout" in text.lower()
     seconds = f"{timeout.total_seconds():g}"
+    stop = WATCHDOG.stopped(within=timeout.total_seconds() + STALE)  # NOTE [a stopped process]
     standing = WATCHDOG.read(board)
     if standing is not None:
         abort_job(board)
@@ -99,7 +101,13 @@ def lost(
         return standing.error(board, rank, what)
     if board.unanswered is not None:
         return _without_store(board, rank, what, seconds)
-    if timed_out:
+    if stop is not None:  # this rank was stopped (the store's host: the others could write no record)
+        failure = board.failure_of(
+            board.me,
+            SILENT,
+            f"stopped answering: it was stopped (frozen) for {stop:.1f} s, and the other ranks gave up on it",
+        )
+    elif timed_out:
         silent = board.silent()
         if silent:
             also = "" if len(silent) == 1 else f" (so did global ranks {silent[1:]})"
@@ -161,20 +169,43 @@ def lost(
 # with a compare-set: two store round trips, a millisecond or less) can finish its collective and
 # read an empty board inside that interval, and return. Closing it would need a decision that both
 # ranks take through the store for every wait (a compare-set of "done" against "failed"), a store
-# round trip per message, not per step. And the store's host, frozen and continued, finds no
-# record (the survivors could not write one: NOTE [the store's host] in
-# fpipe/_distributed/_faults.py): it raises, but blames the peer whose pair closed.
+# round trip per message, not per step. The store's host, frozen and continued, finds no record
+# (the survivors could not write one: NOTE [the store's host] in fpipe/_distributed/_faults.py):
+# it names itself from its own clock (NOTE [a stopped process]).
+#
+# NOTE [a stopped process]
+# The store's host, frozen (SIGSTOP) and continued (SIGCONT) after the others gave up on it,
+# found no record, and its wait failed on a pair that a survivor closed: it blamed that survivor
+# ("because rank 1 died"), though it was the one that had stopped. A process can tell that it was
+# stopped: its watchdog waits for a request for ``POLL`` seconds at most between two rounds, so a
+# wait that lasted more than ``STALE`` seconds means that the whole process did not run
+# (``Watchdog.stopped``; also while the thread, just continued, has not run yet). That is the
+# board's own criterion: a process whose watchdog did not run for ``STALE`` seconds did not beat,
+# so every peer's board counted it silent, frozen or dead. The stop is used only when this rank's
+# own wait failed with no record on the board and the store answering (``lost``), and only when it
+# ended within that wait's timeout (plus ``STALE``) of the failure; an operation that returns
+# forgets it (``standing``), and so does every failure, used or not. The rank then writes the
+# record naming itself ("stopped answering: it was stopped (frozen) for 3.1 s, and the other
+# ranks gave up on it"), which a slower survivor reads too. Not covered: a stop that falls inside
+# one of the watchdog's store calls (a fraction of a millisecond in every ``POLL``) rather than its
+# wait is not seen, and the old blame stands; a machine so loaded that the watchdog does not run
+# for ``STALE`` seconds, followed within the timeout by a real failure of a peer, names this rank
+# (its peers counted it silent then too); and a continued host whose last collective finished
+# before the survivors' aborts (point 2 above) reads an empty board and returns.
 def standing(topology: Topology, what: str) -> None:
     """Raise the job's failure record if the board holds one, read now (one store read; none
     once this rank knows of a record), after aborting the job's groups on this rank: called
     before an operation returns, so that a rank continued after the others gave up on it fails
     even when its last collective finished (NOTE [a continued rank], point 2). ``what`` says
-    what this rank waited for, as ``wait``'s errors do."""
+    what this rank waited for, as ``wait``'s errors do. With no record, it forgets a stop of this
+    process (NOTE [a stopped process])."""
     failure = WATCHDOG.read(topology.board)
-    if failure is not None:
-        abort_job(topology.board)
-        WATCHDOG.linger(topology.board)
-        raise failure.error(topology.board, topology.rank, what)
+    if failure is None:
+        WATCHDOG.forget_stop()  # NOTE [a stopped process]
+        return
+    abort_job(topology.board)
+    WATCHDOG.linger(topology.board)
+    raise failure.error(topology.board, topology.rank, what)
 
 
 def _without_store(board: Board, rank: int, what: str, seconds: str) -> PipelineError:

@@ -85,6 +85,8 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._busy: float | None = None  # since when the thread has been in a store call
+        self._idle: float | None = None  # since when the thread has waited for a request (``stopped``)
+        self._stop: tuple[float, float] | None = None  # (seconds, when it ended): this process was stopped
         self.stopped_by: BaseException | None = None  # the error that ended the thread, if one did
 
     def board(
@@ -139,6 +141,22 @@ class Watchdog:
         calls. Every wait is bounded by it (NOTE [the store's host])."""
         busy = self._busy
         return 0.0 if busy is None else time.monotonic() - busy
+
+    def stopped(self, within: float) -> float | None:
+        """Seconds for which this process was stopped (SIGSTOP, then SIGCONT), when that ended less
+        than ``within`` seconds ago (``None``: it was not, or earlier); forgets it either way. A
+        wait of the watchdog for a request (``POLL`` s at most) that lasted more than ``STALE`` s
+        is such a stop, also while the thread, just continued, has not run yet (NOTE [a stopped
+        process] in fpipe/_distributed/_collectives.py)."""
+        now, idle, stop = time.monotonic(), self._idle, self._stop
+        if idle is not None and now - idle > STALE:
+            stop = (now - idle, now)
+        self._stop = None
+        return stop[0] if stop is not None and now - stop[1] <= within else None
+
+    def forget_stop(self) -> None:
+        """Forget that this process was stopped (``stopped``): an operation it did not fail ended."""
+        self._stop = None
 
     def stop(self) -> None:
         """Stop the thread and wait for it (at exit: a daemon thread caught inside a store call
@@ -210,8 +228,12 @@ class Watchdog:
         requests, last_beat = self._requests, 0.0
         while self._serves is serves and dist.is_initialized():
             job: tuple[Callable[[Any], Any], Future[Any]] | None = None
+            self._idle = time.monotonic()
             with contextlib.suppress(queue.Empty):
                 job = requests.get(timeout=POLL)
+            idle, self._idle, woke = self._idle, None, time.monotonic()
+            if idle is not None and woke - idle > STALE:  # this process was stopped: ``stopped``
+                self._stop = (woke - idle, woke)
             try:
                 self._busy = time.monotonic()
                 if self._store is None:

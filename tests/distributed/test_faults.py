@@ -188,7 +188,8 @@ def _continued(rank, world, mesh, faults, timeout, directory):
 @pytest.mark.parametrize(
     ("setup", "faults"),
     [
-        (2, [("forward", 1)]),
+        # Then the store's host: no record on the board, it names itself from its own clock.
+        (2, [("forward", 1), ("forward", 0)]),
         # The victim's tensor-parallel partner (rank 0) runs its row to the end: it must not return.
         (PP_TP, [("backward", 1)]),
     ],
@@ -197,8 +198,9 @@ def test_a_victim_continued_after_the_survivors_failed_raises_too(setup, faults,
     """A rank frozen mid-step (its forward or backward) and continued (SIGCONT) after every
     survivor has raised must raise fpipe's error naming itself, never return a loss: the
     survivors aborted the job's groups (NOTE [a continued rank] in
-    fpipe/_distributed/_collectives.py). Rank 0, the store's host, is not a victim here: frozen,
-    it leaves no record on the board (NOTE [the store's host])."""
+    fpipe/_distributed/_collectives.py). Rank 0, the store's host, frozen, leaves no record on
+    the board (NOTE [the store's host]): continued, it says that it was stopped (NOTE [a stopped
+    process]); it blamed its peer ("because rank 1 died") before."""
     world, mesh = (setup, None) if isinstance(setup, int) else (setup[0][1] * setup[1][1], setup)
     results = run_ranks(world, _continued, mesh, faults, 3, str(tmp_path), timeout=90)
     for i, (where, victim) in enumerate(faults):
@@ -206,6 +208,8 @@ def test_a_victim_continued_after_the_survivors_failed_raises_too(setup, faults,
         for rank, result in enumerate(results):
             seconds, kind, message = result[i]
             assert kind == "PipelineTimeoutError" and said in message, (where, rank, kind, message)
+            if rank == victim == 0:
+                assert "stopped answering: it was stopped (frozen) for" in message, (where, message)
             if rank != victim:
                 assert seconds < 3 + SLACK, (where, rank, seconds, message)
 
