@@ -131,8 +131,9 @@ def search(
             built-in already meets ``lower_bound``). The policies tried and the swaps kept
             depend on the clock only when it runs out.
         exact: run the exact search on problems of at most 4 ranks and 8 microbatches, for the
-            rest of the budget, unless the program already meets ``lower_bound``; ``False``: never (then only a budget that runs out makes the result
-            depend on the machine's speed).
+            rest of the budget, unless the program already meets ``lower_bound``; ``False``:
+            never (then only a budget that runs out makes the result depend on the machine's
+            speed).
 
     Example:
         >>> from fpipe.schedules import Costs, search
