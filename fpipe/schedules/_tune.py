@@ -62,7 +62,7 @@ class Tuned:
             simulated step, then the first tried); pass it to ``fpipe.pipeline`` as the schedule.
         name: its name, as in ``Searched.candidates``.
         candidates: every candidate timed, by simulated step (ties: in the order ``search``
-            tried them), with its times.
+            tried them), with its times; a program equal to one before it is not timed again.
     """
 
     program: Program
@@ -84,6 +84,7 @@ def tune(
     Conceptually::
 
         ranked = sorted(found.candidates, key=makespan)                    # the programs search tried
+        ranked = [c for c in ranked if c.program not in ranked_before_it]  # each program once
         picked = [c for c in ranked if c.makespan <= ranked[0].makespan * (1 + margin)]
         picked = ranked[:min(max(len(picked), least), most)]               # + the best built-in
         for r in range(rounds):
@@ -145,7 +146,12 @@ def tune(
         for f in pooled
         for k, ((name, makespan), program) in enumerate(zip(f.candidates, f.programs))
     ]
-    ranked = sorted(tried, key=lambda t: t[1])  # stable: ties in the order tried
+    ranked = []
+    seen: set[Program] = set()  # equal programs (two policies laying out the same) are timed once
+    for t in sorted(tried, key=lambda t: t[1]):  # stable: ties in the order tried
+        if t[2] not in seen:
+            seen.add(t[2])
+            ranked.append(t)
     close = [t for t in ranked if t[1] <= ranked[0][1] * (1 + margin)]
     picked = ranked[: min(max(len(close), least), most)]
     best_builtin = next((t for t in ranked if t[3]), None)
