@@ -126,7 +126,7 @@ def tune(
             returns something other than a finite number ``>= 0`` (the message names the
             candidate and the round).
     """
-    pooled = [found] if isinstance(found, Searched) else list(found)
+    pooled = [found] if isinstance(found, Searched) else list(found) if isinstance(found, Sequence) else []
     if not pooled or not all(isinstance(f, Searched) for f in pooled):
         raise ScheduleError(
             f"fpipe.schedules.tune: found must be what search returned, or a non-empty sequence of those "

@@ -123,7 +123,7 @@ def test_bad_arguments_are_a_clear_error_before_any_measure(found: Searched, kwa
     assert calls == []
 
 
-@pytest.mark.parametrize("found_value", [[], ["not a search"], "x"])
+@pytest.mark.parametrize("found_value", [[], ["not a search"], "x", 5, None])
 def test_found_must_be_searches(found_value: Any) -> None:
     with pytest.raises(ScheduleError, match="found must be what search returned"):
         tune(found_value, lambda program: 1.0)
