@@ -17,9 +17,12 @@ each, 2 stages per rank. Each rank:
    ``fpipe/schedules/_simulate.py``);
 2. rank 0 searches a program for the looped placement and one for the V (no memory limit, as
    GPipe and looped BFS have none) and sends them to rank 1;
-3. tunes (NOTE [measured tuning] below): the programs, among the two searched ones and every
-   built-in, whose simulated step is within 5% of the shortest (2 to 5 of them, the best
-   built-in always among them) run for a few rounds, and the measured fastest is kept as "tuned";
+3. tunes with ``fpipe.schedules.tune`` (NOTE [measured tuning] in ``fpipe/schedules/_tune.py``):
+   the programs, among every one the two searches tried (the built-ins of both placements
+   among them), whose simulated step is within 5% of the shortest (2 to 5 of them, the best
+   built-in always among them) run for a few rounds, and the measured fastest is kept as
+   "tuned"; the tuning rounds are separate from the comparison's, so the comparison measures
+   the kept program afresh rather than the luck that made it win;
 4. times, A/B interleaved, every program that runs 4 stages on 2 ranks: the two searched ones,
    the tuned one and every built-in (GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble,
    looped BFS, ZB-V, V-Half, V-Min, DualPipeV; ZB-H1 and ZB-H2 run one stage per rank, so not
@@ -31,16 +34,6 @@ program's time over this one's and of the tuned program's over this one's (below
 searched or tuned one is faster), and the simulated step with the fitted costs, with and
 without their overhead and receive cost, against the measured median (how far the model that chose the program
 is from what it ran).
-
-NOTE [measured tuning]
-    The simulation ranks programs by a model fitted from a few steps; where two programs are
-    within the model's error of each other (on a loaded CPU a few percent, the per-action
-    overhead and the switches between a rank's stages being fitted only on average), its choice
-    can measure slower than a built-in. A user choosing a schedule for a long run would time the
-    few best candidates for some steps and keep the fastest: that is step 3. The tuning rounds
-    are separate from the comparison's rounds, so the comparison measures the kept program
-    afresh rather than the luck that made it win. This stays in the benchmark (not in
-    ``fpipe.schedules.search``): timing needs the user's step, data and process group.
 
 ``--speed`` times ``search`` on one core for ``p = 8, m = 64`` and ``p = 32, m = 256``
 (equal stages, a heavy last stage, with latency; looped and V), the issue's targets being 1 s
@@ -64,10 +57,6 @@ import _common  # the command line, JSON output and models the benchmarks share
 import bench_vs_torch  # its run_ranks (one gloo process per rank) and barrier_timed
 
 WORLD, STAGES = 2, 4
-# The tuning step times the programs within TUNE_MARGIN of the shortest simulated step (the model's
-# error between two programs reaches that), at least TUNE_LEAST and at most TUNE_MOST of them, the
-# best built-in always among them (NOTE [measured tuning]).
-TUNE_MARGIN, TUNE_LEAST, TUNE_MOST = 0.05, 2, 5
 SEARCHED = ("search-looped", "search-v")
 
 
@@ -75,7 +64,7 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     import torch.distributed as dist
 
     import fpipe
-    from fpipe.schedules import Costs, InterleavedZeroBubble, fit_costs, replay, search, simulate
+    from fpipe.schedules import Costs, InterleavedZeroBubble, Program, fit_costs, replay, search, simulate, tune
     from fpipe.schedules._search import builtin_programs, checked_problem  # the built-ins search tries
 
     torch.manual_seed(0)
@@ -124,18 +113,31 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     simulated = {name: simulate(program, costs).makespan for name, program in programs.items()}
     without = [replace(c, overhead=0.0, receive=0.0) for c in costs]
     simulated_without = {name: simulate(program, without).makespan for name, program in programs.items()}
-    steps = {name: make(program) for name, program in programs.items()}
-    for name in steps:  # warm-up
-        bench_vs_torch.barrier_timed(steps[name])
-    tried = tune_candidates(simulated)
-    tuning = rounds({name: steps[name] for name in tried}, opts["tune_rounds"])
-    measured = dist_max(tuning)  # the slower rank's step, the same on both ranks
-    tuned = min(tried, key=lambda name: statistics.median(measured[name]))
-    steps["tuned"], simulated["tuned"], simulated_without["tuned"] = (
-        steps[tuned],
-        simulated[tuned],
-        simulated_without[tuned],
-    )
+    made: dict[int, Any] = {}  # a step per program, by id (the searches hold every program tried)
+
+    def step_of(program: Program) -> Any:
+        if id(program) not in made:
+            made[id(program)] = make(program)
+            bench_vs_torch.barrier_timed(made[id(program)])  # warm-up
+        return made[id(program)]
+
+    def measure(program: Program) -> float:
+        """One step's time, the slower rank's (the same on both ranks)."""
+        seconds = torch.tensor(bench_vs_torch.barrier_timed(step_of(program)), dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        return seconds.item()
+
+    steps = {name: step_of(program) for name, program in programs.items()}
+    tuned = tune([looped, v], measure, rounds=opts["tune_rounds"])
+    labels: dict[int, str] = {}  # built-ins by name, the searched ones as above, the rest by name and placement
+    for searched, where in ((looped, "looped"), (v, "v")):
+        for k, ((name, _), program) in enumerate(zip(searched.candidates, searched.programs)):
+            labels[id(program)] = name if k < searched.builtins else f"{name} ({where})"
+    labels.update({id(looped.program): "search-looped", id(v.program): "search-v"})
+    kept = labels[id(tuned.program)]
+    steps["tuned"] = step_of(tuned.program)
+    simulated["tuned"] = simulate(tuned.program, costs).makespan
+    simulated_without["tuned"] = simulate(tuned.program, without).makespan
     return {
         "rank": rank,
         "times": rounds(steps, opts["rounds"]),
@@ -148,18 +150,12 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         },
         "search_seconds": search_seconds,
         "recorded": fidelity,
-        "tuning": {"tried": tried, "median_s": {n: statistics.median(measured[n]) for n in tried}, "kept": tuned},
+        "tuning": {
+            "tried": [labels[id(m.program)] for m in tuned.candidates],
+            "median_s": {labels[id(m.program)]: m.median for m in tuned.candidates},
+            "kept": kept,
+        },
     }
-
-
-def tune_candidates(simulated: dict[str, float]) -> list[str]:
-    """The programs within ``TUNE_MARGIN`` of the shortest simulated step, at least ``TUNE_LEAST``
-    and at most ``TUNE_MOST``, in order of simulated step, the best built-in always among them."""
-    ranked = sorted(simulated, key=lambda name: simulated[name])
-    close = [name for name in ranked if simulated[name] <= simulated[ranked[0]] * (1 + TUNE_MARGIN)]
-    top = ranked[: min(max(len(close), TUNE_LEAST), TUNE_MOST)]
-    best_builtin = next(name for name in ranked if name not in SEARCHED)
-    return top if best_builtin in top else [*top[:-1], best_builtin]
 
 
 def rounds(steps: dict[str, Any], count: int) -> dict[str, list[float]]:
@@ -170,15 +166,6 @@ def rounds(steps: dict[str, Any], count: int) -> dict[str, list[float]]:
         for name in names[r % len(names) :] + names[: r % len(names)]:
             times[name].append(bench_vs_torch.barrier_timed(steps[name]))
     return times
-
-
-def dist_max(times: dict[str, list[float]]) -> dict[str, list[float]]:
-    """Per program and round, the slowest rank's time (every rank gets the same answer)."""
-    import torch.distributed as dist
-
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, times)
-    return {name: [max(t[name][k] for t in everyone) for k in range(len(times[name]))] for name in times}
 
 
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -7,7 +7,8 @@ each stage; ``simulate`` replays a program with costs to measure its bubble and 
 ``fit_costs`` reads per-stage costs off a measured timeline, ``save_costs`` and ``load_costs``
 keep them in a JSON file, ``replay`` reruns one with its own durations, e.g. to find its critical
 path); ``search`` finds the fastest program it can for given costs, placement and memory limit,
-never slower than a built-in schedule that fits; and ``terminal_grid``, ``chrome_trace`` and
+never slower than a built-in schedule that fits, and ``tune`` times its fastest few with
+the caller's step and keeps the measured fastest; and ``terminal_grid``, ``chrome_trace`` and
 ``svg`` draw it (also ``python -m fpipe show``).
 """
 
@@ -42,6 +43,9 @@ from ._simulate import Simulation as Simulation
 from ._simulate import fit_costs as fit_costs
 from ._simulate import replay as replay
 from ._simulate import simulate as simulate
+from ._tune import Measured as Measured
+from ._tune import Tuned as Tuned
+from ._tune import tune as tune
 from ._zero_bubble_h1 import ZeroBubbleH1 as ZeroBubbleH1
 from ._zero_bubble_h2 import ZeroBubbleH2 as ZeroBubbleH2
 from ._zero_bubble_v import ZeroBubbleV as ZeroBubbleV
@@ -54,12 +58,14 @@ __all__ = [
     "Interleaved1F1B",
     "InterleavedZeroBubble",
     "LoopedBFS",
+    "Measured",
     "OneFOneB",
     "Program",
     "Schedule",
     "ScheduleError",
     "Searched",
     "Simulation",
+    "Tuned",
     "VHalf",
     "VMin",
     "ZeroBubbleH1",
@@ -80,5 +86,6 @@ __all__ = [
     "svg",
     "terminal_grid",
     "timeline",
+    "tune",
     "validate",
 ]

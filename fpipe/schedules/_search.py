@@ -70,6 +70,9 @@ class Searched:
             ``memory`` (activation units, or bytes with ``activation_sizes``).
         candidates: ``(name, makespan)`` of every program tried that fits the memory limit, in
             the order tried: the built-ins first.
+        programs: the program of each of ``candidates``, in the same order (``tune`` times the
+            fastest few of them, NOTE [measured tuning] in ``_tune.py``).
+        builtins: how many of ``candidates`` (the first ones) are built-in schedules.
     """
 
     program: Program
@@ -80,6 +83,8 @@ class Searched:
     optimal: bool
     peak_memory: tuple[float, ...]
     candidates: tuple[tuple[str, float], ...]
+    programs: tuple[Program, ...]
+    builtins: int
 
     @property
     def makespan(self) -> float:
@@ -164,6 +169,7 @@ def search(
     for name, program in builtin_programs(problem, placement):
         if all(peak <= limit * (1 + 1e-9) for peak, limit in zip(peak_memory(program, problem.sizes), problem.limits)):
             tried.append((name, simulate(program, problem.costs).makespan, program))
+    builtins = len(tried)
     complete = True
     met = any(t <= bound * (1 + 1e-9) for _, t, _ in tried)
     for k, policy in enumerate(policies(problem)):
@@ -206,6 +212,8 @@ def search(
         optimal=optimal,
         peak_memory=peak_memory(program, problem.sizes),
         candidates=tuple((n, t) for n, t, _ in tried),
+        programs=tuple(program for _, _, program in tried),
+        builtins=builtins,
     )
 
 

@@ -67,6 +67,10 @@ def test_valid_within_memory_and_never_slower_than_a_builtin_that_fits(case: tup
     ]
     assert all(found.makespan <= t + 1e-9 for t in fitting)
     assert [t for name, t in found.candidates if not name.startswith("list")] == fitting
+    assert [t for _, t in found.candidates[: found.builtins]] == fitting  # the built-ins come first
+    assert len(found.programs) == len(found.candidates) and any(q is found.program for q in found.programs)
+    for (name, t), q in zip(found.candidates, found.programs):  # the program of each candidate
+        assert simulate(q, costs).makespan == pytest.approx(t), name
 
 
 @pytest.mark.parametrize("placement, v", [("looped", 1), ("looped", 2), ("v", 2)])
