@@ -4,16 +4,16 @@ ones against every program, microbatches in any order."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fpipe.schedules import Action, Costs, Program, ScheduleError, simulate
+from fpipe.schedules import Costs, simulate
 from fpipe.schedules._bound import lower_bound
 from fpipe.schedules._search import builtin_programs, checked_problem, peak_memory, search
+from tests.schedules._programs import least_makespan
 
 costs_strategy = st.builds(
     Costs,
@@ -45,22 +45,6 @@ def test_the_lower_bound_is_never_above_a_builtin_that_fits(
             assert bound <= simulate(program, costs[:S]).makespan + 1e-9, name
 
 
-def every_row(stage: int, m: int, kinds: str) -> list[tuple[Action, ...]]:
-    """Every order of one stage's actions in which each microbatch runs its kinds in order (the
-    microbatches in any order)."""
-    actions = [Action(stage, k, i) for k in kinds for i in range(m)]
-    rows = []
-    for perm in itertools.permutations(actions):
-        position = {a: n for n, a in enumerate(perm)}
-        if all(
-            position[Action(stage, a, i)] < position[Action(stage, b, i)]
-            for a, b in itertools.pairwise(kinds)
-            for i in range(m)
-        ):
-            rows.append(perm)
-    return rows
-
-
 @pytest.mark.parametrize(
     "costs, memory",
     [
@@ -73,15 +57,7 @@ def every_row(stage: int, m: int, kinds: str) -> list[tuple[Action, ...]]:
 def test_the_lower_bound_is_below_every_program_of_a_tiny_problem(costs: list[Costs], memory: float | None) -> None:
     """p = 2, m = 2: every program, split or fused, microbatches in any order; the least makespan
     of those within memory is the optimum, and the bound and the exact search's answer meet it."""
-    best = math.inf
-    for kinds in ("FIW", "FB"):
-        for rows in itertools.product(every_row(0, 2, kinds), every_row(1, 2, kinds)):
-            try:
-                sim = simulate(Program(rows, 2, 2), costs)
-            except ScheduleError:  # a deadlock
-                continue
-            if all(peak <= (memory or math.inf) for peak in sim.peak_activations):
-                best = min(best, sim.makespan)
+    best = least_makespan(costs, 2, memory, fifo=False)
     problem = checked_problem(2, 2, costs, "looped", 1, memory, None)
     assert lower_bound(problem) <= best + 1e-9
     found = search(2, 2, costs, memory=memory)

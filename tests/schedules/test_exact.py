@@ -8,46 +8,17 @@ nothing when asked to beat that. ``search``, which runs it, is tested in test_se
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 
 import pytest
 
-from fpipe.schedules import Action, Costs, Program, ScheduleError, simulate, validate
+from fpipe.schedules import Costs, simulate, validate
 from fpipe.schedules._exact import exact
 from fpipe.schedules._list_schedule import Problem
+from tests.schedules._programs import least_makespan
 
 M = 2  # microbatches
-
-
-def orders(stage: int, split: bool) -> list[tuple[Action, ...]]:
-    """Every order of one stage's actions with each kind in microbatch order and, per microbatch,
-    ``F`` before ``B`` (``F``, ``I``, ``W`` when split)."""
-    kinds = "FIW" if split else "FB"
-    actions = [Action(stage, k, i) for k in kinds for i in range(M)]
-    found = []
-    for perm in itertools.permutations(actions):
-        at = {a: n for n, a in enumerate(perm)}
-        if all(at[Action(stage, k, 0)] < at[Action(stage, k, 1)] for k in kinds) and all(
-            at[Action(stage, a, i)] < at[Action(stage, b, i)] for a, b in itertools.pairwise(kinds) for i in range(M)
-        ):
-            found.append(perm)
-    return found
-
-
-def fastest(costs: tuple[Costs, ...], limit: float) -> float:
-    """The least makespan over every program of the space, replayed one by one."""
-    best = math.inf
-    for split in (True, False):
-        for rows in itertools.product(orders(0, split), orders(1, split)):
-            try:
-                sim = simulate(Program(rows, 2, M), list(costs))
-            except ScheduleError:  # a deadlock
-                continue
-            if max(sim.peak_activations) <= limit:
-                best = min(best, sim.makespan)
-    return best
 
 
 CASES = [  # (costs of stage 0, of stage 1, memory limit per rank)
@@ -62,7 +33,7 @@ CASES = [  # (costs of stage 0, of stage 1, memory limit per rank)
 def test_the_program_found_is_the_fastest_of_the_space(case: tuple[Costs, Costs, float]) -> None:
     *costs, limit = case
     problem = Problem(M, (0, 1), tuple(costs), (1.0, 1.0), (limit, limit))
-    optimum = fastest(problem.costs, limit)
+    optimum = least_makespan(problem.costs, M, limit, fifo=True)
     program, makespan, finished = exact(problem, math.inf, time.perf_counter() + 600)
     assert finished and program is not None
     validate(program)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from dataclasses import replace
@@ -10,11 +9,9 @@ from dataclasses import replace
 import pytest
 
 from fpipe.schedules import (
-    Action,
     Costs,
     InterleavedZeroBubble,
     OneFOneB,
-    Program,
     ScheduleError,
     ZeroBubbleH1,
     ZeroBubbleH2,
@@ -25,6 +22,7 @@ from fpipe.schedules import (
 )
 from fpipe.schedules._list_schedule import list_schedule
 from fpipe.schedules._search import builtin_programs, checked_problem, peak_memory, policies
+from tests.schedules._programs import least_makespan
 
 
 def costs_of(num_stages: int, heavy: float, weight: float, send: float) -> list[Costs]:
@@ -114,26 +112,6 @@ def test_equal_costs_meet_the_lower_bound_as_zero_bubble_does() -> None:
     assert fused.makespan == 27 and fused.makespan < simulate(OneFOneB(8).program(4), Costs(backward=2)).makespan
 
 
-def fifo_rows(stage: int, m: int, split: bool) -> list[tuple[Action, ...]]:
-    """Every order of one stage's actions that runs each kind in microbatch order."""
-    kinds = "FIW" if split else "FB"
-    actions = [Action(stage, k, i) for k in kinds for i in range(m)]
-    rows = []
-    for perm in itertools.permutations(actions):
-        position = {a: n for n, a in enumerate(perm)}
-        ordered = all(
-            position[Action(stage, k, i)] < position[Action(stage, k, i + 1)] for k in kinds for i in range(m - 1)
-        )
-        chained = all(
-            position[Action(stage, a, i)] < position[Action(stage, b, i)]
-            for a, b in itertools.pairwise(kinds)
-            for i in range(m)
-        )
-        if ordered and chained:
-            rows.append(perm)
-    return rows
-
-
 @pytest.mark.parametrize(
     "costs, memory",
     [
@@ -146,15 +124,7 @@ def fifo_rows(stage: int, m: int, split: bool) -> list[tuple[Action, ...]]:
 def test_the_exact_search_finds_the_optimum_of_every_fifo_program(costs: list[Costs], memory: float | None) -> None:
     """p = 2, m = 2: every program whose stages run each kind in microbatch order, all split or all
     fused, tried one by one; the search's makespan is the least of them (NOTE [exact search])."""
-    best = math.inf
-    for split in (True, False):
-        for rows in itertools.product(fifo_rows(0, 2, split), fifo_rows(1, 2, split)):
-            try:
-                sim = simulate(Program(rows, 2, 2), costs)
-            except ScheduleError:  # a deadlock
-                continue
-            if all(peak <= (memory or math.inf) for peak in sim.peak_activations):
-                best = min(best, sim.makespan)
+    best = least_makespan(costs, 2, memory, fifo=True)
     found = search(2, 2, costs, memory=memory)
     assert found.optimal and found.makespan == pytest.approx(best)
 
