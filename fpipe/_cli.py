@@ -229,6 +229,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--bytes-per-param", type=_positive, default=16.0, help="bytes per parameter with its optimizer state (16)"
     )
+    plan.add_argument(
+        "--slack",
+        type=_non_negative,
+        default=0.0,
+        help="the searched rows keep the program holding the least memory within this fraction of the shortest "
+        "step (search's slack; 0.02 suits --costs from a recording; default 0: the shortest)",
+    )
     plan.add_argument("--schedules", help="comma-separated schedules to compare (default: all)")
     plan.add_argument("--svg", metavar="PATH", help="also write the fastest fitting schedule's timeline as an SVG")
     return parser
@@ -275,7 +282,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     measured = args.costs is not None
     # With --costs, memory is in activation units (no bytes), which the search takes as its limit.
     memory = None if args.memory is None else args.memory if measured else args.memory * GIB
-    candidates = _candidates(names, m, p, args.stages_per_rank, memory if measured else None)
+    candidates = _candidates(names, m, p, args.stages_per_rank, memory if measured else None, args.slack)
     if not candidates:
         tried = ",".join(str(v) for v in args.stages_per_rank)
         print(
@@ -345,7 +352,12 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _candidates(
-    names: Sequence[str], m: int, p: int, stages_per_rank: Sequence[int] | None, memory: float | None
+    names: Sequence[str],
+    m: int,
+    p: int,
+    stages_per_rank: Sequence[int] | None,
+    memory: float | None,
+    slack: float,
 ) -> list[Candidate]:
     """The planner's rows: each schedule of ``names`` with its own stages per rank, or with each
     of ``stages_per_rank`` it lays out (named ``"interleaved v=4"`` when it takes several)."""
@@ -361,7 +373,7 @@ def _candidates(
         for v in tried:
             name = f"{n} v={v}" if looped and stages_per_rank is not None else n
             if n in SEARCHED:
-                candidates.append(Candidate(name, v, _searcher(SEARCHED[n][0], m, p, v, memory), adapts=True))
+                candidates.append(Candidate(name, v, _searcher(SEARCHED[n][0], m, p, v, memory, slack), adapts=True))
             else:
                 candidates.append(Candidate(name, v, _builder(SCHEDULES[n], m, p, v)))
     return candidates
@@ -382,13 +394,26 @@ SEARCHED: dict[str, tuple[Literal["looped", "v"], int]] = {"searched": ("looped"
 
 
 def _searcher(
-    placement: Literal["looped", "v"], m: int, p: int, v: int, memory: float | None
+    placement: Literal["looped", "v"], m: int, p: int, v: int, memory: float | None, slack: float
 ) -> Callable[[tuple[Costs, ...]], Program]:
     """The program ``fpipe.schedules.search`` finds for a split's stage costs (NOTE [searched candidates]),
-    with ``v`` stages per rank, within ``memory`` activation units per rank when given."""
-    return lambda costs: (
-        search(p, m, costs, placement=placement, stages_per_rank=v, memory=memory, time_budget=5.0, exact=False).program
-    )
+    with ``v`` stages per rank, within ``memory`` activation units per rank when given, with ``slack``."""
+
+    def searched(costs: tuple[Costs, ...]) -> Program:
+        found = search(
+            p,
+            m,
+            costs,
+            placement=placement,
+            stages_per_rank=v,
+            memory=memory,
+            slack=slack,
+            time_budget=5.0,
+            exact=False,
+        )
+        return found.program
+
+    return searched
 
 
 def _check_drawable(costs: Costs) -> None:

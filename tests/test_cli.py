@@ -373,3 +373,26 @@ def test_plan_memory_with_measured_costs(tmp_path: Path, capsys: pytest.CaptureF
     assert run_plan("--costs", str(path), "--schedules", "gpipe,1f1b", "--memory", "0.5") == (2, "")
     err = capsys.readouterr().err
     assert "(memory: 0.5 microbatches of a rank's layers); the least any needs is 2 microbatches" in err
+
+
+def test_plan_slack_keeps_the_searched_program_that_holds_least(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Costs fitted on a CPU (ms as s): the searched V wins by 0.04% holding 7.5 microbatches; with
+    --slack 0.02 the searched row is ZB-V's program, holding 2."""
+    path = tmp_path / "costs.json"
+    Costs = fpipe.schedules.Costs
+    fitted = [Costs(3.1, 0.03, 3.75), Costs(2.93, 3.4, 2.88, receive=0.22)]
+    fitted += [Costs(3.16, 3.84, 2.98), Costs(7.95, 9.36, 9.12, receive=0.22)]
+    fpipe.schedules.save_costs(path, fitted)
+    peaks = []
+    for slack in ("0", "0.02"):
+        out = io.StringIO()
+        args = ["plan", "--ranks", "2", "--microbatches", "8", "--costs", str(path), "--schedules", "searched-v"]
+        assert main([*args, "--slack", slack], stdout=out) == 0
+        text = out.getvalue()
+        peaks.append(text[text.index("peak memory per rank") :].splitlines()[1])
+    assert peaks == ["  searched-v: 7.5 5", "  searched-v: 2 2"]
+    with pytest.raises(SystemExit):
+        main(["plan", "--ranks", "2", "--microbatches", "8", "--costs", str(path), "--slack", "-1"])
+    assert "--slack" in capsys.readouterr().err
