@@ -90,6 +90,25 @@ def test_the_repository_order_for_every_size_up_to_6_ranks_10_microbatches(sched
             assert zlib.crc32(text.encode()) == expected, f"{schedule.__name__}({m}) on {p} ranks"
 
 
+# The same checksum of larger programs, as fpipe laid them out before its layout walked only the
+# slots a move changes (NOTE [controllable-memory building blocks]): (p, m): (VHalf, VMin).
+LARGER = {
+    (7, 5): (1712242785, 2852232420), (7, 13): (1186627235, 2179489063), (7, 22): (1845498341, 4273922835),
+    (8, 5): (2676078324, 3003316329), (8, 15): (305529744, 2180940441), (8, 25): (2370794364, 2093560894),
+    (8, 64): (4149224553, 1166322579), (9, 5): (2335613308, 4231003875), (9, 17): (1297347864, 4263298455),
+    (9, 28): (2710801268, 2580813992), (16, 49): (1871660567, 2593991471), (32, 63): (108399400, 1282960203),
+    (32, 256): (1959071694, 3717565576),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("p", "m"), LARGER)
+def test_the_same_order_as_before_at_larger_sizes(p: int, m: int) -> None:
+    for schedule, expected in zip((VHalf, VMin), LARGER[p, m]):
+        program = schedule(m).program(2 * p)
+        text = "|".join(" ".join(map(str, actions)) for actions in program.ranks)
+        assert zlib.crc32(text.encode()) == expected, f"{schedule.__name__}({m}) on {p} ranks"
+
+
 @pytest.mark.parametrize(
     ("schedule", "peak"),
     [(VHalf, lambda p: (p + 2) // 2), (VMin, lambda p: (p + 4) // 3)],
