@@ -170,9 +170,10 @@ def _put_w(rank: Times, *, split: bool) -> Times:
     for time, t in sorted((time, t) for t, times in enumerate(rank[:4]) for time in times):
         for w, queue in enumerate(w_slots):
             run = min(pending[w], time - free)
-            queue.extend(range(free, free + run))
-            pending[w] -= run
-            free += run
+            if run > 0:
+                queue.extend(range(free, free + run))
+                pending[w] -= run
+                free += run
         if t in (_B, _b):
             pending[t - _B if split else 0] += 1
         free = time + 1
