@@ -7,8 +7,11 @@ import zlib
 from textwrap import dedent
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fpipe.schedules import Costs, OneFOneB, ScheduleError, VHalf, VMin, placement, render, simulate, validate
+from fpipe.schedules._controllable_memory import _Walk
 
 EQUAL = Costs(forward=0.5, backward_input=0.5, backward_weight=0.5)  # T_F = T_I = T_W, chunks half a stage
 
@@ -107,6 +110,33 @@ def test_the_same_order_as_before_at_larger_sizes(p: int, m: int) -> None:
         program = schedule(m).program(2 * p)
         text = "|".join(" ".join(map(str, actions)) for actions in program.ranks)
         assert zlib.crc32(text.encode()) == expected, f"{schedule.__name__}({m}) on {p} ranks"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_a_walk_moves_an_action_as_a_recount_would(data: st.DataObject) -> None:
+    # The squeeze's incremental count (NOTE [controllable-memory building blocks]): after each move
+    # tried, the same answer and the same state as counting the moved rank afresh, with W slots
+    # (5 types) or without (4: free slots run pending Ws).
+    types = data.draw(st.sampled_from([4, 5]))
+    slots = data.draw(st.lists(st.integers(0, 30), min_size=1, max_size=24, unique=True))
+    kinds = data.draw(st.lists(st.integers(0, types - 1), min_size=len(slots), max_size=len(slots)))
+    rank = [sorted(s for s, k in zip(slots, kinds) if k == t) for t in range(types)]
+    walk = _Walk(rank)
+    limit = walk.peak() + data.draw(st.integers(0, 1))
+    for _ in range(data.draw(st.integers(1, 16))):
+        t = data.draw(st.sampled_from([t for t in range(types) if rank[t]]))
+        time = data.draw(st.sampled_from(rank[t]))
+        free = [s for s in range(time) if all(s not in times for times in rank)]
+        if not free:
+            continue
+        to = data.draw(st.sampled_from(free))
+        moved = [sorted(to if (u, s) == (t, time) else s for s in times) for u, times in enumerate(rank)]
+        fits = _Walk(moved).peak() <= limit
+        assert walk.move(time, t, to, limit) == fits
+        rank = moved if fits else rank
+        fresh = _Walk(rank)
+        assert (walk.events, walk.states) == (fresh.events, fresh.states)
 
 
 @pytest.mark.parametrize(
