@@ -26,10 +26,25 @@ NOTE [controllable-memory building blocks]
     the first last-microbatch ``F``) stays as it is, and so does the warm-up unless
     ``warm_up``. It then retimes every action as soon as possible at unit cost. The tests hold
     the result against literal grids and the repository's output.
+
+    The repository recounts a rank's peak over all its actions for every slot it tries, which
+    at ``p = 32``, ``m = 256`` took seconds; ``_Walk`` keeps the count after each action and
+    recounts only the stretch a move changes, with the same result.
+
+NOTE [distinct slots]
+    No two actions of a rank ever share a slot here: a rank's four block starts differ modulo 6
+    (V-Half's pairwise differences are not multiples of 3 but ``b - f = 3p + gap``, an odd one;
+    V-Min's are odd but ``B - F = b - f = 2p + gap``, not a multiple of 3), ``put_w`` fills free
+    slots only, ``squeeze`` moves an action only to a free slot (every slot before the one
+    visited holds an action already visited, marked occupied, or none), and the unit-cost
+    retiming runs one action per slot on a rank. The repository's walks also say what a shared
+    slot does (its ``mem_of_stage`` stops counting there, its ``put_w`` stops taking the rank's
+    actions); fpipe's never meet one.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -143,52 +158,101 @@ def _greedy_v(p: int, m: int, block: Callable[[int, int], list[int]]) -> Program
 
 
 def _put_w(rank: Times, *, split: bool) -> Times:
-    """``put_w``: each ``W`` in the first free slot after its ``B``/``b``; one queue, or one per chunk (``split``)."""
-    bound = max(times[-1] for times in rank)
+    """``put_w``: each ``W`` in the first free slot after its ``B``/``b``; one queue, or one per chunk (``split``).
+
+    The repository walks the slots one by one; a free slot runs one ``W`` from the first queue
+    that has one pending. Between two of the rank's actions that is the stretch of free slots
+    between them, filled queue by queue (NOTE [distinct slots]: no two actions share a slot).
+    """
     w_slots: Times = [[], []] if split else [[]]
     pending = [0, 0]
-    heads = [0, 0, 0, 0]
-    for slot in range(bound + 1):
-        time, t = min((rank[t][heads[t]] if heads[t] < len(rank[t]) else bound + 1, t) for t in range(4))
-        if time == slot:
-            heads[t] += 1
-            if t in (_B, _b):
-                pending[t - _B if split else 0] += 1
-            continue
-        for w in range(len(w_slots)):
-            if pending[w]:
-                w_slots[w].append(slot)
-                pending[w] -= 1
-                break
-    slot = bound
-    for w in range(len(w_slots)):
-        for _ in range(pending[w]):
-            slot += 1
-            w_slots[w].append(slot)
+    free = 0  # the first slot after the last action walked
+    for time, t in sorted((time, t) for t, times in enumerate(rank[:4]) for time in times):
+        for w, queue in enumerate(w_slots):
+            run = min(pending[w], time - free)
+            if run > 0:
+                queue.extend(range(free, free + run))
+                pending[w] -= run
+                free += run
+        if t in (_B, _b):
+            pending[t - _B if split else 0] += 1
+        free = time + 1
+    for w, queue in enumerate(w_slots):  # the rest after the last action, queue by queue
+        queue.extend(range(free, free + pending[w]))
+        free += pending[w]
     return [*rank, *w_slots]
 
 
-def _peak(rank: Times) -> int:
-    """``mem_of_stage``: the rank's peak activations in chunk units (a ``W`` frees one; without ``W``
-    slots, each free slot runs one pending ``W``).
+_CHANGE = (1, 1, 0, 0, -1)  # chunk activations alive: an F or f adds one, a W frees one
 
-    The repository walks the slots one by one, running the earliest pending action when its slot
-    comes (NOTE [slot order]); a free stretch only lowers the count. A second action at a slot
-    already taken stops that walk for good: the rest counts as free slots, which lower it.
+
+class _Walk:
+    """``mem_of_stage`` of one rank, kept up to date while its actions move one at a time.
+
+    The repository counts the rank's peak activations in chunk units by walking its actions in
+    slot order: an ``F``/``f`` adds one, a ``W`` frees one and, when the rank has no ``W`` slots
+    (``drain``), each free slot runs one pending ``W`` (one per ``B``/``b`` walked). It recounts
+    the whole rank for every slot it tries; a move changes the walk only from the new slot on,
+    and once the walk is past the old slot in the state it had before the move, the rest is as
+    before. So ``move`` walks from the new slot until the states meet again (``W`` slots: just past
+    the old slot), and since the rank's peak is within the limit before the move, the move keeps
+    it there if that stretch does (NOTE [distinct slots]: no two actions share a slot).
+
+    Attributes:
+        events: the rank's ``(slot, type)`` in slot order.
+        states: ``(pending W, alive)`` after each of ``events`` (pending stays 0 with ``W`` slots).
+        drain: whether free slots run pending ``W``s (the rank has no ``W`` slots).
     """
-    change = (1, 1, 0, 0, -1)
-    slot = pending = alive = peak = 0
-    for time, t in sorted((time, t) for t, times in enumerate(rank) for time in times):
-        if time < slot:
-            break
-        if len(rank) == 4:
-            drained = min(pending, time - slot)
-            alive, pending = alive - drained, pending - drained
-        alive += change[t]
-        peak = max(peak, alive)
-        pending += t in (_B, _b)
-        slot = time + 1
-    return peak
+
+    def __init__(self, rank: Times) -> None:
+        self.drain = len(rank) == 4
+        self.events = sorted((time, t) for t, times in enumerate(rank) for time in times)
+        self.states: list[tuple[int, int]] = []
+        walked = self._walk(0, 0, -1, None, len(self.events))
+        assert walked is not None  # never more alive than actions
+        self.states = walked
+
+    def peak(self) -> int:
+        """The most chunk activations alive at once."""
+        return max((alive for _, alive in self.states), default=0)
+
+    def move(self, time: int, t: int, to: int, limit: int) -> bool:
+        """Move the action of type ``t`` at slot ``time`` to the free slot ``to < time`` when the
+        peak stays at most ``limit`` (it is before the move); say whether it moved."""
+        old = bisect_left(self.events, (time, t))
+        new = bisect_left(self.events, (to, t))
+        walked = self._walk(new, old, to, t, limit)
+        if walked is None:
+            return False
+        del self.events[old]
+        self.events.insert(new, (to, t))
+        self.states[new : new + len(walked)] = walked  # past them, the indices are the old ones
+        return True
+
+    def _walk(self, new: int, old: int, to: int, t: int | None, limit: int) -> list[tuple[int, int]] | None:
+        """The states from index ``new`` on with the action at index ``old`` moved to ``(to, t)``
+        at index ``new`` (``t`` None: nothing moved, ``new = old``: from the start), up to where
+        they meet the current ones; None as soon as more than ``limit`` are alive."""
+        events, states = self.events, self.states
+        previous, (pending, alive) = (events[new - 1][0], states[new - 1]) if new else (-1, (0, 0))
+        walked = []
+        for k in range(new, len(events)):
+            if t is not None and k <= old:
+                time, kind = (to, t) if k == new else events[k - 1]
+            else:
+                time, kind = events[k]
+            if self.drain:
+                drained = min(pending, time - previous - 1)
+                pending, alive = pending - drained, alive - drained
+                pending += kind in (_B, _b)
+            alive += _CHANGE[kind]
+            if alive > limit:
+                return None
+            walked.append((pending, alive))
+            if t is not None and k > old and states[k] == (pending, alive):
+                break
+            previous = time
+        return walked
 
 
 def _in_slot_order(slots: list[Times]) -> list[tuple[int, int, int, int]]:
@@ -214,7 +278,8 @@ def _squeeze(slots: list[Times], *, with_w: bool) -> list[Times]:
     slots = [_put_w(rank, split=False) if with_w else rank for rank in slots]
     slots = [[list(times) for times in rank] for rank in slots]  # moved in place below
     p = len(slots)
-    limit = max(_peak(rank) for rank in slots)
+    walks = [_Walk(rank) for rank in slots]
+    limit = max(walk.peak() for walk in walks)
     occupied = [[False] * (rank[-1][-1] + 1) for rank in slots]
     phase = 0  # 0: warm-up, 1: steady state, 2: cool-down
     for time, r, t, i in _in_slot_order(slots):
@@ -237,12 +302,9 @@ def _squeeze(slots: list[Times], *, with_w: bool) -> list[Times]:
         if i > 0:
             after = max(after, slots[r][t][i - 1])
         for earlier in range(after + 1, time):
-            if not occupied[r][earlier]:
+            if not occupied[r][earlier] and walks[r].move(time, t, earlier, limit):
                 slots[r][t][i] = earlier
-                if _peak(slots[r]) <= limit:
-                    break
-        else:
-            slots[r][t][i] = time
+                break
         occupied[r][slots[r][t][i]] = True
     if not with_w:
         slots = [_put_w(rank, split=False) for rank in slots]
@@ -252,22 +314,19 @@ def _squeeze(slots: list[Times], *, with_w: bool) -> list[Times]:
 def _unit_starts(slots: list[Times]) -> list[Times]:
     """``eager_execution_time`` at unit cost and free messages: visit the actions in slot order and
     start each when its rank is free and its inputs exist."""
-    p, types = len(slots), len(slots[0])
-    end: dict[tuple[int, int, int], int] = {}
-    last: list[tuple[int, int, int] | None] = [None] * p
+    p = len(slots)
+    start: list[Times] = [[[-1] * len(times) for times in rank] for rank in slots]
+    free = [0] * p  # when each rank is next free
     for _, r, t, i in _in_slot_order(slots):
-        ready = 0
+        ready = free[r]
         if t in (_F, _B) and r > 0:
-            ready = max(ready, end[r - 1, t, i])
+            ready = max(ready, start[r - 1][t][i] + 1)
         if t in (_f, _b) and r + 1 < p:
-            ready = max(ready, end[r + 1, t, i])
+            ready = max(ready, start[r + 1][t][i] + 1)
         if 0 < t < 4:
-            ready = max(ready, end[r, t - 1, i])
+            ready = max(ready, start[r][t - 1][i] + 1)
         if i > 0:
-            ready = max(ready, end[r, t, i - 1])
-        previous = last[r]
-        if previous is not None:
-            ready = max(ready, end[previous])
-        end[r, t, i] = ready + 1
-        last[r] = (r, t, i)
-    return [[[end[r, t, i] - 1 for i in range(len(slots[r][t]))] for t in range(types)] for r in range(p)]
+            ready = max(ready, start[r][t][i - 1] + 1)
+        start[r][t][i] = ready
+        free[r] = ready + 1
+    return start

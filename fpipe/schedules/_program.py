@@ -133,6 +133,14 @@ def validate(program: Program) -> None:
     rank a backward after its forward and ``W`` after its ``I``; and, replaying the program, no
     dependency cycle across ranks (a deadlock), reported with the grid and the stuck actions.
     """
+    validate_actions(program)
+    timeline(program)
+
+
+def validate_actions(program: Program) -> None:
+    """``validate``'s checks but the replay: what a replay with costs (``simulate``) needs before it
+    runs. Whether the program deadlocks depends only on its order, so such a replay stops short on
+    a rank exactly when ``timeline`` does, and then calls it for the error."""
     S, M = program.num_stages, program.num_microbatches
     if S < 1 or M < 1 or not program.ranks:
         raise ScheduleError(
@@ -190,7 +198,6 @@ def validate(program: Program) -> None:
                 f"{Action(a.stage, before, a.microbatch)} that it needs. Move it later.\n"
                 + _positional(program, {(r, pos)})
             )
-    timeline(program)
 
 
 def forward_only(program: Program) -> Program:

@@ -75,7 +75,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KINDS, Action
-from ._program import Program, ScheduleError, as_soon_as_possible, dependencies, split_backwards, validate
+from ._program import (
+    Program,
+    ScheduleError,
+    as_soon_as_possible,
+    dependencies,
+    split_backwards,
+    timeline,
+    validate,
+    validate_actions,
+)
 
 
 @dataclass(frozen=True)
@@ -284,13 +293,14 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
         TypeError: if ``costs`` is neither a ``Costs`` nor a sequence of them.
     """
     costs = Costs() if costs is None else costs
-    validate(program)
+    validate_actions(program)
     per_stage = _per_stage(program, costs)
     receives = receiving_kinds(program.placement())
     occupied = tuple(charged(c, r) for c, r in zip(per_stage, receives))  # what comes before, then the action
     starts, ends = as_soon_as_possible(
         program, lambda r, k, a: occupied[a.stage].of(a.kind), lambda d: per_stage[d.stage].send
     )
+    _complete(program, starts)
     if any(c.overhead or c.receive for c in per_stage):
         starts = tuple(
             tuple(t + before(per_stage[a.stage], receives[a.stage], a.kind) for t, a in zip(row_starts, row))
@@ -324,11 +334,18 @@ def replay(timeline: Simulation, send: float = 0.0) -> Simulation:
     (timeline,) = checked("replay", (timeline,))
     if isinstance(send, bool) or not isinstance(send, (int, float)) or not math.isfinite(send) or send < 0:
         raise ValueError(f"fpipe.schedules.replay: send must be a finite number >= 0 (send: {send!r}).")
-    validate(timeline.program)
+    validate_actions(timeline.program)
     starts, ends = as_soon_as_possible(
         timeline.program, lambda r, k, a: timeline.ends[r][k] - timeline.starts[r][k], lambda d: float(send)
     )
+    _complete(timeline.program, starts)
     return Simulation(timeline.program, None, starts, ends)
+
+
+def _complete(program: Program, starts: tuple[tuple[float, ...], ...]) -> None:
+    """Raise ``validate``'s error for a program whose replay stopped short on some rank (it deadlocks)."""
+    if any(len(row) < len(actions) for row, actions in zip(starts, program.ranks)):
+        timeline(program)
 
 
 def _per_stage(program: Program, costs: Costs | Sequence[Costs]) -> tuple[Costs, ...]:

@@ -7,8 +7,11 @@ import zlib
 from textwrap import dedent
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fpipe.schedules import Costs, OneFOneB, ScheduleError, VHalf, VMin, placement, render, simulate, validate
+from fpipe.schedules._controllable_memory import _Walk
 
 EQUAL = Costs(forward=0.5, backward_input=0.5, backward_weight=0.5)  # T_F = T_I = T_W, chunks half a stage
 
@@ -88,6 +91,52 @@ def test_the_repository_order_for_every_size_up_to_6_ranks_10_microbatches(sched
             validate(program)
             text = "|".join(" ".join(map(str, actions)) for actions in program.ranks)
             assert zlib.crc32(text.encode()) == expected, f"{schedule.__name__}({m}) on {p} ranks"
+
+
+# The same checksum of larger programs, as fpipe laid them out before its layout walked only the
+# slots a move changes (NOTE [controllable-memory building blocks]): (p, m): (VHalf, VMin).
+LARGER = {
+    (7, 5): (1712242785, 2852232420), (7, 13): (1186627235, 2179489063), (7, 22): (1845498341, 4273922835),
+    (8, 5): (2676078324, 3003316329), (8, 15): (305529744, 2180940441), (8, 25): (2370794364, 2093560894),
+    (8, 64): (4149224553, 1166322579), (9, 5): (2335613308, 4231003875), (9, 17): (1297347864, 4263298455),
+    (9, 28): (2710801268, 2580813992), (16, 49): (1871660567, 2593991471), (32, 63): (108399400, 1282960203),
+    (32, 256): (1959071694, 3717565576),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("p", "m"), LARGER)
+def test_the_same_order_as_before_at_larger_sizes(p: int, m: int) -> None:
+    for schedule, expected in zip((VHalf, VMin), LARGER[p, m]):
+        program = schedule(m).program(2 * p)
+        text = "|".join(" ".join(map(str, actions)) for actions in program.ranks)
+        assert zlib.crc32(text.encode()) == expected, f"{schedule.__name__}({m}) on {p} ranks"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_a_walk_moves_an_action_as_a_recount_would(data: st.DataObject) -> None:
+    # The squeeze's incremental count (NOTE [controllable-memory building blocks]): after each move
+    # tried, the same answer and the same state as counting the moved rank afresh, with W slots
+    # (5 types) or without (4: free slots run pending Ws).
+    types = data.draw(st.sampled_from([4, 5]))
+    slots = data.draw(st.lists(st.integers(0, 30), min_size=1, max_size=24, unique=True))
+    kinds = data.draw(st.lists(st.integers(0, types - 1), min_size=len(slots), max_size=len(slots)))
+    rank = [sorted(s for s, k in zip(slots, kinds) if k == t) for t in range(types)]
+    walk = _Walk(rank)
+    limit = walk.peak() + data.draw(st.integers(0, 1))
+    for _ in range(data.draw(st.integers(1, 16))):
+        t = data.draw(st.sampled_from([t for t in range(types) if rank[t]]))
+        time = data.draw(st.sampled_from(rank[t]))
+        free = [s for s in range(time) if all(s not in times for times in rank)]
+        if not free:
+            continue
+        to = data.draw(st.sampled_from(free))
+        moved = [sorted(to if (u, s) == (t, time) else s for s in times) for u, times in enumerate(rank)]
+        fits = _Walk(moved).peak() <= limit
+        assert walk.move(time, t, to, limit) == fits
+        rank = moved if fits else rank
+        fresh = _Walk(rank)
+        assert (walk.events, walk.states) == (fresh.events, fresh.states)
 
 
 @pytest.mark.parametrize(

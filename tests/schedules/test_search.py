@@ -236,6 +236,7 @@ def test_search_charges_each_action_its_overhead() -> None:
     assert simulate(blind.program, costs).makespan == 24.0 > found.makespan
     assert found.simulation.costs == costs and found.makespan == simulate(found.program, costs).makespan
     assert dict(found.candidates)["ZeroBubbleH2"] == simulate(ZeroBubbleH2(4).program(2), costs).makespan
+    assert found.simulation == simulate(found.program, costs)  # the built-in's own, starts after overheads
 
 
 def test_search_charges_the_receive_cost_of_each_message() -> None:

@@ -29,6 +29,7 @@ from fpipe.schedules import (
     replay,
     simulate,
     timeline,
+    validate,
 )
 
 CLASSIC = Costs(forward=1, backward=2)  # T_B = 2 T_F, the usual assumption behind (p-1)/(m+p-1)
@@ -150,6 +151,19 @@ def test_no_send_latency_within_a_rank() -> None:
 def test_rejects_invalid_program() -> None:
     with pytest.raises(ScheduleError, match="missing actions: 0B0"):
         simulate(Program.from_lists([["0F0"]]))
+
+
+def test_simulate_and_replay_reject_a_deadlock_as_validate_does() -> None:
+    # Each replays the program once, with its costs; a rank that stops short there gets validate's
+    # error, grid included (whether a program deadlocks depends only on its order).
+    stuck = Program.from_lists([["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"]])
+    with pytest.raises(ScheduleError, match="deadlocks after 2 ticks") as expected:
+        validate(stuck)
+    times = ((0.0, 1.0, 2.0, 3.0), (1.0, 2.0, 3.0, 4.0))
+    for run in (lambda: simulate(stuck, Costs(send=0.5)), lambda: replay(Simulation(stuck, None, times, times))):
+        with pytest.raises(ScheduleError) as info:
+            run()
+        assert str(info.value) == str(expected.value)
 
 
 @pytest.mark.parametrize(
