@@ -19,6 +19,31 @@ NOTE [list scheduler]
     the rank's first stage) only if the activations of all the rank's stages for it still fit under
     the limit, and each backward (``B``, or ``W`` when split) hands its stage's share back. Every
     microbatch a rank admitted can therefore finish on it, so no choice deadlocks on memory.
+    With several stages per rank that is cautious (NOTE [unreserved memory]).
+
+NOTE [unreserved memory]
+    A reservation charges a microbatch the activations of every stage of the rank when it enters,
+    so a rank of two stages under a limit of 3 microbatches' footprint runs at most 3 first-stage
+    forwards ahead, though 4 fit until the later stage's forwards start; the optimum often runs
+    them (the small cases of notes/search.md). A pass with ``reserve=False`` charges only the
+    memory in use, and runs a forward only if, after it, the microbatches still going forward
+    through the rank could each finish there, one after the other, oldest first:
+
+        held + size <= limit, and
+        sum over the rank's stages s of size[s] * max(1, forwards[s] - oldest) <= limit
+
+    where ``forwards[s]`` counts the forwards stage ``s`` has run (this one included) and
+    ``oldest = min(forwards)`` is the oldest microbatch that has a forward left on the rank: the
+    sum is the memory the microbatches from ``oldest`` on hold, plus what ``oldest`` still needs.
+    Microbatches before ``oldest`` hold the rest; their backwards need no memory and free theirs.
+    Why this never deadlocks: take the oldest microbatch ``g`` not yet finished. On a rank where
+    it still has forwards, it is ``oldest`` and nothing older holds memory, so the condition
+    says its forwards fit; elsewhere it needs only backwards. Its next action is therefore
+    possible once its inputs arrive, and running it keeps the condition (when ``g`` takes its
+    last forward on a rank, the sum loses ``g``'s footprint and gains at most the next one's
+    need, which is no larger). Every other action a pass runs keeps the condition by the check,
+    so ``g`` always finishes, and then the next oldest. With one stage per rank the condition is
+    the reservation's.
 """
 
 from __future__ import annotations
@@ -95,6 +120,9 @@ class Policy:
             least 1), ``None``: as many as memory allows.
         patient: do not start a ``W`` that would delay a backward or forward known to arrive
             before the ``W`` would end; wait for it instead.
+        reserve: a microbatch enters a rank only if the activations of all the rank's stages
+            for it fit (NOTE [list scheduler]); else each forward runs if it fits with room left
+            for the microbatches ahead to finish (NOTE [unreserved memory]).
     """
 
     split: bool
@@ -102,12 +130,14 @@ class Policy:
     deep_first: bool = True
     extra: int | None = 0
     patient: bool = False
+    reserve: bool = True
 
     def __str__(self) -> str:
         admits = "memory" if self.extra is None else f"fill+{self.extra}"
         return (
             f"list({'I/W' if self.split else 'B'}, {'backward' if self.backward_first else 'forward'} first, "
-            f"{'deep' if self.deep_first else 'shallow'} first, {admits}{', patient' if self.patient else ''})"
+            f"{'deep' if self.deep_first else 'shallow'} first, {admits}{', patient' if self.patient else ''}"
+            f"{'' if self.reserve else ', unreserved'})"
         )
 
 
@@ -146,6 +176,7 @@ class _Pass:
         self.ends = {FORWARD: [[0.0] * m for _ in range(S)], BACKWARD: [[0.0] * m for _ in range(S)]}
         self.free = [0.0] * p
         self.reserved = [0.0] * p
+        self.held = [0.0] * p
         self.inside = [0] * p  # microbatches admitted and not yet back through the rank's first stage
         self.rows: list[list[Action]] = [[] for _ in range(p)]
         self.stages = [self.problem.stages_of(r) for r in range(p)]
@@ -165,10 +196,11 @@ class _Pass:
             i = done[FORWARD][s]
             if i < m and (s == 0 or done[FORWARD][s - 1] > i):
                 entering = s == self.stages[r][0]
-                if not entering or (
-                    self.inside[r] < self.admits[r]
-                    and self.reserved[r] + self.footprints[r] <= problem.limits[r] * (1 + _SLACK)
-                ):
+                if self.policy.reserve:
+                    fits = not entering or self.reserved[r] + self.footprints[r] <= problem.limits[r] * (1 + _SLACK)
+                else:
+                    fits = self.safe(r, s)
+                if fits and (not entering or self.inside[r] < self.admits[r]):
                     yield (ends[FORWARD][s - 1][i] + problem.hop(s - 1, s) if s else 0.0), FORWARD, s
             j = done[BACKWARD][s]
             if j < done[FORWARD][s] and (s == last or done[BACKWARD][s + 1] > j):
@@ -179,6 +211,16 @@ class _Pass:
             k = done[BACKWARD_WEIGHT][s]
             if self.policy.split and k < j:
                 yield ends[BACKWARD][s][k], BACKWARD_WEIGHT, s
+
+    def safe(self, r: int, stage: int) -> bool:
+        """Whether rank ``r`` may run the next forward of ``stage`` without its memory limit ever
+        blocking the oldest microbatch still going forward through it (NOTE [unreserved memory])."""
+        problem, done = self.problem, self.done[FORWARD]
+        after = [done[s] + (s == stage) for s in self.stages[r]]
+        oldest = min(after)
+        limit = problem.limits[r] * (1 + _SLACK)
+        young = sum(problem.sizes[s] * max(1, n - oldest) for s, n in zip(self.stages[r], after))
+        return self.held[r] + problem.sizes[stage] <= limit and (oldest == problem.num_microbatches or young <= limit)
 
     def rank(self, kind: str, stage: int) -> tuple[int, int]:
         """The policy's preference (smaller first) among ready actions."""
@@ -213,6 +255,7 @@ class _Pass:
         touched = [r]
         if kind == FORWARD:
             self.ends[FORWARD][stage][i] = end
+            self.held[r] += problem.sizes[stage]
             if stage == self.stages[r][0]:
                 self.reserved[r] += self.footprints[r]
                 self.inside[r] += 1
@@ -227,6 +270,7 @@ class _Pass:
                     self.inside[r] -= 1
             if kind != BACKWARD_INPUT:
                 self.reserved[r] -= problem.sizes[stage]
+                self.held[r] -= problem.sizes[stage]
         return touched
 
 

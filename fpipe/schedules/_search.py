@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from .._plural import plural
@@ -253,7 +253,19 @@ def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Pr
 def policies(problem: Problem) -> Iterator[Policy]:
     """The list-scheduling policies to try, the likeliest winners first: over a grid of 972 cost
     cases (notes/search.md's costs, ``p`` 4 and 8, every placement), the order of how often each
-    laid out the fastest program; fused backwards win only where ``B`` costs less than ``I + W``."""
+    laid out the fastest program; fused backwards win only where ``B`` costs less than ``I + W``.
+    With several stages per rank, memory is held as used (``reserve=False``, NOTE [unreserved
+    memory] in ``_list_schedule.py``), and reserved only in the two policies where that still
+    wins alone in the small cases of notes/search.md (with one stage per rank the two are the same)."""
+    several = problem.num_stages > problem.num_ranks
+    for policy in _grid(several):
+        yield replace(policy, reserve=False) if several else policy
+    if several:
+        yield Policy(split=True, deep_first=False, extra=None)
+        yield Policy(split=True, backward_first=False, extra=None)
+
+
+def _grid(several: bool) -> Iterator[Policy]:
     yield Policy(split=True, extra=None)
     yield Policy(split=True, backward_first=False, extra=None)
     yield Policy(split=True, extra=4)
@@ -262,7 +274,7 @@ def policies(problem: Problem) -> Iterator[Policy]:
         yield Policy(split=True, extra=extra, patient=True)
         yield Policy(split=True, extra=extra)
     yield Policy(split=True, backward_first=False, extra=0)
-    if problem.num_stages > problem.num_ranks:
+    if several:
         yield Policy(split=True, deep_first=False, extra=None)
     yield Policy(split=True, extra=-1)
     yield Policy(split=False, backward_first=False, extra=None)
