@@ -44,11 +44,23 @@ NOTE [unreserved memory]
     need, which is no larger). Every other action a pass runs keeps the condition by the check,
     so ``g`` always finishes, and then the next oldest. With one stage per rank the condition is
     the reservation's.
+
+NOTE [shaken passes]
+    A pass decides greedily, and with two stages per rank the small cases' optima (notes/search.md)
+    often depart from every policy's rule at a few decisions only: a rank runs its other stage's
+    ``W`` before a ready backward, or idles for a backward about to arrive instead of starting a
+    forward. A pass with a ``seed`` draws a number at each decision: below ``_WAIT`` it waits for
+    one of its candidates (ready or not) chosen at random, up to ``_WAIT + _SWAP`` it runs one of
+    the ready ones at random, else it follows its policy. Any candidate is a legal choice (the
+    memory rules above hold whatever is chosen), so a shaken pass finishes as any pass does;
+    ``search`` runs a few dozen of them on small problems and improves the best (local moves in
+    ``_improve.py`` undo the worst of their accidents).
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -57,6 +69,7 @@ from ._program import Program
 from ._simulate import Costs
 
 _SLACK = 1e-9  # relative tolerance on memory limits and times (sums of floats)
+_WAIT, _SWAP = 0.1, 0.27  # how often a shaken pass waits for any action, or runs any ready one
 
 
 @dataclass(frozen=True)
@@ -123,6 +136,8 @@ class Policy:
         reserve: a microbatch enters a rank only if the activations of all the rank's stages
             for it fit (NOTE [list scheduler]); else each forward runs if it fits with room left
             for the microbatches ahead to finish (NOTE [unreserved memory]).
+        seed: ``None``: every decision is the policy's; else the pass departs from it at random
+            (NOTE [shaken passes]), the same way for the same seed.
     """
 
     split: bool
@@ -131,13 +146,14 @@ class Policy:
     extra: int | None = 0
     patient: bool = False
     reserve: bool = True
+    seed: int | None = None
 
     def __str__(self) -> str:
         admits = "memory" if self.extra is None else f"fill+{self.extra}"
         return (
             f"list({'I/W' if self.split else 'B'}, {'backward' if self.backward_first else 'forward'} first, "
             f"{'deep' if self.deep_first else 'shallow'} first, {admits}{', patient' if self.patient else ''}"
-            f"{'' if self.reserve else ', unreserved'})"
+            f"{'' if self.reserve else ', unreserved'}{'' if self.seed is None else f', shaken {self.seed}'})"
         )
 
 
@@ -187,6 +203,7 @@ class _Pass:
         split = self.policy.split
         extra = self.policy.extra
         self.admits = [m if extra is None else max(1, fill(self.problem, r, split) + extra) for r in range(p)]
+        self.shaker = None if self.policy.seed is None else random.Random(self.policy.seed)
 
     def candidates(self, r: int) -> Iterator[tuple[float, str, int]]:
         """``(ready, kind, stage)`` of every action rank ``r`` may run next (NOTE [list scheduler])."""
@@ -234,6 +251,14 @@ class _Pass:
             return None
         t = max(self.free[r], min(ready for ready, _, _ in options))
         ready_now = [o for o in options if o[0] <= t * (1 + _SLACK)]
+        if self.shaker is not None:  # NOTE [shaken passes]
+            draw = self.shaker.random()
+            if draw < _WAIT and len(options) > 1:
+                ready, kind, stage = self.shaker.choice(options)
+                return max(t, ready), kind, stage
+            if draw < _WAIT + _SWAP and len(ready_now) > 1:
+                _, kind, stage = self.shaker.choice(ready_now)
+                return t, kind, stage
         _, kind, stage = min(ready_now, key=lambda o: self.rank(o[1], o[2]))
         if self.policy.patient and kind == BACKWARD_WEIGHT:
             end = t + self.problem.costs[stage].backward_weight

@@ -7,8 +7,10 @@ fastest (ties: the first found):
 2. list-scheduled programs (``fpipe.schedules._list_schedule``, after the Zero Bubble authors'
    automatic scheduler), one per ``Policy`` of a grid over split or fused backwards, the order
    of kinds and of a rank's stages, how many microbatches a rank admits and whether ``W`` waits;
-3. for programs of at most ``LOCAL_ACTIONS`` actions, the best of those with actions of a rank
-   moved a few places while it gets faster (``fpipe.schedules._improve``);
+3. for programs of at most ``LOCAL_ACTIONS`` actions, the fastest of ``SHAKEN_PASSES`` passes
+   that depart from their policy at random (NOTE [shaken passes]), and the best of those and of
+   the above with actions of a rank moved a few places while it gets faster
+   (``fpipe.schedules._improve``);
 4. for small problems (``p <= 4``, ``m <= 8``), an exact branch and bound
    (``fpipe.schedules._exact``, NOTE [exact search]) seeded with the best of the above.
 
@@ -20,6 +22,7 @@ programs; one the exact search could not beat is optimal among the programs that
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -47,6 +50,7 @@ from ._zero_bubble_v import ZeroBubbleV
 EXACT_RANKS, EXACT_MICROBATCHES = 4, 8  # the largest problems the exact search is tried on
 LOCAL_ACTIONS = 200  # the largest programs local improvement is tried on
 LOCAL_SWEEPS, LOCAL_REACH = 4, 3  # its most sweeps over the rows, and how far it moves an action
+SHAKEN_PASSES, SHAKEN_POLICIES = 60, 4  # shaken passes tried on those programs, of the likeliest policies
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ def search(
 
         tried = [s.program(num_stages, num_ranks) for s in built_in_schedules]   # fitting memory
         tried += [list_schedule(problem, policy) for policy in policies]         # until the budget
-        tried += [improve(min(tried))]                                            # moves, if small
+        tried += [min(shaken_list_schedule(problem, seed) for seed in range(60))]  # if small
+        tried += [improve(min(tried[:-1])), improve(tried[-1])]                   # moves, if small
         if num_ranks <= 4 and num_microbatches <= 8: tried += [exact(problem)]    # branch and bound
         best = min(tried, key=lambda program: simulate(program, costs).makespan)
 
@@ -186,15 +191,25 @@ def search(
     optimal = best <= bound * (1 + 1e-9)
     actions = problem.num_stages * num_microbatches * 3
     if complete and not optimal and actions <= LOCAL_ACTIONS:
-        start = name
-        for reach in (1, LOCAL_REACH):  # swaps first: moves from where they end are never worse
-            better = improve(problem, program, best, LOCAL_SWEEPS, reach, deadline)
-            if better is not None:
-                name, program, best = f"list swaps of {start}", *better
+        starts = [(name, best, program)]
+        shaken = _shaken(problem, deadline)
+        if shaken is not None:
+            tried.append(shaken)
+            starts += [shaken] if shaken[2] != program else []
+        for start, span, started_from in starts:
+            improved = started_from
+            for reach in (1, LOCAL_REACH):  # swaps first: moves from where they end are never worse
+                better = improve(problem, improved, span, LOCAL_SWEEPS, reach, deadline)
+                if better is not None:
+                    improved, span = better
+            if improved is not started_from:
+                tried.append((f"list swaps of {start}", span, improved))
+            if span < best:
+                name, best, program = tried[-1] if improved is not started_from else (start, span, started_from)
+            if best <= bound * (1 + 1e-9):
+                break
         complete = time.perf_counter() <= deadline
-        if name != start:
-            tried.append((name, best, program))
-            optimal = best <= bound * (1 + 1e-9)
+        optimal = best <= bound * (1 + 1e-9)
     small = num_ranks <= EXACT_RANKS and num_microbatches <= EXACT_MICROBATCHES
     if exact and complete and not optimal and small:
         found, makespan, finished = branch_and_bound(problem, best, deadline)
@@ -215,6 +230,23 @@ def search(
         programs=tuple(program for _, _, program in tried),
         builtins=builtins,
     )
+
+
+def _shaken(problem: Problem, deadline: float) -> tuple[str, float, Program] | None:
+    """The fastest of ``SHAKEN_PASSES`` shaken passes (NOTE [shaken passes] in
+    ``_list_schedule.py``) of the first ``SHAKEN_POLICIES`` policies in turn, seeds 0, 1, ...;
+    ``None`` if ``deadline`` passed before the first."""
+    likeliest = list(itertools.islice(policies(problem), SHAKEN_POLICIES))
+    best: tuple[str, float, Program] | None = None
+    for seed in range(SHAKEN_PASSES):
+        if time.perf_counter() > deadline:
+            break
+        policy = replace(likeliest[seed % len(likeliest)], seed=seed)
+        laid_out = list_schedule(problem, policy)
+        assert laid_out is not None, "a shaken pass makes choices a pass may make (NOTE [shaken passes])"
+        if best is None or laid_out[1] < best[1]:
+            best = str(policy), laid_out[1], laid_out[0]
+    return best
 
 
 def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Program]]:
@@ -254,13 +286,15 @@ def policies(problem: Problem) -> Iterator[Policy]:
     """The list-scheduling policies to try, the likeliest winners first: over a grid of 972 cost
     cases (notes/search.md's costs, ``p`` 4 and 8, every placement), the order of how often each
     laid out the fastest program; fused backwards win only where ``B`` costs less than ``I + W``.
-    With several stages per rank, memory is held as used (``reserve=False``, NOTE [unreserved
-    memory] in ``_list_schedule.py``), and reserved only in the two policies where that still
-    wins alone in the small cases of notes/search.md (with one stage per rank the two are the same)."""
+    With several stages per rank and a memory limit, memory is held as used (``reserve=False``,
+    NOTE [unreserved memory] in ``_list_schedule.py``), and reserved only in the two policies
+    where that still wins alone in the small cases of notes/search.md (with one stage per rank,
+    or no limit, the two are the same)."""
     several = problem.num_stages > problem.num_ranks
+    unreserved = several and any(math.isfinite(limit) for limit in problem.limits)
     for policy in _grid(several):
-        yield replace(policy, reserve=False) if several else policy
-    if several:
+        yield replace(policy, reserve=False) if unreserved else policy
+    if unreserved:
         yield Policy(split=True, deep_first=False, extra=None)
         yield Policy(split=True, backward_first=False, extra=None)
 
