@@ -10,7 +10,8 @@ fastest (ties: the first found):
 3. for programs of at most ``LOCAL_ACTIONS`` actions, the fastest of ``SHAKEN_PASSES`` passes
    that depart from their policy at random (NOTE [shaken passes]), and the best of those and of
    the above with actions of a rank moved a few places while it gets faster
-   (``fpipe.schedules._improve``);
+   (``fpipe.schedules._improve``), then on programs of at most ``KICKED_ACTIONS`` actions
+   kicked out of where moves stop and improved again (NOTE [kicks]);
 4. for small problems (``p <= 4``, ``m <= 8``), an exact branch and bound
    (``fpipe.schedules._exact``, NOTE [exact search]) seeded with the best of the above.
 
@@ -35,7 +36,7 @@ from ._controllable_memory import VHalf, VMin
 from ._dual_pipe_v import DualPipeV
 from ._exact import exact as branch_and_bound
 from ._gpipe import GPipe
-from ._improve import improve, peak_memory
+from ._improve import improve, kicked, peak_memory
 from ._interleaved import Interleaved1F1B
 from ._interleaved_zero_bubble import InterleavedZeroBubble
 from ._list_schedule import Policy, Problem, list_schedule
@@ -51,6 +52,7 @@ EXACT_RANKS, EXACT_MICROBATCHES = 4, 8  # the largest problems the exact search 
 LOCAL_ACTIONS = 200  # the largest programs local improvement is tried on
 LOCAL_SWEEPS, LOCAL_REACH = 4, 3  # its most sweeps over the rows, and how far it moves an action
 SHAKEN_PASSES, SHAKEN_POLICIES = 60, 4  # shaken passes tried on those programs, of the likeliest policies
+KICKED_ACTIONS, KICKS = 100, 20  # the largest programs iterated local search is tried on, and its kicks
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ def search(
         tried += [list_schedule(problem, policy) for policy in policies]         # until the budget
         tried += [min(shaken_list_schedule(problem, seed) for seed in range(60))]  # if small
         tried += [improve(min(tried[:-1])), improve(tried[-1])]                   # moves, if small
+        tried += [kicked(min(tried))]                                             # if smaller
         if num_ranks <= 4 and num_microbatches <= 8: tried += [exact(problem)]    # branch and bound
         best = min(tried, key=lambda program: simulate(program, costs).makespan)
 
@@ -208,6 +211,11 @@ def search(
                 name, best, program = tried[-1] if improved is not started_from else (start, span, started_from)
             if best <= bound * (1 + 1e-9):
                 break
+        if best > bound * (1 + 1e-9) and actions <= KICKED_ACTIONS:
+            better = kicked(problem, program, best, KICKS, bound, deadline)
+            if better is not None:
+                name, program, best = f"list kicks of {name}", *better
+                tried.append((name, best, program))
         complete = time.perf_counter() <= deadline
         optimal = best <= bound * (1 + 1e-9)
     small = num_ranks <= EXACT_RANKS and num_microbatches <= EXACT_MICROBATCHES
