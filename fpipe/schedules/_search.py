@@ -63,8 +63,9 @@ class Searched:
         program: the fastest program found (pass it to ``fpipe.pipeline`` as the schedule).
         simulation: ``simulate(program, costs)``.
         name: where it came from: a built-in schedule (``"ZeroBubbleH1"``), a list-scheduling
-            policy (``"list(I/W, backward first, ...)"``), the best of those improved by moving
-            actions a few places (``"list swaps of ZeroBubbleH1"``) or ``"exact"``.
+            policy (``"list(I/W, backward first, ...)"``, ``"..., shaken 7)"`` for a shaken
+            pass), the best of those improved by moving actions a few places (``"list swaps of
+            ZeroBubbleH1"``) and kicked (``"list kicks of ..."``), or ``"exact"``.
         lower_bound: a makespan no program can beat (``makespan / lower_bound - 1`` is how far
             from it the program may be); never above ``makespan`` (where the two differ by
             rounding only, the bound is the makespan).
@@ -141,8 +142,8 @@ def search(
             ``memory`` is in bytes.
         time_budget: seconds to spend; when they run out the best program so far is returned
             with ``complete=False`` (at least one list-scheduled program is built, unless a
-            built-in already meets ``lower_bound``). The policies tried and the swaps kept
-            depend on the clock only when it runs out.
+            built-in already meets ``lower_bound``). The policies tried, the shaken passes
+            and the swaps and kicks kept (fixed seeds) depend on the clock only when it runs out.
         exact: run the exact search on problems of at most 4 ranks and 8 microbatches, for the
             rest of the budget, unless the program already meets ``lower_bound``; ``False``:
             never (then only a budget that runs out makes the result depend on the machine's
@@ -178,6 +179,7 @@ def search(
         if all(peak <= limit * (1 + 1e-9) for peak, limit in zip(peak_memory(program, problem.sizes), problem.limits)):
             tried.append((name, simulate(program, problem.costs).makespan, program))
     builtins = len(tried)
+    reserving = list(tried)
     complete = True
     met = any(t <= bound * (1 + 1e-9) for _, t, _ in tried)
     for k, policy in enumerate(policies(problem)):
@@ -189,16 +191,18 @@ def search(
         laid_out = list_schedule(problem, policy)
         assert laid_out is not None, "a list-scheduling pass admits only what it can finish (NOTE [list scheduler])"
         tried.append((str(policy), laid_out[1], laid_out[0]))
+        reserving += [tried[-1]] if policy.reserve else []
         met = laid_out[1] <= bound * (1 + 1e-9)
     name, best, program = min(tried, key=lambda t: t[1])
     optimal = best <= bound * (1 + 1e-9)
     actions = problem.num_stages * num_microbatches * 3
     if complete and not optimal and actions <= LOCAL_ACTIONS:
-        starts = [(name, best, program)]
+        # improved from each of: the best of the built-ins and reserving passes, the best of all, the best shaken
         shaken = _shaken(problem, deadline)
-        if shaken is not None:
-            tried.append(shaken)
-            starts += [shaken] if shaken[2] != program else []
+        tried += [shaken] if shaken is not None else []
+        starts = [*([min(reserving, key=lambda t: t[1])] if reserving else []), (name, best, program)]
+        starts += [shaken] if shaken is not None else []
+        starts = [start for k, start in enumerate(starts) if all(start[2] != other[2] for other in starts[:k])]
         for start, span, started_from in starts:
             improved = started_from
             for reach in (1, LOCAL_REACH):  # swaps first: moves from where they end are never worse
@@ -300,9 +304,11 @@ def policies(problem: Problem) -> Iterator[Policy]:
     passes 2.5 to 6 times as often as when reserving (with one stage per rank, or no limit, the
     two are the same)."""
     several = problem.num_stages > problem.num_ranks
-    reserve = not several or all(math.isinf(limit) for limit in problem.limits)
+    unreserved = several and any(math.isfinite(limit) for limit in problem.limits)
     for policy in _grid(several):
-        yield replace(policy, reserve=reserve)
+        yield replace(policy, reserve=not unreserved)
+    if unreserved and problem.num_stages * problem.num_microbatches * 3 <= LOCAL_ACTIONS:
+        yield from _grid(several)  # cheap there, and local improvement starts from their best too
 
 
 def _grid(several: bool) -> Iterator[Policy]:
