@@ -232,12 +232,18 @@ class _Pass:
     def safe(self, r: int, stage: int) -> bool:
         """Whether rank ``r`` may run the next forward of ``stage`` without its memory limit ever
         blocking the oldest microbatch still going forward through it (NOTE [unreserved memory])."""
-        problem, done = self.problem, self.done[FORWARD]
-        after = [done[s] + (s == stage) for s in self.stages[r]]
-        oldest = min(after)
-        limit = problem.limits[r] * (1 + _SLACK)
-        young = sum(problem.sizes[s] * max(1, n - oldest) for s, n in zip(self.stages[r], after))
-        return self.held[r] + problem.sizes[stage] <= limit and (oldest == problem.num_microbatches or young <= limit)
+        sizes, done, stages = self.problem.sizes, self.done[FORWARD], self.stages[r]
+        limit = self.problem.limits[r] * (1 + _SLACK)
+        if self.held[r] + sizes[stage] > limit:
+            return False
+        oldest = done[stages[-1]] + (stage == stages[-1])  # a rank's later stages have run fewer forwards
+        if oldest == self.problem.num_microbatches:
+            return True
+        young = 0.0
+        for s in stages:
+            ahead = done[s] + (s == stage) - oldest
+            young += sizes[s] * (ahead if ahead > 1 else 1)
+        return young <= limit
 
     def rank(self, kind: str, stage: int) -> tuple[int, int]:
         """The policy's preference (smaller first) among ready actions."""
