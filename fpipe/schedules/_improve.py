@@ -7,11 +7,22 @@ earlier (a swap of neighbours first) past actions it may trade places with (each
 of one kind stay in microbatch order), replays the program (``replay``: ``simulate``'s clock for
 the problem's costs) and keeps the first move that makes it faster within the memory limit; it
 sweeps the rows until a sweep keeps nothing or ``sweeps`` sweeps are done.
+
+NOTE [kicks]
+    Moves one at a time stop at a program that no single move makes faster, while the optimum
+    is often a few moves away that each alone changes nothing or costs a little (a rank's other
+    stage's ``W`` brought before a backward and a forward sent after it). ``kicked`` is an
+    iterated local search: it moves 1 to 3 actions of the best program so far to random places
+    up to 4 away (each stage's kinds staying in microbatch order), improves the result by
+    ``improve``'s moves, and keeps it if it is no slower (equal: it drifts along a plateau
+    where the next kick may find the way down); a fixed number of kicks from a fixed seed, so
+    the same problem gets the same program.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Sequence
 
@@ -124,3 +135,40 @@ def _fits(problem: Problem, rows: Sequence[Sequence[Action]]) -> bool:
         Program(tuple(tuple(row) for row in rows), problem.num_stages, problem.num_microbatches), problem.sizes
     )
     return all(peak <= limit * (1 + _SLACK) for peak, limit in zip(peaks, problem.limits))
+
+
+def kicked(
+    problem: Problem, program: Program, makespan: float, kicks: int, bound: float, deadline: float
+) -> tuple[Program, float] | None:
+    """A faster program than ``program`` (of ``makespan``) by ``kicks`` kicks of iterated local
+    search (NOTE [kicks]), within the memory limit, or ``None`` if none is faster; it stops
+    early at ``bound`` (no program is faster) or after ``deadline`` (``time.perf_counter()``)."""
+    shaker = random.Random(0)
+    best, kept = makespan, program
+    for kick in range(kicks):
+        if best <= bound * (1 + _SLACK) or time.perf_counter() > deadline:
+            break
+        rows = [list(row) for row in kept.ranks]
+        for _ in range(1 + kick % 3):
+            _move_at_random(rows[shaker.randrange(len(rows))], shaker)
+        t = replay(problem, rows)
+        if t == math.inf or not _fits(problem, rows):
+            continue
+        moved = Program(tuple(tuple(row) for row in rows), problem.num_stages, problem.num_microbatches)
+        better = improve(problem, moved, t, 2, 3, deadline)
+        moved, t = better or (moved, t)
+        if t <= best * (1 + _SLACK):
+            best, kept = t, moved
+    return (kept, best) if best < makespan * (1 - _SLACK) else None
+
+
+def _move_at_random(row: list[Action], shaker: random.Random) -> None:
+    """Move one action of ``row`` 1 to 4 places, to a place it may go (``_swappable``), if one of
+    20 draws finds one."""
+    for _ in range(20):
+        k = shaker.randrange(len(row))
+        j = k + shaker.choice((-4, -3, -2, -1, 1, 2, 3, 4))
+        passed = row[k + 1 : j + 1] if j > k else row[max(j, 0) : k]
+        if 0 <= j < len(row) and all(_swappable(row[k], b) for b in passed):
+            row.insert(j, row.pop(k))
+            return

@@ -19,11 +19,48 @@ NOTE [list scheduler]
     the rank's first stage) only if the activations of all the rank's stages for it still fit under
     the limit, and each backward (``B``, or ``W`` when split) hands its stage's share back. Every
     microbatch a rank admitted can therefore finish on it, so no choice deadlocks on memory.
+    With several stages per rank that is cautious (NOTE [unreserved memory]).
+
+NOTE [unreserved memory]
+    A reservation charges a microbatch the activations of every stage of the rank when it enters,
+    so a rank of two stages under a limit of 3 microbatches' footprint runs at most 3 first-stage
+    forwards ahead, though 4 fit until the later stage's forwards start; the optimum often runs
+    them (the small cases of notes/search.md). A pass with ``reserve=False`` charges only the
+    memory in use, and runs a forward only if, after it, the microbatches still going forward
+    through the rank could each finish there, one after the other, oldest first:
+
+        held + size <= limit, and
+        sum over the rank's stages s of size[s] * max(1, forwards[s] - oldest) <= limit
+
+    where ``forwards[s]`` counts the forwards stage ``s`` has run (this one included) and
+    ``oldest = min(forwards)`` is the oldest microbatch that has a forward left on the rank: the
+    sum is the memory the microbatches from ``oldest`` on hold, plus what ``oldest`` still needs.
+    Microbatches before ``oldest`` hold the rest; their backwards need no memory and free theirs.
+    Why this never deadlocks: take the oldest microbatch ``g`` not yet finished. On a rank where
+    it still has forwards, it is ``oldest`` and nothing older holds memory, so the condition
+    says its forwards fit; elsewhere it needs only backwards. Its next action is therefore
+    possible once its inputs arrive, and running it keeps the condition (when ``g`` takes its
+    last forward on a rank, the sum loses ``g``'s footprint and gains at most the next one's
+    need, which is no larger). Every other action a pass runs keeps the condition by the check,
+    so ``g`` always finishes, and then the next oldest. With one stage per rank the condition is
+    the reservation's.
+
+NOTE [shaken passes]
+    A pass decides greedily, and with two stages per rank the small cases' optima (notes/search.md)
+    often depart from every policy's rule at a few decisions only: a rank runs its other stage's
+    ``W`` before a ready backward, or idles for a backward about to arrive instead of starting a
+    forward. A pass with a ``seed`` draws a number at each decision: below ``_WAIT`` it waits for
+    one of its candidates (ready or not) chosen at random, up to ``_WAIT + _SWAP`` it runs one of
+    the ready ones at random, else it follows its policy. Any candidate is a legal choice (the
+    memory rules above hold whatever is chosen), so a shaken pass finishes as any pass does;
+    ``search`` runs a few dozen of them on small problems and improves the best (local moves in
+    ``_improve.py`` undo the worst of their accidents).
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,6 +69,7 @@ from ._program import Program
 from ._simulate import Costs
 
 _SLACK = 1e-9  # relative tolerance on memory limits and times (sums of floats)
+_WAIT, _SWAP = 0.1, 0.27  # how often a shaken pass waits for any action, or runs any ready one
 
 
 @dataclass(frozen=True)
@@ -95,6 +133,11 @@ class Policy:
             least 1), ``None``: as many as memory allows.
         patient: do not start a ``W`` that would delay a backward or forward known to arrive
             before the ``W`` would end; wait for it instead.
+        reserve: a microbatch enters a rank only if the activations of all the rank's stages
+            for it fit (NOTE [list scheduler]); else each forward runs if it fits with room left
+            for the microbatches ahead to finish (NOTE [unreserved memory]).
+        seed: ``None``: every decision is the policy's; else the pass departs from it at random
+            (NOTE [shaken passes]), the same way for the same seed.
     """
 
     split: bool
@@ -102,12 +145,15 @@ class Policy:
     deep_first: bool = True
     extra: int | None = 0
     patient: bool = False
+    reserve: bool = True
+    seed: int | None = None
 
     def __str__(self) -> str:
         admits = "memory" if self.extra is None else f"fill+{self.extra}"
         return (
             f"list({'I/W' if self.split else 'B'}, {'backward' if self.backward_first else 'forward'} first, "
-            f"{'deep' if self.deep_first else 'shallow'} first, {admits}{', patient' if self.patient else ''})"
+            f"{'deep' if self.deep_first else 'shallow'} first, {admits}{', patient' if self.patient else ''}"
+            f"{'' if self.reserve else ', unreserved'}{'' if self.seed is None else f', shaken {self.seed}'})"
         )
 
 
@@ -146,6 +192,7 @@ class _Pass:
         self.ends = {FORWARD: [[0.0] * m for _ in range(S)], BACKWARD: [[0.0] * m for _ in range(S)]}
         self.free = [0.0] * p
         self.reserved = [0.0] * p
+        self.held = [0.0] * p
         self.inside = [0] * p  # microbatches admitted and not yet back through the rank's first stage
         self.rows: list[list[Action]] = [[] for _ in range(p)]
         self.stages = [self.problem.stages_of(r) for r in range(p)]
@@ -156,6 +203,7 @@ class _Pass:
         split = self.policy.split
         extra = self.policy.extra
         self.admits = [m if extra is None else max(1, fill(self.problem, r, split) + extra) for r in range(p)]
+        self.shaker = None if self.policy.seed is None else random.Random(self.policy.seed)
 
     def candidates(self, r: int) -> Iterator[tuple[float, str, int]]:
         """``(ready, kind, stage)`` of every action rank ``r`` may run next (NOTE [list scheduler])."""
@@ -165,10 +213,11 @@ class _Pass:
             i = done[FORWARD][s]
             if i < m and (s == 0 or done[FORWARD][s - 1] > i):
                 entering = s == self.stages[r][0]
-                if not entering or (
-                    self.inside[r] < self.admits[r]
-                    and self.reserved[r] + self.footprints[r] <= problem.limits[r] * (1 + _SLACK)
-                ):
+                if self.policy.reserve:
+                    fits = not entering or self.reserved[r] + self.footprints[r] <= problem.limits[r] * (1 + _SLACK)
+                else:
+                    fits = self.safe(r, s)
+                if fits and (not entering or self.inside[r] < self.admits[r]):
                     yield (ends[FORWARD][s - 1][i] + problem.hop(s - 1, s) if s else 0.0), FORWARD, s
             j = done[BACKWARD][s]
             if j < done[FORWARD][s] and (s == last or done[BACKWARD][s + 1] > j):
@@ -179,6 +228,22 @@ class _Pass:
             k = done[BACKWARD_WEIGHT][s]
             if self.policy.split and k < j:
                 yield ends[BACKWARD][s][k], BACKWARD_WEIGHT, s
+
+    def safe(self, r: int, stage: int) -> bool:
+        """Whether rank ``r`` may run the next forward of ``stage`` without its memory limit ever
+        blocking the oldest microbatch still going forward through it (NOTE [unreserved memory])."""
+        sizes, done, stages = self.problem.sizes, self.done[FORWARD], self.stages[r]
+        limit = self.problem.limits[r] * (1 + _SLACK)
+        if self.held[r] + sizes[stage] > limit:
+            return False
+        oldest = done[stages[-1]] + (stage == stages[-1])  # a rank's later stages have run fewer forwards
+        if oldest == self.problem.num_microbatches:
+            return True
+        young = 0.0
+        for s in stages:
+            ahead = done[s] + (s == stage) - oldest
+            young += sizes[s] * (ahead if ahead > 1 else 1)
+        return young <= limit
 
     def rank(self, kind: str, stage: int) -> tuple[int, int]:
         """The policy's preference (smaller first) among ready actions."""
@@ -192,6 +257,14 @@ class _Pass:
             return None
         t = max(self.free[r], min(ready for ready, _, _ in options))
         ready_now = [o for o in options if o[0] <= t * (1 + _SLACK)]
+        if self.shaker is not None:  # NOTE [shaken passes]
+            draw = self.shaker.random()
+            if draw < _WAIT and len(options) > 1:
+                ready, kind, stage = self.shaker.choice(options)
+                return max(t, ready), kind, stage
+            if draw < _WAIT + _SWAP and len(ready_now) > 1:
+                _, kind, stage = self.shaker.choice(ready_now)
+                return t, kind, stage
         _, kind, stage = min(ready_now, key=lambda o: self.rank(o[1], o[2]))
         if self.policy.patient and kind == BACKWARD_WEIGHT:
             end = t + self.problem.costs[stage].backward_weight
@@ -213,6 +286,7 @@ class _Pass:
         touched = [r]
         if kind == FORWARD:
             self.ends[FORWARD][stage][i] = end
+            self.held[r] += problem.sizes[stage]
             if stage == self.stages[r][0]:
                 self.reserved[r] += self.footprints[r]
                 self.inside[r] += 1
@@ -227,6 +301,7 @@ class _Pass:
                     self.inside[r] -= 1
             if kind != BACKWARD_INPUT:
                 self.reserved[r] -= problem.sizes[stage]
+                self.held[r] -= problem.sizes[stage]
         return touched
 
 

@@ -7,8 +7,11 @@ fastest (ties: the first found):
 2. list-scheduled programs (``fpipe.schedules._list_schedule``, after the Zero Bubble authors'
    automatic scheduler), one per ``Policy`` of a grid over split or fused backwards, the order
    of kinds and of a rank's stages, how many microbatches a rank admits and whether ``W`` waits;
-3. for programs of at most ``LOCAL_ACTIONS`` actions, the best of those with actions of a rank
-   moved a few places while it gets faster (``fpipe.schedules._improve``);
+3. for programs of at most ``LOCAL_ACTIONS`` actions, the fastest of ``SHAKEN_PASSES`` passes
+   that depart from their policy at random (NOTE [shaken passes]), and the best of those and of
+   the above with actions of a rank moved a few places while it gets faster
+   (``fpipe.schedules._improve``), then on programs of at most ``KICKED_ACTIONS`` actions
+   kicked out of where moves stop and improved again (NOTE [kicks]);
 4. for small problems (``p <= 4``, ``m <= 8``), an exact branch and bound
    (``fpipe.schedules._exact``, NOTE [exact search]) seeded with the best of the above.
 
@@ -20,10 +23,11 @@ programs; one the exact search could not beat is optimal among the programs that
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from .._plural import plural
@@ -32,7 +36,7 @@ from ._controllable_memory import VHalf, VMin
 from ._dual_pipe_v import DualPipeV
 from ._exact import exact as branch_and_bound
 from ._gpipe import GPipe
-from ._improve import improve, peak_memory
+from ._improve import improve, kicked, peak_memory
 from ._interleaved import Interleaved1F1B
 from ._interleaved_zero_bubble import InterleavedZeroBubble
 from ._list_schedule import Policy, Problem, list_schedule
@@ -47,6 +51,8 @@ from ._zero_bubble_v import ZeroBubbleV
 EXACT_RANKS, EXACT_MICROBATCHES = 4, 8  # the largest problems the exact search is tried on
 LOCAL_ACTIONS = 200  # the largest programs local improvement is tried on
 LOCAL_SWEEPS, LOCAL_REACH = 4, 3  # its most sweeps over the rows, and how far it moves an action
+SHAKEN_PASSES, SHAKEN_POLICIES = 60, 4  # shaken passes tried on those programs, of the likeliest policies
+KICKED_ACTIONS, KICKS = 100, 20  # the largest programs iterated local search is tried on, and its kicks
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,9 @@ class Searched:
         program: the fastest program found (pass it to ``fpipe.pipeline`` as the schedule).
         simulation: ``simulate(program, costs)``.
         name: where it came from: a built-in schedule (``"ZeroBubbleH1"``), a list-scheduling
-            policy (``"list(I/W, backward first, ...)"``), the best of those improved by moving
-            actions a few places (``"list swaps of ZeroBubbleH1"``) or ``"exact"``.
+            policy (``"list(I/W, backward first, ...)"``, ``"..., shaken 7)"`` for a shaken
+            pass), the best of those improved by moving actions a few places (``"list swaps of
+            ZeroBubbleH1"``) and kicked (``"list kicks of ..."``), or ``"exact"``.
         lower_bound: a makespan no program can beat (``makespan / lower_bound - 1`` is how far
             from it the program may be); never above ``makespan`` (where the two differ by
             rounding only, the bound is the makespan).
@@ -111,7 +118,9 @@ def search(
 
         tried = [s.program(num_stages, num_ranks) for s in built_in_schedules]   # fitting memory
         tried += [list_schedule(problem, policy) for policy in policies]         # until the budget
-        tried += [improve(min(tried))]                                            # moves, if small
+        tried += [min(shaken_list_schedule(problem, seed) for seed in range(60))]  # if small
+        tried += [improve(min(tried[:-1])), improve(tried[-1])]                   # moves, if small
+        tried += [kicked(min(tried))]                                             # if smaller
         if num_ranks <= 4 and num_microbatches <= 8: tried += [exact(problem)]    # branch and bound
         best = min(tried, key=lambda program: simulate(program, costs).makespan)
 
@@ -134,8 +143,8 @@ def search(
             ``memory`` is in bytes.
         time_budget: seconds to spend; when they run out the best program so far is returned
             with ``complete=False`` (at least one list-scheduled program is built, unless a
-            built-in already meets ``lower_bound``). The policies tried and the swaps kept
-            depend on the clock only when it runs out.
+            built-in already meets ``lower_bound``). The policies tried, the shaken passes
+            and the swaps and kicks kept (fixed seeds) depend on the clock only when it runs out.
         exact: run the exact search on problems of at most 4 ranks and 8 microbatches, for the
             rest of the budget, unless the program already meets ``lower_bound``; ``False``:
             never (then only a budget that runs out makes the result depend on the machine's
@@ -187,6 +196,7 @@ def search(
             simulations[id(program)] = simulate(program, given)
             tried.append((name, simulations[id(program)].makespan, program))
     builtins = len(tried)
+    reserving = list(tried)
     complete = True
     met = any(t <= bound * (1 + 1e-9) for _, t, _ in tried)
     for k, policy in enumerate(policies(problem)):
@@ -198,20 +208,37 @@ def search(
         laid_out = list_schedule(problem, policy)
         assert laid_out is not None, "a list-scheduling pass admits only what it can finish (NOTE [list scheduler])"
         tried.append((str(policy), laid_out[1], laid_out[0]))
+        reserving += [tried[-1]] if policy.reserve else []
         met = laid_out[1] <= bound * (1 + 1e-9)
     name, best, program = min(tried, key=lambda t: t[1])
     optimal = best <= bound * (1 + 1e-9)
     actions = problem.num_stages * num_microbatches * 3
     if complete and not optimal and actions <= LOCAL_ACTIONS:
-        start = name
-        for reach in (1, LOCAL_REACH):  # swaps first: moves from where they end are never worse
-            better = improve(problem, program, best, LOCAL_SWEEPS, reach, deadline)
+        # improved from each of: the best of the built-ins and reserving passes, the best of all, the best shaken
+        shaken = _shaken(problem, deadline)
+        tried += [shaken] if shaken is not None else []
+        starts = [*([min(reserving, key=lambda t: t[1])] if reserving else []), (name, best, program)]
+        starts += [shaken] if shaken is not None else []
+        starts = [start for k, start in enumerate(starts) if all(start[2] != other[2] for other in starts[:k])]
+        for start, span, started_from in starts:
+            improved = started_from
+            for reach in (1, LOCAL_REACH):  # swaps first: moves from where they end are never worse
+                better = improve(problem, improved, span, LOCAL_SWEEPS, reach, deadline)
+                if better is not None:
+                    improved, span = better
+            if improved is not started_from:
+                tried.append((f"list swaps of {start}", span, improved))
+            if span < best:
+                name, best, program = tried[-1] if improved is not started_from else (start, span, started_from)
+            if best <= bound * (1 + 1e-9):
+                break
+        if best > bound * (1 + 1e-9) and actions <= KICKED_ACTIONS:
+            better = kicked(problem, program, best, KICKS, bound, deadline)
             if better is not None:
-                name, program, best = f"list swaps of {start}", *better
+                name, program, best = f"list kicks of {name}", *better
+                tried.append((name, best, program))
         complete = time.perf_counter() <= deadline
-        if name != start:
-            tried.append((name, best, program))
-            optimal = best <= bound * (1 + 1e-9)
+        optimal = best <= bound * (1 + 1e-9)
     small = num_ranks <= EXACT_RANKS and num_microbatches <= EXACT_MICROBATCHES
     if exact and complete and not optimal and small:
         found, makespan, finished = branch_and_bound(problem, best, deadline)
@@ -220,7 +247,7 @@ def search(
             name, best, program = "exact", makespan, found
         optimal = finished
         complete = finished or time.perf_counter() < deadline
-    kept = leanest(tried, builtins, slack, problem.sizes)
+    kept = leanest(tried, builtins, slack, problem.sizes) if slack else (name, best, program)
     optimal = optimal and kept[1] <= best * (1 + 1e-9)  # a leaner program within the slack may be slower
     simulation = simulations.get(id(kept[2]))
     return Searched(
@@ -253,16 +280,31 @@ def leanest(
         CPU of notes/benchmarks.md the list-scheduled V program that held 7 activation units
         where ZB-V held 2 ran its last stage's forwards 10-20% slower than ZB-V did, and its
         step 9% slower, for a simulated gain of 0.05% ("Memory within the slack" there).
-        ``slack=0`` keeps the fastest simulated program (the first found among equals).
+        ``slack=0`` keeps the fastest simulated program (``search`` does not call this then).
     """
     fastest = min(t for _, t, _ in tried)
     ceiling = fastest * (1 + slack)
     if builtins:
         ceiling = min(ceiling, min(t for _, t, _ in tried[:builtins]))
     within = [t for t in tried if t[1] <= ceiling * (1 + 1e-9)]
-    if slack == 0:
-        return min(within, key=lambda t: t[1])
     return min(within, key=lambda t: (max(peak_memory(t[2], sizes)), t[1]))
+
+
+def _shaken(problem: Problem, deadline: float) -> tuple[str, float, Program] | None:
+    """The fastest of ``SHAKEN_PASSES`` shaken passes (NOTE [shaken passes] in
+    ``_list_schedule.py``) of the first ``SHAKEN_POLICIES`` policies in turn, seeds 0, 1, ...;
+    ``None`` if ``deadline`` passed before the first."""
+    likeliest = list(itertools.islice(policies(problem), SHAKEN_POLICIES))
+    best: tuple[str, float, Program] | None = None
+    for seed in range(SHAKEN_PASSES):
+        if time.perf_counter() > deadline:
+            break
+        policy = replace(likeliest[seed % len(likeliest)], seed=seed)
+        laid_out = list_schedule(problem, policy)
+        assert laid_out is not None, "a shaken pass makes choices a pass may make (NOTE [shaken passes])"
+        if best is None or laid_out[1] < best[1]:
+            best = str(policy), laid_out[1], laid_out[0]
+    return best
 
 
 def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Program]]:
@@ -301,7 +343,21 @@ def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Pr
 def policies(problem: Problem) -> Iterator[Policy]:
     """The list-scheduling policies to try, the likeliest winners first: over a grid of 972 cost
     cases (notes/search.md's costs, ``p`` 4 and 8, every placement), the order of how often each
-    laid out the fastest program; fused backwards win only where ``B`` costs less than ``I + W``."""
+    laid out the fastest program; fused backwards win only where ``B`` costs less than ``I + W``.
+    With several stages per rank and a memory limit, memory is held as used (``reserve=False``,
+    NOTE [unreserved memory] in ``_list_schedule.py``): over notes/search.md's small cases and
+    its ``p = 4, m = 8`` grid with two stages per rank, each policy so was among the fastest
+    passes 2.5 to 6 times as often as when reserving (with one stage per rank, or no limit, the
+    two are the same)."""
+    several = problem.num_stages > problem.num_ranks
+    unreserved = several and any(math.isfinite(limit) for limit in problem.limits)
+    for policy in _grid(several):
+        yield replace(policy, reserve=not unreserved)
+    if unreserved and problem.num_stages * problem.num_microbatches * 3 <= LOCAL_ACTIONS:
+        yield from _grid(several)  # cheap there, and local improvement starts from their best too
+
+
+def _grid(several: bool) -> Iterator[Policy]:
     yield Policy(split=True, extra=None)
     yield Policy(split=True, backward_first=False, extra=None)
     yield Policy(split=True, extra=4)
@@ -310,7 +366,7 @@ def policies(problem: Problem) -> Iterator[Policy]:
         yield Policy(split=True, extra=extra, patient=True)
         yield Policy(split=True, extra=extra)
     yield Policy(split=True, backward_first=False, extra=0)
-    if problem.num_stages > problem.num_ranks:
+    if several:
         yield Policy(split=True, deep_first=False, extra=None)
     yield Policy(split=True, extra=-1)
     yield Policy(split=False, backward_first=False, extra=None)

@@ -1,5 +1,5 @@
-"""Local improvement (fpipe/schedules/_improve.py): its replay is simulate's clock, and the swaps it
-keeps give a valid, faster program within memory."""
+"""Local improvement (fpipe/schedules/_improve.py): its replay is simulate's clock, and the swaps
+and kicks it keeps give a valid, faster program within memory."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from fpipe.schedules import Action, Costs, simulate, validate
-from fpipe.schedules._improve import improve, peak_memory, replay
-from fpipe.schedules._list_schedule import list_schedule
+from fpipe.schedules import Action, Costs, InterleavedZeroBubble, simulate, validate
+from fpipe.schedules._exact import exact
+from fpipe.schedules._improve import improve, kicked, peak_memory, replay
+from fpipe.schedules._list_schedule import Policy, list_schedule
 from fpipe.schedules._search import builtin_programs, checked_problem, policies
 
 SLOW = [Costs(backward_weight=0.3, send=1.0)] * 7 + [Costs(forward=2, backward_input=2, backward_weight=0.6, send=1.0)]
@@ -33,11 +34,11 @@ def test_the_replay_of_rows_that_deadlock_is_infinite() -> None:
 
 
 def test_swaps_make_a_list_scheduled_program_faster_within_memory() -> None:
-    """Two stages per rank, p = 2, messages of 0.15, 1F1B's memory: the first list pass's program
-    (14.4) loses 0.2 to swaps of neighbouring actions."""
+    """Two stages per rank, p = 2, messages of 0.15, 1F1B's memory: the program of the list pass
+    that reserves memory (14.4) loses 0.2 to swaps of neighbouring actions."""
     costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.5, send=0.15)] * 4
     problem = checked_problem(2, 4, costs, "looped", 2, 2, None)
-    laid_out = list_schedule(problem, next(iter(policies(problem))))
+    laid_out = list_schedule(problem, Policy(split=True, extra=None))
     assert laid_out is not None
     better = improve(problem, *laid_out, sweeps=4, reach=1, deadline=time.perf_counter() + 60)
     assert better is not None
@@ -46,3 +47,22 @@ def test_swaps_make_a_list_scheduled_program_faster_within_memory() -> None:
     assert laid_out[1] == pytest.approx(14.4) and makespan == pytest.approx(14.2)
     assert makespan == pytest.approx(simulate(program, costs).makespan)
     assert max(peak_memory(program, problem.sizes)) <= 2
+
+
+def test_kicks_reach_the_optimum_where_single_moves_stop() -> None:
+    """Two stages per rank, p = 2, m = 4, messages of 1, 1F1B's memory: no single move makes
+    interleaved zero bubble's program (21) faster; kicks (NOTE [kicks]) reach 19.5, the exact
+    search's optimum (notes/search.md's small cases), valid and within memory."""
+    costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.5, send=1.0)] * 4
+    problem = checked_problem(2, 4, costs, "looped", 2, 2, None)
+    program = InterleavedZeroBubble(4, stages_per_rank=2).program(4, 2)
+    assert simulate(program, costs).makespan == 21
+    deadline = time.perf_counter() + 60
+    assert improve(problem, program, 21, sweeps=4, reach=3, deadline=deadline) is None
+    better = kicked(problem, program, 21, kicks=20, bound=0.0, deadline=deadline)
+    assert better is not None
+    kept, makespan = better
+    validate(kept)
+    assert makespan == simulate(kept, costs).makespan == 19.5
+    assert max(peak_memory(kept, problem.sizes)) <= 2
+    assert exact(problem, math.inf, deadline)[1:] == (19.5, True)

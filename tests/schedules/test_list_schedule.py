@@ -9,11 +9,15 @@ costs lays out exactly that), a single rank's work (no program beats it, every p
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fpipe.schedules import Costs, OneFOneB, simulate, validate
 from fpipe.schedules._bound import lower_bound
+from fpipe.schedules._improve import peak_memory
 from fpipe.schedules._list_schedule import Policy, Problem, fill, list_schedule
 
 POLICIES = [
@@ -87,3 +91,51 @@ def test_the_bound_is_the_memory_bound_under_a_tight_limit() -> None:
     assert lower_bound(tight) > lower_bound(free)
     # stage 0's activations live through its F, stage 1's F and I, then its own I and W: 5 per microbatch
     assert lower_bound(free) == 1 + 4 * 3 and lower_bound(tight) == 4 * 5
+
+
+def test_a_pass_that_does_not_reserve_runs_the_forward_that_fits_as_the_optimum_does() -> None:
+    """Two stages per rank, ``p = 2``, ``m = 4``, messages of 1, a limit of 3 microbatches'
+    footprint (NOTE [unreserved memory]): reserving, rank 0 admits 3 microbatches and waits for
+    the first backward before the fourth (19.5); without, it runs all 4 first-stage forwards, as
+    the exact search's optimum does (16.5, notes/search.md's small cases)."""
+    costs = Costs(forward=0.5, backward_input=0.5, backward_weight=0.5, send=1.0)
+    prob = Problem(4, (0, 1, 0, 1), (costs,) * 4, (0.5,) * 4, (3.0, 3.0))
+    reserving = list_schedule(prob, Policy(split=True, extra=None))
+    unreserved = list_schedule(prob, Policy(split=True, extra=None, reserve=False))
+    assert reserving is not None and unreserved is not None
+    assert reserving[1] == 19.5 and unreserved[1] == 16.5
+    assert [str(a) for a in unreserved[0].ranks[0][:4]] == ["0F0", "0F1", "0F2", "0F3"]
+    assert max(simulate(unreserved[0], costs).peak_activations) <= 6  # in stage units (0.5 each): 3.0
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    p=st.integers(1, 3),
+    m=st.integers(1, 6),
+    layout=st.sampled_from(["looped 1", "looped 2", "looped 3", "v"]),
+    data=st.data(),
+)
+def test_a_pass_that_does_not_reserve_never_deadlocks_and_keeps_the_limit(
+    p: int, m: int, layout: str, data: st.DataObject
+) -> None:
+    """Random per-stage costs and activation sizes, limits from one microbatch's footprint up:
+    every policy without reservation finishes (NOTE [unreserved memory]) within the limit."""
+    v = 2 if layout == "v" else int(layout.split()[1])
+    S = p * v
+    rank_of = tuple(min(s, 2 * p - 1 - s) if layout == "v" else s % p for s in range(S))
+    number = st.floats(0.1, 3.0)
+    costs = tuple(
+        Costs(forward=data.draw(number), backward_input=data.draw(number), backward_weight=data.draw(number))
+        for _ in range(S)
+    )
+    sizes = tuple(data.draw(st.floats(0.1, 2.0)) for _ in range(S))
+    footprints = [sum(sizes[s] for s in range(S) if rank_of[s] == r) for r in range(p)]
+    limits = tuple(f * data.draw(st.floats(1.0, 3.0)) for f in footprints)
+    prob = Problem(m, rank_of, costs, sizes, limits)
+    for policy in POLICIES:
+        laid_out = list_schedule(prob, replace(policy, reserve=False))
+        assert laid_out is not None, policy
+        program, makespan = laid_out
+        validate(program)
+        assert simulate(program, costs).makespan == pytest.approx(makespan)
+        assert all(peak <= limit * (1 + 1e-9) for peak, limit in zip(peak_memory(program, sizes), limits))

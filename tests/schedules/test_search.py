@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import replace
 
 import pytest
@@ -22,6 +23,7 @@ from fpipe.schedules import (
     simulate,
     validate,
 )
+from fpipe.schedules._exact import exact
 from fpipe.schedules._list_schedule import list_schedule
 from fpipe.schedules._search import builtin_programs, checked_problem, peak_memory, policies
 from tests.schedules._programs import least_makespan
@@ -129,6 +131,20 @@ def test_the_exact_search_finds_the_optimum_of_every_fifo_program(costs: list[Co
     best = least_makespan(costs, 2, memory, fifo=True)
     found = search(2, 2, costs, memory=memory)
     assert found.optimal and found.makespan == pytest.approx(best)
+
+
+def test_shaken_passes_find_the_optimum_that_every_policy_misses() -> None:
+    """The V on 2 ranks, 4 microbatches, messages of 1, memory ``2p - 1``: every policy's pass,
+    improved by local moves, ends at 16.5; a shaken pass (NOTE [shaken passes]) at 14.5, which
+    the exact search proves optimal (notes/search.md's small cases, ``exact=False``)."""
+    costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.5, send=1.0)] * 4
+    found = search(2, 4, costs, placement="v", memory=3, exact=False)
+    validate(found.program)
+    assert "shaken" in found.name and found.makespan == 14.5 and max(found.peak_memory) <= 3
+    listed = [t for name, t in found.candidates[found.builtins :] if "shaken" not in name]
+    assert min(listed) == 16.5
+    problem = checked_problem(2, 4, costs, "v", 2, 3, None)
+    assert exact(problem, math.inf, time.perf_counter() + 60)[1:] == (14.5, True)
 
 
 def test_small_problems_end_proven_optimal_within_a_few_percent_of_the_bound() -> None:
