@@ -129,6 +129,7 @@ class Relaxation:
         done: tuple[Sequence[int], Sequence[int], Sequence[int]],
         ends: tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]],
         opens: Sequence[float],
+        enough: float = math.inf,
     ) -> float:
         """A makespan no completion of a partial FIFO program can beat (NOTE [release bound],
         NOTE [memory windows]).
@@ -138,6 +139,8 @@ class Relaxation:
                 backwards again when fused) it has run: microbatches ``0`` to ``done - 1``.
             ends: when each forward and each backward that ran ended, per stage and microbatch.
             opens: per rank, the earliest its next action can start.
+            enough: a bound at which to stop (the exact search's best makespan): the result is
+                then at least ``enough``, not necessarily the largest bound.
         """
         problem, m, S = self.problem, self.problem.num_microbatches, self.problem.num_stages
         done_f, done_b, done_w = done
@@ -218,7 +221,6 @@ class Relaxation:
             start = max(opened, min(w[0] for w in work[r]))
             best = max(best, start + span + sum((m - done_f[s]) * forward[s] for s in self.held[r][:-1]))
         for r, stages in enumerate(self.held):
-            best = max(best, jackson(work[r]))
             tails = [self.after[s] for s in stages if done_b[s] < m]
             if tails:
                 before = sum(
@@ -228,6 +230,10 @@ class Relaxation:
                     for s in stages
                 )
                 best = max(best, firsts[r] + before + min(tails))
+        for r in range(len(opens)):
+            if best >= enough:
+                break
+            best = max(best, jackson(work[r]))
         return best
 
 
