@@ -5,6 +5,12 @@ Run from the repository root (takes about a minute for the first table, up to te
 
     /work/venv/bin/python notes/search_table.py > /tmp/search.md
 
+and, for the third (the two-stages-per-rank problems of the first table, ``p = 4, m = 8``, with
+the exact search run up to ``SECONDS`` per case, 60 by default: up to three hours; one
+placement per run, ``looped`` or ``v``):
+
+    /work/venv/bin/python notes/search_table.py large [SECONDS] [PLACEMENT]
+
 Costs, in units of one stage's forward (``T_F = T_I = 1``): every stage alike, or the last 2x or
 3x heavier (a vocabulary head: all its costs scaled); ``T_W`` 0.3, 1 or 2 times ``T_I``; a message
 latency of 0, 0.3 or 1 forward. Memory per rank in activation units (NOTE [activation units]):
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 from collections.abc import Iterator, Sequence
 
@@ -42,6 +49,8 @@ SMALL = [
 PROOF_SECONDS = (
     20.0  # the exact search's budget per case in the second table (``search`` gives it the rest of its 10 s)
 )
+LARGE = [("looped", 2, P, M), ("v", 2, P, M)]  # the third table's problems: two stages per rank in the first
+LARGE_SECONDS = 60.0  # the exact search's budget per case in the third table, by default
 
 
 def costs_of(num_stages: int, v: int, heavy: float, weight: float, send: float) -> list[Costs]:
@@ -76,16 +85,18 @@ def row(placement: str, v: int, heavy: int, weight: float, send: float, memory: 
     )
 
 
-def exact_case(placement: str, v: int, p: int, m: int, costs: list[Costs], memory: float) -> dict[str, float]:
+def exact_case(
+    placement: str, v: int, p: int, m: int, costs: list[Costs], memory: float, seconds: float = PROOF_SECONDS
+) -> dict[str, float]:
     """One small case: the built-ins and the list scheduler alone, ``search`` with its exact
-    search (the rest of its 10 s budget), and the exact search run to the end (``PROOF_SECONDS``): the optimum of its
-    space, ``math.nan`` if it did not finish."""
+    search (the rest of its 10 s budget), and the exact search run to the end (``seconds``): the
+    optimum of its space, ``math.nan`` if it did not finish."""
     listed = search(p, m, costs, placement=placement, stages_per_rank=v, memory=memory, exact=False)
     found = search(p, m, costs, placement=placement, stages_per_rank=v, memory=memory)
     optimum = found.makespan if found.optimal else math.nan
     if not found.optimal:
         problem = checked_problem(p, m, costs, placement, v, memory, None)
-        _, best, finished = exact(problem, found.makespan, time.perf_counter() + PROOF_SECONDS)
+        _, best, finished = exact(problem, found.makespan, time.perf_counter() + seconds)
         optimum = best if finished else math.nan
     if found.lower_bound > optimum * (1 + 1e-9):  # never, or the bound is wrong (NaN compares False)
         raise AssertionError(
@@ -94,10 +105,11 @@ def exact_case(placement: str, v: int, p: int, m: int, costs: list[Costs], memor
     return {"listed": listed.makespan, "found": found.makespan, "optimum": optimum, "bound": found.lower_bound}
 
 
-def exact_row(placement: str, v: int, p: int, m: int) -> str:
-    """One line of the second table: every cost and memory case of one small problem."""
+def exact_row(placement: str, v: int, p: int, m: int, seconds: float = PROOF_SECONDS, behind: bool = False) -> str:
+    """One line of the second table: every cost and memory case of one small problem (``behind``:
+    and the third's columns, how far ``exact=False`` is above the optimum)."""
     results = [
-        exact_case(placement, v, p, m, costs_of(2 * p if placement == "v" else p * v, v, h, w, s), memory)
+        exact_case(placement, v, p, m, costs_of(2 * p if placement == "v" else p * v, v, h, w, s), memory, seconds)
         for h, w, s, _, memory in cases(p)
     ]
     proven = [r for r in results if not math.isnan(r["optimum"])]
@@ -107,10 +119,14 @@ def exact_row(placement: str, v: int, p: int, m: int) -> str:
     gaps = sorted(r["optimum"] / r["bound"] - 1 for r in proven)
     gap = f"{statistics.median(gaps):.1%} | {gaps[-1]:.1%}" if gaps else " | "
     where = "V" if placement == "v" else f"looped v={v}"
-    return (
+    line = (
         f"| {where} | {p} | {m} | {len(proven)} of {len(results)} | {len(close)} | {len(listed)} | {len(tight)} "
         f"| {gap} |"
     )
+    if not behind:
+        return line
+    late = sorted(r["listed"] / r["optimum"] - 1 for r in proven)
+    return f"{line} {statistics.median(late):.1%} | {late[-1]:.1%} |" if late else f"{line} | |"
 
 
 def main(every: int = 1, small: Sequence[tuple[str, int, int, int]] = SMALL) -> None:
@@ -136,5 +152,22 @@ def main(every: int = 1, small: Sequence[tuple[str, int, int, int]] = SMALL) -> 
         print(exact_row(*case))
 
 
+def large(seconds: float = LARGE_SECONDS, placements: Sequence[str] = ("looped", "v")) -> None:
+    """Print the third table: the second's columns for ``LARGE`` with the exact search run up to
+    ``seconds`` per case, and how far the list scheduler with the built-ins (``exact=False``) is
+    above the optimum where it is known."""
+    print(
+        "| placement | p | m | optimum known | search finds it | list + built-ins find it | bound is it "
+        "| median gap optimum / bound | largest | median gap list + built-ins / optimum | largest |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for placement, v, p, m in LARGE:
+        if placement in placements:
+            print(exact_row(placement, v, p, m, seconds, behind=True))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["large"]:
+        large(float(sys.argv[2]) if len(sys.argv) > 2 else LARGE_SECONDS, sys.argv[3:] or ("looped", "v"))
+    else:
+        main()

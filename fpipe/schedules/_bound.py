@@ -30,6 +30,28 @@ NOTE [release bound]
     the previous stage waits for) and the rest, ``min(B, I + W)`` minus that, freeing memory, the
     bound holds for every program (``lower_bound``), not only the FIFO ones the exact search
     enumerates; the search itself uses the costs of its space (``I`` and ``W``, or ``B`` and 0).
+
+NOTE [memory windows]
+    On a rank holding several stages, call microbatch ``i``'s *window* the stretch of the rank's
+    row from the forward of its last stage on ``i`` (after which ``i`` holds the rank's whole
+    footprint) to the first ``W`` or ``B`` that frees one of those stages' activations of ``i``.
+    Memory is counted after each forward, so windows that overlap all hold the footprint at the
+    forward of the latest: at most ``at_once = floor(limit / footprint)`` overlap at any time.
+    Each lasts at least its *chain*: that forward, the trip through the later stages and back,
+    the backwards from the last stage down to the freed one and its ``W`` (the least over the
+    rank's stages). Intervals that never overlap more than ``at_once`` at a time split into
+    ``at_once`` groups of disjoint ones (interval graphs are perfect), so the rank's windows
+    still to come end no earlier than the first of them can start plus ``ceil(n / at_once)``
+    chains: the *round trip per wave* that tight memory and slow messages force::
+
+        rank 1 (stages 1, 2), limit = footprint:   |F2 ...F3 I3 on rank 0... I2 W2|F1 ...|F2 ...
+
+    When not even the smallest of its stages' activations fits beside the footprint, nothing
+    else is alive on the rank in a window, so no other microbatch's action runs there: the rank
+    runs, one after another, the windows and every action outside them (the forwards of its
+    earlier stages, and the ``W`` of all its stages but the one freed first). With one window
+    at a time, one still open (its forward ran, nothing freed) ends before the next starts.
+    Like the rest, this holds whatever order a program runs its microbatches in.
 """
 
 from __future__ import annotations
@@ -84,20 +106,41 @@ class Relaxation:
             spare = (problem.limits[r] - problem.footprint(r)) / problem.sizes[stages[0]]
             if len(stages) > 1 and not math.isinf(spare):
                 self.entry[stages[-1]] = stages[0], math.floor(spare * (1 + _SLACK) + _SLACK)
+        # window[s]: for the last stage s of a rank holding several under a limit below m footprints,
+        # (at_once, chain, the work per microbatch outside its window if the rank is alone in its
+        # windows, else NaN) (NOTE [memory windows])
+        self.window: dict[int, tuple[int, float, float]] = {}
+        for r, stages in enumerate(self.held):
+            last, limit, footprint = stages[-1], problem.limits[r], problem.footprint(r)
+            if len(stages) > 1 and limit < m * footprint:
+                at_once = max(1, math.floor(limit / footprint * (1 + _SLACK)))
+                trip = self.through[last] - self.back[last] - self.after[last]
+                frees = min(self.after[last] - self.after[s] + self.weight[s] for s in stages)
+                alone = footprint + min(problem.sizes[s] for s in stages) > limit * (1 + _SLACK)
+                outside = sum(self.weight[s] for s in stages) - max(self.weight[s] for s in stages)
+                self.window[last] = (
+                    at_once,
+                    self.forward[last] + trip + self.back[last] + frees,
+                    outside if alone else math.nan,
+                )
 
     def bound(
         self,
         done: tuple[Sequence[int], Sequence[int], Sequence[int]],
         ends: tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]],
         opens: Sequence[float],
+        enough: float = math.inf,
     ) -> float:
-        """A makespan no completion of a partial FIFO program can beat (NOTE [release bound]).
+        """A makespan no completion of a partial FIFO program can beat (NOTE [release bound],
+        NOTE [memory windows]).
 
         Args:
             done: per stage, how many forwards, backwards (``B`` or ``I``) and ``W`` (the
                 backwards again when fused) it has run: microbatches ``0`` to ``done - 1``.
             ends: when each forward and each backward that ran ended, per stage and microbatch.
             opens: per rank, the earliest its next action can start.
+            enough: a bound at which to stop (the exact search's best makespan): the result is
+                then at least ``enough``, not necessarily the largest bound.
         """
         problem, m, S = self.problem, self.problem.num_microbatches, self.problem.num_stages
         done_f, done_b, done_w = done
@@ -111,6 +154,9 @@ class Relaxation:
         end_w: list[list[float]] = [[] for _ in range(S)]
         work: list[list[tuple[float, float, float]]] = [[] for _ in opens]  # per rank, (release, cost, tail)
         firsts = [math.inf for _ in opens]  # per rank, the first release of an F or a backward
+        window = self.window
+        windows = [0.0]  # when the memory windows still to come end, at the earliest
+        alone: list[tuple[int, float, float]] = []  # (rank, open window's end, windows) of ranks alone in them
         for i in range(m):
             previous = 0.0  # the end of the previous stage's forward of i
             for s in range(S):
@@ -129,6 +175,14 @@ class Relaxation:
                     first, others = entry[s]
                     if i > others and end_w[first][i - others - 1] > t:
                         t = end_w[first][i - others - 1]
+                if i == done_f[s] and s in window:
+                    at_once, chain, outside = window[s]
+                    opened = -math.inf  # the end of the window still open, if any
+                    if at_once == 1 and i and all(done_w[x] < i for x in self.held[r]):
+                        opened = known_f[s][i - 1] - forward[s] + chain
+                    windows.append(max(t, opened) + math.ceil((m - i) / at_once) * chain)
+                    if not math.isnan(outside):
+                        alone.append((r, opened, (m - i) * (chain + outside)))
                 previous = end_f[s] = t + forward[s]
                 work[r].append((t, forward[s], through[s]))
                 if t < firsts[r]:
@@ -162,9 +216,11 @@ class Relaxation:
                 end_w[s].append(t + weight[s])
                 if weight[s]:
                     work[r].append((t, weight[s], 0.0))
-        best = max(w[m - 1] for w in end_w)
+        best = max(max(w[m - 1] for w in end_w), *windows)
+        for r, opened, span in alone:
+            start = max(opened, min(w[0] for w in work[r]))
+            best = max(best, start + span + sum((m - done_f[s]) * forward[s] for s in self.held[r][:-1]))
         for r, stages in enumerate(self.held):
-            best = max(best, jackson(work[r]))
             tails = [self.after[s] for s in stages if done_b[s] < m]
             if tails:
                 before = sum(
@@ -174,6 +230,10 @@ class Relaxation:
                     for s in stages
                 )
                 best = max(best, firsts[r] + before + min(tails))
+        for r in range(len(opens)):
+            if best >= enough:
+                break
+            best = max(best, jackson(work[r]))
         return best
 
 
@@ -210,7 +270,8 @@ def lower_bound(problem: Problem) -> float:
     - the release bound (NOTE [release bound]) with a backward costing the least of ``I`` and
       ``B`` and the rest of ``min(B, I + W)`` after it: among others, every rank's work after the
       forwards before its first action, and the last microbatch's trip through the pipeline after
-      the ``m - 1`` forwards before it;
+      the ``m - 1`` forwards before it; and on a rank of several stages under a tight limit,
+      its memory windows (NOTE [memory windows]);
     - per rank, its memory: stage ``s``'s activations of a microbatch live at least from its
       forward through the rest of the pipeline and back to the end of its own backward
       (``alive(s)``), and the rank never holds more than its limit, so

@@ -5,6 +5,7 @@ ones against every program, microbatches in any order."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from fpipe.schedules import Costs, simulate
 from fpipe.schedules._bound import lower_bound
+from fpipe.schedules._exact import exact
 from fpipe.schedules._search import builtin_programs, checked_problem, peak_memory, search
 from tests.schedules._programs import least_makespan
 
@@ -74,8 +76,31 @@ def test_the_w_that_free_room_are_charged_zb_h1_is_optimal_under_1f1b_s_memory()
 
 def test_a_rank_of_two_stages_holds_its_whole_footprint_at_its_last_stage_s_forward() -> None:
     """The V, p = 2, memory 1: a microbatch fills rank 0 at stage 3's forward, so that forward
-    waits until stage 0 freed the microbatch before: the bound is 13.5 (12.5 without that rule),
-    the optimum, which the exact search proves, 16.5."""
+    waits until stage 0 freed the microbatch before: the release bound is 13.5 (12.5 without that
+    rule); the memory windows (NOTE [memory windows]) make it 14.5; the optimum, which the exact
+    search proves, 16.5."""
     costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.5)] * 4
     found = search(2, 4, costs, placement="v", memory=1)
-    assert found.optimal and found.makespan == 16.5 and found.lower_bound == 13.5
+    assert found.optimal and found.makespan == 16.5 and found.lower_bound == 14.5
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    m=st.integers(2, 4),
+    placement=st.sampled_from(["looped", "v"]),
+    costs=st.lists(costs_strategy, min_size=4, max_size=4),
+    memory=st.sampled_from([1.0, 1.5, 2.0]),
+)
+def test_the_memory_windows_are_never_above_the_exact_optimum(
+    m: int, placement: str, costs: list[Costs], memory: float
+) -> None:
+    """Two stages per rank under a tight limit, where the memory windows (NOTE [memory windows])
+    count: the bound is not above the optimum the exact search proves, and that optimum, which
+    the same bound prunes at every node, is not above any list-scheduling pass (programs of its
+    space)."""
+    problem = checked_problem(2, m, costs, placement, 2, memory, None)
+    program, optimum, finished = exact(problem, math.inf, time.perf_counter() + 600)
+    assert finished and program is not None
+    assert lower_bound(problem) <= optimum + 1e-9
+    listed = search(2, m, costs, placement=placement, stages_per_rank=2, memory=memory, exact=False)
+    assert all(optimum <= t + 1e-9 for name, t in listed.candidates if name.startswith("list("))
