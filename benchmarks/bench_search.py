@@ -12,7 +12,8 @@ the others' 1, as a vocabulary head would make it) runs on 2 gloo processes, one
 each, 2 stages per rank. Each rank:
 
 1. records a few steps of ``InterleavedZeroBubble`` (split backwards, so that ``F``, ``I`` and
-   ``W`` are all measured) with ``fpipe.record`` and fits per-stage costs (``fit_costs``), the
+   ``W`` are measured) and of ``Interleaved1F1B`` (fused backwards: ``B``, which costs less
+   than ``I + W``) with ``fpipe.record`` and fits per-stage costs to both (``fit_costs``), the
    runtime's per-action overhead and receive cost included (NOTE [per-action overhead] in
    ``fpipe/schedules/_simulate.py``);
 2. rank 0 searches a program for the looped placement and one for the V (no memory limit, as
@@ -67,7 +68,17 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     import torch.distributed as dist
 
     import fpipe
-    from fpipe.schedules import Costs, InterleavedZeroBubble, Program, fit_costs, replay, search, simulate, tune
+    from fpipe.schedules import (
+        Costs,
+        Interleaved1F1B,
+        InterleavedZeroBubble,
+        Program,
+        fit_costs,
+        replay,
+        search,
+        simulate,
+        tune,
+    )
     from fpipe.schedules._search import builtin_programs, checked_problem  # the built-ins search tries
 
     torch.manual_seed(0)
@@ -84,12 +95,17 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
         return lambda: step(mine, batch)
 
-    recorded = make(InterleavedZeroBubble(m, stages_per_rank=2))
+    recorded = make(InterleavedZeroBubble(m, stages_per_rank=2))  # split backwards: I and W
+    fused = make(Interleaved1F1B(m, stages_per_rank=2))  # fused ones, on the same ranks: B
     walls = []
     with fpipe.record() as recording:
         for _ in range(opts["record_steps"] + 1):
             walls.append(bench_vs_torch.barrier_timed(recorded))
-    costs: tuple[Costs, ...] = fit_costs(recording.timelines[1:])  # the first step warms up
+    with fpipe.record() as recording_fused:
+        for _ in range(opts["record_steps"] + 1):
+            bench_vs_torch.barrier_timed(fused)
+    # the first step of each warms up; B fitted apart from I + W (a fused backward costs less)
+    costs: tuple[Costs, ...] = fit_costs(recording.timelines[1:] + recording_fused.timelines[1:])
     # Where the model's error lies, on the recorded program itself: the step's wall time, the
     # recorded actions' span (the rest is the step's own work before and after its actions), the
     # span replayed with each action's own duration and free messages (the rest is waiting and
@@ -153,7 +169,9 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         "simulated_s": simulated,
         "simulated_without_overhead_s": simulated_without,
         "peak_activations": peaks,
-        "costs": [[c.forward, c.backward_input, c.backward_weight, c.send, c.overhead, c.receive] for c in costs],
+        "costs": [
+            [c.forward, c.backward_input, c.backward_weight, c.send, c.overhead, c.receive, c.of("B")] for c in costs
+        ],
         "searched": {
             "search-looped": {"source": looped.name, "lower_bound_s": looped.lower_bound},
             "search-v": {"source": v.name, "lower_bound_s": v.lower_bound},
@@ -259,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         results[key] = ranks[0][key]
     results["recorded"] = {key: max(r["recorded"][key] for r in ranks) for key in ranks[0]["recorded"]}
     costs_ms = [[round(x * 1e3, 3) for x in c] for c in ranks[0]["costs"]]
-    print(f"fitted costs per stage (F, I, W, send, overhead, receive; ms): {costs_ms}")
+    print(f"fitted costs per stage (F, I, W, send, overhead, receive, B; ms): {costs_ms}")
     print(f"searched: {results['searched']} in {results['search_seconds']:.2f} s; compared: {results['best_search']}")
     recorded = {key: round(value * 1e3, 1) for key, value in results["recorded"].items()}
     print(

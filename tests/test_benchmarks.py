@@ -120,6 +120,7 @@ def test_bench_search_quick(tmp_path: Path) -> None:
     for row in results["programs"].values():
         assert row["median_s"] > 0 and row["simulated_s"] > 0 and row["measured_over_simulated"] > 0
         assert row["simulated_without_overhead_s"] <= row["simulated_s"] and row["peak_activations"] > 0
-    assert all(len(c) == 6 and min(c[4:]) >= 0 for c in results["raw"][0]["costs"])  # F, I, W, send, overhead, receive
+    costs = results["raw"][0]["costs"]  # F, I, W, send, overhead, receive, B per stage
+    assert all(len(c) == 7 and min(c[4:]) >= 0 for c in costs)
     assert 0 < results["recorded"]["timeline_s"] <= results["recorded"]["step_s"]
     assert results["recorded"]["simulated_s"] > 0

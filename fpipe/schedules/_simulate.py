@@ -407,8 +407,11 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
     clock still makes a valid ``Costs``.
 
     Args:
-        timeline: a timeline from ``fpipe.record()`` (``recording.timeline``), or several of the
-            same program (``recording.timelines``), whose durations and latencies are pooled.
+        timeline: a timeline from ``fpipe.record()`` (``recording.timeline``), or several
+            (``recording.timelines``), whose durations and latencies are pooled. They may be of
+            different programs of one placement: record a program with split backwards and one
+            with fused ones to fit ``I``, ``W`` and ``B`` (a fused ``B`` often costs less than
+            ``I + W``, which a program of split backwards alone cannot show).
             Simulated timelines work too: ``fit_costs(simulate(program, costs))`` gives ``costs``
             back when each stage sends some message that an action waits for, as defined above,
             and the stages of a rank share one overhead and one receive cost.
@@ -424,24 +427,25 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
         [(1.0, 2.0, 0.5), (2.0, 4.0, 0.25)]
 
     Raises:
-        ScheduleError: for no timeline, timelines of different programs, or a timeline whose
-            times do not match its program.
+        ScheduleError: for no timeline, timelines of programs that place the stages on different
+            ranks, or a timeline whose times do not match its program.
         TypeError: if ``timeline`` holds something other than ``Simulation`` objects.
     """
     timelines = checked("fit_costs", timeline)
-    program = timelines[0].program
-    validate(program)
-    split = split_backwards(program)
+    for program in {t.program for t in timelines}:
+        validate(program)
+    program = timelines[0].program  # every program places the stages as this one
     rank_of = program.placement()
     durations: dict[tuple[int, str], list[float]] = {}
     waits: list[tuple[int, int, float]] = []  # (waiting rank, sending stage, start(a) - end(d))
     local: dict[int, list[float]] = {}  # per rank, the gaps before actions that take no message
     early: list[tuple[int, int, float, float]] = []  # (rank, sending stage, free - end(d), gap): no wait
     for t in timelines:
+        split = split_backwards(t.program)
         end_of = {a: end for _, a, _, end in t.intervals()}
         for _, a, start, end in t.intervals():  # the median does not depend on the order
             durations.setdefault((a.stage, a.kind), []).append(end - start)
-        for r, (row, starts, ends) in enumerate(zip(program.ranks, t.starts, t.ends)):
+        for r, (row, starts, ends) in enumerate(zip(t.program.ranks, t.starts, t.ends)):
             for pos, a in enumerate(row):
                 free = ends[pos - 1] if pos else 0.0
                 remote = [d for d in dependencies(a, program.num_stages, split) if rank_of[d.stage] != r]
@@ -509,8 +513,9 @@ def _latencies(
 
 
 def checked(function: str, timeline: Simulation | Sequence[Simulation]) -> tuple[Simulation, ...]:
-    """``timeline`` as a non-empty tuple of timelines of one program, each with one start and one
-    end per action, or an error naming ``function`` and what is wrong."""
+    """``timeline`` as a non-empty tuple of timelines of programs that place their stages alike
+    (possibly different programs), each with one start and one end per action, or an error naming
+    ``function`` and what is wrong."""
     timelines = (timeline,) if isinstance(timeline, Simulation) else tuple(timeline)
     for k, t in enumerate(timelines):
         if not isinstance(t, Simulation):
@@ -522,12 +527,17 @@ def checked(function: str, timeline: Simulation | Sequence[Simulation]) -> tuple
         raise ScheduleError(
             f"fpipe.schedules.{function}: no timeline (timelines: 0). Record at least one step with fpipe.record()."
         )
-    program = timelines[0].program
+
+    def placed(program: Program) -> tuple[int, list[tuple[int, int]]]:
+        return program.num_stages, sorted({(a.stage, r) for r, row in enumerate(program.ranks) for a in row})
+
     for k, t in enumerate(timelines):
-        if t.program != program:
+        program = t.program
+        if placed(program) != placed(timelines[0].program):
             raise ScheduleError(
-                f"fpipe.schedules.{function}: timeline {k} ran a different program than timeline 0 "
-                f"(timeline 0:\n{program}\ntimeline {k}:\n{t.program}). Pass the steps of one program at a time."
+                f"fpipe.schedules.{function}: timeline {k} places its stages otherwise than timeline 0 "
+                f"((stage, rank) pairs, timeline 0: {placed(timelines[0].program)}, timeline {k}: {placed(program)}). "
+                "Pass the steps of programs of one placement."
             )
         shape = [len(row) for row in program.ranks]
         if [len(row) for row in t.starts] != shape or [len(row) for row in t.ends] != shape:
