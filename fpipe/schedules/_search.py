@@ -150,11 +150,11 @@ def search(
             never (then only a budget that runs out makes the result depend on the machine's
             speed).
         slack: how much longer than the shortest simulated step a program may be and still count
-            as fast: of the programs tried within ``(1 + slack)`` of the shortest, and never
-            slower than the fastest built-in that fits, ``search`` keeps the one that holds the
-            least memory (its busiest rank's peak), ties to the shorter step. ``0`` keeps the
-            fastest simulated program. With costs fitted from a recording, ``slack=0.02`` is the
-            better choice (NOTE [memory within the slack]).
+            as fast: of the programs tried within ``(1 + slack)`` of the shortest, ``search``
+            keeps the one that holds the least memory (its busiest rank's peak), ties to the
+            shorter step; so it may be up to ``slack`` slower in simulation than a built-in that
+            fits. ``0`` keeps the fastest simulated program. With costs fitted from a recording,
+            ``slack=0.02`` is the better choice (NOTE [memory within the slack]).
 
     Example:
         >>> from fpipe.schedules import Costs, search
@@ -247,7 +247,9 @@ def search(
             name, best, program = "exact", makespan, found
         optimal = finished
         complete = finished or time.perf_counter() < deadline
-    kept = leanest(tried, builtins, slack, problem.sizes) if slack else (name, best, program)
+    if slack:
+        tried += leaner(problem, tried, slack, deadline)
+    kept = leanest(tried, slack, problem.sizes) if slack else (name, best, program)
     optimal = optimal and kept[1] <= best * (1 + 1e-9)  # a leaner program within the slack may be slower
     simulation = simulations.get(id(kept[2]))
     return Searched(
@@ -265,11 +267,11 @@ def search(
 
 
 def leanest(
-    tried: Sequence[tuple[str, float, Program]], builtins: int, slack: float, sizes: Sequence[float]
+    tried: Sequence[tuple[str, float, Program]], slack: float, sizes: Sequence[float]
 ) -> tuple[str, float, Program]:
-    """Of ``tried`` (``(name, makespan, program)``, the first ``builtins`` of them built-ins), the
-    program that holds the least memory among those within ``slack`` of the shortest step and no
-    slower than the fastest built-in, ties to the shorter step, then to the first tried.
+    """Of ``tried`` (``(name, makespan, program)``), the program that holds the least memory (its
+    busiest rank's peak) among those within ``slack`` of the shortest step, ties to the shorter
+    step, then to the first tried.
 
     NOTE [memory within the slack]
         ``simulate`` charges an action the same time whatever else its rank holds, but on a
@@ -277,17 +279,40 @@ def leanest(
         CPU, a larger working set and more fresh allocations) and leaves less memory for the
         model. With costs fitted from a recording, programs within a few percent of each other
         are within the fit's error, and the leanest of them is the safer choice: on the 2-core
-        CPU of notes/benchmarks.md the list-scheduled V program that held 7 activation units
-        where ZB-V held 2 ran its last stage's forwards 10-20% slower than ZB-V did, and its
-        step 9% slower, for a simulated gain of 0.05% ("Memory within the slack" there).
-        ``slack=0`` keeps the fastest simulated program (``search`` does not call this then).
+        CPU of notes/benchmarks.md ("Memory within the slack"), list-scheduled programs holding
+        3 to 4 times ZB-V's activations for a simulated gain of 0.05 to 1.5% measured slower
+        than the lean programs beside them. ``slack=0`` keeps the fastest simulated program
+        (``search`` does not call this then).
     """
-    fastest = min(t for _, t, _ in tried)
-    ceiling = fastest * (1 + slack)
-    if builtins:
-        ceiling = min(ceiling, min(t for _, t, _ in tried[:builtins]))
+    ceiling = min(t for _, t, _ in tried) * (1 + slack)
     within = [t for t in tried if t[1] <= ceiling * (1 + 1e-9)]
     return min(within, key=lambda t: (max(peak_memory(t[2], sizes)), t[1]))
+
+
+def leaner(
+    problem: Problem, tried: Sequence[tuple[str, float, Program]], slack: float, deadline: float
+) -> list[tuple[str, float, Program]]:
+    """List passes under lower memory limits, for ``leanest`` (NOTE [memory within the slack]):
+    each peak that a program of ``tried`` holds, below the least that one within ``slack`` of the
+    shortest step holds, in increasing order, until a limit gives programs within the slack (all
+    of that limit's passes, named ``"<policy> under <limit>"``) or ``deadline`` passes."""
+    ceiling = min(t for _, t, _ in tried) * (1 + slack)
+    peaks = {id(q): max(peak_memory(q, problem.sizes)) for _, _, q in tried}
+    lean = min(peaks[id(q)] for _, t, q in tried if t <= ceiling * (1 + 1e-9))
+    least = max(problem.footprint(r) for r in range(problem.num_ranks))
+    for limit in sorted({x for x in peaks.values() if least <= x < lean * (1 - 1e-9)}):
+        limited = replace(problem, limits=tuple(min(x, limit) for x in problem.limits))
+        found: list[tuple[str, float, Program]] = []
+        for policy in policies(limited):
+            if time.perf_counter() > deadline:
+                return found
+            laid_out = list_schedule(limited, policy)
+            assert laid_out is not None, "a list-scheduling pass admits only what it can finish (NOTE [list scheduler])"
+            if laid_out[1] <= ceiling * (1 + 1e-9):
+                found.append((f"{policy} under {limit:g}", laid_out[1], laid_out[0]))
+        if found:
+            return found
+    return []
 
 
 def _shaken(problem: Problem, deadline: float) -> tuple[str, float, Program] | None:

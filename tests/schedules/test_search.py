@@ -275,13 +275,24 @@ FITTED = [
 ]
 
 
-def test_slack_keeps_the_leanest_program_within_it_never_slower_than_a_builtin() -> None:
+def test_slack_keeps_the_leanest_program_within_it() -> None:
     fastest = search(2, 8, FITTED, placement="v", exact=False)
     lean = search(2, 8, FITTED, placement="v", exact=False, slack=0.02)
     assert fastest.name.startswith("list") and max(fastest.peak_memory) == 7.5
     assert lean.name == "ZeroBubbleV" and lean.peak_memory == (2.0, 2.0)
     assert fastest.makespan < lean.makespan <= fastest.makespan * 1.02
-    assert lean.makespan == min(t for _, t in lean.candidates[: lean.builtins])
+    assert lean.makespan == min(t for _, t in lean.candidates[: lean.builtins])  # ZB-V: the fastest built-in
+    # a lean built-in 0.3% slower than the fastest built-in, which holds 4 times as much: kept
+    # fitted with fused backwards too (the seventh run): GPipe is fastest, 1F1B 0.3% behind
+    heavy_last = [Costs(3.03, 0.03, 3.75, backward=3.66, send=2.32, overhead=0.004, receive=0.21)]
+    heavy_last += [Costs(2.92, 3.52, 2.9, backward=5.72, overhead=0.016, receive=0.19)]
+    heavy_last += [Costs(3.03, 3.79, 2.92, backward=6.36, overhead=0.004, receive=0.21)]
+    heavy_last += [Costs(7.77, 9.45, 9.31, backward=15.85, overhead=0.016, receive=0.19)]
+    looped = search(2, 8, heavy_last, stages_per_rank=2, exact=False, slack=0.02)
+    fastest_looped = search(2, 8, heavy_last, stages_per_rank=2, exact=False)
+    assert (fastest_looped.name, max(fastest_looped.peak_memory)) == ("GPipe", 8.0)
+    assert (looped.name, looped.peak_memory) == ("OneFOneB", (2.5, 1.5))
+    assert fastest_looped.makespan < looped.makespan <= fastest_looped.makespan * 1.02
     assert lean.candidates == fastest.candidates and lean.lower_bound == fastest.lower_bound
     assert search(2, 8, FITTED, placement="v", exact=False, slack=0.0) == fastest
 
@@ -308,7 +319,7 @@ def test_slack_keeps_a_program_within_it_that_holds_no_more_than_any_other_there
     found = search(p, m, costs, placement=placement, stages_per_rank=v, memory=memory, exact=False, slack=slack)
     validate(found.program)
     times = [t for _, t in found.candidates]
-    ceiling = min([min(times) * (1 + slack), *times[: found.builtins]])
+    ceiling = min(times) * (1 + slack)
     assert found.makespan <= ceiling * (1 + 1e-9)
     problem = checked_problem(p, m, costs, placement, v, memory, None)
     within = [q for q, t in zip(found.programs, times) if t <= ceiling * (1 + 1e-9)]
@@ -319,3 +330,14 @@ def test_slack_keeps_a_program_within_it_that_holds_no_more_than_any_other_there
 def test_a_slack_that_is_not_a_non_negative_fraction_is_refused(bad: object) -> None:
     with pytest.raises(ScheduleError, match=r"slack must be a non-negative finite fraction \(slack: "):
         search(2, 4, Costs(), slack=bad)  # type: ignore[arg-type]
+
+
+def test_slack_lays_out_leaner_programs_under_the_peaks_of_those_tried() -> None:
+    # Costs fitted on the CPU (the sixth run): with the slack, list passes under 1.5 activation
+    # units (V-Min's peak, below every program within 2%) give one within 2%, holding 1.5.
+    fastest = search(2, 8, FITTED, stages_per_rank=2, exact=False)
+    lean = search(2, 8, FITTED, stages_per_rank=2, exact=False, slack=0.02)
+    assert max(fastest.peak_memory) == 7.5 and lean.peak_memory == (1.5, 1.5)
+    assert lean.name.endswith("under 1.5") and lean.makespan <= fastest.makespan * 1.02
+    assert len(lean.candidates) > len(fastest.candidates)  # the leaner passes are candidates too
+    assert min(max(peak_memory(q, (0.5,) * 4)) for q in fastest.programs) == 1.5  # the limit tried
