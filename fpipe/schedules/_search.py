@@ -1,7 +1,8 @@
 """Search: the fastest program for measured costs and a memory limit, never slower than a built-in.
 
 ``search`` puts four sources of programs side by side and keeps the one ``simulate`` finds
-fastest (ties: the first found):
+fastest (ties: the first found), or with a ``slack`` the one holding the least memory within it
+(NOTE [memory within the slack]):
 
 1. every built-in schedule that lays out the placement and fits the memory limit;
 2. list-scheduled programs (``fpipe.schedules._list_schedule``, after the Zero Bubble authors'
@@ -60,7 +61,8 @@ class Searched:
     """What ``search`` found.
 
     Attributes:
-        program: the fastest program found (pass it to ``fpipe.pipeline`` as the schedule).
+        program: the fastest program found, or with a ``slack`` the leanest within it (pass it
+            to ``fpipe.pipeline`` as the schedule).
         simulation: ``simulate(program, costs)``.
         name: where it came from: a built-in schedule (``"ZeroBubbleH1"``), a list-scheduling
             policy (``"list(I/W, backward first, ...)"``, ``"..., shaken 7)"`` for a shaken
@@ -123,6 +125,7 @@ def search(
         tried += [kicked(min(tried))]                                             # if smaller
         if num_ranks <= 4 and num_microbatches <= 8: tried += [exact(problem)]    # branch and bound
         best = min(tried, key=lambda program: simulate(program, costs).makespan)
+        if slack: best = min(within(tried + passes_under_lower_limits, slack), key=peak_memory)
 
     so its simulated step time is never above any built-in's that fits the same placement and
     memory (notes/search.md shows by how much it is below, and how far above ``lower_bound``).
