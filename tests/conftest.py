@@ -47,3 +47,13 @@ def float64_and_seed() -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(dtype)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny matrices: one thread is fastest, and many are very slow on a busy machine (modules of
+    such tests use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -9,7 +9,6 @@ float32 whatever the model's dtype; it does so row by row, identically on both p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -23,13 +22,7 @@ from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: one thread is fastest, and many are very slow on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -335,46 +335,34 @@ def test_the_other_ranks_are_told_what_failed_where(where, own, others):
         assert message1.startswith(own) and in_loss_fn == (where == "loss_fn")
 
 
-def _send_fails(rank, world):
+def _transport_fails(rank, world, call):
+    """After a healthy step, ``dist.<call>`` of this process raises as a closed connection does:
+    rank 0's ``isend``, or rank 1's ``irecv``."""
     step, params, batch = _two_stages(rank, timeout=10)
     step(params, batch)
-    if rank == 0:
+    if rank == (0 if call == "isend" else 1):
 
-        def isend(*args, **kwargs):
+        def closed(*args, **kwargs):
             raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
 
-        dist.isend = isend  # this process only, after the healthy step
+        setattr(dist, call, closed)  # this process only
     with pytest.raises(fpipe.PipelineError) as info:
         step(params, batch)
     return str(info.value)
 
 
 def test_a_failed_send_blames_the_peer_not_the_stage():
-    message, _ = run_ranks(2, _send_fails, timeout=60)
+    message, _ = run_ranks(2, _transport_fails, "isend", timeout=60)
     assert (
         "rank 0 stopped while waiting for microbatch 0 (for the last stage's loss_fn) to be sent to rank 1" in message
     )
     assert "because rank 1 died" in message and "failed on rank 0" not in message
 
 
-def _recv_fails(rank, world):
-    step, params, batch = _two_stages(rank, timeout=10)
-    step(params, batch)
-    if rank == 1:
-
-        def irecv(*args, **kwargs):
-            raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
-
-        dist.irecv = irecv  # this process only, after the healthy step
-    with pytest.raises(fpipe.PipelineError) as info:
-        step(params, batch)
-    return str(info.value)
-
-
 def test_a_refused_receive_blames_the_peer():
     # gloo refuses a receive as it is posted when the peer's connection has closed; rank 1 posts
     # the receive of its first message as its transport starts, before any action.
-    _, message = run_ranks(2, _recv_fails, timeout=60)
+    _, message = run_ranks(2, _transport_fails, "irecv", timeout=60)
     assert "rank 1 stopped while waiting for microbatch 0 (for the last stage's loss_fn) from rank 0" in message
     assert "because rank 0 died" in message and "failed on rank 1" not in message
 

@@ -9,7 +9,6 @@ of 4 gloo ranks (pp 2 x tp 2).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,13 +23,7 @@ from tests.test_transparency import assert_close
 V, D, T = 11, 8, 5
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: one thread is fastest, and many are very slow on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- A Llama-like model: embedding, rotary table (buffers only), blocks with extras, norm, head ---

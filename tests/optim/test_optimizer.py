@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fpipe.optim
+from tests.saving.test_save import assert_bitwise
 
 K = 3  # updates per comparison
 
@@ -75,21 +76,6 @@ def _is_spec(x: Any) -> bool:
 
 def _leaves(trees: list[Any]) -> list[torch.Tensor]:
     return [t for tree in trees if tree is not None for t in optree.tree_leaves(tree)]
-
-
-def assert_bitwise(actual: Any, expected: Any) -> None:
-    a, a_spec = optree.tree_flatten(actual, none_is_leaf=True)
-    e, e_spec = optree.tree_flatten(expected, none_is_leaf=True)
-    assert a_spec == e_spec
-    for x, y in zip(a, e):
-        if isinstance(y, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape
-            assert torch.equal(
-                torch.view_as_real(x) if x.is_complex() else x, torch.view_as_real(y) if y.is_complex() else y
-            )
-            assert x.view(-1).view(torch.uint8).tolist() == y.view(-1).view(torch.uint8).tolist()
-        else:
-            assert x is y
 
 
 def torch_reference(
