@@ -8,6 +8,7 @@ against the single-process executor, bitwise.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,10 @@ from fpipe.schedules import (
     ZeroBubbleV,
     search,
 )
+from fpipe.schedules._bound import lower_bound
+from fpipe.schedules._list_schedule import Policy, list_schedule
+from fpipe.schedules._search import checked_problem
+from fpipe.schedules._solver import available, solve
 
 
 def gpipe_backwards_reversed(num_stages: int, num_microbatches: int) -> list[list[str]]:
@@ -84,6 +89,22 @@ def searched_v(num_stages: int, num_microbatches: int) -> Any:
     return search(num_stages // 2, num_microbatches, heavy_last(num_stages), placement="v", exact=False).program
 
 
+@functools.cache
+def solved_v(num_stages: int, num_microbatches: int) -> Any:
+    """The constraint solver's program (NOTE [constraint solver]) in a V for ``heavy_last`` costs,
+    memory a rank's footprint (``max(1, p / 2)``), started from a list-scheduled one, the best
+    it finds in half a second (any valid program will do here); that one if it finds nothing faster.
+    One process only: with several workers the solver may return another program on another call."""
+    problem = checked_problem(
+        num_stages // 2, num_microbatches, heavy_last(num_stages), "v", 2, max(1, num_stages / 4), None
+    )
+    laid_out = list_schedule(problem, Policy(split=True, backward_first=True, deep_first=True))
+    assert laid_out is not None
+    hint, span = laid_out
+    program, _, _ = solve(problem, hint, span, lower_bound(problem), time.perf_counter() + 0.5)
+    return hint if program is None else program
+
+
 @dataclass(frozen=True)
 class Conformance:
     """A way to schedule: ``make(num_stages, num_microbatches)`` is what ``fpipe.pipeline`` takes."""
@@ -130,6 +151,7 @@ CONFORMANCE: list[Conformance] = [
     Conformance("DualPipeV", lambda S, M: DualPipeV(num_microbatches=M), (2, 4, 6), ranks=((2, 4, 4),)),
     Conformance("search", searched, (1, 2, 3, 4)),
     Conformance("search-v", searched_v, (2, 4, 6), ranks=((2, 4, 4),)),
+    *([Conformance("search-cp-sat-v", solved_v, (2, 4))] if available() else []),  # OR-Tools: the test extra
     Conformance("program-backwards-reversed", gpipe_backwards_reversed),
     Conformance("program-split-backward", one_f_one_b_split_backward),
 ]

@@ -13,8 +13,9 @@ fastest (ties: the first found), or with a ``slack`` the one holding the least m
    the above with actions of a rank moved a few places while it gets faster
    (``fpipe.schedules._improve``), then on programs of at most ``KICKED_ACTIONS`` actions
    kicked out of where moves stop and improved again (NOTE [kicks]);
-4. for small problems (``p <= 4``, ``m <= 8``), an exact branch and bound
-   (``fpipe.schedules._exact``, NOTE [exact search]) seeded with the best of the above.
+4. for small problems (``p <= 4``, ``m <= 8``), an exact search seeded with the best of the
+   above: OR-Tools' CP-SAT when installed (``fpipe.schedules._solver``, NOTE [constraint
+   solver]), else a branch and bound (``fpipe.schedules._exact``, NOTE [exact search]).
 
 Then it compares the winner with ``lower_bound`` (``fpipe.schedules._bound``, NOTE [release
 bound]: every rank's work from when its inputs can first arrive, the trips through the
@@ -45,6 +46,8 @@ from ._looped_bfs import LoopedBFS
 from ._one_f_one_b import OneFOneB
 from ._program import Program, Schedule, ScheduleError
 from ._simulate import Costs, Simulation, charged, receiving_kinds, simulate
+from ._solver import available as solver_available
+from ._solver import solve
 from ._zero_bubble_h1 import ZeroBubbleH1
 from ._zero_bubble_h2 import ZeroBubbleH2
 from ._zero_bubble_v import ZeroBubbleV
@@ -67,14 +70,16 @@ class Searched:
         name: where it came from: a built-in schedule (``"ZeroBubbleH1"``), a list-scheduling
             policy (``"list(I/W, backward first, ...)"``, ``"..., shaken 7)"`` for a shaken
             pass), the best of those improved by moving actions a few places (``"list swaps of
-            ZeroBubbleH1"``) and kicked (``"list kicks of ..."``), or ``"exact"``.
+            ZeroBubbleH1"``) and kicked (``"list kicks of ..."``), or the exact search (``"exact"``,
+            ``"exact (CP-SAT)"``).
         lower_bound: a makespan no program can beat (``makespan / lower_bound - 1`` is how far
             from it the program may be); never above ``makespan`` (where the two differ by
             rounding only, the bound is the makespan).
         complete: ``False`` when the time budget ran out before every candidate was tried.
         optimal: ``True`` when the program is proven fastest: it meets ``lower_bound`` (no
             program is faster), or the exact search (small problems) finished without beating it
-            (no program of the space it covers is faster, NOTE [exact search] in ``_exact.py``).
+            or proved it optimal (no program of the space it covers is faster, NOTE [exact
+            search] in ``_exact.py``).
         peak_memory: per rank, the most memory its live activations take, in the unit of
             ``memory`` (activation units, or bytes with ``activation_sizes``).
         candidates: ``(name, makespan)`` of every program tried that fits the memory limit, in
@@ -112,6 +117,7 @@ def search(
     activation_sizes: Sequence[float] | None = None,
     time_budget: float = 10.0,
     exact: bool = True,
+    solver: Literal["auto", "cp-sat", "branch-and-bound"] = "auto",
     slack: float = 0.0,
 ) -> Searched:
     """The fastest program found for these ranks, microbatches, costs and memory limit.
@@ -123,7 +129,7 @@ def search(
         tried += [min(shaken_list_schedule(problem, seed) for seed in range(60))]  # if small
         tried += [improve(min(tried[:-1])), improve(tried[-1])]                   # moves, if small
         tried += [kicked(min(tried))]                                             # if smaller
-        if num_ranks <= 4 and num_microbatches <= 8: tried += [exact(problem)]    # branch and bound
+        if num_ranks <= 4 and num_microbatches <= 8: tried += [exact(problem)]    # CP-SAT, or branch and bound
         best = min(tried, key=lambda program: simulate(program, costs).makespan)
         if slack: best = min(within(tried + passes_under_lower_limits, slack), key=peak_memory)
 
@@ -152,6 +158,14 @@ def search(
             rest of the budget, unless the program already meets ``lower_bound``; ``False``:
             never (then only a budget that runs out makes the result depend on the machine's
             speed).
+        solver: the exact search's engine. ``"cp-sat"``: OR-Tools' constraint solver (``pip
+            install 'fpipe[solver]'``; NOTE [constraint solver] in ``_solver.py``), which proves
+            in seconds optima the branch and bound does not reach, but may return another program
+            of the same makespan on another call: in a distributed job, search on one rank and
+            share the program (the runtime refuses ranks that run different programs).
+            ``"branch-and-bound"``: fpipe's own (NOTE [exact search] in ``_exact.py``), the same
+            program every call unless the budget runs out. ``"auto"``: CP-SAT when OR-Tools is
+            installed, else the branch and bound.
         slack: how much longer than the shortest simulated step a program may be and still count
             as fast: of the programs tried within ``(1 + slack)`` of the shortest, ``search``
             keeps the one that holds the least memory (its busiest rank's peak), ties to the
@@ -183,6 +197,15 @@ def search(
             "Use 0 for the fastest simulated program, or e.g. 0.02."
         )
     problem = checked_problem(num_ranks, num_microbatches, costs, placement, stages_per_rank, memory, activation_sizes)
+    if solver not in ("auto", "cp-sat", "branch-and-bound"):
+        raise ScheduleError(
+            f"fpipe.schedules.search: unknown solver (solver: {solver!r}). Use 'auto', 'cp-sat' or 'branch-and-bound'."
+        )
+    if solver == "cp-sat" and not solver_available():
+        raise ScheduleError(
+            "fpipe.schedules.search: solver='cp-sat' needs OR-Tools (pip install 'fpipe[solver]'). "
+            "Install it, or pass solver='auto' or 'branch-and-bound'."
+        )
     if isinstance(time_budget, bool) or not isinstance(time_budget, (int, float)) or not 0 < time_budget < math.inf:
         raise ScheduleError(
             f"fpipe.schedules.search: time_budget must be a positive number of seconds (time_budget: {time_budget!r})."
@@ -244,10 +267,14 @@ def search(
         optimal = best <= bound * (1 + 1e-9)
     small = num_ranks <= EXACT_RANKS and num_microbatches <= EXACT_MICROBATCHES
     if exact and complete and not optimal and small:
-        found, makespan, finished = branch_and_bound(problem, best, deadline)
+        solving = solver == "cp-sat" or (solver == "auto" and solver_available())
+        if solving:
+            found, makespan, finished = solve(problem, program, best, bound, deadline)
+        else:
+            found, makespan, finished = branch_and_bound(problem, best, deadline)
         if found is not None:
-            tried.append(("exact", makespan, found))
-            name, best, program = "exact", makespan, found
+            tried.append(("exact (CP-SAT)" if solving else "exact", makespan, found))
+            name, best, program = tried[-1]
         optimal = finished
         complete = finished or time.perf_counter() < deadline
     if slack:

@@ -1,0 +1,141 @@
+"""The constraint solver (fpipe/schedules/_solver.py, NOTE [constraint solver]) against every
+program of its space on 2 ranks and 2 microbatches, against the branch and bound on random small
+problems, where the branch and bound does not reach, with costs it must round, and its errors."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fpipe.schedules._search as search_module
+from fpipe.schedules import Costs, Program, ScheduleError, search, simulate, validate
+from fpipe.schedules._bound import lower_bound
+from fpipe.schedules._exact import exact
+from fpipe.schedules._improve import peak_memory
+from fpipe.schedules._list_schedule import Policy, Problem, list_schedule
+from fpipe.schedules._search import checked_problem
+from fpipe.schedules._solver import available, solve
+from tests.schedules._programs import least_makespan
+
+pytestmark = pytest.mark.skipif(not available(), reason="OR-Tools is not installed (pip install 'fpipe[solver]')")
+
+CASES = [  # (costs of stage 0, of stage 1, memory limit per rank), as test_exact.py's
+    (Costs(), Costs(), math.inf),
+    (Costs(backward_weight=0.3, send=1.0), Costs(forward=3, backward_input=3, backward_weight=0.9, send=1.0), math.inf),
+    (Costs(backward_weight=2, send=0.3), Costs(forward=2, backward_input=2, backward_weight=4, send=0.3), 1.0),
+    (Costs(backward=1.5), Costs(backward=1.5, send=0.5), 1.0),
+]
+
+
+def first_pass(problem: Problem) -> tuple[Program, float]:
+    """A list-scheduled program of ``problem`` and its makespan: the hint ``search`` would give."""
+    laid_out = list_schedule(problem, Policy(split=True, backward_first=True, deep_first=True))
+    assert laid_out is not None
+    return laid_out
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_the_program_found_is_the_fastest_of_the_space(case: tuple[Costs, Costs, float]) -> None:
+    *costs, limit = case
+    problem = Problem(2, (0, 1), tuple(costs), (1.0, 1.0), (limit, limit))
+    optimum = least_makespan(problem.costs, 2, limit, fifo=True)
+    hint, span = first_pass(problem)
+    program, makespan, proven = solve(problem, hint, span, lower_bound(problem), time.perf_counter() + 120)
+    assert proven and makespan == pytest.approx(optimum)
+    if program is not None:  # None: the hint was already optimal
+        validate(program)
+        assert simulate(program, list(costs)).makespan == pytest.approx(makespan)
+        assert max(peak_memory(program, problem.sizes)) <= limit
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    placement=st.sampled_from(["looped", "v"]),
+    m=st.integers(2, 4),
+    heavy=st.sampled_from([1, 2, 3]),
+    weight=st.sampled_from([0.3, 1.0, 2.0]),
+    send=st.sampled_from([0.0, 0.3, 1.0]),
+    fused=st.sampled_from([None, 0.8]),
+    memory=st.sampled_from([None, 1.0, 1.5, 3.0]),
+)
+def test_the_optimum_is_the_branch_and_bound_s(
+    placement: str, m: int, heavy: int, weight: float, send: float, fused: float | None, memory: float | None
+) -> None:
+    """Two ranks of two stages (looped or V), split or cheaper fused backwards: where the branch
+    and bound finishes, both engines prove the same optimum."""
+    light = Costs(forward=0.5, backward_input=0.5, backward_weight=weight / 2, send=send)
+    costs = [light] * 3 + [
+        Costs(forward=heavy / 2, backward_input=heavy / 2, backward_weight=heavy * weight / 2, send=send)
+    ]
+    if fused is not None:
+        costs = [
+            Costs(c.forward, c.backward_input, c.backward_weight, fused * (c.backward_input + c.backward_weight), send)
+            for c in costs
+        ]
+    problem = checked_problem(2, m, costs, placement, 2, memory, None)
+    hint, span = first_pass(problem)
+    _, optimum, finished = exact(problem, span, time.perf_counter() + 60)
+    program, makespan, proven = solve(problem, hint, span, lower_bound(problem), time.perf_counter() + 60)
+    assert finished and proven and makespan == pytest.approx(optimum)
+    if program is not None:
+        validate(program)
+        assert max(peak_memory(program, problem.sizes)) <= (math.inf if memory is None else memory) * (1 + 1e-9)
+
+
+def test_it_proves_an_optimum_the_list_scheduler_misses_by_18_percent() -> None:
+    """notes/search.md's third table: the V on 4 ranks, 8 microbatches, ``W = 0.3 I``, messages of
+    one forward, memory ``p / 2``: the list scheduler and its moves end at 66.45, the optimum of
+    the space is 56.35."""
+    costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.15, send=1.0)] * 8
+    listed = search(4, 8, costs, placement="v", memory=2, exact=False)
+    found = search(4, 8, costs, placement="v", memory=2, solver="cp-sat", time_budget=300)
+    validate(found.program)
+    assert listed.makespan == pytest.approx(66.45)
+    assert found.name == "exact (CP-SAT)" and found.optimal and found.makespan == pytest.approx(56.35)
+    assert found.simulation.makespan == pytest.approx(56.35) and max(found.peak_memory) <= 2
+
+
+def test_costs_it_must_round_give_a_valid_program_never_claimed_optimal() -> None:
+    """Costs of no small common denominator (fitted ones): the model is rounded, the program is
+    checked by replaying it with the true costs, and nothing is claimed proven."""
+    costs = [Costs(forward=0.0123457, backward_input=0.0134571, backward_weight=0.00456789, send=0.00314159)] * 4
+    problem = checked_problem(2, 4, costs, "v", 2, 1.5, None)
+    hint, span = first_pass(problem)
+    program, makespan, proven = solve(problem, hint, span, lower_bound(problem), time.perf_counter() + 60)
+    assert not proven and makespan <= span
+    if program is not None:
+        validate(program)
+        assert simulate(program, costs).makespan == pytest.approx(makespan, rel=1e-12)
+        assert max(peak_memory(program, problem.sizes)) <= 1.5 * (1 + 1e-9)
+
+
+def test_memory_in_bytes_is_taken_exactly() -> None:
+    """Sizes and limits in bytes: the limit of 3 microbatches of the rank's first stage and 2 of
+    its second holds, and the optimum is proven."""
+    costs = [Costs(backward_weight=0.5, send=0.3)] * 4
+    found = search(2, 4, costs, placement="v", memory=7e6, activation_sizes=[1e6, 2e6, 2e6, 1e6], solver="cp-sat")
+    assert found.optimal and max(found.peak_memory) <= 7e6
+    validate(found.program)
+
+
+def test_a_solver_that_is_not_installed_or_unknown_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ScheduleError, match=r"unknown solver .*'gurobi'.*Use 'auto', 'cp-sat' or 'branch-and-bound'"):
+        search(2, 4, Costs(), solver="gurobi")  # type: ignore[arg-type]
+    monkeypatch.setattr(search_module, "solver_available", lambda: False)
+    with pytest.raises(ScheduleError, match=r"needs OR-Tools \(pip install 'fpipe\[solver\]'\)"):
+        search(2, 4, Costs(), solver="cp-sat")
+    engines: list[str] = []
+
+    def branch_and_bound(*args: object) -> tuple[Program | None, float, bool]:
+        engines.append("branch and bound")
+        return exact(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(search_module, "branch_and_bound", branch_and_bound)
+    monkeypatch.setattr(search_module, "solve", lambda *args: pytest.fail("the solver ran"))
+    costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.15, send=1.0)] * 4
+    found = search(2, 4, costs, placement="v", memory=1)  # auto, OR-Tools missing: the branch and bound
+    assert engines == ["branch and bound"] and found.optimal
