@@ -187,7 +187,8 @@ def search(
     Raises:
         ScheduleError: for counts that are not positive ints, costs of the wrong number of stages,
             an unknown placement, sizes, limits or a budget that are not positive finite numbers, or
-            a memory limit below what one microbatch needs on some rank (the message says the least).
+            a memory limit below what one microbatch needs on some rank (the message says the least),
+            an unknown ``solver``, or ``solver="cp-sat"`` without OR-Tools installed.
         TypeError: if ``costs`` is neither a ``Costs`` nor a sequence of them.
     """
     started = time.perf_counter()
