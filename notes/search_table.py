@@ -6,8 +6,9 @@ Run from the repository root (takes about a minute for the first table, up to te
     /work/venv/bin/python notes/search_table.py > /tmp/search.md
 
 and, for the third (the two-stages-per-rank problems of the first table, ``p = 4, m = 8``, with
-the exact search run up to ``SECONDS`` per case, 60 by default: up to three hours; one
-placement per run, ``looped`` or ``v``):
+the exact search run up to ``SECONDS`` per case, 60 by default; one placement per run,
+``looped`` or ``v``; with OR-Tools installed, ``pip install -e '.[solver]'``, the exact search
+is CP-SAT's and ``large 20`` takes about 10 minutes a placement, else the branch and bound's):
 
     /work/venv/bin/python notes/search_table.py large [SECONDS] [PLACEMENT]
 
