@@ -139,3 +139,16 @@ def test_a_solver_that_is_not_installed_or_unknown_is_a_clear_error(monkeypatch:
     costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.15, send=1.0)] * 4
     found = search(2, 4, costs, placement="v", memory=1)  # auto, OR-Tools missing: the branch and bound
     assert engines == ["branch and bound"] and found.optimal
+
+
+def test_asked_for_by_name_it_runs_beyond_the_small_problems() -> None:
+    """The V on 5 ranks, 4 microbatches, ``W = 0.3 I``, messages of one forward, memory ``p / 2``:
+    past ``p <= 4`` ``search`` runs no exact search unless told ``solver="cp-sat"``; then CP-SAT
+    proves 41.6 optimal where the list scheduler and its moves end at 49.45."""
+    costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.15, send=1.0)] * 10
+    listed = search(5, 4, costs, placement="v", memory=2.5)
+    found = search(5, 4, costs, placement="v", memory=2.5, solver="cp-sat", time_budget=300)
+    validate(found.program)
+    assert not listed.optimal and listed.makespan == pytest.approx(49.45)
+    assert found.name == "exact (CP-SAT)" and found.optimal and found.makespan == pytest.approx(41.6)
+    assert max(found.peak_memory) <= 2.5
