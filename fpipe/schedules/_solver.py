@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Any
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from ._improve import peak_memory
@@ -182,7 +182,7 @@ def _solve(
     return program, replayed, proven
 
 
-def _program(problem: Problem, kinds: tuple[str, ...], value: Any) -> Program:
+def _program(problem: Problem, kinds: tuple[str, ...], value: Callable[[tuple[int, str, int]], int]) -> Program:
     """The program whose rows hold each rank's actions in the order of their solved starts."""
     m = problem.num_microbatches
     rows = tuple(
