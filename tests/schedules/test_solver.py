@@ -152,3 +152,16 @@ def test_asked_for_by_name_it_runs_beyond_the_small_problems() -> None:
     assert not listed.optimal and listed.makespan == pytest.approx(49.45)
     assert found.name == "exact (CP-SAT)" and found.optimal and found.makespan == pytest.approx(41.6)
     assert max(found.peak_memory) <= 2.5
+
+
+def test_it_charges_each_action_its_overhead_and_receive_cost() -> None:
+    """Per-action costs (NOTE [per-action overhead]) reach the model through the charged
+    durations: the kept program's simulation with the given costs is the makespan ``search``
+    reports, and no slower than without the solver."""
+    costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.15, send=1.0, overhead=0.05, receive=0.1)] * 6
+    listed = search(3, 4, costs, placement="v", memory=1.5, exact=False)
+    found = search(3, 4, costs, placement="v", memory=1.5, solver="cp-sat", time_budget=300)
+    validate(found.program)
+    assert found.name == "exact (CP-SAT)" and found.optimal
+    assert found.makespan == pytest.approx(simulate(found.program, costs).makespan) == pytest.approx(40.5)
+    assert found.makespan < listed.makespan and max(found.peak_memory) <= 1.5
