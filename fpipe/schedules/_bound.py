@@ -19,7 +19,8 @@ NOTE [release bound]
     ``after``; after a backward, ``after``; after a ``W``, nothing): the least ``max(end +
     tail)`` of one machine allowed to interrupt its jobs (``jackson``) is a bound. So is the rank's remaining ``F`` and
     backward work, and the ``W`` that must free room before its stage's last forward (all but
-    the last ``capacity`` of them), from the first of their releases, plus the least time any
+    the last ``capacity`` of them), from the first of all their releases (a ``W`` whose ``I``
+    already ran may be released before any forward or backward left), plus the least time any
     backward of its stages still needs after it (``after``: the backwards of the earlier stages,
     their messages, stage 0's ``W``): each action of that set is followed by at least that much;
     and the end of the last ``W`` (or fused ``B``) of each stage.
@@ -153,7 +154,7 @@ class Relaxation:
         end_b = [0.0] * S
         end_w: list[list[float]] = [[] for _ in range(S)]
         work: list[list[tuple[float, float, float]]] = [[] for _ in opens]  # per rank, (release, cost, tail)
-        firsts = [math.inf for _ in opens]  # per rank, the first release of an F or a backward
+        firsts = [math.inf for _ in opens]  # per rank, the first release of an F, a backward or a counted W
         window = self.window
         windows = [0.0]  # when the memory windows still to come end, at the earliest
         alone: list[tuple[int, float, float]] = []  # (rank, open window's end, windows) of ranks alone in them
@@ -216,6 +217,8 @@ class Relaxation:
                 end_w[s].append(t + weight[s])
                 if weight[s]:
                     work[r].append((t, weight[s], 0.0))
+                    if i < m - capacity[s] and t < firsts[r]:  # a W counted below may run before any F or backward
+                        firsts[r] = t
         best = max(max(w[m - 1] for w in end_w), *windows)
         for r, opened, span in alone:
             start = max(opened, min(w[0] for w in work[r]))
