@@ -12,6 +12,11 @@ is CP-SAT's and ``large 20`` takes about 10 minutes a placement, else the branch
 
     /work/venv/bin/python notes/search_table.py large [SECONDS] [PLACEMENT]
 
+and, to check the two exact engines against each other on the second table's cases (about
+five minutes; OR-Tools needed):
+
+    /work/venv/bin/python notes/search_table.py cross
+
 Costs, in units of one stage's forward (``T_F = T_I = 1``): every stage alike, or the last 2x or
 3x heavier (a vocabulary head: all its costs scaled); ``T_W`` 0.3, 1 or 2 times ``T_I``; a message
 latency of 0, 0.3 or 1 forward. Memory per rank in activation units (NOTE [activation units]):
@@ -176,8 +181,35 @@ def large(seconds: float = LARGE_SECONDS, placements: Sequence[str] = ("looped",
             print(exact_row(placement, v, p, m, seconds, behind=True))
 
 
+def cross(seconds: float = PROOF_SECONDS) -> None:
+    """Print, per problem of the second table, in how many of its 81 cases the two exact engines,
+    the branch and bound and CP-SAT (OR-Tools needed), both run to the end from ``exact=False``'s
+    program (``seconds`` each), prove the same optimum, and the cases where they differ."""
+    print("| placement | p | m | both proven | same optimum | differ |")
+    print("|---|---|---|---|---|---|")
+    for placement, v, p, m in SMALL:
+        proven, same, differ = 0, 0, []
+        for h, w, s, name, memory in cases(p):
+            costs = costs_of(2 * p if placement == "v" else p * v, v, h, w, s)
+            listed = search(p, m, costs, placement=placement, stages_per_rank=v, memory=memory, exact=False)
+            problem = checked_problem(p, m, costs, placement, v, memory, None)
+            _, bb, bb_done = exact(problem, listed.makespan, time.perf_counter() + seconds)
+            start = time.perf_counter()
+            _, cp, cp_done = solve(problem, listed.program, listed.makespan, lower_bound(problem), start + seconds)
+            if bb_done and cp_done:
+                proven += 1
+                if abs(bb - cp) <= 1e-9 * bb:
+                    same += 1
+                else:
+                    differ.append(f"{h}x W {w:g} latency {s:g} memory {name}: {bb:.4g} / {cp:.4g}")
+        where = "V" if placement == "v" else f"looped v={v}"
+        print(f"| {where} | {p} | {m} | {proven} of 81 | {same} | {'; '.join(differ)} |", flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["large"]:
+    if sys.argv[1:2] == ["cross"]:
+        cross()
+    elif sys.argv[1:2] == ["large"]:
         large(float(sys.argv[2]) if len(sys.argv) > 2 else LARGE_SECONDS, sys.argv[3:] or ("looped", "v"))
     else:
         main()
