@@ -91,10 +91,11 @@ def searched_v(num_stages: int, num_microbatches: int) -> Any:
 
 @functools.cache
 def solved_v(num_stages: int, num_microbatches: int) -> Any:
-    """The constraint solver's program (NOTE [constraint solver]) in a V for ``heavy_last`` costs,
-    memory a rank's footprint (``max(1, p / 2)``), started from a list-scheduled one, the best
-    it finds in half a second (any valid program will do here); that one if it finds nothing faster.
-    One process only: with several workers the solver may return another program on another call."""
+    """The constraint solver's program (NOTE [constraint solver]) in a V for ``heavy_last`` costs
+    under memory ``max(1, p / 2)`` (half of 1F1B's, at least one footprint), started from a
+    list-scheduled one: the best it finds in half a second (any valid program will do here), or
+    that one if it finds nothing faster. One process only: with several workers the solver may
+    return another program on another call."""
     problem = checked_problem(
         num_stages // 2, num_microbatches, heavy_last(num_stages), "v", 2, max(1, num_stages / 4), None
     )

@@ -114,12 +114,17 @@ def test_costs_it_must_round_give_a_valid_program_never_claimed_optimal() -> Non
 
 
 def test_memory_in_bytes_is_taken_exactly() -> None:
-    """Sizes and limits in bytes: the limit of 3 microbatches of the rank's first stage and 2 of
-    its second holds, and the optimum is proven."""
+    """Sizes and limits in bytes (a rank holds 3 MB a microbatch under a limit of 7 MB): the
+    solver proves the optimum the branch and bound proves, within the limit."""
     costs = [Costs(backward_weight=0.5, send=0.3)] * 4
-    found = search(2, 4, costs, placement="v", memory=7e6, activation_sizes=[1e6, 2e6, 2e6, 1e6], solver="cp-sat")
-    assert found.optimal and max(found.peak_memory) <= 7e6
-    validate(found.program)
+    problem = checked_problem(2, 4, costs, "v", 2, 7e6, [1e6, 2e6, 2e6, 1e6])
+    hint, span = first_pass(problem)
+    _, optimum, finished = exact(problem, span, time.perf_counter() + 60)
+    program, makespan, proven = solve(problem, hint, span, lower_bound(problem), time.perf_counter() + 60)
+    assert finished and proven and makespan == pytest.approx(optimum)
+    if program is not None:
+        validate(program)
+        assert max(peak_memory(program, problem.sizes)) <= 7e6
 
 
 def test_a_solver_that_is_not_installed_or_unknown_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
