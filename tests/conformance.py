@@ -29,9 +29,9 @@ from fpipe.schedules import (
     search,
 )
 from fpipe.schedules._bound import lower_bound
-from fpipe.schedules._list_schedule import Policy, list_schedule
 from fpipe.schedules._search import checked_problem
 from fpipe.schedules._solver import available, solve
+from tests.schedules._programs import first_pass
 
 
 def gpipe_backwards_reversed(num_stages: int, num_microbatches: int) -> list[list[str]]:
@@ -99,9 +99,7 @@ def solved_v(num_stages: int, num_microbatches: int) -> Any:
     problem = checked_problem(
         num_stages // 2, num_microbatches, heavy_last(num_stages), "v", 2, max(1, num_stages / 4), None
     )
-    laid_out = list_schedule(problem, Policy(split=True, backward_first=True, deep_first=True))
-    assert laid_out is not None
-    hint, span = laid_out
+    hint, span = first_pass(problem)
     program, _, _ = solve(problem, hint, span, lower_bound(problem), time.perf_counter() + 0.5)
     return hint if program is None else program
 

@@ -1,6 +1,7 @@
 """Every program of a tiny two-rank problem, replayed one by one: the reference the lower bound,
 the exact search and ``search`` are checked against (tests/schedules/test_bound.py,
-test_exact.py, test_search.py)."""
+test_exact.py, test_search.py); and the list-scheduled hint the constraint solver's tests start
+from."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 from collections.abc import Sequence
 
 from fpipe.schedules import Action, Costs, Program, ScheduleError, simulate
+from fpipe.schedules._list_schedule import Policy, Problem, list_schedule
 
 
 def stage_rows(stage: int, m: int, kinds: str, *, fifo: bool) -> list[tuple[Action, ...]]:
@@ -40,3 +42,11 @@ def least_makespan(costs: Sequence[Costs], m: int, memory: float | None, *, fifo
             if max(sim.peak_activations) <= (math.inf if memory is None else memory):
                 best = min(best, sim.makespan)
     return best
+
+
+def first_pass(problem: Problem) -> tuple[Program, float]:
+    """A list-scheduled program of ``problem`` and its makespan: a hint for the constraint solver
+    (tests/schedules/test_solver.py, tests/conformance.py)."""
+    laid_out = list_schedule(problem, Policy(split=True, backward_first=True, deep_first=True))
+    assert laid_out is not None
+    return laid_out

@@ -16,10 +16,10 @@ from fpipe.schedules import Costs, Program, ScheduleError, search, simulate, val
 from fpipe.schedules._bound import lower_bound
 from fpipe.schedules._exact import exact
 from fpipe.schedules._improve import peak_memory
-from fpipe.schedules._list_schedule import Policy, Problem, list_schedule
+from fpipe.schedules._list_schedule import Problem
 from fpipe.schedules._search import checked_problem
 from fpipe.schedules._solver import available, solve
-from tests.schedules._programs import least_makespan
+from tests.schedules._programs import first_pass, least_makespan
 
 pytestmark = pytest.mark.skipif(not available(), reason="OR-Tools is not installed (pip install 'fpipe[solver]')")
 
@@ -31,11 +31,16 @@ CASES = [  # (costs of stage 0, of stage 1, memory limit per rank), as test_exac
 ]
 
 
-def first_pass(problem: Problem) -> tuple[Program, float]:
-    """A list-scheduled program of ``problem`` and its makespan: the hint ``search`` would give."""
-    laid_out = list_schedule(problem, Policy(split=True, backward_first=True, deep_first=True))
-    assert laid_out is not None
-    return laid_out
+def assert_the_engines_agree(problem: Problem, limit: float) -> None:
+    """From a list-scheduled program, the solver proves the optimum the branch and bound proves,
+    and its program (if it beats the hint) is valid and within ``limit`` on every rank."""
+    hint, span = first_pass(problem)
+    _, optimum, finished = exact(problem, span, time.perf_counter() + 60)
+    program, makespan, proven = solve(problem, hint, span, lower_bound(problem), time.perf_counter() + 60)
+    assert finished and proven and makespan == pytest.approx(optimum)
+    if program is not None:
+        validate(program)
+        assert max(peak_memory(program, problem.sizes)) <= limit * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -77,13 +82,7 @@ def test_the_optimum_is_the_branch_and_bound_s(
             for c in costs
         ]
     problem = checked_problem(2, m, costs, placement, 2, memory, None)
-    hint, span = first_pass(problem)
-    _, optimum, finished = exact(problem, span, time.perf_counter() + 60)
-    program, makespan, proven = solve(problem, hint, span, lower_bound(problem), time.perf_counter() + 60)
-    assert finished and proven and makespan == pytest.approx(optimum)
-    if program is not None:
-        validate(program)
-        assert max(peak_memory(program, problem.sizes)) <= (math.inf if memory is None else memory) * (1 + 1e-9)
+    assert_the_engines_agree(problem, math.inf if memory is None else memory)
 
 
 def test_it_proves_an_optimum_the_list_scheduler_misses_by_18_percent() -> None:
@@ -118,13 +117,7 @@ def test_memory_in_bytes_is_taken_exactly() -> None:
     solver proves the optimum the branch and bound proves, within the limit."""
     costs = [Costs(backward_weight=0.5, send=0.3)] * 4
     problem = checked_problem(2, 4, costs, "v", 2, 7e6, [1e6, 2e6, 2e6, 1e6])
-    hint, span = first_pass(problem)
-    _, optimum, finished = exact(problem, span, time.perf_counter() + 60)
-    program, makespan, proven = solve(problem, hint, span, lower_bound(problem), time.perf_counter() + 60)
-    assert finished and proven and makespan == pytest.approx(optimum)
-    if program is not None:
-        validate(program)
-        assert max(peak_memory(program, problem.sizes)) <= 7e6
+    assert_the_engines_agree(problem, 7e6)
 
 
 def test_a_solver_that_is_not_installed_or_unknown_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
