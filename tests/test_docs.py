@@ -1,6 +1,8 @@
-"""The README's Python snippets run, in order, in one namespace (blocks marked ``python skip``
-excepted), and print what the README shows: a ``text`` block right after a snippet is its whole
-output, and a ``print(...)  # text`` line prints that text."""
+"""The README and every page of the documentation site (``docs/``, the design notes included):
+each page's Python snippets run, in order, in one namespace per page (blocks marked ``python skip``
+excepted), and print what the page shows: a ``text`` block right after a snippet is its whole
+output, and a ``print(...)  # text`` line prints that text. Their fences pair up, no code is left
+outside a fence, and their commands, scripts, extras and links exist."""
 
 from __future__ import annotations
 
@@ -10,13 +12,23 @@ import io
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.glob("*.md")), *sorted((ROOT / "notes").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)( skip)?\n(.*?)^```\n", flags=re.S | re.M)
 
 
-def snippets() -> list[tuple[str, str | None]]:
-    """Each runnable python block, with the text block that follows it (after blank lines only), if any."""
-    text = README.read_text()
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def snippets(page: Path) -> list[tuple[str, str | None]]:
+    """Each runnable python block of ``page``, with the text block that follows it (after blank
+    lines only), if any."""
+    text = page.read_text()
     fences = list(FENCE.finditer(text))
     found = []
     for n, fence in enumerate(fences):
@@ -30,42 +42,52 @@ def snippets() -> list[tuple[str, str | None]]:
     return found
 
 
-def test_readme_snippets_print_what_the_readme_shows() -> None:
-    blocks = snippets()
-    assert blocks, "no runnable python block in README.md"
-    assert sum(shown is not None for _, shown in blocks) >= 4  # the grids, the deadlock, the PipelineError
-    namespace: dict[str, object] = {}
-    checked_comments = 0
-    for source, shown in blocks:
+def run_snippets(page: Path) -> tuple[int, int]:
+    """Runs ``page``'s snippets in one namespace, checking what they print. Returns the number of
+    text blocks and of ``print(...)  # text`` comments checked."""
+    namespace: dict[str, object] = {"__name__": f"docs:{page.stem}"}
+    checked_blocks = checked_comments = 0
+    for source, shown in snippets(page):
         lines = source.splitlines()
         printed = io.StringIO()
         for statement in ast.parse(source).body:
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
-                exec(compile(ast.Module([statement], []), str(README), "exec"), namespace)
+                exec(compile(ast.Module([statement], []), str(page), "exec"), namespace)
             printed.write(out.getvalue())
             comment = re.search(r"\)\s+# (.*)$", lines[statement.end_lineno - 1])  # type: ignore[operator]
             call = statement.value if isinstance(statement, ast.Expr) else None
             if comment and isinstance(call, ast.Call) and getattr(call.func, "id", None) == "print":
-                assert out.getvalue() == comment.group(1) + "\n", lines[statement.lineno - 1]
+                assert out.getvalue() == comment.group(1) + "\n", f"{_name(page)}: {lines[statement.lineno - 1]}"
                 checked_comments += 1
         if shown is not None:
-            assert printed.getvalue() == shown, f"README.md shows:\n{shown}\nthe snippet prints:\n{printed.getvalue()}"
-    assert checked_comments >= 3  # accuracy shape, grads' names, split_module's names
+            assert printed.getvalue() == shown, f"{_name(page)} shows:\n{shown}\nthe snippet prints:\n{printed.getvalue()}"
+            checked_blocks += 1
+    return checked_blocks, checked_comments
 
 
-def test_readme_tables_are_whole() -> None:
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_snippets_print_what_the_page_shows(page: Path) -> None:
+    run_snippets(page)
+
+
+def test_the_readme_shows_a_checked_example() -> None:
+    assert snippets(README), "no runnable python block in README.md"
+    blocks, comments = run_snippets(README)
+    assert blocks + comments >= 1
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_tables_are_whole(page: Path) -> None:
     """A table row after a blank line would start a new table without a header: markdown shows it as text."""
-    lines = README.read_text().splitlines()
+    lines = page.read_text().splitlines()
     broken = [
         n + 1
         for n, line in enumerate(lines)
         if line.startswith("|") and n > 1 and not lines[n - 1].strip() and lines[n - 2].startswith("|")
     ]
-    assert not broken, f"README.md: a blank line splits a table before line(s) {broken}"
+    assert not broken, f"{_name(page)}: a blank line splits a table before line(s) {broken}"
 
-
-ROOT = README.parent
 
 
 def fence_problems(text: str) -> list[str]:
@@ -156,7 +178,7 @@ def command_problems(text: str, root: Path) -> tuple[list[str], list[str]]:
             words = shlex.split(command)
         except ValueError:
             continue
-        if not words:
+        if not words or "..." in words:  # an elided command: the prose says what goes there
             continue
         if words[0] in ("python", "python3") and words[1:3] == ["-m", "fpipe"]:
             problem = _fpipe_command_problem(words[3:])
@@ -193,11 +215,13 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def link_problems(text: str, root: Path) -> list[str]:
+def link_problems(text: str, root: Path, base: Path | None = None) -> list[str]:
     """Relative links and paths of ``text`` that lead nowhere: a ``[..](notes/x.md#part)`` whose file
     or heading is missing, a ``(#part)`` with no such heading here, and a path written in the prose
     (``examples/...``, ``tests/...``, ``fpipe/...``, ``benchmarks/...``, ``notes/...``) that is
-    not a file of the repository."""
+    not a file of the repository. Links are relative to ``base`` (default ``root``), the page's
+    folder; paths in the prose to ``root``."""
+    base = root if base is None else base
 
     def anchors(markdown: str) -> set[str]:
         return {_slug(line.lstrip("#")) for _, line in _outside_fences(markdown) if line.startswith("#")}
@@ -207,34 +231,39 @@ def link_problems(text: str, root: Path) -> list[str]:
         if re.match(r"\w+://", target):
             continue
         path, _, anchor = target.partition("#")
-        if path and not (root / path).is_file():
+        if path and not (base / path).is_file():
             problems.append(f"link ({target}): there is no {path}")
-        elif anchor and anchor not in anchors((root / path).read_text() if path else text):
+        elif anchor and anchor not in anchors((base / path).read_text() if path else text):
             problems.append(f"link ({target}): {path or 'README.md'} has no heading #{anchor}")
     paths = re.findall(r"(?<![\w/.-])((?:examples|benchmarks|notes|tests|fpipe)/[\w/.-]*\w\.(?:py|md|sh))\b", text)
     problems += [f"{path}: no such file" for path in sorted(set(paths)) if not (root / path).is_file()]
     return problems
 
 
-def test_readme_fences_are_closed_and_no_code_is_left_outside() -> None:
-    text = README.read_text()
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_fences_are_closed_and_no_code_is_left_outside(page: Path) -> None:
+    text = page.read_text()
     problems = fence_problems(text)
-    assert not problems, "README.md:\n" + "\n".join(problems)
+    assert not problems, f"{_name(page)}:\n" + "\n".join(problems)
     fence_lines = [line for line in text.splitlines() if line.lstrip().startswith("```")]
     assert len(fence_lines) == 2 * len(FENCE.findall(text))  # the snippets' reader sees every block too
     code = unfenced_code(text)
-    assert not code, "README.md, code outside a fence:\n" + "\n".join(code)
+    assert not code, f"{_name(page)}, code outside a fence:\n" + "\n".join(code)
 
 
-def test_readme_commands_and_links_exist() -> None:
-    text = README.read_text()
-    problems, scripts = command_problems(text, ROOT)
-    assert not problems, "README.md:\n" + "\n".join(problems)
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_commands_and_links_exist(page: Path) -> None:
+    text = page.read_text()
+    problems, _ = command_problems(text, ROOT)
+    problems += link_problems(text, ROOT, page.parent)
+    assert not problems, f"{_name(page)}:\n" + "\n".join(problems)
+
+
+def test_every_example_and_the_gpu_check_have_a_command() -> None:
+    scripts = {script for page in PAGES for script in command_problems(page.read_text(), ROOT)[1]}
     examples = {f"examples/{path.name}" for path in (ROOT / "examples").glob("*.py")}
-    assert examples <= set(scripts), f"no run command in README.md for {sorted(examples - set(scripts))}"
-    assert "bash benchmarks/gpu_check.sh" in _commands(text)
-    problems = link_problems(text, ROOT)
-    assert not problems, "README.md:\n" + "\n".join(problems)
+    assert examples <= scripts, f"no run command in the docs for {sorted(examples - scripts)}"
+    assert "bash benchmarks/gpu_check.sh" in {c for page in PAGES for c in _commands(page.read_text())}
 
 
 def test_the_readme_checks_catch_what_they_look_for() -> None:
