@@ -123,11 +123,12 @@ def load_hf(
 
     but each rank reads only its own names (and shards).
 
-    Example:
-        >>> with torch.device("meta"):  # doctest: +SKIP
-        ...     model = LlamaForCausalLM(LlamaConfig.from_pretrained(path))
-        >>> stages, template = fpipe.split_module(model, ["model.embed_tokens + model.layers[0:2]", ...])
-        >>> params = fpipe.load_hf(path, [template[0], None], step=step)  # this rank holds stage 0
+    On each rank of a 2-rank pipeline::
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig.from_pretrained(path))
+        stages, template = fpipe.split_module(model, ["model.embed_tokens + model.layers[0:2]", ...])
+        params = fpipe.load_hf(path, [template[0], None], step=step)  # this rank holds stage 0
 
     Raises:
         FileNotFoundError: ``directory`` holds no safetensors checkpoint.

@@ -135,9 +135,10 @@ def save_hf(
         safetensors.torch.save_file(tensors, f"{directory}/model.safetensors")   # cut by max_shard_size
         json.dump(config, open(f"{directory}/config.json", "w"))
 
-    Example:
-        >>> fpipe.save_hf("out", params, config=model.config)  # doctest: +SKIP
-        >>> LlamaForCausalLM.from_pretrained("out")  # doctest: +SKIP
+    With ``transformers`` installed, after training ``split_module``'s params of ``model``::
+
+        fpipe.save_hf("out", params, config=model.config)
+        LlamaForCausalLM.from_pretrained("out")
 
     Raises:
         TypeError: a leaf is neither a tensor nor ``None``, or a DTensor with a ``Partial``

@@ -60,10 +60,10 @@ def shard(tree: PyTree, over: Any, /) -> PyTree:
         ValueError: if ``over`` has no data-parallel dimension, or a DTensor leaf does not live
             on its ``"tp"`` sub-mesh.
 
-    Example:
-        >>> shards = fpipe.shard({"w": torch.ones(5, 3)}, mesh)  # doctest: +SKIP
-        >>> shards["w"].shape  # with 2 data-parallel ranks: 15 elements, 8 per rank
-        torch.Size([8])
+    On each rank of a mesh with 2 data-parallel ranks::
+
+        shards = fpipe.shard({"w": torch.ones(5, 3)}, mesh)
+        shards["w"].shape  # torch.Size([8]): 15 elements, 8 per rank
     """
     dp = _data_parallel_of(over, "fpipe.shard")
     return cut(tree, layout_of(tree, dp.size, dp.tensor_ranks, caller="fpipe.shard", name="tree"), dp.rank)
