@@ -14,11 +14,12 @@ from typing import Any, Protocol
 
 import torch
 
+from ._accumulate import Grads
 from ._errors import PipelineError
 from ._pytree import PyTree
 from ._random import Keys
 from ._record import Stopwatch
-from ._stage import Grads, Pullback, StageRun
+from ._stage import Pullback, StageRun
 from .schedules import Action, Simulation
 from .schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 
