@@ -57,8 +57,9 @@ from .._pytree import PyTree, stage_list
 from .._sharding import cut_range
 from ._boxes import Box, whole
 from ._directory import inside
+from ._index import is_plain
 from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves
-from ._store import DTYPES, Part, is_plain, safe_open
+from ._store import DTYPES, Part, safe_open
 from ._template import Use, dtype_name, fill, listing, template_uses
 
 HF_INDEX = "model.safetensors.index.json"

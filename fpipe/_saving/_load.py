@@ -22,8 +22,9 @@ from .._distributed import Topology
 from .._errors import DEFAULT_TIMEOUT
 from .._pytree import PyTree, stage_list
 from ._directory import committed
+from ._index import read_index
 from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves
-from ._store import DTYPES, MAPS, entry, read_index, read_tensors
+from ._store import DTYPES, MAPS, entry, read_tensors
 from ._template import Use, dtype_name, fill, label, listing, template_uses
 
 

@@ -1,5 +1,5 @@
-"""The save format (fpipe/_saving/_store.py): safetensors files and their index, written, checked
-(NOTE [trust model]) and read back by pieces, each file checked against its size and each tensor
+"""The save format (fpipe/_saving/_store.py): safetensors files and their index, written and read
+back by pieces, each file checked against its size and each tensor
 against its sha256 (whole saves end to end: tests/saving/test_save.py)."""
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ import torch
 
 from fpipe._saving._boxes import Box
 from fpipe._saving._directory import INDEX
+from fpipe._saving._index import read_index
 from fpipe._saving._store import (
     Entry,
     Part,
     entry,
     file_name,
-    is_plain,
     make_index,
-    read_index,
     read_tensors,
     sha256,
     write_safetensors,
@@ -50,13 +49,11 @@ def _save(root: Path, *, sharded: bool = False) -> dict[str, Any]:
     return index
 
 
-def test_file_names_and_plain_names() -> None:
+def test_file_names() -> None:
     assert file_name("params", 1, 4) == "model-rank-00001-of-00004.safetensors"
     assert file_name("optimizer_state", 0, 2, [("dp", 1, 2), ("tp", 0, 8)]) == (
         "optimizer-rank-00000-of-00002-dp-00001-of-00002-tp-00000-of-00008.safetensors"
     )
-    assert is_plain("model-rank-00001-of-00004.safetensors")
-    assert not any(is_plain(f) for f in ("../x.safetensors", ".hidden.safetensors", "a/b.safetensors", "x.bin"))
 
 
 def test_files_round_trip_through_safetensors(tmp_path: Path) -> None:
@@ -96,27 +93,3 @@ def test_a_truncated_or_corrupt_file_is_named(tmp_path: Path) -> None:
     (tmp_path / "a.safetensors").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(ValueError, match="is corrupt: the bytes of 'w' do not match their sha256"):
         read_tensors(tmp_path, index, "params", [("w", Part()), ("step", Part())])
-
-
-@pytest.mark.parametrize(
-    ("change", "fragment"),
-    [
-        (lambda i: i["files"].update({"../x.safetensors": {"bytes": 1}}), "not a plain file name"),
-        (lambda i: i["metadata"].update(format_version=99), "it is not in format"),
-        (lambda i: i["weight_map"].update(w="z.safetensors"), "names a file that 'files' does not list"),
-        (lambda i: i["files"]["a.safetensors"].update(bytes=-1), "an int >= 0"),
-    ],
-)
-def test_an_index_not_written_by_save_is_refused(tmp_path: Path, change: Any, fragment: str) -> None:
-    index = _save(tmp_path)
-    change(index)
-    (tmp_path / INDEX).write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"is not an index written by fpipe\.save") as raised:
-        read_index(tmp_path)
-    assert fragment in str(raised.value)
-
-
-def test_an_index_that_is_not_json_is_refused(tmp_path: Path) -> None:
-    (tmp_path / INDEX).write_text("{")
-    with pytest.raises(ValueError, match="it is not JSON"):
-        read_index(tmp_path)
