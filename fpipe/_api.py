@@ -12,7 +12,7 @@ import torch
 from ._distributed import Topology, WireState, resolve_topology, run_distributed
 from ._errors import DEFAULT_TIMEOUT
 from ._microbatch import Microbatches
-from ._plural import plural
+from ._plural import brief, plural
 from ._precision import LossScaleState, Precision
 from ._pytree import PyTree, leaves_with_paths, stage_list, tensor_map
 from ._random import check_key, draw_key
@@ -20,7 +20,24 @@ from ._run import Order, order_for, run_local
 from ._sharding import StageLayout
 from ._stage import StageFn, not_inference
 from ._strategy import Strategy
-from .schedules import Action, Program, Schedule, ScheduleError, validate
+from .schedules import (
+    Action,
+    DualPipeV,
+    GPipe,
+    Interleaved1F1B,
+    InterleavedZeroBubble,
+    LoopedBFS,
+    OneFOneB,
+    Program,
+    Schedule,
+    ScheduleError,
+    VHalf,
+    VMin,
+    ZeroBubbleH1,
+    ZeroBubbleH2,
+    ZeroBubbleV,
+    validate,
+)
 
 
 def pipeline(
@@ -150,28 +167,40 @@ def pipeline(
             program has as many stages as the largest stage it names, plus one).
     """
     if not callable(loss_fn):
-        raise TypeError(f"fpipe.pipeline: loss_fn must be callable (loss_fn: {loss_fn!r}).")
+        raise TypeError(
+            f"fpipe.pipeline: loss_fn must be callable (loss_fn: {brief(loss_fn)}). "
+            "Pass a function loss_fn(y, microbatch) -> loss, y being the last stage's output."
+        )
     if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
         raise TypeError(
-            f"fpipe.pipeline: stages must be a non-empty list of callables stage(params, x) (stages: {stages!r})."
+            f"fpipe.pipeline: stages must be a non-empty list of callables stage(params, x) (stages: {brief(stages)}). "
+            "Pass one function per stage, e.g. stages, params = fpipe.split_module(model, names)."
         )
     for s, fn in enumerate(stages):
         if not callable(fn):
-            raise TypeError(f"fpipe.pipeline: stage {s} is not callable (stages[{s}]: {fn!r}).")
+            raise TypeError(
+                f"fpipe.pipeline: stage {s} is not callable (stages[{s}]: {brief(fn)}). "
+                "Pass a function stage(params, x) -> y for every stage."
+            )
         if isinstance(fn, torch.nn.Module):
             _check_module_stage(s, fn)
     if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
-        raise ValueError(f"fpipe.pipeline: timeout must be a positive number of seconds (timeout: {timeout!r}).")
+        raise ValueError(
+            f"fpipe.pipeline: timeout must be a positive number of seconds (timeout: {brief(timeout)}). "
+            f"Pass e.g. timeout={DEFAULT_TIMEOUT:g}, the default."
+        )
     if not isinstance(has_aux, bool):
-        raise TypeError(f"fpipe.pipeline: has_aux must be True or False (has_aux: {has_aux!r}).")
+        raise TypeError(f"fpipe.pipeline: has_aux must be True or False (has_aux: {brief(has_aux)}). Pass a bool.")
     if weight_fn is not None and not callable(weight_fn):
         raise TypeError(
-            f"fpipe.pipeline: weight_fn must be callable, weight_fn(microbatch) -> count (weight_fn: {weight_fn!r})."
+            "fpipe.pipeline: weight_fn must be callable, weight_fn(microbatch) -> count "
+            f"(weight_fn: {brief(weight_fn)}). "
+            "Pass a function, or None to weigh microbatches by their examples."
         )
     if split is not None and not callable(split):
         raise TypeError(
             "fpipe.pipeline: split must be callable, split(batch, num_microbatches) -> microbatches "
-            f"(split: {split!r})."
+            f"(split: {brief(split)}). Pass a function, or None to cut the batch along batch_dims."
         )
     if isinstance(recompute, bool):
         recompute = range(len(stages)) if recompute else ()
@@ -182,23 +211,25 @@ def pipeline(
     ):
         raise ValueError(
             f"fpipe.pipeline: recompute must be a bool or stage indices in 0..{len(stages) - 1} "
-            f"(recompute: {recompute!r})."
+            f"(recompute: {brief(recompute)}). Pass True, False or e.g. recompute={{0}}."
         )
     recompute = frozenset(recompute)
     if not isinstance(shard_params, bool):
-        raise TypeError(f"fpipe.pipeline: shard_params must be True or False (shard_params: {shard_params!r}).")
+        raise TypeError(
+            f"fpipe.pipeline: shard_params must be True or False (shard_params: {brief(shard_params)}). Pass a bool."
+        )
     if regather and not shard_params:
         raise ValueError("fpipe.pipeline: regather=True re-gathers sharded parameters; it needs shard_params=True.")
     if precision is not None and not isinstance(precision, Precision):
         raise TypeError(
-            f"fpipe.pipeline: precision must be an fpipe.Precision (precision: {precision!r}). "
+            f"fpipe.pipeline: precision must be an fpipe.Precision (precision: {brief(precision)}). "
             "Pass e.g. fpipe.Precision(compute=torch.bfloat16, accumulate=torch.float32)."
         )
     topology = resolve_topology(mesh, group)
     if shard_params and (topology is None or topology.data_group is None):
         raise ValueError(
             "fpipe.pipeline: shard_params=True cuts parameters over the data-parallel ranks, but this pipeline "
-            f"has none (mesh: {mesh!r}, group: {group!r}). Pass mesh= a DeviceMesh with dimensions "
+            f"has none (mesh: {brief(mesh)}, group: {brief(group)}). Pass mesh= a DeviceMesh with dimensions "
             "('dp', 'pp'), or leave shard_params=False."
         )
     program = _program(schedule, len(stages), None if topology is None else topology.size)
@@ -249,11 +280,26 @@ def _program(
 ) -> Program:
     if isinstance(schedule, type):
         raise TypeError(
-            f"fpipe.pipeline: schedule is the class {schedule.__name__}, not a schedule (schedule: {schedule!r}). "
-            f"Call it with the number of microbatches, e.g. {schedule.__name__}(num_microbatches=8)."
+            f"fpipe.pipeline: schedule is the class {schedule.__name__}, not a schedule (schedule: {brief(schedule)}). "
+            f"Call it with the number of microbatches, e.g. {_example(schedule)}."
         )
+    if isinstance(schedule, str):
+        named = _NAMED.get("".join(c for c in schedule.lower() if c.isalnum()))
+        fix = (
+            f"Pass the schedule value: {_example(named)} (from fpipe.schedules import {named.__name__})"
+            if named is not None
+            else f"Pass a schedule value from fpipe.schedules, e.g. {_example(OneFOneB)} (built-ins: "
+            + ", ".join(sorted({cls.__name__ for cls in _NAMED.values()}))
+            + "), or one list of actions per rank, e.g. [['0F0', '0B0'], ['1F0', '1B0']]"
+        )
+        raise TypeError(f"fpipe.pipeline: schedule is a name, not a schedule (schedule: {brief(schedule)}). {fix}.")
     if isinstance(schedule, Program):
         program = schedule
+    elif isinstance(getattr(schedule, "program", None), Program):  # a Searched, a Tuned: it holds the program
+        raise TypeError(
+            f"fpipe.pipeline: schedule is a {type(schedule).__name__} that holds a program, not a schedule "
+            f"(schedule: {brief(schedule)}). Pass its program, e.g. found.program."
+        )
     elif isinstance(schedule, Sequence):
         program = Program.from_lists(schedule)  # its stage count is the largest stage named, plus one
     elif callable(getattr(schedule, "program", None)):
@@ -261,7 +307,7 @@ def _program(
     else:
         raise TypeError(
             f"fpipe.pipeline: schedule must be a schedule such as OneFOneB(num_microbatches=8), a Program, "
-            f"or one list of actions per rank (schedule: {schedule!r})."
+            f"or one list of actions per rank (schedule: {brief(schedule)})."
         )
     if program.num_stages != num_stages:
         raise ScheduleError(
@@ -270,6 +316,30 @@ def _program(
             "the program."
         )
     return program
+
+
+# The built-in schedules by the names the command line gives them (fpipe/_cli.py's SCHEDULES:
+# tests/test_errors.py checks that each maps to the class it builds) and by their class names,
+# lower case: only for the message of a schedule passed as a name, never to look one up.
+_NAMED: dict[str, type[Schedule]] = {
+    "gpipe": GPipe,
+    "1f1b": OneFOneB,
+    "interleaved": Interleaved1F1B,
+    "zbinterleaved": InterleavedZeroBubble,
+    "zbh1": ZeroBubbleH1,
+    "zbh2": ZeroBubbleH2,
+    "zbv": ZeroBubbleV,
+    "vhalf": VHalf,
+    "vmin": VMin,
+    "bfs": LoopedBFS,
+    "dualpipev": DualPipeV,
+}
+_NAMED.update({cls.__name__.lower(): cls for cls in list(_NAMED.values())})
+
+
+def _example(cls: type) -> str:
+    """A call that builds a ``cls``: ``OneFOneB(num_microbatches=8)`` (a looped one: 2 stages per rank)."""
+    return f"{cls.__name__}(num_microbatches=8)"
 
 
 def _check_not_meta(params: Sequence[PyTree], batch: PyTree, local_stages: Sequence[int]) -> None:

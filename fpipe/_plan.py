@@ -57,6 +57,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ._modules import partition, split_for
+from ._plural import plural
 from .schedules import Costs, Program, ScheduleError, Simulation, simulate
 from .schedules._action import BACKWARD, BACKWARD_WEIGHT, FORWARD
 
@@ -270,8 +271,9 @@ def plan(
     for the chosen split's costs (the same program, for a built-in schedule).
 
     Raises:
-        PlanError: when ``memory`` is given and no candidate fits it: the message names the
-            least memory any candidate needs.
+        PlanError: when no candidate can run (the message says what would: fewer ranks, more
+            layers, or the first candidate's own error), or when ``memory`` is given and no
+            candidate fits it (the message names the least memory any candidate needs).
     """
     rows = [_row(units, num_ranks, c) for c in candidates]
     rows = [_on_other_splits(units, c, row, rows) if c.adapts else row for c, row in zip(candidates, rows)]
@@ -282,6 +284,8 @@ def plan(
         return (0 if row.fits(memory) else 1), row.step
 
     rows.sort(key=key)
+    if rows and all(r.simulation is None for r in rows):
+        raise PlanError(_none_runs(units, num_ranks, candidates, rows))
     if memory is not None and rows and not rows[0].fits(memory):
         sized = [(peak, r.name) for r in rows if (peak := r.peak()) is not None]
         if sized:
@@ -294,6 +298,26 @@ def plan(
                 "Use more ranks, smaller or fewer microbatches, or more memory."
             )
     return rows
+
+
+def _none_runs(units: Sequence[Unit], num_ranks: int, candidates: Sequence[Candidate], rows: Sequence[Row]) -> str:
+    """One line: why no candidate runs, and what would (fewer ranks or more layers, when every
+    candidate needs more stages than there are units; else the first candidate's own error)."""
+    fewest = min(candidates, key=lambda c: c.stages_per_rank)
+    need = num_ranks * fewest.stages_per_rank
+    if need <= len(units):  # some candidate had the units it needs and refused for its own reason
+        row = next(r for r in rows if not (r.error or "").startswith("needs "))
+        return f"python -m fpipe plan: no schedule can run here ({row.name}: {row.error})"
+    head = 1 if units and units[-1].name == "head" else 0
+    have = f"{plural(len(units) - head, 'layer')} and the head" if head else plural(len(units), "measured stage")
+    more = f"a model of at least {plural(need - head, 'layer')}" if head else f"the costs of {need} stages"
+    ranks = len(units) // fewest.stages_per_rank
+    fewer = f"at most {plural(ranks, 'rank')}, or " if ranks else ""
+    return (
+        f"python -m fpipe plan: no schedule can run: on {plural(num_ranks, 'rank')} each needs at least "
+        f"{need} stages ({fewest.name}: {fewest.stages_per_rank} per rank) and there are "
+        f"{plural(len(units), 'unit')} to split ({have}). Use {fewer}{more}."
+    )
 
 
 def _row(units: Sequence[Unit], num_ranks: int, candidate: Candidate) -> Row:

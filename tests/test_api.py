@@ -543,10 +543,11 @@ def test_bad_batch(batch: Any, batch_dims: Any, match: str) -> None:
         ([carry] * 2, [["0F0", "0B0"], ["1B0", "1F0"]], ScheduleError, r"1B0 \(position 0\) comes before 1F0"),
         ([carry] * 2, [["0F0", "0B0"], ["1F0", "1X0"]], ValueError, "cannot parse action '1X0'"),
         ([carry] * 2, [["0B0", "0F0", "1F0", "1B0"]], ScheduleError, r"0B0 \(position 0\) comes before 0F0"),
-        ([carry] * 2, "0F0 0B0", ScheduleError, "a program is a list with one list of actions per rank"),
+        ([carry] * 2, "0F0 0B0", TypeError, r"a name, not a schedule .*, or one list of actions per rank, e\.g\. \[\["),
+        ([carry] * 2, "1F1B", TypeError, r"\(schedule: '1F1B', type str\)\. Pass the schedule value: OneFOneB\("),
         ([carry] * 2, 8, TypeError, "schedule must be a schedule such as"),
         ([carry] * 2, OneFOneB, TypeError, r"class OneFOneB, not a schedule.*OneFOneB\(num_microbatches=8\)"),
-        ([carry, "carry"], GPipe(2), TypeError, r"stage 1 is not callable \(stages\[1\]: 'carry'\)"),
+        ([carry, "carry"], GPipe(2), TypeError, r"stage 1 is not callable \(stages\[1\]: 'carry', type str\)"),
         ([], GPipe(2), TypeError, "stages must be a non-empty list of callables"),
         (carry, GPipe(2), TypeError, "stages must be a non-empty list of callables"),
     ],
@@ -559,11 +560,15 @@ def test_bad_pipeline_fails_when_wrapped(stages: Any, schedule: Any, error: type
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
-        ({"timeout": 0}, ValueError, r"timeout must be a positive number of seconds \(timeout: 0\)"),
-        ({"timeout": True}, ValueError, r"timeout must be a positive number of seconds \(timeout: True\)"),
-        ({"timeout": float("inf")}, ValueError, r"timeout must be a positive number of seconds \(timeout: inf\)"),
-        ({"has_aux": "yes"}, TypeError, r"has_aux must be True or False \(has_aux: 'yes'\)"),
-        ({"shard_params": 1}, TypeError, r"shard_params must be True or False \(shard_params: 1\)"),
+        ({"timeout": 0}, ValueError, r"timeout must be a positive number of seconds \(timeout: 0, type int\)"),
+        ({"timeout": True}, ValueError, r"timeout must be a positive number of seconds \(timeout: True, type bool\)"),
+        (
+            {"timeout": float("inf")},
+            ValueError,
+            r"timeout must be a positive number of seconds \(timeout: inf, type float\)",
+        ),
+        ({"has_aux": "yes"}, TypeError, r"has_aux must be True or False \(has_aux: 'yes', type str\)"),
+        ({"shard_params": 1}, TypeError, r"shard_params must be True or False \(shard_params: 1, type int\)"),
     ],
 )
 def test_bad_options_fail_when_wrapped(options: dict[str, Any], error: type[Exception], match: str) -> None:

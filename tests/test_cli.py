@@ -308,6 +308,35 @@ def test_plan_errors(args: list[str], fragment: str, capsys: pytest.CaptureFixtu
     assert fragment in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["--ranks", "8"],
+            "python -m fpipe plan: no schedule can run: on 8 ranks each needs at least 8 stages (gpipe: 1 per rank) "
+            "and there are 5 units to split (4 layers and the head). Use at most 5 ranks, or a model of at least 7 "
+            "layers.",
+        ),
+        (
+            ["--ranks", "3", "--schedules", "zbv,vhalf"],
+            "python -m fpipe plan: no schedule can run: on 3 ranks each needs at least 6 stages (zbv: 2 per rank) "
+            "and there are 5 units to split (4 layers and the head). Use at most 2 ranks, or a model of at least 5 "
+            "layers.",
+        ),
+        (["--ranks", "4", "--microbatches", "2", "--schedules", "zbh2"], "no schedule can run here (zbh2: "),
+    ],
+)
+def test_plan_with_nothing_that_can_run_exits_2_saying_what_would(
+    args: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not an empty table and status 0: one line on stderr, as when nothing fits in memory."""
+    out = io.StringIO()
+    assert main(["plan", "--microbatches", "8", *MODEL, *args], stdout=out) == 2
+    assert out.getvalue() == ""
+    err = capsys.readouterr().err
+    assert line in err and err.count("\n") == 1, err
+
+
 def test_plan_costs_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "costs.json"
     path.write_text('{"format": "fpipe.costs", "version": 1, "stages": [{"forward": -1}]}')

@@ -8,6 +8,7 @@ the action, stage, microbatch and rank it names, closes the file.
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,8 @@ import torch
 from torch import nn
 
 import fpipe
-from fpipe.schedules import Action, GPipe, OneFOneB, ScheduleError
+from fpipe._cli import SCHEDULES
+from fpipe.schedules import Action, Costs, GPipe, OneFOneB, ScheduleError, Searched, search
 
 
 def _stage(params: Any, x: torch.Tensor) -> torch.Tensor:
@@ -39,10 +41,24 @@ def _step(params: Any, batch: Any = None, **options: Any) -> Any:
 
 TWO = [torch.ones(()), torch.ones(())]
 
+
+@functools.cache
+def _searched() -> Searched:
+    """A search result whose repr is long (about 10,000 characters): what a message must not print whole."""
+    found = search(2, 16, Costs(forward=1.0, backward_input=1.0, backward_weight=1.0), placement="v", exact=False)
+    assert len(repr(found)) > 5000
+    return found
+
+
 # (what, call, exception, fragment)
 CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     # fpipe.pipeline: what needs no data fails when the step is built
-    ("loss_fn", lambda: fpipe.pipeline(1, [_stage], GPipe(2)), TypeError, "loss_fn must be callable (loss_fn: 1)"),
+    (
+        "loss_fn",
+        lambda: fpipe.pipeline(1, [_stage], GPipe(2)),
+        TypeError,
+        "loss_fn must be callable (loss_fn: 1, type int). Pass a function loss_fn(y, microbatch)",
+    ),
     ("no stages", lambda: fpipe.pipeline(_loss, [], GPipe(2)), TypeError, "stages must be a non-empty list"),
     ("stage", lambda: fpipe.pipeline(_loss, [_stage, 3], GPipe(2)), TypeError, "stage 1 is not callable (stages[1]"),
     (
@@ -58,8 +74,37 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         "schedule is the class OneFOneB, not a schedule",
     ),
     ("schedule", lambda: fpipe.pipeline(_loss, [_stage], 8), TypeError, "schedule must be a schedule such as"),
-    ("timeout", lambda: _pipeline(timeout=0), ValueError, "timeout must be a positive number of seconds (timeout: 0)"),
-    ("has_aux", lambda: _pipeline(has_aux=1), TypeError, "has_aux must be True or False (has_aux: 1)"),
+    (
+        "schedule name",
+        lambda: fpipe.pipeline(_loss, [_stage, _stage], "zbv"),
+        TypeError,
+        "schedule is a name, not a schedule (schedule: 'zbv', type str). Pass the schedule value: "
+        "ZeroBubbleV(num_microbatches=8) (from fpipe.schedules import ZeroBubbleV).",
+    ),
+    (
+        "schedule unknown name",
+        lambda: fpipe.pipeline(_loss, [_stage], "fast"),
+        TypeError,
+        "Pass a schedule value from fpipe.schedules, e.g. OneFOneB(num_microbatches=8) (built-ins: DualPipeV, GPipe,",
+    ),
+    (
+        "schedule search result",
+        lambda: fpipe.pipeline(_loss, [_stage] * 4, _searched()),
+        TypeError,
+        "schedule is a Searched that holds a program, not a schedule (schedule: type Searched, repr of",
+    ),
+    (
+        "timeout",
+        lambda: _pipeline(timeout=0),
+        ValueError,
+        "timeout must be a positive number of seconds (timeout: 0, type int). Pass e.g.",
+    ),
+    (
+        "has_aux",
+        lambda: _pipeline(has_aux=1),
+        TypeError,
+        "has_aux must be True or False (has_aux: 1, type int). Pass a bool.",
+    ),
     ("weight_fn", lambda: _pipeline(weight_fn=2), TypeError, "weight_fn must be callable"),
     ("split", lambda: _pipeline(split=2), TypeError, "split must be callable"),
     ("recompute", lambda: _pipeline(recompute=[5]), ValueError, "recompute must be a bool or stage indices in 0..1"),
@@ -117,6 +162,19 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("functionalize", lambda: fpipe.functionalize(3), TypeError, "expected an nn.Module (got: int)"),
     ("balance stages", lambda: fpipe.balance([1.0, 2.0], 3), ValueError, "num_stages must be between 1 and"),
     ("balance cost", lambda: fpipe.balance([1.0, -2.0], 1), ValueError, "costs must be finite and >= 0"),
+    (
+        "balance schedule class",
+        lambda: fpipe.balance([1.0] * 8, 4, schedule=OneFOneB),  # type: ignore[arg-type]
+        TypeError,
+        "schedule is the class OneFOneB, not a schedule (schedule: the class OneFOneB). Call it with the number of "
+        "microbatches, e.g. schedule=OneFOneB(num_microbatches=8).",
+    ),
+    (
+        "balance schedule",
+        lambda: fpipe.balance([1.0] * 8, 4, schedule="1f1b"),  # type: ignore[arg-type]
+        TypeError,
+        "schedule must be a schedule value such as OneFOneB(num_microbatches=8) (schedule: '1f1b', type str)",
+    ),
     ("sum_tied", lambda: fpipe.sum_tied({"w": torch.ones(())}), TypeError, "grads must be a list with one dict"),
     # optimizers
     ("sgd", lambda: fpipe.optim.sgd(-1.0), ValueError, "must be a finite number >= 0 (learning_rate: -1.0)"),
@@ -141,6 +199,21 @@ def test_argument_errors(call: Callable[[], Any], exception: type[Exception], fr
     with pytest.raises(exception) as raised:
         call()
     assert fragment in str(raised.value)
+    assert len(str(raised.value)) <= 400, f"{len(str(raised.value))} characters: {raised.value}"
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_a_schedule_named_as_the_command_line_names_it_points_to_its_class(name: str) -> None:
+    """pipeline(..., "zbv") names the value to pass: the class the command line builds for the name."""
+    choice = SCHEDULES[name]
+    built = type(choice.make(8, choice.stages_per_rank)).__name__
+    with pytest.raises(TypeError) as raised:
+        fpipe.pipeline(_loss, [_stage, _stage], name)
+    assert f"Pass the schedule value: {built}(num_microbatches=8) (from fpipe.schedules import {built})." in str(
+        raised.value
+    )
+    with pytest.raises(TypeError, match=f"Pass the schedule value: {built}\\("):
+        fpipe.pipeline(_loss, [_stage, _stage], name.upper().replace("ZB", "ZB-"))
 
 
 def test_messages_name_their_function() -> None:

@@ -20,7 +20,17 @@ from fpipe._plan import (
     plan,
     transformer_units,
 )
-from fpipe.schedules import Costs, GPipe, OneFOneB, Program, ZeroBubbleH1, ZeroBubbleV, search, simulate
+from fpipe.schedules import (
+    Costs,
+    GPipe,
+    OneFOneB,
+    Program,
+    ScheduleError,
+    ZeroBubbleH1,
+    ZeroBubbleV,
+    search,
+    simulate,
+)
 
 MODEL = Transformer(layers=2, hidden=4, sequence=8, vocabulary=16, microbatch_size=2)
 DEVICE = Device(flops=2.0, bandwidth=4.0, latency=0.5, bytes_per_param=16.0)
@@ -79,6 +89,28 @@ def test_plan_ranks_by_simulated_step_with_each_split() -> None:
 def test_more_stages_than_units_is_a_row_that_cannot_run() -> None:
     rows = plan(measured_units([Costs(), Costs(), Costs()]), 2, candidates(4, 2))
     assert rows[-1].name == "zbv" and rows[-1].error == "needs 4 stages, has 3 units to split"
+
+
+def test_no_candidate_that_can_run_is_an_error_saying_what_would() -> None:
+    """Every row "cannot run" is no plan: fewer ranks, or more stages (layers and the head, or measured)."""
+    with pytest.raises(PlanError) as raised:
+        plan(measured_units([Costs()] * 3), 4, candidates(4, 4))
+    assert str(raised.value) == (
+        "python -m fpipe plan: no schedule can run: on 4 ranks each needs at least 4 stages (gpipe: 1 per rank) and "
+        "there are 3 units to split (3 measured stages). Use at most 3 ranks, or the costs of 4 stages."
+    )
+    with pytest.raises(
+        PlanError, match=r"\(1 layer and the head\)\. Use at most 1 rank, or a model of at least 3 layers\.$"
+    ):
+        plan(transformer_units(Transformer(1, 4, 8, 16, 2), DEVICE), 2, candidates(4, 2)[3:])  # zbv: 4 stages
+    with pytest.raises(PlanError, match=r"\(1 measured stage\)\. Use the costs of 2 stages\.$"):  # no "at most 0 ranks"
+        plan(measured_units([Costs()]), 1, candidates(4, 1)[3:])
+    with pytest.raises(PlanError, match=r"no schedule can run here \(zbh1: it cannot\)$"):
+        plan(measured_units([Costs()] * 3), 2, [Candidate("zbh1", 1, lambda costs: _refuse())])
+
+
+def _refuse() -> Program:
+    raise ScheduleError("it cannot")
 
 
 def test_memory_marks_and_the_least_that_works() -> None:

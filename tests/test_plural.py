@@ -1,4 +1,4 @@
-"""Counted nouns, and the messages that count: a count of one reads in the singular."""
+"""Counted nouns, and the messages that count: a count of one reads in the singular; values named briefly."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 import fpipe
 from fpipe import _cli as cli
-from fpipe._plural import listing, plural
+from fpipe._plural import brief, listing, plural
 from fpipe.schedules import GPipe, Interleaved1F1B, LoopedBFS, Program, ScheduleError, ZeroBubbleH1, ZeroBubbleV
 from fpipe.schedules._program import validate
 
@@ -40,6 +40,30 @@ def test_plural(count: int, noun: str, expected: str) -> None:
 )
 def test_listing(names: list[str], limit: int, expected: str) -> None:
     assert listing(names, limit) == expected
+
+
+class _BrokenRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (1.0, "1.0, type float"),
+        ("zbv", "'zbv', type str"),
+        (GPipe, "the class GPipe"),
+        (GPipe(2), "GPipe(num_microbatches=2), type GPipe"),
+        (
+            list(range(100)),
+            "type list, repr of 390 characters: [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 1...",
+        ),
+        (_BrokenRepr(), "type _BrokenRepr"),
+    ],
+)
+def test_brief_names_the_type_and_cuts_a_long_repr(value: object, expected: str) -> None:
+    assert brief(value) == expected
+    assert len(brief(object() if value is None else ZeroBubbleV(8).program(64))) < 130  # 4 KB of repr
 
 
 def _message(fn: Callable[[], object]) -> str:

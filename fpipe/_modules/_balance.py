@@ -19,6 +19,7 @@ from typing import Any, Literal, overload
 import torch
 from torch import nn
 
+from .._plural import brief
 from .._pytree import flatten, is_differentiable, map_tensors
 from ..schedules import Costs, Schedule
 from ._partition import partition
@@ -131,7 +132,8 @@ def balance(
         [range(0, 3), range(3, 5), range(5, 6), range(6, 8)]
 
     Raises:
-        TypeError: for layers that are neither modules nor numbers, or a bad ``by``.
+        TypeError: for layers that are neither modules nor numbers, a bad ``by``, or a ``schedule``
+            that is not a schedule value (a class such as ``OneFOneB``, a name).
         ValueError: for negative or non-finite costs, more stages than layers, a missing
             ``sample_input`` or ``repeats < 1``; with a schedule, for costs that are not
             positive, a ``backward`` of another length, a negative ``send``, or schedule
@@ -148,7 +150,17 @@ def balance(
             f"(num_stages: {num_stages!r}). Every stage needs at least one layer."
         )
     if by not in ("params", "time"):
-        raise TypeError(f'fpipe.balance: by must be "params" or "time" (by: {by!r}).')
+        raise TypeError(f'fpipe.balance: by must be "params" or "time" (by: {brief(by)}). Pass one of the two.')
+    if isinstance(schedule, type):
+        raise TypeError(
+            f"fpipe.balance: schedule is the class {schedule.__name__}, not a schedule (schedule: {brief(schedule)}). "
+            f"Call it with the number of microbatches, e.g. schedule={schedule.__name__}(num_microbatches=8)."
+        )
+    if schedule is not None and not callable(getattr(schedule, "program", None)):
+        raise TypeError(
+            f"fpipe.balance: schedule must be a schedule value such as OneFOneB(num_microbatches=8) "
+            f"(schedule: {brief(schedule)}). Pass one from fpipe.schedules, or None to even out the stages' costs."
+        )
     if all(isinstance(c, Real) and not isinstance(c, bool) for c in items):
         costs = [float(c) for c in items]  # type: ignore[arg-type]
     elif all(isinstance(m, nn.Module) for m in items):

@@ -71,9 +71,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from .._plural import brief
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KINDS, Action
 from ._program import (
     Program,
@@ -516,12 +517,20 @@ def checked(function: str, timeline: Simulation | Sequence[Simulation]) -> tuple
     """``timeline`` as a non-empty tuple of timelines of programs that place their stages alike
     (possibly different programs), each with one start and one end per action, or an error naming
     ``function`` and what is wrong."""
-    timelines = (timeline,) if isinstance(timeline, Simulation) else tuple(timeline)
+    fix = "Pass recording.timeline or recording.timelines from fpipe.record(), or simulate(program, costs)"
+    if isinstance(timeline, Simulation):
+        timelines: tuple[Simulation, ...] = (timeline,)
+    elif isinstance(timeline, Iterable) and not isinstance(timeline, str):
+        timelines = tuple(timeline)
+    else:  # a Recording, a Program, a step: what holds timelines, or what has no times
+        raise TypeError(
+            f"fpipe.schedules.{function}: timeline must be a Simulation or a sequence of them "
+            f"(timeline: {brief(timeline)}). {fix}."
+        )
     for k, t in enumerate(timelines):
         if not isinstance(t, Simulation):
             raise TypeError(
-                f"fpipe.schedules.{function}: timeline {k} is not a Simulation (type: {type(t).__name__}). "
-                "Pass recording.timeline or recording.timelines from fpipe.record()."
+                f"fpipe.schedules.{function}: timeline {k} is not a Simulation (timeline {k}: {brief(t)}). {fix}."
             )
     if not timelines:
         raise ScheduleError(

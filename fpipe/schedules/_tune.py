@@ -25,6 +25,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .._plural import brief
 from ._program import Program, ScheduleError
 from ._search import Searched
 
@@ -122,21 +123,39 @@ def tune(
 
     Raises:
         ScheduleError: for a ``margin`` that is not a finite number ``>= 0``, counts that are not
-            positive ints or ``least > most``, ``found`` without candidates, or a ``measure`` that
-            returns something other than a finite number ``>= 0`` (the message names the
-            candidate and the round).
+            positive ints or ``least > most``, ``found`` other than what ``search`` returned (a
+            ``found.program`` among them), a ``measure`` that is not callable or returns something
+            other than a finite number ``>= 0`` (the message names the candidate and the round).
     """
-    pooled = [found] if isinstance(found, Searched) else list(found) if isinstance(found, Sequence) else []
+    several = isinstance(found, Sequence) and not isinstance(found, str)
+    pooled = [found] if isinstance(found, Searched) else list(found) if several else []
     if not pooled or not all(isinstance(f, Searched) for f in pooled):
+        wrong = next((f for f in pooled if not isinstance(f, Searched)), found)
+        fix = (
+            "Pass the Searched itself (found, not found.program): tune times its candidates"
+            if isinstance(wrong, Program)
+            else "Pass found = fpipe.schedules.search(...)"
+        )
         raise ScheduleError(
             f"fpipe.schedules.tune: found must be what search returned, or a non-empty sequence of those "
-            f"(found: {found!r})."
+            f"(found: {brief(found) if wrong is found else f'a sequence holding {brief(wrong)}'}). {fix}."
+        )
+    if not callable(measure):
+        raise ScheduleError(
+            "fpipe.schedules.tune: measure must be a function measure(program) -> seconds "
+            f"(measure: {brief(measure)}). "
+            "Pass a function that runs one step of the program it is given and returns its time."
         )
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < math.inf:
-        raise ScheduleError(f"fpipe.schedules.tune: margin must be a finite number >= 0 (margin: {margin!r}).")
+        raise ScheduleError(
+            f"fpipe.schedules.tune: margin must be a finite number >= 0 (margin: {brief(margin)}). "
+            "Pass a fraction of the shortest simulated step, e.g. 0.05."
+        )
     for label, value in (("least", least), ("most", most), ("rounds", rounds)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"fpipe.schedules.tune: {label} must be a positive int ({label}: {value!r}).")
+            raise ScheduleError(
+                f"fpipe.schedules.tune: {label} must be a positive int ({label}: {brief(value)}). Pass an int >= 1."
+            )
     if least > most:
         raise ScheduleError(
             f"fpipe.schedules.tune: least must not exceed most (least: {least}, most: {most}). Raise most."
@@ -165,7 +184,7 @@ def tune(
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
                 raise ScheduleError(
                     f"fpipe.schedules.tune: measure must return a finite number >= 0 (candidate: {picked[k][0]!r}, "
-                    f"round: {r}, returned: {seconds!r})."
+                    f"round: {r}, returned: {brief(seconds)}). Return the step's time in seconds, e.g. a float."
                 )
             times[k].append(float(seconds))
     candidates = tuple(

@@ -67,7 +67,7 @@ class ZeroBubbleH2(BuiltinSchedule):
             raise ScheduleError(
                 f"fpipe.schedules.ZeroBubbleH2: the warm-up of {plural(p, 'stage')} runs 2p - 1 = {2 * p - 1} "
                 f"forwards on rank 0 but the step has {plural(m, 'microbatch')} (num_microbatches: {m}). "
-                f"Use num_microbatches >= {2 * p - 1}, at most {(m + 1) // 2} stages, or ZeroBubbleH1, "
+                f"Use num_microbatches >= {2 * p - 1}, at most {plural((m + 1) // 2, 'stage')}, or ZeroBubbleH1, "
                 "which takes any number of microbatches."
             )
         ranks = []

@@ -187,9 +187,9 @@ def test_errors() -> None:
         fpipe.balance([1, -1], 1)
     with pytest.raises(TypeError, match=r"all modules or all numbers \(got: Linear, int\)"):
         fpipe.balance([nn.Linear(1, 1), 3], 1)  # type: ignore[list-item]
-    with pytest.raises(TypeError, match=r'by must be "params" or "time" \(by: \'flops\'\)'):
+    with pytest.raises(TypeError, match=r'by must be "params" or "time" \(by: \'flops\', type str\)'):
         fpipe.balance([nn.Linear(1, 1)], 1, by="flops")  # type: ignore[call-overload]
-    with pytest.raises(TypeError, match=r'by must be "params" or "time" \(by: \'memory\'\)'):
+    with pytest.raises(TypeError, match=r'by must be "params" or "time" \(by: \'memory\', type str\)'):
         fpipe.balance([1.0, 2.0], 1, by="memory")  # type: ignore[call-overload]  # costs given: by is refused too
     with pytest.raises(ValueError, match=r'by="time" needs sample_input='):
         fpipe.balance([nn.Linear(1, 1)], 1, by="time")

@@ -408,8 +408,24 @@ def test_fit_costs_errors() -> None:
         fit_costs([sim, simulate(DualPipeV(2).program(4, 2))])
     with pytest.raises(ScheduleError, match=r"timeline 0 does not have one start and one end per action"):
         fit_costs(Simulation(sim.program, None, sim.starts, ((1.0,), (2.0,))))
-    with pytest.raises(TypeError, match="timeline 1 is not a Simulation \\(type: Program\\)"):
+    with pytest.raises(TypeError, match=r"timeline 1 is not a Simulation \(timeline 1: type Program, repr of"):
         fit_costs([sim, sim.program])  # type: ignore[list-item]
+
+
+def test_fit_costs_of_what_holds_timelines_names_recording_timeline() -> None:
+    """A recording, a step's program or a step is not a timeline: the message says which to pass,
+    shows the value's type and not its whole repr."""
+    step = fpipe.pipeline(lambda y, b: y.sum(), [lambda p, x: x * p] * 2, GPipe(8))
+    with fpipe.record() as recording:
+        step([torch.ones(())] * 2, torch.ones(8))
+    for wrong, kind in [(recording, "Recording"), (step.program, "Program"), (step, "Step"), ("timeline", "str")]:
+        with pytest.raises(TypeError) as raised:
+            fit_costs(wrong)  # type: ignore[arg-type]
+        message = str(raised.value)
+        assert message.startswith("fpipe.schedules.fit_costs: timeline must be a Simulation or a sequence of them")
+        assert f"type {kind}" in message and "Pass recording.timeline or recording.timelines" in message
+        assert len(message) < 300, message
+    fit_costs(recording.timelines)  # what the message says to pass
 
 
 def test_fit_costs_of_a_recorded_step() -> None:
@@ -464,7 +480,7 @@ def test_replay_errors() -> None:
             replay(sim, send=send)
     with pytest.raises(ScheduleError, match=r"replay: timeline 0 does not have one start and one end per action"):
         replay(Simulation(sim.program, None, sim.starts, ((1.0,), (2.0,))))
-    with pytest.raises(TypeError, match=r"replay: timeline 0 is not a Simulation \(type: Program\)"):
+    with pytest.raises(TypeError, match=r"replay: timeline 0 is not a Simulation \(timeline 0: .*type Program"):
         replay(sim.program)  # type: ignore[arg-type]
 
 

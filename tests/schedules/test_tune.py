@@ -105,14 +105,14 @@ def test_the_candidates_of_several_searches_are_pooled() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"margin": -0.1}, r"margin must be a finite number >= 0 \(margin: -0.1\)"),
-        ({"margin": math.nan}, r"margin must be a finite number >= 0 \(margin: nan\)"),
-        ({"margin": math.inf}, r"margin must be a finite number >= 0 \(margin: inf\)"),
-        ({"margin": True}, r"margin must be a finite number >= 0 \(margin: True\)"),
-        ({"least": 0}, r"least must be a positive int \(least: 0\)"),
-        ({"most": 1.5}, r"most must be a positive int \(most: 1.5\)"),
-        ({"rounds": 0}, r"rounds must be a positive int \(rounds: 0\)"),
-        ({"rounds": True}, r"rounds must be a positive int \(rounds: True\)"),
+        ({"margin": -0.1}, r"margin must be a finite number >= 0 \(margin: -0.1, type float\)"),
+        ({"margin": math.nan}, r"margin must be a finite number >= 0 \(margin: nan, type float\)"),
+        ({"margin": math.inf}, r"margin must be a finite number >= 0 \(margin: inf, type float\)"),
+        ({"margin": True}, r"margin must be a finite number >= 0 \(margin: True, type bool\)"),
+        ({"least": 0}, r"least must be a positive int \(least: 0, type int\)"),
+        ({"most": 1.5}, r"most must be a positive int \(most: 1.5, type float\)"),
+        ({"rounds": 0}, r"rounds must be a positive int \(rounds: 0, type int\)"),
+        ({"rounds": True}, r"rounds must be a positive int \(rounds: True, type bool\)"),
         ({"least": 3, "most": 2}, r"least must not exceed most \(least: 3, most: 2\)"),
     ],
 )
@@ -129,14 +129,36 @@ def test_found_must_be_searches(found_value: Any) -> None:
         tune(found_value, lambda program: 1.0)
 
 
+def test_a_program_for_found_or_a_number_for_measure_names_the_fix_in_a_few_lines(found: Searched) -> None:
+    """found.program instead of found, a number instead of measure: the argument, its type, the fix,
+    and not the program's whole repr (4,094 characters at these sizes)."""
+    calls: list[Program] = []
+    for call, fragment, fix in [
+        (lambda: tune(found.program, calls.append), "(found: type Program, repr of", "found, not found.program"),
+        (lambda: tune([found, found.program], calls.append), "a sequence holding type Program", "not found.program"),
+        (
+            lambda: tune(found, 1.0),
+            "measure must be a function measure(program) -> seconds (measure: 1.0, type float)",
+            "Pass a function that runs one step",
+        ),
+    ]:
+        with pytest.raises(ScheduleError) as raised:
+            call()  # type: ignore[no-untyped-call]
+        message = str(raised.value)
+        assert message.startswith("fpipe.schedules.tune: ") and fragment in message and fix in message, message
+        assert len(message) < 400, message
+    assert calls == []
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, None, "1", True])
 def test_a_bad_measure_names_the_candidate_and_the_round(found: Searched, bad: Any) -> None:
     returned = iter([1.0, 1.0, 1.0, bad])
     with pytest.raises(ScheduleError, match="measure must return a finite number >= 0") as raised:
         tune(found, lambda program: next(returned), margin=0.06)
     # round 0: the 27 and ZB-V; round 1, rotated: ZB-V, then the 27 returns the bad value
-    assert f"(candidate: 'list(I/W, forward first, deep first, memory)', round: 1, returned: {bad!r})" in str(
-        raised.value
+    assert (
+        "(candidate: 'list(I/W, forward first, deep first, memory)', round: 1, "
+        f"returned: {bad!r}, type {type(bad).__name__})" in str(raised.value)
     )
 
 
