@@ -107,10 +107,10 @@ def exact_case(
         problem = checked_problem(p, m, costs, placement, v, memory, None)
         deadline = time.perf_counter() + seconds
         if available():
-            _, best, finished = solve(problem, found.program, found.makespan, lower_bound(problem), deadline)
+            _, best, outcome = solve(problem, found.program, found.makespan, lower_bound(problem), deadline)
         else:
-            _, best, finished = exact(problem, found.makespan, deadline)
-        optimum = best if finished else math.nan
+            _, best, outcome = exact(problem, found.makespan, deadline)
+        optimum = best if outcome == "optimal" else math.nan
     if found.lower_bound > optimum * (1 + 1e-9):  # never, or the bound is wrong (NaN compares False)
         raise AssertionError(
             f"lower bound {found.lower_bound} above the optimum {optimum}: {placement, v, p, m, costs}"
@@ -196,7 +196,7 @@ def cross(seconds: float = PROOF_SECONDS) -> None:
             _, bb, bb_done = exact(problem, listed.makespan, time.perf_counter() + seconds)
             start = time.perf_counter()
             _, cp, cp_done = solve(problem, listed.program, listed.makespan, lower_bound(problem), start + seconds)
-            if bb_done and cp_done:
+            if bb_done == cp_done == "optimal":
                 proven += 1
                 if abs(bb - cp) <= 1e-9 * bb:
                     same += 1

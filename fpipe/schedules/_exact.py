@@ -37,6 +37,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from ._bound import Relaxation
@@ -44,6 +45,12 @@ from ._list_schedule import Problem
 from ._program import Program
 
 _EPSILON = 1e-9
+
+Outcome = Literal["optimal", "ended", "cut"]
+"""How an exact search ended, by its own account, not the clock's: ``"optimal"``, it ran to its
+end and proved its answer the fastest of its space; ``"ended"``, it ran to its end on a model
+rounded from the costs, which proves nothing about them (the constraint solver only, NOTE
+[constraint solver]); ``"cut"``, the deadline stopped it first."""
 
 
 class OutOfTime(Exception):
@@ -180,12 +187,13 @@ class _Search:
         return undo
 
 
-def exact(problem: Problem, best: float, deadline: float) -> tuple[Program | None, float, bool]:
+def exact(problem: Problem, best: float, deadline: float) -> tuple[Program | None, float, Outcome]:
     """The fastest program of ``problem`` faster than ``best`` (NOTE [exact search]).
 
-    Returns ``(program, makespan, finished)``: ``program`` is ``None`` when none beats ``best``;
-    ``finished`` is ``False`` when ``deadline`` (``time.perf_counter()``) passed first, and the
-    program is then the best found so far.
+    Returns ``(program, makespan, outcome)``: ``program`` is ``None`` when none beats ``best``
+    (``makespan`` is then ``best``); ``outcome`` is ``"optimal"`` when the search ran to its end
+    (no program of the space beats ``makespan``), ``"cut"`` when ``deadline``
+    (``time.perf_counter()``) stopped it first, and the program is then the best found so far.
     """
     program = None
     fused = any(c.of(BACKWARD) < c.backward_input + c.backward_weight for c in problem.costs)
@@ -194,7 +202,7 @@ def exact(problem: Problem, best: float, deadline: float) -> tuple[Program | Non
         try:
             search.descend((-math.inf, 0), 0.0)
         except OutOfTime:
-            return search.program or program, min(search.best, best), False
+            return search.program or program, min(search.best, best), "cut"
         if search.program is not None:
             program, best = search.program, search.best
-    return program, best, True
+    return program, best, "optimal"

@@ -97,15 +97,22 @@ def _swappable(a: Action, b: Action) -> bool:
 
 def improve(
     problem: Problem, program: Program, makespan: float, sweeps: int, reach: int, deadline: float
-) -> tuple[Program, float] | None:
+) -> tuple[Program | None, float, bool]:
     """A faster program than ``program`` (of ``makespan``) by moves of one action at a time up to
-    ``reach`` places along its row, within the memory limit, or ``None`` if no move helps; at
-    most ``sweeps`` sweeps over the rows, none started after ``deadline``
-    (``time.perf_counter()``)."""
+    ``reach`` places along its row, within the memory limit; at most ``sweeps`` sweeps over the
+    rows, none started after ``deadline`` (``time.perf_counter()``).
+
+    Returns ``(program, makespan, finished)``, as the exact search does: ``program`` is ``None``
+    when no move helps (``makespan`` is then the one given); ``finished`` is ``False`` when
+    ``deadline`` stopped the sweeps before a sweep kept nothing or ``sweeps`` were done.
+    """
     rows = [list(row) for row in program.ranks]
-    best, improved = makespan, False
+    best, improved, finished = makespan, False, True
     moves = [1, *(d for x in range(2, reach + 1) for d in (x, -x)), *([-1] if reach > 1 else [])]
-    for _ in range(sweeps):
+    for sweep in range(sweeps):
+        if sweep and time.perf_counter() > deadline:
+            finished = False
+            break
         kept = False
         for row in rows:
             for k in range(len(row)):
@@ -123,11 +130,11 @@ def improve(
                     row.pop(j)
                     row.insert(k, a)
         improved |= kept
-        if not kept or time.perf_counter() > deadline:
+        if not kept:
             break
     if not improved:
-        return None
-    return Program(tuple(tuple(row) for row in rows), problem.num_stages, problem.num_microbatches), best
+        return None, makespan, finished
+    return Program(tuple(tuple(row) for row in rows), problem.num_stages, problem.num_microbatches), best, finished
 
 
 def _fits(problem: Problem, rows: Sequence[Sequence[Action]]) -> bool:
@@ -139,14 +146,21 @@ def _fits(problem: Problem, rows: Sequence[Sequence[Action]]) -> bool:
 
 def kicked(
     problem: Problem, program: Program, makespan: float, kicks: int, bound: float, deadline: float
-) -> tuple[Program, float] | None:
+) -> tuple[Program | None, float, bool]:
     """A faster program than ``program`` (of ``makespan``) by ``kicks`` kicks of iterated local
-    search (NOTE [kicks]), within the memory limit, or ``None`` if none is faster; it stops
-    early at ``bound`` (no program is faster) or after ``deadline`` (``time.perf_counter()``)."""
+    search (NOTE [kicks]), within the memory limit; it stops early at ``bound`` (no program is
+    faster) or after ``deadline`` (``time.perf_counter()``).
+
+    Returns ``(program, makespan, finished)`` as ``improve`` does: ``program`` is ``None`` when
+    none is faster; ``finished`` is ``False`` when ``deadline`` stopped a kick or the kicks left.
+    """
     shaker = random.Random(0)
-    best, kept = makespan, program
+    best, kept, finished = makespan, program, True
     for kick in range(kicks):
-        if best <= bound * (1 + _SLACK) or time.perf_counter() > deadline:
+        if best <= bound * (1 + _SLACK):
+            break
+        if time.perf_counter() > deadline:
+            finished = False
             break
         rows = [list(row) for row in kept.ranks]
         for _ in range(1 + kick % 3):
@@ -155,11 +169,12 @@ def kicked(
         if t == math.inf or not _fits(problem, rows):
             continue
         moved = Program(tuple(tuple(row) for row in rows), problem.num_stages, problem.num_microbatches)
-        better = improve(problem, moved, t, 2, 3, deadline)
-        moved, t = better or (moved, t)
+        better, t, done = improve(problem, moved, t, 2, 3, deadline)
+        moved = moved if better is None else better
+        finished = finished and done
         if t <= best * (1 + _SLACK):
             best, kept = t, moved
-    return (kept, best) if best < makespan * (1 - _SLACK) else None
+    return (kept, best, finished) if best < makespan * (1 - _SLACK) else (None, makespan, finished)
 
 
 def _move_at_random(row: list[Action], shaker: random.Random) -> None:

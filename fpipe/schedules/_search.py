@@ -75,7 +75,11 @@ class Searched:
         lower_bound: a makespan no program can beat (``makespan / lower_bound - 1`` is how far
             from it the program may be); never above ``makespan`` (where the two differ by
             rounding only, the bound is the makespan).
-        complete: ``False`` when the time budget ran out before every candidate was tried.
+        complete: ``True`` only when every part of the search that runs for this problem ran
+            to its end: every list pass, shaken pass, sweep and kick, and the exact search by
+            its own account (the branch and bound exhausted its space; CP-SAT reported
+            ``OPTIMAL`` or ``INFEASIBLE``, not ``FEASIBLE`` or ``UNKNOWN``), however much of the
+            budget is left; ``False`` when the budget cut any of them short.
         optimal: ``True`` when the program is proven fastest: it meets ``lower_bound`` (no
             program is faster), or the exact search (small problems) finished without beating it
             or proved it optimal (no program of the space it covers is faster, NOTE [exact
@@ -245,8 +249,10 @@ def search(
     optimal = best <= bound * (1 + 1e-9)
     actions = problem.num_stages * num_microbatches * 3
     if complete and not optimal and actions <= LOCAL_ACTIONS:
+        # Each part says whether it ran to its end (the deadline cut nothing): complete is their
+        # conjunction, never the clock read afterwards.
         # improved from each of: the best of the built-ins and reserving passes, the best of all, the best shaken
-        shaken = _shaken(problem, deadline)
+        shaken, complete = _shaken(problem, deadline)
         tried += [shaken] if shaken is not None else []
         starts = [*([min(reserving, key=lambda t: t[1])] if reserving else []), (name, best, program)]
         starts += [shaken] if shaken is not None else []
@@ -254,9 +260,9 @@ def search(
         for start, span, started_from in starts:
             improved = started_from
             for reach in (1, LOCAL_REACH):  # swaps first: moves from where they end are never worse
-                better = improve(problem, improved, span, LOCAL_SWEEPS, reach, deadline)
-                if better is not None:
-                    improved, span = better
+                better, span, finished = improve(problem, improved, span, LOCAL_SWEEPS, reach, deadline)
+                improved = improved if better is None else better
+                complete = complete and finished
             if improved is not started_from:
                 tried.append((f"list swaps of {start}", span, improved))
             if span < best:
@@ -264,26 +270,28 @@ def search(
             if best <= bound * (1 + 1e-9):
                 break
         if best > bound * (1 + 1e-9) and actions <= KICKED_ACTIONS:
-            better = kicked(problem, program, best, KICKS, bound, deadline)
+            better, span, finished = kicked(problem, program, best, KICKS, bound, deadline)
+            complete = complete and finished
             if better is not None:
-                name, program, best = f"list kicks of {name}", *better
+                name, program, best = f"list kicks of {name}", better, span
                 tried.append((name, best, program))
-        complete = time.perf_counter() <= deadline
         optimal = best <= bound * (1 + 1e-9)
     small = num_ranks <= EXACT_RANKS and num_microbatches <= EXACT_MICROBATCHES
     if exact and complete and not optimal and (small or solver == "cp-sat"):
         solving = solver == "cp-sat" or (solver == "auto" and solver_available())
         if solving:
-            found, makespan, finished = solve(problem, program, best, bound, deadline)
+            found, makespan, outcome = solve(problem, program, best, bound, deadline)
         else:
-            found, makespan, finished = branch_and_bound(problem, best, deadline)
+            found, makespan, outcome = branch_and_bound(problem, best, deadline)
         if found is not None:
             tried.append(("exact (CP-SAT)" if solving else "exact", makespan, found))
             name, best, program = tried[-1]
-        optimal = finished
-        complete = finished or time.perf_counter() < deadline
+        optimal = outcome == "optimal"
+        complete = outcome != "cut"  # the engine's own status: a solver stopped without a proof is cut
     if slack:
-        tried += leaner(problem, tried, slack, deadline)
+        lean, finished = leaner(problem, tried, slack, deadline)
+        tried += lean
+        complete = complete and finished
     kept = leanest(tried, slack, problem.sizes) if slack else (name, best, program)
     optimal = optimal and kept[1] <= best * (1 + 1e-9)  # a leaner program within the slack may be slower
     simulation = simulations.get(id(kept[2]))
@@ -326,11 +334,12 @@ def leanest(
 
 def leaner(
     problem: Problem, tried: Sequence[tuple[str, float, Program]], slack: float, deadline: float
-) -> list[tuple[str, float, Program]]:
+) -> tuple[list[tuple[str, float, Program]], bool]:
     """List passes under lower memory limits, for ``leanest`` (NOTE [memory within the slack]):
     each peak that a program of ``tried`` holds, below the least that one within ``slack`` of the
     shortest step holds, in increasing order, until a limit gives programs within the slack (all
-    of that limit's passes, named ``"<policy> under <limit>"``) or ``deadline`` passes."""
+    of that limit's passes, named ``"<policy> under <limit>"``) or ``deadline`` passes; and
+    whether it ran to its end (``False``: the deadline stopped it)."""
     ceiling = min(t for _, t, _ in tried) * (1 + slack)
     peaks = {id(q): max(peak_memory(q, problem.sizes)) for _, _, q in tried}
     lean = min(peaks[id(q)] for _, t, q in tried if t <= ceiling * (1 + 1e-9))
@@ -340,31 +349,31 @@ def leaner(
         found: list[tuple[str, float, Program]] = []
         for policy in policies(limited):
             if time.perf_counter() > deadline:
-                return found
+                return found, False
             laid_out = list_schedule(limited, policy)
             assert laid_out is not None, "a list-scheduling pass admits only what it can finish (NOTE [list scheduler])"
             if laid_out[1] <= ceiling * (1 + 1e-9):
                 found.append((f"{policy} under {limit:g}", laid_out[1], laid_out[0]))
         if found:
-            return found
-    return []
+            return found, True
+    return [], True
 
 
-def _shaken(problem: Problem, deadline: float) -> tuple[str, float, Program] | None:
+def _shaken(problem: Problem, deadline: float) -> tuple[tuple[str, float, Program] | None, bool]:
     """The fastest of ``SHAKEN_PASSES`` shaken passes (NOTE [shaken passes] in
-    ``_list_schedule.py``) of the first ``SHAKEN_POLICIES`` policies in turn, seeds 0, 1, ...;
-    ``None`` if ``deadline`` passed before the first."""
+    ``_list_schedule.py``) of the first ``SHAKEN_POLICIES`` policies in turn, seeds 0, 1, ...
+    (``None`` if ``deadline`` passed before the first), and whether all of them ran."""
     likeliest = list(itertools.islice(policies(problem), SHAKEN_POLICIES))
     best: tuple[str, float, Program] | None = None
     for seed in range(SHAKEN_PASSES):
         if time.perf_counter() > deadline:
-            break
+            return best, False
         policy = replace(likeliest[seed % len(likeliest)], seed=seed)
         laid_out = list_schedule(problem, policy)
         assert laid_out is not None, "a shaken pass makes choices a pass may make (NOTE [shaken passes])"
         if best is None or laid_out[1] < best[1]:
             best = str(policy), laid_out[1], laid_out[0]
-    return best
+    return best, True
 
 
 def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Program]]:

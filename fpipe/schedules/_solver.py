@@ -43,6 +43,7 @@ from collections.abc import Callable
 from fractions import Fraction
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from ._exact import Outcome
 from ._improve import peak_memory
 from ._list_schedule import Problem
 from ._program import Program, validate
@@ -65,26 +66,30 @@ def available() -> bool:
 
 def solve(
     problem: Problem, hint: Program, best: float, bound: float, deadline: float
-) -> tuple[Program | None, float, bool]:
+) -> tuple[Program | None, float, Outcome]:
     """The fastest program of ``problem``'s space faster than ``best`` (the makespan of ``hint``)
     that the solver finds by ``deadline`` (``time.perf_counter()``), NOTE [constraint solver];
     ``bound``: a makespan no program beats (``lower_bound``).
 
-    Returns ``(program, makespan, proven)``, as ``exact`` does: ``program`` is ``None`` when none
-    beats ``best`` (``makespan`` is then ``best``); ``proven``: the better of the two is optimal
-    in the space.
+    Returns ``(program, makespan, outcome)``, as ``exact`` does: ``program`` is ``None`` when
+    none beats ``best`` (``makespan`` is then ``best``); ``outcome`` is the solver's own status:
+    ``"optimal"`` when it proved the better of the two the fastest of the space (CP-SAT's
+    ``OPTIMAL``, or ``INFEASIBLE`` under the bound), ``"ended"`` when it did so on costs it had to
+    round (nothing proven), ``"cut"`` when it stopped without a proof (``FEASIBLE``, ``UNKNOWN``),
+    however much time was left.
     OR-Tools must be installed (``available()``).
     """
     fused = any(c.of(BACKWARD) < c.backward_input + c.backward_weight for c in problem.costs)
     spaces = (True, False) if fused else (True,)
-    program, proven = None, True
+    program, outcomes = None, []
     for k, split in enumerate(spaces):
         share = time.perf_counter() + (deadline - time.perf_counter()) / (len(spaces) - k)
-        found, makespan, done = _solve(problem, split, hint, best, bound, share)
+        found, makespan, outcome = _solve(problem, split, hint, best, bound, share)
         if found is not None:
             program, best = found, makespan
-        proven = proven and done
-    return program, best, proven
+        outcomes.append(outcome)
+    worst: Outcome = "cut" if "cut" in outcomes else "ended" if "ended" in outcomes else "optimal"
+    return program, best, worst
 
 
 def _scale(values: list[float]) -> tuple[float, bool]:
@@ -103,7 +108,7 @@ def _scale(values: list[float]) -> tuple[float, bool]:
 
 def _solve(
     problem: Problem, split: bool, hint: Program, best: float, bound: float, deadline: float
-) -> tuple[Program | None, float, bool]:
+) -> tuple[Program | None, float, Outcome]:
     """``solve`` in one space: split backwards, or fused."""
     from ortools.sat.python import cp_model
 
@@ -171,15 +176,16 @@ def _solve(
     solver.parameters.max_time_in_seconds = max(0.0, deadline - time.perf_counter())
     solver.parameters.num_workers = _WORKERS
     status = solver.solve(model)
+    finished = status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)  # the solver's proof, not the clock
+    outcome: Outcome = ("optimal" if exact else "ended") if finished else "cut"
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, best, exact and status == cp_model.INFEASIBLE
+        return None, best, outcome
     program = _program(problem, kinds, lambda key: solver.value(start[key]))
-    proven = exact and status == cp_model.OPTIMAL
     replayed = simulate(program, costs).makespan
     fits = all(x <= limit * (1 + _SLACK) for x, limit in zip(peak_memory(program, problem.sizes), problem.limits))
     if not fits or replayed >= best * (1 - _SLACK):
-        return None, best, proven
-    return program, replayed, proven
+        return None, best, outcome
+    return program, replayed, outcome
 
 
 def _program(problem: Problem, kinds: tuple[str, ...], value: Callable[[tuple[int, str, int]], int]) -> Program:

@@ -101,8 +101,8 @@ def test_the_memory_windows_are_never_above_the_exact_optimum(
     the same bound prunes at every node, is not above any list-scheduling pass (programs of its
     space)."""
     problem = checked_problem(2, m, costs, placement, 2, memory, None)
-    program, optimum, finished = exact(problem, math.inf, time.perf_counter() + 600)
-    assert finished and program is not None
+    program, optimum, outcome = exact(problem, math.inf, time.perf_counter() + 600)
+    assert outcome == "optimal" and program is not None
     assert lower_bound(problem) <= optimum + 1e-9
     listed = search(2, m, costs, placement=placement, stages_per_rank=2, memory=memory, exact=False)
     assert all(optimum <= t + 1e-9 for name, t in listed.candidates if name.startswith("list("))
@@ -152,6 +152,6 @@ def test_a_w_released_before_every_forward_and_backward_left_is_not_counted_afte
     finds it."""
     costs = [Costs(backward_weight=0.3, send=0.3)] * 4
     problem = checked_problem(4, 8, costs, "looped", 1, 4, None)
-    program, makespan, finished = exact(problem, math.inf, time.perf_counter() + 600)
-    assert finished and program is not None and makespan == pytest.approx(27.3)
+    program, makespan, outcome = exact(problem, math.inf, time.perf_counter() + 600)
+    assert outcome == "optimal" and program is not None and makespan == pytest.approx(27.3)
     assert max(partial_bounds(problem, program, split=True)) <= makespan * (1 + 1e-9)

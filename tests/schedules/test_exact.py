@@ -16,6 +16,7 @@ import pytest
 from fpipe.schedules import Costs, simulate, validate
 from fpipe.schedules._exact import exact
 from fpipe.schedules._list_schedule import Problem
+from fpipe.schedules._search import checked_problem
 from tests.schedules._programs import least_makespan
 
 M = 2  # microbatches
@@ -34,12 +35,24 @@ def test_the_program_found_is_the_fastest_of_the_space(case: tuple[Costs, Costs,
     *costs, limit = case
     problem = Problem(M, (0, 1), tuple(costs), (1.0, 1.0), (limit, limit))
     optimum = least_makespan(problem.costs, M, limit, fifo=True)
-    program, makespan, finished = exact(problem, math.inf, time.perf_counter() + 600)
-    assert finished and program is not None
+    program, makespan, outcome = exact(problem, math.inf, time.perf_counter() + 600)
+    assert outcome == "optimal" and program is not None
     validate(program)
     sim = simulate(program, list(costs))
     assert makespan == pytest.approx(optimum) and sim.makespan == pytest.approx(makespan)
     assert max(sim.peak_activations) <= limit
     # Asked to beat the optimum, it finds nothing and says the bound it was given.
-    none, bound, finished = exact(problem, makespan, time.perf_counter() + 600)
-    assert none is None and bound == makespan and finished
+    none, bound, outcome = exact(problem, makespan, time.perf_counter() + 600)
+    assert none is None and bound == makespan and outcome == "optimal"
+
+
+def test_a_search_the_deadline_stops_is_cut() -> None:
+    """Past its deadline the branch and bound stops at its next check (every 1024 nodes) and says
+    so: ``"cut"``, with the best program found so far, or none."""
+    costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.15, send=1.0)] * 8
+    problem = checked_problem(4, 8, costs, "v", 2, 2, None)
+    program, makespan, outcome = exact(problem, math.inf, time.perf_counter() - 1)
+    assert outcome == "cut"
+    if program is not None:
+        validate(program)
+        assert simulate(program, costs).makespan == pytest.approx(makespan)

@@ -40,9 +40,8 @@ def test_swaps_make_a_list_scheduled_program_faster_within_memory() -> None:
     problem = checked_problem(2, 4, costs, "looped", 2, 2, None)
     laid_out = list_schedule(problem, Policy(split=True, extra=None))
     assert laid_out is not None
-    better = improve(problem, *laid_out, sweeps=4, reach=1, deadline=time.perf_counter() + 60)
-    assert better is not None
-    program, makespan = better
+    program, makespan, finished = improve(problem, *laid_out, sweeps=4, reach=1, deadline=time.perf_counter() + 60)
+    assert program is not None and finished
     validate(program)
     assert laid_out[1] == pytest.approx(14.4) and makespan == pytest.approx(14.2)
     assert makespan == pytest.approx(simulate(program, costs).makespan)
@@ -58,11 +57,23 @@ def test_kicks_reach_the_optimum_where_single_moves_stop() -> None:
     program = InterleavedZeroBubble(4, stages_per_rank=2).program(4, 2)
     assert simulate(program, costs).makespan == 21
     deadline = time.perf_counter() + 60
-    assert improve(problem, program, 21, sweeps=4, reach=3, deadline=deadline) is None
-    better = kicked(problem, program, 21, kicks=20, bound=0.0, deadline=deadline)
-    assert better is not None
-    kept, makespan = better
+    assert improve(problem, program, 21, sweeps=4, reach=3, deadline=deadline) == (None, 21, True)
+    kept, makespan, finished = kicked(problem, program, 21, kicks=20, bound=0.0, deadline=deadline)
+    assert kept is not None and finished
     validate(kept)
     assert makespan == simulate(kept, costs).makespan == 19.5
     assert max(peak_memory(kept, problem.sizes)) <= 2
-    assert exact(problem, math.inf, deadline)[1:] == (19.5, True)
+    assert exact(problem, math.inf, deadline)[1:] == (19.5, "optimal")
+
+
+def test_moves_and_kicks_the_deadline_stops_say_so() -> None:
+    """A sweep is never cut in the middle, but none starts after the deadline: the swaps of the
+    test above keep a move in their first sweep, so a second was due and did not run
+    (``finished`` False); kicks past the deadline run none."""
+    costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.5, send=0.15)] * 4
+    problem = checked_problem(2, 4, costs, "looped", 2, 2, None)
+    laid_out = list_schedule(problem, Policy(split=True, extra=None))
+    assert laid_out is not None
+    program, makespan, finished = improve(problem, *laid_out, sweeps=4, reach=1, deadline=-math.inf)
+    assert program is not None and makespan < laid_out[1] and not finished
+    assert kicked(problem, *laid_out, kicks=20, bound=0.0, deadline=-math.inf) == (None, laid_out[1], False)

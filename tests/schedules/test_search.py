@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fpipe.schedules._search as search_module
 from fpipe.schedules import (
     Costs,
     InterleavedZeroBubble,
@@ -26,6 +27,7 @@ from fpipe.schedules import (
 from fpipe.schedules._exact import exact
 from fpipe.schedules._list_schedule import list_schedule
 from fpipe.schedules._search import builtin_programs, checked_problem, peak_memory, policies
+from fpipe.schedules._solver import available as solver_available
 from tests.schedules._programs import least_makespan
 
 
@@ -144,7 +146,7 @@ def test_shaken_passes_find_the_optimum_that_every_policy_misses() -> None:
     listed = [t for name, t in found.candidates[found.builtins :] if "shaken" not in name]
     assert min(listed) == 16.5
     problem = checked_problem(2, 4, costs, "v", 2, 3, None)
-    assert exact(problem, math.inf, time.perf_counter() + 60)[1:] == (14.5, True)
+    assert exact(problem, math.inf, time.perf_counter() + 60)[1:] == (14.5, "optimal")
 
 
 def test_small_problems_end_proven_optimal_within_a_few_percent_of_the_bound() -> None:
@@ -160,6 +162,36 @@ def test_a_tiny_time_budget_returns_the_best_so_far_saying_so() -> None:
     validate(found.program)
     assert [n for n, _ in found.candidates if n.startswith("list")] == [found.candidates[-1][0]]
     assert found.makespan == min(t for _, t in found.candidates)
+
+
+@pytest.mark.parametrize("part", ["_shaken", "improve", "kicked", "branch_and_bound", "solve", "leaner"])
+def test_a_part_cut_short_makes_the_search_incomplete_whatever_the_clock_says(
+    part: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each part of the search reports whether it ran to its end; one that says it did not (as
+    CP-SAT stops without a proof shortly before the deadline) makes ``complete`` False, with
+    most of a 600 s budget left: ``complete`` is never read off the clock afterwards. The V on 2
+    ranks, memory 1, where every part runs (bound 14.5, optimum 16.5)."""
+    costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.5)] * 4
+    run = {"solver": "cp-sat" if part == "solve" else "branch-and-bound", "slack": 0.02 if part == "leaner" else 0.0}
+    if part == "solve" and not solver_available():
+        pytest.skip("OR-Tools is not installed (pip install 'fpipe[solver]')")
+    whole = search(2, 4, costs, placement="v", memory=1, time_budget=600, **run)  # type: ignore[arg-type]
+    assert whole.complete and whole.optimal
+    original = getattr(search_module, part)
+    calls: list[str] = []
+
+    def cut_short(*args: object) -> tuple[object, ...]:
+        calls.append(part)
+        *result, _ = original(*args)
+        return (*result, "cut" if part in ("branch_and_bound", "solve") else False)
+
+    monkeypatch.setattr(search_module, part, cut_short)
+    started = time.perf_counter()
+    found = search(2, 4, costs, placement="v", memory=1, time_budget=600, **run)  # type: ignore[arg-type]
+    assert calls and time.perf_counter() - started < 300
+    assert not found.complete and found.optimal == (part == "leaner")  # after the proof, the slack's passes
+    validate(found.program)
 
 
 def test_memory_in_bytes_with_activation_sizes() -> None:
