@@ -6,14 +6,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .._pytree import PyTree, map_tensors
+from .._pytree import PyTree, TreeSpec, leaves_with_names, map_tensors, stage_list, unflatten
 
 Norm = Callable[[Sequence[PyTree]], torch.Tensor]
 """A norm function: one gradient pytree per stage to their global 2-norm (``step.global_norm``)."""
 
 
 def clip_by_global_norm(
-    grads: Sequence[PyTree], norm: Norm | torch.Tensor | float, /, *, max_norm: float
+    grads: Sequence[PyTree],
+    norm: Norm | torch.Tensor | float,
+    /,
+    *,
+    max_norm: float,
+    params: Sequence[PyTree] | None = None,
 ) -> list[PyTree]:
     """``grads`` scaled so that their global norm is at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` scales.
 
@@ -33,6 +38,13 @@ def clip_by_global_norm(
         norm: a norm function ``norm(grads) -> scalar`` (``step.global_norm``), or the global
             norm itself, a scalar tensor (or float).
         max_norm: the largest norm allowed.
+        params: with tied parameters (a name in several stages, as ``fpipe.split_module`` gives
+            an embedding shared by the first and last stages), the parameters of *every* stage,
+            as ``split_module`` returned them (only the names are read; as ``fpipe.sum_tied``'s
+            ``params``). The norm function then gets ``grads`` with each tied name's gradient in
+            its first stage only (``None`` in the others), so a tied gradient counts once, as
+            ``clip_grad_norm_`` counts the unsplit model's one tensor; without ``params`` each
+            copy counts. Needs a norm function.
 
     Returns:
         New gradients; ``grads`` is not modified.
@@ -46,7 +58,14 @@ def clip_by_global_norm(
         >>> fpipe.optim.clip_by_global_norm(grads, norm, max_norm=1.0)[0]["w"]
         tensor([0.6000, 0.8000])
     """
-    if callable(norm):
+    if params is not None:
+        if not callable(norm):
+            raise TypeError(
+                f"fpipe.optim.clip_by_global_norm: params= needs a norm function, to leave the tied copies out of "
+                f"the norm (norm: {type(norm).__name__}). Pass step.global_norm, not its value."
+            )
+        norm = norm(_first_copies(grads, params))
+    elif callable(norm):
         norm = norm(grads)
     if not isinstance(norm, torch.Tensor | float | int) or torch.as_tensor(norm).numel() != 1:
         raise TypeError(
@@ -60,3 +79,30 @@ def clip_by_global_norm(
         )
     scale = torch.clamp(max_norm / (torch.as_tensor(norm).reshape(()) + 1e-6), max=1.0)
     return [None if stage is None else map_tensors(lambda g: g * scale.to(g.device), stage) for stage in grads]
+
+
+def _first_copies(grads: Sequence[PyTree], params: Sequence[PyTree]) -> list[PyTree]:
+    """``grads`` with the leaves of names already held by an earlier stage of ``params`` (the
+    copies of a tied parameter, NOTE [names] in ``fpipe/_saving/_save.py``) set to ``None``."""
+    where = "fpipe.optim.clip_by_global_norm"
+    stage_list(where, "grads", grads, fix="Pass the per-stage list that step(params, batch) returns.")
+    fix = "Pass the parameters of every stage, as split_module returned them."
+    stage_list(where, "params", params, len(grads), against="grads", fix=fix)
+    seen: set[str] = set()
+    out: list[PyTree] = []
+    for stage_grads, stage_params in zip(grads, params):
+        names = set() if stage_params is None else set(_names(stage_params)[0])
+        copies, seen = names & seen, seen | names
+        if stage_grads is None or not copies:
+            out.append(stage_grads)
+            continue
+        grad_names, leaves, spec = _names(stage_grads)
+        out.append(unflatten(spec, [None if n in copies else leaf for n, leaf in zip(grad_names, leaves)]))
+    return out
+
+
+def _names(tree: PyTree) -> tuple[list[str], list[object], TreeSpec]:
+    """The names of ``tree``'s leaves (key paths joined by ``.``, as ``fpipe.save`` names them),
+    the leaves and the structure."""
+    parts, _, leaves, spec = leaves_with_names(tree)
+    return [".".join(p) for p in parts], leaves, spec

@@ -15,12 +15,14 @@ recognises them as shards and reshards them on load (NOTE [sharded saves] in
 writes once. Non-tensor leaves of the parameters (``None``, strings) get ``None`` buffers.
 
 NOTE [torch kernels]
-The arithmetic is torch's own: an update gathers the leaves of every held stage into flat lists
-and makes one call of ``torch.optim``'s functional entry point (``torch.optim.adamw.adamw``,
-``torch.optim.sgd.sgd``) per weight decay group, with ``foreach``/``fused`` passed through, so
-the result is what ``torch.optim.AdamW`` computes for parameters with those gradients. Those
-kernels take one step counter per parameter and increment it themselves; the state keeps one per
-stage, so each call gets a fresh copy per leaf, and the stage's counter is incremented once after.
+The arithmetic is torch's own: an update gathers the leaves of every held stage into flat lists,
+each parameter once (tied copies, one memory, through the first: NOTE [one tensor, one step] in
+``fpipe/optim/_aliases.py``), and makes one call of ``torch.optim``'s functional entry point
+(``torch.optim.adamw.adamw``, ``torch.optim.sgd.sgd``) per weight decay group, with
+``foreach``/``fused`` passed through, so the result is what ``torch.optim.AdamW`` computes for
+parameters with those gradients. Those kernels take one step counter per parameter and increment
+it themselves; the state keeps one per stage, so each call gets a fresh copy per parameter, and
+the stage's counter is incremented once after.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 from .._plural import plural
 from .._pytree import PyTree, TreeSpec, broadcast_prefix, flatten, leaves_with_paths, map_tensors, stage_list, unflatten
+from ._aliases import Copies, Leaf, check_writes, tied_groups, view_key
 
 LearningRate = float | Callable[[int], float]
 
@@ -41,13 +44,21 @@ LearningRate = float | Callable[[int], float]
 class Optimizer(NamedTuple):
     """A functional optimizer over per-stage parameter pytrees (``fpipe.optim.adamw``, ``fpipe.optim.sgd``).
 
+    Leaves of ``params`` that are one tensor (the same view of one memory: the copies of a tied
+    parameter that ``fpipe.split_module`` gives several stages) are one parameter, as in
+    ``torch.optim``: stepped once, with one state, after checking that their gradients (summed
+    by ``fpipe.sum_tied``) are equal (NOTE [one tensor, one step] in ``fpipe/optim/_aliases.py``).
+
     Attributes:
         init: ``state = init(params)``: zero buffers shaped like ``params`` (one pytree per
-            stage, ``None`` for stages held elsewhere) and step counters at 0.
-        update: ``params, state = update(params, grads, state, lr=None)``: new tensors, the
-            arguments untouched. ``lr`` overrides the optimizer's learning rate for this update.
+            stage, ``None`` for stages held elsewhere; tied copies share one) and step counters at 0.
+        update: ``params, state = update(params, grads, state, lr=None)``: new tensors (tied
+            copies: one new tensor), the arguments untouched. ``lr`` overrides the optimizer's
+            learning rate for this update.
         update_: ``update_(params, grads, state, lr=None)``: the same update written into the
-            tensors of ``params`` and ``state`` (no copies: for memory). Returns ``None``.
+            tensors of ``params`` and ``state`` (no copies: for memory); memory it would write
+            twice (other overlapping views, a buffer shared by two parameters) is an error.
+            Returns ``None``.
     """
 
     init: Callable[[Sequence[PyTree]], list[PyTree]]
@@ -86,6 +97,8 @@ def make_optimizer(
 
     def init(params: Sequence[PyTree], /) -> list[PyTree]:
         _check_sequence(where, "params", params)
+        # Tied copies get one buffer (NOTE [one tensor, one step] in fpipe/optim/_aliases.py).
+        zeros = {key: Copies(torch.zeros_like) for key in buffers}
         out: list[PyTree] = []
         for s, stage in enumerate(params):
             if stage is None:
@@ -94,7 +107,9 @@ def make_optimizer(
             _, leaves, tree_spec = _param_leaves(where, s, stage)
             state: dict[str, PyTree] = {"step": torch.zeros((), dtype=torch.float32)}
             for key in buffers:
-                state[key] = unflatten(tree_spec, [_zeros(x) for x in leaves])
+                state[key] = unflatten(
+                    tree_spec, [zeros[key](x) if isinstance(x, torch.Tensor) else None for x in leaves]
+                )
             out.append(state)
         return out
 
@@ -102,9 +117,9 @@ def make_optimizer(
         params: Sequence[PyTree], grads: Sequence[PyTree], state: Sequence[PyTree], /, *, lr: float | None = None
     ) -> None:
         held = _held_stages(where, params, grads, state)
-        groups: dict[bool, Group] = {}
+        counters = {s: _check_state_keys(where, s, state[s], buffers) for s in held}
+        leaves: list[Leaf] = []
         for s in held:
-            counter = _check_state_keys(where, s, state[s], buffers)
             paths, p_leaves, p_spec = _param_leaves(where, s, params[s])
             g_leaves = _same_structure(where, f"grads[{s}]", paths, p_spec, grads[s])
             b_leaves = {
@@ -114,38 +129,45 @@ def make_optimizer(
             for k, (path, p) in enumerate(zip(paths, p_leaves)):
                 if not isinstance(p, torch.Tensor):
                     continue  # None, strings: nothing to optimize
-                decay_rate = weight_decay if decay[k] else 0.0
-                group = groups.setdefault(decay[k], Group(decay_rate, buffers={key: [] for key in buffers}))
-                group.params.append(p)
-                group.grads.append(_check_like(where, f"grads[{s}]{path}", p, g_leaves[k]))
+                leaf = Leaf(s, path, p, _check_like(where, f"grads[{s}]{path}", p, g_leaves[k]), decay[k])
                 for key in buffers:
-                    group.buffers[key].append(_check_like(where, f"state[{s}][{key!r}]{path}", p, b_leaves[key][k]))
-                group.steps.append(counter.detach().clone())
+                    leaf.buffers[key] = _check_like(where, leaf.name(key), p, b_leaves[key][k])
+                leaves.append(leaf)
+        tied = tied_groups(where, leaves, counters)
+        check_writes(where, tied, counters)
+        groups: dict[bool, Group] = {}
+        for first, *_ in tied:  # a tied parameter once, through its first copy
+            group = groups.setdefault(
+                first.decay, Group(weight_decay if first.decay else 0.0, buffers={key: [] for key in buffers})
+            )
+            group.params.append(first.param)
+            group.grads.append(first.grad)
+            for key in buffers:
+                group.buffers[key].append(first.buffers[key])
+            group.steps.append(counters[first.stage].detach().clone())
         rate = _learning_rate(where, learning_rate, lr, held, state)
         with torch.no_grad():
             for group in groups.values():
                 kernel(group, lr=rate)
-            for s in held:
-                state[s]["step"].add_(1)
+            for first, *copies in tied:  # a state with a buffer per copy: keep them equal
+                for copy in copies:
+                    for key, buffer in copy.buffers.items():
+                        if view_key(buffer) != view_key(first.buffers[key]):
+                            buffer.copy_(first.buffers[key])
+            for counter in {view_key(c): c for c in counters.values()}.values():  # a shared counter once
+                counter.add_(1)
 
     def update(
         params: Sequence[PyTree], grads: Sequence[PyTree], state: Sequence[PyTree], /, *, lr: float | None = None
     ) -> tuple[list[PyTree], list[PyTree]]:
         _held_stages(where, params, grads, state)
-        new_params = [None if p is None else map_tensors(_copy, p) for p in params]
-        new_state = [None if t is None else map_tensors(_copy, t) for t in state]
+        copy = Copies()  # one copy per memory: tied copies stay one tensor
+        new_params = [None if p is None else map_tensors(copy, p) for p in params]
+        new_state = [None if t is None else map_tensors(copy, t) for t in state]
         update_(new_params, grads, new_state, lr=lr)
         return new_params, new_state
 
     return Optimizer(init, update, update_)
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone(memory_format=torch.preserve_format)
-
-
-def _zeros(leaf: object) -> torch.Tensor | None:
-    return torch.zeros_like(leaf, memory_format=torch.preserve_format) if isinstance(leaf, torch.Tensor) else None
 
 
 _FIX = "Pass the per-stage list that step(params, batch) takes, None for stages held elsewhere."
