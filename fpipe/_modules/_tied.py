@@ -7,8 +7,11 @@ stage's gradient holds only its own uses. The gradient of the shared parameter i
     stage 0: {"embed.weight": g0, ...}         stage 0: {"embed.weight": g0 + g3, ...}
     stage 3: {"embed.weight": g3, ...}   ==>   stage 3: {"embed.weight": g0 + g3, ...}
 
-After the sum, every copy gets the same gradient, so the same (deterministic) optimizer update
-keeps the copies equal.
+After the sum, every copy holds the same gradient. ``fpipe.optim`` steps copies that are one
+memory (``split_module``'s aliases, in one process or on one rank) once and copies in separate
+processes alike, so the copies stay equal and equal the unsplit model's parameter under
+``torch.optim``; an optimizer that stepped each leaf on its own would move aliased copies once
+per copy (NOTE [one tensor, one step] in ``fpipe/optim/_aliases.py``).
 """
 
 from __future__ import annotations
