@@ -346,3 +346,38 @@ def test_memory_written_twice_by_an_in_place_update_is_refused() -> None:
     )
     new, _ = opt.update(params, on_params, opt.init(params))  # the pure update writes copies: fine
     torch.testing.assert_close(new[0]["a"], params[0]["a"] * 0.9)
+
+
+def _dtensors_on_ranks(rank: int, world_size: int) -> list[bool]:
+    """Tied DTensor copies (a Shard(0) weight on a tp mesh of 2): one tensor by their local pieces."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.set_default_dtype(torch.float64)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(0)
+    w, dw = (distribute_tensor(torch.randn(4, 3, generator=g), mesh, [Shard(0)]) for _ in range(2))
+    b, db = (distribute_tensor(torch.randn(3, generator=g), mesh, [Replicate()]) for _ in range(2))
+    reference = [w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()]
+    reference[0].grad, reference[1].grad = dw, db
+    torch.optim.AdamW(reference, lr=0.1).step()
+    params = [{"w": w.detach(), "b": b.detach()}, {"w": w.detach()}]
+    opt = fpipe.optim.adamw(0.1)
+    state = opt.init(params)
+    new, _ = opt.update(params, [{"w": dw, "b": db}, {"w": dw.clone()}], state)
+    opt.update_(params, [{"w": dw, "b": db}, {"w": dw.clone()}], state)
+    return [
+        state[0]["exp_avg"]["w"] is state[1]["exp_avg"]["w"],
+        new[0]["w"] is new[1]["w"],
+        params[1]["w"].to_local().data_ptr() == params[0]["w"].to_local().data_ptr(),
+        *(torch.equal(x.to_local(), y.to_local()) for x, y in zip([params[0]["w"], params[0]["b"]], reference)),
+        *(torch.equal(x.to_local(), y.to_local()) for x, y in zip([new[0]["w"], new[0]["b"]], reference)),
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_tied_dtensor_copies_are_one_tensor() -> None:
+    """Tensor-parallel weights are DTensors: their copies are one tensor by their local pieces,
+    stepped once, bitwise ``torch.optim.AdamW`` on the DTensors."""
+    for checks in run_ranks(2, _dtensors_on_ranks, timeout=90):
+        assert checks == [True] * 7
