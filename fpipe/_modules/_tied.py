@@ -66,9 +66,16 @@ def sum_tied(
             for s in stages using name: grads[s][name] = total.clone()
 
     Example:
-        >>> stages, params = fpipe.split_module(model, ["embed + layers[0:2]", "layers[2:] + head"])
-        >>> loss, grads = step(params, batch)
-        >>> grads = fpipe.sum_tied(grads)   # model.head.weight is model.embed.weight
+        >>> model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+        >>> model[1].weight = model[0].weight  # tied input and output embeddings
+        >>> stages, params = fpipe.split_module(model, ["0", "1"])
+        >>> list(params[1])  # the tied weight, under its first name
+        ['0.weight']
+        >>> step = fpipe.pipeline(lambda y, t: y.logsumexp(-1).mean(), stages, fpipe.schedules.GPipe(2))
+        >>> loss, grads = step(params, torch.tensor([[1, 2], [3, 4]]))
+        >>> grads = fpipe.sum_tied(grads)  # each copy: stage 0's part + stage 1's part
+        >>> torch.equal(grads[0]["0.weight"], grads[1]["0.weight"])
+        True
 
     Raises:
         TypeError: if ``grads`` or ``params`` is not a list, or a stage's gradients are not a dict.
