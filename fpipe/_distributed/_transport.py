@@ -12,7 +12,8 @@ differs from one process. The protocol (notes/wire.md), per step:
    messages in that order (buffering any it does not need yet); each receive is posted when
    the message is needed, with its size known in advance (fpipe/_distributed/_wire.py). As sends never
    block and the program replays without deadlock (``validate``), no schedule can deadlock on
-   any backend.
+   any backend. A send's tensors are let go as soon as the send is known to have completed
+   (NOTE [sends released]); the rest are waited for at the end of the step.
 3. Failure: a rank that fails sends an ERROR meta (failing rank and action) as its next
    message to every peer that still expects one, so a peer waiting on it fails too, and so on.
    A closing all-gather of every rank's status tells the ranks that expected no message from
@@ -26,7 +27,7 @@ differs from one process. The protocol (notes/wire.md), per step:
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -93,6 +94,45 @@ def consumers(program: Program, rank: int, send_microbatches: bool) -> dict[Key,
     return out
 
 
+def confirmed(program: Program, sender: int, peer: int, send_microbatches: bool) -> list[int]:
+    """For each message ``peer`` sends ``sender`` in one step, how many of ``sender``'s messages
+    to ``peer`` it has read by the time it sends it (NOTE [sends released]).
+
+    ``peer`` reads ``sender``'s messages in the order they are sent, each by the end of the
+    receives of the action that needs it (``consumers``), and an action's receives come before
+    its sends; so a message that ``peer`` sends in the action at position ``k`` of its row (the
+    result: one past the last) follows the reading of every message needed at ``k`` or before.
+    """
+    needed = consumers(program, peer, send_microbatches)
+    read_by = [needed[key] for key, _ in sends(program, sender, send_microbatches).get(peer, [])]
+    for j in range(len(read_by) - 2, -1, -1):  # read when it or a later one is needed
+        read_by[j] = min(read_by[j], read_by[j + 1])
+    out, count = [], 0
+    for _, k in sends(program, peer, send_microbatches).get(sender, []):  # (in order: ``k`` grows)
+        while count < len(read_by) and read_by[count] <= k:
+            count += 1
+        out.append(count)
+    return out
+
+
+# NOTE [sends released]
+# A send holds its tensors (a large leaf's own storage, or the packed bytes) until it has
+# completed; then the transport lets them go at once, so a stage's output lives no longer than
+# its own backward needs it (its pullback) and a cotangent no longer than its receiver takes to
+# read it. A send is known to have completed when its work says so (``is_completed``: NCCL
+# answers as the send goes) or when the peer has read it: gloo's work says False until it is
+# waited for, and a wait on a send whose receive is not posted would block, so on gloo the
+# transport learns it from the peer's own messages. The peer reads this rank's messages in the
+# order sent, each by the action that needs it, and sends after it receives (``confirmed``);
+# so once this rank has read a message the peer sent at position ``k`` of its row, every message
+# the peer needed at ``k`` or before has arrived and its send's wait returns at once. Such waits
+# run as each message is read (``_release``), the others at the end of the step (``finish``).
+# 1F1B on 2 ranks, 8 microbatches: rank 0 let 0F6's activation go as it reads the cotangent of
+# 1B6 (sent after 1F6 read it), where it used to hold all 7 it had sent at 0F7 (917,504 B of
+# 128 KiB activations), 6 of them past their own backward; rank 1 holds two cotangents at most
+# instead of all it sent (measured: benchmarks/bench_memory.py, notes/benchmarks.md).
+
+
 @dataclass(frozen=True)
 class _Concluded(Status):
     """One pipeline rank's word in the step's closing all-gather (``_conclude``)."""
@@ -104,13 +144,18 @@ class _Concluded(Status):
 class _Peer:
     """The message streams between this rank and one other pipeline rank, for one step."""
 
-    def __init__(self, rank: int, incoming: list[Key], outgoing: list[tuple[Key, int]]) -> None:
+    def __init__(self, rank: int, incoming: list[Key], outgoing: list[tuple[Key, int]], confirms: list[int]) -> None:
         self.rank = rank
         self.incoming = incoming
         self.next_in = 0
         self.outgoing = [key for key, _ in outgoing]
         self.sent_at = [k for _, k in outgoing]  # the position of the action that sends each
         self.next_out = 0
+        # Per incoming message, how many outgoing ones the peer had read when it sent it
+        # (``confirmed``); and this rank's sends not yet known to have completed, oldest first:
+        # (the message's index in ``outgoing``, the work, its tensor) (NOTE [sends released]).
+        self.confirms = confirms
+        self.pending: deque[tuple[int, Any, torch.Tensor]] = deque()
         self.buffered: dict[Key, PyTree] = {}
         # The next message's receives, when posted ahead (NOTE [receives ahead] in fpipe/_distributed/_wire.py):
         # its first tensor, its large leaves, and the works of both.
@@ -152,7 +197,7 @@ class DistributedTransport:
         self._timeout = timedelta(seconds=timeout)
         self._seconds = timeout
         self._local: dict[Key, PyTree] = {}
-        self._sends: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
+        self._errors: list[tuple[Any, torch.Tensor]] = []  # ``abort``'s ERROR metas, never waited for
         self._concluded = False  # whether this step's closing all-gather has run (``finish``)
         outgoing = sends(program, self.me, send_microbatches)
         self._needed = consumers(program, self.me, send_microbatches)
@@ -163,7 +208,8 @@ class DistributedTransport:
             if r != self.me:
                 incoming = messages(program, r, send_microbatches).get(self.me, [])
                 if incoming or outgoing.get(r):
-                    self.peers[r] = _Peer(r, incoming, outgoing.get(r, []))
+                    confirms = confirmed(program, self.me, r, send_microbatches) if outgoing.get(r) else []
+                    self.peers[r] = _Peer(r, incoming, outgoing.get(r, []), confirms)
         for peer in self.peers.values():
             self._post_ahead(peer)
 
@@ -222,9 +268,8 @@ class DistributedTransport:
         failure = self._conclude(None)
         if failure is not None:
             self._remote_failure(failure)
-        for work, _ in self._sends:
-            wait(work, self.topology.board, self._timeout, self.me, "a send to complete")
-        self._sends.clear()
+        for peer in self.peers.values():
+            self._release(peer, len(peer.outgoing) + 1)  # (wait for each, whatever the peer read)
         for peer in self.peers.values():
             assert peer.next_in == len(peer.incoming) and not peer.buffered, "fpipe: unread messages"
 
@@ -255,7 +300,7 @@ class DistributedTransport:
                 message = error_message(code, expected, self.topology.device)
                 with contextlib.suppress(RuntimeError):  # that peer is gone: the board tells the others
                     work = dist.isend(message, self.topology.global_ranks[peer.rank], group=self.topology.group)
-                    self._sends.append((work, (message,)))
+                    self._errors.append((work, message))
         if not self._concluded and standing.kind == RAISED:  # (a lost rank never joins)
             with contextlib.suppress(PipelineError):  # the board tells those this misses
                 self._conclude(code)
@@ -304,7 +349,9 @@ class DistributedTransport:
         assert peer.outgoing[peer.next_out] == key, f"fpipe: sending {key}, expected {peer.outgoing[peer.next_out]}"
         ranks = None if self.topology.tensor_ranks is None else list(self.topology.tensor_ranks)
         tensors = self._wire.encoders[_channel(dst, key)].encode(value, self.topology.device, ranks)
-        peer.next_out += 1
+        index, peer.next_out = peer.next_out, peer.next_out + 1
+        if peer.pending:
+            self._release(peer, 0)  # those the backend says are done (NOTE [sends released])
         to, group = self.topology.global_ranks[dst], self.topology.group
         for tensor in tensors:
             try:
@@ -312,7 +359,20 @@ class DistributedTransport:
             except RuntimeError as error:  # the peer is gone: not the stage's fault
                 what = f"{_describe(key)} to be sent to rank {dst}"
                 raise lost(self.topology.board, error, self.me, what, to, self._timeout) from error
-            self._sends.append((work, (tensor,)))
+            peer.pending.append((index, work, tensor))
+
+    def _release(self, peer: _Peer, known: int) -> None:
+        """Let go of the sends to ``peer`` known to have completed (NOTE [sends released]): those
+        of its first ``known`` outgoing messages (the peer has read them: their waits return at
+        once), and the oldest ones whose work says it is done."""
+        pending = peer.pending
+        while pending and (pending[0][0] < known or pending[0][1].is_completed()):
+            _, work, _ = pending.popleft()
+            wait(work, self.topology.board, self._timeout, self.me, "a send to complete")
+
+    def held(self) -> int:
+        """Bytes of this rank's sends not yet known to have completed (NOTE [sends released])."""
+        return sum(t.numel() * t.element_size() for peer in self.peers.values() for _, _, t in peer.pending)
 
     def _recv(self, src: int, key: Key) -> PyTree:
         peer = self.peers[src]
@@ -364,6 +424,8 @@ class DistributedTransport:
             self._wait(work, key, peer.rank)
         peer.buffered[key] = decoder.decode(first, packed, large, self.topology.tensor_mesh)
         self._now = self._needed[key]
+        if peer.pending:
+            self._release(peer, peer.confirms[peer.next_in - 1])
         self._post_ahead(peer)
 
     def _remote_failure(self, code: FailureCode) -> None:

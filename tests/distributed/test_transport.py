@@ -1,7 +1,9 @@
 """The distributed transport's plan of a step (``fpipe._distributed._transport``): which messages
-each rank receives, and which action needs each (NOTE [small receives ahead]); and a recorded
-timeline gathered from every rank's own row. The messages themselves are tested on gloo ranks in
-tests/test_distributed.py."""
+each rank receives, which action needs each (NOTE [small receives ahead]), and which of its own
+sends a rank knows to have completed when it reads a peer's message (NOTE [sends released]); a
+recorded timeline gathered from every rank's own row; and, on 2 gloo ranks, sent tensors let go
+once their sends are known to have completed. The messages themselves are tested on gloo ranks
+in tests/test_distributed.py."""
 
 from __future__ import annotations
 
@@ -9,11 +11,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
+import fpipe
 from fpipe._distributed import _transport
-from fpipe._distributed._transport import Key, ahead_is_safe, consumers, messages, sends
-from fpipe.schedules import GPipe, OneFOneB, simulate
+from fpipe._distributed._transport import Key, ahead_is_safe, confirmed, consumers, messages, sends
+from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleV, simulate
 from fpipe.schedules._program import Program, Schedule
+from tests._multiprocess import run_ranks
 
 
 def _program(schedule: Schedule, num_stages: int) -> Program:
@@ -90,3 +97,116 @@ def test_a_recorded_timeline_gathers_each_ranks_own_row(monkeypatch: pytest.Monk
     assert timeline.starts == ((10.0, 11.0, 12.0, 13.0), mine.starts[1])
     assert timeline.ends == ((10.5, 11.5, 12.5, 13.5), mine.ends[1])
     assert timeline.program is program and timeline.costs is None
+
+
+def test_a_peers_message_confirms_the_messages_it_had_read_when_it_sent_it() -> None:
+    """NOTE [sends released], 1F1B on 2 ranks: rank 1 sends the cotangent of 1B_i after 1F_i read
+    activation i, so it confirms activations 0..i (the result, all 8); rank 0 sends activation
+    i + 2 after 0B_i read cotangent i, so it confirms cotangents 0..i."""
+    program = _program(OneFOneB(8), 2)
+    assert confirmed(program, 0, 1, send_microbatches=False) == [1, 2, 3, 4, 5, 6, 7, 8, 8]
+    assert confirmed(program, 1, 0, send_microbatches=False) == [0, 0, 1, 2, 3, 4, 5, 6]
+    # GPipe: rank 1 sends nothing back before its backwards, by when it has read every activation.
+    assert confirmed(_program(GPipe(4), 2), 0, 1, send_microbatches=False) == [4] * 5
+    # With the microbatches sent too, they count among rank 0's messages to rank 1 (2 per forward).
+    assert confirmed(_program(OneFOneB(4), 2), 0, 1, send_microbatches=True) == [2, 4, 6, 8, 8]
+
+
+def test_a_peer_has_read_what_it_confirms_before_it_sends() -> None:
+    """For every built-in schedule on 2 and 4 ranks: a peer's message confirms only messages needed
+    by an action of the peer's row at or before the one that sends it, and the result confirms all."""
+    for schedule, num_stages, num_ranks in [
+        (GPipe(4), 4, 4), (OneFOneB(6), 4, 2), (OneFOneB(4), 4, 4), (ZeroBubbleV(4), 4, 2),
+    ]:  # fmt: skip
+        program = schedule.program(num_stages, num_ranks)
+        for me in range(num_ranks):
+            for peer in range(num_ranks):
+                if peer == me:
+                    continue
+                mine = messages(program, me, True).get(peer, [])
+                needed = consumers(program, peer, True)
+                theirs = sends(program, peer, True).get(me, [])
+                counts = confirmed(program, me, peer, True)
+                assert len(counts) == len(theirs)
+                # Read by the time the peer sends at position k: needed at k or before, or before a later one is.
+                read_by = [min(needed[key] for key in mine[j:]) for j in range(len(mine))]
+                assert counts == [sum(at <= k for at in read_by) for _, k in theirs]
+                if theirs and theirs[-1][0][0] == "result":
+                    assert counts[-1] == len(mine)
+
+
+# -- Sent tensors let go on 2 gloo ranks (NOTE [sends released]) ----------------------------------
+
+WIDTH = 1 << 14  # float64 leaves of 128 KiB: they travel from their own storage (INLINE_LIMIT)
+M = 8
+_SENT: dict[int, StorageWeakRef] = {}  # microbatch -> the storage of its stage-0 output's ``big`` leaf, on rank 0
+_ALIVE: dict[int, list[int]] = {}  # microbatch -> the earlier ``big`` leaves alive when its forward ran
+
+
+def _first(p, mb):
+    i = int(mb["id"])
+    _ALIVE[i] = sorted(j for j, ref in _SENT.items() if not ref.expired())
+    big = torch.full((WIDTH,), float(i + 1), dtype=torch.float64)  # no graph: the pullback does not keep it
+    _SENT[i] = StorageWeakRef(big.untyped_storage())  # (the wire sends a view of it)
+    return {"h": mb["x"] @ p["w"], "big": big}
+
+
+def _second(p, x):
+    return (x["h"] * p["v"]).sum(-1) + x["big"].mean()
+
+
+def _loss(y, mb):
+    return ((y - mb["t"]) ** 2).mean()
+
+
+def _released(rank, world):
+    """1F1B, 8 microbatches: on rank 0, which sent ``big`` leaves are still alive at each forward
+    of stage 0; on rank 1, the bytes its transport holds as each cotangent is sent."""
+    g = torch.Generator().manual_seed(0)
+    params = [
+        {"w": torch.randn(8, WIDTH, generator=g, dtype=torch.float64)},
+        {"v": torch.randn(WIDTH, generator=g, dtype=torch.float64)},
+    ]
+    batch = {
+        "x": torch.randn(M, 8, generator=g, dtype=torch.float64),
+        "id": torch.arange(M),
+        "t": torch.zeros(M, dtype=torch.float64),
+    }
+    step = fpipe.pipeline(_loss, [_first, _second], OneFOneB(M), group=dist.group.WORLD, timeout=60)
+    held: list[int] = []
+    send_cotangent = _transport.DistributedTransport.send_cotangent
+
+    def recording(self, stage, microbatch, value):
+        held.append(self.held())  # before this send: what the earlier sends still hold
+        send_cotangent(self, stage, microbatch, value)
+
+    _transport.DistributedTransport.send_cotangent = recording  # (this process only: it is the rank's own)
+    params = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    out = []
+    for _ in range(2):
+        _SENT.clear()
+        _ALIVE.clear()
+        held.clear()
+        step(params, batch if rank == 0 else None)
+        out.append(
+            {"alive": dict(_ALIVE), "after": [j for j, ref in _SENT.items() if not ref.expired()], "held": list(held)}
+        )
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_sent_tensors_are_let_go_once_the_peer_has_read_them():
+    """No timing involved: at 0F_j, rank 0 has run 0B_{j-2}, whose cotangent rank 1 sent after 1F_{j-2}
+    read activation j - 2, so every send of activation j - 2 or earlier has completed and nothing
+    may hold its tensors (a stage output's leaf with no graph, which no pullback keeps either);
+    before, the transport kept all of them until the end of the step. Likewise rank 1, as it sends
+    cotangent i, has read activation i, sent after 0B_{i-2} read cotangent i - 2: it may hold
+    cotangent i - 1 alone. Twice, so the second step starts with every layout known."""
+    results = run_ranks(2, _released, timeout=100)
+    cotangent = WIDTH * 8  # bytes of one cotangent's large leaf
+    for first, second in zip(*results):
+        assert first["after"] == [] and second["alive"] == {}
+        for j in range(M):
+            assert set(first["alive"][j]) <= {j - 1}, (j, first["alive"][j])
+        assert first["held"] == [] and len(second["held"]) == M
+        assert all(held < 2 * cotangent for held in second["held"]), second["held"]
