@@ -95,10 +95,11 @@ class VHalf(_ControllableV):
 
     and the repository's greedy passes turn those slots into each rank's order (NOTE
     [controllable-memory building blocks]). The result holds at most ``(p + 2) // 2``
-    microbatches' activations on a rank (NOTE [activation units]; 1F1B: ``p``) whatever the
-    costs, at a bubble about half of 1F1B's when ``T_F = T_I = T_W``, the costs the order is
-    built for: ``simulate`` shows both, notes/schedules.md states the exact figures. It takes any
-    number of microbatches.
+    microbatches' activations on a rank (``min(m, (p + 2) // 2)`` on the busiest; NOTE
+    [activation units]; 1F1B: ``p``) whatever the costs. When ``T_F = T_I = T_W``, the costs the
+    order is built for, and ``m >= 2p``, its bubble is at most 0.6 of 1F1B's (``p`` 2..8; the
+    paper says half): notes/schedules.md states the exact figures. It takes any number of
+    microbatches.
     """
 
 
@@ -117,9 +118,10 @@ class VMin(_ControllableV):
         i0(i) = 4p + gap - r - 1 + 6i
 
     then the same greedy passes (NOTE [controllable-memory building blocks]). The result holds
-    at most ``(p + 4) // 3`` microbatches' activations on a rank (NOTE [activation units]; 1F1B:
-    ``p``) whatever the costs. Its block leaves slots that only a ``W`` of the same cost fills:
-    at ``T_F = T_I = T_W`` its bubble is about two thirds of 1F1B's, with ``T_I = 2 T_F`` well
+    at most ``(p + 4) // 3`` microbatches' activations on a rank (``min(m, (p + 4) // 3)`` on the
+    busiest; NOTE [activation units]; 1F1B: ``p``) whatever the costs. Its block leaves slots
+    that only a ``W`` of the same cost fills: at ``T_F = T_I = T_W`` and ``m >= 2p`` its bubble is
+    at most 0.75 of 1F1B's (``p`` 2..8; the paper says two thirds), with ``T_I = 2 T_F`` well
     above it (``p = 8``, ``m = 32``: 0.39 against 0.18; the repository's README warns that V-Min
     suffers from unequal costs).
     It takes any number of microbatches.

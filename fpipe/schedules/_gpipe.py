@@ -14,7 +14,8 @@ class GPipe(BuiltinSchedule):
     """GPipe (Huang et al., 2019): every rank runs all its forwards, then all its backwards.
 
     By default one stage per rank (stage ``s`` on rank ``s``). Bubble fraction ``(p-1)/(m+p-1)``
-    for ``p`` stages and ``m`` microbatches; every microbatch's activations are alive at once.
+    for ``p`` stages on ``p`` ranks, every ``m`` and any ``T_F``, ``T_B`` of equal stages
+    (notes/schedules.md); every microbatch's activations are alive at once.
     With more stages than ranks, placement is looped (stage ``s`` on rank ``s % p``).
 
     Conceptually, rank ``r`` runs::

@@ -18,8 +18,9 @@ class Interleaved1F1B(BuiltinSchedule):
     With ``p`` ranks and ``v = stages_per_rank``, stage ``s`` lives on rank ``s % p`` (rank ``r``
     holds stages ``r, r + p, ..., r + (v-1)p``). ``stages_per_rank`` sets the number of ranks
     when the program is built without one (in one process); a process group of ``p`` ranks
-    gives ``v = num_stages / p``. The bubble
-    is the 1F1B bubble divided by ``v``, at the cost of ``v`` times more point-to-point messages.
+    gives ``v = num_stages / p``. When ``p`` divides ``m``, each rank idles 1F1B's idle time
+    divided by ``v``, ``(p-1)(T_F+T_B)/v`` (a bubble of ``(p-1)/(vm+p-1)``; other ``m`` idle
+    longer, notes/schedules.md), at the cost of ``v`` times more point-to-point messages.
 
     Microbatches go through in groups of ``g = microbatch_group`` (default ``p``; Megatron-Core's
     ``microbatch_group_size_per_vp_stage``, at least ``p``): rank ``r`` runs the forward of its

@@ -19,7 +19,8 @@ class LoopedBFS(BuiltinSchedule):
     through all of a rank's stages before the next group), breadth-first runs all ``m``
     microbatches through the rank's first stage, then all through its second, and so on, then
     the backwards in the mirror order. Every microbatch's activations are alive at once, as in
-    GPipe, but the bubble is GPipe's divided by ``v`` and each stage's weights are needed in one
+    GPipe, but for ``m >= p`` each rank idles GPipe's idle time divided by ``v`` (a bubble of
+    ``(p-1)/(vm+p-1)``; fewer microbatches wait for the loop around) and each stage's weights are needed in one
     stretch, which suits sharded data parallelism (gather a stage's weights once per step).
 
     Conceptually, rank ``r`` runs::

@@ -15,8 +15,8 @@ from ._program import Program
 class OneFOneB(BuiltinSchedule):
     """1F1B / PipeDream-flush: after a short warm-up each rank alternates one forward, one backward.
 
-    One stage per rank (stage ``s`` on rank ``s``). Same bubble as GPipe, ``(p-1)/(m+p-1)``, but
-    rank ``r`` holds at most ``p - r`` microbatches' activations instead of ``m``.
+    One stage per rank (stage ``s`` on rank ``s``). Same bubble as GPipe, ``(p-1)/(m+p-1)`` for
+    every ``m``, but rank ``r`` holds ``min(m, p - r)`` microbatches' activations instead of ``m``.
 
     Conceptually, rank ``r`` of ``p`` runs::
 

@@ -18,9 +18,10 @@ class ZeroBubbleH1(BuiltinSchedule):
     One stage per rank (stage ``s`` on rank ``s``). The input-gradient pass ``I`` is all that
     the previous rank waits for, so it runs where 1F1B runs ``B``; the weight-gradient pass
     ``W`` can wait. Rank ``r`` holds back its first ``r`` weight gradients and runs them in
-    the cool-down, where 1F1B idles. With ``T_F = T_I = T_W`` the bubble shrinks from
-    ``(p-1)(T_F + T_I + T_W)`` to ``(p-1)(T_F + T_I - T_W)``, a third of 1F1B's, while no rank
-    holds more than ``p`` microbatches' activations, 1F1B's peak (rank 0's).
+    the cool-down, where 1F1B idles. For ``m >= p`` and ``T_W <= T_F``, ``T_W <= T_I`` each
+    rank's idle time shrinks from 1F1B's ``(p-1)(T_F + T_I + T_W)`` to ``(p-1)(T_F + T_I - T_W)``,
+    a third of it at ``T_F = T_I = T_W`` (notes/schedules.md), while every rank holds
+    ``min(m, p)`` microbatches' activations, 1F1B's peak (rank 0's).
 
     Conceptually, rank ``r`` of ``p`` runs::
 

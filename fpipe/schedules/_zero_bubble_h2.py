@@ -40,7 +40,8 @@ class ZeroBubbleH2(BuiltinSchedule):
     optimizer steps without waiting for the global gradient norm or inf/nan checks and rolls back
     when they fail). fpipe has no post-validation: a step ends when its last rank does, so each
     rank still idles ``(p - 1) T_F`` per step (``r`` before its first action, ``p - 1 - r``
-    after its last), a bubble of ``(p-1)/(3m+p-1)``: at ``T_F = T_I = T_W`` that is ZB-H1's.
+    after its last), whatever the costs: at ``T_F = T_I = T_W`` a bubble of ``(p-1)/(3m+p-1)``,
+    ZB-H1's.
     ZB-H2 keeps it where ZB-H1's ``(p - 1)(T_F + T_I - T_W)`` grows: with ``T_I = 2 T_F`` or
     with a message latency of ``T_F / 2`` it idles half as long as ZB-H1 (``simulate`` it).
 

@@ -23,9 +23,11 @@ class ZeroBubbleV(BuiltinSchedule):
 
     Each rank alternates its two chunks; backwards are split into ``I`` (input gradient, which the
     previous stage waits for) and ``W`` (weight gradient, run where the rank would idle). With
-    ``T_F = T_I = T_W`` the steady state has no bubble and the only idle time is the fill and drain
-    of one chunk, about ``(p - 1)`` chunk-forwards; a rank holds at most ``2p`` chunk activations,
-    which with chunks half a 1F1B stage is 1F1B's peak.
+    ``T_F = T_I = T_W`` the steady state has no bubble and, for ``m >= 3p // 2``, the only idle
+    time is the fill and drain of one chunk, exactly ``p - 1`` chunk forwards per rank (more with
+    fewer microbatches, or unequal costs: notes/schedules.md); a rank holds at most ``2p`` chunk
+    activations (``min(2m, 2p)`` on the busiest), which with chunks half a 1F1B stage is 1F1B's
+    peak.
 
     Rank ``r`` runs, with ``fN``/``iN``/``wN`` counting chunk ``N``'s forwards, input and weight
     gradients (the counters advance by one at each use)::
