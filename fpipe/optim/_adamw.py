@@ -42,12 +42,17 @@ def adamw(
     Args:
         learning_rate: a float, or a schedule: a function of the number of updates done so far
             (0 for the first) returning the rate, such as ``fpipe.optim.warmup_cosine(...)``.
-        betas, eps, weight_decay, amsgrad, maximize: as in ``torch.optim.AdamW``.
+        betas: as in ``torch.optim.AdamW``.
+        eps: as in ``torch.optim.AdamW``.
+        weight_decay: as in ``torch.optim.AdamW``.
+        amsgrad: as in ``torch.optim.AdamW``.
+        maximize: as in ``torch.optim.AdamW``.
         weight_decay_mask: one bool pytree per stage, a prefix of the stage's parameters: which
             leaves get weight decay (all without a mask). Decide it on the full parameters: shards
             are 1-D (``[{k: v.dim() >= 2 for k, v in p.items()} for p in full_params]``).
-        foreach, fused: which of torch's implementations runs, as in ``torch.optim.AdamW``
-            (``None``: torch's default, foreach where it can).
+        foreach: which of torch's implementations runs, as in ``torch.optim.AdamW`` (``None``:
+            torch's default, foreach where it can).
+        fused: as in ``torch.optim.AdamW``.
 
     Returns:
         An ``Optimizer``: ``state = opt.init(params)``, ``params, state = opt.update(params,
@@ -55,7 +60,7 @@ def adamw(
         ``params``, ``grads`` and ``state`` are per-stage lists; stages whose ``params`` entry
         is ``None`` (held by another rank) are skipped.
 
-    Example:
+    Examples:
         >>> import torch, fpipe
         >>> opt = fpipe.optim.adamw(fpipe.optim.warmup_cosine(1e-3, warmup_steps=10, total_steps=100))
         >>> params = [{"w": torch.ones(2, 2)}, {"w": torch.ones(2)}]

@@ -49,7 +49,7 @@ def clip_by_global_norm(
     Returns:
         New gradients; ``grads`` is not modified.
 
-    Example:
+    Examples:
         >>> import torch, fpipe
         >>> grads = [{"w": torch.tensor([3.0, 4.0])}]
         >>> fpipe.optim.clip_by_global_norm(grads, torch.tensor(5.0), max_norm=1.0)[0]["w"]

@@ -28,7 +28,7 @@ def warmup_cosine(
         total_steps: the update at which the decay reaches ``min_lr``.
         min_lr: the final rate.
 
-    Example:
+    Examples:
         >>> import fpipe
         >>> schedule = fpipe.optim.warmup_cosine(1.0, warmup_steps=2, total_steps=4)
         >>> [round(schedule(step), 3) for step in range(6)]

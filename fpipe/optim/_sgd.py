@@ -39,13 +39,18 @@ def sgd(
     Args:
         learning_rate: a float, or a schedule: a function of the number of updates done so far
             (0 for the first) returning the rate.
-        momentum, dampening, nesterov, weight_decay, maximize, foreach: as in ``torch.optim.SGD``.
+        momentum: as in ``torch.optim.SGD``.
+        dampening: as in ``torch.optim.SGD``.
+        nesterov: as in ``torch.optim.SGD``.
+        weight_decay: as in ``torch.optim.SGD``.
+        maximize: as in ``torch.optim.SGD``.
+        foreach: as in ``torch.optim.SGD``.
         weight_decay_mask: as in ``fpipe.optim.adamw``.
 
     Returns:
         An ``Optimizer`` (see ``fpipe.optim.adamw``).
 
-    Example:
+    Examples:
         >>> import torch, fpipe
         >>> opt = fpipe.optim.sgd(0.1, momentum=0.9)
         >>> params, grads = [{"w": torch.ones(2)}], [{"w": torch.ones(2)}]
