@@ -151,6 +151,43 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("gather", lambda: fpipe.gather(TWO, TWO, None), ValueError, "and this has none (got: None)"),
     # schedules
     ("GPipe", lambda: GPipe(0), ScheduleError, "num_microbatches must be a positive int (num_microbatches: 0)"),
+    (
+        "simulate a schedule",
+        lambda: fpipe.schedules.simulate(OneFOneB(8)),  # type: ignore[arg-type]
+        TypeError,
+        "simulate: program must be a Program (program: OneFOneB(num_microbatches=8), type OneFOneB). Pass "
+        "schedule.program(num_stages)",
+    ),
+    (
+        "simulate a search result",
+        lambda: fpipe.schedules.simulate(_searched()),  # type: ignore[arg-type]
+        TypeError,
+        "(program: type Searched, repr of",
+    ),
+    (
+        "draw a search result",
+        lambda: fpipe.schedules.terminal_grid(_searched()),  # type: ignore[arg-type]
+        TypeError,
+        "terminal_grid: program must be a Program (program: type Searched, repr of",
+    ),
+    (
+        "dump_csv a search result",
+        lambda: fpipe.schedules.dump_csv(_searched(), "never.csv"),  # type: ignore[arg-type]
+        TypeError,
+        "Pass its program, e.g. found.program.",
+    ),
+    (
+        "placement of a class",
+        lambda: fpipe.schedules.placement(OneFOneB, 4),  # type: ignore[arg-type]
+        TypeError,
+        "placement: schedule must be a schedule value (schedule: the class OneFOneB). Call it with the number",
+    ),
+    (
+        "save_costs of a search result",
+        lambda: fpipe.schedules.save_costs("never.json", _searched()),  # type: ignore[arg-type]
+        TypeError,
+        "costs must be a sequence of one Costs per stage (costs: type Searched, repr of",
+    ),
     # modules
     ("split_module", lambda: fpipe.split_module(3, [["a"]]), TypeError, "expected an nn.Module (model: int)"),
     (

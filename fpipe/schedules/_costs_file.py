@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, fields
 from typing import Any
 
+from .._plural import brief
 from ._program import ScheduleError
 from ._simulate import Costs
 
@@ -46,7 +47,7 @@ def save_costs(path: str | os.PathLike[str], costs: Sequence[Costs]) -> None:
     """
     if isinstance(costs, Costs) or not isinstance(costs, Sequence) or not all(isinstance(c, Costs) for c in costs):
         raise TypeError(
-            f"fpipe.schedules.save_costs: costs must be a sequence of one Costs per stage (costs: {costs!r}). "
+            f"fpipe.schedules.save_costs: costs must be a sequence of one Costs per stage (costs: {brief(costs)}). "
             "Pass what fit_costs returns."
         )
     if not costs:

@@ -25,7 +25,7 @@ import re
 from typing import Literal, TextIO
 
 from ._action import Action
-from ._program import Program, ScheduleError
+from ._program import Program, ScheduleError, checked_program
 
 _COMPUTE = re.compile(r"(\d+)([FBIW])(\d+)")
 # torch 2.15 adds the waits that close a send or a gradient reduction (``0WAIT_SEND_F1``,
@@ -45,6 +45,7 @@ def dump_csv(program: Program, file: PathOrFile) -> None:
         program: the program to write.
         file: a path, or a text file opened with ``newline=""`` (as the ``csv`` module wants).
     """
+    program = checked_program("dump_csv", program)
     with _opened(file, "w") as f:
         csv.writer(f).writerows([str(a) for a in row] for row in program.ranks)
 

@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KIND_NAMES, KINDS
-from ._program import Program, ScheduleError
+from ._program import Program, ScheduleError, checked_program
 from ._simulate import Costs, Simulation, activations_alive, checked, simulate, stages_held
 
 UNIT = Costs(forward=1, backward=1, backward_input=1, backward_weight=1)
@@ -32,7 +32,7 @@ def as_simulation(timeline: Program | Simulation, function: str = "terminal_grid
     unit cost per action (``render``'s ticks). ``function`` names the caller in errors."""
     if isinstance(timeline, Simulation):
         return checked(function, timeline)[0]
-    return simulate(timeline, UNIT)
+    return simulate(checked_program(function, timeline), UNIT)
 
 
 def legend(*, color: bool = True) -> str:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .._plural import listing, plural
+from .._plural import brief, listing, plural
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KINDS, Action
 
 
@@ -320,6 +320,37 @@ def render(
     return "\n".join(lines)
 
 
+def checked_program(function: str, program: object) -> Program:
+    """``program`` if it is a ``Program``, else a ``TypeError`` naming ``function``, the value's type
+    and what to pass: a schedule's ``.program(num_stages)``, a search result's ``.program``."""
+    if isinstance(program, Program):
+        return program
+    if isinstance(program, type):
+        fix = f"Build one: {program.__name__}(num_microbatches=8).program(num_stages)"
+    elif isinstance(getattr(program, "program", None), Program):  # a Searched, a Tuned
+        fix = "Pass its program, e.g. found.program"
+    elif callable(getattr(program, "program", None)):  # a schedule value
+        fix = "Pass schedule.program(num_stages), e.g. OneFOneB(8).program(4)"
+    else:
+        fix = "Pass a Program: schedule.program(num_stages), Program.from_lists(...) or found.program"
+    raise TypeError(f"fpipe.schedules.{function}: program must be a Program (program: {brief(program)}). {fix}.")
+
+
+def checked_schedule(function: str, schedule: object) -> Schedule:
+    """``schedule`` if it builds programs, else a ``TypeError`` naming ``function`` and the fix (a
+    class to instantiate, a name or a program where a schedule value goes)."""
+    if callable(getattr(schedule, "program", None)) and not isinstance(schedule, type):
+        return schedule  # type: ignore[return-value]
+    fix = (
+        f"Call it with the number of microbatches, e.g. {schedule.__name__}(num_microbatches=8)"
+        if isinstance(schedule, type)
+        else "Pass a schedule value such as OneFOneB(num_microbatches=8)"
+    )
+    raise TypeError(
+        f"fpipe.schedules.{function}: schedule must be a schedule value (schedule: {brief(schedule)}). {fix}."
+    )
+
+
 def placement(schedule: Schedule, num_stages: int, num_ranks: int | None = None) -> tuple[int, ...]:
     """Where ``schedule`` puts each of ``num_stages`` stages: ``placement(...)[s]`` is stage ``s``'s rank.
 
@@ -335,8 +366,9 @@ def placement(schedule: Schedule, num_stages: int, num_ranks: int | None = None)
 
     Raises:
         ScheduleError: if the schedule cannot build a valid program for these sizes.
+        TypeError: if ``schedule`` is not a schedule value (a class such as ``OneFOneB``, a name).
     """
-    program = schedule.program(num_stages, num_ranks)
+    program = checked_schedule("placement", schedule).program(num_stages, num_ranks)
     validate(program)
     return program.placement()
 

@@ -80,6 +80,7 @@ from ._program import (
     Program,
     ScheduleError,
     as_soon_as_possible,
+    checked_program,
     dependencies,
     split_backwards,
     timeline,
@@ -291,10 +292,11 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
     Raises:
         ScheduleError: if the program does not validate, or ``costs`` is a sequence whose length
             is not ``program.num_stages``.
-        TypeError: if ``costs`` is neither a ``Costs`` nor a sequence of them.
+        TypeError: if ``program`` is not a ``Program`` (a schedule, a search result: the message
+            says what to pass), or ``costs`` is neither a ``Costs`` nor a sequence of them.
     """
     costs = Costs() if costs is None else costs
-    validate_actions(program)
+    validate_actions(checked_program("simulate", program))
     per_stage = _per_stage(program, costs)
     receives = receiving_kinds(program.placement())
     occupied = tuple(charged(c, r) for c, r in zip(per_stage, receives))  # what comes before, then the action
