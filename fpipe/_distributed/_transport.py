@@ -27,11 +27,12 @@ differs from one process. The protocol (notes/wire.md), per step:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -94,21 +95,23 @@ def consumers(program: Program, rank: int, send_microbatches: bool) -> dict[Key,
     return out
 
 
-def confirmed(program: Program, sender: int, peer: int, send_microbatches: bool) -> list[int]:
-    """For each message ``peer`` sends ``sender`` in one step, how many of ``sender``'s messages
-    to ``peer`` it has read by the time it sends it (NOTE [sends released]).
+def confirmed(read_at: Sequence[int], sent_at: Sequence[int]) -> list[int]:
+    """For each message a peer sends this rank in one step, how many of this rank's messages to
+    it the peer has read by the time it sends it (NOTE [sends released]). ``read_at``: for each
+    of this rank's messages to the peer, in the order sent, the position in the peer's row of the
+    action that needs it (``consumers``); ``sent_at``: for each of the peer's messages to this
+    rank, that of the action that sends it (``sends``; the result: one past the last).
 
-    ``peer`` reads ``sender``'s messages in the order they are sent, each by the end of the
-    receives of the action that needs it (``consumers``), and an action's receives come before
-    its sends; so a message that ``peer`` sends in the action at position ``k`` of its row (the
-    result: one past the last) follows the reading of every message needed at ``k`` or before.
+    The peer reads this rank's messages in the order they are sent, each by the end of the
+    receives of the action that needs it, and an action's receives come before its sends; so a
+    message that the peer sends in the action at position ``k`` follows the reading of every
+    message needed at ``k`` or before, and of every message sent before one of those.
     """
-    needed = consumers(program, peer, send_microbatches)
-    read_by = [needed[key] for key, _ in sends(program, sender, send_microbatches).get(peer, [])]
+    read_by = list(read_at)
     for j in range(len(read_by) - 2, -1, -1):  # read when it or a later one is needed
         read_by[j] = min(read_by[j], read_by[j + 1])
     out, count = [], 0
-    for _, k in sends(program, peer, send_microbatches).get(sender, []):  # (in order: ``k`` grows)
+    for k in sent_at:  # (in the order sent: ``k`` grows)
         while count < len(read_by) and read_by[count] <= k:
             count += 1
         out.append(count)
@@ -116,21 +119,19 @@ def confirmed(program: Program, sender: int, peer: int, send_microbatches: bool)
 
 
 # NOTE [sends released]
-# A send holds its tensors (a large leaf's own storage, or the packed bytes) until it has
-# completed; then the transport lets them go at once, so a stage's output lives no longer than
-# its own backward needs it (its pullback) and a cotangent no longer than its receiver takes to
-# read it. A send is known to have completed when its work says so (``is_completed``: NCCL
-# answers as the send goes) or when the peer has read it: gloo's work says False until it is
-# waited for, and a wait on a send whose receive is not posted would block, so on gloo the
-# transport learns it from the peer's own messages. The peer reads this rank's messages in the
-# order sent, each by the action that needs it, and sends after it receives (``confirmed``);
-# so once this rank has read a message the peer sent at position ``k`` of its row, every message
-# the peer needed at ``k`` or before has arrived and its send's wait returns at once. Such waits
-# run as each message is read (``_release``), the others at the end of the step (``finish``).
-# 1F1B on 2 ranks, 8 microbatches: rank 0 let 0F6's activation go as it reads the cotangent of
-# 1B6 (sent after 1F6 read it), where it used to hold all 7 it had sent at 0F7 (917,504 B of
-# 128 KiB activations), 6 of them past their own backward; rank 1 holds two cotangents at most
-# instead of all it sent (measured: benchmarks/bench_memory.py, notes/benchmarks.md).
+# A send keeps its tensors (a large leaf's own storage, the packed bytes) alive until the
+# transport lets it go, which it does as soon as it knows that the send has completed: when the
+# work says so (``is_completed``, which NCCL answers as the send goes), or when the peer has read
+# the message. gloo's work says False until it is waited for, and waiting for a send whose
+# receive is not posted yet would block, so on gloo the peer's own messages tell: the peer reads
+# this rank's messages in the order sent, each by the action that needs it, and an action
+# receives before it sends (``confirmed``). Once this rank has read a message that the peer sent
+# at position ``k`` of its row, every message the peer needed at ``k`` or before has arrived, and
+# waiting for its send returns at once (``_release``, as each message is read); the sends no
+# later message confirms are waited for at the end of the step (``finish``). In 1F1B on 2 ranks
+# an activation is so let go at its microbatch's backward (its cotangent confirms it), when the
+# pullback lets go of the output too, and the last rank holds two cotangents at most, where both
+# kept every send to the end of the step (notes/benchmarks.md, "Bytes held per rank").
 
 
 @dataclass(frozen=True)
@@ -141,20 +142,55 @@ class _Concluded(Status):
     code: FailureCode  # how (zeros when it did not)
 
 
+class _Route(NamedTuple):
+    """The messages between this rank and one peer in one step (``plan``)."""
+
+    peer: int
+    incoming: list[Key]  # the peer's messages to this rank, in the order sent
+    outgoing: list[Key]  # this rank's messages to the peer, in the order sent
+    sent_at: list[int]  # the position in this rank's row of the action that sends each outgoing one
+    confirms: list[int]  # per incoming message, how many outgoing ones the peer had read (``confirmed``)
+
+
+class Plan(NamedTuple):
+    """What ``rank``'s transport derives from the program for every step (``plan``)."""
+
+    routes: tuple[_Route, ...]  # one per peer that this rank sends to or receives from
+    needed: dict[Key, int]  # ``consumers``: read only
+
+
+@functools.lru_cache(maxsize=16)
+def plan(program: Program, rank: int, send_microbatches: bool) -> Plan:
+    """``rank``'s messages with each peer in a step of ``program``: the same for every step of a
+    pipeline, so made once (the program is a value: a step hashes it, about 11 us at 256 actions,
+    where making the plan took 0.2 ms a peer)."""
+    outgoing = sends(program, rank, send_microbatches)
+    routes = []
+    for r in range(program.num_ranks):
+        if r != rank:
+            theirs, mine = sends(program, r, send_microbatches).get(rank, []), outgoing.get(r, [])
+            if theirs or mine:
+                needed = consumers(program, r, send_microbatches) if mine and theirs else {}
+                confirms = confirmed([needed[key] for key, _ in mine], [k for _, k in theirs]) if needed else []
+                keys, sent_at = [key for key, _ in mine], [k for _, k in mine]
+                routes.append(_Route(r, [key for key, _ in theirs], keys, sent_at, confirms))
+    return Plan(tuple(routes), consumers(program, rank, send_microbatches))
+
+
 class _Peer:
     """The message streams between this rank and one other pipeline rank, for one step."""
 
-    def __init__(self, rank: int, incoming: list[Key], outgoing: list[tuple[Key, int]], confirms: list[int]) -> None:
-        self.rank = rank
-        self.incoming = incoming
+    def __init__(self, route: _Route) -> None:
+        self.rank = route.peer
+        self.incoming = route.incoming
         self.next_in = 0
-        self.outgoing = [key for key, _ in outgoing]
-        self.sent_at = [k for _, k in outgoing]  # the position of the action that sends each
+        self.outgoing = route.outgoing
+        self.sent_at = route.sent_at  # the position of the action that sends each
         self.next_out = 0
         # Per incoming message, how many outgoing ones the peer had read when it sent it
         # (``confirmed``); and this rank's sends not yet known to have completed, oldest first:
         # (the message's index in ``outgoing``, the work, its tensor) (NOTE [sends released]).
-        self.confirms = confirms
+        self.confirms = route.confirms
         self.pending: deque[tuple[int, Any, torch.Tensor]] = deque()
         self.buffered: dict[Key, PyTree] = {}
         # The next message's receives, when posted ahead (NOTE [receives ahead] in fpipe/_distributed/_wire.py):
@@ -199,17 +235,10 @@ class DistributedTransport:
         self._local: dict[Key, PyTree] = {}
         self._errors: list[tuple[Any, torch.Tensor]] = []  # ``abort``'s ERROR metas, never waited for
         self._concluded = False  # whether this step's closing all-gather has run (``finish``)
-        outgoing = sends(program, self.me, send_microbatches)
-        self._needed = consumers(program, self.me, send_microbatches)
+        routes, self._needed = plan(program, self.me, send_microbatches)
         self._now = -1  # the position of the action that needed the message read last
         self._in_order = topology.device.type != "cpu"  # NOTE [receives ahead in stream order]
-        self.peers: dict[int, _Peer] = {}
-        for r in range(program.num_ranks):
-            if r != self.me:
-                incoming = messages(program, r, send_microbatches).get(self.me, [])
-                if incoming or outgoing.get(r):
-                    confirms = confirmed(program, self.me, r, send_microbatches) if outgoing.get(r) else []
-                    self.peers[r] = _Peer(r, incoming, outgoing.get(r, []), confirms)
+        self.peers = {route.peer: _Peer(route) for route in routes}
         for peer in self.peers.values():
             self._post_ahead(peer)
 

@@ -99,17 +99,24 @@ def test_a_recorded_timeline_gathers_each_ranks_own_row(monkeypatch: pytest.Monk
     assert timeline.program is program and timeline.costs is None
 
 
+def _confirmed(program: Program, me: int, peer: int, send_microbatches: bool) -> list[int]:
+    """``confirmed`` for ``me``'s messages to ``peer`` and ``peer``'s to ``me``, as the transport asks it."""
+    needed = consumers(program, peer, send_microbatches)
+    mine = messages(program, me, send_microbatches).get(peer, [])
+    return confirmed([needed[key] for key in mine], [k for _, k in sends(program, peer, send_microbatches).get(me, [])])
+
+
 def test_a_peers_message_confirms_the_messages_it_had_read_when_it_sent_it() -> None:
     """NOTE [sends released], 1F1B on 2 ranks: rank 1 sends the cotangent of 1B_i after 1F_i read
     activation i, so it confirms activations 0..i (the result, all 8); rank 0 sends activation
     i + 2 after 0B_i read cotangent i, so it confirms cotangents 0..i."""
     program = _program(OneFOneB(8), 2)
-    assert confirmed(program, 0, 1, send_microbatches=False) == [1, 2, 3, 4, 5, 6, 7, 8, 8]
-    assert confirmed(program, 1, 0, send_microbatches=False) == [0, 0, 1, 2, 3, 4, 5, 6]
+    assert _confirmed(program, 0, 1, False) == [1, 2, 3, 4, 5, 6, 7, 8, 8]
+    assert _confirmed(program, 1, 0, False) == [0, 0, 1, 2, 3, 4, 5, 6]
     # GPipe: rank 1 sends nothing back before its backwards, by when it has read every activation.
-    assert confirmed(_program(GPipe(4), 2), 0, 1, send_microbatches=False) == [4] * 5
+    assert _confirmed(_program(GPipe(4), 2), 0, 1, False) == [4] * 5
     # With the microbatches sent too, they count among rank 0's messages to rank 1 (2 per forward).
-    assert confirmed(_program(OneFOneB(4), 2), 0, 1, send_microbatches=True) == [2, 4, 6, 8, 8]
+    assert _confirmed(_program(OneFOneB(4), 2), 0, 1, True) == [2, 4, 6, 8, 8]
 
 
 def test_a_peer_has_read_what_it_confirms_before_it_sends() -> None:
@@ -126,7 +133,7 @@ def test_a_peer_has_read_what_it_confirms_before_it_sends() -> None:
                 mine = messages(program, me, True).get(peer, [])
                 needed = consumers(program, peer, True)
                 theirs = sends(program, peer, True).get(me, [])
-                counts = confirmed(program, me, peer, True)
+                counts = _confirmed(program, me, peer, True)
                 assert len(counts) == len(theirs)
                 # Read by the time the peer sends at position k: needed at k or before, or before a later one is.
                 read_by = [min(needed[key] for key in mine[j:]) for j in range(len(mine))]
@@ -172,7 +179,7 @@ def _released(rank, world):
         "id": torch.arange(M),
         "t": torch.zeros(M, dtype=torch.float64),
     }
-    step = fpipe.pipeline(_loss, [_first, _second], OneFOneB(M), group=dist.group.WORLD, timeout=60)
+    step = fpipe.pipeline(_loss, [_first, _second], OneFOneB(M), group=dist.group.WORLD)
     held: list[int] = []
     send_cotangent = _transport.DistributedTransport.send_cotangent
 
