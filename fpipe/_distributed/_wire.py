@@ -13,7 +13,8 @@ A message is a few tensors sent in this order on one (sender, receiver) pair:
 3. ``packed``: ``uint8[packed_nbytes]``, only when not inline and not empty.
 4. Every large tensor leaf (``INLINE_LIMIT`` bytes or more), in leaf order: its own bytes, sent
    from the leaf's storage and received straight into the arriving tensor, no copy on either
-   side (a stage's output is kept for its backward anyway, so sending it costs no memory).
+   side; the send keeps that storage alive until the transport lets it go (NOTE [sends
+   released] in fpipe/_distributed/_transport.py).
 
 NOTE [receives ahead]
 When the channel's last layout has large leaves, the receiver posts the next message's receives
