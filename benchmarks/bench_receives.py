@@ -53,7 +53,7 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     rows = []
     for name, m in opts["configs"]:
         schedule = GPipe(m) if name == "gpipe" else OneFOneB(m)
-        step = fpipe.pipeline(model.fpipe_loss, stages, schedule, group=dist.group.WORLD)
+        step = fpipe.pipeline(model.fpipe_loss, stages, schedule, parallel=fpipe.Parallelism(group=dist.group.WORLD))
 
         def with_receives(ahead: bool, step: Any = step) -> Callable[[], None]:
             def run() -> None:

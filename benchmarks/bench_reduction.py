@@ -82,7 +82,10 @@ def measure(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any
     num_stages = 4
     stages = [_common.mlp_first] + [_common.mlp_block] * (num_stages - 1)
     step = fpipe.pipeline(
-        _common.mse_loss, stages, Interleaved1F1B(config["microbatches"], stages_per_rank=2), mesh=mesh
+        _common.mse_loss,
+        stages,
+        Interleaved1F1B(config["microbatches"], stages_per_rank=2),
+        parallel=fpipe.Parallelism(mesh=mesh),
     )
     full = _common.mlp_params(num_stages, config["dim"], config["hidden"])
     params = [p if s in step.local_stages else None for s, p in enumerate(full)]

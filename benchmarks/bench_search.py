@@ -91,7 +91,9 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
 
     def make(schedule: Any) -> Any:
         stages = [_common.swiglu] * STAGES
-        step = fpipe.pipeline(loss_fn, stages, schedule, group=dist.group.WORLD, timeout=opts["timeout"])
+        step = fpipe.pipeline(
+            loss_fn, stages, schedule, parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=opts["timeout"])
+        )
         mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
         return lambda: step(mine, batch)
 

@@ -10,7 +10,7 @@ Four processes (gloo, 127.0.0.1, one torch thread each) run a 4-stage residual M
 one SwiGLU-free ``h + tanh(h W1 + b1) W2`` block per stage, 1F1B) on two meshes: 2 x 2
 (dp x pp: each rank holds 2 stages, half of their parameters when sharded) and 4 x 1 (every rank
 holds the 4 stages, a quarter of them when sharded). For each mesh and each of
-``pipeline(..., shard_params=False)`` and ``True`` it reports, per rank:
+``fpipe.Parallelism(shard_params=False)`` and ``True`` it reports, per rank:
 
 - the bytes a rank keeps between steps: parameters, gradients and AdamW's two moments (measured
   on the tensors: shards include their padding);
@@ -64,8 +64,10 @@ def measure(dp: int, pp: int, config: dict[str, Any]) -> dict[str, Any]:
     batch = {"x": torch.randn(config["batch"], config["dim"], generator=g)}
     batch["y"] = torch.randn(config["batch"], config["dim"], generator=g)
 
-    plain = fpipe.pipeline(_common.mse_loss, stages, schedule, mesh=mesh)
-    sharded = fpipe.pipeline(_common.mse_loss, stages, schedule, mesh=mesh, shard_params=True)
+    plain = fpipe.pipeline(_common.mse_loss, stages, schedule, parallel=fpipe.Parallelism(mesh=mesh))
+    sharded = fpipe.pipeline(
+        _common.mse_loss, stages, schedule, parallel=fpipe.Parallelism(mesh=mesh, shard_params=True)
+    )
     local = [p if s in plain.local_stages else None for s, p in enumerate(full)]
     shards = sharded.shard(full)
     mine = batch if plain.rank == 0 else None
@@ -74,7 +76,7 @@ def measure(dp: int, pp: int, config: dict[str, Any]) -> dict[str, Any]:
     loss_s, grads_s = sharded(shards, mine)
     torch.testing.assert_close(loss_s, loss_p, rtol=1e-6, atol=0)
     for s in plain.local_stages:
-        torch.testing.assert_close(sharded.unshard(grads_s)[s], grads_p[s], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(sharded.gather(grads_s)[s], grads_p[s], rtol=1e-5, atol=1e-7)
 
     times: dict[str, list[float]] = {"replicated": [], "sharded": []}
     runs = {"replicated": lambda: plain(local, mine), "sharded": lambda: sharded(shards, mine)}

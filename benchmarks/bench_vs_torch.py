@@ -15,7 +15,7 @@ split in 2 stages (the embedding and the first half of the layers on rank 0, the
 head on rank 1), twice over:
 
   - fpipe: pure functions over dicts of tensors (``F.linear``, ``F.rms_norm``, ...), run by
-    ``fpipe.pipeline(loss_fn, stages, schedule, group=WORLD)``;
+    ``fpipe.pipeline(loss_fn, stages, schedule, parallel=fpipe.Parallelism(group=WORLD))``;
   - torch: the equivalent ``nn.Module`` stages (``nn.Linear``, ``nn.RMSNorm``, ...) in a
     ``PipelineStage`` run by ``ScheduleGPipe`` or ``Schedule1F1B``.
 
@@ -317,7 +317,9 @@ def run_per_action(rank: int, world_size: int, opts: dict[str, Any], schedule_na
     batch = torch.ones(m, 1)
     schedule = GPipe(m) if schedule_name == "gpipe" else OneFOneB(m)
     torch_cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
-    step = fpipe.pipeline(tiny_loss_fpipe, [tiny_stage] * world_size, schedule, group=dist.group.WORLD)
+    step = fpipe.pipeline(
+        tiny_loss_fpipe, [tiny_stage] * world_size, schedule, parallel=fpipe.Parallelism(group=dist.group.WORLD)
+    )
     torch_schedule = torch_cls(PipelineStage(module, rank, world_size, torch.device("cpu")), m, loss_fn=tiny_loss_torch)
 
     def fpipe_step() -> None:
@@ -362,7 +364,7 @@ def run_config(
     state: dict[str, Any] = {}
 
     def build_fpipe() -> None:
-        state["step"] = fpipe.pipeline(fpipe_loss, stages, schedule, group=dist.group.WORLD)
+        state["step"] = fpipe.pipeline(fpipe_loss, stages, schedule, parallel=fpipe.Parallelism(group=dist.group.WORLD))
 
     def fpipe_step() -> None:
         state.pop("grads", None)

@@ -306,17 +306,17 @@ def main(argv=None):
     """Train (or go on training); return the training loss of every step run."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    group = mesh = None
+    parallel = fpipe.Parallelism()  # one process
     if "RANK" in os.environ and not dist.is_initialized():  # under torchrun: one pipeline rank each
         dist.init_process_group("gloo")
     if dist.is_initialized() and args.tp > 1:  # a pp x tp mesh: global rank = tp * pipeline rank + tp rank
         mesh = init_device_mesh("cpu", (dist.get_world_size() // args.tp, args.tp), mesh_dim_names=("pp", "tp"))
+        parallel = fpipe.Parallelism(mesh=mesh)
     elif dist.is_initialized():
-        group = dist.group.WORLD
+        parallel = fpipe.Parallelism(group=dist.group.WORLD)
     precision = fpipe.Precision(compute=torch.bfloat16) if args.precision == "bf16" else None
     stages = make_stages(args.heads, args.blocks // 4)
-    step = fpipe.pipeline(loss_fn, stages, OneFOneB(args.microbatches), group=group, mesh=mesh, precision=precision)
-    where = {"step": step} if dist.is_initialized() else {}  # saves: this rank's stages, on many processes
+    step = fpipe.pipeline(loss_fn, stages, OneFOneB(args.microbatches), parallel=parallel, precision=precision)
     lead = not dist.is_initialized() or dist.get_rank() == 0  # the one process that prints and writes metrics
     chatty = not args.quiet and lead
 
@@ -324,8 +324,8 @@ def main(argv=None):
         return [t if s in step.local_stages else None for s, t in enumerate(tree)]
 
     params = mine(init_params(args.dim, args.context, args.blocks, torch.Generator().manual_seed(args.seed)))
-    if mesh is not None:
-        params = [None if p is None else distribute_block_weights(p, mesh["tp"]) for p in params]
+    if parallel.mesh is not None:
+        params = [None if p is None else distribute_block_weights(p, parallel.mesh["tp"]) for p in params]
     decay = [None if p is None else optree.tree_map(lambda t: t.dim() >= 2, p) for p in params]
     warmup = min(args.warmup, args.steps)
     schedule = fpipe.optim.warmup_cosine(args.lr, warmup_steps=warmup, total_steps=args.steps, min_lr=args.lr / 10)
@@ -334,7 +334,7 @@ def main(argv=None):
     out = Path(args.out)
     first = 0
     if args.resume:
-        state = fpipe.load_state(out / "save", params, optimizer_state=opt_state, **where)
+        state = fpipe.load_state(out / "save", params, optimizer_state=opt_state, parallel=step)
         params, opt_state, first = list(state.params), list(state.optimizer_state), state.step
         if state.metadata.get("seed") != args.seed:
             sys.exit(f"--resume: the save in {out} was made with --seed {state.metadata.get('seed')}, not {args.seed}")
@@ -352,10 +352,8 @@ def main(argv=None):
 
     if chatty:
         num_params = sum(local(t).numel() for p in params if p is not None for t in optree.tree_leaves(p))
-        parallel = f", {args.tp}-way tensor parallel" if mesh is not None else ""
-        print(
-            f"{step!r}{parallel}, {args.precision}, {len(data):,} bytes of text; rank 0 holds {num_params:,} parameters"
-        )
+        tp = f", {args.tp}-way tensor parallel" if parallel.mesh is not None else ""
+        print(f"{step!r}{tp}, {args.precision}, {len(data):,} bytes of text; rank 0 holds {num_params:,} parameters")
         if first:
             print(f"resuming at step {first} from {out / 'save'}")
     if lead:
@@ -372,7 +370,7 @@ def main(argv=None):
     start = time.perf_counter()
     with (
         open(out / "metrics.jsonl", "a") if lead else contextlib.nullcontext() as metrics,
-        fpipe.AsyncSaver(**where) as saver,
+        fpipe.AsyncSaver(parallel=step) as saver,  # saves: this rank's stages
     ):
         last = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
         for it in range(first, last):

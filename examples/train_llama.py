@@ -6,15 +6,15 @@
     torchrun --standalone --nproc-per-node 4 examples/train_llama.py --tp 2
 
 The same script runs unchanged under ``torchrun``: it then joins a gloo process group, and
-``fpipe.pipeline(..., group=...)`` puts the 4 stages on 2 processes (looped placement, so 1F1B
-becomes interleaved 1F1B). Each rank builds only the parameters of ``step.local_stages``, only
-the rank of stage 0 is given the batch, and every rank gets the loss.
+``fpipe.pipeline(..., parallel=fpipe.Parallelism(group=...))`` puts the 4 stages on 2 processes
+(looped placement, so 1F1B becomes interleaved 1F1B). Each rank builds only the parameters of
+``step.local_stages``, only the rank of stage 0 is given the batch, and every rank gets the loss.
 
 With ``--tp 2`` the processes form a 2-D ``DeviceMesh`` with dimensions ``("pp", "tp")``: 4
-processes are 2 pipeline ranks of 2 tensor-parallel ranks each (``fpipe.pipeline(...,
-mesh=mesh)``), and every stage is tensor-parallel as in Megatron-LM: each tp rank holds half of
-the heads (the columns of ``wq``, ``wk``, ``wv`` and the rows of ``wo``) and half of the MLP's
-hidden units (the columns of ``w1``, ``w3`` and the rows of ``w2``) as DTensors
+processes are 2 pipeline ranks of 2 tensor-parallel ranks each (``fpipe.Parallelism(mesh=mesh)``),
+and every stage is tensor-parallel as in Megatron-LM: each tp rank holds half of the heads (the
+columns of ``wq``, ``wk``, ``wv`` and the rows of ``wo``) and half of the MLP's hidden units (the
+columns of ``w1``, ``w3`` and the rows of ``w2``) as DTensors
 (``torch.distributed.tensor``, ``Shard`` placements), and sums its products with its partner's
 in one all-reduce per attention and per MLP (``row_output``); norms, the embedding and the
 head stay whole, a copy on each tp rank. The losses equal the one-process run's to float32
@@ -342,14 +342,15 @@ def main(argv=None):
     }[args.schedule]
     # Under torchrun (which sets RANK and WORLD_SIZE) the pipeline spans the processes; with --tp
     # they form a pp x tp mesh, each pipeline rank a group of tp processes (global rank = tp * pp + tp index).
-    group = mesh = None
+    parallel = fpipe.Parallelism()  # one process
     if "RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("gloo")
     if dist.is_initialized() and args.tp > 1:
         mesh = init_device_mesh("cpu", (dist.get_world_size() // args.tp, args.tp), mesh_dim_names=("pp", "tp"))
+        parallel = fpipe.Parallelism(mesh=mesh)
     elif dist.is_initialized():
-        group = dist.group.WORLD
-    step = fpipe.pipeline(loss_fn, STAGES, schedule, batch_dims=BATCH_DIMS, group=group, mesh=mesh)
+        parallel = fpipe.Parallelism(group=dist.group.WORLD)
+    step = fpipe.pipeline(loss_fn, STAGES, schedule, batch_dims=BATCH_DIMS, parallel=parallel)
     lead = not dist.is_initialized() or dist.get_rank() == 0  # the one process that prints
     chatty = not args.quiet and lead
     if chatty:
@@ -360,8 +361,8 @@ def main(argv=None):
     params = init_params(args.dim, generator)
     num_params = sum(t.numel() for t in optree.tree_leaves(params))
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
-    if mesh is not None:
-        params = [None if p is None else distribute_block_weights(p, mesh["tp"]) for p in params]
+    if parallel.mesh is not None:
+        params = [None if p is None else distribute_block_weights(p, parallel.mesh["tp"]) for p in params]
     # AdamW (torch.optim's own kernel) with decay on matrices only, warm-up then cosine decay to lr / 10.
     decay = [None if p is None else optree.tree_map(lambda t: t.dim() >= 2, p) for p in params]
     warmup = min(10, args.steps)
@@ -371,8 +372,8 @@ def main(argv=None):
     freqs_cis = precompute_freqs_cis(args.head_dim, 2 * args.digits)
     first_rank = step.program.placement()[0]
     if chatty:
-        parallel = f", {args.tp}-way tensor parallel" if mesh is not None else ""
-        print(f"{num_params:,} parameters{parallel}, copy {args.digits} digits, batch {args.batch_size}")
+        tensor_parallel = f", {args.tp}-way tensor parallel" if parallel.mesh is not None else ""
+        print(f"{num_params:,} parameters{tensor_parallel}, copy {args.digits} digits, batch {args.batch_size}")
 
     losses = []
     # A bar on a terminal; in a log file (not a terminal) a plain line every 10 steps instead.

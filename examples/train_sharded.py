@@ -8,9 +8,9 @@ The 4 processes form a 2 x 2 ``DeviceMesh``: 2 data-parallel replicas (``"dp"``)
 interleaved 1F1B). Each replica trains on its own batches, and the step averages the gradients
 over the replicas.
 
-With ``fpipe.pipeline(..., mesh=mesh, shard_params=True)`` (ZeRO-3, FSDP) each rank keeps only
-its shard of its stages' parameters: ``step.shard(params)`` cuts every tensor into 1-D pieces,
-one per replica (zero-padded when it does not divide). A step all-gathers a stage's parameters
+With ``fpipe.pipeline(..., parallel=fpipe.Parallelism(mesh=mesh, shard_params=True))`` (ZeRO-3,
+FSDP) each rank keeps only its shard of its stages' parameters: ``step.shard(params)`` cuts every
+tensor into 1-D pieces, one per replica (zero-padded when it does not divide). A step all-gathers a stage's parameters
 before the stage's first forward and reduce-scatters its gradients after its last backward, so
 ``grads`` come back as shards too, and the AdamW update (``fpipe.optim.adamw``, torch.optim's own
 kernel) runs on shards only: parameters, gradients and both moments take half the memory on
@@ -144,7 +144,12 @@ def main(argv=None):
     mesh = init_device_mesh("cpu", (world // args.pp, args.pp), mesh_dim_names=("dp", "pp"))
     replica = mesh.get_coordinate()[0]
 
-    step = fpipe.pipeline(loss_fn, STAGES, OneFOneB(args.microbatches), mesh=mesh, shard_params=not args.no_shard)
+    step = fpipe.pipeline(
+        loss_fn,
+        STAGES,
+        OneFOneB(args.microbatches),
+        parallel=fpipe.Parallelism(mesh=mesh, shard_params=not args.no_shard),
+    )
     # Every rank draws the same full parameters (same seed); step.shard keeps this rank's shards
     # of its stages (None for the stages held elsewhere).
     full = init_params(args.dim, args.hidden, torch.Generator().manual_seed(args.seed))

@@ -16,6 +16,7 @@ from ._modules import balance as balance
 from ._modules import functionalize as functionalize
 from ._modules import split_module as split_module
 from ._modules import sum_tied as sum_tied
+from ._parallelism import Parallelism as Parallelism
 from ._precision import LossScale as LossScale
 from ._precision import LossScaleState as LossScaleState
 from ._precision import Precision as Precision
@@ -39,6 +40,7 @@ __all__ = [
     "LossScale",
     "LossScaleState",
     "Microbatches",
+    "Parallelism",
     "PipelineError",
     "PipelineTimeoutError",
     "Precision",

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from ._distributed import Topology, WireState, resolve_topology, run_distributed
-from ._errors import DEFAULT_TIMEOUT
 from ._microbatch import Microbatches
+from ._parallelism import Parallelism, deprecated, parallelism_of
 from ._plural import brief, plural
 from ._precision import LossScaleState, Precision
 from ._pytree import PyTree, leaves_with_paths, stage_list, tensor_map
@@ -51,12 +52,13 @@ def pipeline(
     weight_fn: Callable[[Any], Any] | None = None,
     split: Callable[[Any, int], Sequence[Any]] | None = None,
     recompute: bool | Collection[int] = False,
+    parallel: Parallelism | None = None,
+    precision: Precision | None = None,
     mesh: Any = None,
     group: Any = None,
-    shard_params: bool = False,
-    regather: bool = False,
-    timeout: float = DEFAULT_TIMEOUT,
-    precision: Precision | None = None,
+    shard_params: bool | None = None,
+    regather: bool | None = None,
+    timeout: float | None = None,
 ) -> Step:
     """Turn stage functions and a schedule into ``step(params, batch) -> (loss, grads)``.
 
@@ -95,29 +97,24 @@ def pipeline(
         recompute: activation recomputation: ``True`` for every stage, or the indices of the
             stages that keep only their inputs after a forward and recompute it inside their
             backward (less memory, one more forward; results bitwise unchanged).
-        mesh: run distributed, one pipeline rank per process, over a ``DeviceMesh`` with a
-            pipeline dimension named ``"pp"`` and optionally a data-parallel one named ``"dp"``
-            (each data-parallel replica gets its own batch; grads and loss are averaged over
-            replicas with one all-reduce per step).
-        group: run distributed over this process group (the pipeline ranks are the positions
-            in the group). Without ``mesh`` and ``group`` the whole pipeline runs in this process.
-        shard_params: with a ``mesh`` that has a ``"dp"`` dimension, keep each stage's parameters
-            sharded over the data-parallel ranks (ZeRO-3, FSDP): ``params[s]`` is then this rank's
-            pytree of shards, cut by ``step.shard(params)`` (each tensor leaf flattened, zero-padded
-            to a multiple of the data-parallel size ``d`` and cut into ``d`` 1-D pieces), and
-            ``grads[s]`` is the same shard of the replicas' average gradient. The step all-gathers
-            a stage's parameters before its first forward and keeps them for the step, and
-            reduce-scatters its gradients after its last backward (``notes/sharding.md``). With a
-            ``"tp"`` dimension too, a DTensor parameter's shards are cut from this rank's local
-            piece, and the step gathers the piece back into the DTensor (``notes/tensor_parallel.md``).
-        regather: with ``shard_params``, keep a stage's gathered parameters only while one of its
-            actions runs and gather them again for the next (one all-gather per action instead
-            of per step; at most one stage's full parameters alive; results bitwise unchanged).
-        timeout: seconds a rank waits for a peer before raising ``PipelineTimeoutError``.
+        parallel: where and how the step runs, an ``fpipe.Parallelism``: over a ``DeviceMesh``
+            (``Parallelism(mesh=mesh)``: one pipeline rank per process along its ``"pp"``
+            dimension, data-parallel replicas along ``"dp"``, each with its own batch, grads and
+            loss averaged over them; DTensor stages along ``"tp"``) or a process group
+            (``Parallelism(group=group)``), with ``shard_params`` (each stage's parameters
+            sharded over the data-parallel ranks: ``params[s]`` and ``grads[s]`` are this rank's
+            shards, cut by ``step.shard(params)``; the step all-gathers a stage's parameters
+            before its first forward and reduce-scatters its gradients after its last backward,
+            ``notes/sharding.md``), ``regather`` and the ``timeout`` a rank waits for a peer
+            before raising ``PipelineTimeoutError``. ``None`` (default): ``Parallelism()``, the
+            whole pipeline in this process. ``step.parallel`` holds it.
         precision: an ``fpipe.Precision``: the dtype stages compute in (master weights), the
             dtype gradients are summed in over microbatches (and replicas), the dtype they are
             returned in, and float16 loss scaling (``step.loss_scale``, ``step.last_skipped``).
             ``None`` (default): everything in the parameters' own dtypes.
+        mesh, group, shard_params, regather, timeout: deprecated: the fields of ``parallel``,
+            accepted for one release with a ``DeprecationWarning`` (``parallel=fpipe.Parallelism(
+            mesh=mesh, shard_params=True)`` for ``mesh=mesh, shard_params=True``).
 
     When distributed, every rank calls ``step(params, batch)``: ``params[s]`` is ``None`` for
     the stages the rank does not hold (``step.local_stages`` lists those it does), ``batch``
@@ -159,10 +156,10 @@ def pipeline(
         TypeError: if ``loss_fn`` or a stage is not callable, a stage is an ``nn.Module`` whose
             ``forward`` cannot take ``(params, x)`` (use ``fpipe.functionalize`` or
             ``fpipe.split_module``), ``schedule`` is a class rather than
-            a schedule value, ``has_aux`` or ``shard_params`` is not a bool, or ``precision`` is
-            not an ``fpipe.Precision``.
-        ValueError: if ``timeout`` is not a positive finite number, ``recompute`` names no
-            stages, or the sharding options do not fit the mesh.
+            a schedule value, ``has_aux`` is not a bool, ``parallel`` is not an
+            ``fpipe.Parallelism`` (or is given with the keywords it replaces), or ``precision`` is
+            not an ``fpipe.Precision``; the deprecated keywords raise as ``fpipe.Parallelism`` does.
+        ValueError: if ``recompute`` names no stages.
         ScheduleError: if the schedule cannot run with ``len(stages)`` stages (a hand-written
             program has as many stages as the largest stage it names, plus one).
     """
@@ -184,11 +181,15 @@ def pipeline(
             )
         if isinstance(fn, torch.nn.Module):
             _check_module_stage(s, fn)
-    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
-        raise ValueError(
-            f"fpipe.pipeline: timeout must be a positive number of seconds (timeout: {brief(timeout)}). "
-            f"Pass e.g. timeout={DEFAULT_TIMEOUT:g}, the default."
-        )
+    parallel = parallelism_of(
+        "fpipe.pipeline",
+        parallel,
+        mesh=mesh,
+        group=group,
+        shard_params=shard_params,
+        regather=regather,
+        timeout=timeout,
+    )
     if not isinstance(has_aux, bool):
         raise TypeError(f"fpipe.pipeline: has_aux must be True or False (has_aux: {brief(has_aux)}). Pass a bool.")
     if weight_fn is not None and not callable(weight_fn):
@@ -213,25 +214,12 @@ def pipeline(
             f"fpipe.pipeline: recompute must be a bool or stage indices in 0..{len(stages) - 1} "
             f"(recompute: {brief(recompute)}). Pass True, False or e.g. recompute={{0}}."
         )
-    recompute = frozenset(recompute)
-    if not isinstance(shard_params, bool):
-        raise TypeError(
-            f"fpipe.pipeline: shard_params must be True or False (shard_params: {brief(shard_params)}). Pass a bool."
-        )
-    if regather and not shard_params:
-        raise ValueError("fpipe.pipeline: regather=True re-gathers sharded parameters; it needs shard_params=True.")
     if precision is not None and not isinstance(precision, Precision):
         raise TypeError(
             f"fpipe.pipeline: precision must be an fpipe.Precision (precision: {brief(precision)}). "
             "Pass e.g. fpipe.Precision(compute=torch.bfloat16, accumulate=torch.float32)."
         )
-    topology = resolve_topology(mesh, group)
-    if shard_params and (topology is None or topology.data_group is None):
-        raise ValueError(
-            "fpipe.pipeline: shard_params=True cuts parameters over the data-parallel ranks, but this pipeline "
-            f"has none (mesh: {brief(mesh)}, group: {brief(group)}). Pass mesh= a DeviceMesh with dimensions "
-            "('dp', 'pp'), or leave shard_params=False."
-        )
+    topology = resolve_topology(parallel.mesh, parallel.group)
     program = _program(schedule, len(stages), None if topology is None else topology.size)
     validate(program)
     if topology is not None and program.num_ranks != topology.size:
@@ -239,10 +227,7 @@ def pipeline(
             f"fpipe.pipeline: the program has {plural(program.num_ranks, 'rank')} but the pipeline group has "
             f"{plural(topology.size, 'process')}. Use a schedule and stage count that fit the group size."
         )
-    # The parallel strategy, composed once here and handed to every run (fpipe/_strategy.py).
-    divide = weight_fn is None  # with weight_fn each replica's share is already over the total
-    strategy = Strategy(topology, shard_params, regather, divide, timeout, precision)
-    return Step(
+    spec = StepSpec(
         loss_fn,
         tuple(stages),
         program,
@@ -250,9 +235,11 @@ def pipeline(
         batch_dims=batch_dims,
         weight_fn=weight_fn,
         split=split,
-        recompute=recompute,
-        strategy=strategy,
+        recompute=frozenset(recompute),
+        parallel=parallel,
+        precision=precision,
     )
+    return Step(spec, topology)
 
 
 def _check_module_stage(s: int, module: torch.nn.Module) -> None:
@@ -384,10 +371,65 @@ def _meta(leaf: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return leaf, leaf.is_meta
 
 
+@dataclass(frozen=True)
+class StepSpec:
+    """What ``pipeline`` validated, fixed for a step's life: ``step.spec``.
+
+    Attributes:
+        loss_fn: ``loss_fn(y, microbatch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+        stages: the stage functions, one per stage.
+        program: the validated ``Program`` the step runs.
+        has_aux: ``loss_fn`` returns ``(loss, aux)``.
+        batch_dims: where the batch is split (an int, or a prefix pytree of the batch).
+        weight_fn: the microbatches' token counts, or ``None`` (weighed by their examples).
+        split: the user's split of a batch into microbatches, or ``None``.
+        recompute: the stages that recompute their forward inside their backward.
+        parallel: where and how the step runs, an ``fpipe.Parallelism``.
+        precision: the ``fpipe.Precision`` policy, or ``None``.
+    """
+
+    loss_fn: Callable[[Any, Any], Any]
+    stages: tuple[StageFn, ...]
+    program: Program
+    has_aux: bool
+    batch_dims: PyTree
+    weight_fn: Callable[[Any], Any] | None
+    split: Callable[[Any, int], Sequence[Any]] | None
+    recompute: frozenset[int]
+    parallel: Parallelism
+    precision: Precision | None
+
+
+@dataclass
+class StepState:
+    """What a call or ``step.shard`` changes in a step, by name; everything else is its ``spec``.
+
+    Attributes:
+        loss_scale: under loss scaling, the ``LossScaleState`` the next call scales by (a frozen
+            value, replaced by each call; ``None`` without loss scaling).
+        last_skipped: whether the last call found ``inf``/``nan`` under loss scaling.
+        shard_layouts: with ``shard_params``, the full shapes ``step.shard`` recorded.
+        wire: distributed, the channels' layouts, kept from call to call so headers travel only
+            when a layout changes (notes/wire.md).
+    """
+
+    loss_scale: LossScaleState | None
+    last_skipped: bool = False
+    shard_layouts: Mapping[int, StageLayout] = field(default_factory=lambda: MappingProxyType({}))
+    wire: WireState = field(default_factory=WireState)
+
+
 class Step:
     """The step function returned by ``fpipe.pipeline``: ``step(params, batch) -> (loss, grads)``.
 
+    A step is a frozen ``spec`` (what ``pipeline`` validated: stages, program, options, its
+    ``Parallelism`` and ``Precision``) and a small named state (the loss scale, the last skip,
+    the shard layouts ``shard`` records, the wire's layouts); its attributes read them.
+
     Attributes:
+        spec: the ``StepSpec``: every option ``pipeline`` was given, validated, fixed.
+        parallel: the ``fpipe.Parallelism`` it runs on (``spec.parallel``); a save or load of
+            its shards takes the step itself (``fpipe.save(..., parallel=step)``).
         program: the validated ``Program`` it runs.
         num_stages: the number of stages.
         num_microbatches: how many microbatches each batch is split into.
@@ -400,49 +442,93 @@ class Step:
         last_skipped: whether the last call found ``inf``/``nan`` in a gradient (of any stage,
             on any rank) under loss scaling: the caller must then skip its update. Every rank
             reports the same. Always ``False`` without loss scaling.
+
+    ``loss_fn``, ``stages``, ``has_aux``, ``batch_dims``, ``weight_fn``, ``split`` and
+    ``recompute`` read ``spec``; ``timeout``, ``shard_params`` and ``regather`` read ``parallel``.
     """
 
-    def __init__(
-        self,
-        loss_fn: Callable[[Any, Any], Any],
-        stages: tuple[StageFn, ...],
-        program: Program,
-        *,
-        has_aux: bool,
-        batch_dims: PyTree,
-        weight_fn: Callable[[Any], Any] | None = None,
-        split: Callable[[Any, int], Sequence[Any]] | None = None,
-        recompute: frozenset[int],
-        strategy: Strategy,
-    ) -> None:
-        self.loss_fn = loss_fn
-        self.stages = stages
-        self.program = program
-        self.has_aux = has_aux
-        self.batch_dims = batch_dims
-        self.weight_fn = weight_fn
-        self.split = split
-        self.recompute = recompute
-        self.timeout = strategy.timeout
-        self.num_stages = program.num_stages
-        self.num_microbatches = program.num_microbatches
-        self.shard_params = strategy.shard_params
-        self.regather = strategy.regather
-        self.precision = precision = strategy.precision
-        self._strategy = strategy  # replaced, a new value, when step.shard records the layouts
-        scaling = None if precision is None else precision.loss_scale
-        self._loss_scale = None if scaling is None else scaling.start()
-        self.last_skipped = False
-        self._topology = topology = strategy.topology
-        self._wire = WireState()  # the distributed channels' layouts, kept from step to step
-        if topology is None:
-            self.rank: int | None = None
-            self.local_stages = tuple(range(self.num_stages))
-        else:
-            self.rank = topology.rank
-            self.local_stages = program.stages_of(topology.rank)
-        self._order = order_for(program, self.rank)
-        self._forward_order = order_for(program, self.rank, forward=True)
+    def __init__(self, spec: StepSpec, topology: Topology | None) -> None:
+        self.spec = spec
+        # The parallel strategy, composed once here and handed to every run (fpipe/_strategy.py);
+        # with weight_fn each replica's share is already over the total, so replicas sum.
+        self._strategy = Strategy(topology, spec.parallel, spec.weight_fn is None, spec.precision)
+        scaling = None if spec.precision is None else spec.precision.loss_scale
+        self._state = StepState(None if scaling is None else scaling.start())
+        self._topology = topology
+        self._rank = None if topology is None else topology.rank
+        program = spec.program
+        self._local_stages = tuple(range(program.num_stages)) if topology is None else program.stages_of(topology.rank)
+        self._order = order_for(program, self._rank)
+        self._forward_order = order_for(program, self._rank, forward=True)
+
+    # What pipeline() fixed (``spec``), read-only.
+    @property
+    def loss_fn(self) -> Callable[[Any, Any], Any]:
+        return self.spec.loss_fn
+
+    @property
+    def stages(self) -> tuple[StageFn, ...]:
+        return self.spec.stages
+
+    @property
+    def program(self) -> Program:
+        return self.spec.program
+
+    @property
+    def has_aux(self) -> bool:
+        return self.spec.has_aux
+
+    @property
+    def batch_dims(self) -> PyTree:
+        return self.spec.batch_dims
+
+    @property
+    def weight_fn(self) -> Callable[[Any], Any] | None:
+        return self.spec.weight_fn
+
+    @property
+    def split(self) -> Callable[[Any, int], Sequence[Any]] | None:
+        return self.spec.split
+
+    @property
+    def recompute(self) -> frozenset[int]:
+        return self.spec.recompute
+
+    @property
+    def parallel(self) -> Parallelism:
+        return self.spec.parallel
+
+    @property
+    def precision(self) -> Precision | None:
+        return self.spec.precision
+
+    @property
+    def num_stages(self) -> int:
+        return self.spec.program.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.spec.program.num_microbatches
+
+    @property
+    def timeout(self) -> float:
+        return self.spec.parallel.timeout
+
+    @property
+    def shard_params(self) -> bool:
+        return self.spec.parallel.shard_params
+
+    @property
+    def regather(self) -> bool:
+        return self.spec.parallel.regather
+
+    @property
+    def rank(self) -> int | None:
+        return self._rank
+
+    @property
+    def local_stages(self) -> tuple[int, ...]:
+        return self._local_stages
 
     def __repr__(self) -> str:
         p = self.program
@@ -477,8 +563,9 @@ class Step:
         """
         (loss, aux, _), grads = self._run(self._order, params, batch, key=key, keep_outputs=False)
         # With a precision policy: unscaled and cast; under loss scaling, the next state and the skip, agreed.
-        grads, self._loss_scale, self.last_skipped = self._strategy.finish(
-            params, grads, self.local_stages, self._loss_scale
+        state = self._state
+        grads, state.loss_scale, state.last_skipped = self._strategy.finish(
+            params, grads, self.local_stages, state.loss_scale
         )
         return ((loss, aux), grads) if self.has_aux else (loss, grads)
 
@@ -545,37 +632,49 @@ class Step:
             if self._topology is None:
                 raise
             rejected, key = error, 0
+        strategy = self._sharded_strategy()
         with not_inference():  # results are plain tensors whatever the ambient mode
             if self._topology is None:
-                return run_local(self, order, self._strategy, params, batch, key=key, keep_outputs=keep_outputs)
+                return run_local(self, order, strategy, params, batch, key=key, keep_outputs=keep_outputs)
             return run_distributed(
                 self,
                 order,
                 self._topology,
-                self._wire,
+                self._state.wire,
                 params,
                 batch,
-                strategy=self._strategy,
+                strategy=strategy,
                 key=key,
                 rejected=rejected,
                 keep_outputs=keep_outputs,
             )
 
+    def _sharded_strategy(self) -> Strategy:
+        """The step's strategy with the shard layouts its state holds (the strategy as built
+        when there are none)."""
+        layouts = self._state.shard_layouts
+        return self._strategy.with_layouts(layouts) if layouts else self._strategy
+
     @property
     def loss_scale(self) -> LossScaleState | None:
         """The loss scaling state of the next call (see the class docstring); assignable to resume."""
-        return self._loss_scale
+        return self._state.loss_scale
 
     @loss_scale.setter
     def loss_scale(self, state: LossScaleState) -> None:
-        if self._loss_scale is None:
+        if self._state.loss_scale is None:
             raise ValueError(
                 "fpipe.Step.loss_scale: this step does not scale its loss. Build it with "
                 "pipeline(..., precision=fpipe.Precision(compute=torch.float16, loss_scale=fpipe.LossScale()))."
             )
         if not isinstance(state, LossScaleState):
             raise TypeError(f"fpipe.Step.loss_scale: expected an fpipe.LossScaleState (loss_scale: {state!r}).")
-        self._loss_scale = state
+        self._state.loss_scale = state
+
+    @property
+    def last_skipped(self) -> bool:
+        """Whether the last call found ``inf``/``nan`` under loss scaling (see the class docstring)."""
+        return self._state.last_skipped
 
     @property
     def topology(self) -> Topology | None:
@@ -587,7 +686,7 @@ class Step:
     def shard_layouts(self) -> Mapping[int, StageLayout]:
         """With ``shard_params``: the full shapes and dtypes of the local stages' parameters,
         recorded by ``shard`` (empty before). A read-only view."""
-        return self._strategy.layouts
+        return self._state.shard_layouts
 
     def global_norm(self, grads: Sequence[PyTree], /) -> torch.Tensor:
         """The 2-norm of all gradients of the pipeline, for clipping, on every rank: a norm
@@ -602,33 +701,41 @@ class Step:
         counted once and each replicated gradient (plain, or ``Replicate``) on one rank only
         (with ``shard_params`` too: the plain shards of a DTensor's local piece count as it does).
         """
-        return self._strategy.global_norm(self.local_stages, grads)
+        return self._sharded_strategy().global_norm(self.local_stages, grads)
 
     def shard(self, params: Sequence[PyTree], /) -> list[PyTree]:
-        """This rank's shards of full per-stage parameters, for a step built with ``shard_params=True``.
+        """This rank's shards of full per-stage parameters, for a step built with
+        ``parallel=fpipe.Parallelism(mesh=mesh, shard_params=True)``.
 
         ``params`` has one full pytree per stage, as an unsharded step takes them (entries for
         stages held elsewhere are ignored and may be ``None``). Each tensor leaf of ``n`` elements
         becomes a 1-D tensor of ``ceil(n / d)`` elements (NOTE [shard layout] in
-        ``fpipe/_sharding/_stages.py``). The full shapes and dtypes are recorded in the step
-        (``step.shard_layouts``; besides the loss scale, the one thing a call changes in a step:
-        its strategy, a value, is replaced by one that holds them), which needs them to gather;
-        tensors on the ``meta`` device will do when only shapes are known. No communication.
+        ``fpipe/_sharding/_stages.py``). The full shapes and dtypes are recorded in the step's
+        state (``step.shard_layouts``), which ``gather``, the step and a save of the shards
+        (``fpipe.save(..., parallel=step)``) need; tensors on the ``meta`` device will do when
+        only shapes are known. No communication.
 
-        Example:
-            >>> shards = step.shard(params)  # doctest: +SKIP
-            >>> loss, grads = step(shards, batch)  # grads[s]: shards, like shards[s]
-            >>> shards = [update(p, g) for p, g in zip(shards, grads)]  # the optimizer sees shards only
+        On each rank of a mesh with a ``"dp"`` dimension::
+
+            shards = step.shard(params)
+            loss, grads = step(shards, batch)  # grads[s]: shards, like shards[s]
+            shards = [update(p, g) for p, g in zip(shards, grads)]  # the optimizer sees shards only
         """
-        shards, self._strategy = self._strategy.shard(self, params)
+        shards, self._state.shard_layouts = self._strategy.shard(self, params)
         return shards
 
-    def unshard(self, shards: Sequence[PyTree], /) -> list[PyTree]:
+    def gather(self, shards: Sequence[PyTree], /) -> list[PyTree]:
         """The full per-stage pytrees of ``shards`` (parameters, grads or optimizer state shaped
         like them), all-gathered over the data-parallel group: a collective, for checks.
 
-        ``fpipe.gather`` (the one implementation, ``gather_tree`` in fpipe/_sharding/_stages.py)
-        of each local stage with the full shapes ``step.shard`` recorded as ``like``. ``None``
-        leaves (the grads of non-float leaves) stay ``None``; stages held elsewhere are ``None``.
+        ``fpipe.gather(shards[s], like, step)`` of each local stage with the full shapes
+        ``step.shard`` recorded as ``like``, on the same code (``gather_tree`` in
+        fpipe/_sharding/_stages.py). ``None`` leaves (the grads of non-float leaves) stay
+        ``None``; stages held elsewhere are ``None``.
         """
-        return self._strategy.unshard(self, shards)
+        return self._sharded_strategy().gather(self, shards)
+
+    def unshard(self, shards: Sequence[PyTree], /) -> list[PyTree]:
+        """Deprecated: ``step.gather(shards)``, under its old name (one release, with a ``DeprecationWarning``)."""
+        deprecated("fpipe.Step.unshard(shards)", "step.gather(shards), its new name")
+        return self.gather(shards)

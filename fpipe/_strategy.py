@@ -14,8 +14,10 @@ one place) and the step hands it to the run, here or distributed; nothing calls 
     tensor-parallel a ``"tp"`` mesh dimension: DTensor leaves, under either of the two above
                    (fpipe/_tensor_parallel/)
 
-With ``shard_params`` a strategy also carries the full shapes ``step.shard`` recorded
-(``layouts``); the step holds the strategy and replaces it, a new value, when it records them.
+The set-up it runs on is the user's ``fpipe.Parallelism`` (``parallel``: sharding, regather,
+timeout) with its topology resolved once. With ``shard_params`` a run's strategy also carries
+the full shapes ``step.shard`` recorded (``layouts``, part of the step's state: the step hands
+each run ``with_layouts`` of them).
 The collectives it needs are functions over its topology (fpipe/_distributed/_collectives.py):
 the global norm (``norm_over``) and, when it finishes a step's gradients under the precision
 policy (``finish``), loss scaling's inf/nan agreement (``any_inf_nan``), handed in.
@@ -31,6 +33,7 @@ from types import MappingProxyType
 import torch
 
 from ._distributed import Topology, any_inf_nan, average_loss, norm_over, replica_mean
+from ._parallelism import Parallelism
 from ._precision import LossScaleState, Precision, check_params, finish_precision
 from ._pytree import PyTree, flatten, stage_list
 from ._run import HeldStages, Order, ReplicatedStages, StepView, stage_run
@@ -52,24 +55,33 @@ class Strategy:
     """How a step's held stages run and how their gradients and losses are reduced.
 
     Attributes:
-        topology: where this process sits (``None``: the whole pipeline in one process).
-        shard_params: parameters are shards over the data-parallel ranks (ZeRO-3, FSDP).
-        regather: with ``shard_params``, gather a stage's parameters again for each action.
+        topology: where this process sits (``None``: the whole pipeline in one process),
+            resolved from ``parallel`` once.
+        parallel: the set-up (``shard_params``: parameters are shards over the data-parallel
+            ranks; ``regather``: gather a stage's parameters again for each action;
+            ``timeout``: seconds a collective waits for a peer).
         divide: average over replicas (``True``), or sum (``weight_fn``: each replica's share
             is already over the whole count, NOTE [loss weights] in fpipe/_run.py).
-        timeout: seconds a collective waits for a peer.
         precision: the step's ``Precision`` (the gradient sums' dtypes), or ``None``.
         layouts: with ``shard_params``, the full shapes and dtypes of the held stages'
             parameters, recorded by ``step.shard`` (empty before).
     """
 
     topology: Topology | None
-    shard_params: bool
-    regather: bool
+    parallel: Parallelism
     divide: bool
-    timeout: float
     precision: Precision | None
     layouts: Mapping[int, StageLayout] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def shard_params(self) -> bool:
+        """Parameters are shards over the data-parallel ranks (``parallel.shard_params``)."""
+        return self.parallel.shard_params
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a collective waits for a peer (``parallel.timeout``)."""
+        return self.parallel.timeout
 
     def with_layouts(self, layouts: Mapping[int, StageLayout]) -> Strategy:
         """This strategy with the full shapes ``step.shard`` recorded."""
@@ -121,7 +133,7 @@ class Strategy:
             params,
             self.layouts,
             order.actions,
-            regather=self.regather,
+            regather=self.parallel.regather,
             grad_layouts=grad_layouts,
             divide=self.divide,
         )
@@ -133,27 +145,27 @@ class Strategy:
             return loss
         return average_loss(self.topology, loss, self.timeout, divide=self.divide)
 
-    def shard(self, step: StepView, params: Sequence[PyTree]) -> tuple[list[PyTree], Strategy]:
-        """``step.shard``: this rank's shards of the held stages' full ``params``, and this
-        strategy with their layouts recorded."""
+    def shard(self, step: StepView, params: Sequence[PyTree]) -> tuple[list[PyTree], Mapping[int, StageLayout]]:
+        """``step.shard``: this rank's shards of the held stages' full ``params``, and their layouts."""
         if not self.shard_params or self.topology is None:
             raise ValueError(
-                "fpipe.step.shard: this step does not shard. Build it with pipeline(..., shard_params=True)."
+                "fpipe.step.shard: this step does not shard. Build it with "
+                "pipeline(..., parallel=fpipe.Parallelism(mesh=mesh, shard_params=True))."
             )
         stage_list("fpipe.step.shard", "params", params, step.num_stages)
         for s in step.local_stages:
             if params[s] is None:
                 raise ValueError(f"fpipe.step.shard: params[{s}] is None but this rank holds stage {s}. Pass it.")
         shards, layouts = shard_stages(data_parallel(self.topology, self.timeout), step.local_stages, params)
-        return shards, self.with_layouts(layouts)
+        return shards, MappingProxyType(dict(layouts))
 
-    def unshard(self, step: StepView, shards: Sequence[PyTree]) -> list[PyTree]:
-        """``step.unshard``: the full pytrees of the held stages' ``shards`` (a collective)."""
+    def gather(self, step: StepView, shards: Sequence[PyTree]) -> list[PyTree]:
+        """``step.gather``: the full pytrees of the held stages' ``shards`` (a collective)."""
         if not self.layouts or self.topology is None:
-            raise ValueError("fpipe.step.unshard: the step has no layouts; cut the parameters with step.shard first.")
-        stage_list("fpipe.step.unshard", "shards", shards, step.num_stages)
+            raise ValueError("fpipe.step.gather: the step has no layouts; cut the parameters with step.shard first.")
+        stage_list("fpipe.step.gather", "shards", shards, step.num_stages)
         dp = data_parallel(self.topology, self.timeout)
-        return gather_stages(dp, self.layouts, shards, "fpipe.step.unshard")
+        return gather_stages(dp, self.layouts, shards, "fpipe.step.gather")
 
     def global_norm(self, local_stages: Sequence[int], grads: Sequence[PyTree]) -> torch.Tensor:
         """The 2-norm of all gradients of the pipeline, on every rank: ``step.global_norm``, whose

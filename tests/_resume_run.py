@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         return ((y - batch["y"]) ** 2).mean()
 
     group = dist.group.WORLD if distributed else None
-    step = fpipe.pipeline(loss_fn, [body, head], OneFOneB(num_microbatches=2), group=group)
+    step = fpipe.pipeline(loss_fn, [body, head], OneFOneB(num_microbatches=2), parallel=fpipe.Parallelism(group=group))
     g = torch.Generator().manual_seed(0)
     full = [
         {"w": torch.randn(D, 16, generator=g, dtype=torch.float64), "b": torch.zeros(16, dtype=torch.float64)},

@@ -167,7 +167,9 @@ def _train(rank, world, dims, shape, schedules, num_stages, precision=None):
     replica = mesh.get_coordinate()[dims.index("dp")] if "dp" in dims else 0
     out = []
     for schedule in schedules:
-        step = fpipe.pipeline(_loss, _stages(num_stages), schedule, mesh=mesh, timeout=60, precision=precision)
+        step = fpipe.pipeline(
+            _loss, _stages(num_stages), schedule, parallel=fpipe.Parallelism(mesh=mesh, timeout=60), precision=precision
+        )
         full_params = _params(num_stages) if precision is None else _float32(_params(num_stages))
         params = [_distribute(p, mesh["tp"]) if s in step.local_stages else None for s, p in enumerate(full_params)]
         loss, grads = step(params, _batch(10 + replica) if step.rank == 0 else None)
@@ -294,7 +296,9 @@ def _sharded(rank, world, dims, shape, schedule, num_stages):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
     replica = mesh.get_coordinate()[dims.index("dp")]
     plain, sharded = (
-        fpipe.pipeline(_loss, _stages(num_stages), schedule, mesh=mesh, timeout=60, **options)
+        fpipe.pipeline(
+            _loss, _stages(num_stages), schedule, parallel=fpipe.Parallelism(mesh=mesh, timeout=60, **options)
+        )
         for options in ({}, {"shard_params": True})
     )
     # regather=True: inside a stage, the other stages' gathered local pieces are freed
@@ -309,7 +313,9 @@ def _sharded(rank, world, dims, shape, schedule, num_stages):
         return run
 
     stages = [watching(s, f) for s, f in enumerate(_stages(num_stages))]
-    regathered = fpipe.pipeline(_loss, stages, schedule, mesh=mesh, timeout=60, shard_params=True, regather=True)
+    regathered = fpipe.pipeline(
+        _loss, stages, schedule, parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, regather=True, timeout=60)
+    )
     held = plain.local_stages
     params = [_distribute(p, mesh["tp"]) if s in held else None for s, p in enumerate(_params(num_stages))]
     shards, r_shards = sharded.shard(params), regathered.shard(params)
@@ -317,7 +323,7 @@ def _sharded(rank, world, dims, shape, schedule, num_stages):
     loss, grads = sharded(shards, batch)
     p_loss, p_grads = plain(params, batch)
     r_loss, r_grads = regathered(r_shards, batch)
-    gathered = sharded.unshard(grads)
+    gathered = sharded.gather(grads)
     checks = {
         "shards are plain 1-D tensors": all(
             type(x) is torch.Tensor and x.dim() == 1 for s in held for x in [*shards[s].values(), *grads[s].values()]
@@ -328,7 +334,7 @@ def _sharded(rank, world, dims, shape, schedule, num_stages):
             _same(grads[s], fpipe.shard(p_grads[s], mesh)) for s in held
         ),
         "regather bitwise": _same(r_grads, grads),
-        "unshard: the replicated run's grads, DTensors with their placements, bitwise": all(
+        "gather: the replicated run's grads, DTensors with their placements, bitwise": all(
             _same(gathered[s], p_grads[s]) for s in held
         ),
         "fpipe.gather(step.shard(params)) == params": all(
@@ -345,7 +351,7 @@ def _sharded(rank, world, dims, shape, schedule, num_stages):
     clipped = fpipe.optim.clip_by_global_norm(grads, norm, max_norm=MAX_NORM)
     shards, state = opt.update(shards, clipped, state)
     loss2 = sharded(shards, batch)[0]
-    updated = sharded.unshard(shards)
+    updated = sharded.gather(shards)
     return {
         "checks": checks,
         "local_stages": held,
@@ -360,9 +366,15 @@ def _sharded(rank, world, dims, shape, schedule, num_stages):
 
 def _sharded_mixed(mesh, schedule, num_stages, batch):
     """Under ``MIXED`` (float32 master weights): ``shard_params=True`` gives float32 shards of the
-    replicated run's grads, bitwise, and ``unshard`` float32 DTensors with the params' placements."""
+    replicated run's grads, bitwise, and ``step.gather`` float32 DTensors with the params' placements."""
     plain, sharded = (
-        fpipe.pipeline(_loss, _stages(num_stages), schedule, mesh=mesh, timeout=60, precision=MIXED, **options)
+        fpipe.pipeline(
+            _loss,
+            _stages(num_stages),
+            schedule,
+            parallel=fpipe.Parallelism(mesh=mesh, timeout=60, **options),
+            precision=MIXED,
+        )
         for options in ({}, {"shard_params": True})
     )
     held = plain.local_stages
@@ -377,8 +389,8 @@ def _sharded_mixed(mesh, schedule, num_stages, batch):
         "mixed: grads the shards of the replicated run's, bitwise": all(
             _same(grads[s], fpipe.shard(p_grads[s], mesh)) for s in held
         ),
-        "mixed: unshard the replicated run's grads, bitwise": all(
-            _same(sharded.unshard(grads)[s], p_grads[s]) for s in held
+        "mixed: gather the replicated run's grads, bitwise": all(
+            _same(sharded.gather(grads)[s], p_grads[s]) for s in held
         ),
     }
 

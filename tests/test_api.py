@@ -29,6 +29,7 @@ def test_public_names() -> None:
         "LossScale",
         "LossScaleState",
         "Microbatches",
+        "Parallelism",
         "PipelineError",
         "PipelineTimeoutError",
         "Precision",
@@ -560,20 +561,48 @@ def test_bad_pipeline_fails_when_wrapped(stages: Any, schedule: Any, error: type
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
-        ({"timeout": 0}, ValueError, r"timeout must be a positive number of seconds \(timeout: 0, type int\)"),
-        ({"timeout": True}, ValueError, r"timeout must be a positive number of seconds \(timeout: True, type bool\)"),
-        (
-            {"timeout": float("inf")},
-            ValueError,
-            r"timeout must be a positive number of seconds \(timeout: inf, type float\)",
-        ),
         ({"has_aux": "yes"}, TypeError, r"has_aux must be True or False \(has_aux: 'yes', type str\)"),
-        ({"shard_params": 1}, TypeError, r"shard_params must be True or False \(shard_params: 1, type int\)"),
+        ({"parallel": 30.0}, TypeError, r"parallel must be an fpipe\.Parallelism \(parallel: 30\.0, type float\)"),
     ],
 )
 def test_bad_options_fail_when_wrapped(options: dict[str, Any], error: type[Exception], match: str) -> None:
+    """(The parallel set-up's own checks, when ``fpipe.Parallelism`` is built: tests/test_parallelism.py.)"""
     with pytest.raises(error, match=match):
         fpipe.pipeline(carry_loss, [carry] * 2, GPipe(2), **options)
+
+
+def test_the_step_holds_its_parallelism_in_its_frozen_spec() -> None:
+    parallel = fpipe.Parallelism(timeout=30.0)
+    step = fpipe.pipeline(carry_loss, [carry] * 2, GPipe(2), parallel=parallel, recompute={1})
+    assert step.parallel is parallel and step.spec.parallel is parallel and step.timeout == 30.0
+    assert (step.spec.program, step.spec.recompute, step.spec.stages) == (step.program, frozenset({1}), (carry, carry))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.spec.parallel = fpipe.Parallelism()  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        step.program = step.program  # type: ignore[misc]
+    assert fpipe.pipeline(carry_loss, [carry] * 2, GPipe(2)).parallel == fpipe.Parallelism()
+
+
+@pytest.mark.parametrize(
+    ("options", "spelled"),
+    [
+        (
+            {"timeout": 30.0},
+            r"fpipe\.pipeline\(timeout=\) is deprecated .* use parallel=fpipe\.Parallelism\(timeout=\.\.\.\)",
+        ),
+        ({"shard_params": False, "regather": False}, r"fpipe\.pipeline\(shard_params=, regather=\) is deprecated"),
+    ],
+)
+def test_the_keywords_parallel_replaced_still_work_for_one_release(options: dict[str, Any], spelled: str) -> None:
+    with pytest.warns(DeprecationWarning, match=spelled) as warned:
+        step = fpipe.pipeline(carry_loss, [carry] * 2, GPipe(2), **options)
+    assert warned[0].filename == __file__  # the warning names the caller's line
+    assert step.parallel == fpipe.Parallelism(**options)
+    with pytest.raises(
+        TypeError,
+        match=r"pass parallel= alone, not with the keywords it replaces \(timeout=; parallel: type Parallelism",
+    ):
+        fpipe.pipeline(carry_loss, [carry] * 2, GPipe(2), parallel=fpipe.Parallelism(), timeout=30.0)
 
 
 class _CarryModule(nn.Module):

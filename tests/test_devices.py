@@ -67,7 +67,10 @@ def _ranks_on_two_device_types(rank: int, world: int) -> str:
     claimed = torch.device("cpu") if rank == 0 else torch.device("meta")
     with mock.patch.object(_topology, "device_of", lambda backend, mesh_device_type: claimed):
         step = fpipe.pipeline(
-            lambda y, mb: y.sum(), [lambda p, x: x * p] * 2, GPipe(2), group=dist.group.WORLD, timeout=20
+            lambda y, mb: y.sum(),
+            [lambda p, x: x * p] * 2,
+            GPipe(2),
+            parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=20),
         )
     assert step.topology is not None and step.topology.device == claimed
     params = [torch.ones(1) if s == rank else None for s in range(2)]

@@ -78,7 +78,9 @@ CALLS = [(5, False), (7, False), (7, True)]  # (sequence length, batch also on t
 def _train(rank, world, name):
     schedule, num_stages = SCHEDULES[name]
     stages, params = _model(num_stages)
-    step = fpipe.pipeline(_loss, stages, schedule, batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=30)
+    step = fpipe.pipeline(
+        _loss, stages, schedule, batch_dims=BATCH_DIMS, parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=30)
+    )
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
     placement = step.program.placement()
     out = []
@@ -122,7 +124,9 @@ LARGE_LENGTHS = (410, 450, 450)  # a microbatch's activation (5 x 410 x 2 comple
 
 def _train_large(rank, world):
     stages, params = _model(2)
-    step = fpipe.pipeline(_loss, stages, GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=30)
+    step = fpipe.pipeline(
+        _loss, stages, GPipe(2), batch_dims=BATCH_DIMS, parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=30)
+    )
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
     return [step(params, _batch(length) if rank == 0 else None) for length in LARGE_LENGTHS]
 
@@ -162,7 +166,13 @@ def _layout_params_and_batch():
 
 def _train_layouts(rank, world):
     params, batch = _layout_params_and_batch()
-    step = fpipe.pipeline(_layout_loss, [_transposing, _reducing], GPipe(2), batch_dims=1, group=dist.group.WORLD)
+    step = fpipe.pipeline(
+        _layout_loss,
+        [_transposing, _reducing],
+        GPipe(2),
+        batch_dims=1,
+        parallel=fpipe.Parallelism(group=dist.group.WORLD),
+    )
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
     return step(params, batch if rank == 0 else None)
 
@@ -182,7 +192,9 @@ def _mesh_train(rank, world):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     stages, params = _model(2)
-    step = fpipe.pipeline(_loss, stages, OneFOneB(3), batch_dims=BATCH_DIMS, mesh=mesh, timeout=30)
+    step = fpipe.pipeline(
+        _loss, stages, OneFOneB(3), batch_dims=BATCH_DIMS, parallel=fpipe.Parallelism(mesh=mesh, timeout=30)
+    )
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
     replica = mesh.get_coordinate()[0]
     loss, grads = step(params, _batch(6, seed=10 + replica) if step.rank == 0 else None)
@@ -209,7 +221,9 @@ def test_data_parallel_times_pipeline_mesh():
 def _bad_inputs(rank, world):
     stages, params = _model(2)
     messages = {}
-    step = fpipe.pipeline(_loss, stages, GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20)
+    step = fpipe.pipeline(
+        _loss, stages, GPipe(2), batch_dims=BATCH_DIMS, parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=20)
+    )
     mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
     for case, (ps, batch) in {
         "params for a stage held elsewhere": (params, _batch(3)),
@@ -220,7 +234,11 @@ def _bad_inputs(rank, world):
             step(ps, batch if rank == 0 else None)
         messages[case] = str(info.value)
     other = fpipe.pipeline(
-        _loss, stages, GPipe(2) if rank == 0 else OneFOneB(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD
+        _loss,
+        stages,
+        GPipe(2) if rank == 0 else OneFOneB(2),
+        batch_dims=BATCH_DIMS,
+        parallel=fpipe.Parallelism(group=dist.group.WORLD),
     )
     with pytest.raises(fpipe.schedules.ScheduleError) as info:
         other(mine, _batch(3) if rank == 0 else None)
@@ -228,25 +246,40 @@ def _bad_inputs(rank, world):
     # NOTE [a handshake of fixed size]: each case below used to abort a rank in gloo or leave one waiting.
     for case, counts in {"microbatch counts": (8, 4), "counts past the inline sizes": (20, 24)}.items():
         other = fpipe.pipeline(
-            _loss, stages, OneFOneB(counts[rank]), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20
+            _loss,
+            stages,
+            OneFOneB(counts[rank]),
+            batch_dims=BATCH_DIMS,
+            parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=20),
         )
         with pytest.raises(fpipe.schedules.ScheduleError) as info:
             other(mine, _batch(3, size=20) if rank == 0 else None)
         messages[case] = str(info.value)
-    many = fpipe.pipeline(_loss, stages, OneFOneB(20), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20)
+    many = fpipe.pipeline(
+        _loss,
+        stages,
+        OneFOneB(20),
+        batch_dims=BATCH_DIMS,
+        parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=20),
+    )
     messages["20 microbatches"] = many(mine, _batch(3, size=20) if rank == 0 else None)[0]
     for case, count in {
         "a meta count": lambda mb: torch.ones((), dtype=torch.int64, device="meta"),
         "counts past int64": lambda mb: 2**62,
     }.items():
         weighted = fpipe.pipeline(
-            _loss, stages, GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, weight_fn=count, timeout=20
+            _loss,
+            stages,
+            GPipe(2),
+            batch_dims=BATCH_DIMS,
+            parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=20),
+            weight_fn=count,
         )
         with pytest.raises(ValueError) as info:
             weighted(mine, _batch(3) if rank == 0 else None)
         messages[case] = str(info.value)
     weighted = fpipe.pipeline(
-        _loss, stages, GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20,
+        _loss, stages, GPipe(2), batch_dims=BATCH_DIMS, parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=20),
         weight_fn=(lambda mb: 1) if rank == 0 else None,
     )  # fmt: skip
     with pytest.raises(ValueError) as info:
@@ -259,7 +292,7 @@ def _bad_inputs(rank, world):
         step.evaluate(mine, _batch(3) if rank == 0 else None, outputs=True if rank == 0 else "yes")
     messages["outputs of one rank"] = str(info.value)
     with pytest.raises(fpipe.schedules.ScheduleError) as info:
-        fpipe.pipeline(_loss, [*stages, _block], GPipe(2), group=dist.group.WORLD)
+        fpipe.pipeline(_loss, [*stages, _block], GPipe(2), parallel=fpipe.Parallelism(group=dist.group.WORLD))
     messages["stages do not fit"] = str(info.value)
     # the group still works after input errors
     loss, _ = step(mine, _batch(3) if rank == 0 else None)
@@ -273,7 +306,11 @@ def _bad_inputs(rank, world):
 
     broken.calls = 0
     failing = fpipe.pipeline(
-        _loss, [_first, broken], OneFOneB(3), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20
+        _loss,
+        [_first, broken],
+        OneFOneB(3),
+        batch_dims=BATCH_DIMS,
+        parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=20),
     )
     with pytest.raises(fpipe.PipelineError) as info:
         failing(mine, _batch(3) if rank == 0 else None)
@@ -331,7 +368,9 @@ def _backward_fails(rank, world):
     rank 2: rank 2 expects no more messages from it, yet must fail too, naming it."""
     stages, params = _model(3)
     stages[1] = lambda p, x: {**_block(p, x), "z": _FailingBackward.apply(_block(p, x)["z"])}
-    step = fpipe.pipeline(_loss, stages, GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=10)
+    step = fpipe.pipeline(
+        _loss, stages, GPipe(2), batch_dims=BATCH_DIMS, parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=10)
+    )
     mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
     with pytest.raises(fpipe.PipelineError) as info:
         step(mine, _batch(3) if rank == 0 else None)
@@ -353,7 +392,13 @@ def _weight_grad_fails(rank, world):
     reading."""
     stages, params = _model(4)
     stages[0] = lambda p, mb: _first({**p, "w": _FailingBackward.apply(p["w"])}, mb)
-    step = fpipe.pipeline(_loss, stages, ZeroBubbleV(4), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=30)
+    step = fpipe.pipeline(
+        _loss,
+        stages,
+        ZeroBubbleV(4),
+        batch_dims=BATCH_DIMS,
+        parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=30),
+    )
     mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
     start = time.monotonic()
     with pytest.raises(fpipe.PipelineError) as info:
@@ -378,7 +423,13 @@ def _dies(rank, world):
             os._exit(3)
         return _block(p, x)
 
-    step = fpipe.pipeline(_loss, [_first, dying], GPipe(2), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=15)
+    step = fpipe.pipeline(
+        _loss,
+        [_first, dying],
+        GPipe(2),
+        batch_dims=BATCH_DIMS,
+        parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=15),
+    )
     mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
     with pytest.raises(fpipe.PipelineError) as info:
         step(mine, _batch(3) if rank == 0 else None)
@@ -397,7 +448,9 @@ def _replicas(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     replica = mesh.get_coordinate()[0]
     stages, params = _model(2)
-    step = fpipe.pipeline(_loss, stages, OneFOneB(4), batch_dims=BATCH_DIMS, mesh=mesh, timeout=20)
+    step = fpipe.pipeline(
+        _loss, stages, OneFOneB(4), batch_dims=BATCH_DIMS, parallel=fpipe.Parallelism(mesh=mesh, timeout=20)
+    )
     mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
     outcomes = []
     for call in range(2):  # replica 1's first batch is too small for 4 microbatches
@@ -410,7 +463,13 @@ def _replicas(rank, world):
     low = [{k: v.to(torch.float32) for k, v in p.items()} if p is not None else None for p in mine]
     loss, _ = step(low, _float32_batch(10 + replica) if step.rank == 0 else None)
     # replicas built with different microbatch counts: each pipeline agrees within itself
-    other = fpipe.pipeline(_loss, stages, OneFOneB(4 - 2 * replica), batch_dims=BATCH_DIMS, mesh=mesh, timeout=20)
+    other = fpipe.pipeline(
+        _loss,
+        stages,
+        OneFOneB(4 - 2 * replica),
+        batch_dims=BATCH_DIMS,
+        parallel=fpipe.Parallelism(mesh=mesh, timeout=20),
+    )
     with pytest.raises(fpipe.schedules.ScheduleError) as info:
         other(mine, _batch(5, size=8) if other.rank == 0 else None)
     return replica, step.local_stages, outcomes, loss, str(info.value)

@@ -94,10 +94,11 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         "schedule is a Searched that holds a program, not a schedule (schedule: type Searched, repr of",
     ),
     (
-        "timeout",
-        lambda: _pipeline(timeout=0),
-        ValueError,
-        "timeout must be a positive number of seconds (timeout: 0, type int). Pass e.g.",
+        "parallel",
+        lambda: _pipeline(parallel="mesh"),
+        TypeError,
+        "parallel must be an fpipe.Parallelism (parallel: 'mesh', type str). Pass e.g. "
+        "parallel=fpipe.Parallelism(mesh=mesh)",
     ),
     (
         "has_aux",
@@ -108,9 +109,6 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("weight_fn", lambda: _pipeline(weight_fn=2), TypeError, "weight_fn must be callable"),
     ("split", lambda: _pipeline(split=2), TypeError, "split must be callable"),
     ("recompute", lambda: _pipeline(recompute=[5]), ValueError, "recompute must be a bool or stage indices in 0..1"),
-    ("shard_params", lambda: _pipeline(shard_params=1), TypeError, "shard_params must be True or False"),
-    ("regather", lambda: _pipeline(regather=True), ValueError, "regather=True re-gathers sharded parameters"),
-    ("shard_params alone", lambda: _pipeline(shard_params=True), ValueError, "but this pipeline has none"),
     ("precision", lambda: _pipeline(precision=torch.float16), TypeError, "precision must be an fpipe.Precision"),
     # step(params, batch): what depends on the data fails when the step is called
     ("params type", lambda: _step({"w": 1}), TypeError, "params must be a list with one pytree per stage (got: dict)"),
@@ -132,6 +130,34 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ),
     ("loss_scale", lambda: setattr(_pipeline(), "loss_scale", None), ValueError, "this step does not scale its loss"),
     ("shard", lambda: _pipeline().shard(TWO), ValueError, "fpipe.step.shard: this step does not shard"),
+    # the parallel set-up
+    (
+        "Parallelism timeout",
+        lambda: fpipe.Parallelism(timeout=0),
+        ValueError,
+        "fpipe.Parallelism: timeout must be a positive number of seconds (timeout: 0, type int). Pass e.g.",
+    ),
+    ("Parallelism shard_params", lambda: fpipe.Parallelism(shard_params=1), TypeError, "shard_params must be True"),
+    ("Parallelism regather", lambda: fpipe.Parallelism(regather=True), ValueError, "regather=True re-gathers sharded"),
+    ("shard_params alone", lambda: fpipe.Parallelism(shard_params=True), ValueError, "but this set-up has none"),
+    (
+        "Parallelism mesh",
+        lambda: fpipe.Parallelism(mesh="pp"),
+        TypeError,
+        "mesh must be a torch DeviceMesh (mesh: 'pp'",
+    ),
+    (
+        "Parallelism group",
+        lambda: fpipe.Parallelism(group=1),
+        TypeError,
+        "group must be a torch.distributed ProcessGroup",
+    ),
+    (
+        "save parallel",
+        lambda: fpipe.save("unused", TWO, parallel=1),  # type: ignore[arg-type]
+        TypeError,
+        "fpipe.save: parallel must be an fpipe.Parallelism or a Step from fpipe.pipeline (parallel: 1, type int)",
+    ),
     # precision
     ("Precision compute", lambda: fpipe.Precision(compute="half"), TypeError, "compute must be a torch.dtype"),
     (

@@ -190,14 +190,22 @@ def _evaluate_ranks(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (_, schedule, num_stages) in TWO_RANKS.items():
         stages, params = _model(num_stages)
-        step = fpipe.pipeline(_loss, stages, schedule, batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=30)
+        step = fpipe.pipeline(
+            _loss,
+            stages,
+            schedule,
+            batch_dims=BATCH_DIMS,
+            parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=30),
+        )
         mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
         has = rank == step.program.placement()[0]
         evaluated = step.evaluate(mine, _batch(5) if has else None, outputs=True)
         trained, _ = step(mine, _batch(5) if has else None)
         out[name] = (_own(evaluated), trained, step.evaluate(mine, _batch(7) if has else None))
     stages, params = _model(2)
-    step = fpipe.pipeline(_loss, stages, GPipe(4), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20)
+    step = fpipe.pipeline(
+        _loss, stages, GPipe(4), batch_dims=BATCH_DIMS, parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=20)
+    )
     mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
     with pytest.raises(ValueError) as info:  # 3 examples cannot make 4 microbatches
         step.evaluate(mine, _batch(5, size=3) if rank == 0 else None)
@@ -209,7 +217,11 @@ def _evaluate_ranks(rank: int, world: int) -> dict[str, Any]:
         return _block(p, x)
 
     failing = fpipe.pipeline(
-        _loss, [_first, broken], GPipe(4), batch_dims=BATCH_DIMS, group=dist.group.WORLD, timeout=20
+        _loss,
+        [_first, broken],
+        GPipe(4),
+        batch_dims=BATCH_DIMS,
+        parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=20),
     )
     with pytest.raises(fpipe.PipelineError) as failed:
         failing.evaluate(mine, _batch(5) if rank == 0 else None)
@@ -242,7 +254,11 @@ def _mesh_evaluate(rank: int, world: int, shard_params: bool) -> Any:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     stages, params = _model(2)
     step = fpipe.pipeline(
-        _loss, stages, OneFOneB(3), batch_dims=BATCH_DIMS, mesh=mesh, timeout=30, shard_params=shard_params
+        _loss,
+        stages,
+        OneFOneB(3),
+        batch_dims=BATCH_DIMS,
+        parallel=fpipe.Parallelism(mesh=mesh, shard_params=shard_params, timeout=30),
     )
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
     if shard_params:  # each rank holds its shards; evaluate gathers each stage for its forwards

@@ -60,7 +60,7 @@ def _train(rank: int, world: int) -> tuple[Any, ...]:
     _rank_step.all_reduce_sum_async = post  # type: ignore[assignment]
     StageRun.backward = backward_logged  # type: ignore[method-assign]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    step = fpipe.pipeline(_loss, [_stage] * NUM_STAGES, _schedule(), mesh=mesh, timeout=30)
+    step = fpipe.pipeline(_loss, [_stage] * NUM_STAGES, _schedule(), parallel=fpipe.Parallelism(mesh=mesh, timeout=30))
     params: list[Any] = [p if s in step.local_stages else None for s, p in enumerate(_params())]
     replica = mesh.get_coordinate()[0]
     loss, grads = step(params, _batch(replica) if 0 in step.local_stages or step.rank == 1 else None)

@@ -364,13 +364,17 @@ def _two_ranks(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     group = dist.group.WORLD
     for name, policy, dtype in _TWO_RANK_CASES:
-        step = fpipe.pipeline(_loss, _stages(4), OneFOneB(6), precision=policy, group=group)
+        step = fpipe.pipeline(_loss, _stages(4), OneFOneB(6), precision=policy, parallel=fpipe.Parallelism(group=group))
         params: list[Any] = _params(4, dtype)
         params = [p if s in step.local_stages else None for s, p in enumerate(params)]
         out[name] = step(params, _batch(23, BF16) if rank == 0 else None)
     scaling = fpipe.LossScale(init=2.0**8, interval=2)
     step = fpipe.pipeline(
-        _loss, [_poisoned, _middle], GPipe(4), precision=fpipe.Precision(loss_scale=scaling), group=group
+        _loss,
+        [_poisoned, _middle],
+        GPipe(4),
+        precision=fpipe.Precision(loss_scale=scaling),
+        parallel=fpipe.Parallelism(group=group),
     )
     params = _params(2, F16)
     params[0]["z"] = torch.zeros((), dtype=F16)  # stage 0, on rank 0 only, gets nan gradients
@@ -378,7 +382,11 @@ def _two_ranks(rank: int, world: int) -> dict[str, Any]:
     step(params, _batch(8, F16) if rank == 0 else None)
     out["scaled"] = (step.last_skipped, step.loss_scale)
     overflowing = fpipe.pipeline(
-        _loss16, _stages(2), GPipe(4), precision=fpipe.Precision(loss_scale=fpipe.LossScale(init=2.0**18)), group=group
+        _loss16,
+        _stages(2),
+        GPipe(4),
+        precision=fpipe.Precision(loss_scale=fpipe.LossScale(init=2.0**18)),
+        parallel=fpipe.Parallelism(group=group),
     )  # seeds of 2**16, on rank 1 only: rank 0 gets inf/nan cotangents
     local = [p if s in overflowing.local_stages else None for s, p in enumerate(_params(2, F16))]
     overflowing(local, _batch(8, F16) if rank == 0 else None)
@@ -418,19 +426,22 @@ def _replicas(rank: int, world: int) -> dict[str, Any]:
     policy = fpipe.Precision(grads=F32)
     params, batch = _params(2, BF16), _batch(10, BF16, seed=rank)
     out: dict[str, Any] = {
-        "replicated": fpipe.pipeline(_loss, _stages(2), OneFOneB(3), mesh=mesh, precision=policy)(params, batch)
+        "replicated": fpipe.pipeline(
+            _loss, _stages(2), OneFOneB(3), parallel=fpipe.Parallelism(mesh=mesh), precision=policy
+        )(params, batch)
     }
-    sharded = fpipe.pipeline(_loss, _stages(2), OneFOneB(3), mesh=mesh, shard_params=True, precision=policy)
+    sharded = fpipe.pipeline(
+        _loss, _stages(2), OneFOneB(3), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True), precision=policy
+    )
     _, shards = sharded(sharded.shard(params), batch)
     out["shard dtypes"] = [g.dtype for p in shards for g in p.values()]
-    out["sharded"] = sharded.unshard(shards)
+    out["sharded"] = sharded.gather(shards)
     # The scalar z lives in replica 0's shard; replica 1 holds its padding and sees no nan itself.
     scaled = fpipe.pipeline(
         _loss,
         [_poisoned, _middle],
         GPipe(2),
-        mesh=mesh,
-        shard_params=True,
+        parallel=fpipe.Parallelism(mesh=mesh, shard_params=True),
         precision=fpipe.Precision(loss_scale=fpipe.LossScale(init=4.0)),
     )
     poisoned = _params(2, F16)
@@ -558,7 +569,11 @@ def _loss_scaled(rank, world, schedules):
     out = []
     for schedule in schedules:
         step = fpipe.pipeline(
-            llama._loss, [first, llama._last], schedule, mesh=mesh, timeout=60, precision=llama.SCALED
+            llama._loss,
+            [first, llama._last],
+            schedule,
+            parallel=fpipe.Parallelism(mesh=mesh, timeout=60),
+            precision=llama.SCALED,
         )
         params = [
             llama._distribute(p, mesh["tp"]) if s in step.local_stages else None
@@ -608,7 +623,7 @@ def test_float16_loss_scaling_with_tensor_parallel():
 def _loss_scaled_data_parallel(rank, world):
     """dp 2 x pp 1 x tp 2 under ``llama.SCALED``, replicated then with ``shard_params=True``: 4 steps each,
     the third with an ``inf`` in the first element of the gradient of stage 0's ``w1`` on dp replica 1's
-    tp rank 1 only (global rank 3); per mode and step the loss, full grads (``unshard``-ed), ``step.loss_scale``,
+    tp rank 1 only (global rank 3); per mode and step the loss, full grads (``step.gather``-ed), ``step.loss_scale``,
     ``step.last_skipped``, whether this rank's own grads (pieces or shards) were finite, and (sharded)
     whether they were the shards of the replicated run's, bitwise."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -630,10 +645,8 @@ def _loss_scaled_data_parallel(rank, world):
             llama._loss,
             [first, llama._last],
             OneFOneB(3),
-            mesh=mesh,
-            timeout=60,
+            parallel=fpipe.Parallelism(mesh=mesh, shard_params=shard_params, timeout=60),
             precision=llama.SCALED,
-            shard_params=shard_params,
         )
         inputs = step.shard(params) if shard_params else params
         steps = []
@@ -643,7 +656,7 @@ def _loss_scaled_data_parallel(rank, world):
             finite = all(bool(torch.isfinite(llama._local(g)).all()) for tree in grads for g in tree.values())
             if shard_params:
                 bitwise = llama._same(grads, [fpipe.shard(tree, mesh) for tree in plain_grads[i]])
-                grads = step.unshard(grads)
+                grads = step.gather(grads)
             else:
                 bitwise = None
                 plain_grads.append(grads)

@@ -200,7 +200,7 @@ def _distributed(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (schedule, num_stages) in SCHEDULES.items():
         stages, params = _model(num_stages)
-        step = fpipe.pipeline(_loss, stages, schedule, group=dist.group.WORLD, timeout=30)
+        step = fpipe.pipeline(_loss, stages, schedule, parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=30))
         mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
         torch.manual_seed(100 if rank == 0 else 999)  # the ranks' generators differ: rank 0's key is used
         out[name] = step(mine, _batch() if rank == 0 else None), step.local_stages
@@ -233,7 +233,9 @@ def _replicas_and_tensor_parallel(rank: int, world: int) -> dict[str, Any]:
         return loss, {"noise": noise, "key": torch.tensor(info.key), "replica": torch.tensor(info.replica)}
 
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
-    step = fpipe.pipeline(keyed_noise, stages, GPipe(M), mesh=mesh, has_aux=True, timeout=30)
+    step = fpipe.pipeline(
+        keyed_noise, stages, GPipe(M), parallel=fpipe.Parallelism(mesh=mesh, timeout=30), has_aux=True
+    )
     torch.manual_seed(100 if rank == 0 else 999)  # replica 0's key is every replica's
     out["dp"] = step(params, _batch())[0][1]
 
@@ -244,7 +246,9 @@ def _replicas_and_tensor_parallel(rank: int, world: int) -> dict[str, Any]:
         return F.dropout(torch.tanh(h), p=0.5, training=True).to_local()
 
     tp_params = [{"w": distribute_tensor(params[0]["w"], tp_mesh["tp"], [Replicate()])}]
-    step = fpipe.pipeline(_loss, [replicated_dropout], OneFOneB(M), mesh=tp_mesh, timeout=30)
+    step = fpipe.pipeline(
+        _loss, [replicated_dropout], OneFOneB(M), parallel=fpipe.Parallelism(mesh=tp_mesh, timeout=30)
+    )
     torch.manual_seed(100 if rank == 0 else 999)
     loss, grads = step(tp_params, _batch())
     out["tp"] = loss, grads[0]["w"].to_local()

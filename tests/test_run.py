@@ -34,7 +34,9 @@ def test_one_process_and_a_pipeline_rank_run_through_the_one_run(monkeypatch: py
     here, _ = fpipe.pipeline(loss_fn, stages, GPipe(2))(params, batch, key=1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        ranked, _ = fpipe.pipeline(loss_fn, stages, GPipe(2), group=dist.new_group([0]))(params, batch, key=1)
+        ranked, _ = fpipe.pipeline(loss_fn, stages, GPipe(2), parallel=fpipe.Parallelism(group=dist.new_group([0])))(
+            params, batch, key=1
+        )
     finally:
         dist.destroy_process_group()
     assert [type(t).__name__ for t in built] == ["LocalTransport", "DistributedTransport"]

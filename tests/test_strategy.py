@@ -16,7 +16,7 @@ from fpipe.schedules import GPipe
 
 
 def _strategy(**changes: object) -> Strategy:
-    fields = {"topology": None, "shard_params": False, "regather": False, "divide": True, "timeout": 1.0}
+    fields = {"topology": None, "parallel": fpipe.Parallelism(timeout=1.0), "divide": True}
     return Strategy(**{**fields, "precision": None, **changes})  # type: ignore[arg-type]
 
 
@@ -64,4 +64,4 @@ def test_a_step_without_shards_refuses_shard() -> None:
     with pytest.raises(ValueError, match="this step does not shard"):
         _strategy().shard(step, [torch.ones(2)])
     with pytest.raises(ValueError, match="the step has no layouts"):
-        _strategy().unshard(step, [torch.ones(2)])
+        _strategy().gather(step, [torch.ones(2)])

@@ -84,10 +84,15 @@ def _distributed(rank: int, world: int, cases: list[tuple[str, int, int, dict[st
 
             mesh = init_device_mesh("cpu", (options["dp"], world // options["dp"]), mesh_dim_names=("dp", "pp"))
             step = fpipe.pipeline(
-                _loss, [_stage] * num_stages, schedule, mesh=mesh, shard_params=options.get("shard", False)
+                _loss,
+                [_stage] * num_stages,
+                schedule,
+                parallel=fpipe.Parallelism(mesh=mesh, shard_params=options.get("shard", False)),
             )
         else:
-            step = fpipe.pipeline(_loss, [_stage] * num_stages, schedule, group=dist.group.WORLD)
+            step = fpipe.pipeline(
+                _loss, [_stage] * num_stages, schedule, parallel=fpipe.Parallelism(group=dist.group.WORLD)
+            )
         full = _params(num_stages)
         params: list[Any] = [p if s in step.local_stages else None for s, p in enumerate(full)]
         if options.get("shard"):

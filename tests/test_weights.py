@@ -202,8 +202,16 @@ def _two_ranks(rank: int, world: int) -> dict[str, Any]:
     for name, (schedule, num_stages) in TWO_RANKS.items():
         m = schedule.num_microbatches
         params = weights(num_stages)
-        weighted = fpipe.pipeline(token_sum, [block] * num_stages, schedule, weight_fn=count, group=dist.group.WORLD)
-        plain = fpipe.pipeline(token_mean, [block] * num_stages, schedule, group=dist.group.WORLD)
+        weighted = fpipe.pipeline(
+            token_sum,
+            [block] * num_stages,
+            schedule,
+            weight_fn=count,
+            parallel=fpipe.Parallelism(group=dist.group.WORLD),
+        )
+        plain = fpipe.pipeline(
+            token_mean, [block] * num_stages, schedule, parallel=fpipe.Parallelism(group=dist.group.WORLD)
+        )
         mine = [p if s in weighted.local_stages else None for s, p in enumerate(params)]
         has = rank == weighted.program.placement()[0]
         microbatches = fpipe.Microbatches([padded([1 + i % 3] * (1 + i % 2), i, 2 + i) for i in range(m)])
@@ -214,7 +222,13 @@ def _two_ranks(rank: int, world: int) -> dict[str, Any]:
                 plain.evaluate(mine, microbatches if has else None, outputs=True),
             )
         )
-    step = fpipe.pipeline(token_sum, [block, block], GPipe(4), weight_fn=count, group=dist.group.WORLD, timeout=20)
+    step = fpipe.pipeline(
+        token_sum,
+        [block, block],
+        GPipe(4),
+        weight_fn=count,
+        parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=20),
+    )
     mine = [p if s in step.local_stages else None for s, p in enumerate(weights(2))]
     for case, batch in {"no tokens": padded([0] * 8), "too few": fpipe.Microbatches([padded([1])] * 3)}.items():
         with pytest.raises(ValueError) as info:
@@ -257,14 +271,18 @@ def _mesh(rank: int, world: int, shard_params: bool) -> Any:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     replica = mesh.get_coordinate()[0]
     step = fpipe.pipeline(
-        token_sum, [block, block], OneFOneB(3), weight_fn=count, mesh=mesh, timeout=30, shard_params=shard_params
+        token_sum,
+        [block, block],
+        OneFOneB(3),
+        weight_fn=count,
+        parallel=fpipe.Parallelism(mesh=mesh, shard_params=shard_params, timeout=30),
     )
     params = [p if s in step.local_stages else None for s, p in enumerate(weights(2))]
     if shard_params:
         params = step.shard(params)
     loss, grads = step(params, padded(REPLICA_LENGTHS[replica], seed=replica) if step.rank == 0 else None)
     if shard_params:  # the summed shards, gathered whole to compare
-        grads = step.unshard(grads)
+        grads = step.gather(grads)
     with pytest.raises(ValueError) as info:
         step(params, padded([0] * 6, seed=replica) if step.rank == 0 else None)
     return loss, grads, str(info.value)

@@ -21,6 +21,7 @@ from ._rank_step import replica_mean as replica_mean
 from ._rank_step import run_distributed as run_distributed
 from ._status import Status as Status
 from ._topology import Topology as Topology
+from ._topology import mesh_roles as mesh_roles
 from ._topology import resolve_topology as resolve_topology
 from ._transport import WireState as WireState
 from ._wire import as_bytes as as_bytes
@@ -38,6 +39,7 @@ __all__ = [
     "as_bytes",
     "average_loss",
     "gather_over",
+    "mesh_roles",
     "norm_over",
     "one_writes",
     "replica_mean",

@@ -123,7 +123,7 @@ def lost(
                 None,
                 SILENT,
                 f"went silent: rank {rank} timed out after {seconds} s and {why} "
-                "(if stages are just slow, raise pipeline(..., timeout=))",
+                "(if stages are just slow, raise fpipe.Parallelism(timeout=))",
             )
     else:
         failure = board.failure_of(

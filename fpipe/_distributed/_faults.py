@@ -40,8 +40,8 @@ is destroyed, or on the first error of its own store work. A store or connection
 (``RuntimeError``, such as ``DistStoreError`` and ``DistNetworkError``, or ``OSError``) means the
 store is gone with its host, which exited: the job is over, and it ends silently. Any other
 error is a bug (a malformed record on the board, say): it ends with a ``RuntimeWarning``, since
-this rank then learns of other ranks' failures only when its own waits time out (``pipeline(...,
-timeout=)``). Either way ``Watchdog.stopped_by`` keeps the error, and ``Watchdog.ask`` names it.
+this rank then learns of other ranks' failures only when its own waits time out
+(``fpipe.Parallelism(timeout=)``). Either way ``Watchdog.stopped_by`` keeps the error, and ``Watchdog.ask`` names it.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ class Watchdog:
             warnings.warn(
                 f"fpipe: the failure watchdog of rank {me} stopped on an unexpected error ({_named(error)}): "
                 "this rank no longer reads the failure board, so it finds other ranks' failures only when "
-                "its own waits time out (pipeline(..., timeout=)).",
+                "its own waits time out (fpipe.Parallelism(timeout=)).",
                 RuntimeWarning,
                 stacklevel=1,
             )

@@ -71,9 +71,29 @@ def device_of(backend: str, mesh_device_type: str | None) -> torch.device:
     return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
-_PIPELINE_DIMS = ("pp", "pipeline")
-_DATA_DIMS = ("dp", "data")
-_TENSOR_DIMS = ("tp", "tensor")
+# Each role a mesh dimension may play, and the names it may have (NOTE [mesh dimensions]): a new
+# dimension (an expert-parallel "ep") is one more entry here and a field of ``Topology``.
+MESH_ROLES = {"pp": ("pp", "pipeline"), "dp": ("dp", "data"), "tp": ("tp", "tensor")}
+
+
+def mesh_roles(names: tuple[str, ...], ndim: int, caller: str = "fpipe.pipeline") -> dict[str, str]:
+    """The mesh's dimension for each role it has (``{"pp": "pp", "dp": "data"}``): one pipeline
+    dimension, at most one of each other role, nothing else (NOTE [mesh dimensions]); a 1-D mesh
+    without names is a pipeline.
+
+    Raises:
+        ValueError: naming the dimensions and the names each role may have.
+    """
+    if ndim == 1 and not names:
+        names = ("pp",)
+    found = {role: [n for n in names if n in aliases] for role, aliases in MESH_ROLES.items()}
+    if len(found["pp"]) != 1 or any(len(f) > 1 for f in found.values()) or sum(map(len, found.values())) != ndim:
+        raise ValueError(
+            f"{caller}: the mesh needs one pipeline dimension named 'pp', at most one data dimension "
+            f"named 'dp' and at most one tensor-parallel dimension named 'tp' (mesh_dim_names: "
+            f"{names or None!r}). Build it with e.g. init_device_mesh('cpu', (2, 4), mesh_dim_names=('dp', 'pp'))."
+        )
+    return {role: f[0] for role, f in found.items() if f}
 
 
 def resolve_topology(mesh: Any, group: Any) -> Topology | None:
@@ -91,18 +111,11 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
     where: dict[int, tuple[int, int | None]] = {}  # global rank -> (pipeline rank, replica)
     labels: dict[int, str] = {}  # global rank -> its name in failure messages
     if mesh is not None:
-        names = tuple(mesh.mesh_dim_names or ())
-        if mesh.ndim == 1 and not names:
-            names = ("pp",)
-        pipe = [n for n in names if n in _PIPELINE_DIMS]
-        data = [n for n in names if n in _DATA_DIMS]
-        tensor = [n for n in names if n in _TENSOR_DIMS]
-        if len(pipe) != 1 or len(data) > 1 or len(tensor) > 1 or len(pipe) + len(data) + len(tensor) != mesh.ndim:
-            raise ValueError(
-                f"fpipe.pipeline: the mesh needs one pipeline dimension named 'pp', at most one data dimension "
-                f"named 'dp' and at most one tensor-parallel dimension named 'tp' (mesh_dim_names: "
-                f"{mesh.mesh_dim_names!r})."
-            )
+        roles = mesh_roles(tuple(mesh.mesh_dim_names or ()), mesh.ndim)
+        names = tuple(mesh.mesh_dim_names or ()) or ("pp",)
+        pipe = [roles["pp"]]
+        data = [roles["dp"]] if "dp" in roles else []
+        tensor = [roles["tp"]] if "tp" in roles else []
         group = mesh.get_group(pipe[0])
         data_group = mesh.get_group(data[0]) if data else None
         if tensor:

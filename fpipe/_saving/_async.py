@@ -38,10 +38,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._api import Step
 from .._distributed import Topology
-from .._errors import DEFAULT_TIMEOUT
+from .._parallelism import Parallelism
 from .._pytree import PyTree, map_tensors, stage_list
+from .._sharding import ParallelView
 from .._tensor_parallel import is_dtensor
 from ._boxes import HostPiece, host_piece
 from ._ranks import Ranks, resolve
@@ -57,10 +57,11 @@ class AsyncSaver:
     ``fpipe.save`` / ``fpipe.save_state`` would have written at the call, bitwise.
 
     Args:
-        step, group, mesh: the ranks, as for ``fpipe.save``. Distributed, every rank builds
-            its saver at the same point (it creates process groups of its own for saving) and
-            calls its ``save`` the same number of times, with the same directories.
-        timeout: as for ``fpipe.save``.
+        parallel: the ranks, as for ``fpipe.save``: the ``Step``, or an ``fpipe.Parallelism``
+            (its ``timeout`` too). Distributed, every rank builds its saver at the same point (it
+            creates process groups of its own for saving) and calls its ``save`` the same number
+            of times, with the same directories.
+        step, group, mesh, timeout: deprecated, as for ``fpipe.save``: ``parallel=``.
 
     Example:
         >>> import tempfile, torch, fpipe
@@ -74,12 +75,16 @@ class AsyncSaver:
     """
 
     def __init__(
-        self, *, step: Step | None = None, group: Any = None, mesh: Any = None, timeout: float = DEFAULT_TIMEOUT
+        self,
+        *,
+        parallel: Parallelism | ParallelView | None = None,
+        step: Any = None,
+        group: Any = None,
+        mesh: Any = None,
+        timeout: float | None = None,
     ):
-        topology, _ = resolve("AsyncSaver", step, group, mesh)
-        self._where = {"step": step, "group": group, "mesh": mesh}
-        self._topology = _own_groups(topology)
-        self._timeout = timeout
+        self._setup = resolve("AsyncSaver", parallel, step=step, group=group, mesh=mesh, timeout=timeout)
+        self._topology = _own_groups(self._setup.topology)  # its saves' collectives: on groups of its own
         self._thread: threading.Thread | None = None
         self._result: Path | None = None
         self._error: BaseException | None = None
@@ -101,7 +106,7 @@ class AsyncSaver:
         self.wait()
         params = _snapshot("params", params)
         optimizer_state = None if optimizer_state is None else _snapshot("optimizer_state", optimizer_state)
-        prepared = prepare(directory, params, optimizer_state, metadata, **self._where)
+        prepared = prepare(directory, params, optimizer_state, metadata, self._setup)
         ranks = self._ranks(prepared.sharding is not None)
         self._start(lambda: write(prepared, ranks))
 
@@ -122,7 +127,7 @@ class AsyncSaver:
                 optimizer_state=None if optimizer_state is None else _snapshot("optimizer_state", optimizer_state),
                 extra=_snapshot("extra", [state.extra])[0] if isinstance(state.extra, dict) else state.extra,
             )
-        prepared, mine = prepare_state(directory, state, **self._where)
+        prepared, mine = prepare_state(directory, state, self._setup)
         ranks = self._ranks(prepared.sharding is not None)
         self._start(lambda: write_state(prepared, mine, ranks))
 
@@ -160,7 +165,7 @@ class AsyncSaver:
             self._thread.join()  # the body's error is the one to raise
 
     def _ranks(self, sharded: bool) -> Ranks:
-        return Ranks("save", self._topology, self._timeout, sharded=sharded)
+        return Ranks("save", self._topology, self._setup.timeout, sharded=sharded)
 
     def _start(self, work: Any) -> None:
         def run() -> None:

@@ -122,7 +122,7 @@ def box_of(function: str, where: str, leaf: Any, tensor_ranks: Sequence[int] | N
         raise ValueError(
             f"{function}: {where} is a DTensor on a mesh that is not this rank's tensor-parallel sub-mesh (its "
             f"mesh: {mesh!r}; the tensor-parallel ranks: {list(tensor_ranks)}). Save DTensors on mesh['tp'] of the "
-            "mesh passed as mesh= (or the step's), whose tensor-parallel ranks write their own pieces."
+            "mesh of parallel= (a Parallelism's or the step's), whose tensor-parallel ranks write their own pieces."
         )
     box = piece_box(function, where, mesh, placements, shape)
     if list(local.shape) != list(box.shape):

@@ -23,7 +23,7 @@ follows ``latest`` and refuses a directory without an index.
 
 NOTE [save concurrency]
 Several processes may save to one directory at once (every rank of a ``torchrun`` job calling
-``save`` without ``group=``). The writer (pipeline rank 0) holds an exclusive ``fcntl.flock`` on
+``save`` without ``parallel=``). The writer (pipeline rank 0) holds an exclusive ``fcntl.flock`` on
 ``directory/.lock`` from choosing its version (one more than any in the directory or in
 ``latest``) to the end of its cleanup, so saves to one directory take turns: each completes,
 and the last to commit is the one ``latest`` names. Holding the lock, the writer removes only
@@ -102,7 +102,7 @@ def _lock(fd: int, root: Path, timeout: float) -> bool:
 def _unlocked(root: Path, why: str) -> None:
     warnings.warn(
         f"fpipe.save: {root} cannot be locked ({why}), so saves to it from several processes at once are "
-        "not kept apart. Save from one process (or pass group=) there, or save to a filesystem with file "
+        "not kept apart. Save from one process (or pass parallel=) there, or save to a filesystem with file "
         "locks (NOTE [save concurrency] in fpipe/_saving/_directory.py).",
         RuntimeWarning,
         stacklevel=_caller_outside_fpipe(),
@@ -119,7 +119,7 @@ def _unlocked(root: Path, why: str) -> None:
 # jobs started with ``init_method="tcp://..."`` were both "no job", and one job's processes
 # warned of each other), and warns (``RuntimeWarning``) when the previous
 # writer was another process of another job (or of no job) on this host that is still alive:
-# another live run writes here. Processes of one job saving without ``group=`` (NOTE [save
+# another live run writes here. Processes of one job saving without ``parallel=`` (NOTE [save
 # concurrency]) share the job and are not warned; a resumed run's predecessor is dead. A writer
 # on another host cannot be asked whether it lives and is not reported. It warns rather than
 # refuses: a process id can be reused, and a save must not fail a healthy run.

@@ -50,11 +50,10 @@ from typing import Any, NamedTuple
 import safetensors
 import torch
 
-from .._api import Step
 from .._distributed import tensor_bytes
-from .._errors import DEFAULT_TIMEOUT
+from .._parallelism import Parallelism
 from .._pytree import PyTree, stage_list
-from .._sharding import cut_range
+from .._sharding import ParallelView, cut_range
 from ._boxes import Box, whole
 from ._directory import inside
 from ._index import is_plain
@@ -74,10 +73,11 @@ def load_hf(
     *,
     dtype: torch.dtype | None = None,
     strict: bool = True,
-    step: Step | None = None,
+    parallel: Parallelism | ParallelView | None = None,
+    step: Any = None,
     group: Any = None,
     mesh: Any = None,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | None = None,
 ) -> list[PyTree]:
     """Load a Hugging Face checkpoint directory into the layout of ``template``, reading only its tensors.
 
@@ -92,7 +92,7 @@ def load_hf(
             are tensors named as the checkpoint names them (the params of ``fpipe.split_module``,
             keyed by ``state_dict`` names), giving the expected shape and dtype and the device of
             the result (``device="meta"`` loads to the CPU: nothing is allocated before loading),
-            or ``None`` (kept). With a step built with ``shard_params=True``, the template is this
+            or ``None`` (kept). With a step built with ``shard_params=True`` (``parallel=step``), the template is this
             rank's shards (``step.shard`` of meta tensors of the full shapes; of a DTensor, a
             shard of its local piece, whose bytes alone are read). A DTensor leaf
             (``Shard`` or ``Replicate``, from ``parallelize_module`` or ``distribute_tensor``,
@@ -107,9 +107,11 @@ def load_hf(
             when bitwise equal to the template's (NOTE [Hugging Face checkpoints]);
             ``strict=False`` ignores them all. Names of the template missing from the checkpoint
             are always an error.
-        step, group, mesh: when distributed, the ranks whose templates together cover the
-            checkpoint (as in ``fpipe.load``); ``step=`` is needed for sharded templates.
-        timeout: seconds a rank waits for the others while gathering names.
+        parallel: when distributed, the ranks whose templates together cover the checkpoint
+            (as in ``fpipe.load``: the ``Step``, needed for sharded templates, or an
+            ``fpipe.Parallelism``, whose ``timeout`` is the seconds a rank waits for the others
+            while gathering names).
+        step, group, mesh, timeout: deprecated, as for ``fpipe.load``: ``parallel=``.
 
     Returns:
         The template's structure with new tensors (not requiring grad; a name in several stages
@@ -129,7 +131,7 @@ def load_hf(
         with torch.device("meta"):
             model = LlamaForCausalLM(LlamaConfig.from_pretrained(path))
         stages, template = fpipe.split_module(model, ["model.embed_tokens + model.layers[0:2]", ...])
-        params = fpipe.load_hf(path, [template[0], None], step=step)  # this rank holds stage 0
+        params = fpipe.load_hf(path, [template[0], None], parallel=step)  # this rank holds stage 0
 
     Raises:
         FileNotFoundError: ``directory`` holds no safetensors checkpoint.
@@ -143,11 +145,11 @@ def load_hf(
     trees = stage_list("fpipe.load_hf", "template", template)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"fpipe.load_hf: dtype must be a floating-point torch.dtype or None (dtype: {dtype!r}).")
-    topology, _ = resolve("load_hf", step, group, mesh)
-    ranks = Ranks("load_hf", topology, timeout)
+    setup = resolve("load_hf", parallel, step=step, group=group, mesh=mesh, timeout=timeout)
+    ranks = Ranks("load_hf", setup.topology, setup.timeout)
     root, weight_map, wanted, vocab, problem = Path(directory), {}, {}, None, None
     try:
-        sharding = sharded_leaves("load_hf", step, {"params": trees})
+        sharding = sharded_leaves("load_hf", setup.step, {"params": trees})
         weight_map = read_weight_map(root)
         wanted = _wanted(root, weight_map, trees, sharding, dtype)
         vocab = _tied_vocabulary(root)

@@ -55,11 +55,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._api import Step
 from .._distributed import Topology, one_writes, watched
-from .._errors import DEFAULT_TIMEOUT
+from .._parallelism import Parallelism
 from .._pytree import PyTree, flatten, leaves_with_names, stage_list, unflatten
-from .._sharding import gather
+from .._sharding import ParallelView, gather
 from .._tensor_parallel import is_dtensor
 from ._boxes import box_of
 from ._directory import fsync_directory, write_atomic
@@ -89,10 +88,11 @@ def save_hf(
     *,
     config: Any = None,
     max_shard_size: int | str = "5GB",
-    step: Step | None = None,
+    parallel: Parallelism | ParallelView | None = None,
+    step: Any = None,
     group: Any = None,
     mesh: Any = None,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | None = None,
 ) -> Path:
     """Write parameters as a Hugging Face checkpoint directory that ``from_pretrained`` loads.
 
@@ -114,17 +114,19 @@ def save_hf(
             ``None``: no config (``from_pretrained`` then needs ``config=``).
         max_shard_size: the most bytes of tensors per file, an int or a string such as ``"5GB"``
             or ``"100MiB"``; a larger tensor gets a file of its own.
-        step, group, mesh: export from many processes, as ``fpipe.save``: every pipeline rank
+        parallel: export from many processes, as ``fpipe.save`` (the ``Step``, or an
+            ``fpipe.Parallelism``, whose ``timeout`` is the seconds a rank waits for the others
+            at each all-gather): every pipeline rank
             calls ``save_hf`` with the same arguments and writes only its stages; data-parallel
             replicas other than the first write nothing. With a step built with
-            ``shard_params=True``, ``params`` are this rank's shards: each local stage is gathered
+            ``shard_params=True`` (``parallel=step``), ``params`` are this rank's shards: each local stage is gathered
             whole (one at a time, a collective over the data-parallel ranks) and the first replica
             writes it.
             On a mesh with a ``"tp"`` dimension, leaves may be DTensors on ``mesh["tp"]`` with
             ``Shard`` or ``Replicate`` placements: each is gathered whole to tensor-parallel rank
             0, one at a time, which writes it (NOTE [tensor-parallel export]); plain tensors must
             be bitwise equal on every tensor-parallel rank.
-        timeout: seconds a rank waits for the others at each all-gather.
+        step, group, mesh, timeout: deprecated, as for ``fpipe.save``: ``parallel=``.
 
     Returns:
         ``Path(directory)``.
@@ -152,10 +154,11 @@ def save_hf(
     trees = stage_list("fpipe.save_hf", "params", params)
     limit = _shard_size(max_shard_size)
     config_files = _config_files(config)
-    topology, held = resolve("save_hf", step, group, mesh)
-    check_stage_count("save_hf", trees, step)
-    if step is not None and step.shard_params:
-        trees = _gathered(trees, step)
+    setup = resolve("save_hf", parallel, step=step, group=group, mesh=mesh, timeout=timeout)
+    topology, held, timeout = setup.topology, setup.held, setup.timeout
+    check_stage_count("save_hf", trees, setup.step)
+    if setup.step is not None and setup.step.parallel.shard_params:
+        trees = _gathered(trees, setup.step)
     root = Path(directory)
     tensor_group = None if topology is None else topology.tensor_group
     if topology is None or tensor_group is None:
@@ -243,7 +246,7 @@ def _whole(trees: list[PyTree], topology: Topology, timeout: float) -> list[PyTr
     return out
 
 
-def _gathered(trees: list[PyTree], step: Step) -> list[PyTree]:
+def _gathered(trees: list[PyTree], step: ParallelView) -> list[PyTree]:
     """The full stages of a step built with ``shard_params=True``, gathered one at a time from the
     data-parallel ranks' shards (NOTE [shard layout] in ``fpipe/_sharding/_stages.py``)."""
     missing = [s for s in step.local_stages if s not in step.shard_layouts or trees[s] is None]

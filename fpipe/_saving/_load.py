@@ -4,7 +4,7 @@ A template is a params-shaped list, one pytree per stage, whose tensor leaves sa
 (NOTE [names] in ``fpipe/_saving/_save.py``: the stage index is not part of a name, so any number of
 stages and any grouping of them loads the same save) and what it must look like. Each rank reads
 only the tensors its template names, verified by ``fpipe/_saving/_store.py`` (sizes, dtypes, shapes,
-sha256). Loading needs no communication; with ``step=``, ``group=`` or ``mesh=`` the ranks
+sha256). Loading needs no communication; distributed (``parallel=``) the ranks
 all-gather their names once, so that names in the save that no rank loads are found, and once
 their outcome, so that a file one rank cannot read fails every rank (``agree``): a load succeeds on
 every rank or raises on every rank.
@@ -17,13 +17,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast
 
-from .._api import Step
 from .._distributed import Topology
-from .._errors import DEFAULT_TIMEOUT
+from .._parallelism import Parallelism
 from .._pytree import PyTree, stage_list
+from .._sharding import ParallelView
 from ._directory import committed
 from ._index import read_index
-from ._ranks import Ranks, Sharding, agree, resolve, sharded_leaves
+from ._ranks import Ranks, Setup, Sharding, agree, resolve, sharded_leaves
 from ._store import DTYPES, MAPS, entry, read_tensors
 from ._template import Use, dtype_name, fill, label, listing, template_uses
 
@@ -43,10 +43,11 @@ def load(
     *,
     optimizer_state: Sequence[PyTree] | None = None,
     strict: bool = True,
-    step: Step | None = None,
+    parallel: Parallelism | ParallelView | None = None,
+    step: Any = None,
     group: Any = None,
     mesh: Any = None,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | None = None,
 ) -> Loaded:
     """Load a save into the layout of ``template``, as new tensors, checked against it.
 
@@ -72,15 +73,16 @@ def load(
         strict: names in the save that no stage of the template has (on any rank, when
             distributed) are an error; ``strict=False`` ignores them. Names of the template that
             are missing from the save are always an error.
-        step, group, mesh: when distributed, the ranks whose templates together cover the save
-            (as in ``save``); only ``strict`` needs them.
+        parallel: when distributed, the ranks whose templates together cover the save: the
+            ``Step`` or an ``fpipe.Parallelism`` (as in ``save``; only ``strict`` needs them), whose
+            ``timeout`` is the seconds a rank waits for the others while gathering names.
             With a step built with ``shard_params=True``, the template is this rank's shards
             (``step.shard`` of meta tensors of the full shapes) and the result is the step's
             shards, re-cut from a save made with any data-parallel size or none
             (NOTE [sharded saves] in ``fpipe/_saving/_store.py``); on a mesh with a ``"tp"``
             dimension too, a DTensor parameter's shard is cut from its local piece, read from
-            whatever boxes and shards the save has.
-        timeout: seconds a rank waits for the others while gathering names.
+            whatever boxes and shards the save has (``parallel=step``: the step knows the shards).
+        step, group, mesh, timeout: deprecated, as for ``fpipe.save``: ``parallel=``.
 
     Returns:
         ``Loaded(params, optimizer_state, metadata)``: tensors in the template's structure (plain
@@ -103,13 +105,13 @@ def load(
             save missing from the template, a shape or dtype that differs (each named with its
             key path, the value on disk and the expected one), or a file that is truncated or
             corrupt, or an index whose pieces of a tensor do not cover it exactly once.
-        RuntimeError: another rank failed (with ``step=``, ``group=`` or ``mesh=``): the message names
+        RuntimeError: another rank failed (with ``parallel=``): the message names
             the rank and the first line of its error, which names the file.
     """
+    setup = resolve("load", parallel, step=step, group=group, mesh=mesh, timeout=timeout)
     return load_then(
-        directory, template, lambda loaded, _: loaded, optimizer_state=optimizer_state, strict=strict, step=step,
-        group=group, mesh=mesh, timeout=timeout,
-    )  # fmt: skip
+        directory, template, lambda loaded, _: loaded, optimizer_state=optimizer_state, strict=strict, setup=setup
+    )
 
 
 def load_then(
@@ -120,18 +122,15 @@ def load_then(
     *,
     optimizer_state: Sequence[PyTree] | None,
     strict: bool,
-    step: Step | None,
-    group: Any,
-    mesh: Any,
-    timeout: float,
+    setup: Setup,
     function: str = "load",
 ) -> T:
     """``then(loaded, topology)`` of what ``load`` reads, run on every rank before the ranks agree
     on their outcome: it (``load_state``: reading this rank's training state) may raise on one
     rank, and every rank raises (``agree``); the arguments as ``load`` takes them, ``function``
-    names the caller."""
-    topology, _ = resolve("load", step, group, mesh)
-    ranks = Ranks(function, topology, timeout, all_replicas=True)
+    names the caller; ``setup`` is where it runs (``resolve``)."""
+    topology = setup.topology
+    ranks = Ranks(function, topology, setup.timeout, all_replicas=True)
     trees: dict[str, list[PyTree]] = {}
     root, index, wanted, problem = Path(), {}, {}, None
     try:  # what one rank finds wrong here, every rank raises (``agree``)
@@ -139,7 +138,7 @@ def load_then(
         trees["params"] = stage_list("fpipe.load", "template", template)
         if optimizer_state is not None:
             trees["optimizer_state"] = stage_list("fpipe.load", "optimizer_state", optimizer_state)
-        sharding = sharded_leaves("load", step, trees)
+        sharding = sharded_leaves("load", setup.step, trees)
         root = committed(root)
         index = read_index(root)
         wanted = {kind: _wanted(root, index, kind, kind_trees, sharding) for kind, kind_trees in trees.items()}

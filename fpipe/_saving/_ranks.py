@@ -1,11 +1,12 @@
 """The ranks of a save or load: who takes part, what each holds, and agreeing among them.
 
-``fpipe.save`` (``fpipe/_saving/_save.py``) and ``fpipe.load`` (``fpipe/_saving/_load.py``) both find their ranks
-from ``step=``, ``group=`` or ``mesh=`` (``resolve``), all-gather JSON values among them
-(``Ranks``, ``agree``: an error on one rank raises on every rank), check the per-stage arguments
-(``check_stage_count``; ``stage_list`` of ``fpipe/_pytree.py``) and, for a step built with ``shard_params=True``,
-describe this rank's shards (``Sharding``, ``sharded_leaves``, ``full_shapes``: of a DTensor
-parameter, a shard of its local piece's box; NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
+``fpipe.save`` (``fpipe/_saving/_save.py``) and ``fpipe.load`` (``fpipe/_saving/_load.py``) both
+find their ranks from their ``parallel=``, an ``fpipe.Parallelism`` or a step (``resolve``, a
+``Setup``), all-gather JSON values among them (``Ranks``, ``agree``: an error on one rank raises
+on every rank), check the per-stage arguments (``check_stage_count``; ``stage_list`` of
+``fpipe/_pytree.py``) and, for a step built with ``shard_params=True``, describe this rank's
+shards (``Sharding``, ``sharded_leaves``, ``full_shapes``: of a DTensor parameter, a shard of
+its local piece's box; NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._api import Step
 from .._distributed import Status, Topology, all_gather_json, gather_over, resolve_topology
+from .._errors import DEFAULT_TIMEOUT
+from .._parallelism import Parallelism, deprecated
+from .._plural import brief
 from .._pytree import PyTree, leaves_with_names, stage_list, unflatten
-from .._sharding import StageLayout, cut_range
+from .._sharding import ParallelView, StageLayout, cut_range
 from ._boxes import Box, piece_box
 
 # --- Shards -----------------------------------------------------------------------------------
@@ -36,10 +39,10 @@ class Sharding:
     layouts: dict[int, StageLayout]
 
 
-def sharded_leaves(function: str, step: Step | None, trees: dict[str, list[PyTree]]) -> Sharding | None:
+def sharded_leaves(function: str, step: ParallelView | None, trees: dict[str, list[PyTree]]) -> Sharding | None:
     """The ``Sharding`` of a step built with ``shard_params=True`` (``None`` otherwise)."""
     topology = None if step is None else step.topology
-    if step is None or not step.shard_params or topology is None:
+    if step is None or not step.parallel.shard_params or topology is None:
         return None
     missing = [s for s in step.local_stages if s not in step.shard_layouts]
     if missing:
@@ -99,20 +102,97 @@ def full_shapes(function: str, kind: str, tree: PyTree, layout: StageLayout) -> 
 # --- Ranks ------------------------------------------------------------------------------------
 
 
-def resolve(function: str, step: Step | None, group: Any, mesh: Any) -> tuple[Topology | None, tuple[int, ...] | None]:
-    """The topology of ``step=``, ``group=`` or ``mesh=`` (``None``: one process), and ``step``'s stages."""
+@dataclass(frozen=True)
+class Setup:
+    """Where a save or load runs: its ``parallel=`` resolved (``resolve``).
+
+    Attributes:
+        topology: the ranks taking part (``None``: one process).
+        timeout: seconds a rank waits for the others.
+        step: the step whose stages and shard layouts a save or load reads (``parallel=step``),
+            through its public view; ``None`` for a ``Parallelism`` or nothing.
+    """
+
+    topology: Topology | None
+    timeout: float
+    step: ParallelView | None = None
+
+    @property
+    def held(self) -> tuple[int, ...] | None:
+        """The stages the step holds here (``None`` without a step: the entries given)."""
+        return None if self.step is None else self.step.local_stages
+
+
+def resolve(
+    function: str,
+    parallel: Parallelism | ParallelView | None,
+    *,
+    step: Any = None,
+    group: Any = None,
+    mesh: Any = None,
+    timeout: float | None = None,
+) -> Setup:
+    """The ``Setup`` of ``parallel=`` (an ``fpipe.Parallelism``, a step, or ``None``: one process),
+    or of the deprecated ``step=``, ``group=``, ``mesh=`` and ``timeout=`` (with a
+    ``DeprecationWarning``: NOTE [the set-up is a value] in fpipe/_parallelism.py). Called by the
+    public function itself, so that the warning names the user's line.
+
+    Raises:
+        TypeError: ``parallel`` is neither, or is given with the keywords it replaces.
+        ValueError: a ``Parallelism`` with ``shard_params=True``: the shards' layouts are the step's.
+        RuntimeError: a mesh or group given before ``torch.distributed`` is initialized.
+    """
+    old = {"step": step, "group": group, "mesh": mesh, "timeout": timeout}
+    given = [name for name, value in old.items() if value is not None]
+    if given:
+        names = ", ".join(f"{name}=" for name in given)
+        if parallel is not None:
+            raise TypeError(
+                f"fpipe.{function}: pass parallel= alone; it replaces {names} (parallel: {brief(parallel)}). "
+                "Pass parallel=step, or parallel=fpipe.Parallelism(mesh=..., timeout=...)."
+            )
+        new = (
+            "parallel=step"
+            if step is not None
+            else "parallel=fpipe.Parallelism(" + ", ".join(f"{name}=..." for name in given) + ")"
+        )
+        deprecated(f"fpipe.{function}({names})", new, stacklevel=3)
+        return _legacy(function, step, group, mesh, DEFAULT_TIMEOUT if timeout is None else timeout)
+    if parallel is None:
+        return Setup(None, DEFAULT_TIMEOUT)
+    if isinstance(parallel, Parallelism):
+        if parallel.shard_params:
+            raise ValueError(
+                f"fpipe.{function}: a save or load of shards needs their full shapes, which the step recorded "
+                f"(parallel: {brief(parallel)}). Pass parallel=step, the step whose step.shard cut them."
+            )
+        return Setup(_topology(function, parallel.mesh, parallel.group), parallel.timeout)
+    if isinstance(parallel, ParallelView) and isinstance(parallel.parallel, Parallelism):
+        return Setup(parallel.topology, parallel.parallel.timeout, parallel)
+    raise TypeError(
+        f"fpipe.{function}: parallel must be an fpipe.Parallelism or a Step from fpipe.pipeline (parallel: "
+        f"{brief(parallel)}). Pass parallel=fpipe.Parallelism(mesh=mesh) (or group=), or parallel=step."
+    )
+
+
+def _legacy(function: str, step: Any, group: Any, mesh: Any, timeout: float) -> Setup:
+    """The ``Setup`` of the deprecated keywords, as they were read before ``parallel=``."""
     if sum(x is not None for x in (step, group, mesh)) > 1:
         raise TypeError(f"fpipe.{function}: pass one of step=, group= and mesh=, not several.")
     if step is not None:
-        if not isinstance(step, Step):
-            raise TypeError(f"fpipe.{function}: step must be a Step from fpipe.pipeline (step: {step!r}).")
-        return step.topology, step.local_stages
+        if not isinstance(step, ParallelView):
+            raise TypeError(f"fpipe.{function}: step must be a Step from fpipe.pipeline (step: {brief(step)}).")
+        return Setup(step.topology, timeout, step)
+    return Setup(_topology(function, mesh, group), timeout)
+
+
+def _topology(function: str, mesh: Any, group: Any) -> Topology | None:
     if (group is not None or mesh is not None) and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             f"fpipe.{function}: torch.distributed is not initialized. Call torch.distributed.init_process_group() "
-            "first, or leave out group= and mesh= in one process."
+            "first, or leave out parallel= in one process."
         )
-    return resolve_topology(mesh, group), None
+    return resolve_topology(mesh, group)
 
 
 class Ranks:
@@ -214,7 +294,7 @@ def _first_line(error: BaseException) -> str:
 _OTHER_RANKS = "None stands for the stages of other ranks."
 
 
-def check_stage_count(function: str, params: Sequence[PyTree], step: Step | None) -> None:
+def check_stage_count(function: str, params: Sequence[PyTree], step: ParallelView | None) -> None:
     """Raise ``ValueError`` unless ``params`` has one entry per stage of ``step`` (when given)."""
     if step is not None:
         stage_list(f"fpipe.{function}", "params", params, step.num_stages, against="the step", fix=_OTHER_RANKS)

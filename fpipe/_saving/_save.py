@@ -47,17 +47,18 @@ from typing import Any
 
 import torch
 
-from .._api import Step
 from .._distributed import Topology, one_writes
-from .._errors import DEFAULT_TIMEOUT
+from .._parallelism import Parallelism
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names, stage_list
+from .._sharding import ParallelView
 from .._tensor_parallel import local
 from ._boxes import Box, HostPiece, box_of, is_piece, tiling_problem, whole
 from ._directory import commit, fsync_directory, locked, next_version
 from ._ranks import (
     Full,
     Ranks,
+    Setup,
     Sharding,
     agree,
     check_stage_count,
@@ -79,10 +80,11 @@ def save(
     *,
     optimizer_state: Sequence[PyTree] | None = None,
     metadata: dict[str, Any] | None = None,
-    step: Step | None = None,
+    parallel: Parallelism | ParallelView | None = None,
+    step: Any = None,
     group: Any = None,
     mesh: Any = None,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | None = None,
 ) -> Path:
     """Save parameters (and optimizer state and metadata) to ``directory``, atomically.
 
@@ -97,7 +99,7 @@ def save(
 
     Args:
         directory: where to save; created if needed. Saves to one directory from several
-            processes at once (each rank of a job calling ``save`` without ``group=``) take turns
+            processes at once (each rank of a job calling ``save`` without ``parallel=``) take turns
             on a lock file in it, and the last to commit is the one loaded (NOTE [save
             concurrency] in ``fpipe/_saving/_directory.py``). Do not load from it while saving to it.
         params: one parameter pytree per stage, as passed to ``step``. Leaves are dense tensors
@@ -108,18 +110,21 @@ def save(
             "step": torch.tensor(t)}``, named like ``params`` in a namespace of its own. Counters
             must be tensors; the same counter in every stage is saved once.
         metadata: a JSON-serializable dict (step number, config), returned by ``load``.
-        step, group, mesh: save from many processes, as ``fpipe.pipeline`` runs. With a
-            ``Step``, the rank holds its ``local_stages``; with a process group or a
-            ``DeviceMesh`` (pipeline dimension ``"pp"``), the stages whose ``params`` entry is not
-            ``None``. Every pipeline rank calls ``save`` with the same ``directory`` (on a
+        parallel: save from many processes, as ``fpipe.pipeline`` runs: the ``Step`` (the rank
+            holds its ``local_stages``) or an ``fpipe.Parallelism`` with a process group or a
+            ``DeviceMesh`` (pipeline dimension ``"pp"``: the rank holds the stages whose
+            ``params`` entry is not ``None``); its ``timeout`` is the seconds a rank waits for the
+            others at each of the save's all-gathers, which includes the time the slowest rank
+            takes to hash or write its tensors, and the seconds rank 0 waits for another save to
+            the same directory to finish. Every pipeline rank calls ``save`` with the same ``directory`` (on a
             filesystem they share) and the same ``metadata``, and writes only its own stages'
             tensors, in parallel: no tensor is gathered. Data-parallel replicas other than the
             first (a mesh's ``"dp"`` dimension) write nothing and return once the save is
             committed.
-            With a step built with ``shard_params=True``, ``params`` (and optimizer state leaves
+            With a step built with ``shard_params=True`` (``parallel=step``: only the step knows
+            the full shapes ``step.shard`` recorded), ``params`` (and optimizer state leaves
             named ``<prefix>.<parameter name>`` of the shard size) are this rank's shards, and
-            every replica writes its own, with the full shapes ``step.shard`` recorded
-            (NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
+            every replica writes its own (NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
             On a mesh with a ``"tp"`` dimension, leaves may be DTensors on ``mesh["tp"]`` with
             ``Shard`` or ``Replicate`` placements: each tensor-parallel rank writes its own local
             piece under the global name, with its offsets in the index, never gathered; plain
@@ -128,9 +133,9 @@ def save(
             ``fpipe/_saving/_boxes.py``). With ``shard_params=True`` too, each rank's shard of a
             DTensor parameter is a flat piece of its local piece: every rank writes its own, recorded
             as that shard of that box (NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
-        timeout: seconds a rank waits for the others at each of the save's all-gathers, which
-            includes the time the slowest rank takes to hash or write its tensors, and the
-            seconds rank 0 waits for another save to the same directory to finish.
+        step, group, mesh, timeout: deprecated: ``parallel=step`` or
+            ``parallel=fpipe.Parallelism(group=..., mesh=..., timeout=...)``, accepted for one
+            release with a ``DeprecationWarning`` (NOTE [the set-up is a value]).
 
     Returns:
         The committed version's directory, such as ``directory/v000003-1a2b3c4d``. ``load``
@@ -165,11 +170,12 @@ def save(
             or ranks disagree (stage count, metadata) or hold the same stage; a DTensor not on the
             mesh's ``"tp"`` sub-mesh, or a replicated leaf that differs between tensor-parallel ranks.
         OSError: writing failed (the previous save is kept); ``TimeoutError``: another save to
-            ``directory`` held its lock for longer than ``timeout``.
+            ``directory`` held its lock for longer than the timeout.
         RuntimeError: another rank failed; its own error says why.
     """
-    prepared = prepare(directory, params, optimizer_state, metadata, step, group, mesh)
-    return write(prepared, Ranks("save", prepared.topology, timeout, sharded=prepared.sharding is not None))
+    setup = resolve("save", parallel, step=step, group=group, mesh=mesh, timeout=timeout)
+    prepared = prepare(directory, params, optimizer_state, metadata, setup)
+    return write(prepared, Ranks("save", setup.topology, setup.timeout, sharded=prepared.sharding is not None))
 
 
 @dataclass(frozen=True)
@@ -189,9 +195,7 @@ def prepare(
     params: Sequence[PyTree],
     optimizer_state: Sequence[PyTree] | None,
     metadata: dict[str, Any] | None,
-    step: Step | None,
-    group: Any,
-    mesh: Any,
+    setup: Setup,
 ) -> Prepared:
     """Check ``save``'s arguments and find its ranks (no communication, nothing written)."""
     trees = {"params": stage_list("fpipe.save", "params", params)}
@@ -205,10 +209,9 @@ def prepare(
         user = json.loads(json.dumps(metadata or {}, allow_nan=False))
     except (TypeError, ValueError) as error:
         raise TypeError(f"fpipe.save: metadata must be JSON-serializable ({error}).") from error
-    topology, held = resolve("save", step, group, mesh)
-    check_stage_count("save", params, step)
-    sharding = sharded_leaves("save", step, trees)
-    return Prepared(Path(directory), trees, user, topology, held, sharding)
+    check_stage_count("save", params, setup.step)
+    sharding = sharded_leaves("save", setup.step, trees)
+    return Prepared(Path(directory), trees, user, setup.topology, setup.held, sharding)
 
 
 def write(prepared: Prepared, ranks: Ranks) -> Path:
@@ -317,8 +320,9 @@ def _tensor(name: str, where: str, stage: int, leaf: Any, ranks: Ranks) -> _Tens
         tensor_ranks = None if ranks.topology is None else ranks.topology.tensor_ranks
         if tensor_ranks is None:
             raise ValueError(
-                f"fpipe.save: {where} is a DTensor but the save has no tensor-parallel dimension. Pass mesh= (or "
-                "step=) with a 'tp' dimension, on whose sub-mesh mesh['tp'] the DTensors live."
+                f"fpipe.save: {where} is a DTensor but the save has no tensor-parallel dimension. Pass "
+                "parallel=step (or fpipe.Parallelism(mesh=mesh)) with a 'tp' dimension, on whose sub-mesh "
+                "mesh['tp'] the DTensors live."
             )
         box = box_of("fpipe.save", where, leaf, tensor_ranks)
         shape = list(leaf.shape)

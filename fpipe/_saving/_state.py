@@ -35,12 +35,12 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 
-from .._api import Step
 from .._distributed import Topology
-from .._errors import DEFAULT_TIMEOUT
+from .._parallelism import Parallelism
 from .._pytree import PyTree
+from .._sharding import ParallelView
 from ._load import Loaded, load_then
-from ._ranks import Ranks
+from ._ranks import Ranks, Setup, resolve
 from ._save import Prepared, prepare, write
 
 KEY = "fpipe_train_state"
@@ -76,10 +76,11 @@ def save_state(
     state: TrainState,
     /,
     *,
-    step: Step | None = None,
+    parallel: Parallelism | ParallelView | None = None,
+    step: Any = None,
     group: Any = None,
     mesh: Any = None,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | None = None,
 ) -> Path:
     """Save a whole training state atomically: ``fpipe.save`` plus step, RNG, extra tensors.
 
@@ -92,9 +93,10 @@ def save_state(
         directory: as for ``fpipe.save``.
         state: the ``TrainState`` to save; with ``state.rng`` ``None`` (the default) the
             generators are captured now.
-        step, group, mesh: as for ``fpipe.save``; every process of the job calls
-            ``save_state`` (data-parallel replicas too: their random states are saved).
-        timeout: as for ``fpipe.save``.
+        parallel: as for ``fpipe.save`` (the ``Step``, or an ``fpipe.Parallelism``); every
+            process of the job calls ``save_state`` (data-parallel replicas too: their random
+            states are saved).
+        step, group, mesh, timeout: deprecated, as for ``fpipe.save``: ``parallel=``.
 
     Returns:
         The committed version's directory.
@@ -112,12 +114,15 @@ def save_state(
         TypeError: ``state`` is not a ``TrainState``, or one of its fields has the wrong type;
             otherwise as ``fpipe.save``.
     """
-    prepared, mine = prepare_state(directory, state, step, group, mesh)
-    return write_state(prepared, mine, Ranks("save", prepared.topology, timeout, sharded=prepared.sharding is not None))
+    setup = resolve("save_state", parallel, step=step, group=group, mesh=mesh, timeout=timeout)
+    prepared, mine = prepare_state(directory, state, setup)
+    return write_state(
+        prepared, mine, Ranks("save", setup.topology, setup.timeout, sharded=prepared.sharding is not None)
+    )
 
 
 def prepare_state(
-    directory: str | os.PathLike[str], state: TrainState, step: Step | None, group: Any, mesh: Any
+    directory: str | os.PathLike[str], state: TrainState, setup: Setup
 ) -> tuple[Prepared, dict[str, Any]]:
     """Check ``state``, capture this process's generators; the save and what this rank contributes."""
     if not isinstance(state, TrainState):
@@ -140,7 +145,7 @@ def prepare_state(
             )
     rng = capture_rng() if state.rng is None else state.rng
     saved = {"step": state.step, "metadata": state.metadata, "extra": _encode(state.extra)}
-    prepared = prepare(directory, state.params, state.optimizer_state, {KEY: saved}, step, group, mesh)
+    prepared = prepare(directory, state.params, state.optimizer_state, {KEY: saved}, setup)
     rank = 0 if prepared.topology is None else dist.get_rank()
     return prepared, {"rank": rank, "rng": _encode(rng), "role": role_of(prepared.topology)}
 
@@ -165,10 +170,11 @@ def load_state(
     optimizer_state: list[PyTree] | None = None,
     strict: bool = True,
     restore_rng: bool = True,
-    step: Step | None = None,
+    parallel: Parallelism | ParallelView | None = None,
+    step: Any = None,
     group: Any = None,
     mesh: Any = None,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | None = None,
 ) -> TrainState:
     """Load a ``save_state`` save and restore this process's random generators.
 
@@ -177,12 +183,13 @@ def load_state(
     generators restored, so a save of another model raises with nothing changed.
 
     Args:
-        directory, template, optimizer_state, strict, step, group, mesh, timeout: as for ``fpipe.load``.
+        directory, template, optimizer_state, strict, parallel: as for ``fpipe.load``.
         restore_rng: set this process's generators to those its global rank saved, once every
             rank has read and checked the save. A rank the save has no state for keeps its
             generators, and rank 0 names the saved ranks that no process restores
             (``RuntimeWarning``s); a rank that had another role in the saving run raises.
             ``False``: keep every generator (to resume into another mesh layout).
+        step, group, mesh, timeout: deprecated, as for ``fpipe.load``: ``parallel=``.
 
     Returns:
         The ``TrainState``: params and optimizer state in the templates' structure, the step,
@@ -200,16 +207,16 @@ def load_state(
             ``fpipe/_saving/_state.py``; ``restore_rng=False`` loads anyway); otherwise as ``fpipe.load``.
         RuntimeError: another rank failed; the message names it and the first line of its error.
     """
-    distributed = _distributed(step, group, mesh)
+    setup = resolve("load_state", parallel, step=step, group=group, mesh=mesh, timeout=timeout)
+    distributed = setup.topology is not None
     me = dist.get_rank() if distributed else 0
 
     def read(loaded: Loaded, topology: Topology | None) -> tuple[TrainState, dict[str, Any]]:
         return _state_of(directory, loaded, me, role_of(topology), restore_rng)
 
     state, states = load_then(
-        directory, template, read, optimizer_state=optimizer_state, strict=strict, step=step, group=group,
-        mesh=mesh, timeout=timeout, function="load_state",
-    )  # fmt: skip
+        directory, template, read, optimizer_state=optimizer_state, strict=strict, setup=setup, function="load_state"
+    )
     if restore_rng:  # every rank read its state: only now is anything changed (NOTE [train state])
         _restore(state.rng, me, states, dist.get_world_size() if distributed else 1)
     return state
@@ -341,10 +348,6 @@ def _every_process(ranks: Ranks, value: dict[str, Any]) -> list[dict[str, Any]]:
     row = ranks.gather_replicas(value, what) if ranks.replicas and not ranks.sharded else [value]
     every = [v for rows in ranks.gather(row, what) for v in rows]
     return sorted(every, key=lambda v: int(v["rank"]))
-
-
-def _distributed(step: Step | None, group: Any, mesh: Any) -> bool:
-    return (step is not None and step.topology is not None) or group is not None or mesh is not None
 
 
 def _encode(tensors: dict[str, torch.Tensor]) -> str:

@@ -12,7 +12,7 @@ corrupt file raises a ``ValueError`` naming it rather than failing inside safete
 hashes only the tensors it reads.
 
 NOTE [sharded saves]
-With a step built with ``shard_params=True`` (``save``/``load`` with ``step=``), tensors are
+With a step built with ``shard_params=True`` (``save``/``load`` with ``parallel=step``), tensors are
 shards (NOTE [shard layout] in ``fpipe/_sharding/_stages.py``: flattened, zero-padded to ``d * c``,
 ``c = ceil(n / d)``, piece ``q`` on data-parallel rank ``q``). Every rank of the mesh writes
 its own pieces, in parallel, to ``model-rank-0000r-of-0000p-dp-0000q-of-0000d.safetensors``

@@ -3,39 +3,63 @@ gather it back (NOTE [shard layout] in fpipe/_sharding/_stages.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from .._distributed import Topology, resolve_topology
-from .._errors import DEFAULT_TIMEOUT
+from .._parallelism import Parallelism
 from .._pytree import PyTree
-from ._layout import DataParallel, cut, data_parallel, layout_of
+from ._layout import DataParallel, StageLayout, cut, data_parallel, layout_of
 from ._stages import gather_tree
 
 
 @runtime_checkable
-class _StepView(Protocol):
-    """What sharding reads of a ``Step`` (its public read-only view; fpipe/_api.py imports this
-    package, so it is never imported here)."""
+class ParallelView(Protocol):
+    """What sharding and saving read of a ``Step``: its public, read-only view by its parallel
+    set-up (fpipe/_api.py imports this package, so ``Step`` is never imported here or in
+    ``_saving``)."""
 
     @property
-    def topology(self) -> Topology | None: ...
+    def parallel(self) -> Parallelism:
+        """The ``fpipe.Parallelism`` the step was built with."""
+        ...
 
     @property
-    def timeout(self) -> float: ...
+    def topology(self) -> Topology | None:
+        """Where this process sits, resolved once from ``parallel`` (``None``: one process)."""
+        ...
+
+    @property
+    def num_stages(self) -> int:
+        """The number of stages."""
+        ...
+
+    @property
+    def local_stages(self) -> tuple[int, ...]:
+        """The stages this process holds."""
+        ...
+
+    @property
+    def shard_layouts(self) -> Mapping[int, StageLayout]:
+        """With ``shard_params``: the full shapes ``step.shard`` recorded (empty before)."""
+        ...
 
 
 def _data_parallel_of(over: Any, caller: str) -> DataParallel:
     topology: Topology | None = None
-    timeout = DEFAULT_TIMEOUT
-    if isinstance(over, _StepView):
-        topology, timeout = over.topology, over.timeout
-    elif hasattr(over, "mesh_dim_names"):  # a DeviceMesh
-        topology = resolve_topology(over, None)
+    if isinstance(over, DeviceMesh):
+        over = Parallelism(mesh=over)
+    if isinstance(over, Parallelism):
+        topology, timeout = resolve_topology(over.mesh, over.group), over.timeout
+    elif isinstance(over, ParallelView):
+        topology, timeout = over.topology, over.parallel.timeout
     if topology is None or topology.data_group is None:
         raise ValueError(
             f"{caller}: shards are cut over the data-parallel ranks of a mesh, and this has none "
             f"(got: {over!r:.120}). Pass the DeviceMesh with dimensions ('dp', 'pp') given to "
-            "fpipe.pipeline, or its step."
+            "fpipe.pipeline, its fpipe.Parallelism, or its step."
         )
     return data_parallel(topology, timeout)
 
@@ -53,8 +77,8 @@ def shard(tree: PyTree, over: Any, /) -> PyTree:
     Args:
         tree: a full pytree, the same on every data-parallel replica (parameters, or anything
             shaped like them, such as optimizer state).
-        over: the ``DeviceMesh`` (dimensions ``"dp"`` and ``"pp"``, maybe ``"tp"``) or a ``Step``
-            built on one.
+        over: the ``DeviceMesh`` (dimensions ``"dp"`` and ``"pp"``, maybe ``"tp"``), an
+            ``fpipe.Parallelism`` with one, or a ``Step`` built on one.
 
     Raises:
         ValueError: if ``over`` has no data-parallel dimension, or a DTensor leaf does not live
@@ -74,8 +98,8 @@ def gather(shards: PyTree, like: PyTree, over: Any, /) -> PyTree:
 
     A collective: every rank of the data-parallel group calls it with the same structure.
     ``None`` leaves in ``shards`` (gradients of non-float leaves) stay ``None``.
-    ``step.unshard(shards)`` does this for every local stage, with the full shapes ``step.shard``
-    recorded as ``like``.
+    ``step.gather(shards)`` does this for every local stage, with the full shapes ``step.shard``
+    recorded as ``like`` (the same code: ``gather_tree`` in fpipe/_sharding/_stages.py).
 
     Args:
         shards: this rank's shards.
@@ -84,7 +108,7 @@ def gather(shards: PyTree, like: PyTree, over: Any, /) -> PyTree:
             bfloat16 parameters gathers as float32 with the parameters as ``like``). Where
             ``like`` has a DTensor, the result has a DTensor with its placements, around the
             gathered local piece.
-        over: the ``DeviceMesh`` or the ``Step``, as for ``fpipe.shard``.
+        over: the ``DeviceMesh``, its ``fpipe.Parallelism`` or the ``Step``, as for ``fpipe.shard``.
     """
     dp = _data_parallel_of(over, "fpipe.gather")
     layout = layout_of(like, dp.size, dp.tensor_ranks, caller="fpipe.gather", name="like")

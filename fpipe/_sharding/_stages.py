@@ -206,7 +206,7 @@ def shard_stages(
 def gather_stages(
     dp: DataParallel, layouts: Mapping[int, StageLayout], shards: Sequence[PyTree], caller: str
 ) -> list[PyTree]:
-    """``step.unshard``: the full pytrees of the local stages' shards (a collective over replicas)."""
+    """``step.gather``: the full pytrees of the local stages' shards (a collective over replicas)."""
     out: list[PyTree] = [None] * len(shards)
     for s in sorted(layouts):
         if shards[s] is None:

@@ -85,7 +85,7 @@ def _faulty(world, mesh, victim, where, sig, timeout, group=None):
         return (y**2).mean()
 
     options = {} if timeout is None else {"timeout": timeout}
-    step = fpipe.pipeline(loss_fn, [stage] * num_stages, OneFOneB(4), **place, **options)
+    step = fpipe.pipeline(loss_fn, [stage] * num_stages, OneFOneB(4), parallel=fpipe.Parallelism(**place, **options))
     g = torch.Generator().manual_seed(0)
     params = [torch.randn(3, 3, generator=g, dtype=torch.float64) for _ in range(num_stages)]
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
@@ -251,7 +251,9 @@ def _two_stages(rank, timeout, stage_fault=None, loss_fault=None):
             loss_fault()
         return (y**2).mean()
 
-    step = fpipe.pipeline(loss_fn, [stage, stage], OneFOneB(4), group=dist.group.WORLD, timeout=timeout)
+    step = fpipe.pipeline(
+        loss_fn, [stage, stage], OneFOneB(4), parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=timeout)
+    )
     params = [torch.eye(3, dtype=torch.float64) if s == rank else None for s in range(2)]
     batch = torch.ones(8, 3, dtype=torch.float64) if rank == 0 else None
     return step, params, batch
@@ -444,7 +446,7 @@ def test_a_watchdog_stopped_by_an_unexpected_error_warns_and_says_why():
     warned = [text for kind, text in caught if kind == "RuntimeWarning" and "watchdog" in text]
     assert len(warned) == 1, caught
     assert "rank 0 stopped on an unexpected error (JSONDecodeError: Expecting value" in warned[0], warned
-    assert "only when its own waits time out (pipeline(..., timeout=))" in warned[0], warned
+    assert "only when its own waits time out (fpipe.Parallelism(timeout=))" in warned[0], warned
     assert message.startswith("fpipe: the watchdog has stopped: it failed (JSONDecodeError: "), message
 
 

@@ -76,7 +76,8 @@ def _pipeline(rank, world, mesh, timeout, precision=None, group=None):
     def loss_fn(y, mb):
         return (y**2).mean()
 
-    step = fpipe.pipeline(loss_fn, [stage] * num_stages, OneFOneB(4), **place, timeout=timeout, precision=precision)
+    parallel = fpipe.Parallelism(**place, timeout=timeout)
+    step = fpipe.pipeline(loss_fn, [stage] * num_stages, OneFOneB(4), parallel=parallel, precision=precision)
     g = torch.Generator().manual_seed(0)
     params = [{f"w{s}": torch.randn(3, 3, generator=g, dtype=torch.float64)} for s in range(num_stages)]
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
@@ -90,17 +91,17 @@ def _collective(rank, world, what, directory):
     scaled = fpipe.Precision(compute=torch.float16, loss_scale=fpipe.LossScale()) if what == "precision" else None
     step, params, batch, grads = _pipeline(rank, world, None, timeout=30, precision=scaled)
     template = [None if p is None else {k: torch.zeros_like(w) for k, w in p.items()} for p in params]
-    fpipe.save(directory, params, step=step)  # (for load)
-    fpipe.save_state(f"{directory}/state", fpipe.TrainState(params), step=step)  # (for load_state)
-    fpipe.save_hf(f"{directory}/hf", params, config={"model_type": "x"}, step=step)  # (for load_hf)
+    fpipe.save(directory, params, parallel=step)  # (for load)
+    fpipe.save_state(f"{directory}/state", fpipe.TrainState(params), parallel=step)  # (for load_state)
+    fpipe.save_hf(f"{directory}/hf", params, config={"model_type": "x"}, parallel=step)  # (for load_hf)
     calls = {
         "global_norm": lambda: step.global_norm(grads),
-        "save": lambda: fpipe.save(directory, params, step=step, timeout=30),
-        "load": lambda: fpipe.load(directory, template, step=step, timeout=30),
-        "save_state": lambda: fpipe.save_state(directory, fpipe.TrainState(params), step=step, timeout=30),
-        "load_state": lambda: fpipe.load_state(f"{directory}/state", template, step=step, timeout=30),
-        "save_hf": lambda: fpipe.save_hf(f"{directory}/hf2", params, config={"model_type": "x"}, step=step, timeout=30),
-        "load_hf": lambda: fpipe.load_hf(f"{directory}/hf", template, step=step, timeout=30),
+        "save": lambda: fpipe.save(directory, params, parallel=step),
+        "load": lambda: fpipe.load(directory, template, parallel=step),
+        "save_state": lambda: fpipe.save_state(directory, fpipe.TrainState(params), parallel=step),
+        "load_state": lambda: fpipe.load_state(f"{directory}/state", template, parallel=step),
+        "save_hf": lambda: fpipe.save_hf(f"{directory}/hf2", params, config={"model_type": "x"}, parallel=step),
+        "load_hf": lambda: fpipe.load_hf(f"{directory}/hf", template, parallel=step),
         "precision": lambda: step(params, batch),  # its only all-reduce: the inf/nan agreement
     }
     if rank == 1:
@@ -133,7 +134,7 @@ def _saving(rank, world, mesh, victim, sig, timeout, directory):
         _fault_at_collectives(sig, thread="fpipe-save")
     start = time.monotonic()
     try:
-        with fpipe.AsyncSaver(step=step, timeout=30) as saver:
+        with fpipe.AsyncSaver(parallel=step) as saver:
             saver.save(directory, params)
             for _ in range(1000):  # training goes on until the failure reaches this rank
                 step(params, batch)
@@ -167,19 +168,19 @@ def _call(what, step, params, batch, grads, directory, timeout):
     arguments, after writing what it reads, if anything."""
     template = [None if p is None else {k: torch.zeros_like(w) for k, w in p.items()} for p in params]
     if what == "load":
-        fpipe.save(directory, params, step=step)
+        fpipe.save(directory, params, parallel=step)
     if what == "load_state":
-        fpipe.save_state(f"{directory}/state", fpipe.TrainState(params), step=step)
+        fpipe.save_state(f"{directory}/state", fpipe.TrainState(params), parallel=step)
     if what == "load_hf":
-        fpipe.save_hf(f"{directory}/hf", params, config={"model_type": "x"}, step=step)
+        fpipe.save_hf(f"{directory}/hf", params, config={"model_type": "x"}, parallel=step)
     calls = {
         "global_norm": lambda: step.global_norm(grads),
-        "save": lambda: fpipe.save(directory, params, step=step, timeout=timeout),
-        "load": lambda: fpipe.load(directory, template, step=step, timeout=timeout),
-        "save_state": lambda: fpipe.save_state(directory, fpipe.TrainState(params), step=step, timeout=timeout),
-        "load_state": lambda: fpipe.load_state(f"{directory}/state", template, step=step, timeout=timeout),
-        "save_hf": lambda: fpipe.save_hf(directory, params, config={"model_type": "x"}, step=step, timeout=timeout),
-        "load_hf": lambda: fpipe.load_hf(f"{directory}/hf", template, step=step, timeout=timeout),
+        "save": lambda: fpipe.save(directory, params, parallel=step),
+        "load": lambda: fpipe.load(directory, template, parallel=step),
+        "save_state": lambda: fpipe.save_state(directory, fpipe.TrainState(params), parallel=step),
+        "load_state": lambda: fpipe.load_state(f"{directory}/state", template, parallel=step),
+        "save_hf": lambda: fpipe.save_hf(directory, params, config={"model_type": "x"}, parallel=step),
+        "load_hf": lambda: fpipe.load_hf(f"{directory}/hf", template, parallel=step),
         "precision": lambda: step(params, batch),
         "step": lambda: step(params, batch),
     }

@@ -53,7 +53,7 @@ def _bad_inputs(rank, world):
     DTensor, _, Replicate, _ = _dtensor_api()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp, tp = mesh.get_coordinate()
-    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), mesh=mesh, timeout=30)
+    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, timeout=30))
     params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(_params(2))]
     batch = _batch(1) if pp == 0 else None
     messages = {}
@@ -69,7 +69,7 @@ def _bad_inputs(rank, world):
         y = _first(p, mb)
         return {"x": DTensor.from_local(y["x"].to_local(), mesh["pp"], [Replicate()]), "mlp": y["mlp"]}
 
-    failing = fpipe.pipeline(_loss, [elsewhere, _last], OneFOneB(2), mesh=mesh, timeout=30)
+    failing = fpipe.pipeline(_loss, [elsewhere, _last], OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, timeout=30))
     with pytest.raises(fpipe.PipelineError) as info:
         failing(params, batch)
     messages["output elsewhere"] = (str(info.value), repr(info.value.__cause__))
@@ -99,7 +99,7 @@ def _uneven_heads(rank, world):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp = mesh.get_coordinate()[0]
-    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), mesh=mesh, timeout=30)
+    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, timeout=30))
     full = _params(2)
     for p in full:  # 3 heads of HEAD_DIM: 6 rows of q, k, v, 3 on each rank
         p.update({n: p[n][: 3 * HEAD_DIM] for n in ("wq", "wk", "wv")}, wo=p["wo"][:, : 3 * HEAD_DIM])
@@ -133,7 +133,7 @@ def _one_tp_rank_fails(rank, world):
             raise ValueError("boom on tp rank 1")
         return _first(p, mb)
 
-    step = fpipe.pipeline(_loss, [first, _last], OneFOneB(2), mesh=mesh, timeout=30)
+    step = fpipe.pipeline(_loss, [first, _last], OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, timeout=30))
     params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(_params(2))]
     start = time.monotonic()
     with pytest.raises(fpipe.PipelineError) as info:

@@ -455,7 +455,7 @@ def _parallelized(rank, world):
     parallelize_module(model, mesh["tp"], plan)
     call = {"": lambda module, x: module(x), "0": lambda module, mb: module(mb["x"])}
     stages, params = fpipe.split_module(model, ["0+1+2", "3+4+5"], call=call)
-    step = fpipe.pipeline(_mse, stages, OneFOneB(3), mesh=mesh, timeout=60)
+    step = fpipe.pipeline(_mse, stages, OneFOneB(3), parallel=fpipe.Parallelism(mesh=mesh, timeout=60))
     loss, grads = step([p if s in step.local_stages else None for s, p in enumerate(params)], _mlp_batch())
     full = {k: g.full_tensor() if isinstance(g, DTensor) else g for s in step.local_stages for k, g in grads[s].items()}
     return loss, full

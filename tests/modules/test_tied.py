@@ -1,7 +1,8 @@
 """``fpipe.sum_tied``: a parameter used by several stages gets the sum of their gradients.
 
 In one process on hand-made gradients, and over 3 gloo ranks, where a tied-embedding model
-trained with ``pipeline(group=...)`` and ``sum_tied(group=...)`` equals its ``loss.backward()``.
+trained with ``pipeline(parallel=fpipe.Parallelism(group=...))`` and ``sum_tied(group=...)``
+equals its ``loss.backward()``.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _train_on_ranks(rank: int, world_size: int) -> list[Any]:
     torch.set_default_dtype(torch.float64)
     model, batch = _tied_model()
     stages, params = fpipe.split_module(model, SPEC, call=CALL)
-    step = fpipe.pipeline(loss_fn, stages, OneFOneB(3), group=dist.group.WORLD)
+    step = fpipe.pipeline(loss_fn, stages, OneFOneB(3), parallel=fpipe.Parallelism(group=dist.group.WORLD))
     local = [p if s in step.local_stages else None for s, p in enumerate(params)]
     _, grads = step(local, batch)
     return fpipe.sum_tied(grads, params=params, group=dist.group.WORLD)

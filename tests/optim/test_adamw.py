@@ -109,7 +109,9 @@ def _sharded_ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     replica = mesh.get_coordinate()[0]
-    step = fpipe.pipeline(_loss, [_stage] * 4, OneFOneB(4), mesh=mesh, shard_params=True, timeout=30)
+    step = fpipe.pipeline(
+        _loss, [_stage] * 4, OneFOneB(4), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, timeout=30)
+    )
     opt = _optimizer()
     shards = step.shard(_params(4))
     state = opt.init(shards)
@@ -120,9 +122,9 @@ def _sharded_ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
             opt.update_(shards, grads, state)  # in place on shards
         else:
             shards, state = opt.update(shards, grads, state)
-    fpipe.save(directory, shards, optimizer_state=state, step=step)
-    buffers = {key: step.unshard([None if t is None else t[key] for t in state]) for key in ("exp_avg", "exp_avg_sq")}
-    return {"stages": step.local_stages, "params": step.unshard(shards), "buffers": buffers, "state": state}
+    fpipe.save(directory, shards, optimizer_state=state, parallel=step)
+    buffers = {key: step.gather([None if t is None else t[key] for t in state]) for key in ("exp_avg", "exp_avg_sq")}
+    return {"stages": step.local_stages, "params": step.gather(shards), "buffers": buffers, "state": state}
 
 
 @pytest.mark.timeout(150)

@@ -178,7 +178,9 @@ def _train_on_ranks(rank: int, world_size: int, schedule: str) -> dict[str, Any]
     out: dict[str, Any] = {}
     for optimizer, in_place in itertools.product(TRAINING, (True, False)):
         stages, params = fpipe.split_module(_model(), SPECS[num_stages], call=CALL)
-        step = fpipe.pipeline(_loss, stages, pipeline_schedule, group=dist.group.WORLD, timeout=60)
+        step = fpipe.pipeline(
+            _loss, stages, pipeline_schedule, parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=60)
+        )
         local = [p if s in step.local_stages else None for s, p in enumerate(params)]
         group = dist.group.WORLD
         out[f"{optimizer} in_place={in_place}"] = _train(step, optimizer, params, local, in_place=in_place, group=group)

@@ -101,20 +101,28 @@ def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[s
     params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
     meta = [_distribute(template(p), mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
     out: dict[str, Any] = {"pp": pp, "tp": tp}
-    step = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), mesh=mesh)
-    fpipe.save(root / "tp", params, optimizer_state=_state(params), metadata={"step": 3}, step=step)
+    step = fpipe.pipeline(
+        lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh)
+    )
+    fpipe.save(root / "tp", params, optimizer_state=_state(params), metadata={"step": 3}, parallel=step)
     spy = Spy()
-    loaded = fpipe.load(root / "tp", meta, optimizer_state=_state_template(meta), mesh=mesh)
+    loaded = fpipe.load(root / "tp", meta, optimizer_state=_state_template(meta), parallel=fpipe.Parallelism(mesh=mesh))
     out["read"] = dict(spy.read)
     out["same layout"] = _gathered(loaded.params), _gathered(loaded.optimizer_state), loaded.metadata
-    out["from plain"] = _gathered(fpipe.load(plain, meta, mesh=mesh).params)
+    out["from plain"] = _gathered(fpipe.load(plain, meta, parallel=fpipe.Parallelism(mesh=mesh)).params)
     # The training state, and AsyncSaver (a host copy of each local piece, saved in a thread).
-    fpipe.save_state(root / "state", fpipe.TrainState(params, _state(params), step=5, metadata={"at": 1}), mesh=mesh)
-    state = fpipe.load_state(root / "state", meta, optimizer_state=_state_template(meta), mesh=mesh)
+    fpipe.save_state(
+        root / "state",
+        fpipe.TrainState(params, _state(params), step=5, metadata={"at": 1}),
+        parallel=fpipe.Parallelism(mesh=mesh),
+    )
+    state = fpipe.load_state(
+        root / "state", meta, optimizer_state=_state_template(meta), parallel=fpipe.Parallelism(mesh=mesh)
+    )
     out["state"] = _gathered(state.params), _gathered(state.optimizer_state), state.step, state.metadata
-    with fpipe.AsyncSaver(mesh=mesh) as saver:
+    with fpipe.AsyncSaver(parallel=fpipe.Parallelism(mesh=mesh)) as saver:
         saver.save(root / "async", params)
-    out["async"] = _gathered(fpipe.load(root / "async", meta, mesh=mesh).params)
+    out["async"] = _gathered(fpipe.load(root / "async", meta, parallel=fpipe.Parallelism(mesh=mesh)).params)
     # Errors, on every rank, and the mesh usable after each.
     errors: dict[str, Any] = {}
     differ = [None if p is None else {**p, f"bias{pp}": p[f"bias{pp}"] + tp} for p in params]  # tp 1's copy differs
@@ -136,22 +144,25 @@ def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[s
         torch.empty(2, 8, dtype=torch.float64), mesh["tp"], [Shard(0)], run_check=False, shape=(8, 8), stride=(8, 1)
     )
     for what, call in [
-        ("differ", lambda: fpipe.save(root / "bad", differ, mesh=mesh)),
-        ("wrong mesh", lambda: fpipe.save(root / "bad", wrong_mesh, mesh=mesh)),
-        ("other layout", lambda: fpipe.save(root / "bad", other_layout, mesh=mesh)),
-        ("other shape", lambda: fpipe.save(root / "bad", other_shape, mesh=mesh)),
-        ("odd piece", lambda: fpipe.load(root / "tp", odd_piece, mesh=mesh)),
-        ("no tp", lambda: fpipe.save(root / "bad", params, group=dist.group.WORLD)),
-        ("partial", lambda: fpipe.save(root / "bad", partial, mesh=mesh)),
-        ("save_hf differ", lambda: fpipe.save_hf(root / "hf bad", differ, mesh=mesh)),
-        ("save_hf wrong mesh", lambda: fpipe.save_hf(root / "hf bad", wrong_mesh, mesh=mesh)),
+        ("differ", lambda: fpipe.save(root / "bad", differ, parallel=fpipe.Parallelism(mesh=mesh))),
+        ("wrong mesh", lambda: fpipe.save(root / "bad", wrong_mesh, parallel=fpipe.Parallelism(mesh=mesh))),
+        ("other layout", lambda: fpipe.save(root / "bad", other_layout, parallel=fpipe.Parallelism(mesh=mesh))),
+        ("other shape", lambda: fpipe.save(root / "bad", other_shape, parallel=fpipe.Parallelism(mesh=mesh))),
+        ("odd piece", lambda: fpipe.load(root / "tp", odd_piece, parallel=fpipe.Parallelism(mesh=mesh))),
+        ("no tp", lambda: fpipe.save(root / "bad", params, parallel=fpipe.Parallelism(group=dist.group.WORLD))),
+        ("partial", lambda: fpipe.save(root / "bad", partial, parallel=fpipe.Parallelism(mesh=mesh))),
+        ("save_hf differ", lambda: fpipe.save_hf(root / "hf bad", differ, parallel=fpipe.Parallelism(mesh=mesh))),
+        (
+            "save_hf wrong mesh",
+            lambda: fpipe.save_hf(root / "hf bad", wrong_mesh, parallel=fpipe.Parallelism(mesh=mesh)),
+        ),
     ]:
         try:
             call()
         except (TypeError, ValueError, RuntimeError, NotImplementedError) as error:
             errors[what] = f"{type(error).__name__}: {error}"
     out["errors"] = errors
-    out["after"] = _gathered(fpipe.load(root / "tp", meta, mesh=mesh).params)
+    out["after"] = _gathered(fpipe.load(root / "tp", meta, parallel=fpipe.Parallelism(mesh=mesh)).params)
     out["hf"] = _load_hf(mesh, hf, root / "hf_out")
     return out
 
@@ -191,34 +202,42 @@ def _sharded_ranks(rank: int, world: int, directory: str, plain: str, hf: str) -
     full = _full()
     params = [_distribute(p, mesh["tp"]) for p in full]
     meta = [_distribute(template(p), mesh["tp"]) for p in full]
-    step = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), mesh=mesh, shard_params=True)
+    step = fpipe.pipeline(
+        lambda y, mb: y.sum(),
+        [lambda p, x: x] * 2,
+        OneFOneB(2),
+        parallel=fpipe.Parallelism(mesh=mesh, shard_params=True),
+    )
     shards = step.shard(params)
     target = step.shard(meta)
     out: dict[str, Any] = {"dp": dp, "tp": tp, "shards": shards, "state": _state(shards)}
-    fpipe.save(root / "sharded", shards, optimizer_state=_state(shards), metadata={"step": 3}, step=step)
+    fpipe.save(root / "sharded", shards, optimizer_state=_state(shards), metadata={"step": 3}, parallel=step)
     spy = Spy()
-    same = fpipe.load(root / "sharded", target, optimizer_state=_state_template(target), step=step)
+    same = fpipe.load(root / "sharded", target, optimizer_state=_state_template(target), parallel=step)
     out["read"], out["same layout"] = dict(spy.read), (same.params, same.optimizer_state, same.metadata)
-    unsharded = fpipe.load(root / "sharded", meta, optimizer_state=_state_template(meta), mesh=mesh)
+    unsharded = fpipe.load(
+        root / "sharded", meta, optimizer_state=_state_template(meta), parallel=fpipe.Parallelism(mesh=mesh)
+    )
     out["tp layout"] = _gathered(unsharded.params), _gathered([t["m"] for t in unsharded.optimizer_state])
-    out["from plain"] = fpipe.load(plain, target, step=step).params
+    out["from plain"] = fpipe.load(plain, target, parallel=step).params
     # dp 4 without tp: each rank's shard of each whole tensor, from every shard of the boxes it overlaps
     step4 = fpipe.pipeline(
         lambda y, mb: y.sum(),
         [lambda p, x: x] * 2,
         OneFOneB(2),
-        mesh=init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "pp")),
-        shard_params=True,
+        parallel=fpipe.Parallelism(
+            mesh=init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "pp")), shard_params=True
+        ),
     )
-    out["dp 4"] = fpipe.load(root / "sharded", step4.shard(template(full)), step=step4).params, step4.shard(full)
-    fpipe.save_state(root / "state", fpipe.TrainState(shards, _state(shards), step=5), step=step)
-    state = fpipe.load_state(root / "state", target, optimizer_state=_state_template(target), step=step)
-    with fpipe.AsyncSaver(step=step) as saver:
+    out["dp 4"] = fpipe.load(root / "sharded", step4.shard(template(full)), parallel=step4).params, step4.shard(full)
+    fpipe.save_state(root / "state", fpipe.TrainState(shards, _state(shards), step=5), parallel=step)
+    state = fpipe.load_state(root / "state", target, optimizer_state=_state_template(target), parallel=step)
+    with fpipe.AsyncSaver(parallel=step) as saver:
         saver.save(root / "async", shards, optimizer_state=_state(shards))
     out["train state"] = state.params, state.optimizer_state, state.step
-    out["async"] = fpipe.load(root / "async", target, optimizer_state=_state_template(target), step=step)[:2]
+    out["async"] = fpipe.load(root / "async", target, optimizer_state=_state_template(target), parallel=step)[:2]
     spy = Spy()
-    out["hf"] = fpipe.load_hf(hf, target, step=step)
+    out["hf"] = fpipe.load_hf(hf, target, parallel=step)
     # each rank reads the elements of its shard of its local piece, the padding excluded
     out["hf read"] = dict(spy.read)
     ranges = {
@@ -227,14 +246,14 @@ def _sharded_ranks(rank: int, world: int, directory: str, plain: str, hf: str) -
         for n, t in p.items()
     }
     out["hf expected"] = {n: stop - start for n, (start, stop, _) in ranges.items()}
-    fpipe.save_hf(root / "hf_out", shards, step=step)
+    fpipe.save_hf(root / "hf_out", shards, parallel=step)
     errors = {}
     full_here = [dict(p) for p in shards]
     if rank == 3:  # a full DTensor where its shard belongs, on one rank
         full_here[0]["b0.wq"] = params[0]["b0.wq"]
     for what, call in [
-        ("full here", lambda: fpipe.save(root / "bad", full_here, step=step)),
-        ("unsharded template", lambda: fpipe.load(root / "sharded", meta, step=step)),
+        ("full here", lambda: fpipe.save(root / "bad", full_here, parallel=step)),
+        ("unsharded template", lambda: fpipe.load(root / "sharded", meta, parallel=step)),
     ]:
         try:
             call()
@@ -269,8 +288,10 @@ def _load_hf(mesh: Any, directory: str, out: Path) -> dict[str, Any]:
     parallelize_module(model, mesh["tp"], {k: styles[v]() for k, v in TP_PLAN.items()})
     _, meta = fpipe.split_module(model, TWO, call=hf.CALL)
     spy = Spy()
-    params = fpipe.load_hf(directory, [p if s == pp else None for s, p in enumerate(meta)], mesh=mesh)
-    fpipe.save_hf(out, params, config=directory, mesh=mesh)
+    params = fpipe.load_hf(
+        directory, [p if s == pp else None for s, p in enumerate(meta)], parallel=fpipe.Parallelism(mesh=mesh)
+    )
+    fpipe.save_hf(out, params, config=directory, parallel=fpipe.Parallelism(mesh=mesh))
     local = {n: t.to_local() if isinstance(t, DTensor) else t for n, t in params[pp].items()}
     full = {
         n: (t.full_tensor() if isinstance(t, DTensor) else t, str(getattr(t, "placements", "")))

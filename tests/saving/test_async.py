@@ -104,8 +104,8 @@ def test_argument_errors_are_raised_at_the_call(tmp_path: Path) -> None:
         saver.save_state(tmp_path, [{"w": torch.ones(1)}])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"state\.extra must be a dict of tensors by name \(not: 'scale'\)"):
         saver.save_state(tmp_path, fpipe.TrainState([{"w": torch.ones(1)}], extra={"scale": 2.0}))  # type: ignore[dict-item]
-    with pytest.raises(TypeError, match="pass one of step=, group= and mesh="):
-        fpipe.AsyncSaver(group=object(), mesh=object())
+    with pytest.raises(TypeError, match="pass mesh= or group=, not both"):
+        fpipe.AsyncSaver(parallel=fpipe.Parallelism(mesh=object(), group=object()))
     assert saver.wait() is None
 
 
@@ -137,24 +137,26 @@ def _train_while_saving(rank: int, world_size: int, directory: str) -> Any:
     def head(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         return h @ p["head"]
 
-    step = fpipe.pipeline(lambda y, x: (y**2).mean(), [body, head], OneFOneB(4), group=dist.group.WORLD)
+    step = fpipe.pipeline(
+        lambda y, x: (y**2).mean(), [body, head], OneFOneB(4), parallel=fpipe.Parallelism(group=dist.group.WORLD)
+    )
     g = torch.Generator().manual_seed(0)
     full = [{"w": torch.randn(6, 32, generator=g)}, {"head": torch.randn(32, 3, generator=g)}]
     params: list[Any] = [p if s in step.local_stages else None for s, p in enumerate(full)]
     opt = fpipe.optim.adamw(0.01)
     state = opt.init(params)
-    saver = fpipe.AsyncSaver(step=step)
+    saver = fpipe.AsyncSaver(parallel=step)
     snapshots = []
     for i in range(6):
         if i % 2 == 0:
             saver.save(f"{directory}/async-{i}", params, optimizer_state=state, metadata={"i": i})
-            fpipe.save(f"{directory}/sync-{i}", params, optimizer_state=state, metadata={"i": i}, step=step)
+            fpipe.save(f"{directory}/sync-{i}", params, optimizer_state=state, metadata={"i": i}, parallel=step)
         _, grads = step(params, torch.randn(16, 6, generator=torch.Generator().manual_seed(i)) if rank == 0 else None)
         opt.update_(params, grads, state)  # in place, while the save may still be writing
     saver.wait()
     for i in range(0, 6, 2):
         loaded = [
-            fpipe.load(f"{directory}/{kind}-{i}", params, optimizer_state=state, step=step)
+            fpipe.load(f"{directory}/{kind}-{i}", params, optimizer_state=state, parallel=step)
             for kind in ("async", "sync")
         ]
         snapshots.append([(x.params, x.optimizer_state, x.metadata) for x in loaded])

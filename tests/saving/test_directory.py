@@ -35,7 +35,7 @@ def _params(round_: int, rank: int) -> list[dict[str, torch.Tensor]]:
 
 
 def _hammer(rank: int, world: int, directory: str) -> list[Any]:
-    """Every rank saves to one directory at once, without group= (as each rank of a torchrun job
+    """Every rank saves to one directory at once, without parallel= (as each rank of a torchrun job
     calling fpipe.save alone), round after round; rank 0 loads what the round left."""
     out: list[Any] = []
     template = [{"w": torch.empty(N)}, {"b": torch.empty(N // 7)}]
@@ -74,7 +74,7 @@ def test_a_save_waits_for_the_lock_at_most_timeout_seconds(tmp_path: Path) -> No
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # another save, holding the lock
         with pytest.raises(TimeoutError, match=r"another save to .* has held its lock .* \(timeout: 0.2\)"):
-            fpipe.save(tmp_path, [{"w": torch.zeros(3)}], timeout=0.2)
+            fpipe.save(tmp_path, [{"w": torch.zeros(3)}], parallel=fpipe.Parallelism(timeout=0.2))
     finally:
         os.close(fd)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
@@ -179,7 +179,7 @@ def test_a_second_live_run_saving_into_the_directory_is_warned(tmp_path: Path, m
 
 def _jobs(index: int, directory: str, port: int, said: str) -> None:
     """Processes 0 and 1 are one job (``init_method="tcp://..."``), process 2 another
-    (``"file://..."``), with no launcher's environment. In turn each saves into ``directory`` without ``group=``
+    (``"file://..."``), with no launcher's environment. In turn each saves into ``directory`` without ``parallel=``
     while the others live, and writes the warnings it got into ``said/<index>``."""
     for name in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         os.environ.pop(name, None)

@@ -354,21 +354,21 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     spy = Spy()
     out: dict[str, Any] = {}
     stages, meta = fpipe.split_module(meta_model(hf), TWO, call=hf.CALL)
-    step = fpipe.pipeline(hf.loss_fn, stages, OneFOneB(3), group=dist.group.WORLD)
+    step = fpipe.pipeline(hf.loss_fn, stages, OneFOneB(3), parallel=fpipe.Parallelism(group=dist.group.WORLD))
     mine = [t if s in step.local_stages else None for s, t in enumerate(meta)]
-    out["params"] = params = fpipe.load_hf(directory, mine, step=step)
+    out["params"] = params = fpipe.load_hf(directory, mine, parallel=step)
     out["read"] = dict(spy.read)
     out["loss"], grads = step(params, batch)
     out["grads"] = fpipe.sum_tied(grads, params=template(meta), group=dist.group.WORLD)
     # Sharded data parallel: the whole model on one pipeline rank, its parameters cut in 2.
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
-    sharded = fpipe.pipeline(hf.loss_fn, stages, OneFOneB(3), mesh=mesh, shard_params=True)
+    sharded = fpipe.pipeline(hf.loss_fn, stages, OneFOneB(3), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True))
     spy.read.clear()
-    out["shards"] = shards = fpipe.load_hf(directory, sharded.shard(meta), step=sharded)
+    out["shards"] = shards = fpipe.load_hf(directory, sharded.shard(meta), parallel=sharded)
     out["shards read"] = dict(spy.read)
     out["sharded loss"], _ = sharded(shards, batch)
     try:
-        fpipe.load_hf(directory, meta, step=sharded)
+        fpipe.load_hf(directory, meta, parallel=sharded)
     except ValueError as error:
         out["error"] = str(error)
     return out

@@ -156,12 +156,12 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     hf = example()
     model = hf.build_model(**SIZE)
     stages, params = fpipe.split_module(model, TWO, call=hf.CALL)
-    step = fpipe.pipeline(hf.loss_fn, stages, OneFOneB(3), group=dist.group.WORLD)
+    step = fpipe.pipeline(hf.loss_fn, stages, OneFOneB(3), parallel=fpipe.Parallelism(group=dist.group.WORLD))
     mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
-    out = {"path": str(fpipe.save_hf(directory, mine, config=model.config, max_shard_size="20KB", step=step))}
+    out = {"path": str(fpipe.save_hf(directory, mine, config=model.config, max_shard_size="20KB", parallel=step))}
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
-    sharded = fpipe.pipeline(hf.loss_fn, stages, OneFOneB(3), mesh=mesh, shard_params=True)
-    fpipe.save_hf(Path(directory).parent / "sharded", sharded.shard(params), config=model.config, step=sharded)
+    sharded = fpipe.pipeline(hf.loss_fn, stages, OneFOneB(3), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True))
+    fpipe.save_hf(Path(directory).parent / "sharded", sharded.shard(params), config=model.config, parallel=sharded)
     for name, wrong, where in [
         ("twice", params, {"group": dist.group.WORLD}),
         ("other", params if rank == 0 else [None, None], {"step": step}),
@@ -172,7 +172,7 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
             out[name] = str(error)
     bad = [None if p is None else {**p, "model.norm.weight": torch.full((16,), float(rank))} for p in mine]
     try:
-        fpipe.save_hf(Path(directory).parent / "bad", bad, group=dist.group.WORLD)
+        fpipe.save_hf(Path(directory).parent / "bad", bad, parallel=fpipe.Parallelism(group=dist.group.WORLD))
     except (ValueError, RuntimeError) as error:
         out["error"] = f"{type(error).__name__}: {error}"
     out.update(_one_rank_reads_badly(rank, Path(directory), mine, step))
@@ -201,7 +201,7 @@ def _one_rank_reads_badly(rank: int, directory: Path, mine: list[Any], step: fpi
         if rank == 1 and case == "unreadable":
             _hf_load._read = unreadable
         try:
-            fpipe.load_hf(where, template, step=step)
+            fpipe.load_hf(where, template, parallel=step)
             out[case] = "loaded"
         except (ValueError, OSError, RuntimeError) as error:
             out[case] = f"{type(error).__name__}: {error}"

@@ -14,6 +14,7 @@ import torch
 
 import fpipe
 from fpipe._saving._load import Loaded, load_then
+from fpipe._saving._ranks import Setup
 from tests.saving._tensor_parallel_saves import (
     _check_gathered,
     _full,
@@ -92,9 +93,8 @@ def test_load_then_returns_what_then_makes_of_the_loaded_save(tmp_path: Path) ->
         return "made"
 
     result = load_then(
-        tmp_path, [{"a": torch.empty(3)}], then, optimizer_state=None, strict=False, step=None, group=None, mesh=None,
-        timeout=5.0,
-    )  # fmt: skip
+        tmp_path, [{"a": torch.empty(3)}], then, optimizer_state=None, strict=False, setup=Setup(None, 5.0)
+    )
     assert result == "made" and seen == [({"step": [1, 2]}, None)]  # no group: no topology
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import fpipe
+from fpipe._errors import DEFAULT_TIMEOUT
 from fpipe._pytree import stage_list
-from fpipe._saving._ranks import Ranks, agree, check_stage_count, resolve
+from fpipe._saving._ranks import Ranks, Setup, agree, check_stage_count, resolve
 from fpipe.schedules import GPipe
 
 
@@ -32,16 +33,27 @@ def test_agree_raises_the_problem_here() -> None:
         agree(ranks, OSError("disk full"), {}, "writing")
 
 
-def test_resolve_takes_one_of_step_group_and_mesh() -> None:
+def test_resolve_takes_a_parallelism_or_a_step() -> None:
     step = _step()
-    assert resolve("save", None, None, None) == (None, None)
-    assert resolve("save", step, None, None) == (None, step.local_stages)
-    with pytest.raises(TypeError, match=r"fpipe\.load: pass one of step=, group= and mesh=, not several"):
-        resolve("load", step, object(), None)
-    with pytest.raises(TypeError, match=r"step must be a Step from fpipe\.pipeline"):
-        resolve("save", "step", None, None)
-    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialized"):
-        resolve("save", None, object(), None)
+    assert resolve("save", None) == Setup(None, DEFAULT_TIMEOUT)
+    assert resolve("save", fpipe.Parallelism(timeout=7.0)) == Setup(None, 7.0)
+    assert resolve("save", step) == Setup(None, step.parallel.timeout, step) and resolve("save", step).held == (0, 1)
+    with pytest.raises(TypeError, match=r"fpipe\.load: pass parallel= alone; it replaces group="):
+        resolve("load", step, group=object())
+    with pytest.raises(TypeError, match=r"fpipe\.save: parallel must be an fpipe\.Parallelism or a Step"):
+        resolve("save", "step")  # type: ignore[arg-type]
+
+
+def test_the_replaced_keywords_warn_and_keep_their_meaning() -> None:
+    step = _step()
+    with pytest.warns(DeprecationWarning, match=r"fpipe\.save\(step=, timeout=\) is deprecated .* use parallel=step"):
+        assert resolve("save", None, step=step, timeout=5.0) == Setup(None, 5.0, step)
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="pass one of step=, group= and mesh="):
+        resolve("load", None, step=step, group=object())
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match=r"step must be a Step from fpipe\.pipeline"):
+        resolve("save", None, step="step")
+    with pytest.warns(DeprecationWarning), pytest.raises(RuntimeError, match=r"torch\.distributed is not initialized"):
+        resolve("save", None, group=object())
 
 
 def test_stage_lists_and_counts() -> None:

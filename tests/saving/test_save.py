@@ -364,9 +364,9 @@ def test_save_errors(tmp_path: Path) -> None:
         ({"w": torch.ones(2)}, {}, TypeError, "params must be a list with one pytree per stage"),
         (
             [{"w": torch.ones(2)}],
-            {"group": object(), "mesh": object()},
+            {"parallel": "mesh"},
             TypeError,
-            "pass one of step=, group= and mesh=",
+            "parallel must be an fpipe.Parallelism or a Step from fpipe.pipeline",
         ),
     ]
     for params, options, error, match in cases:
@@ -461,19 +461,24 @@ def test_load_reads_only_the_files_it_needs(tmp_path: Path) -> None:
 
 def _interleaved_save(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Rank r holds stages r and r + 2 of 4 (Interleaved 1F1B); the embedding is tied across ranks."""
-    step = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 4, Interleaved1F1B(2), group=dist.group.WORLD)
+    step = fpipe.pipeline(
+        lambda y, mb: y.sum(),
+        [lambda p, x: x] * 4,
+        Interleaved1F1B(2),
+        parallel=fpipe.Parallelism(group=dist.group.WORLD),
+    )
     full = layout(model(), FOUR)
     mine = [t if s in step.local_stages else None for s, t in enumerate(full)]
     state = [None if t is None else {"m": optree.tree_map(torch.ones_like, t), "step": torch.tensor(5)} for t in mine]
     out: dict[str, Any] = {"stages": step.local_stages}
-    out["version"] = str(fpipe.save(directory, mine, optimizer_state=state, metadata={"step": 5}, step=step))
-    loaded = fpipe.load(directory, template(mine), optimizer_state=template(state), step=step)
+    out["version"] = str(fpipe.save(directory, mine, optimizer_state=state, metadata={"step": 5}, parallel=step))
+    loaded = fpipe.load(directory, template(mine), optimizer_state=template(state), parallel=step)
     out["loaded"] = loaded.params
     out["state"] = loaded.optimizer_state
     # A rank that fails makes every rank fail, and the previous save stays.
     bad = [t if t is None else {**t, "count": 1} for t in mine] if rank == 1 else mine
     try:
-        fpipe.save(directory, bad, step=step)
+        fpipe.save(directory, bad, parallel=step)
     except (TypeError, RuntimeError) as error:
         out["error"] = f"{type(error).__name__}: {error}"
     # Without the others, a rank's template does not cover the save.
@@ -533,10 +538,12 @@ def _mesh_save(rank: int, world: int, directory: str) -> tuple[tuple[int, ...], 
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    step = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), mesh=mesh)
+    step = fpipe.pipeline(
+        lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh)
+    )
     full = layout(model(), TWO)
     mine = [t if s in step.local_stages else None for s, t in enumerate(full)]
-    return step.local_stages, str(fpipe.save(directory, mine, step=step))
+    return step.local_stages, str(fpipe.save(directory, mine, parallel=step))
 
 
 def test_data_parallel_replicas_write_nothing(tmp_path: Path) -> None:
@@ -789,9 +796,9 @@ def _three_dimensions(rank: int, world: int, directory: str) -> tuple[int, list[
     pp = mesh.get_coordinate()[1]
     full = _full()
     params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
-    fpipe.save(directory, params, mesh=mesh)
+    fpipe.save(directory, params, parallel=fpipe.Parallelism(mesh=mesh))
     meta = [_distribute(template(p), mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
-    return pp, _gathered(fpipe.load(directory, meta, mesh=mesh).params)
+    return pp, _gathered(fpipe.load(directory, meta, parallel=fpipe.Parallelism(mesh=mesh)).params)
 
 
 @pytest.mark.slow

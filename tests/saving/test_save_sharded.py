@@ -66,7 +66,12 @@ def _meta(trees: list[Any]) -> list[Any]:
 
 
 def _step(mesh: Any) -> fpipe.Step:
-    return fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), mesh=mesh, shard_params=True)
+    return fpipe.pipeline(
+        lambda y, mb: y.sum(),
+        [lambda p, x: x] * 2,
+        OneFOneB(2),
+        parallel=fpipe.Parallelism(mesh=mesh, shard_params=True),
+    )
 
 
 def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
@@ -79,25 +84,27 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     step = _step(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")))
     shards = step.shard(full)
     out["stages"], out["shards"] = step.local_stages, shards
-    fpipe.save(first, shards, optimizer_state=_state(shards), metadata={"step": 7}, step=step)
+    fpipe.save(first, shards, optimizer_state=_state(shards), metadata={"step": 7}, parallel=step)
     # 4 x 1: load the 2 x 2 save cut in 4, save it.
     step4 = _step(init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "pp")))
     target = step4.shard(_meta(full))  # meta shards: records the layouts
-    loaded = fpipe.load(first, target, optimizer_state=_meta(_state(target)), step=step4)
+    loaded = fpipe.load(first, target, optimizer_state=_meta(_state(target)), parallel=step4)
     out["4x1"], out["4x1 state"], out["4x1 expected"] = loaded.params, loaded.optimizer_state, step4.shard(full)
-    fpipe.save(second, loaded.params, optimizer_state=loaded.optimizer_state, step=step4)
+    fpipe.save(second, loaded.params, optimizer_state=loaded.optimizer_state, parallel=step4)
     # Back into 2 x 2.
-    back = fpipe.load(second, step.shard(_meta(full)), optimizer_state=_meta(_state(shards)), step=step)
+    back = fpipe.load(second, step.shard(_meta(full)), optimizer_state=_meta(_state(shards)), parallel=step)
     out["back"], out["back state"] = back.params, back.optimizer_state
     # Optimizer state keyed by nested key paths while the parameters' keys hold dots: the same
     # names (NOTE [names]), so its leaves are shards too, and it loads into the flat template.
     nested = Path(directory) / "nested"
-    fpipe.save(nested, shards, optimizer_state=[_nest(t) for t in _state(shards)], step=step)
-    out["nested state"] = fpipe.load(nested, step.shard(_meta(full)), optimizer_state=_meta(_state(shards)), step=step)
+    fpipe.save(nested, shards, optimizer_state=[_nest(t) for t in _state(shards)], parallel=step)
+    out["nested state"] = fpipe.load(
+        nested, step.shard(_meta(full)), optimizer_state=_meta(_state(shards)), parallel=step
+    )
     # Full tensors where shards are expected.
     try:
         fpipe.save(
-            Path(directory) / "bad", [t if s in step.local_stages else None for s, t in enumerate(full)], step=step
+            Path(directory) / "bad", [t if s in step.local_stages else None for s, t in enumerate(full)], parallel=step
         )
     except ValueError as error:
         out["error"] = str(error)

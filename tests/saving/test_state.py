@@ -211,24 +211,28 @@ def _mesh_state(rank: int, world: int, directory: str) -> tuple[torch.Tensor, to
     from fpipe.schedules import OneFOneB
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    step = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), mesh=mesh)
+    step = fpipe.pipeline(
+        lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh)
+    )
     params = [p if s in step.local_stages else None for s, p in enumerate(state_of(0).params)]
     torch.manual_seed(100 + rank)  # every process its own generator
-    fpipe.save_state(directory, fpipe.TrainState(params, step=1), step=step)
+    fpipe.save_state(directory, fpipe.TrainState(params, step=1), parallel=step)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    loaded = fpipe.load_state(directory, params, step=step)
+    loaded = fpipe.load_state(directory, params, parallel=step)
     drawn = torch.rand(3)
     # NOTE [resuming in another layout]: the same 4 processes as ("pp", "dp"), global ranks 1 and 2 swap roles
     swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    other = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), mesh=swapped)
+    other = fpipe.pipeline(
+        lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), parallel=fpipe.Parallelism(mesh=swapped)
+    )
     params = [p if s in other.local_stages else None for s, p in enumerate(state_of(0).params)]
     torch.manual_seed(7)
     with pytest.raises((ValueError, RuntimeError)) as info:
-        fpipe.load_state(directory, params, step=other)
+        fpipe.load_state(directory, params, parallel=other)
     kept = torch.equal(torch.rand(3), _drawn(7))  # no generator restored on any rank
     torch.manual_seed(7)
-    fpipe.load_state(directory, params, step=other, restore_rng=False)
+    fpipe.load_state(directory, params, parallel=other, restore_rng=False)
     after = torch.equal(torch.rand(3), _drawn(7))
     return expected, drawn, loaded.step, f"{type(info.value).__name__}: {info.value}", kept, after
 
@@ -259,14 +263,19 @@ def _one_rank_corrupt(rank: int, world: int, directory: str) -> dict[str, Any]:
     restores anything."""
     from fpipe.schedules import OneFOneB
 
-    step = fpipe.pipeline(lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), group=dist.group.WORLD, timeout=30)
+    step = fpipe.pipeline(
+        lambda y, mb: y.sum(),
+        [lambda p, x: x] * 2,
+        OneFOneB(2),
+        parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=30),
+    )
     state = state_of(0)
     params = [p if s in step.local_stages else None for s, p in enumerate(state.params)]
     opt = [o if s in step.local_stages else None for s, o in enumerate(state.optimizer_state or [])]
     out = {}
     for case in ("truncated", "one byte", "deleted"):
         root = Path(directory) / case
-        version = fpipe.save_state(root, fpipe.TrainState(params, opt, step=3), step=step)
+        version = fpipe.save_state(root, fpipe.TrainState(params, opt, step=3), parallel=step)
         if rank == 1:
             path = version / "optimizer-rank-00001-of-00002.safetensors"
             data = bytearray(path.read_bytes())
@@ -278,10 +287,10 @@ def _one_rank_corrupt(rank: int, world: int, directory: str) -> dict[str, Any]:
         dist.barrier()
         torch.manual_seed(100 + rank)
         with pytest.raises((ValueError, RuntimeError)) as info:
-            fpipe.load_state(root, params, optimizer_state=opt, step=step)
+            fpipe.load_state(root, params, optimizer_state=opt, parallel=step)
         out[case] = (f"{type(info.value).__name__}: {info.value}", torch.equal(torch.rand(3), _drawn(100 + rank)))
     with pytest.raises((TypeError, RuntimeError)) as info:  # rank 1's template is not a list
-        fpipe.load_state(root.parent / "one byte", params if rank == 0 else params[1], step=step)
+        fpipe.load_state(root.parent / "one byte", params if rank == 0 else params[1], parallel=step)
     out["template"] = (f"{type(info.value).__name__}: {info.value}", True)
     return out
 

@@ -39,9 +39,13 @@ def tree() -> dict[str, Any]:
 
 def test_a_shard_is_the_rank_s_slice_of_the_flattened_leaf_and_gathers_back(mesh: DeviceMesh) -> None:
     full = tree()
-    # A step is read through its topology and timeout (its public view): a stand-in has them too.
-    view = SimpleNamespace(topology=resolve_topology(mesh, None), timeout=30.0)
-    for over in (mesh, view):
+    # A step is read through its public view (``ParallelView``): a stand-in has it too.
+    topology = resolve_topology(mesh, None)
+    view = SimpleNamespace(
+        parallel=fpipe.Parallelism(mesh=mesh, timeout=30.0), topology=topology, num_stages=1, local_stages=(0,),
+        shard_layouts={},
+    )  # fmt: skip
+    for over in (mesh, fpipe.Parallelism(mesh=mesh), view):
         shards = fpipe.shard(full, over)
         assert shards["act"] == "tanh"  # not a tensor: kept whole
         for key in ("w", "s", "n"):
@@ -57,8 +61,10 @@ def test_a_shard_is_the_rank_s_slice_of_the_flattened_leaf_and_gathers_back(mesh
 def test_anything_without_a_data_parallel_dimension_is_refused(mesh: DeviceMesh, name: str) -> None:
     full = tree()
     call = {"shard": lambda over: fpipe.shard(full, over), "gather": lambda over: fpipe.gather(full, full, over)}[name]
-    one_process_step = SimpleNamespace(topology=None, timeout=30.0)
-    for over in (mesh["pp"], one_process_step, object(), None):
+    one_process_step = SimpleNamespace(
+        parallel=fpipe.Parallelism(timeout=30.0), topology=None, num_stages=1, local_stages=(0,), shard_layouts={}
+    )
+    for over in (mesh["pp"], fpipe.Parallelism(), one_process_step, object(), None):
         with pytest.raises(ValueError, match=rf"^fpipe.{name}: shards are cut over the data-parallel ranks of a mesh"):
             call(over)
 
@@ -71,7 +77,9 @@ def _sharded_bad_inputs(rank, world):
 
     DTensor, _, Replicate, _ = _dtensor_api()
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "pp", "tp"))
-    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), mesh=mesh, shard_params=True, timeout=30)
+    step = fpipe.pipeline(
+        _loss, _stages(2), OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, timeout=30)
+    )
     params = [_distribute(p, mesh["tp"]) for p in _params(2)]
     messages = {}
     wrong = [dict(p) for p in params]
@@ -95,7 +103,9 @@ def _sharded_bad_inputs(rank, world):
     with pytest.raises(ValueError) as info:
         step.global_norm([{"wq": g["wq"]} for g in grads])
     messages["norm, wrong structure"] = str(info.value)
-    unsharded = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), mesh=mesh, shard_params=True, timeout=30)
+    unsharded = fpipe.pipeline(
+        _loss, _stages(2), OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, timeout=30)
+    )
     with pytest.raises(ValueError) as info:
         unsharded.global_norm(grads)  # no step.shard yet: no layouts to read the placements from
     messages["norm, no layout"] = str(info.value)

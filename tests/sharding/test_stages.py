@@ -84,8 +84,10 @@ CALLS = 2  # two steps with an SGD update of the shards in between
 def _train(mesh, schedule, num_stages):
     replica = mesh.get_coordinate()[0]
     params = _params(num_stages)
-    sharded = fpipe.pipeline(_loss, [_stage] * num_stages, schedule, mesh=mesh, shard_params=True, timeout=30)
-    plain = fpipe.pipeline(_loss, [_stage] * num_stages, schedule, mesh=mesh, timeout=30)
+    sharded = fpipe.pipeline(
+        _loss, [_stage] * num_stages, schedule, parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, timeout=30)
+    )
+    plain = fpipe.pipeline(_loss, [_stage] * num_stages, schedule, parallel=fpipe.Parallelism(mesh=mesh, timeout=30))
     shards = sharded.shard(params)  # every stage given: those held elsewhere are ignored
     full = [p if s in plain.local_stages else None for s, p in enumerate(params)]
     s0 = sharded.local_stages[0]
@@ -107,7 +109,10 @@ def _train(mesh, schedule, num_stages):
         return stage
 
     regathered = fpipe.pipeline(
-        _loss, [watching(s) for s in range(num_stages)], schedule, mesh=mesh, shard_params=True, regather=True
+        _loss,
+        [watching(s) for s in range(num_stages)],
+        schedule,
+        parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, regather=True),
     )
     regathered_shards = regathered.shard(params)
     out = []
@@ -121,8 +126,8 @@ def _train(mesh, schedule, num_stages):
         out.append(
             {
                 "loss": loss,
-                "grads": sharded.unshard(grads),
-                "params": sharded.unshard(shards),
+                "grads": sharded.gather(grads),
+                "params": sharded.gather(shards),
                 "norm": sharded.global_norm(grads),
                 "plain_loss": plain_loss,
                 "plain_grads": plain_grads,
@@ -138,7 +143,9 @@ def _errors(mesh):
     params = _params(4)
     stages = [_stage] * 4
     messages = {}
-    step = fpipe.pipeline(_loss, stages, Interleaved1F1B(4, stages_per_rank=2), mesh=mesh, shard_params=True)
+    step = fpipe.pipeline(
+        _loss, stages, Interleaved1F1B(4, stages_per_rank=2), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True)
+    )
     batch = _batch(0) if step.rank == 0 else None
     full = [p if s in step.local_stages else None for s, p in enumerate(params)]
     with pytest.raises(ValueError) as info:
@@ -155,12 +162,12 @@ def _errors(mesh):
     messages["structure"] = str(info.value)
     pp_group = mesh.get_group("pp")
     with pytest.raises(ValueError) as info:
-        fpipe.pipeline(_loss, stages, OneFOneB(4), group=pp_group, shard_params=True)
+        fpipe.pipeline(_loss, stages, OneFOneB(4), parallel=fpipe.Parallelism(group=pp_group, shard_params=True))
     messages["no data dimension"] = str(info.value)
     with pytest.raises(TypeError) as info:
-        fpipe.pipeline(_loss, stages, OneFOneB(4), mesh=mesh, shard_params="yes")
+        fpipe.pipeline(_loss, stages, OneFOneB(4), parallel=fpipe.Parallelism(mesh=mesh, shard_params="yes"))
     messages["not a bool"] = str(info.value)
-    plain = fpipe.pipeline(_loss, stages, OneFOneB(4), mesh=mesh)
+    plain = fpipe.pipeline(_loss, stages, OneFOneB(4), parallel=fpipe.Parallelism(mesh=mesh))
     with pytest.raises(ValueError) as info:
         plain.shard(params)
     messages["step does not shard"] = str(info.value)
@@ -182,7 +189,10 @@ def _failing_replica(mesh):
 
     stages = [_stage, broken, _stage, _stage]
     step = fpipe.pipeline(
-        _loss, stages, Interleaved1F1B(4, stages_per_rank=2), mesh=mesh, shard_params=True, timeout=30
+        _loss,
+        stages,
+        Interleaved1F1B(4, stages_per_rank=2),
+        parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, timeout=30),
     )
     shards = step.shard(_params(4))
     with pytest.raises(fpipe.PipelineError) as info:
@@ -328,7 +338,7 @@ def _mixed_precision(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "pp"))
-    step = fpipe.pipeline(_loss, [_stage], OneFOneB(2), mesh=mesh, shard_params=True)
+    step = fpipe.pipeline(_loss, [_stage], OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True))
     g = torch.Generator().manual_seed(0)
     params = [
         {
@@ -338,12 +348,12 @@ def _mixed_precision(rank, world):
         }
     ]
     state = [{"bf": params[0]["bf"].float() / 3, "a": params[0]["a"].float() / 3, "b": params[0]["b"] / 3}]
-    step.shard(params)  # records the layouts unshard gathers with
+    step.shard(params)  # records the layouts step.gather gathers with
     state_shards = [fpipe.shard(state[0], mesh)]
-    return step.unshard(state_shards), fpipe.gather(state_shards[0], params[0], step), state
+    return step.gather(state_shards), fpipe.gather(state_shards[0], params[0], step), state
 
 
-def test_unshard_keeps_the_dtypes_of_the_shards():
+def test_step_gather_keeps_the_dtypes_of_the_shards():
     """Gathers used to take the parameters' dtypes: float32 state of bfloat16 parameters failed
     inside gloo, and of float64 ones next to a float64 leaf came back silently cast to float64."""
     for unsharded, gathered, state in run_ranks(2, _mixed_precision, timeout=60):
@@ -379,7 +389,7 @@ def test_segments_end_at_each_stages_last_action():
 
 def test_sharding_needs_a_data_dimension():
     with pytest.raises(ValueError, match="shard_params=True cuts parameters over the data-parallel ranks"):
-        fpipe.pipeline(_loss, [_stage], OneFOneB(2), shard_params=True)
+        fpipe.pipeline(_loss, [_stage], OneFOneB(2), parallel=fpipe.Parallelism(shard_params=True))
 
 
 # --- the example --------------------------------------------------------------------------------
@@ -448,7 +458,7 @@ def test_regather_is_bitwise_and_frees_between_actions(ranks, name):
 
 def test_regather_needs_sharding():
     with pytest.raises(ValueError, match="regather=True re-gathers sharded parameters"):
-        fpipe.pipeline(_loss, [_stage], OneFOneB(2), regather=True)
+        fpipe.pipeline(_loss, [_stage], OneFOneB(2), parallel=fpipe.Parallelism(regather=True))
 
 
 @pytest.mark.timeout(240)
