@@ -10,8 +10,8 @@ Run::
 The model: residual MLP stages (``h + tanh(h W1 + b1) W2``, float32, ``_common``), 2 stages for
 1F1B and 4 (2 per rank) for interleaved 1F1B and ZB-V, run three ways:
 
-  - fpipe on 2 gloo processes (127.0.0.1, one torch thread each, ``group=WORLD``);
-  - fpipe in one process, every stage in it (``fpipe.pipeline`` without a group);
+  - fpipe on 2 gloo processes (127.0.0.1, one torch thread each, ``Parallelism(group=WORLD)``);
+  - fpipe in one process, every stage in it (``fpipe.pipeline`` without ``parallel=``);
   - ``torch.distributed.pipelining`` on the same 2 processes: ``PipelineStage``s of ``nn.Module``
     stages holding the same parameter values, run by ``Schedule1F1B``,
     ``ScheduleInterleaved1F1B`` or ``ScheduleZBVZeroBubble`` with the same placement.
@@ -184,7 +184,9 @@ def run_fpipe(schedule: Schedule, num_stages: int, opts: dict[str, Any], rank: i
     sent: list[tuple[str, int]] = []
 
     def window() -> None:
-        step = fpipe.pipeline(_common.mse_loss, stage_fns(num_stages), schedule, group=group)
+        step = fpipe.pipeline(
+            _common.mse_loss, stage_fns(num_stages), schedule, parallel=fpipe.Parallelism(group=group)
+        )
         mine = [p if rank is None or s in step.local_stages else None for s, p in enumerate(params)]
         state["loss"], state["grads"] = step(mine, batch)
         del state["grads"]

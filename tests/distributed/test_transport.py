@@ -179,7 +179,7 @@ def _released(rank, world):
         "id": torch.arange(M),
         "t": torch.zeros(M, dtype=torch.float64),
     }
-    step = fpipe.pipeline(_loss, [_first, _second], OneFOneB(M), group=dist.group.WORLD)
+    step = fpipe.pipeline(_loss, [_first, _second], OneFOneB(M), parallel=fpipe.Parallelism(group=dist.group.WORLD))
     held: list[int] = []
     send_cotangent = _transport.DistributedTransport.send_cotangent
 
