@@ -314,7 +314,7 @@ def mixed_device_types(device_types: list[tuple[int, ...]]) -> ValueError | None
     return ValueError(
         f"fpipe.step: the pipeline ranks run on different device types ({by_type}). Run every rank on one device "
         "type: build the mesh with the same device_type on every rank (init_device_mesh('cuda', ...)), or give "
-        "pipeline(..., group=) a group whose backend serves one device type."
+        "fpipe.Parallelism(group=) a group whose backend serves one device type."
     )
 
 

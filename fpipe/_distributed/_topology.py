@@ -42,8 +42,8 @@ class Topology:
 
 # NOTE [the rank's device]
 # A rank's device is where its messages and collectives live, and where its stages must be
-# (``check_devices`` in fpipe/_distributed/_rank_step.py): with ``mesh=``, the mesh's device type;
-# with ``group=``, the backend's (nccl: cuda, xccl: xpu, hccl: hpu; gloo: cpu; a multi-device
+# (``check_devices`` in fpipe/_distributed/_rank_step.py): with a ``mesh``, the mesh's device type;
+# with a ``group``, the backend's (nccl: cuda, xccl: xpu, hccl: hpu; gloo: cpu; a multi-device
 # backend such as "cpu:gloo,cuda:nccl" gives the accelerator's). An accelerator's index is its
 # module's current device (``torch.cuda.set_device(local_rank)`` before building the pipeline,
 # as torchrun scripts do): one process per device. On CPU the same code runs over gloo.
@@ -51,7 +51,7 @@ _ACCELERATOR_BACKENDS = {"nccl": "cuda", "xccl": "xpu", "hccl": "hpu"}
 
 
 def device_of(backend: str, mesh_device_type: str | None) -> torch.device:
-    """This rank's device (NOTE [the rank's device]); ``mesh_device_type`` from ``mesh=``."""
+    """This rank's device (NOTE [the rank's device]); ``mesh_device_type`` from the ``mesh``."""
     named = {part.split(":")[-1]: part.split(":")[0] for part in backend.lower().split(",")}
     types = [_ACCELERATOR_BACKENDS[b] for b in named if b in _ACCELERATOR_BACKENDS]
     if mesh_device_type is not None:
@@ -97,7 +97,8 @@ def mesh_roles(names: tuple[str, ...], ndim: int, caller: str = "fpipe.pipeline"
 
 
 def resolve_topology(mesh: Any, group: Any) -> Topology | None:
-    """The topology for ``pipeline(..., mesh=...)`` or ``group=...``; ``None`` for one process."""
+    """The topology of a ``fpipe.Parallelism``'s ``mesh`` or ``group`` (which it has checked:
+    resolved once per step, and by a save or load given a ``Parallelism``); ``None`` for one process."""
     if mesh is None and group is None:
         return None
     if mesh is not None and group is not None:

@@ -1,7 +1,7 @@
 """Sharded data parallel (ZeRO-3, FSDP) under the pipeline: parameters live cut into shards.
 
-With ``pipeline(..., mesh=mesh, shard_params=True)`` each rank keeps, for each of its stages, only
-its shard of every parameter (``1 / d`` of it, ``d`` data-parallel ranks). A step all-gathers a
+With ``fpipe.Parallelism(mesh=mesh, shard_params=True)`` each rank keeps, for each of its stages,
+only its shard of every parameter (``1 / d`` of it, ``d`` data-parallel ranks). A step all-gathers a
 stage's full parameters before the stage's first forward and keeps them for the step; once the
 stage's last backward has run, its gradients (summed over microbatches by ``StageRun``) are
 reduce-scattered, averaged over the replicas, and returned as shards. The optimizer then updates
@@ -41,7 +41,7 @@ once, as it counts a shard of a ``Replicate`` DTensor; a shard of a ``Shard`` DT
 counts on every rank.
 
 NOTE [regather]
-With ``pipeline(..., shard_params=True, regather=True)`` a stage's full parameters are alive only
+With ``fpipe.Parallelism(..., shard_params=True, regather=True)`` a stage's full parameters are alive only
 while one of its actions runs: looking up another stage frees them (their storage is resized to
 nothing; the graphs of earlier microbatches keep aliases of them), and the next action of the
 stage all-gathers them again into the same tensors, with the values those graphs saved. At

@@ -115,7 +115,8 @@ def check_mesh(leaf: torch.Tensor, tensor_ranks: Sequence[int] | None, where: st
     if tensor_ranks is None:
         raise ValueError(
             f"{caller}: {where} is a DTensor but the pipeline's mesh has no tensor-parallel dimension "
-            f"(the DTensor's mesh: {mesh!r}). Build the pipeline with mesh= a DeviceMesh with a 'tp' dimension."
+            f"(the DTensor's mesh: {mesh!r}). Build the pipeline with "
+            "parallel=fpipe.Parallelism(mesh=mesh), mesh a DeviceMesh with a 'tp' dimension."
         )
     if mesh.ndim != 1 or mesh_ranks(mesh) != list(tensor_ranks):
         raise ValueError(

@@ -30,7 +30,7 @@ def adamw(
     bitwise. The state holds, per stage, ``{"step", "exp_avg", "exp_avg_sq"}`` (and
     ``"max_exp_avg_sq"`` with ``amsgrad``), which ``fpipe.save`` and ``fpipe.load`` take as
     ``optimizer_state`` (NOTE [optimizer state]). Every operation is elementwise, so it runs
-    unchanged on the shards of ``pipeline(..., shard_params=True)``.
+    unchanged on the shards of ``fpipe.Parallelism(mesh=mesh, shard_params=True)``.
 
     Conceptually, for each parameter ``p`` with gradient ``g`` (``t`` counts updates from 1)::
 
