@@ -94,7 +94,7 @@ def tune(
         kept = min(picked, key=median(times))
 
     (NOTE [measured tuning]). ``measure(program)`` is the caller's: e.g. it runs one step of
-    ``fpipe.pipeline(loss_fn, stages, program, group=group)`` on every rank, after a warm-up
+    ``fpipe.pipeline(loss_fn, stages, program, parallel=fpipe.Parallelism(group=group))`` on every rank, after a warm-up
     step the first time it sees the program, and returns the slowest rank's wall time (so every
     rank gets the same number). In a distributed job every rank must call ``tune`` with the same
     ``found`` (e.g. ``search`` on rank 0, broadcast) and a ``measure`` that agrees across ranks:
