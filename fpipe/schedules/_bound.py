@@ -29,8 +29,15 @@ NOTE [release bound]
     runs first: the ``k``-th smallest of values each at least its own lower bound is at least the
     ``k``-th smallest of the bounds. So with a backward costing the least of ``I`` and ``B`` (what
     the previous stage waits for) and the rest, ``min(B, I + W)`` minus that, freeing memory, the
-    bound holds for every program (``lower_bound``), not only the FIFO ones the exact search
-    enumerates; the search itself uses the costs of its space (``I`` and ``W``, or ``B`` and 0).
+    bound holds for every program (``lower_bound``). The exact search's partial programs run
+    each kind in microbatch order but fuse or split each backward on its own, so their frees
+    (a ``B``, or the ``W`` after an ``I``) need not come in microbatch order: the bound takes the
+    frees in time order too, those that ran, then the ``W`` still waiting (released at the ends
+    of their ``I``), then one per backward to come; and the search uses the costs of its space
+    per stage (``I`` and ``W`` where a ``B`` is never cheaper, ``B`` and 0 where it costs no more
+    than ``I``, else ``I`` and ``B - I``). The one-machine relaxation charges a ``W`` waiting its
+    full cost: those have the earliest releases, and any program's frees have at least as many
+    full ``W`` at or after each release, so what is released after any time is no less.
 
 NOTE [memory windows]
     On a rank holding several stages, call microbatch ``i``'s *window* the stretch of the rank's
@@ -75,14 +82,23 @@ class Relaxation:
         back: per stage, the cost of the backward the previous stage waits for.
         weight: per stage, the cost of the rest of its backward, at whose end its activations
             are freed (0 for a fused ``B``).
+        waiting_weight: per stage, what a ``W`` whose ``I`` already ran costs (``weight`` if
+            not given; the exact search's ``W``, where ``weight`` is a fused backward's rest).
     """
 
-    def __init__(self, problem: Problem, back: Sequence[float], weight: Sequence[float]) -> None:
+    def __init__(
+        self,
+        problem: Problem,
+        back: Sequence[float],
+        weight: Sequence[float],
+        waiting_weight: Sequence[float] | None = None,
+    ) -> None:
         S, m = problem.num_stages, problem.num_microbatches
         self.problem = problem
         self.forward = [c.forward for c in problem.costs]
         self.back = list(back)
         self.weight = list(weight)
+        self.waiting_weight = list(weight if waiting_weight is None else waiting_weight)
         self.up = [problem.hop(s - 1, s) if s else 0.0 for s in range(S)]  # the message into stage s
         self.down = [problem.hop(s, s - 1) if s else 0.0 for s in range(S)]  # stage s's message back
         # after[s]: the least time from the end of a backward of stage s to the end of the step
@@ -127,24 +143,29 @@ class Relaxation:
 
     def bound(
         self,
-        done: tuple[Sequence[int], Sequence[int], Sequence[int]],
+        done: tuple[Sequence[int], Sequence[int]],
+        waiting: Sequence[Sequence[int]],
         ends: tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]],
         opens: Sequence[float],
         enough: float = math.inf,
     ) -> float:
-        """A makespan no completion of a partial FIFO program can beat (NOTE [release bound],
-        NOTE [memory windows]).
+        """A makespan no completion of a partial program can beat, one whose stages run each kind
+        in microbatch order, each backward fused or split (NOTE [release bound], NOTE [memory
+        windows]).
 
         Args:
-            done: per stage, how many forwards, backwards (``B`` or ``I``) and ``W`` (the
-                backwards again when fused) it has run: microbatches ``0`` to ``done - 1``.
+            done: per stage, how many forwards and backwards (``B`` or ``I``) it has run:
+                microbatches ``0`` to ``done - 1``.
+            waiting: per stage, the microbatches whose ``I`` ran and ``W`` did not, in increasing
+                order (every other backward that ran has freed its activations).
             ends: when each forward and each backward that ran ended, per stage and microbatch.
             opens: per rank, the earliest its next action can start.
             enough: a bound at which to stop (the exact search's best makespan): the result is
                 then at least ``enough``, not necessarily the largest bound.
         """
         problem, m, S = self.problem, self.problem.num_microbatches, self.problem.num_stages
-        done_f, done_b, done_w = done
+        done_f, done_b = done
+        done_w = [done_b[s] - len(waiting[s]) for s in range(S)]  # frees that ran (time order)
         known_f, known_b = ends
         rank_of, forward, back, weight = problem.rank_of, self.forward, self.back, self.weight
         up, down, capacity, entry = self.up, self.down, self.capacity, self.entry
@@ -179,7 +200,7 @@ class Relaxation:
                 if i == done_f[s] and s in window:
                     at_once, chain, outside = window[s]
                     opened = -math.inf  # the end of the window still open, if any
-                    if at_once == 1 and i and all(done_w[x] < i for x in self.held[r]):
+                    if at_once == 1 and i and all(i > done_b[x] or i - 1 in waiting[x] for x in self.held[r]):
                         opened = known_f[s][i - 1] - forward[s] + chain
                     windows.append(max(t, opened) + math.ceil((m - i) / at_once) * chain)
                     if not math.isnan(outside):
@@ -209,14 +230,17 @@ class Relaxation:
                 if i < done_w[s]:
                     end_w[s].append(-math.inf)
                     continue
+                if i < done_b[s]:  # the frees in time order: the W still waiting, then the backwards to come
+                    end = known_b[s][waiting[s][i - done_w[s]]]
                 t = opens[r]
                 if end > t:
                     t = end
                 if i > done_w[s] and end_w[s][i - 1] > t:
                     t = end_w[s][i - 1]
                 end_w[s].append(t + weight[s])
-                if weight[s]:
-                    work[r].append((t, weight[s], 0.0))
+                cost = self.waiting_weight[s] if i < done_b[s] else weight[s]  # a W waiting: its own
+                if cost:
+                    work[r].append((t, cost, 0.0))
                     if i < m - capacity[s] and t < firsts[r]:  # a W counted below may run before any F or backward
                         firsts[r] = t
         best = max(max(w[m - 1] for w in end_w), *windows)
@@ -286,7 +310,7 @@ def lower_bound(problem: Problem) -> float:
     own = [c.forward + min(c.of(BACKWARD), c.backward_input + c.backward_weight) for c in costs]
     relaxation = Relaxation(problem, back, [o - c.forward - b for o, c, b in zip(own, costs, back)])
     zeros = [0] * S
-    released = relaxation.bound((zeros, zeros, zeros), ([], []), [0.0] * problem.num_ranks)
+    released = relaxation.bound((zeros, zeros), [()] * S, ([], []), [0.0] * problem.num_ranks)
     trip = [0.0] * S  # trip[s]: the least time from the end of F(s, i) to the start of stage s's backward on i
     for s in range(S - 2, -1, -1):
         c = costs[s + 1]

@@ -1,14 +1,16 @@
 """Exact search: the fastest program of a small problem, by branch and bound over every order.
 
 NOTE [exact search]
-    The space: programs in which every stage runs each kind of action on its microbatches in
-    increasing order (as every built-in schedule but ``LoopedBFS`` does) and whose backwards are
-    all fused (``B``) or all split (``I`` and ``W``), under the memory limit (the actual peak,
-    not the list scheduler's reservation). Replay any such program (``simulate``) and sort its
-    actions by (start, rank): each action's inputs come earlier in that list, so the program is
-    built by appending actions one at a time, each at the earliest time its rank and inputs
-    allow, in non-decreasing (start, rank). The search enumerates exactly those sequences (one
-    per program), depth first, best-looking action first. It prunes a branch when
+    The space: every stage runs its forwards, its backwards (``B`` or ``I``) and its ``W``
+    each in microbatch order, each backward fused (``B``) or split (``I``, its ``W`` any time
+    later) on its own (``choices``), within the memory limit (the actual peak, not the list
+    scheduler's reservation). No valid program is faster than the fastest of these (NOTE
+    [microbatch order]), so exhausting the space proves the best program found optimal among
+    every program ``simulate`` can time. Replay one (``simulate``) and sort its actions by
+    (start, rank): each action's inputs come earlier in that list, so the program is built by
+    appending actions one at a time, each at the earliest time its rank and inputs allow, in
+    non-decreasing (start, rank). The search enumerates exactly those sequences (one per
+    program), depth first, best-looking action first. It prunes a branch when
 
     - a bound says it cannot beat the best program known: the release bound (NOTE [release
       bound] and NOTE [memory windows] in ``_bound.py``) of what is left, nothing starting
@@ -16,19 +18,27 @@ NOTE [exact search]
     - another branch reached the same counts of actions per stage (so the same memory) with
       every time that matters (when each rank is free, the last start, when each input still
       awaited by another stage arrived) no later: whatever follows one follows the other, no
-      later.
+      later. (A ``W`` waiting may run at once: its ``I`` ran on its rank, which is free later.)
 
     Dominance is checked first (a lookup, where the bound replays every action left), and the
-    bound stops as soon as one of its terms reaches the best makespan known: at ``p = 3, m =
-    4`` with two stages per rank that halves the search's time (notes/search.md).
+    bound stops as soon as one of its terms reaches the best makespan known. Where a fused
+    backward is a choice, each backward doubles the branches, and the search proves far fewer
+    problems in seconds (notes/search.md); ``search`` runs it when ``p <= 4`` and ``m <= 8``
+    without OR-Tools, under its time budget.
 
-    The fused programs are searched only where some stage's ``B`` costs less than ``I + W``:
-    otherwise each ``B`` split into ``I`` then ``W`` at once keeps the memory and no action ends
-    later, so the split space holds a program as fast as any fused one.
-
-    Exhausting the space proves the best program found optimal within it. The sizes this
-    finishes for in seconds are small (notes/search.md); ``search`` runs it when
-    ``p <= 4`` and ``m <= 8``, under its time budget.
+NOTE [microbatch order]
+    Microbatches cost the same, so a program's times depend only on which action waits for
+    which. Take any valid program and rename, on each stage, the microbatch of its ``k``-th
+    forward ``k``, of its ``k``-th backward ``k`` (fused or split as that action was), and of
+    its ``k``-th ``W`` the ``k``-th split one. The rows keep their kinds in their order, so
+    the memory is the same. Each action waits no longer: the first ``k`` backwards of a
+    stage needed ``k`` different forwards of it and ``k`` different backwards of the next
+    stage, so the ``k``-th started after the ``k``-th of each ended (a rank ends its actions in
+    row order, and the messages take the same time); so for forwards and ``W``. By induction
+    over start times, every action of the renamed program starts no later. Within the order,
+    a stage's backward need only be tried as (``choices``): ``I`` where ``B`` costs at least
+    ``I + W`` (``I`` with its ``W`` right after ends no later and frees the same), ``B`` where
+    it costs at most ``I`` (it ends no later, frees sooner, leaves no ``W``), else either.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from ._bound import Relaxation
 from ._list_schedule import Problem
 from ._program import Program
+from ._simulate import Costs
 
 _EPSILON = 1e-9
 
@@ -57,10 +68,21 @@ class OutOfTime(Exception):
     """The exact search ran past its deadline (``exact`` catches it)."""
 
 
+def choices(costs: Costs) -> tuple[str, ...]:
+    """How a stage's backward may run in the exact search's space (NOTE [exact search]): ``I``
+    (then ``W``) where a fused ``B`` is never cheaper than ``I + W``, ``B`` where it costs no
+    more than ``I`` alone, else either, ``I`` first."""
+    fused, split = costs.of(BACKWARD), costs.backward_input + costs.backward_weight
+    if fused >= split:
+        return (BACKWARD_INPUT,)
+    if fused <= costs.backward_input:
+        return (BACKWARD,)
+    return BACKWARD_INPUT, BACKWARD
+
+
 @dataclass
 class _Search:
     problem: Problem
-    split: bool
     best: float
     deadline: float
     program: Program | None = None
@@ -69,41 +91,57 @@ class _Search:
 
     def __post_init__(self) -> None:
         problem, m = self.problem, self.problem.num_microbatches
-        S = problem.num_stages
-        self.kinds = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) if self.split else (FORWARD, BACKWARD)
-        self.done = {kind: [0] * S for kind in self.kinds}
+        S, costs = problem.num_stages, problem.costs
+        self.choices = [choices(c) for c in costs]
+        self.done_f = [0] * S
+        self.done_b = [0] * S  # backwards (B or I) run, microbatches 0 to done_b - 1
+        self.waiting: list[list[int]] = [[] for _ in range(S)]  # microbatches whose I ran and W did not
         self.ends = {FORWARD: [[0.0] * m for _ in range(S)], BACKWARD: [[0.0] * m for _ in range(S)]}
         self.free = [0.0] * problem.num_ranks
         self.memory = [0.0] * problem.num_ranks
         self.rows: list[list[Action]] = [[] for _ in range(problem.num_ranks)]
-        self.todo = m * problem.num_stages * len(self.kinds)  # actions not yet placed
-        self.left = [
-            m * sum(sum(problem.costs[s].of(k) for k in self.kinds) for s in problem.stages_of(r))
-            for r in range(problem.num_ranks)
+        self.todo = 2 * m * S  # forwards and backwards not yet placed, and W waiting
+        # per stage, the least a backward costs its rank, and what each kind takes off the rank's
+        # work left (``left``: a lower bound on it; an I leaves its W)
+        cheapest = [
+            min(c.of(k) + (c.backward_weight if k == BACKWARD_INPUT else 0.0) for k in x)
+            for c, x in zip(costs, self.choices)
         ]
-        costs = problem.costs
-        back = [problem.backward(s, self.split) for s in range(S)]
-        self.relaxation = Relaxation(problem, back, [c.backward_weight if self.split else 0.0 for c in costs])
+        self.worth = [
+            {
+                FORWARD: c.forward,
+                BACKWARD: cheapest[s],
+                BACKWARD_INPUT: cheapest[s] - c.backward_weight,
+                BACKWARD_WEIGHT: c.backward_weight,
+            }
+            for s, c in enumerate(costs)
+        ]
+        self.left = [
+            m * sum(costs[s].forward + cheapest[s] for s in problem.stages_of(r)) for r in range(problem.num_ranks)
+        ]
+        back = [c.of(x[0]) for c, x in zip(costs, self.choices)]  # I where I may run, else B
+        rest = [c - b for c, b in zip(cheapest, back)]
+        self.relaxation = Relaxation(problem, back, rest, [c.backward_weight for c in costs])
 
     def options(self, last: tuple[float, int]) -> list[tuple[float, int, str, int]]:
         """``(start, rank, kind, stage)`` of every action that may come next in the order."""
-        problem, done, ends, m = self.problem, self.done, self.ends, self.problem.num_microbatches
-        backward = BACKWARD_INPUT if self.split else BACKWARD
+        problem, ends, m = self.problem, self.ends, self.problem.num_microbatches
+        done_f, done_b = self.done_f, self.done_b
         found = []
         for s, r in enumerate(problem.rank_of):
-            i = done[FORWARD][s]
+            i = done_f[s]
             fits = self.memory[r] + problem.sizes[s] <= problem.limits[r] * (1 + _EPSILON)
-            if i < m and (s == 0 or done[FORWARD][s - 1] > i) and fits:
+            if i < m and (s == 0 or done_f[s - 1] > i) and fits:
                 ready = ends[FORWARD][s - 1][i] + problem.hop(s - 1, s) if s else 0.0
                 found.append((max(self.free[r], ready), r, FORWARD, s))
-            j = done[backward][s]
-            if j < done[FORWARD][s] and (s == problem.num_stages - 1 or done[backward][s + 1] > j):
+            j = done_b[s]
+            if j < done_f[s] and (s == problem.num_stages - 1 or done_b[s + 1] > j):
                 ready = ends[FORWARD][s][j]
                 if s + 1 < problem.num_stages:
                     ready = max(ready, ends[BACKWARD][s + 1][j] + problem.hop(s + 1, s))
-                found.append((max(self.free[r], ready), r, backward, s))
-            if self.split and done[BACKWARD_WEIGHT][s] < j:
-                found.append((max(self.free[r], ends[BACKWARD][s][done[BACKWARD_WEIGHT][s]]), r, BACKWARD_WEIGHT, s))
+                found += [(max(self.free[r], ready), r, kind, s) for kind in self.choices[s]]
+            if self.waiting[s]:  # its I ran on this rank, so it ended by now
+                found.append((self.free[r], r, BACKWARD_WEIGHT, s))
         order = {BACKWARD: 0, BACKWARD_INPUT: 0, FORWARD: 1, BACKWARD_WEIGHT: 2}
         kept = [o for o in found if o[0] > last[0] + _EPSILON or (o[0] >= last[0] - _EPSILON and o[1] >= last[1])]
         return sorted(kept, key=lambda o: (o[0], order[o[2]], o[1]))
@@ -112,23 +150,21 @@ class _Search:
         """A makespan no completion of the partial program can beat (NOTE [release bound] in
         ``_bound.py``), or one at least ``best``; ``start``: the last action's, before which no
         other action can start."""
-        backward = BACKWARD_INPUT if self.split else BACKWARD
-        done = self.done[FORWARD], self.done[backward], self.done[BACKWARD_WEIGHT if self.split else backward]
         opens = [max(f, start) for f in self.free]
         ends = self.ends[FORWARD], self.ends[BACKWARD]
-        return max(span, self.relaxation.bound(done, ends, opens, self.best - _EPSILON))
+        done = self.done_f, self.done_b
+        return max(span, self.relaxation.bound(done, self.waiting, ends, opens, self.best - _EPSILON))
 
     def dominated(self, last: tuple[float, int]) -> bool:
         """Whether a branch already seen reached these counts with every time that matters no later
         (NOTE [exact search]); if not, remember this one."""
-        done = self.done
-        key = tuple(n for kind in self.kinds for n in done[kind])
-        backward = BACKWARD_INPUT if self.split else BACKWARD
+        done_f, done_b = self.done_f, self.done_b
+        key = (*done_f, *done_b, *(len(w) for w in self.waiting))
         S = self.problem.num_stages
         times = [*self.free, last[0], float(last[1])]
         for s in range(S - 1):
-            times += self.ends[FORWARD][s][done[FORWARD][s + 1] : done[FORWARD][s]]
-            times += self.ends[BACKWARD][s + 1][done[backward][s] : done[backward][s + 1]]
+            times += self.ends[FORWARD][s][done_f[s + 1] : done_f[s]]
+            times += self.ends[BACKWARD][s + 1][done_b[s] : done_b[s + 1]]
         vector = tuple(times)
         bucket = self.seen.setdefault(key, [])
         if any(all(a <= b + _EPSILON for a, b in zip(other, vector)) for other in bucket):
@@ -161,27 +197,42 @@ class _Search:
     def apply(self, start: float, r: int, kind: str, s: int) -> Callable[[], None]:
         """Append ``kind`` of stage ``s`` to rank ``r`` at ``start``; a function that takes it back."""
         problem = self.problem
-        i = self.done[kind][s]
-        cost = problem.costs[s].of(kind)
+        cost, worth = problem.costs[s].of(kind), self.worth[s][kind]
         saved = (self.free[r], self.memory[r])
-        self.done[kind][s] = i + 1
-        self.free[r] = start + cost
-        self.left[r] -= cost
-        self.todo -= 1
-        self.rows[r].append(Action(s, kind, i))
         if kind == FORWARD:
+            i = self.done_f[s]
+            self.done_f[s] += 1
             self.ends[FORWARD][s][i] = start + cost
             self.memory[r] += problem.sizes[s]
-        elif kind != BACKWARD_WEIGHT:
-            self.ends[BACKWARD][s][i] = start + cost
-        if kind in (BACKWARD, BACKWARD_WEIGHT):
+        elif kind == BACKWARD_WEIGHT:
+            i = self.waiting[s].pop(0)
             self.memory[r] -= problem.sizes[s]
+        else:
+            i = self.done_b[s]
+            self.done_b[s] += 1
+            self.ends[BACKWARD][s][i] = start + cost
+            if kind == BACKWARD:
+                self.memory[r] -= problem.sizes[s]
+            else:
+                self.waiting[s].append(i)
+        todo = 0 if kind == BACKWARD_INPUT else 1  # an I leaves its W to do
+        self.free[r] = start + cost
+        self.left[r] -= worth
+        self.todo -= todo
+        self.rows[r].append(Action(s, kind, i))
 
         def undo() -> None:
-            self.done[kind][s] = i
+            if kind == FORWARD:
+                self.done_f[s] -= 1
+            elif kind == BACKWARD_WEIGHT:
+                self.waiting[s].insert(0, i)
+            else:
+                self.done_b[s] -= 1
+                if kind == BACKWARD_INPUT:
+                    self.waiting[s].pop()
             self.free[r], self.memory[r] = saved
-            self.left[r] += cost
-            self.todo += 1
+            self.left[r] += worth
+            self.todo += todo
             self.rows[r].pop()
 
         return undo
@@ -195,14 +246,9 @@ def exact(problem: Problem, best: float, deadline: float) -> tuple[Program | Non
     (no program of the space beats ``makespan``), ``"cut"`` when ``deadline``
     (``time.perf_counter()``) stopped it first, and the program is then the best found so far.
     """
-    program = None
-    fused = any(c.of(BACKWARD) < c.backward_input + c.backward_weight for c in problem.costs)
-    for split in (True, False) if fused else (True,):
-        search = _Search(problem, split, best, deadline)
-        try:
-            search.descend((-math.inf, 0), 0.0)
-        except OutOfTime:
-            return search.program or program, min(search.best, best), "cut"
-        if search.program is not None:
-            program, best = search.program, search.best
-    return program, best, "optimal"
+    search = _Search(problem, best, deadline)
+    try:
+        search.descend((-math.inf, 0), 0.0)
+    except OutOfTime:
+        return search.program, search.best, "cut"
+    return search.program, search.best, "optimal"

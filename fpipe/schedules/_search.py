@@ -19,8 +19,9 @@ fastest (ties: the first found), or with a ``slack`` the one holding the least m
 
 Then it compares the winner with ``lower_bound`` (``fpipe.schedules._bound``, NOTE [release
 bound]: every rank's work from when its inputs can first arrive, the trips through the
-pipeline, the ``W`` that must free memory, ...): a program that meets it is optimal among all
-programs; one the exact search could not beat is optimal among the programs that search covers.
+pipeline, the ``W`` that must free memory, ...): a program that meets it is optimal. So is one
+the exact search ran to its end without beating: its space holds a program as fast as any valid
+one (NOTE [microbatch order] in ``_exact.py``).
 """
 
 from __future__ import annotations
@@ -80,10 +81,15 @@ class Searched:
             its own account (the branch and bound exhausted its space; CP-SAT reported
             ``OPTIMAL`` or ``INFEASIBLE``, not ``FEASIBLE`` or ``UNKNOWN``), however much of the
             budget is left; ``False`` when the budget cut any of them short.
-        optimal: ``True`` when the program is proven fastest: it meets ``lower_bound`` (no
-            program is faster), or the exact search (small problems) finished without beating it
-            or proved it optimal (no program of the space it covers is faster, NOTE [exact
-            search] in ``_exact.py``).
+        optimal: ``True`` when no valid program is faster: none that ``validate`` accepts
+            (actions and microbatches in any order, each backward fused or split on its own)
+            takes less time under ``simulate`` with these costs within the memory limit. It is
+            proven one of two ways: the program meets ``lower_bound``, or the exact search ran
+            to its end without beating it or proved it optimal (NOTE [exact search] and NOTE
+            [microbatch order] in ``_exact.py``). ``False`` when neither happened: the budget
+            cut the search, the problem is beyond the exact search's sizes (or
+            ``exact=False``), CP-SAT had to round the costs (NOTE [constraint solver]), or
+            ``slack`` kept a slower program.
         peak_memory: per rank, the most memory its live activations take, in the unit of
             ``memory`` (activation units, or bytes with ``activation_sizes``).
         candidates: ``(name, makespan)`` of every program tried that fits the memory limit, in

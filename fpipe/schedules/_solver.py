@@ -1,12 +1,15 @@
 """The exact search's space handed to a constraint solver: OR-Tools' CP-SAT, when installed.
 
 NOTE [constraint solver]
-    The space is the exact search's (NOTE [exact search] in ``_exact.py``): every stage runs each
-    kind of action on its microbatches in increasing order, backwards all split (``I`` then
-    ``W``) or all fused (``B``), under the memory limit. As a scheduling model:
+    The space is the exact search's (NOTE [exact search] in ``_exact.py``): every stage runs its
+    forwards, backwards and ``W`` each in microbatch order, each backward fused or split on its
+    own where ``choices`` allows both, under the memory limit; no valid program is faster than
+    its best (NOTE [microbatch order]). As a scheduling model:
 
-    - one interval per action, its length the action's cost; the intervals of a rank never
-      overlap;
+    - per stage and microbatch, a forward, a backward and, where split, a ``W``, each an
+      interval as long as the action; where both are allowed, a literal says fused, and the
+      backward is a ``B`` interval or an ``I`` interval (optional intervals on one start),
+      the ``W`` present only with the ``I``; the intervals of a rank never overlap;
     - a forward starts after the previous stage's forward of its microbatch plus the message;
       a backward (``I`` or ``B``) after its forward and after the next stage's backward of its
       microbatch plus the message; a ``W`` after its ``I``; each kind of a stage after its
@@ -41,9 +44,10 @@ import math
 import time
 from collections.abc import Callable
 from fractions import Fraction
+from typing import Any
 
 from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
-from ._exact import Outcome
+from ._exact import Outcome, choices
 from ._improve import peak_memory
 from ._list_schedule import Problem
 from ._program import Program, validate
@@ -79,17 +83,138 @@ def solve(
     however much time was left.
     OR-Tools must be installed (``available()``).
     """
-    fused = any(c.of(BACKWARD) < c.backward_input + c.backward_weight for c in problem.costs)
-    spaces = (True, False) if fused else (True,)
-    program, outcomes = None, []
-    for k, split in enumerate(spaces):
-        share = time.perf_counter() + (deadline - time.perf_counter()) / (len(spaces) - k)
-        found, makespan, outcome = _solve(problem, split, hint, best, bound, share)
-        if found is not None:
-            program, best = found, makespan
-        outcomes.append(outcome)
-    worst: Outcome = "cut" if "cut" in outcomes else "ended" if "ended" in outcomes else "optimal"
-    return program, best, worst
+    from ortools.sat.python import cp_model
+
+    S, m, p = problem.num_stages, problem.num_microbatches, problem.num_ranks
+    costs = problem.costs
+    ways = [choices(c) for c in costs]  # per stage, I (then W), B, or either
+    kinds = [(FORWARD, *x, *([BACKWARD_WEIGHT] if BACKWARD_INPUT in x else [])) for x in ways]
+    most = [
+        c.forward + max(c.of(k) + (c.backward_weight if k == BACKWARD_INPUT else 0.0) for k in x)
+        for c, x in zip(costs, ways)
+    ]
+    work = m * max(sum(most[s] for s in problem.stages_of(r)) for r in range(p))
+    scale, exact = _scale([*(costs[s].of(k) for s in range(S) for k in kinds[s]), *(c.send for c in costs if c.send)])
+    if not exact or scale * work * 4 > 2**40:  # the model's times must stay well inside CP-SAT's int64
+        scale, exact = _UNITS / work, False
+    length = {(s, k): max(1, round(costs[s].of(k) * scale)) for s in range(S) for k in kinds[s]}
+    hop = {(a, b): round(problem.hop(a, b) * scale) for a in range(S) for b in (a - 1, a + 1) if 0 <= b < S}
+    horizon = sum(length.values()) * m + sum(hop.values()) * m
+    model = cp_model.CpModel()
+    # per stage and microbatch: when its F, its backward (B or I) and its W start; whether it is fused
+    start = {
+        (s, k, i): model.new_int_var(0, horizon, "")
+        for s in range(S)
+        for k in (FORWARD, BACKWARD, *([BACKWARD_WEIGHT] if BACKWARD_INPUT in ways[s] else []))
+        for i in range(m)
+    }
+    fused: dict[tuple[int, int], Any] = {}
+    for s in range(S):
+        for i in range(m):
+            fused[s, i] = model.new_bool_var("") if len(ways[s]) > 1 else ways[s] == (BACKWARD,)
+    end_f = {(s, i): start[s, FORWARD, i] + length[s, FORWARD] for s in range(S) for i in range(m)}
+    end_b = {}
+    for s in range(S):
+        for i in range(m):
+            if len(ways[s]) > 1:
+                grows = length[s, BACKWARD] - length[s, BACKWARD_INPUT]
+                end_b[s, i] = start[s, BACKWARD, i] + length[s, BACKWARD_INPUT] + grows * fused[s, i]
+            else:
+                end_b[s, i] = start[s, BACKWARD, i] + length[s, ways[s][0]]
+    # when each activation is freed: the end of its B, or of the W after its I
+    freed = {}
+    for s in range(S):
+        for i in range(m):
+            if BACKWARD_INPUT not in ways[s]:
+                freed[s, i] = end_b[s, i]
+                continue
+            end_w = start[s, BACKWARD_WEIGHT, i] + length[s, BACKWARD_WEIGHT]
+            model.add(start[s, BACKWARD_WEIGHT, i] >= end_b[s, i])
+            if i:  # the W in microbatch order (NOTE [microbatch order]: no program is faster otherwise)
+                model.add(start[s, BACKWARD_WEIGHT, i] >= start[s, BACKWARD_WEIGHT, i - 1])
+            if len(ways[s]) == 1:
+                freed[s, i] = end_w
+                continue
+            freed[s, i] = model.new_int_var(0, horizon, "")
+            model.add(freed[s, i] == end_b[s, i]).only_enforce_if(fused[s, i])
+            model.add(freed[s, i] == end_w).only_enforce_if(~fused[s, i])
+    for r in range(p):
+        stages = problem.stages_of(r)
+        intervals = []
+        for s in stages:
+            for i in range(m):
+                intervals.append(model.new_fixed_size_interval_var(start[s, FORWARD, i], length[s, FORWARD], ""))
+                backward = start[s, BACKWARD, i]
+                if len(ways[s]) == 1:
+                    intervals.append(model.new_fixed_size_interval_var(backward, length[s, ways[s][0]], ""))
+                else:
+                    f = fused[s, i]
+                    intervals.append(model.new_optional_fixed_size_interval_var(backward, length[s, BACKWARD], f, ""))
+                    intervals.append(
+                        model.new_optional_fixed_size_interval_var(backward, length[s, BACKWARD_INPUT], ~f, "")
+                    )
+                if BACKWARD_INPUT in ways[s]:
+                    weight = start[s, BACKWARD_WEIGHT, i], length[s, BACKWARD_WEIGHT]
+                    if len(ways[s]) == 1:
+                        intervals.append(model.new_fixed_size_interval_var(*weight, ""))
+                    else:
+                        intervals.append(model.new_optional_fixed_size_interval_var(*weight, ~fused[s, i], ""))
+        model.add_no_overlap(intervals)
+        if math.isinf(problem.limits[r]):
+            continue
+        sizes = [problem.sizes[s] for s in stages]
+        unit, whole = _scale([*sizes, problem.limits[r]])
+        alive = []
+        for s in stages:
+            for i in range(m):
+                held = model.new_int_var(0, horizon, "")
+                model.add(held == freed[s, i] - start[s, FORWARD, i])
+                alive.append(model.new_interval_var(start[s, FORWARD, i], held, freed[s, i], ""))
+        demands = [round(x * unit) if whole else math.ceil(x * unit) for s, x in zip(stages, sizes) for _ in range(m)]
+        model.add_cumulative(
+            alive, demands, round(problem.limits[r] * unit) if whole else math.floor(problem.limits[r] * unit)
+        )
+    for s in range(S):
+        for i in range(m):
+            if i:
+                model.add(start[s, FORWARD, i] >= end_f[s, i - 1])
+                model.add(start[s, BACKWARD, i] >= end_b[s, i - 1])
+            if s:
+                model.add(start[s, FORWARD, i] >= end_f[s - 1, i] + hop[s - 1, s])
+            model.add(start[s, BACKWARD, i] >= end_f[s, i])
+            if s + 1 < S:
+                model.add(start[s, BACKWARD, i] >= end_b[s + 1, i] + hop[s + 1, s])
+    makespan = model.new_int_var(0, horizon, "makespan")
+    for x in freed.values():  # every action ends by its activation's free
+        model.add(makespan >= x)
+    if exact:
+        model.add(makespan >= math.ceil(bound * scale - 1e-6))  # float error well below one unit
+    model.minimize(makespan)
+    for row, starts in zip(hint.ranks, simulate(hint, costs).starts):
+        for a, t in zip(row, starts):
+            key = (a.stage, BACKWARD if a.kind == BACKWARD_INPUT else a.kind, a.microbatch)
+            if key in start:  # a hint of another space (a W where only B runs) is left out
+                model.add_hint(start[key], round(t * scale))
+            if a.kind in (BACKWARD, BACKWARD_INPUT) and len(ways[a.stage]) > 1:
+                model.add_hint(fused[a.stage, a.microbatch], a.kind == BACKWARD)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.0, deadline - time.perf_counter())
+    solver.parameters.num_workers = _WORKERS
+    status = solver.solve(model)
+    finished = status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)  # the solver's proof, not the clock
+    outcome: Outcome = ("optimal" if exact else "ended") if finished else "cut"
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None, best, outcome
+    program = _program(
+        problem,
+        lambda s, i: bool(solver.boolean_value(fused[s, i])) if len(ways[s]) > 1 else bool(fused[s, i]),
+        lambda key: solver.value(start[key]),
+    )
+    replayed = simulate(program, costs).makespan
+    fits = all(x <= limit * (1 + _SLACK) for x, limit in zip(peak_memory(program, problem.sizes), problem.limits))
+    if not fits or replayed >= best * (1 - _SLACK):
+        return None, best, outcome
+    return program, replayed, outcome
 
 
 def _scale(values: list[float]) -> tuple[float, bool]:
@@ -106,100 +231,25 @@ def _scale(values: list[float]) -> tuple[float, bool]:
     return (float(denominator), True) if exact else (_UNITS / max(values), False)
 
 
-def _solve(
-    problem: Problem, split: bool, hint: Program, best: float, bound: float, deadline: float
-) -> tuple[Program | None, float, Outcome]:
-    """``solve`` in one space: split backwards, or fused."""
-    from ortools.sat.python import cp_model
-
-    S, m, p = problem.num_stages, problem.num_microbatches, problem.num_ranks
-    costs = problem.costs
-    backward = BACKWARD_INPUT if split else BACKWARD
-    kinds = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) if split else (FORWARD, BACKWARD)
-    frees = BACKWARD_WEIGHT if split else BACKWARD
-    work = max(sum(costs[s].of(k) for s in problem.stages_of(r) for k in kinds) for r in range(p)) * m
-    scale, exact = _scale([*(costs[s].of(k) for s in range(S) for k in kinds), *(c.send for c in costs if c.send)])
-    if not exact or scale * work * 4 > 2**40:  # the model's times must stay well inside CP-SAT's int64
-        scale, exact = _UNITS / work, False
-    length = {(s, k): max(1, round(costs[s].of(k) * scale)) for s in range(S) for k in kinds}
-    hop = {(a, b): round(problem.hop(a, b) * scale) for a in range(S) for b in (a - 1, a + 1) if 0 <= b < S}
-    horizon = sum(length.values()) * m + sum(hop.values()) * m
-    model = cp_model.CpModel()
-    start = {(s, k, i): model.new_int_var(0, horizon, "") for s in range(S) for k in kinds for i in range(m)}
-    end = {key: start[key] + length[key[:2]] for key in start}
-    for r in range(p):
-        stages = problem.stages_of(r)
-        model.add_no_overlap(
-            [
-                model.new_fixed_size_interval_var(start[s, k, i], length[s, k], "")
-                for s in stages
-                for k in kinds
-                for i in range(m)
-            ]
-        )
-        if math.isinf(problem.limits[r]):
-            continue
-        sizes = [problem.sizes[s] for s in stages]
-        unit, whole = _scale([*sizes, problem.limits[r]])
-        alive = []
-        for s in stages:
-            for i in range(m):
-                held = model.new_int_var(0, horizon, "")
-                model.add(held == end[s, frees, i] - start[s, FORWARD, i])
-                alive.append(model.new_interval_var(start[s, FORWARD, i], held, end[s, frees, i], ""))
-        demands = [round(x * unit) if whole else math.ceil(x * unit) for s, x in zip(stages, sizes) for _ in range(m)]
-        model.add_cumulative(
-            alive, demands, round(problem.limits[r] * unit) if whole else math.floor(problem.limits[r] * unit)
-        )
-    for s in range(S):
-        for i in range(m):
-            for k in kinds:
-                if i:
-                    model.add(start[s, k, i] >= end[s, k, i - 1])
-            if s:
-                model.add(start[s, FORWARD, i] >= end[s - 1, FORWARD, i] + hop[s - 1, s])
-            model.add(start[s, backward, i] >= end[s, FORWARD, i])
-            if s + 1 < S:
-                model.add(start[s, backward, i] >= end[s + 1, backward, i] + hop[s + 1, s])
-            if split:
-                model.add(start[s, BACKWARD_WEIGHT, i] >= end[s, BACKWARD_INPUT, i])
-    makespan = model.new_int_var(0, horizon, "makespan")
-    model.add_max_equality(makespan, [end[s, frees, m - 1] for s in range(S)])
-    if exact:
-        model.add(makespan >= math.ceil(bound * scale - 1e-6))  # float error well below one unit
-    model.minimize(makespan)
-    for row, starts in zip(hint.ranks, simulate(hint, costs).starts):
-        for a, t in zip(row, starts):
-            if (a.stage, a.kind, a.microbatch) in start:
-                model.add_hint(start[a.stage, a.kind, a.microbatch], round(t * scale))
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.0, deadline - time.perf_counter())
-    solver.parameters.num_workers = _WORKERS
-    status = solver.solve(model)
-    finished = status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)  # the solver's proof, not the clock
-    outcome: Outcome = ("optimal" if exact else "ended") if finished else "cut"
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, best, outcome
-    program = _program(problem, kinds, lambda key: solver.value(start[key]))
-    replayed = simulate(program, costs).makespan
-    fits = all(x <= limit * (1 + _SLACK) for x, limit in zip(peak_memory(program, problem.sizes), problem.limits))
-    if not fits or replayed >= best * (1 - _SLACK):
-        return None, best, outcome
-    return program, replayed, outcome
-
-
-def _program(problem: Problem, kinds: tuple[str, ...], value: Callable[[tuple[int, str, int]], int]) -> Program:
-    """The program whose rows hold each rank's actions in the order of their solved starts."""
+def _program(
+    problem: Problem, fused: Callable[[int, int], bool], value: Callable[[tuple[int, str, int]], int]
+) -> Program:
+    """The program whose rows hold each rank's actions in the order of their solved starts:
+    ``value((stage, kind, microbatch))``, ``kind`` ``F``, ``B`` (the backward, fused or ``I``) or
+    ``W``; ``fused(stage, microbatch)``: whether that backward is a ``B``."""
     m = problem.num_microbatches
-    rows = tuple(
-        tuple(
-            Action(s, k, i)
-            for _, s, k, i in sorted(
-                (value((s, k, i)), s, k, i) for s in problem.stages_of(r) for k in kinds for i in range(m)
-            )
-        )
-        for r in range(problem.num_ranks)
-    )
-    program = Program(rows, problem.num_stages, m)
+    rows = []
+    for r in range(problem.num_ranks):
+        timed = []
+        for s in problem.stages_of(r):
+            for i in range(m):
+                timed.append((value((s, FORWARD, i)), s, FORWARD, i))
+                if fused(s, i):
+                    timed.append((value((s, BACKWARD, i)), s, BACKWARD, i))
+                else:
+                    timed.append((value((s, BACKWARD, i)), s, BACKWARD_INPUT, i))
+                    timed.append((value((s, BACKWARD_WEIGHT, i)), s, BACKWARD_WEIGHT, i))
+        rows.append(tuple(Action(s, k, i) for _, s, k, i in sorted(timed)))
+    program = Program(tuple(rows), problem.num_stages, m)
     validate(program)
     return program

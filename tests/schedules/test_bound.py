@@ -1,10 +1,11 @@
 """lower_bound and the release bound (NOTE [release bound] in fpipe/schedules/_bound.py): never above
 any program's simulated makespan, in random problems against every built-in that fits, and in tiny
-ones against every program, microbatches in any order."""
+ones against every program (microbatches in any order, each backward fused or split on its own)."""
 
 from __future__ import annotations
 
 import math
+import random
 import time
 from dataclasses import replace
 
@@ -14,10 +15,10 @@ from hypothesis import strategies as st
 
 from fpipe.schedules import Costs, Program, simulate
 from fpipe.schedules._bound import lower_bound
-from fpipe.schedules._exact import _Search, exact
+from fpipe.schedules._exact import _Search, choices, exact
 from fpipe.schedules._list_schedule import Policy, Problem, list_schedule
 from fpipe.schedules._search import builtin_programs, checked_problem, peak_memory, search
-from tests.schedules._programs import least_makespan
+from tests.schedules._programs import fastest_program
 
 costs_strategy = st.builds(
     Costs,
@@ -59,10 +60,11 @@ def test_the_lower_bound_is_never_above_a_builtin_that_fits(
     ],
 )
 def test_the_lower_bound_is_below_every_program_of_a_tiny_problem(costs: list[Costs], memory: float | None) -> None:
-    """p = 2, m = 2: every program, split or fused, microbatches in any order; the least makespan
-    of those within memory is the optimum, and the bound and the exact search's answer meet it."""
-    best = least_makespan(costs, 2, memory, fifo=False)
+    """p = 2, m = 2: every program, each backward fused or split, microbatches in any order; the
+    least makespan of those within memory is the optimum, and the bound and the exact search's
+    answer meet it."""
     problem = checked_problem(2, 2, costs, "looped", 1, memory, None)
+    best, _ = fastest_program(problem, math.inf)
     assert lower_bound(problem) <= best + 1e-9
     found = search(2, 2, costs, memory=memory)
     assert found.optimal and found.makespan == pytest.approx(best)
@@ -108,10 +110,30 @@ def test_the_memory_windows_are_never_above_the_exact_optimum(
     assert all(optimum <= t + 1e-9 for name, t in listed.candidates if name.startswith("list("))
 
 
-def partial_bounds(problem: Problem, program: Program, split: bool) -> list[float]:
+@settings(max_examples=30, deadline=None)
+@given(
+    shape=st.sampled_from([(2, 2, "looped", 1), (2, 3, "looped", 1), (3, 2, "looped", 1), (2, 2, "v", 2)]),
+    costs=st.lists(costs_strategy, min_size=4, max_size=4),
+    memory=st.sampled_from([None, 1.0, 1.5, 2.0]),
+)
+def test_the_lower_bound_is_never_above_the_fastest_of_every_program(
+    shape: tuple[int, int, str, int], costs: list[Costs], memory: float | None
+) -> None:
+    """Random costs, a fused backward dearer or cheaper than ``I + W`` (or than ``I``): the bound
+    is not above the least makespan of every valid program (enumerated, ``fastest_program``),
+    and the exact search's optimum is that least makespan."""
+    p, m, placement, v = shape
+    problem = checked_problem(p, m, costs[: 2 * p if placement == "v" else p * v], placement, v, memory, None)
+    program, optimum, outcome = exact(problem, math.inf, time.perf_counter() + 600)
+    assert outcome == "optimal" and program is not None
+    assert fastest_program(problem, optimum)[0] == pytest.approx(optimum)
+    assert lower_bound(problem) <= optimum * (1 + 1e-9)
+
+
+def partial_bounds(problem: Problem, program: Program) -> list[float]:
     """The release bound of every prefix of ``program`` (its actions sorted by start, then rank, as
     the exact search appends them), from the exact search's own state (NOTE [exact search])."""
-    state = _Search(problem, split, math.inf, time.perf_counter() + 600)
+    state = _Search(problem, math.inf, time.perf_counter() + 600)
     bounds = []
     last, span = (-math.inf, 0), 0.0
     for r, action, start, _ in simulate(program, list(problem.costs)).intervals():
@@ -119,6 +141,27 @@ def partial_bounds(problem: Problem, program: Program, split: bool) -> list[floa
         state.apply(start, r, action.kind, action.stage)
         last, span = (start, r), max(span, state.free[r])
     return bounds
+
+
+def fuse_some(program: Program, problem: Problem, seed: int) -> Program:
+    """``program`` (split backwards) with the backwards that may be fused (``choices``) fused at
+    random: ``I`` becomes ``B`` and its ``W`` goes."""
+    shaker = random.Random(seed)
+    fuse = {
+        (a.stage, a.microbatch)
+        for row in program.ranks
+        for a in row
+        if a.kind == "I" and "B" in choices(problem.costs[a.stage]) and shaker.random() < 0.5
+    }
+    rows = tuple(
+        tuple(
+            a._replace(kind="B") if a.kind == "I" and (a.stage, a.microbatch) in fuse else a
+            for a in row
+            if not (a.kind == "W" and (a.stage, a.microbatch) in fuse)
+        )
+        for row in program.ranks
+    )
+    return Program(rows, program.num_stages, program.num_microbatches)
 
 
 @settings(max_examples=40, deadline=None)
@@ -134,16 +177,19 @@ def test_no_partial_bound_is_above_the_program_it_is_a_prefix_of(
     p: int, m: int, layout: tuple[str, int], costs: list[Costs], memory: float | None, seed: int
 ) -> None:
     """The bound the exact search prunes with, at every prefix of a program of its space (a shaken
-    list-scheduling pass, split backwards), is not above that program's makespan. (It once was:
-    a ``W`` whose ``I`` had run was counted after the rank's first forward or backward left, though
-    it could run before: the exact search proved 27.4 where 27.3 exists, notes/search.md.)"""
+    list-scheduling pass, some of its backwards fused at random where the search may fuse them),
+    is not above that program's makespan. (It once was: a ``W`` whose ``I`` had run was counted
+    after the rank's first forward or backward left, though it could run before: the exact
+    search proved 27.4 where 27.3 exists, notes/search.md.)"""
     placement, v = layout
     S = 2 * p if placement == "v" else p * v
-    problem = checked_problem(p, m, [replace(c, backward=None) for c in costs[:S]], placement, v, memory, None)
-    laid_out = list_schedule(problem, Policy(split=True, reserve=False, seed=seed))
+    problem = checked_problem(p, m, costs[:S], placement, v, memory, None)
+    split = replace(problem, costs=tuple(replace(c, backward=None) for c in problem.costs))
+    laid_out = list_schedule(split, Policy(split=True, reserve=False, seed=seed))
     assert laid_out is not None
-    program, makespan = laid_out
-    assert max(partial_bounds(problem, program, split=True)) <= makespan * (1 + 1e-9)
+    program = fuse_some(laid_out[0], problem, seed)  # a fused B frees no later than its W: within memory
+    makespan = simulate(program, list(problem.costs)).makespan
+    assert max(partial_bounds(problem, program)) <= makespan * (1 + 1e-9)
 
 
 def test_a_w_released_before_every_forward_and_backward_left_is_not_counted_after_them() -> None:
@@ -154,4 +200,4 @@ def test_a_w_released_before_every_forward_and_backward_left_is_not_counted_afte
     problem = checked_problem(4, 8, costs, "looped", 1, 4, None)
     program, makespan, outcome = exact(problem, math.inf, time.perf_counter() + 600)
     assert outcome == "optimal" and program is not None and makespan == pytest.approx(27.3)
-    assert max(partial_bounds(problem, program, split=True)) <= makespan * (1 + 1e-9)
+    assert max(partial_bounds(problem, program)) <= makespan * (1 + 1e-9)

@@ -1,9 +1,10 @@
-"""The exact search (fpipe/schedules/_exact.py, NOTE [exact search]) against every program of its space.
+"""The exact search (fpipe/schedules/_exact.py, NOTE [exact search]) against every program.
 
-On 2 ranks and 2 microbatches the space (each stage runs each kind in microbatch order, all
-backwards fused or all split, under the memory limit) is small enough to replay every program
-with ``simulate``; ``exact`` must return the fastest, valid, with ``simulate``'s makespan, and
-nothing when asked to beat that. ``search``, which runs it, is tested in test_search.py.
+On 2 ranks and 2 or 3 microbatches, and 3 ranks and 2, every valid program (each rank's actions
+in any order, microbatches in any order, each backward fused or split on its own, within the
+memory limit) is enumerated (``fastest_program``); ``exact`` must return the fastest, valid,
+with ``simulate``'s makespan, and nothing when asked to beat that. ``search``, which runs it,
+is tested in test_search.py.
 """
 
 from __future__ import annotations
@@ -14,36 +15,61 @@ import time
 import pytest
 
 from fpipe.schedules import Costs, simulate, validate
-from fpipe.schedules._exact import exact
+from fpipe.schedules._exact import choices, exact
 from fpipe.schedules._list_schedule import Problem
 from fpipe.schedules._search import checked_problem
-from tests.schedules._programs import least_makespan
+from tests.schedules._programs import fastest_program, replayed_one_by_one
 
-M = 2  # microbatches
-
-
-CASES = [  # (costs of stage 0, of stage 1, memory limit per rank)
-    (Costs(), Costs(), math.inf),
-    (Costs(backward_weight=0.3, send=1.0), Costs(forward=3, backward_input=3, backward_weight=0.9, send=1.0), math.inf),
-    (Costs(backward_weight=2, send=0.3), Costs(forward=2, backward_input=2, backward_weight=4, send=0.3), 1.0),
-    (Costs(backward=1.5), Costs(backward=1.5, send=0.5), 1.0),
+CASES = [  # (costs per stage, microbatches, memory limit per rank)
+    ([Costs(), Costs()], 2, math.inf),
+    (
+        [Costs(backward_weight=0.3, send=1.0), Costs(forward=3, backward_input=3, backward_weight=0.9, send=1.0)],
+        2,
+        math.inf,
+    ),
+    ([Costs(backward_weight=2, send=0.3), Costs(forward=2, backward_input=2, backward_weight=4, send=0.3)], 2, 1.0),
+    ([Costs(backward=1.5), Costs(backward=1.5, send=0.5)], 2, 1.0),
+    ([Costs(forward=1, backward_input=1, backward_weight=2, backward=2)] * 2, 2, math.inf),  # issue 34: 8, not 9
+    ([Costs(forward=1, backward_input=1, backward_weight=2, backward=2)] * 2, 3, math.inf),
+    ([Costs(backward=1.5), Costs(backward=1.5, send=0.5)], 3, 1.0),
+    (
+        [Costs(backward=0.8, send=0.3)] * 2 + [Costs(forward=2, backward_input=2, backward_weight=2, backward=3.5)],
+        2,
+        1.0,
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_the_program_found_is_the_fastest_of_the_space(case: tuple[Costs, Costs, float]) -> None:
-    *costs, limit = case
-    problem = Problem(M, (0, 1), tuple(costs), (1.0, 1.0), (limit, limit))
-    optimum = least_makespan(problem.costs, M, limit, fifo=True)
+def test_the_program_found_is_the_fastest_of_every_program(case: tuple[list[Costs], int, float]) -> None:
+    costs, m, limit = case
+    S = len(costs)
+    problem = Problem(m, tuple(range(S)), tuple(costs), (1.0,) * S, (limit,) * S)
     program, makespan, outcome = exact(problem, math.inf, time.perf_counter() + 600)
     assert outcome == "optimal" and program is not None
     validate(program)
     sim = simulate(program, list(costs))
-    assert makespan == pytest.approx(optimum) and sim.makespan == pytest.approx(makespan)
-    assert max(sim.peak_activations) <= limit
+    assert sim.makespan == pytest.approx(makespan) and max(sim.peak_activations) <= limit
+    assert fastest_program(problem, makespan)[0] == pytest.approx(makespan)  # none faster, and it is one
     # Asked to beat the optimum, it finds nothing and says the bound it was given.
     none, bound, outcome = exact(problem, makespan, time.perf_counter() + 600)
     assert none is None and bound == makespan and outcome == "optimal"
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case[1] == 2 and len(case[0]) == 2][-3:], ids=str)
+def test_the_enumeration_of_every_program_is_every_pair_of_rows_replayed(case: tuple[list[Costs], int, float]) -> None:
+    """The reference itself: ``fastest_program`` against ``simulate`` replaying every pair of
+    rows (46 a rank at ``m = 2``: actions in any order, each backward fused or split)."""
+    costs, m, limit = case
+    problem = Problem(m, (0, 1), tuple(costs), (1.0, 1.0), (limit, limit))
+    assert fastest_program(problem, math.inf)[0] == pytest.approx(replayed_one_by_one(costs, m, limit))
+
+
+def test_a_fused_backward_is_tried_where_it_may_help() -> None:
+    """Per stage: ``I`` then ``W`` where a ``B`` costs no less than both (it ends no earlier and
+    frees no sooner), ``B`` where it costs no more than ``I`` alone, else either."""
+    assert choices(Costs()) == ("I",) and choices(Costs(backward=2.5)) == ("I",)
+    assert choices(Costs(backward=1.5)) == ("I", "B") and choices(Costs(backward_input=2, backward=1.5)) == ("B",)
 
 
 def test_a_search_the_deadline_stops_is_cut() -> None:

@@ -16,6 +16,7 @@ from fpipe.schedules import (
     Costs,
     InterleavedZeroBubble,
     OneFOneB,
+    Program,
     ScheduleError,
     ZeroBubbleH1,
     ZeroBubbleH2,
@@ -28,7 +29,7 @@ from fpipe.schedules._exact import exact
 from fpipe.schedules._list_schedule import list_schedule
 from fpipe.schedules._search import builtin_programs, checked_problem, peak_memory, policies
 from fpipe.schedules._solver import available as solver_available
-from tests.schedules._programs import least_makespan
+from tests.schedules._programs import fastest_program
 
 
 def costs_of(num_stages: int, heavy: float, weight: float, send: float) -> list[Costs]:
@@ -118,21 +119,59 @@ def test_equal_costs_meet_the_lower_bound_as_zero_bubble_does() -> None:
     assert fused.makespan == 27 and fused.makespan < simulate(OneFOneB(8).program(4), Costs(backward=2)).makespan
 
 
-@pytest.mark.parametrize(
-    "costs, memory",
-    [
-        (costs_of(2, 1, 1.0, 0.0), None),
-        (costs_of(2, 3, 0.3, 1.0), None),
-        (costs_of(2, 2, 2.0, 0.3), 2),
-        (costs_of(2, 1, 0.3, 1.0), 1),
-    ],
-)
-def test_the_exact_search_finds_the_optimum_of_every_fifo_program(costs: list[Costs], memory: float | None) -> None:
-    """p = 2, m = 2: every program whose stages run each kind in microbatch order, all split or all
-    fused, tried one by one; the search's makespan is the least of them (NOTE [exact search])."""
-    best = least_makespan(costs, 2, memory, fifo=True)
-    found = search(2, 2, costs, memory=memory)
-    assert found.optimal and found.makespan == pytest.approx(best)
+def fused(costs: list[Costs], ratio: float) -> list[Costs]:
+    """``costs`` with a fused backward costing ``ratio`` of ``I + W``."""
+    return [replace(c, backward=ratio * (c.backward_input + c.backward_weight)) for c in costs]
+
+
+ISSUE_34 = [Costs(forward=1, backward_input=1, backward_weight=2, backward=2)]
+TINY = [  # (p, m, placement, stages per rank, costs, memory): problems small enough to enumerate every program
+    (2, 2, "looped", 1, costs_of(2, 1, 1.0, 0.0), None),
+    (2, 2, "looped", 1, costs_of(2, 3, 0.3, 1.0), None),
+    (2, 2, "looped", 1, costs_of(2, 2, 2.0, 0.3), 2),
+    (2, 2, "looped", 1, costs_of(2, 1, 0.3, 1.0), 1),
+    (2, 2, "looped", 1, ISSUE_34 * 2, None),
+    (2, 3, "looped", 1, ISSUE_34 * 2, None),
+    (2, 3, "looped", 1, fused(costs_of(2, 3, 0.3, 1.0), 0.8), None),
+    (2, 3, "looped", 1, fused(costs_of(2, 2, 2.0, 0.3), 0.7), 1.5),
+    (2, 3, "looped", 1, costs_of(2, 1, 1.0, 0.3), 1),
+    (3, 2, "looped", 1, fused(costs_of(3, 2, 1.0, 0.3), 0.8), None),
+    (3, 2, "looped", 1, fused(costs_of(3, 3, 0.3, 1.0), 0.9), 1),
+    (3, 2, "looped", 1, costs_of(3, 1, 2.0, 0.0), 2),
+    (2, 2, "v", 2, fused(costs_of(4, 2, 1.0, 0.3), 0.8), 1),
+    (2, 2, "looped", 2, fused(costs_of(4, 1, 2.0, 0.3), 0.7), 1.5),
+    (2, 3, "looped", 1, [Costs(backward_weight=0.5, send=0.3, overhead=0.05, receive=0.1)] * 2, None),  # B pays once
+]
+
+
+@pytest.mark.parametrize("solver", ["branch-and-bound", "cp-sat"])
+@pytest.mark.parametrize("case", TINY, ids=lambda case: "p{}-m{}-{}-v{}-memory{}".format(*case[:4], case[5]))
+def test_optimal_means_no_valid_program_is_faster(case: tuple, solver: str) -> None:
+    """Every valid program of the tiny problems, enumerated (``fastest_program``: actions and
+    microbatches in any order, each backward fused or split on its own, within memory): none is
+    faster than the program ``search`` says is optimal, with either engine."""
+    if solver == "cp-sat" and not solver_available():
+        pytest.skip("OR-Tools is not installed (pip install 'fpipe[solver]')")
+    p, m, placement, v, costs, memory = case
+    found = search(p, m, costs, placement=placement, stages_per_rank=v, memory=memory, solver=solver)
+    validate(found.program)
+    assert found.optimal and found.complete and max(found.peak_memory) <= (memory or math.inf) * (1 + 1e-9)
+    problem = checked_problem(p, m, costs, placement, v, memory, None)  # costs charged their overheads
+    fastest, program = fastest_program(problem, found.makespan)
+    assert program is not None and fastest == pytest.approx(found.makespan)
+    assert simulate(program, costs).makespan == pytest.approx(fastest)
+
+
+def test_a_mix_of_fused_and_split_backwards_is_found_where_it_is_faster() -> None:
+    """Issue 34: ``B`` costs less than ``I + W``, more than ``I``: GPipe (all fused) takes 9, and
+    the search said it was optimal; the fastest program fuses some backwards and splits others
+    (as DualPipeV does), 8."""
+    found = search(2, 2, ISSUE_34[0])
+    assert found.optimal and found.makespan == 8.0 and dict(found.candidates)["GPipe"] == 9.0
+    kinds = {a.kind for row in found.program.ranks for a in row}
+    assert {"B", "I", "W"} <= kinds
+    mixed = [["0F0", "0F1", "0I0", "0W0", "0B1"], ["1F0", "1I0", "1F1", "1B1", "1W0"]]
+    assert simulate(Program.from_lists(mixed), ISSUE_34[0]).makespan == found.makespan
 
 
 def test_shaken_passes_find_the_optimum_that_every_policy_misses() -> None:

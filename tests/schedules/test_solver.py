@@ -1,5 +1,5 @@
 """The constraint solver (fpipe/schedules/_solver.py, NOTE [constraint solver]) against every
-program of its space on 2 ranks and 2 microbatches, against the branch and bound on random small
+program on 2 ranks and 2 or 3 microbatches, against the branch and bound on random small
 problems, where the branch and bound does not reach, with costs it must round, and its errors."""
 
 from __future__ import annotations
@@ -19,15 +19,22 @@ from fpipe.schedules._improve import peak_memory
 from fpipe.schedules._list_schedule import Problem
 from fpipe.schedules._search import checked_problem
 from fpipe.schedules._solver import available, solve
-from tests.schedules._programs import first_pass, least_makespan
+from tests.schedules._programs import fastest_program, first_pass
 
 pytestmark = pytest.mark.skipif(not available(), reason="OR-Tools is not installed (pip install 'fpipe[solver]')")
 
-CASES = [  # (costs of stage 0, of stage 1, memory limit per rank), as test_exact.py's
-    (Costs(), Costs(), math.inf),
-    (Costs(backward_weight=0.3, send=1.0), Costs(forward=3, backward_input=3, backward_weight=0.9, send=1.0), math.inf),
-    (Costs(backward_weight=2, send=0.3), Costs(forward=2, backward_input=2, backward_weight=4, send=0.3), 1.0),
-    (Costs(backward=1.5), Costs(backward=1.5, send=0.5), 1.0),
+CASES = [  # (costs of stage 0, of stage 1, microbatches, memory limit per rank), as test_exact.py's
+    (Costs(), Costs(), 2, math.inf),
+    (
+        Costs(backward_weight=0.3, send=1.0),
+        Costs(forward=3, backward_input=3, backward_weight=0.9, send=1.0),
+        2,
+        math.inf,
+    ),
+    (Costs(backward_weight=2, send=0.3), Costs(forward=2, backward_input=2, backward_weight=4, send=0.3), 2, 1.0),
+    (Costs(backward=1.5), Costs(backward=1.5, send=0.5), 2, 1.0),
+    (Costs(backward=1.5), Costs(backward=1.5, send=0.5), 3, 1.0),
+    (Costs(backward_weight=2, backward=2), Costs(backward_weight=2, backward=2), 3, math.inf),  # issue 34
 ]
 
 
@@ -44,10 +51,10 @@ def assert_the_engines_agree(problem: Problem, limit: float) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_the_program_found_is_the_fastest_of_the_space(case: tuple[Costs, Costs, float]) -> None:
-    *costs, limit = case
-    problem = Problem(2, (0, 1), tuple(costs), (1.0, 1.0), (limit, limit))
-    optimum = least_makespan(problem.costs, 2, limit, fifo=True)
+def test_the_program_found_is_the_fastest_of_every_program(case: tuple[Costs, Costs, int, float]) -> None:
+    *costs, m, limit = case
+    problem = Problem(m, (0, 1), (costs[0], costs[1]), (1.0, 1.0), (limit, limit))
+    optimum, _ = fastest_program(problem, math.inf)
     hint, span = first_pass(problem)
     program, makespan, outcome = solve(problem, hint, span, lower_bound(problem), time.perf_counter() + 120)
     assert outcome == "optimal" and makespan == pytest.approx(optimum)
@@ -70,8 +77,12 @@ def test_the_program_found_is_the_fastest_of_the_space(case: tuple[Costs, Costs,
 def test_the_optimum_is_the_branch_and_bound_s(
     placement: str, m: int, heavy: int, weight: float, send: float, fused: float | None, memory: float | None
 ) -> None:
-    """Two ranks of two stages (looped or V), split or cheaper fused backwards: where the branch
-    and bound finishes, both engines prove the same optimum."""
+    """Two ranks of two stages (looped or V), split or cheaper fused backwards: both engines
+    prove the same optimum. (With a fused ``B`` between ``I`` and ``I + W`` every backward is a
+    choice, and the branch and bound takes up to a second at ``m = 3``, up to a minute at ``m =
+    4``: notes/search.md.)"""
+    if fused is not None:
+        m = min(m, 3)
     light = Costs(forward=0.5, backward_input=0.5, backward_weight=weight / 2, send=send)
     costs = [light] * 3 + [
         Costs(forward=heavy / 2, backward_input=heavy / 2, backward_weight=heavy * weight / 2, send=send)
@@ -182,11 +193,13 @@ def test_asked_for_by_name_it_runs_beyond_the_small_problems() -> None:
 def test_it_charges_each_action_its_overhead_and_receive_cost() -> None:
     """Per-action costs (NOTE [per-action overhead]) reach the model through the charged
     durations: the kept program's simulation with the given costs is the makespan ``search``
-    reports, and no slower than without the solver."""
+    reports, and no slower than without the solver. A fused ``B`` pays the overhead once where
+    ``I`` and ``W`` pay it twice (0.8 against 0.85 here, with the receive cost), so some
+    backwards are fused: 40.3 (40.5 when all had to be split or all fused)."""
     costs = [Costs(forward=0.5, backward_input=0.5, backward_weight=0.15, send=1.0, overhead=0.05, receive=0.1)] * 6
     listed = search(3, 4, costs, placement="v", memory=1.5, exact=False)
     found = search(3, 4, costs, placement="v", memory=1.5, solver="cp-sat", time_budget=300)
     validate(found.program)
     assert found.name == "exact (CP-SAT)" and found.optimal
-    assert found.makespan == pytest.approx(simulate(found.program, costs).makespan) == pytest.approx(40.5)
+    assert found.makespan == pytest.approx(simulate(found.program, costs).makespan) == pytest.approx(40.3)
     assert found.makespan < listed.makespan and max(found.peak_memory) <= 1.5
