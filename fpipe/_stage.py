@@ -25,6 +25,15 @@ their buffers (BatchNorm's running statistics) in the forward only: during the r
 stage, so a ``torch.compile``'d stage function compiles one graph-less variant for all stages
 rather than one per kind of input (dynamo guards on ``requires_grad`` and on a view's base).
 
+NOTE [outputs let go]
+A pullback keeps each output that carries the graph as its gradient edge (the node that made it),
+not as the tensor: the backward starts from the edge, which autograd treats exactly as it treats
+the tensor (the same root, the same shape checks, the same bits), and the output's data is then
+held only by what needs it: the next stage's input in one process, a send until it completes
+(NOTE [sends released] in fpipe/_distributed/_transport.py), and the graph's own saved tensors when
+the backward reads the output (``tanh``'s result, say). The edge of a leaf passed through (an
+input or a parameter) is its gradient accumulator, which holds the leaf: its data is held anyway.
+
 NOTE [boundary layout]
 Every tensor that crosses a stage boundary is contiguous, with conjugate and negative bits
 resolved: that is how the wire delivers it between processes, and kernels round differently for
@@ -46,6 +55,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from ._accumulate import Grads, OrderedSum
 from ._precision import Precision
@@ -64,7 +74,7 @@ from ._pytree import (
     unflatten,
 )
 from ._tensor_parallel import is_dtensor, like_param
-from ._weight_grad import DeferredWeightGrad, input_grad
+from ._weight_grad import DeferredWeightGrad, Root, input_grad
 
 StageFn = Callable[[Any, Any], Any]  # stage(stage_params, x) -> y
 
@@ -72,17 +82,19 @@ StageFn = Callable[[Any, Any], Any]  # stage(stage_params, x) -> y
 class Pullback:
     """What a forward saves for its backward: the outputs to differentiate and the inputs to reach."""
 
-    __slots__ = ("deferred", "input_index", "inputs", "num_inputs", "output_index", "outputs", "replay")
+    __slots__ = ("deferred", "devices", "input_index", "inputs", "num_inputs", "output_index", "outputs", "replay")
 
     def __init__(
         self,
-        outputs: list[torch.Tensor],
+        outputs: list[Root],
+        devices: list[torch.device],
         output_index: Sequence[int],
         inputs: list[torch.Tensor],
         input_index: Sequence[int],
         num_inputs: int,
     ) -> None:
-        self.outputs = outputs  # output leaves that carry a graph
+        self.outputs = outputs  # output leaves that carry a graph, as roots (NOTE [outputs let go])
+        self.devices = devices  # each one's device
         self.output_index = output_index  # their positions among the output leaves
         self.inputs = inputs  # differentiable input leaves (detached copies)
         self.input_index = input_index  # their positions among the input leaves
@@ -277,7 +289,7 @@ class StageRun:
         plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
         with torch.inference_mode(False), torch.no_grad():
             out = run(plain)
-        pullback = Pullback([], [], inputs, input_index, len(leaves))
+        pullback = Pullback([], [], [], inputs, input_index, len(leaves))
         pullback.replay = (lambda: run(leaves), rng, lambda: unflatten(spec, leaves))
         # The next stage differentiates leaves that carry a graph; these will once replayed.
         return map_tensors(lambda t: detached(t).requires_grad_() if is_differentiable(t) else t, out), pullback
@@ -299,20 +311,20 @@ class StageRun:
                     raise
         finally:
             _REPLAYING.reset(token)
-        pullback.outputs, pullback.output_index = _graph_outputs(out)
+        pullback.outputs, pullback.devices, pullback.output_index = _graph_outputs(out)
 
     def _seeds(
         self, pullback: Pullback, cotangents: Sequence[torch.Tensor | None]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    ) -> tuple[list[Root], list[torch.Tensor]]:
         """The outputs that carry a graph and a cotangent, and those cotangents."""
         if pullback.replay is not None:
             self._replay(pullback)
         outputs, grad_outputs = [], []
-        for k, out in zip(pullback.output_index, pullback.outputs):
+        for k, out, device in zip(pullback.output_index, pullback.outputs, pullback.devices):
             cot = cotangents[k]
             if cot is not None:
                 outputs.append(out)
-                grad_outputs.append(cot if cot.device == out.device else cot.to(out.device))
+                grad_outputs.append(cot if cot.device == device else cot.to(device))
         return outputs, grad_outputs
 
     def _input_cotangents(self, pullback: Pullback, grads: Sequence[torch.Tensor | None]) -> Grads:
@@ -399,8 +411,9 @@ def _accumulated_cotangent(x: torch.Tensor) -> torch.Tensor | None:
     return None if g is None else boundary_layout(g)
 
 
-def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], Sequence[int]]:
-    """The output leaves that carry the graph, and their positions among the output's leaves.
+def _graph_outputs(out: PyTree) -> tuple[list[Root], list[torch.device], Sequence[int]]:
+    """The output leaves that carry the graph as roots of the backward (NOTE [outputs let go]),
+    their devices, and their positions among the output's leaves.
 
     Raises:
         TypeError: if a leaf is an object fpipe cannot flatten (an unregistered class) that holds
@@ -409,7 +422,7 @@ def _graph_outputs(out: PyTree) -> tuple[list[torch.Tensor], Sequence[int]]:
     leaves, _, index, outputs = tensor_map(_with_graph, out)
     if len(index) < len(leaves):  # (not the usual output: its one leaf carries the graph)
         _check_hidden_graph(out, leaves)
-    return outputs, index
+    return [get_gradient_edge(o) for o in outputs], [o.device for o in outputs], index
 
 
 def _with_graph(leaf: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -463,7 +476,7 @@ _ENGINE = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine"
 
 
 def _vjp(
-    outputs: list[torch.Tensor], inputs: list[torch.Tensor], cotangents: list[torch.Tensor]
+    outputs: list[Root], inputs: list[torch.Tensor], cotangents: list[torch.Tensor]
 ) -> Sequence[torch.Tensor | None]:
     """``torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)``, on the hot path.
 
@@ -479,7 +492,7 @@ def _vjp(
     return grads
 
 
-def _accumulate(outputs: list[torch.Tensor], inputs: list[torch.Tensor], cotangents: list[torch.Tensor]) -> None:
+def _accumulate(outputs: list[Root], inputs: list[torch.Tensor], cotangents: list[torch.Tensor]) -> None:
     """``torch.autograd.backward(outputs, cotangents, inputs=inputs)``: add into ``inputs``' ``.grad``.
 
     Only ``inputs`` are written to (other leaves the graph reaches are left alone); on the hot

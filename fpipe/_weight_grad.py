@@ -31,6 +31,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+# Where a backward starts: the gradient edge of an output, which autograd takes as a root exactly
+# as it takes the tensor, without keeping the tensor's data (NOTE [outputs let go] in fpipe/_stage.py).
+Root = GradientEdge
+
 
 def _consumers(roots: Sequence[Node]) -> dict[Node, list[Node]]:
     """For every node reachable backwards from ``roots``, the nodes that consume its output."""
@@ -81,7 +85,7 @@ class DeferredWeightGrad:
 
     groups: list[_Group]
     rest: list[int]
-    outputs: list[torch.Tensor]
+    outputs: list[Root]
     grad_outputs: list[torch.Tensor]
     params: Sequence[torch.Tensor]
     done: list[torch.Tensor | None] | None = None
@@ -98,7 +102,7 @@ class DeferredWeightGrad:
                 for k, g in enumerate(group.grads.get(node, ()))
                 if g is not None
             ]
-            seeded += [(get_gradient_edge(self.outputs[j]), self.grad_outputs[j]) for j in group.outputs]
+            seeded += [(self.outputs[j], self.grad_outputs[j]) for j in group.outputs]
             if not seeded:
                 continue
             edges, seeds = zip(*seeded)
@@ -132,7 +136,7 @@ class DeferredWeightGrad:
 
 
 def input_grad(
-    outputs: list[torch.Tensor],
+    outputs: list[Root],
     grad_outputs: list[torch.Tensor],
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
@@ -140,7 +144,7 @@ def input_grad(
     """The input half of a backward (NOTE [split backward]) and what the weight half needs."""
     if not outputs or not inputs:
         return [None] * len(inputs), DeferredWeightGrad([], list(range(len(params))), outputs, grad_outputs, params)
-    roots = [get_gradient_edge(o).node for o in outputs]
+    roots = [o.node for o in outputs]
     consumers = _consumers(roots)
     if any(node.name().startswith("CompiledFunction") for node in [*roots, *consumers]):
         # A torch.compile'd region is one opaque node whose backward computes every gradient at

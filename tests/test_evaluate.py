@@ -114,7 +114,9 @@ def test_evaluate_holds_one_microbatch_per_stage() -> None:
     # In one process the ranks are virtual: rank 0's next output may be made before rank 1 takes
     # the last one (0F1 runs before 1F0 in the same tick), and the last stage's own output.
     assert live_activations_peak(evaluate=True, num_microbatches=8) == live_activations_peak(True, 4) == 3
-    assert live_activations_peak(evaluate=False, num_microbatches=8) >= 8  # GPipe training keeps them all
+    # Training keeps each microbatch's graph until its backward, but not the output tensors
+    # themselves (NOTE [outputs let go]): what tanh saves of them is the graph's, not theirs.
+    assert live_activations_peak(evaluate=False, num_microbatches=8) == 3
 
 
 @pytest.mark.parametrize("entry", CONFORMANCE, ids=str)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import optree
@@ -167,7 +169,7 @@ def test_forward_records_a_graph_whatever_the_grad_mode(mode: Any) -> None:
     with mode():
         run = StageRun(0, lambda p, x: x * p, p)
         y, pullback = run.forward(x, differentiate_input=True)
-        assert y.requires_grad and pullback.outputs == [y]
+        assert y.requires_grad and [(e.node, e.output_nr) for e in pullback.outputs] == [(y.grad_fn, 0)]
         (g,) = run.backward(pullback, [torch.ones(3)], 0) or [None]
         grads = run.grads()
     assert g is not None and torch.equal(g, torch.full((3,), 2.0))
@@ -365,3 +367,18 @@ def test_the_one_tensor_fast_paths_equal_the_general_path(backward: str, recompu
     got["general"].append(general.grads())
     for a, b in zip(got["fast"], got["general"], strict=True):
         assert a.dtype == b.dtype and torch.equal(a.detach(), b.detach())
+
+
+def test_a_pullback_lets_its_outputs_go() -> None:
+    """NOTE [outputs let go]: ``x @ w`` does not need its result for its backward, so once the
+    caller drops the output (sent, say) nothing holds it; the backward still gives the VJP."""
+    x, w = torch.randn(4, 3, requires_grad=True) * 1, torch.randn(3, 5)
+    run = StageRun(1, lambda p, x: {"y": x @ p}, w)
+    y, pullback = run.forward(x, differentiate_input=True)
+    expected = torch.ones(4, 5) @ w.T
+    output = weakref.ref(y["y"])
+    del y
+    gc.collect()
+    assert output() is None
+    (dx,) = run.backward(pullback, [torch.ones(4, 5)], 0) or [None]
+    assert dx is not None and torch.equal(dx, expected)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from fpipe._weight_grad import input_grad
 
@@ -29,13 +30,18 @@ def _leaves() -> tuple[torch.Tensor, list[torch.Tensor]]:
     return x, params
 
 
+def _roots(outputs: list[torch.Tensor]) -> list[GradientEdge]:
+    """The outputs as a pullback keeps them (NOTE [outputs let go])."""
+    return [get_gradient_edge(o) for o in outputs]
+
+
 @pytest.mark.parametrize("graph", GRAPHS.values(), ids=GRAPHS.keys())
 def test_input_then_weight_equals_one_backward(graph: Graph) -> None:
     x, params = _leaves()
     outputs = graph(x, params)
     cotangents = [torch.full_like(o, 0.5) for o in outputs]
     expected = torch.autograd.grad(outputs, [x, *params], cotangents, retain_graph=True, allow_unused=True)
-    dx, deferred = input_grad(outputs, cotangents, [x], params)
+    dx, deferred = input_grad(_roots(outputs), cotangents, [x], params)
     weights = deferred.run()
     assert dx[0] is not None and torch.equal(dx[0], expected[0])
     for got, want in zip(weights, expected[1:], strict=True):
@@ -45,7 +51,7 @@ def test_input_then_weight_equals_one_backward(graph: Graph) -> None:
 def test_without_differentiable_inputs_everything_waits_for_w() -> None:
     x, params = _leaves()
     outputs = [x.detach() @ params[0]]
-    dx, deferred = input_grad(outputs, [torch.ones_like(outputs[0])], [], params)
+    dx, deferred = input_grad(_roots(outputs), [torch.ones_like(outputs[0])], [], params)
     assert list(dx) == [] and deferred.rest == [0, 1] and deferred.groups == []
     (g0, g1) = deferred.run()
     assert g0 is not None and g1 is None and torch.equal(g0, x.detach().sum(0).reshape(3, 1).expand(3, 3))
@@ -66,7 +72,7 @@ def test_w_runs_only_the_parameter_side() -> None:
 
     x, params = _leaves()
     outputs = [Counted.apply(x @ params[0])]
-    _, deferred = input_grad(outputs, [torch.ones(2, 3, dtype=torch.float64)], [x], params[:1])
+    _, deferred = input_grad(_roots(outputs), [torch.ones(2, 3, dtype=torch.float64)], [x], params[:1])
     assert calls == ["tail"]  # I ran the node between the outputs and the intermediates
     deferred.run()
     assert calls == ["tail"]  # W did not run it again
