@@ -117,14 +117,15 @@ def balance(
     Returns:
         One entry per stage: ``range(start, stop)`` for a list, a list of names for a dict.
 
-    Example:
+    Examples:
         >>> fpipe.balance([1, 1, 1, 1, 4], 2)
         [range(0, 4), range(4, 5)]
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
         >>> fpipe.balance(model, 2)
         [['0', '1'], ['2']]
-        >>> layers = {"embed": model.embed, **{f"layers.{i}": l for i, l in enumerate(model.layers)}}
-        >>> stages, params = fpipe.split_module(model, fpipe.balance(layers, 4), call=adapters)
+        >>> stages, params = fpipe.split_module(model, fpipe.balance(model, 2))  # names split_module takes
+        >>> [sorted(p) for p in params]
+        [['0.bias', '0.weight'], ['2.bias', '2.weight']]
         >>> costs = [8, 11, 2, 1, 18, 5, 4, 11]  # torch's test_partition; a heavy stage is cheapest first
         >>> fpipe.balance(costs, 4)
         [range(0, 1), range(1, 4), range(4, 5), range(5, 8)]
