@@ -31,7 +31,7 @@ class Microbatches:
     ``weight_fn`` when the pipeline has one; ``step.evaluate(..., outputs=True)`` returns their
     outputs as a list, one per microbatch.
 
-    Example:
+    Examples:
         >>> import torch, fpipe
         >>> batch = fpipe.Microbatches([torch.zeros(2, 5), torch.zeros(3, 7)])  # two lengths
         >>> len(batch)

@@ -57,7 +57,7 @@ class Parallelism:
         timeout: seconds a rank waits for a peer (in a step, a collective, a save's all-gathers)
             before raising; a step raises ``PipelineTimeoutError``.
 
-    Example:
+    Examples:
         >>> parallel = fpipe.Parallelism(timeout=60.0)
         >>> parallel
         Parallelism(mesh=None, group=None, shard_params=False, regather=False, timeout=60.0)

@@ -47,7 +47,7 @@ def functionalize(module: nn.Module, /) -> tuple[Callable[..., Any], dict[str, t
     Under ``pipeline(..., recompute=...)`` the forward's replay gets copies of the buffers, so
     they are updated once per call, as without recomputation.
 
-    Example:
+    Examples:
         >>> fn, params = fpipe.functionalize(torch.nn.Linear(4, 2))
         >>> sorted(params)
         ['bias', 'weight']

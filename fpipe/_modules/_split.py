@@ -89,7 +89,7 @@ def split_module(
           appears in each of those stages' ``params`` under the same name. Their gradients
           are partial sums; ``fpipe.sum_tied`` adds them up.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         >>> stages, params = fpipe.split_module(model, ["0 + 1", ["2"]])
         >>> [sorted(p) for p in params]

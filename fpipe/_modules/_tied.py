@@ -65,7 +65,7 @@ def sum_tied(
             total = sum(grads[s][name] for s in stages using name)
             for s in stages using name: grads[s][name] = total.clone()
 
-    Example:
+    Examples:
         >>> model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
         >>> model[1].weight = model[0].weight  # tied input and output embeddings
         >>> stages, params = fpipe.split_module(model, ["0", "1"])

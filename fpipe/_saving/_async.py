@@ -61,9 +61,12 @@ class AsyncSaver:
             (its ``timeout`` too). Distributed, every rank builds its saver at the same point (it
             creates process groups of its own for saving) and calls its ``save`` the same number
             of times, with the same directories.
-        step, group, mesh, timeout: deprecated, as for ``fpipe.save``: ``parallel=``.
+        step: deprecated, as for ``fpipe.save``: ``parallel=``.
+        group: deprecated, as for ``fpipe.save``: ``parallel=``.
+        mesh: deprecated, as for ``fpipe.save``: ``parallel=``.
+        timeout: deprecated, as for ``fpipe.save``: ``parallel=``.
 
-    Example:
+    Examples:
         >>> import tempfile, torch, fpipe
         >>> directory = tempfile.mkdtemp()
         >>> params = [{"w": torch.zeros(3)}]
@@ -101,7 +104,8 @@ class AsyncSaver:
         """Start ``fpipe.save(directory, params, ...)`` in the background, after the previous save.
 
         Raises:
-            The previous save's error, if it failed; ``fpipe.save``'s errors for the arguments.
+            Exception: the previous save's error, if it failed; ``fpipe.save``'s errors for the
+                arguments.
         """
         self.wait()
         params = _snapshot("params", params)
@@ -116,7 +120,8 @@ class AsyncSaver:
         The random generators are captured now, at the call.
 
         Raises:
-            The previous save's error, if it failed; ``fpipe.save_state``'s errors for the arguments.
+            Exception: the previous save's error, if it failed; ``fpipe.save_state``'s errors for
+                the arguments.
         """
         self.wait()
         if isinstance(state, TrainState):
@@ -135,7 +140,8 @@ class AsyncSaver:
         """Wait for the save in flight; the last committed version's directory (``None``: none yet).
 
         Raises:
-            The error of the save in flight, once (the next ``wait`` does not raise it again).
+            Exception: the error of the save in flight, once (the next ``wait`` does not raise it
+                again).
         """
         if self._thread is not None:
             self._thread.join()

@@ -111,7 +111,10 @@ def load_hf(
             (as in ``fpipe.load``: the ``Step``, needed for sharded templates, or an
             ``fpipe.Parallelism``, whose ``timeout`` is the seconds a rank waits for the others
             while gathering names).
-        step, group, mesh, timeout: deprecated, as for ``fpipe.load``: ``parallel=``.
+        step: deprecated, as for ``fpipe.load``: ``parallel=``.
+        group: deprecated, as for ``fpipe.load``: ``parallel=``.
+        mesh: deprecated, as for ``fpipe.load``: ``parallel=``.
+        timeout: deprecated, as for ``fpipe.load``: ``parallel=``.
 
     Returns:
         The template's structure with new tensors (not requiring grad; a name in several stages

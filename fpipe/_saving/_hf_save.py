@@ -126,7 +126,10 @@ def save_hf(
             ``Shard`` or ``Replicate`` placements: each is gathered whole to tensor-parallel rank
             0, one at a time, which writes it (NOTE [tensor-parallel export]); plain tensors must
             be bitwise equal on every tensor-parallel rank.
-        step, group, mesh, timeout: deprecated, as for ``fpipe.save``: ``parallel=``.
+        step: deprecated, as for ``fpipe.save``: ``parallel=``.
+        group: deprecated, as for ``fpipe.save``: ``parallel=``.
+        mesh: deprecated, as for ``fpipe.save``: ``parallel=``.
+        timeout: deprecated, as for ``fpipe.save``: ``parallel=``.
 
     Returns:
         ``Path(directory)``.

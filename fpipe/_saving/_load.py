@@ -82,7 +82,10 @@ def load(
             (NOTE [sharded saves] in ``fpipe/_saving/_store.py``); on a mesh with a ``"tp"``
             dimension too, a DTensor parameter's shard is cut from its local piece, read from
             whatever boxes and shards the save has (``parallel=step``: the step knows the shards).
-        step, group, mesh, timeout: deprecated, as for ``fpipe.save``: ``parallel=``.
+        step: deprecated, as for ``fpipe.save``: ``parallel=``.
+        group: deprecated, as for ``fpipe.save``: ``parallel=``.
+        mesh: deprecated, as for ``fpipe.save``: ``parallel=``.
+        timeout: deprecated, as for ``fpipe.save``: ``parallel=``.
 
     Returns:
         ``Loaded(params, optimizer_state, metadata)``: tensors in the template's structure (plain
@@ -90,7 +93,7 @@ def load(
         ``optimizer_state`` likewise or ``None`` without a template for it, and the ``metadata``
         dict given to ``save`` as JSON gives it back (tuples become lists).
 
-    Example:
+    Examples:
         >>> import tempfile, torch, fpipe
         >>> directory = tempfile.mkdtemp()
         >>> _ = fpipe.save(directory, [{"a": torch.ones(2)}, {"b": torch.zeros(3)}, {"c": torch.ones(1)}])

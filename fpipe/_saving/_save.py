@@ -133,7 +133,10 @@ def save(
             ``fpipe/_saving/_boxes.py``). With ``shard_params=True`` too, each rank's shard of a
             DTensor parameter is a flat piece of its local piece: every rank writes its own, recorded
             as that shard of that box (NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
-        step, group, mesh, timeout: deprecated: ``parallel=step`` or
+        step: deprecated: ``parallel=step`` or
+        group: deprecated: ``parallel=step`` or
+        mesh: deprecated: ``parallel=step`` or
+        timeout: deprecated: ``parallel=step`` or
             ``parallel=fpipe.Parallelism(group=..., mesh=..., timeout=...)``, accepted for one
             release with a ``DeprecationWarning`` (NOTE [the set-up is a value]).
 
@@ -152,7 +155,7 @@ def save(
 
     but each rank writes its own stages, into a temporary directory, committed atomically.
 
-    Example:
+    Examples:
         >>> import tempfile, torch, fpipe
         >>> directory = tempfile.mkdtemp()
         >>> params = [{"embed": torch.randn(10, 4)}, {"head": torch.randn(4, 10)}]

@@ -96,12 +96,15 @@ def save_state(
         parallel: as for ``fpipe.save`` (the ``Step``, or an ``fpipe.Parallelism``); every
             process of the job calls ``save_state`` (data-parallel replicas too: their random
             states are saved).
-        step, group, mesh, timeout: deprecated, as for ``fpipe.save``: ``parallel=``.
+        step: deprecated, as for ``fpipe.save``: ``parallel=``.
+        group: deprecated, as for ``fpipe.save``: ``parallel=``.
+        mesh: deprecated, as for ``fpipe.save``: ``parallel=``.
+        timeout: deprecated, as for ``fpipe.save``: ``parallel=``.
 
     Returns:
         The committed version's directory.
 
-    Example:
+    Examples:
         >>> import tempfile, torch, fpipe
         >>> directory = tempfile.mkdtemp()
         >>> params = [{"w": torch.ones(2)}]
@@ -183,13 +186,20 @@ def load_state(
     generators restored, so a save of another model raises with nothing changed.
 
     Args:
-        directory, template, optimizer_state, strict, parallel: as for ``fpipe.load``.
+        directory: as for ``fpipe.load``.
+        template: as for ``fpipe.load``.
+        optimizer_state: as for ``fpipe.load``.
+        strict: as for ``fpipe.load``.
+        parallel: as for ``fpipe.load``.
         restore_rng: set this process's generators to those its global rank saved, once every
             rank has read and checked the save. A rank the save has no state for keeps its
             generators, and rank 0 names the saved ranks that no process restores
             (``RuntimeWarning``s); a rank that had another role in the saving run raises.
             ``False``: keep every generator (to resume into another mesh layout).
-        step, group, mesh, timeout: deprecated, as for ``fpipe.load``: ``parallel=``.
+        step: deprecated, as for ``fpipe.load``: ``parallel=``.
+        group: deprecated, as for ``fpipe.load``: ``parallel=``.
+        mesh: deprecated, as for ``fpipe.load``: ``parallel=``.
+        timeout: deprecated, as for ``fpipe.load``: ``parallel=``.
 
     Returns:
         The ``TrainState``: params and optimizer state in the templates' structure, the step,

@@ -32,7 +32,7 @@ def save_costs(path: str | os.PathLike[str], costs: Sequence[Costs]) -> None:
     Measured costs (``fit_costs(recording.timelines)``) saved this way feed
     ``python -m fpipe plan --costs costs.json``.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> from fpipe.schedules import Costs, load_costs, save_costs
         >>> path = os.path.join(tempfile.mkdtemp(), "costs.json")

@@ -54,7 +54,7 @@ def terminal_grid(timeline: Program | Simulation, *, color: bool = True) -> str:
         ScheduleError: if the grid would be wider than ``MAX_COLUMNS`` (actions whose lengths
             differ by a factor of thousands; ``chrome_trace`` and ``svg`` draw those).
 
-    Example:
+    Examples:
         >>> from fpipe.schedules import Costs, GPipe, simulate
         >>> print(terminal_grid(simulate(GPipe(2).program(2), Costs(backward=2)), color=False))
         rank 0 | 0F0 0F1  .   .   .  0B0---- 0B1----

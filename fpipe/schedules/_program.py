@@ -357,7 +357,7 @@ def placement(schedule: Schedule, num_stages: int, num_ranks: int | None = None)
     The placement is read off the (validated) program, so it is the one ``fpipe.pipeline``
     runs. For a ``Program`` in hand use ``program.placement()`` and ``program.stages_of(rank)``.
 
-    Example:
+    Examples:
         >>> from fpipe.schedules import Interleaved1F1B, ZeroBubbleV, placement
         >>> placement(Interleaved1F1B(8, stages_per_rank=2), 6)  # looped: stage s on rank s % 3
         (0, 1, 2, 0, 1, 2)

@@ -187,7 +187,7 @@ def search(
             fits. ``0`` keeps the fastest simulated program. With costs fitted from a recording,
             ``slack=0.02`` is the better choice (NOTE [memory within the slack]).
 
-    Example:
+    Examples:
         >>> from fpipe.schedules import Costs, search
         >>> slow_messages = Costs(forward=0.5, backward_input=0.5, backward_weight=0.5, send=0.5)
         >>> found = search(4, 8, slow_messages, placement="v")

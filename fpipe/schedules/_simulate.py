@@ -278,7 +278,7 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
             ``costs[s].send``; each action of stage ``s`` first costs its rank ``costs[s].overhead``,
             and ``costs[s].receive`` more if it takes a message (NOTE [per-action overhead]).
 
-    Example:
+    Examples:
         >>> from fpipe.schedules import Costs, OneFOneB, simulate
         >>> sim = simulate(OneFOneB(num_microbatches=8).program(4), Costs(backward=2))
         >>> sim.makespan, sim.bubble_fractions[0]  # (m+p-1)(T_F+T_B) and (p-1)/(m+p-1)
@@ -322,7 +322,7 @@ def replay(timeline: Simulation, send: float = 0.0) -> Simulation:
     For a measured timeline (``fpipe.record()``), ``timeline.makespan / replay(timeline).makespan
     - 1`` is the share of the step spent beyond its actions' own work.
 
-    Example:
+    Examples:
         >>> from fpipe.schedules import Costs, GPipe, replay, simulate
         >>> sim = simulate(GPipe(num_microbatches=4).program(2), Costs(backward=2, send=0.5))
         >>> sim.makespan, replay(sim).makespan, replay(sim, send=0.5).makespan
@@ -422,7 +422,7 @@ def fit_costs(timeline: Simulation | Sequence[Simulation]) -> tuple[Costs, ...]:
     Returns:
         One ``Costs`` per stage, in stage order, in the timeline's unit (seconds when measured).
 
-    Example:
+    Examples:
         >>> from fpipe.schedules import Costs, GPipe, fit_costs, simulate
         >>> costs = (Costs(forward=1, backward=2, send=0.5), Costs(forward=2, backward=4, send=0.25))
         >>> fitted = fit_costs(simulate(GPipe(num_microbatches=2).program(2), costs))

@@ -112,7 +112,7 @@ def tune(
             where it is not), when any built-in fits.
         rounds: how many times each candidate is measured.
 
-    Example:
+    Examples:
         >>> from fpipe.schedules import Costs, search, tune
         >>> found = search(4, 8, Costs(0.5, 0.5, 0.5, send=0.5), placement="v")  # 27 to ZB-V's 32.5
         >>> def measure(program):  # a real one times a step; here the searched program is slower
