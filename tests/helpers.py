@@ -1,0 +1,130 @@
+"""What the tests share: the two comparisons, the unsplit-model oracle, and the toy models.
+
+Every test module imports what it shares from here (or from the other ``_``-prefixed helper
+modules: tests/_multiprocess.py, tests/conformance.py...), never from another test module
+(tests/test_layers.py checks it).
+
+- ``assert_bitwise``: the same bits. "Bitwise" in a test's name or comment means this one
+  (STYLE.md, point 20): 0.0 and -0.0 differ, two NaNs with the same payload are equal.
+- ``assert_close``: float64 results to a relative error (the oracle's comparison).
+- ``reference``: ``torch.func.grad_and_value`` of the unsplit model, the transparency oracle.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+
+if TYPE_CHECKING:
+    from tests.conformance import Conformance
+
+TOLERANCE = 1e-10
+
+
+# --- Comparisons --------------------------------------------------------------------------------
+
+
+def assert_bitwise(actual: Any, expected: Any, context: str = "") -> None:
+    """Same pytree structure (``None`` a leaf), and per leaf the same type and the same bits.
+
+    A tensor leaf matches in dtype, shape and device and in its raw bytes (a lazily conjugated or
+    negated view counts as what it reads as; strides do not count); a DTensor in its placements
+    and mesh and then its local tensor; a meta tensor in dtype and shape only (it has no bits);
+    a float or complex leaf in its bits too; any other leaf by ``==``. ``context`` starts the
+    failure message, which names the key path of the first leaf that differs.
+    """
+    a_paths, a_leaves, a_spec = optree.tree_flatten_with_path(actual, none_is_leaf=True)
+    e_paths, e_leaves, e_spec = optree.tree_flatten_with_path(expected, none_is_leaf=True)
+    where = f"{context}: " if context else ""
+    assert a_spec == e_spec, f"{where}the structures differ: {a_spec} and {e_spec}"
+    for path, a, e in zip(e_paths, a_leaves, e_leaves):
+        _assert_same_bits(a, e, f"{where}at {''.join(f'[{k!r}]' for k in path) or 'the root'}")
+
+
+def _assert_same_bits(a: Any, e: Any, where: str) -> None:
+    assert type(a) is type(e), f"{where}: types {type(a).__name__} and {type(e).__name__}"
+    if not isinstance(e, torch.Tensor):
+        assert _bits_of_scalar(a) == _bits_of_scalar(e), f"{where}: {a!r} and {e!r}"
+        return
+    assert (a.dtype, a.shape, a.device) == (e.dtype, e.shape, e.device), (
+        f"{where}: {a.dtype} {tuple(a.shape)} on {a.device} and {e.dtype} {tuple(e.shape)} on {e.device}"
+    )
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(e, DTensor):
+        assert (a.placements, a.device_mesh) == (e.placements, e.device_mesh), (
+            f"{where}: placements {a.placements} on {a.device_mesh} and {e.placements} on {e.device_mesh}"
+        )
+        _assert_same_bits(a.to_local(), e.to_local(), f"{where} (local tensor)")
+        return
+    if e.device.type == "meta":
+        return
+    a_bits, e_bits = _bits(a), _bits(e)
+    differ = (a_bits != e_bits).any(dim=1)
+    if differ.any():
+        first = int(differ.nonzero()[0])
+        a_first, e_first = a.detach().reshape(-1)[first].item(), e.detach().reshape(-1)[first].item()
+        raise AssertionError(
+            f"{where}: {int(differ.sum())} of {e.numel()} elements differ in their bits, "
+            f"the first at flat index {first}: {a_first!r} and {e_first!r}"
+        )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``'s elements on the CPU, one row per element (``numel x itemsize``)."""
+    values = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return values.view(torch.uint8).reshape(values.numel(), t.element_size()).cpu()
+
+
+def _bits_of_scalar(x: Any) -> Any:
+    """A float's or complex's bytes (``-0.0 != 0.0``, equal NaNs equal); any other value itself."""
+    if isinstance(x, float):
+        return struct.pack("<d", x)
+    if isinstance(x, complex):
+        return struct.pack("<dd", x.real, x.imag)
+    return x
+
+
+def assert_close(actual: Any, expected: Any, tolerance: float = TOLERANCE, *, context: str = "") -> None:
+    """Same pytree structure, dtypes and shapes; every tensor leaf within ``tolerance`` relative error."""
+    a_leaves, a_spec = optree.tree_flatten(actual, none_is_leaf=True)
+    e_leaves, e_spec = optree.tree_flatten(expected, none_is_leaf=True)
+    assert a_spec == e_spec, context
+    for a, e in zip(a_leaves, e_leaves):
+        if not isinstance(e, torch.Tensor):
+            assert a == e, context
+            continue
+        assert isinstance(a, torch.Tensor), context
+        assert (a.dtype, a.shape) == (e.dtype, e.shape), context
+        error = torch.linalg.vector_norm(a - e)
+        assert error <= tolerance * torch.linalg.vector_norm(e), f"{context}: relative error {error / e.norm()}"
+
+
+# --- The oracle ---------------------------------------------------------------------------------
+
+
+def compose(stages: Sequence[Callable[[Any, Any], Any]]) -> Callable[[Sequence[Any], Any], Any]:
+    """The unsplit model: ``stages[-1](params[-1], ... stages[0](params[0], batch))``."""
+
+    def model(params: Sequence[Any], batch: Any) -> Any:
+        x = batch
+        for stage, p in zip(stages, params):
+            x = stage(p, x)
+        return x
+
+    return model
+
+
+def reference(loss_fn: Callable[[Any, Any], Any], stages: Sequence[Any], params: list[Any], batch: Any) -> Any:
+    """``(loss, grads)`` of the unsplit model on the whole batch."""
+    grads, loss = torch.func.grad_and_value(lambda p, b: loss_fn(compose(stages)(p, b), b))(params, batch)
+    return loss, grads
+
+
+def some_stage_count(entry: Conformance, at_least: int) -> int:
+    """The smallest stage count of a conformance entry that is at least ``at_least``."""
+    return min(s for s in entry.stage_counts if s >= at_least)
