@@ -203,11 +203,35 @@ def command_problems(text: str, root: Path) -> tuple[list[str], list[str]]:
         if not script.is_file():
             problems.append(f"{command}: there is no {words[at]}")
             continue
-        source = script.read_text()
+        source = _options_source(script)
         for flag in (w.split("=")[0] for w in words[at + 1 :] if w.startswith("--")):
             if flag != "--help" and f'"{flag}"' not in source:
                 problems.append(f"{command}: {words[at]} has no {flag} option")
     return problems, scripts
+
+
+def _options_source(script: Path) -> str:
+    """Where ``script``'s options may be defined: its text and that of the modules beside it that it
+    imports, directly or through one another (``import _common``, whose shared parser gives the
+    benchmarks ``--quick``, ``--json`` and ``--repeats``). A module beside it that is a script
+    itself (``if __name__ == "__main__"``) is left out: its options are its own."""
+    texts, seen, todo = [], {script}, [script]
+    while todo:
+        text = todo.pop().read_text()
+        texts.append(text)
+        if script.suffix != ".py":
+            break
+        for node in ast.walk(ast.parse(text)):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            for name in names:
+                module = script.parent / f"{name}.py"
+                if module.is_file() and module not in seen:
+                    seen.add(module)
+                    if 'if __name__ == "__main__"' not in module.read_text():
+                        todo.append(module)
+    return "\n".join(texts)
 
 
 def _slug(heading: str) -> str:
@@ -279,16 +303,27 @@ def test_the_readme_checks_catch_what_they_look_for() -> None:
     assert unfenced_code(unfenced) == ["line 2: for t, g in zip(a, b): t.grad = g", "line 3: opt.step()"]
     commands = (
         "```bash\npython examples/train_gpt.py --steps 3 --no-such-flag  # a comment\n"
-        "torchrun --standalone --nproc-per-node 2 examples/missing.py\n```\n"
+        "torchrun --standalone --nproc-per-node 2 examples/missing.py\n"
+        "python benchmarks/bench_search.py --quick --repeats 2 --json /tmp/search.json\n"
+        "python benchmarks/bench_search.py --per-action-only\n```\n"
         "Run `bash benchmarks/missing.sh`, `python -m fpipe show nope --ranks 2 --microbatches 2`, "
         "`python -m fpipe draw` and `pip install -e '.[nope]'`; see [notes](notes/missing.md), "
         "[wire](notes/wire.md#no-such-part), [here](#nowhere) and tests/test_missing.py.\n"
     )
     problems, scripts = command_problems(commands, ROOT)
-    assert scripts == ["examples/train_gpt.py", "examples/missing.py", "benchmarks/missing.sh"]
+    assert scripts == [
+        "examples/train_gpt.py",
+        "examples/missing.py",
+        "benchmarks/bench_search.py",
+        "benchmarks/bench_search.py",
+        "benchmarks/missing.sh",
+    ]
     assert [p.split(": ", 1)[1].split(":")[0] for p in problems] == [
         "examples/train_gpt.py has no --no-such-flag option",
         "there is no examples/missing.py",
+        # --quick, --repeats and --json come from benchmarks/_common.py, which bench_search imports;
+        # --per-action-only is bench_vs_torch's own, a script bench_search imports too
+        "benchmarks/bench_search.py has no --per-action-only option",
         "there is no benchmarks/missing.sh",
         "python -m fpipe show",  # argparse: "python -m fpipe show: error: argument SCHEDULE: invalid choice"
         "python -m fpipe",  # "python -m fpipe: error: argument COMMAND: invalid choice: 'draw'"
