@@ -18,7 +18,7 @@ replicated parameters, in two modes timed A/B interleaved (one step of each in t
 
 Per rank it reports the median step time and the median exposed reduction time: the seconds the
 step spends, after its last action, waiting for the gradients' reduction and the loss's average
-(``ReplicatedStages.finish`` plus ``average_loss``, plus ``end_mean`` in ``end`` mode). Both
+(``ReplicatedStages.wait_reductions`` plus ``average_loss``, plus ``end_mean`` in ``end`` mode). Both
 modes' grads are checked bitwise equal.
 """
 
@@ -70,7 +70,7 @@ def measure(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any
     from fpipe import _run, _strategy
 
     timer = _Timer()
-    _run.ReplicatedStages.finish = timer.wrap(_run.ReplicatedStages.finish)  # type: ignore[method-assign]
+    _run.ReplicatedStages.wait_reductions = timer.wrap(_run.ReplicatedStages.wait_reductions)  # type: ignore[method-assign]
     _strategy.average_loss = timer.wrap(_strategy.average_loss)
     overlapping = _strategy.replica_mean
 

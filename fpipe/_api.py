@@ -564,7 +564,7 @@ class Step:
         (loss, aux, _), grads = self._run(self._order, params, batch, key=key, keep_outputs=False)
         # With a precision policy: unscaled and cast; under loss scaling, the next state and the skip, agreed.
         state = self._state
-        grads, state.loss_scale, state.last_skipped = self._strategy.finish(
+        grads, state.loss_scale, state.last_skipped = self._strategy.unscale(
             params, grads, self.local_stages, state.loss_scale
         )
         return ((loss, aux), grads) if self.has_aux else (loss, grads)

@@ -76,7 +76,7 @@ class LocalTransport:
     def exchange_result(self, result: PyTree) -> PyTree:
         return result
 
-    def finish(self) -> None:
+    def close(self) -> None:
         pass
 
     def abort(self, error: BaseException, action: Action | None) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -120,7 +121,7 @@ class Precision:
             passed). Complex leaves keep theirs.
         loss_scale: dynamic loss scaling (``fpipe.LossScale()``), for float16 compute only.
 
-    Example:
+    Examples:
         >>> import torch, fpipe
         >>> policy = fpipe.Precision(compute=torch.bfloat16, accumulate=torch.float32)
         >>> policy.accumulate
@@ -207,13 +208,28 @@ def check_params(precision: Precision, stage: int, stage_params: PyTree) -> None
             )
 
 
-def finish_grads(
+class CastGrads(NamedTuple):
+    """What ``unscale_and_cast`` returns."""
+
+    grads: list[PyTree]  # the returned gradients, one pytree per stage
+    found_inf_nan: bool  # whether any of this rank's is ``inf`` or ``nan`` (looked for only with a scale)
+
+
+class Unscaled(NamedTuple):
+    """What ``unscale`` (and ``Strategy.unscale``) returns."""
+
+    grads: list[PyTree]  # the returned gradients, one pytree per stage
+    loss_scale: LossScaleState | None  # the next loss scaling state (``None`` without loss scaling)
+    skipped: bool  # whether the step is skipped: some rank found an ``inf`` or ``nan``
+
+
+def unscale_and_cast(
     precision: Precision,
     params: Sequence[PyTree],
     grads: list[PyTree],
     local_stages: Sequence[int],
     scale: float | None,
-) -> tuple[list[PyTree], bool]:
+) -> CastGrads:
     """The returned gradients: the sums (in the accumulation dtype) divided by ``scale`` and cast
     to the returned dtype, and whether any of this rank's is ``inf`` or ``nan`` (only looked for
     with a ``scale``). For a DTensor gradient only this rank's local piece is looked at: the
@@ -232,30 +248,30 @@ def finish_grads(
                 found = found or (scale is not None and not bool(torch.isfinite(local(g)).all()))
             done.append(g)
         out[s] = unflatten(spec, done)
-    return out, found
+    return CastGrads(out, found)
 
 
-def finish_precision(
+def unscale(
     precision: Precision,
     params: Sequence[PyTree],
     grads: list[PyTree],
     local_stages: Sequence[int],
     state: LossScaleState | None,
     agree: Callable[[bool], bool],
-) -> tuple[list[PyTree], LossScaleState | None, bool]:
+) -> Unscaled:
     """The returned gradients, the next loss scaling state and whether the step is skipped.
 
-    The summed gradients are unscaled and cast (``finish_grads``); under loss scaling (``state``
+    The summed gradients are unscaled and cast (``unscale_and_cast``); under loss scaling (``state``
     given), ``agree(found)`` turns this rank's ``inf``/``nan`` finding into every rank's (NOTE [an
     agreed inf/nan check]; in one process it is the finding itself) and the state moves by the
     policy's rule. The state is returned, not kept: the caller holds it (``step.loss_scale``).
     """
     scaling = precision.loss_scale
-    grads, found = finish_grads(precision, params, grads, local_stages, None if state is None else state.scale)
+    grads, found = unscale_and_cast(precision, params, grads, local_stages, None if state is None else state.scale)
     if state is None or scaling is None:
-        return grads, state, False
+        return Unscaled(grads, state, False)
     skipped = agree(found)
-    return grads, scaling.update(state, skipped), skipped
+    return Unscaled(grads, scaling.update(state, skipped), skipped)
 
 
 def _positive_number(value: object) -> bool:

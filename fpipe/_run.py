@@ -107,8 +107,8 @@ class HeldStages(Protocol):
     def __contains__(self, stage: object) -> bool: ...
     def __iter__(self) -> Iterator[int]: ...
     def __len__(self) -> int: ...
-    def finish_stage(self, stage: int) -> None: ...
-    def finish(self) -> None: ...
+    def post_reduction(self, stage: int) -> None: ...
+    def wait_reductions(self) -> None: ...
     def grads(self, num_stages: int) -> list[PyTree]: ...
 
 
@@ -136,9 +136,9 @@ class ReplicatedStages(dict[int, StageRun]):
     """Stages with their full parameters (``HeldStages``): gradients stay where they are computed.
 
     Without ``reduce`` (one process, or no data-parallel replicas) nothing is reduced. With it,
-    ``finish_stage(s)`` posts the reduction of stage ``s``'s gradients as
+    ``post_reduction(s)`` posts the reduction of stage ``s``'s gradients as
     soon as its last action has run, so that it overlaps the rest of the pipeline, and
-    ``finish`` waits for them all (NOTE [reduction overlap] in fpipe/_distributed/_rank_step.py).
+    ``wait_reductions`` waits for them all (NOTE [reduction overlap] in fpipe/_distributed/_rank_step.py).
     A dict of the stages' runs, so that the executor's lookup of a stage, once per action, is
     no Python call.
     """
@@ -149,15 +149,15 @@ class ReplicatedStages(dict[int, StageRun]):
         self._grads: dict[int, PyTree] = {}  # with reduce: the gradients posted, by stage
         self._pending: list[Pending] = []
 
-    def finish_stage(self, stage: int) -> None:
+    def post_reduction(self, stage: int) -> None:
         """With ``reduce``, post the reduction of ``stage``'s gradients (else nothing to do yet)."""
         if self._reduce is not None:
             grads = self._grads[stage] = self[stage].grads()
             leaves = [g for g in flatten(grads)[0] if isinstance(g, torch.Tensor)]
             self._pending.append(self._reduce(stage, leaves))
 
-    def finish(self) -> None:
-        """Wait for the reductions ``finish_stage`` posted."""
+    def wait_reductions(self) -> None:
+        """Wait for the reductions ``post_reduction`` posted."""
         for pending in self._pending:
             pending.wait()
 
@@ -200,7 +200,7 @@ def interpret(
             executor.run(actions, times=marks if watch is not None else None, watch=watch)
             if not executor.forward_only:  # a forward-only run makes no gradient to reduce
                 for s in finished:
-                    runs.finish_stage(s)
+                    runs.post_reduction(s)
     if watch is None:
         return []
     flat = watch.seconds([m for pair in marks for m in pair])
@@ -220,7 +220,7 @@ class RunTransport(Transport, Protocol):
         """The last stage's ``result`` (``None`` where the last stage is held elsewhere), on every process."""
         ...
 
-    def finish(self) -> None:
+    def close(self) -> None:
         """Close the run once it succeeded: every message sent and read."""
         ...
 
@@ -286,7 +286,7 @@ def run(
             times = interpret(executor, runs, order, devices)
         mine = result(step, executor, explicit=explicit) if step.num_stages - 1 in step.local_stages else None
         loss, aux, outputs = transport.exchange_result(mine)
-        transport.finish()
+        transport.close()
         recording = active()
         if recording is not None:
             timeline = measured(order.program, order.actions, times, start)

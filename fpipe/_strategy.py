@@ -19,8 +19,8 @@ timeout) with its topology resolved once. With ``shard_params`` a run's strategy
 the full shapes ``step.shard`` recorded (``layouts``, part of the step's state: the step hands
 each run ``with_layouts`` of them).
 The collectives it needs are functions over its topology (fpipe/_distributed/_collectives.py):
-the global norm (``norm_over``) and, when it finishes a step's gradients under the precision
-policy (``finish``), loss scaling's inf/nan agreement (``any_inf_nan``), handed in.
+the global norm (``norm_over``) and, when it unscales a step's gradients under the precision
+policy (``unscale``), loss scaling's inf/nan agreement (``any_inf_nan``), handed in.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 from ._distributed import Topology, any_inf_nan, average_loss, norm_over, replica_mean
 from ._parallelism import Parallelism
-from ._precision import LossScaleState, Precision, check_params, finish_precision
+from ._precision import LossScaleState, Precision, Unscaled, check_params, unscale
 from ._pytree import PyTree, flatten, stage_list
 from ._run import HeldStages, Order, ReplicatedStages, StepView, stage_run
 from ._sharding import (
@@ -184,14 +184,14 @@ class Strategy:
         dims = ("pp", "tp", "dp") if self.shard_params else ("pp", "tp")  # replicas hold the same sums
         return norm_over(self.topology, dims, total, self.timeout)
 
-    def finish(
+    def unscale(
         self, params: Sequence[PyTree], grads: list[PyTree], local_stages: Sequence[int], state: LossScaleState | None
-    ) -> tuple[list[PyTree], LossScaleState | None, bool]:
+    ) -> Unscaled:
         """The returned gradients, the next loss scaling state and whether the step is skipped:
-        ``finish_precision`` (fpipe/_precision.py) with the inf/nan finding agreed over the mesh
+        ``unscale`` (fpipe/_precision.py) with the inf/nan finding agreed over the mesh
         (``any_inf_nan``, fpipe/_distributed/_collectives.py); ``(grads, state, False)`` as they
         are without a precision policy. The state is returned, never changed in place."""
         if self.precision is None:
-            return grads, state, False
+            return Unscaled(grads, state, False)
         agree = functools.partial(any_inf_nan, self.topology, self.timeout)
-        return finish_precision(self.precision, params, grads, local_stages, state, agree)
+        return unscale(self.precision, params, grads, local_stages, state, agree)

@@ -292,17 +292,17 @@ def _sum16(y: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def test_the_loss_scale_state_is_returned_not_kept() -> None:
-    """``finish_precision`` returns the next state and whether the step is skipped, as the agreement says."""
-    from fpipe._precision import finish_precision
+    """``unscale`` returns the next state and whether the step is skipped, as the agreement says."""
+    from fpipe._precision import unscale
 
     policy = fpipe.Precision(compute=torch.float16, loss_scale=fpipe.LossScale(init=4.0, interval=1))
     params = [{"w": torch.ones(2, dtype=torch.float16)}]
     state = policy.loss_scale.start() if policy.loss_scale is not None else None
     grads = [{"w": torch.full((2,), 8.0)}]
-    out, after, skipped = finish_precision(policy, params, grads, [0], state, lambda found: found)
+    out, after, skipped = unscale(policy, params, grads, [0], state, lambda found: found)
     assert torch.equal(out[0]["w"], torch.full((2,), 2.0, dtype=torch.float16)) and not skipped
     assert after == fpipe.LossScaleState(8.0, 0) and state == fpipe.LossScaleState(4.0, 0)
-    _, after, skipped = finish_precision(policy, params, grads, [0], state, lambda found: True)  # another rank's inf
+    _, after, skipped = unscale(policy, params, grads, [0], state, lambda found: True)  # another rank's inf
     assert skipped and after == fpipe.LossScaleState(2.0, 0)
 
 

@@ -37,17 +37,17 @@ def test_in_one_process_it_builds_replicated_stages_and_agrees_with_itself() -> 
     assert torch.equal(strategy.global_norm([0, 2], grads), torch.tensor(5.0, dtype=torch.float64))
 
 
-def test_finish_agrees_with_itself_in_one_process_and_returns_the_next_state() -> None:
+def test_unscale_agrees_with_itself_in_one_process_and_returns_the_next_state() -> None:
     """Without a policy the grads pass as they are; under loss scaling the inf/nan finding is this
     process's own (``any_inf_nan`` with no topology) and the next state is returned, a new value."""
     params, grads = [torch.ones(2, dtype=torch.float16)], [torch.tensor([2.0, 4.0])]
-    assert _strategy().finish(params, grads, [0], None) == (grads, None, False)
+    assert _strategy().unscale(params, grads, [0], None) == (grads, None, False)
     strategy = _strategy(precision=fpipe.Precision(loss_scale=fpipe.LossScale(init=2.0, interval=1)))
     state = fpipe.LossScaleState(2.0, 0)
-    finished, after, skipped = strategy.finish(params, grads, [0], state)
-    assert torch.equal(finished[0], torch.tensor([1.0, 2.0], dtype=torch.float16)) and not skipped
+    unscaled, after, skipped = strategy.unscale(params, grads, [0], state)
+    assert torch.equal(unscaled[0], torch.tensor([1.0, 2.0], dtype=torch.float16)) and not skipped
     assert after == fpipe.LossScaleState(4.0, 0) and state == fpipe.LossScaleState(2.0, 0)
-    _, after, skipped = strategy.finish(params, [torch.tensor([float("inf"), 0.0])], [0], state)
+    _, after, skipped = strategy.unscale(params, [torch.tensor([float("inf"), 0.0])], [0], state)
     assert skipped and after == fpipe.LossScaleState(1.0, 0)
 
 

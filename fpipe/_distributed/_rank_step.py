@@ -86,7 +86,7 @@ def run_distributed(
         runs = strategy.held_stages(step, order, params)
         loss, aux, outputs = _run_row(step, order, topology, wire, runs, agreed, keep_outputs)
         if not order.forward_only:
-            runs.finish()
+            runs.wait_reductions()
         if topology.data_group is not None:
             loss = strategy.reduce_loss(loss)  # over the replicas, as the strategy reduces grads
         grads: list[PyTree] = []
@@ -457,7 +457,7 @@ def average_loss(topology: Topology, loss: torch.Tensor, timeout: float, *, divi
 # With data-parallel replicas, a stage's gradients are final once its last backward (or weight
 # gradient) action has run; ``replica_mean`` posts their all-reduce right then (one per dtype,
 # async), so that it runs while this rank goes on with its other stages' actions, and the step
-# waits for them all only before it returns (``ReplicatedStages.finish``); the loss is averaged
+# waits for them all only before it returns (``ReplicatedStages.wait_reductions``); the loss is averaged
 # after that (``average_loss``). Sharded runs do the same with reduce-scatters
 # (fpipe/_sharding/_stages.py). Each replica runs the same row, so every replica posts the same
 # stages in the same order. The sums are those of the one all-reduce at the end that this

@@ -128,7 +128,7 @@ def confirmed(read_at: Sequence[int], sent_at: Sequence[int]) -> list[int]:
 # receives before it sends (``confirmed``). Once this rank has read a message that the peer sent
 # at position ``k`` of its row, every message the peer needed at ``k`` or before has arrived, and
 # waiting for its send returns at once (``_release``, as each message is read); the sends no
-# later message confirms are waited for at the end of the step (``finish``). In 1F1B on 2 ranks
+# later message confirms are waited for at the end of the step (``close``). In 1F1B on 2 ranks
 # an activation is so let go at its microbatch's backward (its cotangent confirms it), when the
 # pullback lets go of the output too, and the last rank holds two cotangents at most, where both
 # kept every send to the end of the step (notes/benchmarks.md, "Bytes held per rank").
@@ -234,7 +234,7 @@ class DistributedTransport:
         self._seconds = timeout
         self._local: dict[Key, PyTree] = {}
         self._errors: list[tuple[Any, torch.Tensor]] = []  # ``abort``'s ERROR metas, never waited for
-        self._concluded = False  # whether this step's closing all-gather has run (``finish``)
+        self._concluded = False  # whether this step's closing all-gather has run (``close``)
         routes, self._needed = plan(program, self.me, send_microbatches)
         self._now = -1  # the position of the action that needed the message read last
         self._in_order = topology.device.type != "cpu"  # NOTE [receives ahead in stream order]
@@ -285,7 +285,7 @@ class DistributedTransport:
             return result
         return self._recv(holder, ("result", self.last, 0))
 
-    def finish(self) -> None:
+    def close(self) -> None:
         """Agree with every rank that the step succeeded, then wait for this step's sends; every
         expected message must have been read.
 

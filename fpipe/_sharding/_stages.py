@@ -86,8 +86,8 @@ class ShardedStages(Mapping[int, StageRun]):
     NOTE [regather]).
 
     Looking stage ``s`` up the first time waits for its all-gather and builds its ``StageRun``;
-    ``finish_stage(s)`` reduce-scatters its gradients and drops it; ``finish`` waits for all of
-    them (on a failed replica, joining the ones not posted yet with zeros).
+    ``post_reduction(s)`` reduce-scatters its gradients and drops it; ``wait_reductions`` waits
+    for all of them (on a failed replica, joining the ones not posted yet with zeros).
     """
 
     def __init__(
@@ -112,7 +112,7 @@ class ShardedStages(Mapping[int, StageRun]):
         self._regather = regather
         self._divide = divide  # average the replicas' gradients (else sum them: weight_fn)
         first_use = list(dict.fromkeys(action.stage for _, action in order))
-        self._finish_order = [s for _, done in segments(order) for s in done]
+        self._reduction_order = [s for _, done in segments(order) for s in done]
         # With regather, a gather is posted only when its stage is needed (NOTE [regather]).
         self._gathers = {} if regather else {s: self._gather(s) for s in first_use}
         self._runs: dict[int, StageRun] = {}
@@ -167,7 +167,7 @@ class ShardedStages(Mapping[int, StageRun]):
     def __len__(self) -> int:
         return len(self._layouts)
 
-    def finish_stage(self, stage: int) -> None:
+    def post_reduction(self, stage: int) -> None:
         """Post the reduce-scatter of ``stage``'s gradients; free its full parameters and gradients."""
         run = self._runs.pop(stage, None)
         grads = None if run is None else run.grads()
@@ -175,11 +175,11 @@ class ShardedStages(Mapping[int, StageRun]):
         self._full.pop(stage, None)
         self._reductions[stage] = ReduceScatter(self.dp, stage, grads, self._grad_layouts[stage], divide=self._divide)
 
-    def finish(self) -> None:
+    def wait_reductions(self) -> None:
         """Wait for every reduce-scatter: the gradients are averaged (a replica that fails does
         not join: the failure board fails the others, NOTE [failure board] in
         fpipe/_distributed/_faults.py)."""
-        for stage in self._finish_order:
+        for stage in self._reduction_order:
             self._grads[stage] = self._reductions.pop(stage).wait()
 
     def grads(self, num_stages: int) -> list[PyTree]:
