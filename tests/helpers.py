@@ -37,7 +37,7 @@ def assert_bitwise(actual: Any, expected: Any, context: str = "") -> None:
     a float or complex leaf in its bits too; any other leaf by ``==``. ``context`` starts the
     failure message, which names the key path of the first leaf that differs.
     """
-    a_paths, a_leaves, a_spec = optree.tree_flatten_with_path(actual, none_is_leaf=True)
+    a_leaves, a_spec = optree.tree_flatten(actual, none_is_leaf=True)
     e_paths, e_leaves, e_spec = optree.tree_flatten_with_path(expected, none_is_leaf=True)
     where = f"{context}: " if context else ""
     assert a_spec == e_spec, f"{where}the structures differ: {a_spec} and {e_spec}"
@@ -76,7 +76,8 @@ def _assert_same_bits(a: Any, e: Any, where: str) -> None:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t``'s elements on the CPU, one row per element (``numel x itemsize``)."""
-    values = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    values = torch.empty(t.numel(), dtype=t.dtype, device=t.device)  # stride 1, whatever t's strides
+    values.copy_(t.detach().resolve_conj().resolve_neg().reshape(-1))
     return values.view(torch.uint8).reshape(values.numel(), t.element_size()).cpu()
 
 
@@ -128,3 +129,55 @@ def reference(loss_fn: Callable[[Any, Any], Any], stages: Sequence[Any], params:
 def some_stage_count(entry: Conformance, at_least: int) -> int:
     """The smallest stage count of a conformance entry that is at least ``at_least``."""
     return min(s for s in entry.stage_counts if s >= at_least)
+
+
+# --- A model with a leaf of every kind: complex, int and string activations ---------------------
+# (tests/test_distributed.py, tests/test_evaluate.py: what crosses a wire between ranks)
+
+MIXED_WIDTH, MIXED_VOCAB = 4, 11
+MIXED_BATCH_DIMS = {"tokens": 0, "pos": 0, "freqs": None, "tag": None, "target": 0}
+
+
+def mixed_first(p: dict[str, torch.Tensor], mb: dict[str, Any]) -> dict[str, Any]:
+    """An embedding turned complex and rotated by the batch's ``freqs``, then ``mixed_block``."""
+    h = p["emb"][mb["tokens"]]
+    z = torch.view_as_complex(h.reshape(*h.shape[:-1], MIXED_WIDTH // 2, 2)) * mb["freqs"]
+    return mixed_block(p, {"z": z, "pos": mb["pos"], "tag": mb["tag"]})
+
+
+def mixed_block(p: dict[str, torch.Tensor], x: dict[str, Any]) -> dict[str, Any]:
+    """A tanh layer on the complex ``z`` read as real, nudged by the int positions; ``tag`` passes on."""
+    h = torch.view_as_real(x["z"]).flatten(-2)
+    h = torch.tanh(h @ p["w"]) + 0.01 * x["pos"].unsqueeze(-1).to(h.dtype)
+    assert x["tag"] == "batch" and x["pos"].dtype == torch.int64
+    return {"z": torch.view_as_complex(h.reshape(*h.shape[:-1], MIXED_WIDTH // 2, 2)), "pos": x["pos"], "tag": x["tag"]}
+
+
+def mixed_loss(y: dict[str, Any], mb: dict[str, Any]) -> torch.Tensor:
+    h = torch.view_as_real(y["z"]).flatten(-2)
+    return ((h - mb["target"]) ** 2).mean()
+
+
+def mixed_model(num_stages: int) -> tuple[list[Any], list[dict[str, torch.Tensor]]]:
+    """``(stages, params)``: ``mixed_first`` then ``mixed_block``s, float64 weights of seed 0."""
+    g = torch.Generator().manual_seed(0)
+    params = [
+        {"w": torch.randn(MIXED_WIDTH, MIXED_WIDTH, generator=g, dtype=torch.float64) / 2} for _ in range(num_stages)
+    ]
+    params[0]["emb"] = torch.randn(MIXED_VOCAB, MIXED_WIDTH, generator=g, dtype=torch.float64)
+    return [mixed_first] + [mixed_block] * (num_stages - 1), params
+
+
+def mixed_batch(length: int, seed: int = 1, size: int = 10) -> dict[str, Any]:
+    """``size`` sequences of ``length`` tokens, their positions, a rotary table, a tag and targets."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "tokens": torch.randint(0, MIXED_VOCAB, (size, length), generator=g),
+        "pos": torch.arange(length).expand(size, length).clone(),
+        "freqs": torch.polar(
+            torch.ones(length, MIXED_WIDTH // 2, dtype=torch.float64),
+            torch.rand(length, MIXED_WIDTH // 2, generator=g, dtype=torch.float64),
+        ),
+        "tag": "batch",
+        "target": torch.randn(size, length, MIXED_WIDTH, generator=g, dtype=torch.float64),
+    }

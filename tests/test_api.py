@@ -13,12 +13,12 @@ from typing import Any
 import optree
 import pytest
 import torch
-from test_transparency import assert_close, reference, some_stage_count
 from torch import nn
 
 import fpipe
 from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB, Program, ScheduleError
 from tests.conformance import CONFORMANCE, Conformance
+from tests.helpers import assert_bitwise, assert_close, reference, some_stage_count
 
 GPIPE, ZERO_BUBBLE_H1 = (next(e for e in CONFORMANCE if e.name == name) for name in ("GPipe", "ZeroBubbleH1"))
 
@@ -175,8 +175,8 @@ def test_result_does_not_depend_on_grad_mode(mode: Callable[[], AbstractContextM
     loss, grads = step(params, batch)
     with mode():
         loss_in_mode, grads_in_mode = step(params, batch)
-    assert torch.equal(loss, loss_in_mode)
-    assert all(torch.equal(a["w"], b["w"]) and not b["w"].is_inference() for a, b in zip(grads, grads_in_mode))
+    assert_bitwise((loss, grads), (loss_in_mode, grads_in_mode))
+    assert not any(b["w"].is_inference() for b in grads_in_mode)
 
 
 def test_loss_is_a_plain_tensor_under_inference_mode() -> None:
@@ -195,8 +195,7 @@ def test_repeated_calls_are_bitwise_identical() -> None:
     loss, grads = step(params, batch)
     for _ in range(2):
         again_loss, again_grads = step(params, batch)
-        assert torch.equal(loss, again_loss)
-        assert all(torch.equal(a["w"], b["w"]) for a, b in zip(grads, again_grads))
+        assert_bitwise((again_loss, again_grads), (loss, grads))
 
 
 def test_schedules_agree_bitwise() -> None:
@@ -215,8 +214,7 @@ def test_schedules_agree_bitwise() -> None:
         results[entry.name] = step(params, batch)
     loss, grads = results.pop("GPipe")
     for name, (other_loss, other_grads) in results.items():
-        assert torch.equal(loss, other_loss), name
-        assert all(torch.equal(a["w"], b["w"]) for a, b in zip(grads, other_grads)), name
+        assert_bitwise((other_loss, other_grads), (loss, grads), name)
 
 
 def test_schedules_agree_bitwise_when_a_cotangent_is_an_expansion() -> None:
@@ -244,8 +242,7 @@ def test_schedules_agree_bitwise_when_a_cotangent_is_an_expansion() -> None:
     }
     loss, grads = results.pop("fused")
     for name, (other_loss, other_grads) in results.items():
-        assert torch.equal(loss, other_loss), name
-        assert all(torch.equal(a, b) for a, b in zip(grads, other_grads)), name
+        assert_bitwise((other_loss, other_grads), (loss, grads), name)
 
 
 def test_an_activation_crosses_a_boundary_contiguous_as_over_the_wire() -> None:
@@ -269,8 +266,7 @@ def test_an_activation_crosses_a_boundary_contiguous_as_over_the_wire() -> None:
     batch = {"x": torch.randn(32, 64), "y": torch.randn(32)}
     loss, grads = fpipe.pipeline(loss_fn, [transposed, second], GPipe(2))(params, batch)
     expected_loss, expected_grads = fpipe.pipeline(loss_fn, [contiguous, second], GPipe(2))(params, batch)
-    assert torch.equal(loss, expected_loss)
-    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+    assert_bitwise((loss, grads), (expected_loss, expected_grads))
 
 
 # --- Errors raised during a step -----------------------------------------------------------------
@@ -477,8 +473,7 @@ def test_one_element_loss_counts_as_a_scalar() -> None:
     step = fpipe.pipeline(lambda y, mb: carry_loss(y, mb).reshape(1), [carry] * 2, GPipe(3))
     loss, grads = step(params, batch)
     expected_loss, expected_grads = fpipe.pipeline(carry_loss, [carry] * 2, GPipe(3))(params, batch)
-    assert loss.shape == () and torch.equal(loss, expected_loss)
-    assert all(torch.equal(a["w"], b["w"]) for a, b in zip(grads, expected_grads))
+    assert_bitwise((loss, grads), (expected_loss, expected_grads))  # the shape () included
 
 
 def test_params_must_be_one_pytree_per_stage() -> None:
@@ -637,7 +632,7 @@ def test_a_module_whose_forward_takes_params_and_x_is_a_stage() -> None:
     params, batch = carry_params(2), carry_batch()
     loss, grads = fpipe.pipeline(carry_loss, [_CarryModule(), carry], GPipe(2))(params, batch)
     expected_loss, expected_grads = fpipe.pipeline(carry_loss, [carry, carry], GPipe(2))(params, batch)
-    assert torch.equal(loss, expected_loss) and all(torch.equal(g["w"], e["w"]) for g, e in zip(grads, expected_grads))
+    assert_bitwise((loss, grads), (expected_loss, expected_grads))
 
 
 def test_deadlocking_program_fails_when_wrapped() -> None:
@@ -679,8 +674,7 @@ def test_aux_is_gathered_over_microbatches() -> None:
     assert_close(loss, (aux["loss"] * torch.tensor([3, 3, 2, 2]) / 10).sum())
 
     plain_loss, plain_grads = fpipe.pipeline(carry_loss, [carry] * 2, OneFOneB(num_microbatches=4))(params, batch)
-    assert torch.equal(loss, plain_loss)
-    assert all(torch.equal(a["w"], b["w"]) for a, b in zip(grads, plain_grads))
+    assert_bitwise((loss, grads), (plain_loss, plain_grads))
 
 
 def test_aux_tensor_that_changes_shape_is_an_error() -> None:
@@ -813,10 +807,8 @@ def test_recompute_is_bitwise_transparent(entry: Conformance) -> None:
         torch.manual_seed(3)
         step = fpipe.pipeline(carry_loss, stages, entry.make(num_stages, num_microbatches), recompute=recompute)
         results.append(step(params, batch))
-    for loss, grads in results[1:]:
-        assert torch.equal(loss, results[0][0])
-        for a, b in zip(grads, results[0][1]):
-            assert torch.equal(a["w"], b["w"])
+    for result in results[1:]:
+        assert_bitwise(result, results[0])
 
 
 def saved_bytes_peak(recompute: bool) -> int:

@@ -10,14 +10,24 @@ import optree
 import pytest
 import torch
 import torch.distributed as dist
-from test_transparency import assert_close, compose, some_stage_count
 
 import fpipe
 from fpipe.schedules import GPipe, OneFOneB, Program, ScheduleError
 from fpipe.schedules._program import forward_only
 from tests._multiprocess import run_ranks
 from tests.conformance import CONFORMANCE, Conformance
-from tests.test_distributed import BATCH_DIMS, RUNS, _batch, _block, _first, _loss, _model
+from tests.helpers import (
+    MIXED_BATCH_DIMS,
+    assert_bitwise,
+    assert_close,
+    compose,
+    mixed_batch,
+    mixed_block,
+    mixed_first,
+    mixed_loss,
+    mixed_model,
+    some_stage_count,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -44,8 +54,8 @@ def test_evaluate_equals_training_and_the_unsplit_model(entry: Conformance) -> N
     step = fpipe.pipeline(loss_fn, [layer] * num_stages, entry.make(num_stages, 4))
     loss, outputs = step.evaluate(params, batch, outputs=True)
     trained, _ = step(params, batch)
-    assert torch.equal(loss, trained)  # the same forwards, weights and order of the sum
-    assert torch.equal(step.evaluate(params, batch), loss)
+    assert_bitwise(loss, trained)  # the same forwards, weights and order of the sum
+    assert_bitwise(step.evaluate(params, batch), loss)
     unsplit = compose([layer] * num_stages)(params, batch)
     assert_close(outputs, unsplit)
     assert_close(loss, loss_fn(unsplit, batch))
@@ -57,8 +67,7 @@ def test_outputs_are_the_microbatches_outputs_in_example_order() -> None:
     step = fpipe.pipeline(loss_fn, [layer, layer], OneFOneB(4))  # microbatches of 3, 3, 2, 2
     _, outputs = step.evaluate(params, batch, outputs=True)
     pieces = [compose([layer, layer])(params, {k: v[a:b] for k, v in batch.items()}) for a, b in _cuts(3, 3, 2, 2)]
-    assert torch.equal(outputs["h"], torch.cat([p["h"] for p in pieces]))
-    assert torch.equal(outputs["target"], batch["target"])
+    assert_bitwise(outputs, {"h": torch.cat([p["h"] for p in pieces]), "target": batch["target"]})
 
 
 def _cuts(*sizes: int) -> list[tuple[int, int]]:
@@ -74,7 +83,8 @@ def test_aux_and_outputs() -> None:
     step = fpipe.pipeline(with_aux, [layer, layer], GPipe(3), has_aux=True)
     ((loss, aux), outputs) = step.evaluate(params, batch, outputs=True)
     ((trained, trained_aux), _) = step(params, batch)
-    assert torch.equal(loss, trained) and aux == trained_aux == {"n": (2, 2, 2)}
+    assert_bitwise((loss, aux), (trained, trained_aux))
+    assert aux == {"n": (2, 2, 2)}
     assert outputs["h"].shape == (6, D)
 
 
@@ -179,7 +189,8 @@ def test_scalar_outputs_cannot_be_stitched() -> None:
 
 # --- Distributed ---------------------------------------------------------------------------------
 
-TWO_RANKS = {name: run for name, run in RUNS.items() if run[0] == 2}
+# name -> (ranks, schedule, stages): every entry of the conformance list at its sizes on 2 ranks
+TWO_RANKS = {f"{e.name}-{p}x{S}": (p, e.make(S, M), S) for e in CONFORMANCE for p, S, M in e.ranks if p == 2}
 
 
 def _own(tree: Any) -> Any:
@@ -191,42 +202,46 @@ def _own(tree: Any) -> Any:
 def _evaluate_ranks(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (_, schedule, num_stages) in TWO_RANKS.items():
-        stages, params = _model(num_stages)
+        stages, params = mixed_model(num_stages)
         step = fpipe.pipeline(
-            _loss,
+            mixed_loss,
             stages,
             schedule,
-            batch_dims=BATCH_DIMS,
+            batch_dims=MIXED_BATCH_DIMS,
             parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=30),
         )
         mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
         has = rank == step.program.placement()[0]
-        evaluated = step.evaluate(mine, _batch(5) if has else None, outputs=True)
-        trained, _ = step(mine, _batch(5) if has else None)
-        out[name] = (_own(evaluated), trained, step.evaluate(mine, _batch(7) if has else None))
-    stages, params = _model(2)
+        evaluated = step.evaluate(mine, mixed_batch(5) if has else None, outputs=True)
+        trained, _ = step(mine, mixed_batch(5) if has else None)
+        out[name] = (_own(evaluated), trained, step.evaluate(mine, mixed_batch(7) if has else None))
+    stages, params = mixed_model(2)
     step = fpipe.pipeline(
-        _loss, stages, GPipe(4), batch_dims=BATCH_DIMS, parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=20)
+        mixed_loss,
+        stages,
+        GPipe(4),
+        batch_dims=MIXED_BATCH_DIMS,
+        parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=20),
     )
     mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
     with pytest.raises(ValueError) as info:  # 3 examples cannot make 4 microbatches
-        step.evaluate(mine, _batch(5, size=3) if rank == 0 else None)
+        step.evaluate(mine, mixed_batch(5, size=3) if rank == 0 else None)
     out["bad batch"] = str(info.value)
 
     def broken(p: Any, x: Any) -> Any:
         if x["pos"].shape[0] == 2:  # microbatch 2 of 10 examples in 4: 3, 3, 2, 2
             raise RuntimeError("boom")
-        return _block(p, x)
+        return mixed_block(p, x)
 
     failing = fpipe.pipeline(
-        _loss,
-        [_first, broken],
+        mixed_loss,
+        [mixed_first, broken],
         GPipe(4),
-        batch_dims=BATCH_DIMS,
+        batch_dims=MIXED_BATCH_DIMS,
         parallel=fpipe.Parallelism(group=dist.group.WORLD, timeout=20),
     )
     with pytest.raises(fpipe.PipelineError) as failed:
-        failing.evaluate(mine, _batch(5) if rank == 0 else None)
+        failing.evaluate(mine, mixed_batch(5) if rank == 0 else None)
     out["stage raised"] = (str(failed.value), failed.value.rank)
     return out
 
@@ -234,15 +249,15 @@ def _evaluate_ranks(rank: int, world: int) -> dict[str, Any]:
 def test_distributed_evaluate_equals_local_bitwise_on_every_rank() -> None:
     results = run_ranks(2, _evaluate_ranks, timeout=150)
     for name, (_, schedule, num_stages) in TWO_RANKS.items():
-        stages, params = _model(num_stages)
-        step = fpipe.pipeline(_loss, stages, schedule, batch_dims=BATCH_DIMS)
-        loss, outputs = step.evaluate(params, _batch(5), outputs=True)
+        stages, params = mixed_model(num_stages)
+        step = fpipe.pipeline(mixed_loss, stages, schedule, batch_dims=MIXED_BATCH_DIMS)
+        loss, outputs = step.evaluate(params, mixed_batch(5), outputs=True)
         for out in results:
             (d_loss, d_outputs), trained, longer = out[name]
-            assert torch.equal(d_loss, loss) and torch.equal(trained, loss), name
-            assert torch.equal(d_outputs["z"], outputs["z"]) and torch.equal(d_outputs["pos"], outputs["pos"])
+            assert_bitwise((d_loss, trained), (loss, loss), name)
+            assert_bitwise(d_outputs, outputs, name)
             assert d_outputs["tag"] == ("batch",) * schedule.num_microbatches
-            assert torch.equal(longer, step.evaluate(params, _batch(7))), name
+            assert_bitwise(longer, step.evaluate(params, mixed_batch(7)), name)
     first, second = results
     assert "a batch of 3 cannot be split into 4 microbatches" in first["bad batch"]
     assert "rank(s) [0] rejected" in second["bad batch"]
@@ -254,29 +269,31 @@ def _mesh_evaluate(rank: int, world: int, shard_params: bool) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    stages, params = _model(2)
+    stages, params = mixed_model(2)
     step = fpipe.pipeline(
-        _loss,
+        mixed_loss,
         stages,
         OneFOneB(3),
-        batch_dims=BATCH_DIMS,
+        batch_dims=MIXED_BATCH_DIMS,
         parallel=fpipe.Parallelism(mesh=mesh, shard_params=shard_params, timeout=30),
     )
     params = [p if s in step.local_stages else None for s, p in enumerate(params)]
     if shard_params:  # each rank holds its shards; evaluate gathers each stage for its forwards
         params = step.shard(params)
     replica = mesh.get_coordinate()[0]
-    return replica, _own(step.evaluate(params, _batch(6, seed=10 + replica) if step.rank == 0 else None, outputs=True))
+    return replica, _own(
+        step.evaluate(params, mixed_batch(6, seed=10 + replica) if step.rank == 0 else None, outputs=True)
+    )
 
 
 @pytest.mark.parametrize("shard_params", [False, True])
 def test_data_parallel_evaluate_averages_the_loss_and_keeps_each_replicas_outputs(shard_params: bool) -> None:
-    stages, params = _model(2)
-    step = fpipe.pipeline(_loss, stages, OneFOneB(3), batch_dims=BATCH_DIMS)
-    local = [step.evaluate(params, _batch(6, seed=10 + r), outputs=True) for r in range(2)]
+    stages, params = mixed_model(2)
+    step = fpipe.pipeline(mixed_loss, stages, OneFOneB(3), batch_dims=MIXED_BATCH_DIMS)
+    local = [step.evaluate(params, mixed_batch(6, seed=10 + r), outputs=True) for r in range(2)]
     for replica, (loss, outputs) in run_ranks(4, _mesh_evaluate, shard_params):
-        assert torch.equal(loss, (local[0][0] + local[1][0]) / 2)
-        assert torch.equal(outputs["z"], local[replica][1]["z"])
+        assert_bitwise(loss, (local[0][0] + local[1][0]) / 2)
+        assert_bitwise(outputs["z"], local[replica][1]["z"])
 
 
 def test_a_recorded_evaluation_times_the_forwards_alone() -> None:

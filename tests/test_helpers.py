@@ -66,6 +66,7 @@ def test_equal_bits_are_equal_whatever_the_layout() -> None:
     Pair = collections.namedtuple("Pair", "first second")
     tree = {
         "strided": x.t(),
+        "one element, stride 2": x[0, ::2][:1],
         "scalar": torch.tensor(3.5),
         "empty": torch.empty(0, 3),
         "mask": torch.tensor([True, False]),

@@ -10,7 +10,7 @@ must equal GPipe bitwise, so a new schedule is tested the moment it is listed th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -24,53 +24,7 @@ from torch import nn
 import fpipe
 from fpipe.schedules import GPipe, OneFOneB
 from tests.conformance import CONFORMANCE, Conformance
-
-TOLERANCE = 1e-10
-
-
-# --- The conformance list ---------------------------------------------------------------------
-
-
-def some_stage_count(entry: Conformance, at_least: int) -> int:
-    """The smallest stage count of ``entry`` that is at least ``at_least``."""
-    return min(s for s in entry.stage_counts if s >= at_least)
-
-
-# --- The oracle ---------------------------------------------------------------------------------
-
-
-def compose(stages: Sequence[Callable[[Any, Any], Any]]) -> Callable[[Sequence[Any], Any], Any]:
-    """The unsplit model: ``stages[-1](params[-1], ... stages[0](params[0], batch))``."""
-
-    def model(params: Sequence[Any], batch: Any) -> Any:
-        x = batch
-        for stage, p in zip(stages, params):
-            x = stage(p, x)
-        return x
-
-    return model
-
-
-def reference(loss_fn: Callable[[Any, Any], Any], stages: Sequence[Any], params: list[Any], batch: Any) -> Any:
-    """``(loss, grads)`` of the unsplit model on the whole batch."""
-    grads, loss = torch.func.grad_and_value(lambda p, b: loss_fn(compose(stages)(p, b), b))(params, batch)
-    return loss, grads
-
-
-def assert_close(actual: Any, expected: Any, tolerance: float = TOLERANCE, *, context: str = "") -> None:
-    """Same pytree structure, dtypes and shapes; every tensor leaf within ``tolerance`` relative error."""
-    a_leaves, a_spec = optree.tree_flatten(actual, none_is_leaf=True)
-    e_leaves, e_spec = optree.tree_flatten(expected, none_is_leaf=True)
-    assert a_spec == e_spec, context
-    for a, e in zip(a_leaves, e_leaves):
-        if not isinstance(e, torch.Tensor):
-            assert a == e, context
-            continue
-        assert isinstance(a, torch.Tensor), context
-        assert (a.dtype, a.shape) == (e.dtype, e.shape), context
-        error = torch.linalg.vector_norm(a - e)
-        assert error <= tolerance * torch.linalg.vector_norm(e), f"{context}: relative error {error / e.norm()}"
-
+from tests.helpers import assert_bitwise, assert_close, reference, some_stage_count
 
 # --- A model over random batch pytrees ----------------------------------------------------------
 
@@ -344,8 +298,7 @@ def check_transparency(
         assert_close(aux["loss"] @ torch.tensor(sizes, dtype=aux["loss"].dtype) / batch_size, loss, context=context)
     gpipe_loss, gpipe_grads = run(GPipe(num_microbatches), ())
     gpipe_loss = gpipe_loss[0] if has_aux else gpipe_loss
-    assert torch.equal(loss, gpipe_loss), context
-    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(grads), optree.tree_leaves(gpipe_grads))), context
+    assert_bitwise((loss, grads), (gpipe_loss, gpipe_grads), context)
 
 
 @pytest.mark.parametrize("entry", CONFORMANCE, ids=str)

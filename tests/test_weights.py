@@ -13,12 +13,12 @@ import optree
 import pytest
 import torch
 import torch.distributed as dist
-from test_transparency import assert_close, some_stage_count
 
 import fpipe
 from fpipe.schedules import GPipe, OneFOneB
 from tests._multiprocess import run_ranks
 from tests.conformance import CONFORMANCE, Conformance
+from tests.helpers import assert_bitwise, assert_close, some_stage_count
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -85,7 +85,7 @@ def test_weight_fn_gives_the_per_token_mean(entry: Conformance) -> None:
     expected_loss, expected_grads = per_token_reference(params, [batch])
     assert_close(loss, expected_loss)
     assert_close(grads, expected_grads)
-    assert torch.equal(step.evaluate(params, batch), loss)
+    assert_bitwise(step.evaluate(params, batch), loss)
     # Weighting by examples would not give it: the sequences' lengths differ a lot.
     by_examples, _ = fpipe.pipeline(token_mean, [block] * num_stages, GPipe(4))(params, padded(LENGTHS[2:]))
     assert not torch.allclose(by_examples, per_token_reference(params, [padded(LENGTHS[2:])])[0])
@@ -121,7 +121,7 @@ def test_explicit_microbatches_weigh_by_examples(entry: Conformance) -> None:
     assert_close(loss, expected_loss)
     assert_close(grads, expected_grads)
     evaluated, outputs = step.evaluate(params, batch, outputs=True)
-    assert torch.equal(evaluated, loss)
+    assert_bitwise(evaluated, loss)
     assert isinstance(outputs, list) and len(outputs) == 4
     for y, mb in zip(outputs, batch.microbatches):
         assert_close(y, unsplit(params, mb))
@@ -141,8 +141,9 @@ def test_a_split_function_is_explicit_microbatches() -> None:
     reference = fpipe.pipeline(token_mean, [block] * 2, OneFOneB(4))
     loss, grads = step(params, list(explicit.microbatches))
     expected_loss, expected_grads = reference(params, explicit)
-    assert torch.equal(loss, expected_loss) and all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
-    assert torch.equal(step.evaluate(params, list(explicit.microbatches)), expected_loss) and seen == [4, 4]
+    assert_bitwise((loss, grads), (expected_loss, expected_grads))
+    assert_bitwise(step.evaluate(params, list(explicit.microbatches)), expected_loss)
+    assert seen == [4, 4]
     with pytest.raises(TypeError, match=r"split must be callable, split\(batch, num_microbatches\)"):
         fpipe.pipeline(token_mean, [block] * 2, OneFOneB(4), split=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="the batch has 3 microbatches but the schedule runs 4"):
@@ -250,12 +251,12 @@ def test_distributed_weights_and_microbatches_equal_local_bitwise() -> None:
         e_loss, outputs = plain.evaluate(params, microbatches, outputs=True)
         for out in results:
             (d_loss, d_grads), (dp_loss, dp_grads), (de_loss, d_outputs) = out[name]
-            assert torch.equal(d_loss, loss) and torch.equal(dp_loss, p_loss) and torch.equal(de_loss, e_loss), name
-            for s, g in enumerate(d_grads):
-                assert g is None or torch.equal(g, grads[s]), name
-            for s, g in enumerate(dp_grads):
-                assert g is None or torch.equal(g, p_grads[s]), name
-            assert all(torch.equal(a["h"], b["h"]) for a, b in zip(d_outputs, outputs, strict=True))
+            assert_bitwise((d_loss, dp_loss, de_loss), (loss, p_loss, e_loss), name)
+            for got, expected in [(d_grads, grads), (dp_grads, p_grads)]:
+                for s, (g, e) in enumerate(zip(got, expected, strict=True)):
+                    if g is not None:  # a stage this rank holds
+                        assert_bitwise(g, e, f"{name}, stage {s}")
+            assert_bitwise(d_outputs, outputs, name)
     first, second = results
     assert "weight_fn counts 0 in every microbatch" in first["no tokens"] and first["no tokens"] == second["no tokens"]
     assert "the batch has 3 microbatches but the schedule runs 4" in first["too few"]
