@@ -1,13 +1,17 @@
-"""Shared test settings: float64 and a fixed seed by default, and a fast hypothesis profile."""
+"""Shared test settings: float64 and a fixed seed by default, and a fast hypothesis profile; the
+fixtures more than one test module uses."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+from tests.helpers import hf_example
 
 # Every hypothesis test draws its own tensor seed, so the per-test fixture below needs no reset
 # between examples; hence the function_scoped_fixture health check is off. The default profile
@@ -57,3 +61,10 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def hf() -> ModuleType:
+    """examples/hf_llama.py as a module (``hf_example``), once per test module; skips without transformers."""
+    pytest.importorskip("transformers")
+    return hf_example()

@@ -12,8 +12,11 @@ modules: tests/_multiprocess.py, tests/conformance.py...), never from another te
 
 from __future__ import annotations
 
+import importlib.util
 import struct
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -181,3 +184,46 @@ def mixed_batch(length: int, seed: int = 1, size: int = 10) -> dict[str, Any]:
         "tag": "batch",
         "target": torch.randn(size, length, MIXED_WIDTH, generator=g, dtype=torch.float64),
     }
+
+
+# --- A Hugging Face Llama: the model and adapters of examples/hf_llama.py -----------------------
+# (tests/test_hf_llama.py, tests/saving/: the conftest fixture ``hf`` loads it once per module)
+
+HF_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_llama.py"
+HF_SIZE = {"layers": 3, "hidden": 16, "heads": 4, "dtype": torch.float64}
+HF_TWO_STAGES = [
+    "model.embed_tokens + model.rotary_emb + model.layers[0:2]",
+    "model.layers[2:] + model.norm + lm_head",
+]
+
+
+def hf_example() -> ModuleType:
+    """examples/hf_llama.py as a module of its own (it imports transformers: skip without it first)."""
+    spec = importlib.util.spec_from_file_location("fpipe_example_hf_llama", HF_EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hf_padded_batch(hf: ModuleType, size: int = 6) -> dict[str, Any]:
+    """The example's batch (seed 1) with some sequences right-padded (the first token always real)."""
+    batch = hf.get_batch(size, 3, torch.Generator().manual_seed(1))
+    lengths = torch.tensor([7, 5, 7, 3, 6, 7])[:size]
+    batch["attention_mask"] = (torch.arange(7) < lengths[:, None]).long()
+    return batch
+
+
+def hf_meta_model(hf: ModuleType, tied: bool = True, dtype: torch.dtype = torch.float64) -> Any:
+    """The model of ``HF_SIZE`` on the meta device, but for its rotary table (a buffer, not in a checkpoint)."""
+    with torch.device("meta"):
+        model = hf.build_model(**{**HF_SIZE, "dtype": dtype}, tied=tied)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    return model
+
+
+def hf_checkpoint(hf: ModuleType, directory: Path, tied: bool = True, dtype: torch.dtype = torch.float64) -> Any:
+    """The model of ``HF_SIZE``, saved by ``save_pretrained`` into several files; returned."""
+    model = hf.build_model(**{**HF_SIZE, "dtype": dtype}, tied=tied)
+    model.save_pretrained(directory, max_shard_size="20KB")
+    return model

@@ -14,30 +14,15 @@ from typing import Any
 
 import pytest
 import torch
-from test_transparency import assert_close
 
 import fpipe
 from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB
+from tests.helpers import assert_close, hf_padded_batch
 
 pytest.importorskip("transformers")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def hf() -> ModuleType:
-    from tests.saving.test_hf_load import example  # the example's module, loaded by its path (after importorskip)
-
-    return example()
-
-
-def padded_batch(hf: ModuleType, size: int = 6) -> dict[str, Any]:
-    """The example's batch with some sequences right-padded (the first token always real)."""
-    batch = hf.get_batch(size, 3, torch.Generator().manual_seed(1))
-    lengths = torch.tensor([7, 5, 7, 3, 6, 7])[:size]
-    batch["attention_mask"] = (torch.arange(7) < lengths[:, None]).long()
-    return batch
 
 
 def unsplit(model: Any, hf: ModuleType, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -55,7 +40,7 @@ def unsplit(model: Any, hf: ModuleType, batch: dict[str, Any]) -> tuple[torch.Te
 )
 def test_pipeline_equals_unsplit_backward(hf: ModuleType, tied: bool, schedule: Any) -> None:
     model = hf.build_model(layers=3, hidden=16, heads=4, dtype=torch.float64, tied=tied)
-    batch = padded_batch(hf)
+    batch = hf_padded_batch(hf)
     stages, params = hf.split(model, 2)
     assert [s.module_names for s in stages] == [
         ("model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1"),
@@ -75,7 +60,7 @@ def test_pipeline_equals_unsplit_backward(hf: ModuleType, tied: bool, schedule: 
 
 def test_loss_fn_is_hugging_faces_loss(hf: ModuleType) -> None:
     """The example's loss equals ``LlamaForCausalLM``'s own ``labels=`` loss (which upcasts to float32)."""
-    model, batch = hf.build_model(layers=2, hidden=16), padded_batch(hf)
+    model, batch = hf.build_model(layers=2, hidden=16), hf_padded_batch(hf)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
     torch.testing.assert_close(hf.loss_fn(out.logits, batch), out.loss)
 

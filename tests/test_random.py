@@ -15,7 +15,7 @@ import fpipe
 from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleV
 from tests._multiprocess import run_ranks
 from tests.conformance import CONFORMANCE, Conformance
-from tests.test_transparency import some_stage_count
+from tests.helpers import assert_bitwise, some_stage_count
 
 M = 4  # microbatches
 WIDTH = 6
@@ -45,19 +45,12 @@ def _run(schedule: Any, num_stages: int, *, key: int | None = 7, recompute: bool
     return step(params, _batch(), key=key)
 
 
-def _assert_equal(a: Any, b: Any, context: str) -> None:
-    (loss_a, grads_a), (loss_b, grads_b) = a, b
-    assert torch.equal(loss_a, loss_b), context
-    for s, (ga, gb) in enumerate(zip(grads_a, grads_b)):
-        assert torch.equal(ga["w"], gb["w"]), f"{context}, stage {s}"
-
-
 @pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
 def test_dropout_is_bitwise_the_same_under_every_schedule_and_recompute(entry: Conformance) -> None:
     num_stages = some_stage_count(entry, 4)
     expected = _run(GPipe(M), num_stages)
-    _assert_equal(_run(entry.make(num_stages, M), num_stages), expected, entry.name)
-    _assert_equal(_run(entry.make(num_stages, M), num_stages, recompute=True), expected, f"{entry.name}, recompute")
+    assert_bitwise(_run(entry.make(num_stages, M), num_stages), expected, entry.name)
+    assert_bitwise(_run(entry.make(num_stages, M), num_stages, recompute=True), expected, f"{entry.name}, recompute")
 
 
 def test_dropout_equals_the_unsplit_model_seeded_per_stage_and_microbatch() -> None:
@@ -106,10 +99,11 @@ def test_microbatches_and_steps_never_share_a_mask_and_a_key_repeats_them() -> N
     assert len({tuple(row.tolist()) for row in torch.cat([first, second])}) == 2 * M
     torch.manual_seed(0)  # the same generator: the same keys, the same draws
     (_, again), _ = step(params, _batch())
-    assert torch.equal(again, first)
+    assert_bitwise(again, first)
     (_, keyed), _ = step(params, _batch(), key=11)
     (_, rekeyed), _ = step(params, _batch(), key=11)
-    assert torch.equal(keyed, rekeyed) and not torch.equal(keyed, first)
+    assert_bitwise(keyed, rekeyed)
+    assert not torch.equal(keyed, first)
 
 
 def test_a_step_moves_the_callers_generator_by_one_draw_whatever_the_stages_draw() -> None:
@@ -130,7 +124,7 @@ def test_evaluate_draws_what_the_training_forward_draws() -> None:
     stages, params = _model(4)
     step = fpipe.pipeline(_loss, stages, ZeroBubbleV(M))
     loss, _ = step(params, _batch(), key=21)
-    assert torch.equal(step.evaluate(params, _batch(), key=21), loss)
+    assert_bitwise(step.evaluate(params, _batch(), key=21), loss)
     assert not torch.equal(step.evaluate(params, _batch(), key=22), loss)
 
 
@@ -188,7 +182,7 @@ def test_dropout_resumes_exactly(tmp_path: Any) -> None:
     torch.manual_seed(123)  # another process's state: load_state puts the saved one back
     fpipe.load_state(tmp_path, params)
     resumed = [step(params, _batch(n))[0] for n in (1, 2)]
-    assert torch.equal(torch.stack(resumed), torch.stack(losses[1:]))
+    assert_bitwise(resumed, losses[1:])
 
 
 # --- Many processes ----------------------------------------------------------------------------
@@ -214,9 +208,9 @@ def test_dropout_on_two_processes_equals_one_process_bitwise() -> None:
         stages, params = _model(num_stages)
         loss, grads = fpipe.pipeline(_loss, stages, schedule)(params, _batch())
         for (d_loss, d_grads), local_stages in (r[name] for r in results):
-            assert torch.equal(d_loss, loss), name
+            assert_bitwise(d_loss, loss, name)
             for s in local_stages:
-                assert torch.equal(d_grads[s]["w"], grads[s]["w"]), (name, s)
+                assert_bitwise(d_grads[s], grads[s], f"{name}, stage {s}")
 
 
 def _replicas_and_tensor_parallel(rank: int, world: int) -> dict[str, Any]:
@@ -263,11 +257,11 @@ def test_replicas_draw_their_own_masks_of_one_agreed_key_and_tensor_parallel_ran
     replica_0, replica_1 = (r["dp"] for r in results)
     assert torch.equal(replica_0["key"], replica_1["key"])  # agreed, though the generators differ
     assert replica_0["replica"].tolist() == [0] * M and replica_1["replica"].tolist() == [1] * M
-    assert torch.equal(replica_0["noise"], expected)  # replica 0 draws what one process draws
+    assert_bitwise(replica_0["noise"], expected)  # replica 0 draws what one process draws
     assert not torch.equal(replica_1["noise"], expected)  # replica 1 its own
     # tensor parallel: every tp rank draws one mask for the replicated activation, the one-process one
     torch.manual_seed(100)
     loss, grads = fpipe.pipeline(_loss, stages, OneFOneB(M))(params, _batch())
     for tp_loss, tp_grad in (r["tp"] for r in results):
-        assert torch.equal(tp_loss, loss)
+        assert_bitwise(tp_loss, loss)
         torch.testing.assert_close(tp_grad, grads[0]["w"], rtol=1e-12, atol=1e-15)

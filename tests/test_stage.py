@@ -9,12 +9,12 @@ from typing import Any
 import optree
 import pytest
 import torch
-from conformance import CONFORMANCE
-from test_transparency import assert_close, reference
 
 import fpipe
 from fpipe._stage import Pullback, StageRun
 from fpipe.schedules import GPipe, OneFOneB
+from tests.conformance import CONFORMANCE
+from tests.helpers import assert_bitwise, assert_close, reference
 
 
 def layer(p: dict[str, Any], x: dict[str, Any]) -> dict[str, Any]:
@@ -91,10 +91,7 @@ def test_split_backward_equals_fused_backward_bitwise() -> None:
     split.backward_weight(pullback, 0)
 
     assert expected is not None and got is not None
-    for a, b in zip(got, expected):
-        assert (a is None and b is None) or torch.equal(a, b)
-    for k in "wbc":
-        assert torch.equal(split.grads()[k], fused.grads()[k])
+    assert_bitwise((got, split.grads()), (expected, fused.grads()))
 
 
 def sum_beside(p: torch.Tensor, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -121,7 +118,7 @@ def test_split_backward_of_outputs_the_inputs_do_not_reach(fn: Any) -> None:
     _, vjp = torch.func.vjp(fn, params, x.detach())
     expected_grad, expected_input_grad = vjp(optree.tree_unflatten(optree.tree_structure(y), cotangents))
     assert_close((fused.grads(), expected[0]), (expected_grad, expected_input_grad))
-    assert torch.equal(split.grads(), fused.grads()) and torch.equal(got[0], expected[0])
+    assert_bitwise((split.grads(), got[0]), (fused.grads(), expected[0]))
 
 
 def two_groups_met_twice(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +132,8 @@ def test_split_backward_merges_each_group_a_parameter_meets_once() -> None:
     params, x = {k: torch.randn(4) for k in "abc"}, torch.randn(2, 4, requires_grad=True)
     fused, split, pullback, _, _, expected, got = fused_and_input_split(1, two_groups_met_twice, params, x)
     split.backward_weight(pullback, 0)
-    assert expected is not None and got is not None and torch.equal(got[0], expected[0])
+    assert expected is not None and got is not None
+    assert_bitwise(got[0], expected[0])
     assert_close(split.grads(), fused.grads())
 
 
@@ -365,8 +363,7 @@ def test_the_one_tensor_fast_paths_equal_the_general_path(backward: str, recompu
             assert len(dx) == (1 if name == "fast" else 2) and (name == "fast" or dx[1] is None)
     got["fast"].append(fast.grads())
     got["general"].append(general.grads())
-    for a, b in zip(got["fast"], got["general"], strict=True):
-        assert a.dtype == b.dtype and torch.equal(a.detach(), b.detach())
+    assert_bitwise(got["fast"], got["general"])
 
 
 def test_a_pullback_lets_its_outputs_go() -> None:
