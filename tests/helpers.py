@@ -134,6 +134,33 @@ def some_stage_count(entry: Conformance, at_least: int) -> int:
     return min(s for s in entry.stage_counts if s >= at_least)
 
 
+# --- Tanh layers on a plain tensor ---------------------------------------------------------------
+# (the small model of tests whose subject is not the model: devices, syncs, overlap)
+
+
+def tanh_layer(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ p["w"] + p["b"])
+
+
+def mse_loss(y: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """The mean squared distance of the output from the batch (the batch is its own target)."""
+    return (y - batch).square().mean()
+
+
+def tanh_params(num_stages: int, width: int = 8, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Each stage's ``w`` and ``b``, float64 whatever the default dtype (a rank's process keeps torch's)."""
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    return [
+        {"w": torch.randn(width, width, generator=g, dtype=f64), "b": torch.randn(width, generator=g, dtype=f64)}
+        for _ in range(num_stages)
+    ]
+
+
+def tanh_batch(size: int = 10, width: int = 8, seed: int = 1) -> torch.Tensor:
+    return torch.randn(size, width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
 # --- A model with a leaf of every kind: complex, int and string activations ---------------------
 # (tests/test_distributed.py, tests/test_evaluate.py: what crosses a wire between ranks)
 

@@ -10,7 +10,6 @@ with CUDA events and ``torch.profiler`` sees every action's range.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 import torch
@@ -18,6 +17,16 @@ import torch
 import fpipe
 from fpipe.schedules import GPipe
 from tests.conformance import CONFORMANCE, Conformance
+from tests.helpers import (
+    assert_bitwise,
+    assert_close,
+    mse_loss,
+    reference,
+    some_stage_count,
+    tanh_batch,
+    tanh_layer,
+    tanh_params,
+)
 
 DEVICE = torch.device(os.environ.get("FPIPE_TEST_DEVICE", "cuda"))
 pytestmark = pytest.mark.skipif(
@@ -26,62 +35,31 @@ pytestmark = pytest.mark.skipif(
 MICROBATCHES = 4
 
 
-def _stage(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(x @ p["w"] + p["b"])
-
-
-def _loss(y: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-    return (y - batch).square().mean()
-
-
 def _params(num_stages: int) -> list[dict[str, torch.Tensor]]:
-    return [{k: v.to(DEVICE) for k, v in p.items()} for p in _host_params(num_stages)]
-
-
-def _host_params(num_stages: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    f64 = torch.float64
-    return [
-        {"w": torch.randn(8, 8, generator=g, dtype=f64), "b": torch.randn(8, generator=g, dtype=f64)}
-        for _ in range(num_stages)
-    ]
+    return [{k: v.to(DEVICE) for k, v in p.items()} for p in tanh_params(num_stages)]
 
 
 def _batch() -> torch.Tensor:
-    return torch.randn(10, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
-
-
-def _stages(entry: Conformance) -> int:
-    return min(s for s in entry.stage_counts if s >= 2)
+    return tanh_batch().to(DEVICE)
 
 
 @pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
 def test_equals_the_unsplit_model_and_gpipe_bitwise(entry: Conformance) -> None:
-    num_stages = _stages(entry)
+    num_stages = some_stage_count(entry, 2)
     params, batch = _params(num_stages), _batch()
-    loss, grads = fpipe.pipeline(_loss, [_stage] * num_stages, entry.make(num_stages, MICROBATCHES))(params, batch)
-
-    def whole(ps: list[Any], b: torch.Tensor) -> torch.Tensor:
-        x = b
-        for p in ps:
-            x = _stage(p, x)
-        return _loss(x, b)
-
-    ref_grads, ref_loss = torch.func.grad_and_value(whole)(params, batch)
+    stages = [tanh_layer] * num_stages
+    loss, grads = fpipe.pipeline(mse_loss, stages, entry.make(num_stages, MICROBATCHES))(params, batch)
+    ref_loss, ref_grads = reference(mse_loss, stages, params, batch)
     assert loss.device.type == DEVICE.type
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=0)
-    for g, r in zip(grads, ref_grads):
-        for k in g:
-            assert torch.linalg.vector_norm(g[k] - r[k]) <= 1e-10 * torch.linalg.vector_norm(r[k])
-    g_loss, g_grads = fpipe.pipeline(_loss, [_stage] * num_stages, GPipe(MICROBATCHES))(params, batch)
-    assert torch.equal(loss, g_loss)
-    assert all(torch.equal(g[k], h[k]) for g, h in zip(grads, g_grads) for k in g)
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+    assert_bitwise((loss, grads), fpipe.pipeline(mse_loss, stages, GPipe(MICROBATCHES))(params, batch), entry.name)
 
 
 @pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
 def test_a_step_does_not_synchronize(entry: Conformance) -> None:
-    num_stages = _stages(entry)
-    step = fpipe.pipeline(_loss, [_stage] * num_stages, entry.make(num_stages, MICROBATCHES))
+    num_stages = some_stage_count(entry, 2)
+    step = fpipe.pipeline(mse_loss, [tanh_layer] * num_stages, entry.make(num_stages, MICROBATCHES))
     params, batch = _params(num_stages), _batch()
     step(params, batch)
     torch.cuda.synchronize()
@@ -94,7 +72,7 @@ def test_a_step_does_not_synchronize(entry: Conformance) -> None:
 
 
 def test_record_times_actions_with_cuda_events() -> None:
-    step = fpipe.pipeline(_loss, [_stage] * 2, GPipe(MICROBATCHES))
+    step = fpipe.pipeline(mse_loss, [tanh_layer] * 2, GPipe(MICROBATCHES))
     params, batch = _params(2), _batch()
     with fpipe.record() as recording:
         step(params, batch)
@@ -104,7 +82,7 @@ def test_record_times_actions_with_cuda_events() -> None:
 
 
 def test_profiler_ranges_on_cuda() -> None:
-    step = fpipe.pipeline(_loss, [_stage] * 2, GPipe(MICROBATCHES))
+    step = fpipe.pipeline(mse_loss, [tanh_layer] * 2, GPipe(MICROBATCHES))
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
         step(_params(2), _batch())

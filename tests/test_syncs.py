@@ -19,23 +19,7 @@ import fpipe
 from tests._multiprocess import run_ranks
 from tests._syncs import Sync, host_syncs
 from tests.conformance import CONFORMANCE
-
-
-def _stage(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(x @ p)
-
-
-def _loss(y: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-    return y.square().mean()
-
-
-def _params(num_stages: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randn(8, 8, generator=generator, dtype=torch.float64) for _ in range(num_stages)]
-
-
-def _batch() -> torch.Tensor:
-    return torch.randn(12, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+from tests.helpers import mse_loss, tanh_batch, tanh_layer, tanh_params
 
 
 def _avoidable(found: list[Sync]) -> list[Sync]:
@@ -46,11 +30,11 @@ def _avoidable(found: list[Sync]) -> list[Sync]:
 @pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
 def test_one_process_step_does_not_synchronize(entry: Any) -> None:
     num_stages = next(S for S in entry.stage_counts if S >= 2)
-    step = fpipe.pipeline(_loss, [_stage] * num_stages, entry.make(num_stages, 4))
-    params = _params(num_stages)
-    step(params, _batch())  # a first step, as training runs them
+    step = fpipe.pipeline(mse_loss, [tanh_layer] * num_stages, entry.make(num_stages, 4))
+    params = tanh_params(num_stages)
+    step(params, tanh_batch(12))  # a first step, as training runs them
     with host_syncs() as found:
-        step(params, _batch())
+        step(params, tanh_batch(12))
     assert [s for s in found if s.in_step] == []
 
 
@@ -65,9 +49,9 @@ def test_the_checker_sees_a_sync(monkeypatch: pytest.MonkeyPatch) -> None:
         return real(self, x, **kwargs)
 
     monkeypatch.setattr(StageRun, "forward", syncing)
-    step = fpipe.pipeline(_loss, [_stage] * 2, fpipe.schedules.GPipe(2))
+    step = fpipe.pipeline(mse_loss, [tanh_layer] * 2, fpipe.schedules.GPipe(2))
     with host_syncs() as found:
-        step(_params(2), _batch())
+        step(tanh_params(2), tanh_batch(12))
     # stage 0's forwards, on 2 microbatches
     assert found == [Sync("tolist", "_distributed/_wire.py:meta_of", in_step=True, receive=False)] * 2
     with host_syncs() as found:
@@ -84,20 +68,20 @@ def _distributed(rank: int, world: int, cases: list[tuple[str, int, int, dict[st
 
             mesh = init_device_mesh("cpu", (options["dp"], world // options["dp"]), mesh_dim_names=("dp", "pp"))
             step = fpipe.pipeline(
-                _loss,
-                [_stage] * num_stages,
+                mse_loss,
+                [tanh_layer] * num_stages,
                 schedule,
                 parallel=fpipe.Parallelism(mesh=mesh, shard_params=options.get("shard", False)),
             )
         else:
             step = fpipe.pipeline(
-                _loss, [_stage] * num_stages, schedule, parallel=fpipe.Parallelism(group=dist.group.WORLD)
+                mse_loss, [tanh_layer] * num_stages, schedule, parallel=fpipe.Parallelism(group=dist.group.WORLD)
             )
-        full = _params(num_stages)
+        full = tanh_params(num_stages)
         params: list[Any] = [p if s in step.local_stages else None for s, p in enumerate(full)]
         if options.get("shard"):
             params = step.shard(params)
-        batch = _batch() if 0 in step.local_stages else None
+        batch = tanh_batch(12) if 0 in step.local_stages else None
         step(params, batch)
         with host_syncs() as found:
             step(params, batch)

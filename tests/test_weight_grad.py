@@ -11,6 +11,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from fpipe._weight_grad import input_grad
+from tests.helpers import assert_bitwise
 
 Graph = Callable[[torch.Tensor, list[torch.Tensor]], list[torch.Tensor]]
 
@@ -43,9 +44,7 @@ def test_input_then_weight_equals_one_backward(graph: Graph) -> None:
     expected = torch.autograd.grad(outputs, [x, *params], cotangents, retain_graph=True, allow_unused=True)
     dx, deferred = input_grad(_roots(outputs), cotangents, [x], params)
     weights = deferred.run()
-    assert dx[0] is not None and torch.equal(dx[0], expected[0])
-    for got, want in zip(weights, expected[1:], strict=True):
-        assert (got is None and want is None) or (got is not None and want is not None and torch.equal(got, want))
+    assert_bitwise([dx[0], *weights], list(expected))
 
 
 def test_without_differentiable_inputs_everything_waits_for_w() -> None:
