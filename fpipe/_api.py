@@ -336,7 +336,7 @@ def _check_not_meta(params: Sequence[PyTree], batch: PyTree, local_stages: Seque
         batch = list(batch.microbatches)
     for s in [*local_stages, None]:
         tree = batch if s is None else params[s]
-        if not tensor_map(_meta, tree)[3]:
+        if not tensor_map(_meta, tree).kept:
             continue  # names and key paths are built only for the error
         what, name = ("stage 0's batch leaf", "batch") if s is None else (f"stage {s}'s parameter", f"params[{s}]")
         paths, leaves, _ = leaves_with_paths(tree)

@@ -141,7 +141,7 @@ def _pieces(leaf: torch.Tensor, num_microbatches: int, dim: int) -> list[torch.T
 
 def _paths(batch: PyTree) -> list[str]:
     """The key paths of ``batch``'s leaves, in ``flatten`` order (for errors)."""
-    return leaves_with_paths(batch)[0]
+    return leaves_with_paths(batch).paths
 
 
 def counts(microbatches: Sequence[PyTree], weight_fn: Callable[[Any], Any]) -> list[int]:

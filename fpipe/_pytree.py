@@ -11,7 +11,7 @@ import itertools
 import sys
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -60,43 +60,48 @@ def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
     return spec.unflatten(leaves)
 
 
-def tensor_map(
-    fn: Callable[[torch.Tensor], tuple[Any, bool]], tree: PyTree
-) -> tuple[list[Any], TreeSpec, Sequence[int], list[Any]]:
+class Mapped(NamedTuple):
+    """What ``tensor_map`` returns."""
+
+    leaves: list[Any]  # the tree's leaves, each tensor leaf replaced by what ``fn`` made of it
+    spec: TreeSpec  # the tree's structure
+    positions: Sequence[int]  # the positions (in leaf order) of the tensor leaves ``fn`` kept
+    kept: list[Any]  # their new leaves
+
+
+def tensor_map(fn: Callable[[torch.Tensor], tuple[Any, bool]], tree: PyTree) -> Mapped:
     """``flatten(tree)`` with each tensor leaf ``t`` replaced by ``fn(t)[0]``; the positions of
     the tensor leaves for which ``fn(t)[1]`` holds (in leaf order), and their new leaves.
 
     Conceptually::
 
         leaves, spec = flatten(tree)
-        index, kept = [], []
+        positions, kept = [], []
         for k, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
                 leaves[k], keep = fn(t)
-                if keep: index.append(k); kept.append(leaves[k])
-        return leaves, spec, index, kept
+                if keep: positions.append(k); kept.append(leaves[k])
+        return Mapped(leaves, spec, positions, kept)
 
     which it is, but for a plain tensor (NOTE [one-tensor fast path]): no loop, no list to fill.
     """
     if type(tree) is torch.Tensor:  # (flatten's test, not a call to it: this runs twice per forward)
         leaf, keep = fn(tree)
-        return ([leaf], _LEAF, _FIRST, [leaf]) if keep else ([leaf], _LEAF, (), [])
+        return Mapped([leaf], _LEAF, _FIRST, [leaf]) if keep else Mapped([leaf], _LEAF, (), [])
     return _tensor_map(fn, *optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF))
 
 
-def _tensor_map(
-    fn: Callable[[torch.Tensor], tuple[Any, bool]], leaves: list[Any], spec: TreeSpec
-) -> tuple[list[Any], TreeSpec, Sequence[int], list[Any]]:
+def _tensor_map(fn: Callable[[torch.Tensor], tuple[Any, bool]], leaves: list[Any], spec: TreeSpec) -> Mapped:
     """``tensor_map``'s general path, on ``flatten``'s ``leaves`` (replaced in place) and ``spec``."""
-    index: list[int] = []
+    positions: list[int] = []
     kept: list[Any] = []
     for k, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             leaves[k], keep = fn(leaf)
             if keep:
-                index.append(k)
+                positions.append(k)
                 kept.append(leaves[k])
-    return leaves, spec, index, kept
+    return Mapped(leaves, spec, positions, kept)
 
 
 def scatter(
@@ -131,13 +136,30 @@ def _scatter(
     return out
 
 
-def leaves_with_paths(tree: PyTree) -> tuple[list[str], list[Any], TreeSpec]:
+class WithPaths(NamedTuple):
+    """What ``leaves_with_paths`` returns."""
+
+    paths: list[str]  # each leaf's key path, such as ``['tokens'][0]``
+    leaves: list[Any]
+    spec: TreeSpec
+
+
+class WithNames(NamedTuple):
+    """What ``leaves_with_names`` returns."""
+
+    names: list[tuple[str, ...]]  # each leaf's name parts, as ``fpipe.save`` names it
+    codes: list[str]  # each leaf's key path as code, such as ``['h'].a[0]``
+    leaves: list[Any]
+    spec: TreeSpec
+
+
+def leaves_with_paths(tree: PyTree) -> WithPaths:
     """Like ``flatten``, plus each leaf's key path as a string such as ``['tokens'][0]``."""
     paths, leaves, spec = optree.tree_flatten_with_path(tree, **_OPTIONS)
-    return [keystr(p) for p in paths], leaves, spec
+    return WithPaths([keystr(p) for p in paths], leaves, spec)
 
 
-def leaves_with_names(tree: PyTree) -> tuple[list[tuple[str, ...]], list[str], list[Any], TreeSpec]:
+def leaves_with_names(tree: PyTree) -> WithNames:
     """Like ``flatten``, plus each leaf's key path as name parts and as code such as ``['h'].a[0]``.
 
     The name parts are how ``fpipe.save`` names tensors: a mapping key as ``str(key)``, a
@@ -145,7 +167,7 @@ def leaves_with_names(tree: PyTree) -> tuple[list[tuple[str, ...]], list[str], l
     """
     accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, **_OPTIONS)
     names = [tuple(_entry_name(e) for e in accessor) for accessor in accessors]
-    return names, [accessor.codify("") for accessor in accessors], leaves, spec
+    return WithNames(names, [accessor.codify("") for accessor in accessors], leaves, spec)
 
 
 def _entry_name(entry: Any) -> str:

@@ -61,6 +61,7 @@ from ._accumulate import Grads, OrderedSum
 from ._precision import Precision
 from ._purity import raise_if_in_place
 from ._pytree import (
+    Mapped,
     PyTree,
     TreeSpec,
     boundary_layout,
@@ -158,7 +159,7 @@ class StageRun:
         # A plain tensor, the usual case, asks optree nothing (NOTE [one-tensor fast path] in
         # fpipe/_pytree.py): its calls were about a third of what a forward costs over plain
         # autograd (notes/benchmarks.md, Session 5).
-        leaves, spec, inputs, input_index = self._inputs(x, differentiate_input)
+        leaves, spec, input_index, inputs = self._inputs(x, differentiate_input)
         if self.recompute:
             return self._recomputed(
                 lambda xs: self.fn(self.params, unflatten(spec, xs)), leaves, spec, inputs, input_index
@@ -185,7 +186,7 @@ class StageRun:
         differentiate_input: bool,
     ) -> tuple[torch.Tensor, Any, Pullback]:
         """Run the (last) stage and ``loss_fn`` on ``x``; return loss, aux and the pullback."""
-        leaves, spec, inputs, input_index = self._inputs(x, differentiate_input)
+        leaves, spec, input_index, inputs = self._inputs(x, differentiate_input)
         microbatch = self.to_device(microbatch)
 
         def run(xs: list[Any]) -> tuple[torch.Tensor, Any]:
@@ -223,32 +224,30 @@ class StageRun:
 
     def evaluate(self, x: PyTree) -> Any:
         """Run the stage on ``x`` recording no graph (a forward-only step): its output alone."""
-        leaves, spec, _, _ = self._inputs(x, False)
+        inputs = self._inputs(x, False)
         with not_inference(), torch.no_grad():
-            return self.fn(self.params, unflatten(spec, leaves))
+            return self.fn(self.params, unflatten(inputs.spec, inputs.leaves))
 
     def evaluate_loss(
         self, x: PyTree, microbatch: PyTree, loss_fn: Callable[[Any, Any], Any], *, has_aux: bool
     ) -> tuple[torch.Tensor, Any, Any]:
         """Run the (last) stage and ``loss_fn`` on ``x`` recording no graph: loss, aux and the output."""
-        leaves, spec, _, _ = self._inputs(x, False)
+        inputs = self._inputs(x, False)
         microbatch = self.to_device(microbatch)
         with not_inference(), torch.no_grad():
-            y = self.fn(self.params, unflatten(spec, leaves))
+            y = self.fn(self.params, unflatten(inputs.spec, inputs.leaves))
             loss, aux = _split_aux(loss_fn(y, microbatch), has_aux)
         return loss.reshape(()), aux, y
 
-    def _inputs(
-        self, x: PyTree, differentiate_input: bool
-    ) -> tuple[list[Any], TreeSpec, list[torch.Tensor], Sequence[int]]:
+    def _inputs(self, x: PyTree, differentiate_input: bool) -> Mapped:
         """The input leaves, those to differentiate replaced by graph leaves (NOTE [differentiable
-        leaves]), the structure, and the differentiated leaves with their positions."""
+        leaves]), the structure, and the positions of the differentiated leaves (``positions``) with
+        the leaves themselves (``kept``)."""
 
         # Only leaves that carry the previous stage's graph can use a cotangent (a RoPE table
         # passed along untouched cannot), so only those are differentiated (a tensor that
         # requires grad is floating or complex).
-        leaves, spec, input_index, inputs = tensor_map(self._graph_input if differentiate_input else self._input, x)
-        return leaves, spec, inputs, input_index
+        return tensor_map(self._graph_input if differentiate_input else self._input, x)
 
     def _graph_input(self, leaf: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """``_input_leaf`` of an input leaf to differentiate if it can be, and whether it is."""

@@ -61,7 +61,7 @@ def test_paths_and_names() -> None:
     tree = {"h": [Pair(torch.ones(1), 2)], "w": torch.zeros(1)}
     paths, _, _ = leaves_with_paths(tree)
     assert paths == ["['h'][0][0]", "['h'][0][1]", "['w']"]
-    assert leaves_with_paths(torch.ones(1))[0] == ["<root>"]
+    assert leaves_with_paths(torch.ones(1)).paths == ["<root>"]
     names, code, _, _ = leaves_with_names(tree)
     assert names == [("h", "0", "first"), ("h", "0", "second"), ("w",)]
     assert code == ["['h'][0].first", "['h'][0].second", "['w']"]
@@ -194,9 +194,9 @@ def test_tensor_maps_fast_path_is_its_general_path(x: torch.Tensor, keep: bool) 
 
     fast = tensor_map(fn, x)
     general = _pytree._tensor_map(fn, *_general_flatten(x))
-    assert list(fast[2]) == list(general[2]) and len(fast[3]) == len(general[3])
-    assert all(a is c for a, c in zip(fast[3], fast[0], strict=False))  # the kept leaves are the new ones
-    a, b = unflatten(fast[1], fast[0]), unflatten(general[1], general[0])
+    assert list(fast.positions) == list(general.positions) and len(fast.kept) == len(general.kept)
+    assert all(a is c for a, c in zip(fast.kept, fast.leaves, strict=False))  # the kept leaves are the new ones
+    a, b = unflatten(fast.spec, fast.leaves), unflatten(general.spec, general.leaves)
     assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
     assert flatten(x)[0][0] is _general_flatten(x)[0][0] is x
 

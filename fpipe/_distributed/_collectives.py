@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -364,9 +364,16 @@ class _Outcome(Status):
     value: Any  # what ``write`` returned (JSON)
 
 
+class Written(NamedTuple):
+    """What ``one_writes`` returns to every rank."""
+
+    ok: bool  # the writer's ``write`` returned (it did not raise)
+    value: Any  # what it returned (JSON; ``None`` when it failed)
+
+
 def one_writes(
     topology: Topology | None, group: Any, write: Callable[[], Any] | None, timeout: float, waits: str, tells: str
-) -> tuple[bool, Any]:
+) -> Written:
     """One rank writes, the others learn its outcome: the writer (rank 0 of ``group``, passing
     ``write``) runs it and tells the group whether it failed and what it returned (JSON); every
     other rank (``write=None``) waits for that (``waits`` names the wait) and gets ``(ok,
@@ -387,7 +394,7 @@ def one_writes(
             all_gather_json(topology, group, _Outcome(False, None).to_json(), timeout, waits)[0]
         )
         standing(topology, waits)  # NOTE [a continued rank]
-        return not outcome.failed, outcome.value
+        return Written(not outcome.failed, outcome.value)
     try:
         value = write()
     except PipelineError:
@@ -405,7 +412,7 @@ def one_writes(
         assert topology is not None  # (for mypy)
         all_gather_json(topology, group, _Outcome(False, value).to_json(), timeout, tells)
         standing(topology, tells)  # NOTE [a continued rank]
-    return True, value
+    return Written(True, value)
 
 
 def meet(topology: Topology, group: Any, timeout: float, what: str) -> None:

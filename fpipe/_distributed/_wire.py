@@ -88,7 +88,7 @@ import struct
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -107,13 +107,23 @@ INLINE_LIMIT = 1 << 16  # tensor leaves of this many bytes or more travel as mes
 _ALIGN = 16
 
 
+class Placed(NamedTuple):
+    """Where one tensor leaf of a pytree travels (``Layout.tensors``)."""
+
+    leaf: int  # its position among the tree's leaves
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # in the packed bytes, or -1: a message of its own
+    size: int  # in bytes
+    requires_grad: bool
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where each leaf of a pytree travels: packed at an offset, or as a message of its own."""
 
     spec: TreeSpec
-    # (leaf, dtype, shape, offset in the packed bytes or -1 for its own message, size, requires_grad)
-    tensors: tuple[tuple[int, torch.dtype, tuple[int, ...], int, int, bool], ...]
+    tensors: tuple[Placed, ...]
     values: tuple[tuple[int, Any], ...]  # (leaf, non-tensor value)
     nbytes: int  # of the packed leaves
     # (leaf, its DTensor header) for the DTensor leaves, whose ``tensors`` entry is the local piece's
@@ -127,7 +137,7 @@ def layout_of(tree: PyTree, tensor_ranks: list[int] | None = None) -> tuple[Layo
     dtensors = []
     for k, x in enumerate(leaves):
         if is_dtensor(x):
-            where = f"the leaf {leaves_with_paths(tree)[0][k]}"
+            where = f"the leaf {leaves_with_paths(tree).paths[k]}"
             check_mesh(x, tensor_ranks, where)
             dtensors.append((k, header_of(x, where)))
     pieces = [local(x) if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -142,13 +152,13 @@ def layout_of(tree: PyTree, tensor_ranks: list[int] | None = None) -> tuple[Layo
 
 def _placed(
     tensors: Iterable[tuple[int, torch.dtype, tuple[int, ...], bool]],
-) -> tuple[tuple[tuple[int, torch.dtype, tuple[int, ...], int, int, bool], ...], int]:
+) -> tuple[tuple[Placed, ...], int]:
     """``Layout.tensors`` and ``Layout.nbytes`` of tensor leaves ``(leaf, dtype, shape, requires_grad)``."""
     placed, offset = [], 0
     for k, dtype, shape, requires_grad in tensors:
         size = math.prod(shape) * dtype.itemsize
         packed = size < INLINE_LIMIT
-        placed.append((k, dtype, shape, offset if packed else -1, size, requires_grad))
+        placed.append(Placed(k, dtype, shape, offset if packed else -1, size, requires_grad))
         offset += -(-size // _ALIGN) * _ALIGN if packed else 0
     return tuple(placed), offset
 
@@ -257,7 +267,7 @@ def _plain_leaves(tree: PyTree, layout: Layout) -> list[Any]:
             values.append(_plain(value))
         except _NotPlain:
             raise TypeError(
-                f"fpipe.step: a non-tensor leaf cannot travel between ranks (leaf {leaves_with_paths(tree)[0][k]}: "
+                f"fpipe.step: a non-tensor leaf cannot travel between ranks (leaf {leaves_with_paths(tree).paths[k]}: "
                 f"{value!r:.80} of type {type(value).__qualname__}). {_SUPPORTED}."
             ) from None
     return values
@@ -491,9 +501,9 @@ class Encoder:
         if header is not None and self.ahead:
             padding = [torch.zeros(size, dtype=torch.uint8, device=device) for _, _, size in _large(self._last)]
         self._last, self._values, self.expected = layout, values, layout.nbytes
-        if type(tree) is torch.Tensor and layout.tensors[0][3] == 0:  # one small plain tensor: repeatable
+        if type(tree) is torch.Tensor and layout.tensors[0].offset == 0:  # one small plain tensor: repeatable
             words = [DATA, 0, layout.nbytes, layout.nbytes, 0, 0]
-            tail = torch.zeros(layout.nbytes - layout.tensors[0][4], dtype=torch.uint8, device=device)
+            tail = torch.zeros(layout.nbytes - layout.tensors[0].size, dtype=torch.uint8, device=device)
             self._repeat = ((tree.dtype, tree.shape, tree.requires_grad), upload(words, device).view(torch.uint8), tail)
         tensors = [first, *padding, header, None if inline else packed, *large]
         return [t for t in tensors if t is not None and t.numel()]

@@ -174,7 +174,7 @@ def save_hf(
     ranks = Ranks("save_hf", topology, timeout, tensor_parallel=False)  # tensor-parallel rank 0's: pp x dp
     write = (lambda: _replicas(root, trees, held, config_files, limit, ranks)) if first else None
     waits, tells = "the export of tensor-parallel rank 0", "the other tensor-parallel ranks"
-    if not one_writes(topology, tensor_group, write, timeout, waits, tells)[0]:
+    if not one_writes(topology, tensor_group, write, timeout, waits, tells).ok:
         raise RuntimeError("fpipe.save_hf: tensor-parallel rank 0 failed to export; its own error says why.")
     return root
 
@@ -191,7 +191,7 @@ def _replicas(
     group = None if ranks.topology is None or not ranks.replicas else ranks.topology.data_group
     write = None if ranks.replica != 0 else lambda: _export(root, trees, held, config_files, limit, ranks)
     waits, tells = "the export of the first replica", "the other data-parallel replicas"
-    if not one_writes(ranks.topology, group, write, ranks.timeout, waits, tells)[0]:
+    if not one_writes(ranks.topology, group, write, ranks.timeout, waits, tells).ok:
         raise RuntimeError("fpipe.save_hf: the first data-parallel replica failed to export; its own error says why.")
 
 

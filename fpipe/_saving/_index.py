@@ -131,7 +131,7 @@ def _check_entry(files: dict[str, Any], tensors: dict[str, Any], key: str, name:
             if not sharded or q % d == 0:
                 boxes.append(box)
         if sharded:
-            size = cut_range(box.numel, (0, d))[2]
+            size = cut_range(box.numel, (0, d)).size
             if (dtype, full, shape) != (*first, [size]):
                 raise _Invalid(
                     f"the pieces of {name!r} disagree: each should have the dtype and full shape of the first, "

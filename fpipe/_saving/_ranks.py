@@ -64,7 +64,7 @@ class Full(NamedTuple):
 
     def size(self, shard: tuple[int, int]) -> int:
         """Elements of shard ``(q, d)`` of it, padding included."""
-        return cut_range(math.prod(self.shape if self.box is None else self.box.shape), shard)[2]
+        return cut_range(math.prod(self.shape if self.box is None else self.box.shape), shard).size
 
 
 def full_shapes(function: str, kind: str, tree: PyTree, layout: StageLayout) -> dict[str, Full]:

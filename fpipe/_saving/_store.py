@@ -145,7 +145,7 @@ class Entry(NamedTuple):
     def piece_shape(self, k: int) -> list[int]:
         """The shape of piece ``k`` as its file stores it."""
         shard = self.shard(k)
-        return list(self.box(k).shape) if shard is None else [cut_range(self.box(k).numel, shard)[2]]
+        return list(self.box(k).shape) if shard is None else [cut_range(self.box(k).numel, shard).size]
 
 
 def file_name(kind: str, rank: int, num_ranks: int, inner: Sequence[tuple[str, int, int]] = ()) -> str:
@@ -359,7 +359,7 @@ def read_tensors(
             flat = torch.cat([got[e.files[j], name].reshape(-1) for j in group])
             if box == target and part.shard is not None:  # the request's own shard, of the shards read
                 start, stop, size = cut_range(box.numel, part.shard)
-                first = k % e.shards * cut_range(box.numel, (0, e.shards))[2]
+                first = k % e.shards * cut_range(box.numel, (0, e.shards)).size
                 data = flat[start - first : stop - first]
                 out[name, part] = torch.cat([data, torch.zeros(size - data.numel(), dtype=dtype)])
             else:  # every shard of the box was read

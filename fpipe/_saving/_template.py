@@ -101,8 +101,8 @@ def fill(
     """The template trees with their tensor leaves replaced by the loaded tensors (a copy for
     each further use of one tensor, on the leaf's device unless that is ``meta``); a DTensor
     leaf gets a DTensor like it around the piece read (no communication)."""
-    flat = [leaves_with_names(tree)[2:] for tree in trees]
-    leaves_of = [list(leaves) for leaves, _ in flat]
+    flat = [leaves_with_names(tree) for tree in trees]
+    leaves_of = [list(f.leaves) for f in flat]
     for name, name_uses in uses.items():
         for k, use in enumerate(name_uses):
             tensor = tensors[name, use.part]
@@ -114,7 +114,7 @@ def fill(
             if is_dtensor(use.leaf):
                 tensor = from_header(tensor, use.leaf.device_mesh, header_of(use.leaf, use.where))  # type: ignore[attr-defined]
             leaves_of[use.stage][use.position] = tensor
-    return [unflatten(spec, leaves) for (_, spec), leaves in zip(flat, leaves_of)]
+    return [unflatten(f.spec, leaves) for f, leaves in zip(flat, leaves_of)]
 
 
 def label(kind: str) -> str:

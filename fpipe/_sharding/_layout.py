@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -114,7 +114,7 @@ def layout_of(
         if dtensor is not None:
             check_mesh(x, tensor_ranks, f"{name}{path}", caller)
             x = local(x)  # NOTE [tensor-parallel shards]: the local piece is what is cut
-        out.append(LeafLayout(tuple(x.shape), x.dtype, cut_range(x.numel(), (0, num_shards))[2], dtensor))
+        out.append(LeafLayout(tuple(x.shape), x.dtype, cut_range(x.numel(), (0, num_shards)).size, dtensor))
     return StageLayout(spec, tuple(paths), tuple(out), num_shards)
 
 
@@ -133,14 +133,23 @@ def cut(tree: PyTree, layout: StageLayout, rank: int) -> PyTree:
     return unflatten(spec, out)
 
 
-def cut_range(numel: int, shard: tuple[int, int] | None) -> tuple[int, int, int]:
+class ShardRange(NamedTuple):
+    """What ``cut_range`` returns: the elements ``start:stop`` of a flattened tensor that a
+    shard holds, and its length with padding (``size``, every shard's)."""
+
+    start: int
+    stop: int
+    size: int
+
+
+def cut_range(numel: int, shard: tuple[int, int] | None) -> ShardRange:
     """``(start, stop, size)``: the elements of a flattened tensor of ``numel`` that shard ``(q, d)``
     holds, and its length with padding (NOTE [shard layout]); ``None``: all of it."""
     if shard is None:
-        return 0, numel, numel
+        return ShardRange(0, numel, numel)
     q, d = shard
     size = -(-numel // d)
-    return min(q * size, numel), min((q + 1) * size, numel), size
+    return ShardRange(min(q * size, numel), min((q + 1) * size, numel), size)
 
 
 def check_shards(stage: int, tree: PyTree, layout: StageLayout | None) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .._pytree import PyTree, TreeSpec, leaves_with_names, map_tensors, stage_list, unflatten
+from .._pytree import PyTree, leaves_with_names, map_tensors, stage_list, unflatten
 
 Norm = Callable[[Sequence[PyTree]], torch.Tensor]
 """A norm function: one gradient pytree per stage to their global 2-norm (``step.global_norm``)."""
@@ -91,18 +91,16 @@ def _first_copies(grads: Sequence[PyTree], params: Sequence[PyTree]) -> list[PyT
     seen: set[str] = set()
     out: list[PyTree] = []
     for stage_grads, stage_params in zip(grads, params):
-        names = set() if stage_params is None else set(_names(stage_params)[0])
+        names = set() if stage_params is None else set(_names(leaves_with_names(stage_params).names))
         copies, seen = names & seen, seen | names
         if stage_grads is None or not copies:
             out.append(stage_grads)
             continue
-        grad_names, leaves, spec = _names(stage_grads)
-        out.append(unflatten(spec, [None if n in copies else leaf for n, leaf in zip(grad_names, leaves)]))
+        flat = leaves_with_names(stage_grads)
+        out.append(unflatten(flat.spec, [None if n in copies else x for n, x in zip(_names(flat.names), flat.leaves)]))
     return out
 
 
-def _names(tree: PyTree) -> tuple[list[str], list[object], TreeSpec]:
-    """The names of ``tree``'s leaves (key paths joined by ``.``, as ``fpipe.save`` names them),
-    the leaves and the structure."""
-    parts, _, leaves, spec = leaves_with_names(tree)
-    return [".".join(p) for p in parts], leaves, spec
+def _names(parts: Sequence[tuple[str, ...]]) -> list[str]:
+    """Leaves' names from their name parts (``leaves_with_names``): joined by ``.``, as ``fpipe.save`` names them."""
+    return [".".join(p) for p in parts]
