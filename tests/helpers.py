@@ -13,6 +13,7 @@ modules: tests/_multiprocess.py, tests/conformance.py...), never from another te
 from __future__ import annotations
 
 import importlib.util
+import math
 import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,6 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
+import torch.optim
+from torch import nn
+
+import fpipe.optim
 
 if TYPE_CHECKING:
     from tests.conformance import Conformance
@@ -161,6 +166,63 @@ def tanh_batch(size: int = 10, width: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randn(size, width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
+# --- The optimizers and their torch.optim oracle (tests/optim/) --------------------------------
+
+OPTIMIZER_UPDATES = 3  # updates per comparison with torch.optim
+
+# name -> (fpipe optimizer, the torch.optim optimizer of the same options on a list of tensors): the
+# battery of tests/optim/test_optimizer.py runs every entry (optax's way: listed is tested)
+OPTIMIZERS: dict[str, tuple[Callable[..., fpipe.optim.Optimizer], Callable[..., torch.optim.Optimizer]]] = {}
+for foreach in (True, False):
+    OPTIMIZERS |= {
+        f"adamw foreach={foreach}": (
+            lambda f=foreach, **kw: fpipe.optim.adamw(0.1, betas=(0.8, 0.9), weight_decay=0.1, foreach=f, **kw),
+            lambda p, f=foreach: torch.optim.AdamW(p, lr=0.1, betas=(0.8, 0.9), weight_decay=0.1, foreach=f),
+        ),
+        f"adamw amsgrad maximize foreach={foreach}": (
+            lambda f=foreach, **kw: fpipe.optim.adamw(0.01, amsgrad=True, maximize=True, foreach=f, **kw),
+            lambda p, f=foreach: torch.optim.AdamW(p, lr=0.01, amsgrad=True, maximize=True, foreach=f),
+        ),
+        f"sgd foreach={foreach}": (
+            lambda f=foreach, **kw: fpipe.optim.sgd(0.1, foreach=f, **kw),
+            lambda p, f=foreach: torch.optim.SGD(p, lr=0.1, foreach=f),
+        ),
+        f"sgd momentum dampening weight_decay foreach={foreach}": (
+            lambda f=foreach, **kw: fpipe.optim.sgd(
+                0.1, momentum=0.9, dampening=0.3, weight_decay=0.1, foreach=f, **kw
+            ),
+            lambda p, f=foreach: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.1, foreach=f),
+        ),
+        f"sgd nesterov maximize foreach={foreach}": (
+            lambda f=foreach, **kw: fpipe.optim.sgd(0.1, momentum=0.8, nesterov=True, maximize=True, foreach=f, **kw),
+            lambda p, f=foreach: torch.optim.SGD(p, lr=0.1, momentum=0.8, nesterov=True, maximize=True, foreach=f),
+        ),
+    }
+
+
+def stage_leaves(trees: list[Any]) -> list[torch.Tensor]:
+    """The tensors of per-stage trees in order, one flat list (``None``: a stage held elsewhere)."""
+    return [t for tree in trees if tree is not None for t in optree.tree_leaves(tree)]
+
+
+def torch_optim_reference(
+    make: Callable[..., torch.optim.Optimizer],
+    params: list[Any],
+    grads: list[list[Any]],
+    lrs: list[float] | None = None,
+) -> tuple[list[torch.Tensor], dict[int, dict[str, Any]]]:
+    """``make`` run on ``params``' leaves as one flat list: the leaves after ``len(grads)`` steps, and the state."""
+    flat = [t.clone().requires_grad_() for t in stage_leaves(params)]
+    optimizer = make(flat)
+    for k, step_grads in enumerate(grads):
+        for p, g in zip(flat, stage_leaves(step_grads)):
+            p.grad = g.clone()
+        if lrs is not None:
+            optimizer.param_groups[0]["lr"] = lrs[k]
+        optimizer.step()
+    return [p.detach() for p in flat], {i: optimizer.state[p] for i, p in enumerate(flat)}
+
+
 # --- A model with a leaf of every kind: complex, int and string activations ---------------------
 # (tests/test_distributed.py, tests/test_evaluate.py: what crosses a wire between ranks)
 
@@ -254,3 +316,112 @@ def hf_checkpoint(hf: ModuleType, directory: Path, tied: bool = True, dtype: tor
     model = hf.build_model(**{**HF_SIZE, "dtype": dtype}, tied=tied)
     model.save_pretrained(directory, max_shard_size="20KB")
     return model
+
+
+# --- A Llama-like nn.Module: embedding, rotary table (buffers only), blocks with extras, norm, head
+# (tests/modules/: split_module and sum_tied against the module's own backward)
+
+TINY_LM_VOCAB, TINY_LM_WIDTH, TINY_LM_LENGTH = 11, 8, 5
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _Rotary(nn.Module):
+    """cos and sin of the RoPE angles for positions ``0..length-1``; holds a buffer, no parameter."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 100 ** (torch.arange(0, dim, 2) / dim), persistent=False)
+
+    def forward(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.arange(length, dtype=self.inv_freq.dtype)[:, None] * self.inv_freq
+        return torch.cos(angles), torch.sin(angles)
+
+
+def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = rope
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class _Block(nn.Module):
+    """Causal self-attention with RoPE and a padding mask, then an MLP; residual both."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = _RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, h: torch.Tensor, *, mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(h)).chunk(3, dim=-1)
+        q, k = _rotate(q, rope), _rotate(k, rope)
+        length = h.shape[1]
+        allowed = torch.ones(length, length, dtype=torch.bool).tril() & mask[:, None, :]
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(h.shape[-1])).masked_fill(~allowed, torch.finfo(h.dtype).min)
+        h = h + self.out(scores.softmax(-1) @ v)
+        return h + self.mlp(h)
+
+
+class TinyLM(nn.Module):
+    """``forward(tokens, mask)`` gives logits; ``tied=True`` ties the head to the embedding."""
+
+    def __init__(self, num_layers: int = 4, *, tied: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(TINY_LM_VOCAB, TINY_LM_WIDTH)
+        self.rotary = _Rotary(TINY_LM_WIDTH)
+        self.layers = nn.ModuleList([_Block(TINY_LM_WIDTH) for _ in range(num_layers)])
+        self.norm = _RMSNorm(TINY_LM_WIDTH)
+        self.head = nn.Linear(TINY_LM_WIDTH, TINY_LM_VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h, rope = self.embed(tokens), self.rotary(tokens.shape[1])
+        for layer in self.layers:
+            h = layer(h, mask=mask, rope=rope)
+        return self.head(self.norm(h))
+
+
+# The activation between modules is {"hidden": h, **extras}; the head gets a plain tensor.
+TINY_LM_CALL = {
+    "embed": lambda embed, batch: {"hidden": embed(batch["tokens"]), "mask": batch["mask"], "tag": batch["tag"]},
+    "rotary": lambda rotary, x: {**x, "rope": rotary(x["hidden"].shape[1])},
+    "layers": lambda layer, x: {**x, "hidden": layer(x["hidden"], mask=x["mask"], rope=x["rope"])},
+    "norm": lambda norm, x: norm(x["hidden"]),
+}
+
+
+def tiny_lm_batch(size: int = 10) -> dict[str, Any]:
+    lengths = torch.randint(1, TINY_LM_LENGTH + 1, (size,))
+    return {
+        "tokens": torch.randint(0, TINY_LM_VOCAB, (size, TINY_LM_LENGTH)),
+        "mask": torch.arange(TINY_LM_LENGTH) < lengths[:, None],  # right padding: the first token is always real
+        "targets": torch.randint(0, TINY_LM_VOCAB, (size, TINY_LM_LENGTH)),
+        "tag": "batch",
+    }
+
+
+def tiny_lm_loss(logits: torch.Tensor, microbatch: dict[str, Any]) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), microbatch["targets"].flatten())
+
+
+def tiny_lm_grads(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The unsplit oracle of a ``TinyLM``: ``loss.backward()`` on the whole batch; grads by parameter name."""
+    model.zero_grad()
+    loss = tiny_lm_loss(model(batch["tokens"], batch["mask"]), batch)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def by_name(grads: dict[str, torch.Tensor], keys: Any) -> dict[str, torch.Tensor]:
+    """The entries of ``grads`` that ``keys`` names (a stage's parameter names)."""
+    return {name: grads[name] for name in keys}

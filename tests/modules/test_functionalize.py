@@ -8,7 +8,7 @@ from torch import nn
 
 import fpipe
 from fpipe.schedules import GPipe, OneFOneB
-from tests.test_transparency import assert_close
+from tests.helpers import assert_close
 
 
 def test_fn_equals_module_forward() -> None:

@@ -8,7 +8,6 @@ of 4 gloo ranks (pp 2 x tp 2).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -18,115 +17,19 @@ from torch import nn
 import fpipe
 from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleH1
 from tests._multiprocess import run_ranks
-from tests.test_transparency import assert_close
-
-V, D, T = 11, 8, 5
-
+from tests.helpers import (
+    TINY_LM_CALL,
+    TINY_LM_LENGTH,
+    TinyLM,
+    assert_bitwise,
+    assert_close,
+    by_name,
+    tiny_lm_batch,
+    tiny_lm_grads,
+    tiny_lm_loss,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-# --- A Llama-like model: embedding, rotary table (buffers only), blocks with extras, norm, head ---
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h * torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-6) * self.weight
-
-
-class Rotary(nn.Module):
-    """cos and sin of the RoPE angles for positions ``0..length-1``; holds a buffer, no parameter."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.register_buffer("inv_freq", 1.0 / 100 ** (torch.arange(0, dim, 2) / dim), persistent=False)
-
-    def forward(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = torch.arange(length, dtype=self.inv_freq.dtype)[:, None] * self.inv_freq
-        return torch.cos(angles), torch.sin(angles)
-
-
-def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    cos, sin = rope
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-
-
-class Block(nn.Module):
-    """Causal self-attention with RoPE and a padding mask, then an MLP; residual both."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = RMSNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.out = nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-
-    def forward(self, h: torch.Tensor, *, mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        q, k, v = self.qkv(self.norm(h)).chunk(3, dim=-1)
-        q, k = rotate(q, rope), rotate(k, rope)
-        length = h.shape[1]
-        allowed = torch.ones(length, length, dtype=torch.bool).tril() & mask[:, None, :]
-        scores = (q @ k.transpose(-1, -2) / math.sqrt(h.shape[-1])).masked_fill(~allowed, torch.finfo(h.dtype).min)
-        h = h + self.out(scores.softmax(-1) @ v)
-        return h + self.mlp(h)
-
-
-class TinyLM(nn.Module):
-    def __init__(self, num_layers: int = 4, *, tied: bool = False) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(V, D)
-        self.rotary = Rotary(D)
-        self.layers = nn.ModuleList([Block(D) for _ in range(num_layers)])
-        self.norm = RMSNorm(D)
-        self.head = nn.Linear(D, V, bias=False)
-        if tied:
-            self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h, rope = self.embed(tokens), self.rotary(tokens.shape[1])
-        for layer in self.layers:
-            h = layer(h, mask=mask, rope=rope)
-        return self.head(self.norm(h))
-
-
-# The activation between modules is {"hidden": h, **extras}; the head gets a plain tensor.
-CALL = {
-    "embed": lambda embed, batch: {"hidden": embed(batch["tokens"]), "mask": batch["mask"], "tag": batch["tag"]},
-    "rotary": lambda rotary, x: {**x, "rope": rotary(x["hidden"].shape[1])},
-    "layers": lambda layer, x: {**x, "hidden": layer(x["hidden"], mask=x["mask"], rope=x["rope"])},
-    "norm": lambda norm, x: norm(x["hidden"]),
-}
-
-
-def make_batch(size: int = 10) -> dict[str, Any]:
-    lengths = torch.randint(1, T + 1, (size,))
-    return {
-        "tokens": torch.randint(0, V, (size, T)),
-        "mask": torch.arange(T) < lengths[:, None],  # right padding: the first token is always real
-        "targets": torch.randint(0, V, (size, T)),
-        "tag": "batch",
-    }
-
-
-def loss_fn(logits: torch.Tensor, microbatch: dict[str, Any]) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.flatten(0, 1), microbatch["targets"].flatten())
-
-
-def module_grads(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The unsplit oracle: ``loss.backward()`` on the whole batch; grads by parameter name."""
-    model.zero_grad()
-    loss = loss_fn(model(batch["tokens"], batch["mask"]), batch)
-    loss.backward()
-    return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-
-
-def by_name(grads: dict[str, torch.Tensor], keys: Any) -> dict[str, torch.Tensor]:
-    return {name: grads[name] for name in keys}
 
 
 # --- Transparency --------------------------------------------------------------------------------
@@ -153,11 +56,11 @@ SPECS = {
 
 @pytest.mark.parametrize(("spec", "schedule"), SPECS.values(), ids=SPECS.keys())
 def test_split_stages_train_like_the_module(spec: list[Any], schedule: Any) -> None:
-    model, batch = TinyLM(), make_batch()
-    stages, params = fpipe.split_module(model, spec, call=CALL)
-    step = fpipe.pipeline(loss_fn, stages, schedule)
+    model, batch = TinyLM(), tiny_lm_batch()
+    stages, params = fpipe.split_module(model, spec, call=TINY_LM_CALL)
+    step = fpipe.pipeline(tiny_lm_loss, stages, schedule)
     loss, grads = step(params, batch)
-    expected_loss, expected = module_grads(model, batch)
+    expected_loss, expected = tiny_lm_grads(model, batch)
     assert_close(loss, expected_loss)
     for stage_params, stage_grads in zip(params, grads):
         assert_close(stage_grads, by_name(expected, stage_params))
@@ -199,14 +102,14 @@ def test_extras_travel_between_stages() -> None:
         seen.append((x["tag"], x["mask"].dtype, x["mask"].shape, sorted(x)))
         return module(x["hidden"])
 
-    model, batch = TinyLM(2), make_batch(6)
-    call = {**CALL, "norm": lambda norm, x: {**x, "hidden": norm(x["hidden"])}, "head": head}
+    model, batch = TinyLM(2), tiny_lm_batch(6)
+    call = {**TINY_LM_CALL, "norm": lambda norm, x: {**x, "hidden": norm(x["hidden"])}, "head": head}
     stages, params = fpipe.split_module(
         model, ["embed + rotary + layers[0]", "rotary + layers[1] + norm + head"], call=call
     )
-    loss, _ = fpipe.pipeline(loss_fn, stages, GPipe(3))(params, batch)
-    assert seen == [("batch", torch.bool, (2, T), ["hidden", "mask", "rope", "tag"])] * 3
-    assert_close(loss, module_grads(model, batch)[0])
+    loss, _ = fpipe.pipeline(tiny_lm_loss, stages, GPipe(3))(params, batch)
+    assert seen == [("batch", torch.bool, (2, TINY_LM_LENGTH), ["hidden", "mask", "rope", "tag"])] * 3
+    assert_close(loss, tiny_lm_grads(model, batch)[0])
 
 
 def test_adapters_by_longest_prefix() -> None:
@@ -314,35 +217,33 @@ def test_recomputation_updates_buffers_once(schedule: Any) -> None:
     loss, grads, buffers = run(False)
     assert buffers["1.num_batches_tracked"].item() == buffers["3.num_batches_tracked"].item() == 2
     recomputed_loss, recomputed_grads, recomputed_buffers = run(True)
-    assert torch.equal(recomputed_loss, loss)
-    assert all(torch.equal(a[k], b[k]) for a, b in zip(grads, recomputed_grads) for k in a)
-    assert all(torch.equal(buffers[k], recomputed_buffers[k]) for k in buffers), recomputed_buffers
+    assert_bitwise((recomputed_loss, recomputed_grads, recomputed_buffers), (loss, grads, buffers))
 
 
 def test_frozen_params_are_excluded_but_used() -> None:
     model = TinyLM(2)
     model.layers[0].requires_grad_(False)
     stages, params = fpipe.split_module(
-        model, ["embed + rotary + layers[0]", "rotary + layers[1] + norm + head"], call=CALL
+        model, ["embed + rotary + layers[0]", "rotary + layers[1] + norm + head"], call=TINY_LM_CALL
     )
     assert params[0] == {"embed.weight": params[0]["embed.weight"]}
-    batch = make_batch(4)
-    loss, grads = fpipe.pipeline(loss_fn, stages, GPipe(2))(params, batch)
-    expected_loss, expected = module_grads(model, batch)
+    batch = tiny_lm_batch(4)
+    loss, grads = fpipe.pipeline(tiny_lm_loss, stages, GPipe(2))(params, batch)
+    expected_loss, expected = tiny_lm_grads(model, batch)
     assert_close(loss, expected_loss)
     assert_close(grads, [by_name(expected, p) for p in params])
 
 
 def test_tied_embeddings_appear_in_both_stages_and_sum_tied_adds_their_grads() -> None:
-    model, batch = TinyLM(tied=True), make_batch()
+    model, batch = TinyLM(tied=True), tiny_lm_batch()
     assert model.head.weight is model.embed.weight
     stages, params = fpipe.split_module(
-        model, ["embed + rotary + layers[0:2]", "rotary + layers[2:] + norm + head"], call=CALL
+        model, ["embed + rotary + layers[0:2]", "rotary + layers[2:] + norm + head"], call=TINY_LM_CALL
     )
     assert "embed.weight" in params[0] and "embed.weight" in params[1] and "head.weight" not in params[1]
     assert params[0]["embed.weight"].data_ptr() == params[1]["embed.weight"].data_ptr()
-    loss, grads = fpipe.pipeline(loss_fn, stages, OneFOneB(3))(params, batch)
-    expected_loss, expected = module_grads(model, batch)
+    loss, grads = fpipe.pipeline(tiny_lm_loss, stages, OneFOneB(3))(params, batch)
+    expected_loss, expected = tiny_lm_grads(model, batch)
     assert_close(loss, expected_loss)
     partial = grads[0]["embed.weight"] + grads[1]["embed.weight"]
     assert_close(partial, expected["embed.weight"])  # each stage holds its own uses only
@@ -351,11 +252,11 @@ def test_tied_embeddings_appear_in_both_stages_and_sum_tied_adds_their_grads() -
 
 
 def test_tied_within_one_stage_appears_once() -> None:
-    model, batch = TinyLM(2, tied=True), make_batch(4)
-    stages, params = fpipe.split_module(model, [["embed", "rotary", "layers", "norm", "head"]], call=CALL)
+    model, batch = TinyLM(2, tied=True), tiny_lm_batch(4)
+    stages, params = fpipe.split_module(model, [["embed", "rotary", "layers", "norm", "head"]], call=TINY_LM_CALL)
     assert list(params[0]).count("embed.weight") == 1
-    _, grads = fpipe.pipeline(loss_fn, stages, GPipe(2))(params, batch)
-    assert_close(grads[0], by_name(module_grads(model, batch)[1], params[0]))
+    _, grads = fpipe.pipeline(tiny_lm_loss, stages, GPipe(2))(params, batch)
+    assert_close(grads[0], by_name(tiny_lm_grads(model, batch)[1], params[0]))
 
 
 # --- Errors -------------------------------------------------------------------------------------
@@ -385,7 +286,7 @@ BAD_SPECS = {
 @pytest.mark.parametrize(("spec", "match"), BAD_SPECS.values(), ids=BAD_SPECS.keys())
 def test_bad_split_points(spec: list[Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        fpipe.split_module(TinyLM(), spec, call=CALL)
+        fpipe.split_module(TinyLM(), spec, call=TINY_LM_CALL)
 
 
 def test_a_module_without_parameters_may_repeat_but_not_one_with() -> None:
@@ -414,7 +315,7 @@ def test_bad_arguments() -> None:
 
 
 def test_stage_params_must_match() -> None:
-    stages, params = fpipe.split_module(TinyLM(2), ["embed + layers[0]", "layers[1] + norm + head"], call=CALL)
+    stages, params = fpipe.split_module(TinyLM(2), ["embed + layers[0]", "layers[1] + norm + head"], call=TINY_LM_CALL)
     with pytest.raises(ValueError, match=r"stage 1: stage_params does not match.*missing: layers.1.norm.weight, "):
         stages[1](params[0], None)
     with pytest.raises(ValueError, match=r"\(missing: none; unexpected: extra\). Pass params\[1\]"):

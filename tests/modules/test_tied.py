@@ -12,12 +12,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_split import CALL, TinyLM, by_name, loss_fn, make_batch, module_grads
-from test_transparency import assert_close
 
 import fpipe
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
+from tests.helpers import TINY_LM_CALL, TinyLM, assert_close, by_name, tiny_lm_batch, tiny_lm_grads, tiny_lm_loss
 
 
 def test_sums_in_stage_order_and_gives_every_stage_its_own_tensor() -> None:
@@ -85,15 +84,15 @@ SPEC = ["embed + rotary + layers[0]", "rotary + layers[1]", "rotary + layers[2:]
 
 def _tied_model() -> tuple[TinyLM, dict[str, Any]]:
     torch.manual_seed(0)
-    return TinyLM(3, tied=True), make_batch(6)
+    return TinyLM(3, tied=True), tiny_lm_batch(6)
 
 
 def _train_on_ranks(rank: int, world_size: int) -> list[Any]:
     """Rank r holds stage r: the tied copies are on ranks 0 and 2, and rank 1 contributes zeros."""
     torch.set_default_dtype(torch.float64)
     model, batch = _tied_model()
-    stages, params = fpipe.split_module(model, SPEC, call=CALL)
-    step = fpipe.pipeline(loss_fn, stages, OneFOneB(3), parallel=fpipe.Parallelism(group=dist.group.WORLD))
+    stages, params = fpipe.split_module(model, SPEC, call=TINY_LM_CALL)
+    step = fpipe.pipeline(tiny_lm_loss, stages, OneFOneB(3), parallel=fpipe.Parallelism(group=dist.group.WORLD))
     local = [p if s in step.local_stages else None for s, p in enumerate(params)]
     _, grads = step(local, batch)
     return fpipe.sum_tied(grads, params=params, group=dist.group.WORLD)
@@ -119,8 +118,8 @@ def test_distributed_copies_in_different_dtypes() -> None:
 @pytest.mark.timeout(120)
 def test_distributed_sum_equals_module_backward() -> None:
     model, batch = _tied_model()
-    _, expected = module_grads(model, batch)
-    _, params = fpipe.split_module(model, SPEC, call=CALL)
+    _, expected = tiny_lm_grads(model, batch)
+    _, params = fpipe.split_module(model, SPEC, call=TINY_LM_CALL)
     results = run_ranks(3, _train_on_ranks)
     for rank, grads in enumerate(results):
         for s in range(3):
