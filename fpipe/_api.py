@@ -23,22 +23,13 @@ from ._stage import StageFn, not_inference
 from ._strategy import Strategy
 from .schedules import (
     Action,
-    DualPipeV,
-    GPipe,
-    Interleaved1F1B,
-    InterleavedZeroBubble,
-    LoopedBFS,
     OneFOneB,
     Program,
     Schedule,
     ScheduleError,
-    VHalf,
-    VMin,
-    ZeroBubbleH1,
-    ZeroBubbleH2,
-    ZeroBubbleV,
     validate,
 )
+from .schedules._registry import BUILTINS
 
 
 def pipeline(
@@ -305,22 +296,10 @@ def _program(
     return program
 
 
-# The built-in schedules by the names the command line gives them (fpipe/_cli.py's SCHEDULES:
-# tests/test_errors.py checks that each maps to the class it builds) and by their class names,
-# lower case: only for the message of a schedule passed as a name, never to look one up.
-_NAMED: dict[str, type[Schedule]] = {
-    "gpipe": GPipe,
-    "1f1b": OneFOneB,
-    "interleaved": Interleaved1F1B,
-    "zbinterleaved": InterleavedZeroBubble,
-    "zbh1": ZeroBubbleH1,
-    "zbh2": ZeroBubbleH2,
-    "zbv": ZeroBubbleV,
-    "vhalf": VHalf,
-    "vmin": VMin,
-    "bfs": LoopedBFS,
-    "dualpipev": DualPipeV,
-}
+# The built-in schedules by the names the command line gives them (fpipe/schedules/_registry.py)
+# and by their class names, lower case: only for the message of a schedule passed as a name, never
+# to look one up.
+_NAMED: dict[str, type[Schedule]] = {b.command: b.schedule for b in BUILTINS}
 _NAMED.update({cls.__name__.lower(): cls for cls in list(_NAMED.values())})
 
 

@@ -16,7 +16,6 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Literal, TextIO
 
 from ._plan import (
@@ -35,20 +34,9 @@ from ._plan import (
 from ._plural import plural
 from .schedules import (
     Costs,
-    DualPipeV,
-    GPipe,
     Interleaved1F1B,
-    InterleavedZeroBubble,
-    LoopedBFS,
-    OneFOneB,
     Program,
-    Schedule,
     ScheduleError,
-    VHalf,
-    VMin,
-    ZeroBubbleH1,
-    ZeroBubbleH2,
-    ZeroBubbleV,
     chrome_trace,
     load_costs,
     search,
@@ -57,43 +45,16 @@ from .schedules import (
     terminal_grid,
 )
 from .schedules._pictures import legend
+from .schedules._registry import BUILTINS, Builtin
+
+# The schedules the command line knows, by their command-line names (fpipe/schedules/_registry.py).
+SCHEDULES: dict[str, Builtin] = {b.command: b for b in BUILTINS}
 
 
-@dataclass(frozen=True)
-class _Choice:
-    """A schedule the command line knows: how to build it, its default stages per rank, and
-    whether it takes any other (``looped``: a looped placement with any ``v >= 2``)."""
-
-    make: Callable[[int, int], Schedule]
-    stages_per_rank: int
-    about: str
-    looped: bool = False
-
-    def supports(self, v: int) -> bool:
-        """Whether it lays out ``v`` stages per rank."""
-        return v == self.stages_per_rank or (self.looped and v >= 2)
-
-
-SCHEDULES: dict[str, _Choice] = {
-    "gpipe": _Choice(lambda m, v: GPipe(m), 1, "GPipe: all forwards, then all backwards"),
-    "1f1b": _Choice(lambda m, v: OneFOneB(m), 1, "1F1B (PipeDream-flush)"),
-    "interleaved": _Choice(
-        lambda m, v: Interleaved1F1B(m, stages_per_rank=v), 2, "Megatron's interleaved 1F1B, looped placement", True
-    ),
-    "zbinterleaved": _Choice(
-        lambda m, v: InterleavedZeroBubble(m, stages_per_rank=v),
-        2,
-        "interleaved zero bubble (torch's), looped placement",
-        True,
-    ),
-    "zbh1": _Choice(lambda m, v: ZeroBubbleH1(m), 1, "ZB-H1: 1F1B with deferred weight gradients"),
-    "zbh2": _Choice(lambda m, v: ZeroBubbleH2(m), 1, "ZB-H2: ZB-H1 with a longer warm-up, 2p-1 activations"),
-    "zbv": _Choice(lambda m, v: ZeroBubbleV(m), 2, "ZB-V: two stages per rank in a V"),
-    "vhalf": _Choice(lambda m, v: VHalf(m), 2, "V-Half: a V at half of 1F1B's activations"),
-    "vmin": _Choice(lambda m, v: VMin(m), 2, "V-Min: a V at a third of 1F1B's activations"),
-    "bfs": _Choice(lambda m, v: LoopedBFS(m, stages_per_rank=v), 2, "looped breadth-first", True),
-    "dualpipev": _Choice(lambda m, v: DualPipeV(m), 2, "DualPipeV: DeepSeek's DualPipe in a V, overlaps run in order"),
-}
+def _offers(schedule: Builtin, v: int) -> bool:
+    """Whether the command line runs ``schedule`` with ``v`` stages per rank: its own count, or
+    any from 2 where the count is a field (with one, an interleaved schedule is a plain one)."""
+    return v == schedule.stages_per_rank or (schedule.field and v >= 2)
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> int:
@@ -105,7 +66,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     choice = SCHEDULES[args.schedule]
     v = choice.stages_per_rank if args.stages_per_rank is None else args.stages_per_rank
     try:
-        schedule = choice.make(args.microbatches, v)
+        schedule = choice.build(args.microbatches, v)
         if args.microbatch_group is not None:
             if not isinstance(schedule, Interleaved1F1B):
                 raise ScheduleError(
@@ -363,13 +324,13 @@ def _candidates(
     of ``stages_per_rank`` it lays out (named ``"interleaved v=4"`` when it takes several)."""
     candidates = []
     for n in names:
-        looped = (n in SEARCHED and SEARCHED[n][0] == "looped") or (n in SCHEDULES and SCHEDULES[n].looped)
+        looped = (n in SEARCHED and SEARCHED[n][0] == "looped") or (n in SCHEDULES and SCHEDULES[n].field)
         if stages_per_rank is None:
             tried = [SEARCHED[n][1] if n in SEARCHED else SCHEDULES[n].stages_per_rank]
         elif n in SEARCHED:
             tried = [v for v in stages_per_rank if looped or v == SEARCHED[n][1]]
         else:
-            tried = [v for v in stages_per_rank if SCHEDULES[n].supports(v)]
+            tried = [v for v in stages_per_rank if _offers(SCHEDULES[n], v)]
         for v in tried:
             name = f"{n} v={v}" if looped and stages_per_rank is not None else n
             if n in SEARCHED:
@@ -379,9 +340,9 @@ def _candidates(
     return candidates
 
 
-def _builder(choice: _Choice, m: int, p: int, v: int) -> Callable[[tuple[Costs, ...]], Program]:
+def _builder(choice: Builtin, m: int, p: int, v: int) -> Callable[[tuple[Costs, ...]], Program]:
     """The program of ``choice`` with ``v`` stages per rank on ``p`` ranks, whatever the costs."""
-    return lambda costs: choice.make(m, v).program(p * v, p)
+    return lambda costs: choice.build(m, v).program(p * v, p)
 
 
 # The planner's searched programs: name -> (placement, stages per rank). NOTE [searched candidates]:

@@ -23,25 +23,10 @@ script prints (tests/schedules/test_notes_table.py, test_simulate_formulas.py).
 # module, and dataclasses look string annotations up in their module.
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from fpipe.schedules import (
-    Costs,
-    DualPipeV,
-    GPipe,
-    Interleaved1F1B,
-    InterleavedZeroBubble,
-    LoopedBFS,
-    OneFOneB,
-    Schedule,
-    Simulation,
-    VHalf,
-    VMin,
-    ZeroBubbleH1,
-    ZeroBubbleH2,
-    ZeroBubbleV,
-    simulate,
-)
+from fpipe.schedules import Costs, Schedule, Simulation, simulate
+from fpipe.schedules._registry import BUILTINS
 
 Counts = Callable[[int, int, int, int], float]  # (p, v, m, g) -> a value
 Where = Callable[[int, int, int, int], bool]  # (p, v, m, g) -> whether a formula holds there
@@ -130,8 +115,9 @@ def _v_min_idle(p: int) -> float:
 class Row:
     """A schedule's row: the README's columns, its formulas, and how to build it.
 
-    ``make(m, v, g)`` builds it (``g``: the microbatch group, for ``Interleaved1F1B``'s row of
-    groups only); ``stages_per_rank`` are the ``v`` it is checked with; ``split``: its costs are
+    ``builtin`` names its entry of the registry (fpipe/schedules/_registry.py), which ``make(m, v,
+    g)`` builds it with (``g``: the microbatch group, for ``Interleaved1F1B``'s row of groups
+    only); ``stages_per_rank`` are the ``v`` it is checked with; ``split``: its costs are
     ``SPLIT`` (else ``FUSED``). The peak is the busiest rank's (``max(peak_activations)``).
     """
 
@@ -141,7 +127,7 @@ class Row:
     placement: str
     paper: str
     source: str  # the notes' formulas table
-    make: Callable[[int, int, int], Schedule]
+    builtin: str
     stages_per_rank: tuple[int, ...]
     split: bool
     bubble: Formula
@@ -149,6 +135,11 @@ class Row:
     idle: Idle | None = None
     bubble_note: str = ""
     groups: bool = False
+
+    def make(self, m: int, v: int, g: int) -> Schedule:
+        """The row's schedule for ``m`` microbatches, ``v`` stages per rank, groups of ``g``."""
+        schedule = next(b for b in BUILTINS if b.name == self.builtin).build(m, v)
+        return replace(schedule, microbatch_group=g) if self.groups else schedule
 
     def simulate(self, p: int, v: int, m: int, g: int, costs: Costs | None = None) -> Simulation:
         """The step of ``p`` ranks, ``v`` stages per rank, ``m`` microbatches (groups of ``g``),
@@ -178,7 +169,7 @@ ROWS: list[Row] = [
         "stage `s` on rank `s`",
         'Huang et al., "GPipe", NeurIPS 2019',
         "Huang et al. 2019",
-        lambda m, v, g: GPipe(m),
+        "GPipe",
         (1,),
         False,
         ONE_F_ONE_B_BUBBLE,
@@ -192,7 +183,7 @@ ROWS: list[Row] = [
         "stage `s` on rank `s`",
         'Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021',
         "Narayanan et al. 2021 (PipeDream-flush); rank `r` holds `min(m, p-r)`",
-        lambda m, v, g: OneFOneB(m),
+        "OneFOneB",
         (1,),
         False,
         ONE_F_ONE_B_BUBBLE,
@@ -206,7 +197,7 @@ ROWS: list[Row] = [
         "looped: stage `s` on rank `s % p`",
         'Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021',
         "Narayanan et al. 2021 (Megatron-LM); peak from the warm-up count, `(m+(v-1)p)/v` for `p <= m < 2p-1`",
-        lambda m, v, g: Interleaved1F1B(m, stages_per_rank=v),
+        "Interleaved1F1B",
         (2, 3),
         False,
         Formula(INTERLEAVED_BUBBLE, _bubble("v", 1), "when `p` divides `m`", lambda p, v, m, g: m % p == 0),
@@ -227,7 +218,7 @@ ROWS: list[Row] = [
         "looped",
         "Megatron-Core, `microbatch_group_size_per_vp_stage` (`megatron/core/pipeline_parallel/schedules.py`)",
         "Megatron-Core",
-        lambda m, v, g: Interleaved1F1B(m, stages_per_rank=v, microbatch_group=g),
+        "Interleaved1F1B",
         (2, 3),
         False,
         Formula(
@@ -252,7 +243,7 @@ ROWS: list[Row] = [
         "looped",
         "Qi et al., ICLR 2024 (ZB-H1 on `v` stages per rank), as torch's `ScheduleInterleavedZeroBubble`",
         "Qi et al. 2024 (ZB-H1) on torch's interleaved order (`ScheduleInterleavedZeroBubble`)",
-        lambda m, v, g: InterleavedZeroBubble(m, stages_per_rank=v),
+        "InterleavedZeroBubble",
         (2, 3),
         True,
         Formula(
@@ -281,7 +272,7 @@ ROWS: list[Row] = [
         "looped",
         'Lamy-Poirier, "Breadth-First Pipeline Parallelism", MLSys 2023',
         "Lamy-Poirier 2023",
-        lambda m, v, g: LoopedBFS(m, stages_per_rank=v),
+        "LoopedBFS",
         (2, 3),
         False,
         Formula(INTERLEAVED_BUBBLE, _bubble("v", 1), "for `m >= p`", lambda p, v, m, g: m >= p),
@@ -297,7 +288,7 @@ ROWS: list[Row] = [
         "stage `s` on rank `s`",
         'Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024',
         "Qi et al. 2024, table of handcrafted schedules; every rank holds `min(m, p)`",
-        lambda m, v, g: ZeroBubbleH1(m),
+        "ZeroBubbleH1",
         (1,),
         True,
         Formula("(p-1)/(3m+p-1)", _bubble(1, 3), "for `m >= p`", lambda p, v, m, g: m >= p),
@@ -317,7 +308,7 @@ ROWS: list[Row] = [
         "stage `s` on rank `s`",
         "Qi et al., ICLR 2024",
         "Qi et al. 2024, section 3.1 (handcrafted ZB-H2); `0` with post-validation; every rank holds `2p-1`",
-        lambda m, v, g: ZeroBubbleH2(m),
+        "ZeroBubbleH2",
         (1,),
         True,
         Formula("(p-1)/(3m+p-1)", _bubble(1, 3)),
@@ -337,7 +328,7 @@ ROWS: list[Row] = [
         "V: rank `r` holds stages `r` and `2p-1-r`",
         "Qi et al., ICLR 2024",
         "derived here, see below; `2p` half-size chunks at the peak",
-        lambda m, v, g: ZeroBubbleV(m),
+        "ZeroBubbleV",
         (2,),
         True,
         Formula("(p-1)/(6m+p-1)", _bubble(2, 3), "for `m >= 3p//2`", lambda p, v, m, g: m >= 3 * p // 2),
@@ -354,7 +345,7 @@ ROWS: list[Row] = [
         "`zbv_greedy.py`)",
         'Qi et al., "Pipeline Parallelism with Controllable Memory", 2024 (their table: `B/2`, `B` 1F1B\'s); '
         "the order of the repository's `zbv_greedy.py`",
-        lambda m, v, g: VHalf(m),
+        "VHalf",
         (2,),
         True,
         Formula(
@@ -380,7 +371,7 @@ ROWS: list[Row] = [
         "V, as ZB-V",
         "Qi et al., NeurIPS 2024 (as V-Half)",
         'as V-Half (their table: `2B/3`, "+ O(n) overhead")',
-        lambda m, v, g: VMin(m),
+        "VMin",
         (2,),
         True,
         Formula(
@@ -406,7 +397,7 @@ ROWS: list[Row] = [
         "V, as ZB-V",
         'DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024 (DualPipe, cut in half)',
         "DeepSeek-AI 2024; torch's `ScheduleDualPipeV` with its overlapped pairs run `F` then `B`",
-        lambda m, v, g: DualPipeV(m),
+        "DualPipeV",
         (2,),
         True,
         Formula("(p-1)/(6m+p-1)", _bubble(2, 3), "for `m >= 2p`", lambda p, v, m, g: m >= 2 * p),
@@ -472,7 +463,8 @@ def groups() -> None:
 
 
 def readme() -> None:
-    """The README's Schedules table: every row's formulas with the counts they hold for."""
+    """The README's Schedules table: every row's formulas with the counts they hold for, then a
+    built-in of the registry that has no row yet, with its description and no formulas."""
     print("| name | class | placement | bubble fraction | peak activations | paper |")
     print("|---|---|---|---|---|---|")
     for row in ROWS:
@@ -480,6 +472,9 @@ def readme() -> None:
             f"| {row.name} | {row.schedule} | {row.placement} | {row.bubble.cell(row.bubble_note)} "
             f"| {row.peak.cell()} | {row.paper} |"
         )
+    for b in BUILTINS:
+        if all(row.builtin != b.name for row in ROWS):
+            print(f"| {b.about} | `{b.name}(m)` | {b.placement} | - | - | - |")
 
 
 def main(table: str = "notes") -> None:

@@ -1,8 +1,9 @@
 """The conformance list: every schedule, and the sizes each battery runs it at.
 
-A new schedule is one new entry: tests/test_transparency.py and tests/test_api.py run it in
-one process against the unsplit model and GPipe, tests/test_distributed.py on gloo ranks
-against the single-process executor, bitwise.
+Every built-in schedule of the registry (fpipe/schedules/_registry.py) is an entry, so a new
+schedule is here the moment it is registered: tests/test_transparency.py and tests/test_api.py
+run it in one process against the unsplit model and GPipe, tests/test_distributed.py on gloo
+ranks against the single-process executor, bitwise.
 """
 
 from __future__ import annotations
@@ -13,22 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fpipe.schedules import (
-    Costs,
-    DualPipeV,
-    GPipe,
-    Interleaved1F1B,
-    InterleavedZeroBubble,
-    LoopedBFS,
-    OneFOneB,
-    VHalf,
-    VMin,
-    ZeroBubbleH1,
-    ZeroBubbleH2,
-    ZeroBubbleV,
-    search,
-)
+from fpipe.schedules import Costs, Interleaved1F1B, ZeroBubbleH1, search
 from fpipe.schedules._bound import lower_bound
+from fpipe.schedules._registry import BUILTINS, Builtin
 from fpipe.schedules._search import checked_problem
 from fpipe.schedules._solver import available, solve
 from tests.schedules._programs import first_pass
@@ -59,12 +47,18 @@ def one_f_one_b_split_backward(num_stages: int, num_microbatches: int) -> list[l
     return ranks
 
 
-def zero_bubble_h2(num_stages: int, num_microbatches: int) -> Any:
-    """ZB-H2 where it is defined (``m >= 2S - 1``); below that it is a ``ScheduleError``
-    (tests/schedules/test_zero_bubble_h2.py), and the battery's small ``m`` run ZB-H1."""
-    if num_microbatches >= 2 * num_stages - 1:
-        return ZeroBubbleH2(num_microbatches=num_microbatches)
-    return ZeroBubbleH1(num_microbatches=num_microbatches)
+def built(builtin: Builtin) -> Callable[[int, int], Any]:
+    """``make`` of a built-in at its own stages per rank. Where the registry says it does not take
+    the counts (ZB-H2 below ``m >= 2p - 1``: a ``ScheduleError``, tests/schedules/test_zero_bubble_h2.py),
+    the battery's small ``m`` run ZB-H1, which takes any."""
+    v = builtin.stages_per_rank
+
+    def make(num_stages: int, num_microbatches: int) -> Any:
+        if not builtin.allows(num_stages // v, num_microbatches):
+            return ZeroBubbleH1(num_microbatches=num_microbatches)
+        return builtin.build(num_microbatches, v)
+
+    return make
 
 
 def heavy_last(num_stages: int) -> list[Costs]:
@@ -117,15 +111,34 @@ class Conformance:
         return self.name
 
 
+# Built-in name (fpipe/schedules/_registry.py) -> its stage counts in one process and its sizes on
+# gloo, at its own stages per rank. A built-in not named here runs at each stage count of its
+# placement up to 6 (a multiple of its stages per rank), in one process only.
+SIZES: dict[str, tuple[tuple[int, ...], tuple[tuple[int, int, int], ...]]] = {
+    "GPipe": ((1, 2, 3, 4, 5, 6), ((2, 2, 4),)),
+    "OneFOneB": ((1, 2, 3, 4, 5, 6), ((2, 2, 5), (4, 4, 6))),
+    "ZeroBubbleH1": ((1, 2, 3, 4, 5, 6), ((2, 2, 4),)),
+    "ZeroBubbleH2": ((2, 4), ((2, 2, 5),)),
+    "Interleaved1F1B": ((2, 4, 6), ((2, 4, 4), (4, 8, 4))),
+    "InterleavedZeroBubble": ((2, 4), ((2, 4, 5),)),
+    "LoopedBFS": ((2, 4, 6), ((2, 4, 3),)),
+    "ZeroBubbleV": ((2, 4, 6), ((2, 4, 4),)),
+    "DualPipeV": ((2, 4, 6), ((2, 4, 4),)),
+    "VHalf": ((4, 6), ((2, 4, 5),)),
+    "VMin": ((4, 6), ((2, 4, 3), (3, 6, 2))),
+}
+
+
+def of_builtin(builtin: Builtin) -> Conformance:
+    """The entry of a built-in: its name (with its stages per rank after a dash where that is a
+    field of the class, ``Interleaved1F1B-2``) at the sizes ``SIZES`` gives it."""
+    v = builtin.stages_per_rank
+    stage_counts, ranks = SIZES.get(builtin.name, (tuple(range(v, 7, v)), ()))
+    return Conformance(f"{builtin.name}-{v}" if builtin.field else builtin.name, built(builtin), stage_counts, ranks)
+
+
 CONFORMANCE: list[Conformance] = [
-    Conformance("GPipe", lambda S, M: GPipe(num_microbatches=M), ranks=((2, 2, 4),)),
-    Conformance("OneFOneB", lambda S, M: OneFOneB(num_microbatches=M), ranks=((2, 2, 5), (4, 4, 6))),
-    Conformance(
-        "Interleaved1F1B-2",
-        lambda S, M: Interleaved1F1B(num_microbatches=M, stages_per_rank=2),
-        (2, 4, 6),
-        ranks=((2, 4, 4), (4, 8, 4)),
-    ),
+    *(of_builtin(builtin) for builtin in BUILTINS),  # every built-in schedule: one registry entry is one here
     Conformance("Interleaved1F1B-3", lambda S, M: Interleaved1F1B(num_microbatches=M, stages_per_rank=3), (3, 6)),
     Conformance(
         "Interleaved1F1B-2-group-p+1",  # Megatron-Core's microbatch groups, one more than the ranks
@@ -133,21 +146,6 @@ CONFORMANCE: list[Conformance] = [
         (2, 4),
         ranks=((2, 4, 5),),
     ),
-    Conformance(
-        "InterleavedZeroBubble-2",
-        lambda S, M: InterleavedZeroBubble(num_microbatches=M, stages_per_rank=2),
-        (2, 4),
-        ranks=((2, 4, 5),),
-    ),
-    Conformance(
-        "LoopedBFS-2", lambda S, M: LoopedBFS(num_microbatches=M, stages_per_rank=2), (2, 4, 6), ranks=((2, 4, 3),)
-    ),
-    Conformance("ZeroBubbleH1", lambda S, M: ZeroBubbleH1(num_microbatches=M), ranks=((2, 2, 4),)),
-    Conformance("ZeroBubbleH2", zero_bubble_h2, (2, 4), ranks=((2, 2, 5),)),
-    Conformance("ZeroBubbleV", lambda S, M: ZeroBubbleV(num_microbatches=M), (2, 4, 6), ranks=((2, 4, 4),)),
-    Conformance("VHalf", lambda S, M: VHalf(num_microbatches=M), (4, 6), ranks=((2, 4, 5),)),
-    Conformance("VMin", lambda S, M: VMin(num_microbatches=M), (4, 6), ranks=((2, 4, 3), (3, 6, 2))),
-    Conformance("DualPipeV", lambda S, M: DualPipeV(num_microbatches=M), (2, 4, 6), ranks=((2, 4, 4),)),
     Conformance("search", searched, (1, 2, 3, 4)),
     Conformance("search-v", searched_v, (2, 4, 6), ranks=((2, 4, 4),)),
     *([Conformance("search-cp-sat-v", solved_v, (2, 4))] if available() else []),  # OR-Tools: the test extra

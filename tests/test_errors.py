@@ -269,7 +269,7 @@ def test_argument_errors(call: Callable[[], Any], exception: type[Exception], fr
 def test_a_schedule_named_as_the_command_line_names_it_points_to_its_class(name: str) -> None:
     """pipeline(..., "zbv") names the value to pass: the class the command line builds for the name."""
     choice = SCHEDULES[name]
-    built = type(choice.make(8, choice.stages_per_rank)).__name__
+    built = type(choice.build(8, choice.stages_per_rank)).__name__
     with pytest.raises(TypeError) as raised:
         fpipe.pipeline(_loss, [_stage, _stage], name)
     assert f"Pass the schedule value: {built}(num_microbatches=8) (from fpipe.schedules import {built})." in str(

@@ -29,29 +29,20 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from .._plural import plural
 from ._bound import lower_bound
-from ._controllable_memory import VHalf, VMin
-from ._dual_pipe_v import DualPipeV
 from ._exact import exact as branch_and_bound
-from ._gpipe import GPipe
 from ._improve import improve, kicked, peak_memory
-from ._interleaved import Interleaved1F1B
-from ._interleaved_zero_bubble import InterleavedZeroBubble
 from ._list_schedule import Policy, Problem, list_schedule
-from ._looped_bfs import LoopedBFS
-from ._one_f_one_b import OneFOneB
-from ._program import Program, Schedule, ScheduleError
+from ._program import Program, ScheduleError
+from ._registry import builtins_for
 from ._simulate import Costs, Simulation, charged, receiving_kinds, simulate
 from ._solver import available as solver_available
 from ._solver import solve
-from ._zero_bubble_h1 import ZeroBubbleH1
-from ._zero_bubble_h2 import ZeroBubbleH2
-from ._zero_bubble_v import ZeroBubbleV
 
 EXACT_RANKS, EXACT_MICROBATCHES = 4, 8  # the largest problems the exact search is tried on
 LOCAL_ACTIONS = 200  # the largest programs local improvement is tried on
@@ -383,36 +374,12 @@ def _shaken(problem: Problem, deadline: float) -> tuple[tuple[str, float, Progra
 
 
 def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Program]]:
-    """``(name, program)`` of every built-in schedule that lays out ``problem``'s placement."""
+    """``(name, program)`` of every built-in schedule that lays out ``problem``'s placement
+    (``fpipe/schedules/_registry.py``), in the registry's order."""
     p, m, S = problem.num_ranks, problem.num_microbatches, problem.num_stages
     v = S // p
-    schedules: list[tuple[str, Callable[[], Schedule]]]
-    if placement == "v":
-        schedules = [
-            ("ZeroBubbleV", lambda: ZeroBubbleV(m)),
-            ("DualPipeV", lambda: DualPipeV(m)),
-            ("VHalf", lambda: VHalf(m)),
-            ("VMin", lambda: VMin(m)),
-        ]
-    elif v == 1:  # InterleavedZeroBubble is ZeroBubbleH1 here
-        schedules = [
-            ("GPipe", lambda: GPipe(m)),
-            ("OneFOneB", lambda: OneFOneB(m)),
-            ("ZeroBubbleH1", lambda: ZeroBubbleH1(m)),
-            *([("ZeroBubbleH2", lambda: ZeroBubbleH2(m))] if m >= 2 * p - 1 else []),
-            ("Interleaved1F1B", lambda: Interleaved1F1B(m, stages_per_rank=1)),
-            ("LoopedBFS", lambda: LoopedBFS(m, stages_per_rank=1)),
-        ]
-    else:
-        schedules = [
-            ("GPipe", lambda: GPipe(m)),
-            ("OneFOneB", lambda: OneFOneB(m)),
-            ("Interleaved1F1B", lambda: Interleaved1F1B(m, stages_per_rank=v)),
-            ("InterleavedZeroBubble", lambda: InterleavedZeroBubble(m, stages_per_rank=v)),
-            ("LoopedBFS", lambda: LoopedBFS(m, stages_per_rank=v)),
-        ]
-    for name, make in schedules:
-        yield name, make().program(S, p)
+    for builtin in builtins_for(placement, v, p, m):
+        yield builtin.name, builtin.build(m, v).program(S, p)
 
 
 def policies(problem: Problem) -> Iterator[Policy]:
