@@ -21,7 +21,7 @@ import fpipe
 import fpipe.optim
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.optim.test_optimizer import assert_bitwise
+from tests.helpers import assert_bitwise
 
 F64 = torch.float64  # explicit: spawned ranks keep torch's default dtype, float32
 STEPS = 3

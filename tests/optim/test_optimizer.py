@@ -1,8 +1,8 @@
 """Every optimizer of ``fpipe.optim`` equals its ``torch.optim`` class, bitwise, over random pytrees.
 
-One battery runs over ``OPTIMIZERS`` (optax's way: a new variant is tested the moment it is
-listed): K updates of random per-stage pytrees, pure and in place, against the ``torch.optim``
-optimizer on the same tensors as a flat list with ``.grad`` set. Both run torch's own kernel
+One battery runs over ``OPTIMIZERS`` (tests/helpers.py; optax's way: a new variant is tested the
+moment it is listed): ``OPTIMIZER_UPDATES`` updates of random per-stage pytrees, pure and in place,
+against the ``torch.optim`` optimizer on the same tensors as a flat list with ``.grad`` set. Both run torch's own kernel
 with the same ``foreach``, so every bit agrees. Then the state's checks and error messages.
 """
 
@@ -18,37 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fpipe.optim
-from tests.saving.test_save import assert_bitwise
-
-K = 3  # updates per comparison
-
-# (fpipe optimizer, the torch.optim optimizer of the same options on a list of tensors)
-OPTIMIZERS: dict[str, tuple[Callable[..., fpipe.optim.Optimizer], Callable[..., torch.optim.Optimizer]]] = {}
-for foreach in (True, False):
-    OPTIMIZERS |= {
-        f"adamw foreach={foreach}": (
-            lambda f=foreach, **kw: fpipe.optim.adamw(0.1, betas=(0.8, 0.9), weight_decay=0.1, foreach=f, **kw),
-            lambda p, f=foreach: torch.optim.AdamW(p, lr=0.1, betas=(0.8, 0.9), weight_decay=0.1, foreach=f),
-        ),
-        f"adamw amsgrad maximize foreach={foreach}": (
-            lambda f=foreach, **kw: fpipe.optim.adamw(0.01, amsgrad=True, maximize=True, foreach=f, **kw),
-            lambda p, f=foreach: torch.optim.AdamW(p, lr=0.01, amsgrad=True, maximize=True, foreach=f),
-        ),
-        f"sgd foreach={foreach}": (
-            lambda f=foreach, **kw: fpipe.optim.sgd(0.1, foreach=f, **kw),
-            lambda p, f=foreach: torch.optim.SGD(p, lr=0.1, foreach=f),
-        ),
-        f"sgd momentum dampening weight_decay foreach={foreach}": (
-            lambda f=foreach, **kw: fpipe.optim.sgd(
-                0.1, momentum=0.9, dampening=0.3, weight_decay=0.1, foreach=f, **kw
-            ),
-            lambda p, f=foreach: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.1, foreach=f),
-        ),
-        f"sgd nesterov maximize foreach={foreach}": (
-            lambda f=foreach, **kw: fpipe.optim.sgd(0.1, momentum=0.8, nesterov=True, maximize=True, foreach=f, **kw),
-            lambda p, f=foreach: torch.optim.SGD(p, lr=0.1, momentum=0.8, nesterov=True, maximize=True, foreach=f),
-        ),
-    }
+from tests.helpers import OPTIMIZER_UPDATES, OPTIMIZERS, assert_bitwise, stage_leaves, torch_optim_reference
 
 SHAPES = st.lists(st.integers(0, 3), min_size=0, max_size=3).map(tuple)
 DTYPES = st.sampled_from([torch.float64, torch.float32, torch.complex128])
@@ -74,28 +44,6 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
 
 
-def _leaves(trees: list[Any]) -> list[torch.Tensor]:
-    return [t for tree in trees if tree is not None for t in optree.tree_leaves(tree)]
-
-
-def torch_reference(
-    make: Callable[..., torch.optim.Optimizer],
-    params: list[Any],
-    grads: list[list[Any]],
-    lrs: list[float] | None = None,
-) -> tuple[list[torch.Tensor], dict[int, dict[str, Any]]]:
-    """``make`` run on ``params``' leaves as one flat list: the leaves after ``len(grads)`` steps, and the state."""
-    flat = [t.clone().requires_grad_() for t in _leaves(params)]
-    optimizer = make(flat)
-    for k, step_grads in enumerate(grads):
-        for p, g in zip(flat, _leaves(step_grads)):
-            p.grad = g.clone()
-        if lrs is not None:
-            optimizer.param_groups[0]["lr"] = lrs[k]
-        optimizer.step()
-    return [p.detach() for p in flat], {i: optimizer.state[p] for i, p in enumerate(flat)}
-
-
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @given(
     stages=st.lists(STAGE, min_size=1, max_size=3).filter(lambda s: s != [None] * len(s)), seed=st.integers(0, 2**16)
@@ -104,31 +52,31 @@ def test_updates_equal_torch_optim_bitwise(name: str, stages: list[Any], seed: i
     make, make_torch = OPTIMIZERS[name]
     opt = make()
     params = _materialize(stages, seed)
-    grads = [_materialize(stages, seed + 1 + k) for k in range(K)]
-    expected, torch_state = torch_reference(make_torch, params, grads)
+    grads = [_materialize(stages, seed + 1 + k) for k in range(OPTIMIZER_UPDATES)]
+    expected, torch_state = torch_optim_reference(make_torch, params, grads)
 
     state = opt.init(params)
     in_place = [None if p is None else optree.tree_map(torch.clone, p) for p in params]
     in_place_state = opt.init(in_place)
     pure = params
-    for k in range(K):
+    for k in range(OPTIMIZER_UPDATES):
         inputs = (pure, grads[k], state)
         snapshot = [optree.tree_map(torch.clone, t) for t in inputs]
         pure, state = opt.update(*inputs)
         assert_bitwise(list(inputs), snapshot)  # nothing passed to update is modified
         assert opt.update_(in_place, grads[k], in_place_state) is None
-    assert_bitwise(_leaves(pure), expected)
+    assert_bitwise(stage_leaves(pure), expected)
     assert_bitwise(in_place, pure)
     assert_bitwise(in_place_state, state)
     held = [s for s, p in enumerate(params) if p is not None]
     assert [s for s, t in enumerate(state) if t is not None] == held
     for s in held:
-        assert torch.equal(state[s]["step"], torch.tensor(float(K), dtype=torch.float32))
+        assert torch.equal(state[s]["step"], torch.tensor(float(OPTIMIZER_UPDATES), dtype=torch.float32))
     # torch's state, buffer by buffer, in the same order as the leaves.
     for key in [
         k for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer") if held and k in state[held[0]]
     ]:
-        assert_bitwise(_leaves([state[s][key] for s in held]), [torch_state[i][key] for i in range(len(expected))])
+        assert_bitwise(stage_leaves([state[s][key] for s in held]), [torch_state[i][key] for i in range(len(expected))])
 
 
 def _model_params() -> list[Any]:
@@ -141,36 +89,40 @@ def _model_params() -> list[Any]:
 
 def test_weight_decay_mask_equals_two_torch_param_groups() -> None:
     params = _model_params()
-    grads = [[None if p is None else optree.tree_map(torch.randn_like, p) for p in params] for _ in range(K)]
+    grads = [
+        [None if p is None else optree.tree_map(torch.randn_like, p) for p in params] for _ in range(OPTIMIZER_UPDATES)
+    ]
     mask = [{"w": True, "b": False}, None, {"head": {"w": True, "gain": False}}]
     opt = fpipe.optim.adamw(0.1, weight_decay=0.5, weight_decay_mask=mask)
     state = opt.init(params)
     new = params
     for g in grads:
         new, state = opt.update(new, g, state)
-    flat = [t.clone().requires_grad_() for t in _leaves(params)]  # b, w, gain, w (sorted keys)
+    flat = [t.clone().requires_grad_() for t in stage_leaves(params)]  # b, w, gain, w (sorted keys)
     reference = torch.optim.AdamW(
         [{"params": [flat[1], flat[3]]}, {"params": [flat[0], flat[2]], "weight_decay": 0.0}], lr=0.1, weight_decay=0.5
     )
     for g in grads:
-        for p, dp in zip(flat, _leaves(g)):
+        for p, dp in zip(flat, stage_leaves(g)):
             p.grad = dp.clone()
         reference.step()
-    assert_bitwise(_leaves(new), [p.detach() for p in flat])
+    assert_bitwise(stage_leaves(new), [p.detach() for p in flat])
 
 
 def test_learning_rate_schedule_and_override() -> None:
     params = _model_params()
-    grads = [[None if p is None else optree.tree_map(torch.randn_like, p) for p in params] for _ in range(K)]
-    schedule = fpipe.optim.warmup_cosine(0.1, warmup_steps=K, total_steps=10)
-    rates = [schedule(k) for k in range(K)]
-    assert len(set(rates)) == K
-    for opt, lrs in [(fpipe.optim.adamw(schedule), rates), (fpipe.optim.adamw(1.0), [0.3] * K)]:
+    grads = [
+        [None if p is None else optree.tree_map(torch.randn_like, p) for p in params] for _ in range(OPTIMIZER_UPDATES)
+    ]
+    schedule = fpipe.optim.warmup_cosine(0.1, warmup_steps=OPTIMIZER_UPDATES, total_steps=10)
+    rates = [schedule(k) for k in range(OPTIMIZER_UPDATES)]
+    assert len(set(rates)) == OPTIMIZER_UPDATES
+    for opt, lrs in [(fpipe.optim.adamw(schedule), rates), (fpipe.optim.adamw(1.0), [0.3] * OPTIMIZER_UPDATES)]:
         state, new = opt.init(params), params
         for g in grads:
             new, state = opt.update(new, g, state, lr=None if lrs is rates else 0.3)
-        expected, _ = torch_reference(lambda p: torch.optim.AdamW(p), params, grads, lrs)
-        assert_bitwise(_leaves(new), expected)
+        expected, _ = torch_optim_reference(lambda p: torch.optim.AdamW(p), params, grads, lrs)
+        assert_bitwise(stage_leaves(new), expected)
 
 
 def _message(error: type[Exception], fn: Callable[[], Any]) -> str:

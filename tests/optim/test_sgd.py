@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fpipe.optim
+from tests.helpers import assert_bitwise
 
 STEPS = 4
 
@@ -57,9 +58,8 @@ def test_the_momentum_buffer_is_torch_s_after_every_update(options: dict) -> Non
         torch_opt.param_groups[0]["lr"] = _rate(step)
         torch_opt.step()
         buffers = [b for stage in state for b in stage["momentum_buffer"].values()]
-        for mine, theirs in zip(buffers, [torch_opt.state[t]["momentum_buffer"] for t in flat]):
-            assert torch.equal(mine, theirs), (step, mine, theirs)
-        assert all(torch.equal(a, b) for a, b in zip([p for stage in params for p in stage.values()], flat))
+        assert_bitwise(buffers, [torch_opt.state[t]["momentum_buffer"] for t in flat], f"update {step}")
+        assert_bitwise([p for stage in params for p in stage.values()], flat, f"update {step}")
         assert [float(stage["step"]) for stage in state] == [step + 1.0] * 2
 
 
@@ -68,7 +68,7 @@ def test_the_first_update_starts_the_buffer_at_the_gradient_undamped() -> None:
     params = _params()
     _, state = opt.update(params, _grads(0), opt.init(params))
     buffers = [state[s]["momentum_buffer"][k] for s, stage in enumerate(_grads(0)) for k in stage]
-    assert all(torch.equal(b, g) for b, g in zip(buffers, [g for stage in _grads(0) for g in stage.values()]))
+    assert_bitwise(buffers, [g for stage in _grads(0) for g in stage.values()])
 
 
 def test_without_momentum_the_state_is_a_step_count() -> None:
