@@ -53,6 +53,15 @@ def assert_bitwise(actual: Any, expected: Any, context: str = "") -> None:
         _assert_same_bits(a, e, f"{where}at {''.join(f'[{k!r}]' for k in path) or 'the root'}")
 
 
+def bitwise_equal(actual: Any, expected: Any) -> bool:
+    """Whether ``assert_bitwise(actual, expected)`` passes: for checks a rank returns as booleans."""
+    try:
+        assert_bitwise(actual, expected)
+    except AssertionError:
+        return False
+    return True
+
+
 def _assert_same_bits(a: Any, e: Any, where: str) -> None:
     assert type(a) is type(e), f"{where}: types {type(a).__name__} and {type(e).__name__}"
     if not isinstance(e, torch.Tensor):
@@ -273,6 +282,40 @@ def mixed_batch(length: int, seed: int = 1, size: int = 10) -> dict[str, Any]:
         "tag": "batch",
         "target": torch.randn(size, length, MIXED_WIDTH, generator=g, dtype=torch.float64),
     }
+
+
+# --- A model as weights by global name: layers grouped into stages, the embedding tied -------
+# (tests/saving/: resharding between layouts)
+
+NAMED_LAYERS, NAMED_WIDTH, NAMED_VOCAB = 8, 4, 11
+
+
+def named_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every parameter by global name, in several dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    out = {"embed": torch.randn(NAMED_VOCAB, NAMED_WIDTH, generator=g, dtype=torch.float64)}
+    for i in range(NAMED_LAYERS):
+        out[f"layers.{i}.w"] = torch.randn(NAMED_WIDTH, NAMED_WIDTH, generator=g, dtype=torch.float64)
+        out[f"layers.{i}.b"] = torch.randn(NAMED_WIDTH, generator=g).to(torch.float32)
+    out["norm"] = torch.randn(NAMED_WIDTH, generator=g).to(torch.bfloat16)
+    return out
+
+
+def stage_weights(weights: dict[str, torch.Tensor], groups: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+    """One dict per stage: its layers' tensors; the embedding on the first and (tied) the last stage."""
+    stages = [
+        {n: t for n, t in weights.items() if n.startswith("layers.") and int(n.split(".")[1]) in g} for g in groups
+    ]
+    stages[0] = {"embed": weights["embed"], **stages[0]}
+    stages[-1] = {**stages[-1], "norm": weights["norm"], "embed": weights["embed"]}
+    return stages
+
+
+# the layers of each stage
+FOUR_STAGES = [[0, 1], [2, 3], [4, 5], [6, 7]]
+TWO_STAGES = [[0, 1, 2, 3], [4, 5, 6, 7]]
+ONE_STAGE = [list(range(NAMED_LAYERS))]
+EIGHT_STAGES = [[i] for i in range(NAMED_LAYERS)]
 
 
 # --- A Hugging Face Llama: the model and adapters of examples/hf_llama.py -----------------------

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import assert_bitwise, assert_close
+from tests.helpers import assert_bitwise, assert_close, bitwise_equal
 
 
 def nan_with_payload(payload: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -36,6 +36,7 @@ def test_equal_nan_payloads_are_equal_and_different_ones_differ() -> None:
     assert_bitwise({"x": [math.nan]}, {"x": [math.nan]})
     with pytest.raises(AssertionError, match="differ in their bits"):
         assert_bitwise(a, nan_with_payload(6))
+    assert bitwise_equal([a], [a.clone()]) and not bitwise_equal([a], [nan_with_payload(6)])
 
 
 @pytest.mark.parametrize(

@@ -1,18 +1,15 @@
 """Tensor-parallel saves (NOTE [tensor-parallel saves]): the parameters, the spawned ranks and the
 checks shared by the saving tests, whose spawns run once per session (tests/saving/conftest.py).
 
-A pp 2 x tp 2 save (``_ranks``): every tensor-parallel rank writes its own pieces (uneven ones, an
+A pp 2 x tp 2 save (``tp_save_ranks``): every tensor-parallel rank writes its own pieces (uneven ones, an
 empty one, a tied DTensor held by both pipeline ranks, replicated norms and plain tensors written
 once), and the save loads bitwise into the same layout (DTensor templates on the meta device,
 each rank reading only its pieces), into one process with plain tensors, and a plain save loads
 into the pp 2 x tp 2 DTensors. ``save_state``/``load_state`` and ``AsyncSaver`` take the same path.
 The same processes load a Hugging Face checkpoint into a tiny Llama parallelized by torch's
 ``parallelize_module`` and split in two (``load_hf``), each rank reading only its pieces' bytes.
-A dp 2 x pp 1 x tp 2 save with ``shard_params=True`` (``_sharded_ranks``) holds, per DTensor, a
+A dp 2 x pp 1 x tp 2 save with ``shard_params=True`` (``tp_sharded_save_ranks``) holds, per DTensor, a
 flat shard of its local piece.
-
-The helpers of the saving tests are imported inside the functions that use them: the test modules
-this one serves (test_save.py, test_hf_load.py, test_hf_save.py) are the ones those helpers live in.
 """
 
 from __future__ import annotations
@@ -24,6 +21,8 @@ import torch
 
 import fpipe
 from fpipe.schedules import OneFOneB
+from tests.helpers import HF_TWO_STAGES, assert_bitwise, hf_example, hf_meta_model
+from tests.saving._tools import Spy, template
 
 # name -> placement on the tp sub-mesh: ("Shard", dim) or ("Replicate",); other names are plain tensors
 PLACEMENTS = {
@@ -37,7 +36,7 @@ PLACEMENTS = {
 }
 
 
-def _full() -> list[dict[str, torch.Tensor]]:
+def tp_params() -> list[dict[str, torch.Tensor]]:
     """Two stages' full parameters, in float64; ``tied`` is the same tensor in both."""
     g = torch.Generator().manual_seed(0)
 
@@ -52,7 +51,7 @@ def _full() -> list[dict[str, torch.Tensor]]:
     return stages
 
 
-def _distribute(tree: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:
+def distribute_tp(tree: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     out = {}
@@ -62,16 +61,16 @@ def _distribute(tree: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Ten
     return out
 
 
-def _state(params: list[Any]) -> list[Any]:
+def tp_state(params: list[Any]) -> list[Any]:
     """Optimizer state shaped like ``params`` (DTensors where they are), with a step counter."""
     return [None if p is None else {"m": {k: v * 2 for k, v in p.items()}, "step": torch.tensor(3)} for p in params]
 
 
-def _state_template(params: list[Any]) -> list[Any]:
+def tp_state_template(params: list[Any]) -> list[Any]:
     return [None if p is None else {"m": p, "step": torch.empty((), dtype=torch.int64, device="meta")} for p in params]
 
 
-def _gathered(trees: list[Any]) -> list[Any]:
+def gather_tp(trees: list[Any]) -> list[Any]:
     """Every DTensor as its full tensor (a collective over the tp group), with its type and placements."""
     from torch.distributed.tensor import DTensor
 
@@ -86,43 +85,42 @@ def _gathered(trees: list[Any]) -> list[Any]:
     return [None if t is None else walk(t) for t in trees]
 
 
-def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[str, Any]:
+def tp_save_ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from tests.saving.test_hf_load import Spy
-    from tests.saving.test_save import template
-
     root = Path(directory)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp, tp = mesh.get_coordinate()
-    full = _full()
-    params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
-    meta = [_distribute(template(p), mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
+    full = tp_params()
+    params = [distribute_tp(p, mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
+    meta = [distribute_tp(template(p), mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
     out: dict[str, Any] = {"pp": pp, "tp": tp}
     step = fpipe.pipeline(
         lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh)
     )
-    fpipe.save(root / "tp", params, optimizer_state=_state(params), metadata={"step": 3}, parallel=step)
+    fpipe.save(root / "tp", params, optimizer_state=tp_state(params), metadata={"step": 3}, parallel=step)
     spy = Spy()
-    loaded = fpipe.load(root / "tp", meta, optimizer_state=_state_template(meta), parallel=fpipe.Parallelism(mesh=mesh))
+    loaded = fpipe.load(
+        root / "tp", meta, optimizer_state=tp_state_template(meta), parallel=fpipe.Parallelism(mesh=mesh)
+    )
     out["read"] = dict(spy.read)
-    out["same layout"] = _gathered(loaded.params), _gathered(loaded.optimizer_state), loaded.metadata
-    out["from plain"] = _gathered(fpipe.load(plain, meta, parallel=fpipe.Parallelism(mesh=mesh)).params)
+    out["same layout"] = gather_tp(loaded.params), gather_tp(loaded.optimizer_state), loaded.metadata
+    out["from plain"] = gather_tp(fpipe.load(plain, meta, parallel=fpipe.Parallelism(mesh=mesh)).params)
     # The training state, and AsyncSaver (a host copy of each local piece, saved in a thread).
     fpipe.save_state(
         root / "state",
-        fpipe.TrainState(params, _state(params), step=5, metadata={"at": 1}),
+        fpipe.TrainState(params, tp_state(params), step=5, metadata={"at": 1}),
         parallel=fpipe.Parallelism(mesh=mesh),
     )
     state = fpipe.load_state(
-        root / "state", meta, optimizer_state=_state_template(meta), parallel=fpipe.Parallelism(mesh=mesh)
+        root / "state", meta, optimizer_state=tp_state_template(meta), parallel=fpipe.Parallelism(mesh=mesh)
     )
-    out["state"] = _gathered(state.params), _gathered(state.optimizer_state), state.step, state.metadata
+    out["state"] = gather_tp(state.params), gather_tp(state.optimizer_state), state.step, state.metadata
     with fpipe.AsyncSaver(parallel=fpipe.Parallelism(mesh=mesh)) as saver:
         saver.save(root / "async", params)
-    out["async"] = _gathered(fpipe.load(root / "async", meta, parallel=fpipe.Parallelism(mesh=mesh)).params)
+    out["async"] = gather_tp(fpipe.load(root / "async", meta, parallel=fpipe.Parallelism(mesh=mesh)).params)
     # Errors, on every rank, and the mesh usable after each.
     errors: dict[str, Any] = {}
     differ = [None if p is None else {**p, f"bias{pp}": p[f"bias{pp}"] + tp} for p in params]  # tp 1's copy differs
@@ -131,14 +129,14 @@ def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[s
         wrong_mesh[1]["b1.norm"] = DTensor.from_local(params[1]["b1.norm"].to_local(), mesh["pp"], [Replicate()])
     other_layout = [None if p is None else dict(p) for p in params]
     if pp == 1:  # the tied parameter cut by columns here, by rows on pipeline rank 0
-        other_layout[1]["tied"] = _distribute({"b.col": full[1]["tied"]}, mesh["tp"])["b.col"]
+        other_layout[1]["tied"] = distribute_tp({"b.col": full[1]["tied"]}, mesh["tp"])["b.col"]
     partial = [
         None if p is None else {**p, f"b{pp}.wq": DTensor.from_local(torch.ones(2), mesh["tp"], [Partial()])}
         for p in params
     ]
     other_shape = [None if p is None else dict(p) for p in params]
     if pp == 1:  # the tied parameter with a row less here
-        other_shape[1]["tied"] = _distribute({"b.wq": full[1]["tied"][:6]}, mesh["tp"])["b.wq"]
+        other_shape[1]["tied"] = distribute_tp({"b.wq": full[1]["tied"][:6]}, mesh["tp"])["b.wq"]
     odd_piece = [None if t is None else dict(t) for t in meta]  # a local piece torch.chunk would not cut
     odd_piece[pp][f"b{pp}.wq"] = DTensor.from_local(
         torch.empty(2, 8, dtype=torch.float64), mesh["tp"], [Shard(0)], run_check=False, shape=(8, 8), stride=(8, 1)
@@ -162,15 +160,13 @@ def _ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[s
         except (TypeError, ValueError, RuntimeError, NotImplementedError) as error:
             errors[what] = f"{type(error).__name__}: {error}"
     out["errors"] = errors
-    out["after"] = _gathered(fpipe.load(root / "tp", meta, parallel=fpipe.Parallelism(mesh=mesh)).params)
+    out["after"] = gather_tp(fpipe.load(root / "tp", meta, parallel=fpipe.Parallelism(mesh=mesh)).params)
     out["hf"] = _load_hf(mesh, hf, root / "hf_out")
     return out
 
 
-def _check_gathered(result: Any, full: list[dict[str, torch.Tensor]], pp: int, *, state: bool = False) -> None:
-    """``result`` (of ``_gathered``) is stage ``pp`` of ``full``, bitwise, with the placements of ``PLACEMENTS``."""
-    from tests.saving.test_save import assert_bitwise
-
+def check_gathered(result: Any, full: list[dict[str, torch.Tensor]], pp: int, *, state: bool = False) -> None:
+    """``result`` (of ``gather_tp``) is stage ``pp`` of ``full``, bitwise, with the placements of ``PLACEMENTS``."""
     for s, tree in enumerate(result):
         if s != pp:
             assert tree is None
@@ -185,7 +181,7 @@ def _check_gathered(result: Any, full: list[dict[str, torch.Tensor]], pp: int, *
                 assert placements == (f"(Shard(dim={p[1]}),)" if p[0] == "Shard" else "(Replicate(),)"), name
 
 
-def _sharded_ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[str, Any]:
+def tp_sharded_save_ranks(rank: int, world: int, directory: str, plain: str, hf: str) -> dict[str, Any]:
     """Each rank of dp 2 x pp 1 x tp 2 (both stages on the one pipeline rank) holds, per DTensor, a
     flat shard of its local piece: the sharded step's save, loaded into the same layout, a
     tensor-parallel layout without shards; ``load_hf`` and a plain save into the shards; errors."""
@@ -193,15 +189,13 @@ def _sharded_ranks(rank: int, world: int, directory: str, plain: str, hf: str) -
     from torch.distributed.tensor import DTensor
 
     from fpipe._sharding._layout import cut_range
-    from tests.saving.test_hf_load import Spy
-    from tests.saving.test_save import template
 
     root = Path(directory)
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "pp", "tp"))
     dp, _, tp = mesh.get_coordinate()
-    full = _full()
-    params = [_distribute(p, mesh["tp"]) for p in full]
-    meta = [_distribute(template(p), mesh["tp"]) for p in full]
+    full = tp_params()
+    params = [distribute_tp(p, mesh["tp"]) for p in full]
+    meta = [distribute_tp(template(p), mesh["tp"]) for p in full]
     step = fpipe.pipeline(
         lambda y, mb: y.sum(),
         [lambda p, x: x] * 2,
@@ -210,15 +204,15 @@ def _sharded_ranks(rank: int, world: int, directory: str, plain: str, hf: str) -
     )
     shards = step.shard(params)
     target = step.shard(meta)
-    out: dict[str, Any] = {"dp": dp, "tp": tp, "shards": shards, "state": _state(shards)}
-    fpipe.save(root / "sharded", shards, optimizer_state=_state(shards), metadata={"step": 3}, parallel=step)
+    out: dict[str, Any] = {"dp": dp, "tp": tp, "shards": shards, "state": tp_state(shards)}
+    fpipe.save(root / "sharded", shards, optimizer_state=tp_state(shards), metadata={"step": 3}, parallel=step)
     spy = Spy()
-    same = fpipe.load(root / "sharded", target, optimizer_state=_state_template(target), parallel=step)
+    same = fpipe.load(root / "sharded", target, optimizer_state=tp_state_template(target), parallel=step)
     out["read"], out["same layout"] = dict(spy.read), (same.params, same.optimizer_state, same.metadata)
     unsharded = fpipe.load(
-        root / "sharded", meta, optimizer_state=_state_template(meta), parallel=fpipe.Parallelism(mesh=mesh)
+        root / "sharded", meta, optimizer_state=tp_state_template(meta), parallel=fpipe.Parallelism(mesh=mesh)
     )
-    out["tp layout"] = _gathered(unsharded.params), _gathered([t["m"] for t in unsharded.optimizer_state])
+    out["tp layout"] = gather_tp(unsharded.params), gather_tp([t["m"] for t in unsharded.optimizer_state])
     out["from plain"] = fpipe.load(plain, target, parallel=step).params
     # dp 4 without tp: each rank's shard of each whole tensor, from every shard of the boxes it overlaps
     step4 = fpipe.pipeline(
@@ -230,12 +224,12 @@ def _sharded_ranks(rank: int, world: int, directory: str, plain: str, hf: str) -
         ),
     )
     out["dp 4"] = fpipe.load(root / "sharded", step4.shard(template(full)), parallel=step4).params, step4.shard(full)
-    fpipe.save_state(root / "state", fpipe.TrainState(shards, _state(shards), step=5), parallel=step)
-    state = fpipe.load_state(root / "state", target, optimizer_state=_state_template(target), parallel=step)
+    fpipe.save_state(root / "state", fpipe.TrainState(shards, tp_state(shards), step=5), parallel=step)
+    state = fpipe.load_state(root / "state", target, optimizer_state=tp_state_template(target), parallel=step)
     with fpipe.AsyncSaver(parallel=step) as saver:
-        saver.save(root / "async", shards, optimizer_state=_state(shards))
+        saver.save(root / "async", shards, optimizer_state=tp_state(shards))
     out["train state"] = state.params, state.optimizer_state, state.step
-    out["async"] = fpipe.load(root / "async", target, optimizer_state=_state_template(target), parallel=step)[:2]
+    out["async"] = fpipe.load(root / "async", target, optimizer_state=tp_state_template(target), parallel=step)[:2]
     spy = Spy()
     out["hf"] = fpipe.load_hf(hf, target, parallel=step)
     # each rank reads the elements of its shard of its local piece, the padding excluded
@@ -279,14 +273,12 @@ def _load_hf(mesh: Any, directory: str, out: Path) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from tests.saving.test_hf_load import TWO, Spy, example, meta_model
-
-    hf = example()
+    hf = hf_example()
     pp = mesh.get_coordinate()[0]
-    model = meta_model(hf)
+    model = hf_meta_model(hf)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     parallelize_module(model, mesh["tp"], {k: styles[v]() for k, v in TP_PLAN.items()})
-    _, meta = fpipe.split_module(model, TWO, call=hf.CALL)
+    _, meta = fpipe.split_module(model, HF_TWO_STAGES, call=hf.CALL)
     spy = Spy()
     params = fpipe.load_hf(
         directory, [p if s == pp else None for s, p in enumerate(meta)], parallel=fpipe.Parallelism(mesh=mesh)

@@ -22,8 +22,8 @@ from fpipe._saving import _save
 from fpipe._saving._directory import INDEX, LATEST
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.saving.test_save import kill_when_half_written
-from tests.saving.test_state import assert_bitwise
+from tests.helpers import assert_bitwise
+from tests.saving._tools import kill_when_half_written
 
 
 def trained() -> tuple[list[Any], list[Any]]:

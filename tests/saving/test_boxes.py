@@ -17,9 +17,9 @@ import fpipe
 from fpipe._saving._boxes import Box, overlap, piece_box, tiling_problem, whole
 from fpipe._saving._directory import INDEX, LATEST
 from tests.saving._tensor_parallel_saves import (
-    _full,
+    tp_params,
 )
-from tests.saving.test_save import edit_index, template
+from tests.saving._tools import edit_index, template
 
 
 class Mesh:
@@ -142,7 +142,7 @@ def _refused(root: Path, edits: list[tuple[Any, str]]) -> None:
     """Each of ``edits`` to the index of the save in ``root`` makes ``fpipe.load`` raise its fragment."""
     version = root / (root / LATEST).read_text().strip()
     original = (version / INDEX).read_text()
-    full = _full()
+    full = tp_params()
     try:
         for apply, fragment in edits:
             index = json.loads(original)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import fpipe
 from fpipe._saving._directory import INDEX, LATEST, LOCK
 from tests._multiprocess import free_port, run_processes, run_ranks, start_process
-from tests.saving.test_save import assert_bitwise
+from tests.helpers import assert_bitwise
 
 ROUNDS, N = 8, 50_000
 

@@ -10,7 +10,6 @@ elements of its own shards only.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -29,97 +28,27 @@ from fpipe._saving._hf_load import read_range
 from fpipe._saving._store import MAX_HEADER_BYTES
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
+from tests.helpers import (
+    HF_SIZE,
+    HF_TWO_STAGES,
+    assert_bitwise,
+    hf_checkpoint,
+    hf_example,
+    hf_meta_model,
+    hf_padded_batch,
+)
 from tests.saving._tensor_parallel_saves import (
     TP_PLAN,
 )
-from tests.saving.test_save import assert_bitwise, template
+from tests.saving._tools import Spy, template
 
 pytest.importorskip("transformers")
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_llama.py"
-SIZE = {"layers": 3, "hidden": 16, "heads": 4, "dtype": torch.float64}
-TWO = ["model.embed_tokens + model.rotary_emb + model.layers[0:2]", "model.layers[2:] + model.norm + lm_head"]
-
-
-def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fpipe_example_hf_llama", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def hf() -> ModuleType:
-    return example()
-
-
-def meta_model(hf: ModuleType, tied: bool = True, dtype: torch.dtype = torch.float64) -> Any:
-    """The model on the meta device, but for its rotary table (a buffer, not in the checkpoint)."""
-    with torch.device("meta"):
-        model = hf.build_model(**{**SIZE, "dtype": dtype}, tied=tied)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
-    return model
-
-
-def checkpoint(hf: ModuleType, directory: Path, tied: bool = True, dtype: torch.dtype = torch.float64) -> Any:
-    """The model of ``SIZE``, saved by ``save_pretrained`` into several files; returned."""
-    model = hf.build_model(**{**SIZE, "dtype": dtype}, tied=tied)
-    model.save_pretrained(directory, max_shard_size="20KB")
-    return model
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
 def saved(request: pytest.FixtureRequest, hf: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     directory = tmp_path_factory.mktemp("hf")
-    return directory, checkpoint(hf, directory, tied=request.param)
-
-
-class Spy:
-    """Wraps ``safetensors.safe_open``: which names were read, and how many elements of each."""
-
-    def __init__(self, monkeypatch: Any = None) -> None:
-        self.read: dict[str, int] = {}
-        original, spy = safetensors.safe_open, self
-
-        class Slice:
-            def __init__(self, piece: Any, name: str) -> None:
-                self.piece, self.name = piece, name
-
-            def __getattr__(self, attribute: str) -> Any:
-                return getattr(self.piece, attribute)
-
-            def __getitem__(self, index: Any) -> torch.Tensor:
-                return spy.count(self.name, self.piece[index])
-
-        class Handle:
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                self.f = original(*args, **kwargs)
-
-            def __enter__(self) -> Handle:
-                self.f.__enter__()
-                return self
-
-            def __exit__(self, *error: Any) -> Any:
-                return self.f.__exit__(*error)
-
-            def keys(self) -> list[str]:
-                return list(self.f.keys())
-
-            def get_slice(self, name: str) -> Slice:
-                return Slice(self.f.get_slice(name), name)
-
-            def get_tensor(self, name: str) -> torch.Tensor:
-                return spy.count(name, self.f.get_tensor(name))
-
-        if monkeypatch is None:
-            safetensors.safe_open = Handle
-        else:
-            monkeypatch.setattr(safetensors, "safe_open", Handle)
-
-    def count(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        self.read[name] = self.read.get(name, 0) + tensor.numel()
-        return tensor
+    return directory, hf_checkpoint(hf, directory, tied=request.param)
 
 
 # --- One process --------------------------------------------------------------------------------
@@ -132,7 +61,7 @@ def test_a_sharded_checkpoint_loads_bitwise_into_a_meta_template(
     files = sorted(p.name for p in directory.glob("*.safetensors"))
     assert len(files) > 2 and (directory / "model.safetensors.index.json").is_file()
     tied = model.config.tie_word_embeddings
-    _, meta = hf.split(meta_model(hf, tied), 2)
+    _, meta = hf.split(hf_meta_model(hf, tied), 2)
     assert all(t.device.type == "meta" for p in meta for t in p.values())
     spy = Spy(monkeypatch)
     params = fpipe.load_hf(directory, meta)
@@ -149,7 +78,7 @@ def test_each_load_reads_only_the_names_of_its_stages(
     hf: ModuleType, saved: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     directory, model = saved
-    _, meta = hf.split(meta_model(hf, model.config.tie_word_embeddings), 2)
+    _, meta = hf.split(hf_meta_model(hf, model.config.tie_word_embeddings), 2)
     spy = Spy(monkeypatch)
     params = fpipe.load_hf(directory, [None, meta[1], None], strict=False)
     assert params[0] is None and params[2] is None
@@ -157,17 +86,17 @@ def test_each_load_reads_only_the_names_of_its_stages(
 
 
 def test_a_single_file_checkpoint_loads_too(hf: ModuleType, tmp_path: Path) -> None:
-    model = hf.build_model(**SIZE)
+    model = hf.build_model(**HF_SIZE)
     model.save_pretrained(tmp_path)
     assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
-    _, meta = hf.split(meta_model(hf), 2)
+    _, meta = hf.split(hf_meta_model(hf), 2)
     named = dict(model.named_parameters())
     assert_bitwise(fpipe.load_hf(tmp_path, meta), [{n: named[n].detach() for n in p} for p in meta])
 
 
 def test_floating_dtypes_convert_on_request(hf: ModuleType, tmp_path: Path) -> None:
-    model = checkpoint(hf, tmp_path, dtype=torch.bfloat16)
-    _, meta = hf.split(meta_model(hf, dtype=torch.float32), 2)
+    model = hf_checkpoint(hf, tmp_path, dtype=torch.bfloat16)
+    _, meta = hf.split(hf_meta_model(hf, dtype=torch.float32), 2)
     with pytest.raises(ValueError, match=r"dtype on disk bfloat16, expected float32 \(pass dtype=torch.float32"):
         fpipe.load_hf(tmp_path, meta)
     params = fpipe.load_hf(tmp_path, meta, dtype=torch.float32)
@@ -188,7 +117,7 @@ def test_results_go_to_the_template_device(hf: ModuleType, saved: tuple[Path, An
 
 def _both_names(hf: ModuleType, directory: Path, head: Any = None) -> Any:
     """A tied model's checkpoint that stores the embedding as ``lm_head.weight`` too (``head``: its value there)."""
-    model = hf.build_model(**SIZE, tied=True)
+    model = hf.build_model(**HF_SIZE, tied=True)
     model.save_pretrained(directory)
     tensors = safetensors.torch.load_file(directory / "model.safetensors")
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone() if head is None else head
@@ -200,7 +129,7 @@ def test_a_tied_weight_stored_under_both_names_loads_when_equal(
     hf: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _both_names(hf, tmp_path)
-    _, meta = hf.split(meta_model(hf), 2)
+    _, meta = hf.split(hf_meta_model(hf), 2)
     spy = Spy(monkeypatch)
     params = fpipe.load_hf(tmp_path, meta)  # strict: lm_head.weight is accepted as the embedding's copy
     named = dict(model.named_parameters())
@@ -209,9 +138,9 @@ def test_a_tied_weight_stored_under_both_names_loads_when_equal(
 
 
 def test_a_tied_weight_stored_under_both_names_with_other_values_is_refused(hf: ModuleType, tmp_path: Path) -> None:
-    embed = hf.build_model(**SIZE, tied=True).model.embed_tokens.weight.detach()
+    embed = hf.build_model(**HF_SIZE, tied=True).model.embed_tokens.weight.detach()
     _both_names(hf, tmp_path, head=embed + 1)
-    _, meta = hf.split(meta_model(hf), 2)
+    _, meta = hf.split(hf_meta_model(hf), 2)
     with pytest.raises(
         ValueError,
         match=r"stores 'lm_head.weight' as well as its tied partner 'model.embed_tokens.weight' \(config.json: "
@@ -233,7 +162,7 @@ def test_a_tied_weight_stored_under_both_names_with_other_values_is_refused(hf: 
 
 def test_missing_unexpected_and_mismatched_names_are_listed(hf: ModuleType, saved: tuple[Path, Any]) -> None:
     directory, model = saved
-    _, meta = hf.split(meta_model(hf, model.config.tie_word_embeddings), 2)
+    _, meta = hf.split(hf_meta_model(hf, model.config.tie_word_embeddings), 2)
     with pytest.raises(ValueError, match=r"has 9 name\(s\) that no stage of the template has: \['model.layers.2"):
         fpipe.load_hf(directory, [meta[0], None, meta[2]])
     extra = {**meta[2], "head.bias": torch.empty(3, device="meta")}
@@ -338,7 +267,7 @@ def test_read_range_reads_exactly_the_elements_asked_for(
             for stop in range(start + 1, tensor.numel() + 1):
                 spy.read.clear()
                 got = read_range(f.get_slice("t"), shape, start, stop)
-                assert torch.equal(got, tensor.reshape(-1)[start:stop]), (start, stop)
+                assert_bitwise(got, tensor.reshape(-1)[start:stop], f"elements {start}:{stop}")
                 assert spy.read == {"t": stop - start}
 
 
@@ -349,11 +278,11 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Pipeline on 2 ranks, then a sharded step on a 2 x 1 mesh: each loads only its own part."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    hf = example()
-    batch = _batch(hf)
+    hf = hf_example()
+    batch = hf_padded_batch(hf)
     spy = Spy()
     out: dict[str, Any] = {}
-    stages, meta = fpipe.split_module(meta_model(hf), TWO, call=hf.CALL)
+    stages, meta = fpipe.split_module(hf_meta_model(hf), HF_TWO_STAGES, call=hf.CALL)
     step = fpipe.pipeline(hf.loss_fn, stages, OneFOneB(3), parallel=fpipe.Parallelism(group=dist.group.WORLD))
     mine = [t if s in step.local_stages else None for s, t in enumerate(meta)]
     out["params"] = params = fpipe.load_hf(directory, mine, parallel=step)
@@ -374,23 +303,17 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     return out
 
 
-def _batch(hf: ModuleType) -> dict[str, Any]:
-    batch = hf.get_batch(6, 3, torch.Generator().manual_seed(1))
-    batch["attention_mask"] = (torch.arange(7) < torch.tensor([7, 5, 7, 3, 6, 7])[:, None]).long()
-    return batch
-
-
 def test_two_ranks_load_their_own_stages_and_shards_and_train_like_the_model(hf: ModuleType, tmp_path: Path) -> None:
-    model = checkpoint(hf, tmp_path)
+    model = hf_checkpoint(hf, tmp_path)
     results = run_ranks(2, _ranks, str(tmp_path), timeout=150)
     named = {n: p.detach() for n, p in model.named_parameters()}
-    _, params = fpipe.split_module(model, TWO, call=hf.CALL)
+    _, params = fpipe.split_module(model, HF_TWO_STAGES, call=hf.CALL)
     for rank, result in enumerate(results):
         expected = [{n: named[n] for n in p} if s == rank else None for s, p in enumerate(params)]
         assert_bitwise(result["params"], expected)
         assert result["read"] == {n: named[n].numel() for n in params[rank]}
     # The unsplit model's loss and gradients.
-    batch = _batch(hf)
+    batch = hf_padded_batch(hf)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     loss = hf.loss_fn(logits, batch)
     loss.backward()
@@ -422,10 +345,10 @@ def test_two_ranks_load_their_own_stages_and_shards_and_train_like_the_model(hf:
 
 def test_load_hf_into_tensor_parallel_stages_reads_only_their_pieces(tp_saves: tuple[Path, list[Any], Any]) -> None:
     _, results, model = tp_saves
-    hf = example()
+    hf = hf_example()
     results = [r["hf"] for r in results]
     named = {n: p.detach() for n, p in model.named_parameters()}
-    _, params = fpipe.split_module(model, TWO, call=hf.CALL)
+    _, params = fpipe.split_module(model, HF_TWO_STAGES, call=hf.CALL)
     for result in results:
         names = set(params[result["pp"]])
         assert result["full"].keys() == names

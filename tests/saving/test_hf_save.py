@@ -19,19 +19,17 @@ import fpipe
 from fpipe._saving import _hf_load, _hf_save
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.saving.test_hf_load import SIZE, TWO, _batch, example, hf, meta_model
-from tests.saving.test_save import assert_bitwise
+from tests.helpers import HF_SIZE, HF_TWO_STAGES, assert_bitwise, hf_example, hf_meta_model, hf_padded_batch
 
 transformers = pytest.importorskip("transformers")
 
-__all__ = ["hf"]  # the fixture, imported
 # from_pretrained's dtype argument: dtype= since transformers 4.56, torch_dtype= (deprecated since) before
 _NEW = tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (4, 56)
 DTYPE = {"dtype" if _NEW else "torch_dtype": torch.float64}
 
 
 def logits(model: Any, hf: ModuleType) -> torch.Tensor:
-    batch = _batch(hf)
+    batch = hf_padded_batch(hf)
     with torch.no_grad():
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
@@ -58,7 +56,7 @@ def assert_same_logits(directory: Path, model: Any, hf: ModuleType) -> None:
     reference = directory.parent / f"{directory.name}-reference"
     model.save_pretrained(reference)
     expected = logits(from_pretrained(reference), hf)
-    assert torch.equal(logits(from_pretrained(directory), hf), expected)
+    assert_bitwise(logits(from_pretrained(directory), hf), expected)
     torch.testing.assert_close(expected, logits(model, hf), rtol=1e-12, atol=1e-14)
 
 
@@ -66,7 +64,7 @@ def assert_same_logits(directory: Path, model: Any, hf: ModuleType) -> None:
 def test_an_export_loads_with_from_pretrained_and_gives_the_same_logits(
     hf: ModuleType, tmp_path: Path, tied: bool
 ) -> None:
-    model = hf.build_model(**SIZE, tied=tied)
+    model = hf.build_model(**HF_SIZE, tied=tied)
     _, params = hf.split(model, 2)
     out = fpipe.save_hf(tmp_path / "out", params, config=model.config, max_shard_size="20KB")
     assert out == tmp_path / "out"
@@ -80,12 +78,12 @@ def test_an_export_loads_with_from_pretrained_and_gives_the_same_logits(
     assert from_pretrained(out).config.tie_word_embeddings == tied
     assert_same_logits(out, model, hf)
     # And fpipe.load_hf reads it back bitwise.
-    _, meta = hf.split(meta_model(hf, tied), 2)
+    _, meta = hf.split(hf_meta_model(hf, tied), 2)
     assert_bitwise(fpipe.load_hf(out, meta), [{n: t.detach() for n, t in p.items()} for p in params])
 
 
 def test_config_may_be_a_directory_a_file_or_a_dict(hf: ModuleType, tmp_path: Path) -> None:
-    model = hf.build_model(**SIZE)
+    model = hf.build_model(**HF_SIZE)
     model.save_pretrained(tmp_path / "source")
     (tmp_path / "source" / "generation_config.json").write_text('{"max_length": 5}')
     _, params = hf.split(model, 2)
@@ -153,9 +151,9 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_default_dtype(torch.float64)  # as the tests' process: the same random weights
-    hf = example()
-    model = hf.build_model(**SIZE)
-    stages, params = fpipe.split_module(model, TWO, call=hf.CALL)
+    hf = hf_example()
+    model = hf.build_model(**HF_SIZE)
+    stages, params = fpipe.split_module(model, HF_TWO_STAGES, call=hf.CALL)
     step = fpipe.pipeline(hf.loss_fn, stages, OneFOneB(3), parallel=fpipe.Parallelism(group=dist.group.WORLD))
     mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
     out = {"path": str(fpipe.save_hf(directory, mine, config=model.config, max_shard_size="20KB", parallel=step))}
@@ -216,8 +214,8 @@ def _one_rank_reads_badly(rank: int, directory: Path, mine: list[Any], step: fpi
 def test_every_rank_writes_its_own_stages(hf: ModuleType, tmp_path: Path) -> None:
     results = run_ranks(2, _ranks, str(tmp_path / "out"), timeout=120)
     assert {r["path"] for r in results} == {str(tmp_path / "out")}
-    model = hf.build_model(**SIZE)
-    _, params = fpipe.split_module(model, TWO, call=hf.CALL)
+    model = hf.build_model(**HF_SIZE)
+    _, params = fpipe.split_module(model, HF_TWO_STAGES, call=hf.CALL)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     for rank, stage in enumerate(params):
         files = {index["weight_map"][n] for n in stage if not (rank == 1 and n == "model.embed_tokens.weight")}
@@ -257,7 +255,7 @@ def test_save_hf_from_tensor_parallel_stages_loads_with_from_pretrained(tp_saves
     directory, _, model = tp_saves
     out = directory / "hf_out"
     assert_bitwise(dict(from_pretrained(out).state_dict()), dict(model.state_dict()))
-    assert_same_logits(out, model, example())
+    assert_same_logits(out, model, hf_example())
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == [
         "model-00001-of-00002.safetensors",

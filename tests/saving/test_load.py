@@ -15,13 +15,14 @@ import torch
 import fpipe
 from fpipe._saving._load import Loaded, load_then
 from fpipe._saving._ranks import Setup
+from tests.helpers import assert_bitwise
 from tests.saving._tensor_parallel_saves import (
-    _check_gathered,
-    _full,
-    _state,
-    _state_template,
+    check_gathered,
+    tp_params,
+    tp_state,
+    tp_state_template,
 )
-from tests.saving.test_save import assert_bitwise, template
+from tests.saving._tools import template
 
 F32 = torch.float32
 
@@ -44,7 +45,7 @@ def test_a_save_loads_into_any_grouping_by_names(tmp_path: Path) -> None:
     assert loaded.params[1] is None
     a, c, e = loaded.params[0]["a"], loaded.params[2]["b"]["c"], loaded.params[2]["e"]
     for got, want in ((a, params[0]["a"]), (c, params[0]["b"]["c"]), (e, params[1]["e"])):
-        assert torch.equal(got, want) and got.dtype == want.dtype and got.device.type == "cpu"
+        assert_bitwise(got, want)  # on the CPU, as the template's meta tensor asks
         assert not got.requires_grad and got.untyped_storage().data_ptr() != want.untyped_storage().data_ptr()
     assert loaded.optimizer_state is not None and loaded.optimizer_state[:2] == [None, None]
     assert torch.equal(loaded.optimizer_state[2]["a"], torch.full((3,), 0.5))
@@ -103,11 +104,11 @@ def test_load_then_returns_what_then_makes_of_the_loaded_save(tmp_path: Path) ->
 
 def test_a_tensor_parallel_save_reloads_bitwise_into_the_same_layout(tp_saves: tuple[Path, list[Any], Any]) -> None:
     _, results, _ = tp_saves
-    full = _full()
+    full = tp_params()
     for r in results:
         params, state, metadata = r["same layout"]
-        _check_gathered(params, full, r["pp"])
-        _check_gathered([None if t is None else t["m"] for t in state], full, r["pp"], state=True)
+        check_gathered(params, full, r["pp"])
+        check_gathered([None if t is None else t["m"] for t in state], full, r["pp"], state=True)
         assert [None if t is None else t["step"][0] for t in state] == [
             torch.tensor(3) if s == r["pp"] else None for s in range(2)
         ]
@@ -116,7 +117,7 @@ def test_a_tensor_parallel_save_reloads_bitwise_into_the_same_layout(tp_saves: t
         stage = params[r["pp"]]
         assert stage[f"b{r['pp']}.odd"][3] == [[3, 3], [2, 3]][r["tp"]]
         assert stage[f"b{r['pp']}.tiny"][3] == [[1, 4], [0, 4]][r["tp"]]
-        _check_gathered(r["after"], full, r["pp"])
+        check_gathered(r["after"], full, r["pp"])
 
 
 @pytest.mark.timeout(120)
@@ -124,15 +125,15 @@ def test_a_tensor_parallel_save_loads_into_one_process_and_a_plain_save_into_ten
     tp_saves: tuple[Path, list[Any], Any],
 ) -> None:
     directory, results, _ = tp_saves
-    full = _full()
-    loaded = fpipe.load(directory / "tp", template(full), optimizer_state=_state_template(template(full)))
+    full = tp_params()
+    loaded = fpipe.load(directory / "tp", template(full), optimizer_state=tp_state_template(template(full)))
     assert_bitwise(loaded.params, full)
-    assert_bitwise(loaded.optimizer_state, _state(full))
+    assert_bitwise(loaded.optimizer_state, tp_state(full))
     merged = fpipe.load(directory / "tp", [{**template(full[0]), **template(full[1])}]).params[0]
     assert_bitwise(merged, {**full[0], **full[1]})  # one stage: every name, the tied one once
     for r in results:
-        _check_gathered(r["from plain"], full, r["pp"])
-        _check_gathered(r["async"], full, r["pp"])
+        check_gathered(r["from plain"], full, r["pp"])
+        check_gathered(r["async"], full, r["pp"])
 
 
 @pytest.mark.timeout(120)
@@ -140,16 +141,16 @@ def test_sharded_tensor_parallel_saves_reload_bitwise_into_every_layout(
     tp_sharded_saves: tuple[Path, list[Any]],
 ) -> None:
     directory, results = tp_sharded_saves
-    full = _full()
+    full = tp_params()
     for r in results:
         params, state, metadata = r["same layout"]
         assert_bitwise(params, r["shards"])
         assert_bitwise(state, r["state"])
         assert metadata == {"step": 3}
-        tp_params, tp_state = r["tp layout"]
+        tp_layout_params, tp_layout_state = r["tp layout"]
         for s in (0, 1):
-            _check_gathered([t if i == s else None for i, t in enumerate(tp_params)], full, s)
-            _check_gathered([t if i == s else None for i, t in enumerate(tp_state)], full, s, state=True)
+            check_gathered([t if i == s else None for i, t in enumerate(tp_layout_params)], full, s)
+            check_gathered([t if i == s else None for i, t in enumerate(tp_layout_state)], full, s, state=True)
         assert_bitwise(r["from plain"], r["shards"])
         assert_bitwise(*r["dp 4"])
         assert_bitwise(r["train state"][:2], (r["shards"], r["state"]))
@@ -160,6 +161,6 @@ def test_sharded_tensor_parallel_saves_reload_bitwise_into_every_layout(
     # the replicated run's params, bitwise: into one process, from the shards of every rank, and
     # exported by save_hf (each DTensor's local piece gathered over dp, then over tp)
     assert_bitwise(fpipe.load_hf(directory / "hf_out", template(full)), full)
-    loaded = fpipe.load(directory / "sharded", template(full), optimizer_state=_state_template(template(full)))
+    loaded = fpipe.load(directory / "sharded", template(full), optimizer_state=tp_state_template(template(full)))
     assert_bitwise(loaded.params, full)
-    assert_bitwise(loaded.optimizer_state, _state(full))
+    assert_bitwise(loaded.optimizer_state, tp_state(full))

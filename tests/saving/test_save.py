@@ -1,16 +1,14 @@
 """``fpipe.save`` and ``fpipe.load``: bitwise round trips, resharding, atomicity, validation, ranks.
 
-The model is a dict of tensors keyed by global name (``layers.3.w``); a layout groups its layers
-into stages, with the embedding tied between the first and the last stage.
+The model is a dict of tensors keyed by global name (``layers.3.w``, ``named_weights`` of
+tests/helpers.py); ``stage_weights`` groups its layers into stages, with the embedding tied
+between the first and the last stage.
 """
 
 from __future__ import annotations
 
 import collections
 import json
-import os
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,71 +19,29 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 import fpipe
-from fpipe._distributed._wire import tensor_bytes
 from fpipe._saving._directory import INDEX, LATEST, LOCK
 from fpipe._saving._store import MAX_HEADER_BYTES
 from fpipe.schedules import Interleaved1F1B, OneFOneB
-from tests._multiprocess import exec_script, run_ranks, start_process
+from tests._multiprocess import run_ranks
+from tests.helpers import (
+    EIGHT_STAGES,
+    FOUR_STAGES,
+    NAMED_VOCAB,
+    NAMED_WIDTH,
+    ONE_STAGE,
+    TWO_STAGES,
+    assert_bitwise,
+    named_weights,
+    stage_weights,
+)
 from tests.saving._tensor_parallel_saves import (
     PLACEMENTS,
-    _check_gathered,
-    _distribute,
-    _full,
-    _gathered,
+    check_gathered,
+    distribute_tp,
+    gather_tp,
+    tp_params,
 )
-
-LAYERS, D, V = 8, 4, 11
-
-
-def model(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Every parameter by global name, in several dtypes."""
-    g = torch.Generator().manual_seed(seed)
-    out = {"embed": torch.randn(V, D, generator=g, dtype=torch.float64)}
-    for i in range(LAYERS):
-        out[f"layers.{i}.w"] = torch.randn(D, D, generator=g, dtype=torch.float64)
-        out[f"layers.{i}.b"] = torch.randn(D, generator=g).to(torch.float32)
-    out["norm"] = torch.randn(D, generator=g).to(torch.bfloat16)
-    return out
-
-
-def layout(weights: dict[str, torch.Tensor], groups: list[list[int]]) -> list[dict[str, torch.Tensor]]:
-    """One dict per stage: its layers' tensors; the embedding on the first and (tied) the last stage."""
-    stages = [
-        {n: t for n, t in weights.items() if n.startswith("layers.") and int(n.split(".")[1]) in g} for g in groups
-    ]
-    stages[0] = {"embed": weights["embed"], **stages[0]}
-    stages[-1] = {**stages[-1], "norm": weights["norm"], "embed": weights["embed"]}
-    return stages
-
-
-FOUR = [[0, 1], [2, 3], [4, 5], [6, 7]]
-TWO = [[0, 1, 2, 3], [4, 5, 6, 7]]
-ONE = [list(range(LAYERS))]
-EIGHT = [[i] for i in range(LAYERS)]
-
-
-def template(trees: Any) -> Any:
-    """The same structure with empty meta tensors: shapes and dtypes only."""
-    return optree.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), trees, none_is_leaf=False)
-
-
-def assert_bitwise(actual: Any, expected: Any) -> None:
-    a, a_spec = optree.tree_flatten(actual, none_is_leaf=True)
-    e, e_spec = optree.tree_flatten(expected, none_is_leaf=True)
-    assert a_spec == e_spec
-    for x, y in zip(a, e):
-        if isinstance(y, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape and x.device == y.device
-            x, y = x.resolve_conj().contiguous(), y.resolve_conj().contiguous()
-            assert bytes(tensor_bytes(x)) == bytes(tensor_bytes(y))
-        else:
-            assert x is y
-
-
-def read_index(path: Path) -> dict[str, Any]:
-    version = (path / LATEST).read_text().strip()
-    return json.loads((path / version / INDEX).read_text())
-
+from tests.saving._tools import edit_index, kill_when_half_written, read_index, template
 
 # --- Round trips ------------------------------------------------------------------------------
 
@@ -136,18 +92,18 @@ def test_names_are_key_paths_joined_by_dots(tmp_path: Path) -> None:
 
 
 def test_reshard_4_2_1_interleaved_and_back(tmp_path: Path) -> None:
-    weights = model()
-    four = layout(weights, FOUR)
+    weights = named_weights()
+    four = stage_weights(weights, FOUR_STAGES)
     fpipe.save(tmp_path / "a", four)
-    two = fpipe.load(tmp_path / "a", template(layout(weights, TWO))).params
-    assert_bitwise(two, layout(weights, TWO))
+    two = fpipe.load(tmp_path / "a", template(stage_weights(weights, TWO_STAGES))).params
+    assert_bitwise(two, stage_weights(weights, TWO_STAGES))
     fpipe.save(tmp_path / "b", two)
-    one = fpipe.load(tmp_path / "b", template(layout(weights, ONE))).params
-    assert_bitwise(one, layout(weights, ONE))
+    one = fpipe.load(tmp_path / "b", template(stage_weights(weights, ONE_STAGE))).params
+    assert_bitwise(one, stage_weights(weights, ONE_STAGE))
     fpipe.save(tmp_path / "c", one)
     # Interleaved 1F1B over 2 ranks, 8 stages: rank r holds stages r, r + 2, r + 4, r + 6.
     placement = Interleaved1F1B(4, stages_per_rank=4).program(8, 2).placement()
-    eight = layout(weights, EIGHT)
+    eight = stage_weights(weights, EIGHT_STAGES)
     per_rank = [[t if placement[s] == r else None for s, t in enumerate(template(eight))] for r in range(2)]
     loaded = [fpipe.load(tmp_path / "c", p, strict=False).params for p in per_rank]
     for r in range(2):
@@ -161,20 +117,23 @@ def test_reshard_4_2_1_interleaved_and_back(tmp_path: Path) -> None:
 
 
 def test_tied_parameters_are_saved_once_and_loaded_into_every_stage(tmp_path: Path) -> None:
-    params = layout(model(), FOUR)
+    params = stage_weights(named_weights(), FOUR_STAGES)
     fpipe.save(tmp_path, params)
     with safe_open(
         tmp_path / (tmp_path / LATEST).read_text().strip() / "model-rank-00000-of-00001.safetensors", "pt"
     ) as f:
         assert sorted(f.keys()).count("embed") == 1
     loaded = fpipe.load(tmp_path, params).params
-    assert torch.equal(loaded[0]["embed"], loaded[3]["embed"])
+    assert_bitwise(loaded[0]["embed"], loaded[3]["embed"])
     assert loaded[0]["embed"].data_ptr() != loaded[3]["embed"].data_ptr()  # each stage its own copy
 
 
 def test_optimizer_state_and_metadata_round_trip(tmp_path: Path) -> None:
-    params = layout(model(), TWO)
-    m, v = layout(model(seed=1), TWO), layout(model(seed=2), TWO)  # tied moments are equal too
+    params = stage_weights(named_weights(), TWO_STAGES)
+    m, v = (
+        stage_weights(named_weights(seed=1), TWO_STAGES),
+        stage_weights(named_weights(seed=2), TWO_STAGES),
+    )  # tied moments are equal too
     state = [{"m": m[s], "v": v[s], "step": torch.tensor(7)} for s in range(2)]
     metadata = {"step": 7, "config": {"lr": 3e-3, "schedule": "1f1b", "sizes": [1, 2]}, "note": None}
     fpipe.save(tmp_path, params, optimizer_state=state, metadata=metadata)
@@ -191,42 +150,19 @@ def test_optimizer_state_and_metadata_round_trip(tmp_path: Path) -> None:
     for s in state:
         one_state["m"].update(s["m"])
         one_state["v"].update(s["v"])
-    merged = fpipe.load(tmp_path, template(layout(model(), ONE)), optimizer_state=[one_state]).optimizer_state
+    merged = fpipe.load(
+        tmp_path, template(stage_weights(named_weights(), ONE_STAGE)), optimizer_state=[one_state]
+    ).optimizer_state
     assert merged is not None and merged[0]["step"].item() == 7
-    assert torch.equal(merged[0]["v"]["layers.6.w"], state[1]["v"]["layers.6.w"])
+    assert_bitwise(merged[0]["v"]["layers.6.w"], state[1]["v"]["layers.6.w"])
 
 
 # --- Atomicity --------------------------------------------------------------------------------
-
-_HALF_WRITE = """
-import sys, time, torch, fpipe, fpipe._saving._store as store
-def half_write(f, data):  # store._write = half_write: a save that stops halfway
-    f.write(data[: len(data) // 2])
-    f.flush()
-    open(sys.argv[2], "w").close()  # tell the test: the new save is half written
-    time.sleep(120)
-"""
 
 _KILLED_SAVE = """
 store._write = half_write
 fpipe.save(sys.argv[1], [{"w": torch.full((1000,), 2.0)}, {"b": torch.full((10,), 2.0)}])
 """
-
-
-def kill_when_half_written(script: str, directory: Path, marker: Path) -> None:
-    """Run ``script`` (``sys.argv[1:]``: ``directory``, ``marker``; ``half_write`` defined) in a
-    process of its own and SIGKILL it once it has created ``marker``: its save is half written."""
-    process = start_process(exec_script, _HALF_WRITE + script, [str(directory), str(marker)])
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert process.exitcode is None, "the saving process ended early"
-            assert time.monotonic() < deadline, "the saving process never started writing"
-            time.sleep(0.05)
-        os.kill(process.pid, signal.SIGKILL)
-    finally:
-        process.kill()
-        process.join()
 
 
 def test_a_killed_save_keeps_the_previous_one(tmp_path: Path) -> None:
@@ -286,13 +222,13 @@ def test_uncommitted_directories_are_refused(tmp_path: Path) -> None:
 
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
-    fpipe.save(tmp_path, layout(model(), TWO))
+    fpipe.save(tmp_path, stage_weights(named_weights(), TWO_STAGES))
     return tmp_path
 
 
 def test_a_shape_mismatch_names_the_key_path_and_both_shapes(saved: Path) -> None:
-    bad = template(layout(model(), TWO))
-    bad[1]["layers.5.w"] = torch.empty(D, D + 1)
+    bad = template(stage_weights(named_weights(), TWO_STAGES))
+    bad[1]["layers.5.w"] = torch.empty(NAMED_WIDTH, NAMED_WIDTH + 1)
     with pytest.raises(
         ValueError,
         match=r"template\[1\]\['layers.5.w'\] \(name 'layers.5.w'\): shape on disk \[4, 4\], expected \[4, 5\]",
@@ -301,9 +237,9 @@ def test_a_shape_mismatch_names_the_key_path_and_both_shapes(saved: Path) -> Non
 
 
 def test_a_dtype_mismatch_names_the_key_path_and_both_dtypes(saved: Path) -> None:
-    bad = template(layout(model(), TWO))
-    bad[0]["layers.0.b"] = torch.empty(D, dtype=torch.float64)
-    bad[1]["norm"] = torch.empty(D, dtype=torch.float32)
+    bad = template(stage_weights(named_weights(), TWO_STAGES))
+    bad[0]["layers.0.b"] = torch.empty(NAMED_WIDTH, dtype=torch.float64)
+    bad[1]["norm"] = torch.empty(NAMED_WIDTH, dtype=torch.float32)
     with pytest.raises(ValueError) as info:
         fpipe.load(saved, bad)
     message = str(info.value)
@@ -312,31 +248,33 @@ def test_a_dtype_mismatch_names_the_key_path_and_both_dtypes(saved: Path) -> Non
 
 
 def test_missing_and_extra_names_are_listed(saved: Path) -> None:
-    more = template(layout(model(), TWO))
-    more[1]["layers.9.w"] = torch.empty(D, D)
-    more[1]["head"] = torch.empty(D, V)
+    more = template(stage_weights(named_weights(), TWO_STAGES))
+    more[1]["layers.9.w"] = torch.empty(NAMED_WIDTH, NAMED_WIDTH)
+    more[1]["head"] = torch.empty(NAMED_WIDTH, NAMED_VOCAB)
     with pytest.raises(
         ValueError,
         match=r"2 name\(s\) of the template are missing from the save .*: \['head' \(template\[1\]\['head'\]\), 'lay",
     ):
         fpipe.load(saved, more)
-    fewer = template(layout(model(), TWO))
+    fewer = template(stage_weights(named_weights(), TWO_STAGES))
     del fewer[0]["layers.1.w"], fewer[1]["layers.7.b"]
     with pytest.raises(
         ValueError, match=r"has 2 parameter name\(s\) that no stage of the template has: \['layers.1.w', 'layers.7.b'\]"
     ):
         fpipe.load(saved, fewer)
     loaded = fpipe.load(saved, fewer, strict=False).params
-    assert "layers.1.w" not in loaded[0] and torch.equal(loaded[0]["layers.0.w"], model()["layers.0.w"])
+    assert "layers.1.w" not in loaded[0] and torch.equal(loaded[0]["layers.0.w"], named_weights()["layers.0.w"])
 
 
 def test_template_errors(saved: Path) -> None:
     with pytest.raises(TypeError, match=r"template\[0\]\['embed'\] is a int; template leaves are tensors"):
         fpipe.load(saved, [{"embed": 3}])
     with pytest.raises(TypeError, match="template must be a list with one pytree per stage"):
-        fpipe.load(saved, {"embed": torch.empty(V, D)})
+        fpipe.load(saved, {"embed": torch.empty(NAMED_VOCAB, NAMED_WIDTH)})
     with pytest.raises(ValueError, match="has no optimizer_state; it was saved without it"):
-        fpipe.load(saved, template(layout(model(), TWO)), optimizer_state=[{"step": torch.empty(())}])
+        fpipe.load(
+            saved, template(stage_weights(named_weights(), TWO_STAGES)), optimizer_state=[{"step": torch.empty(())}]
+        )
     with pytest.raises(ValueError, match=r"both get the name 'a\.b'"):
         fpipe.load(saved, [{"a.b": torch.empty(1), "a": {"b": torch.empty(1)}}])
 
@@ -405,10 +343,10 @@ def test_truncated_and_missing_files_are_detected(saved: Path) -> None:
     with pytest.raises(
         ValueError, match=f"should have {len(data)} bytes but it has {len(data) - 5}: the file is truncated"
     ):
-        fpipe.load(saved, template(layout(model(), TWO)))
+        fpipe.load(saved, template(stage_weights(named_weights(), TWO_STAGES)))
     file.unlink()
     with pytest.raises(ValueError, match="but it is missing"):
-        fpipe.load(saved, template(layout(model(), TWO)))
+        fpipe.load(saved, template(stage_weights(named_weights(), TWO_STAGES)))
 
 
 def test_corrupt_bytes_and_headers_are_detected(saved: Path) -> None:
@@ -418,15 +356,15 @@ def test_corrupt_bytes_and_headers_are_detected(saved: Path) -> None:
     flipped[-3] ^= 0x40  # a tensor's byte
     file.write_bytes(flipped)
     with pytest.raises(ValueError, match=r"is corrupt: the bytes of '.*' do not match their sha256 in the index"):
-        fpipe.load(saved, template(layout(model(), TWO)))
+        fpipe.load(saved, template(stage_weights(named_weights(), TWO_STAGES)))
     header = bytearray(data)
     header[8] = ord("]")  # the JSON header no longer parses
     file.write_bytes(header)
     with pytest.raises(ValueError, match=r"is corrupt: .*Load an intact save"):
-        fpipe.load(saved, template(layout(model(), TWO)))
+        fpipe.load(saved, template(stage_weights(named_weights(), TWO_STAGES)))
     (file.parent / INDEX).write_text('{"metadata": ')
     with pytest.raises(ValueError, match=r"is not an index written by fpipe\.save"):
-        fpipe.load(saved, template(layout(model(), TWO)))
+        fpipe.load(saved, template(stage_weights(named_weights(), TWO_STAGES)))
 
 
 def test_a_header_past_the_limit_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
@@ -447,7 +385,7 @@ def test_a_header_past_the_limit_is_refused_before_it_is_parsed(tmp_path: Path) 
 
 def test_load_reads_only_the_files_it_needs(tmp_path: Path) -> None:
     """Stage 3's tensors live in their own file here; corrupting it does not matter to stage 0."""
-    params = layout(model(), FOUR)
+    params = stage_weights(named_weights(), FOUR_STAGES)
     del params[3]["embed"]
     fpipe.save(tmp_path, [params[0], None, None, None])
     fpipe.save(tmp_path / "other", [None, None, None, params[3]])
@@ -467,7 +405,7 @@ def _interleaved_save(rank: int, world: int, directory: str) -> dict[str, Any]:
         Interleaved1F1B(2),
         parallel=fpipe.Parallelism(group=dist.group.WORLD),
     )
-    full = layout(model(), FOUR)
+    full = stage_weights(named_weights(), FOUR_STAGES)
     mine = [t if s in step.local_stages else None for s, t in enumerate(full)]
     state = [None if t is None else {"m": optree.tree_map(torch.ones_like, t), "step": torch.tensor(5)} for t in mine]
     out: dict[str, Any] = {"stages": step.local_stages}
@@ -501,7 +439,7 @@ def test_each_rank_writes_its_own_stages(tmp_path: Path) -> None:
         "optimizer-rank-00000-of-00002.safetensors",
         "optimizer-rank-00001-of-00002.safetensors",
     }
-    full = layout(model(), FOUR)
+    full = stage_weights(named_weights(), FOUR_STAGES)
     for rank, stages in enumerate([(0, 2), (1, 3)]):
         assert {f["rank"] for name, f in index["files"].items() if f"rank-0000{rank}" in name} == {rank}
         with safe_open(version / f"model-rank-0000{rank}-of-00002.safetensors", "pt") as f:
@@ -515,7 +453,7 @@ def test_each_rank_writes_its_own_stages(tmp_path: Path) -> None:
     assert_bitwise(fpipe.load(tmp_path, template(full)).params, full)
     one = fpipe.load(
         tmp_path,
-        template(layout(model(), ONE)),
+        template(stage_weights(named_weights(), ONE_STAGE)),
         optimizer_state=[{"step": torch.empty((), dtype=torch.int64)}],
         strict=False,
     )
@@ -541,7 +479,7 @@ def _mesh_save(rank: int, world: int, directory: str) -> tuple[tuple[int, ...], 
     step = fpipe.pipeline(
         lambda y, mb: y.sum(), [lambda p, x: x] * 2, OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh)
     )
-    full = layout(model(), TWO)
+    full = stage_weights(named_weights(), TWO_STAGES)
     mine = [t if s in step.local_stages else None for s, t in enumerate(full)]
     return step.local_stages, str(fpipe.save(directory, mine, parallel=step))
 
@@ -550,7 +488,10 @@ def test_data_parallel_replicas_write_nothing(tmp_path: Path) -> None:
     results = run_ranks(4, _mesh_save, str(tmp_path))
     assert len({version for _, version in results}) == 1
     assert {f["rank"] for f in read_index(tmp_path)["files"].values()} == {0, 1}
-    assert_bitwise(fpipe.load(tmp_path, template(layout(model(), TWO))).params, layout(model(), TWO))
+    assert_bitwise(
+        fpipe.load(tmp_path, template(stage_weights(named_weights(), TWO_STAGES))).params,
+        stage_weights(named_weights(), TWO_STAGES),
+    )
 
 
 # --- Hostile indexes (NOTE [trust model]) -------------------------------------------------------
@@ -606,21 +547,6 @@ def test_a_file_linked_outside_is_refused_without_a_word_about_its_target(
         fpipe.load(version.parent, [{"w": torch.empty(3)}])
     assert str(info.value) == str(missing.value)  # whether the target exists does not show
     assert str(secret.stat().st_size) not in str(info.value)
-
-
-def edit_index(path: list[Any], value: Any) -> Any:
-    """An edit of a loaded index: set the value at ``path`` (``KeyError``: delete it)."""
-
-    def edit(index: dict[str, Any]) -> None:
-        parent = index
-        for key in path[:-1]:
-            parent = parent[key]
-        if value is KeyError:
-            del parent[path[-1]]
-        else:
-            parent[path[-1]] = value
-
-    return edit
 
 
 W = ["tensors", FILE, "w"]
@@ -713,7 +639,7 @@ def test_each_rank_writes_and_reads_only_its_own_pieces(tp_saves: tuple[Path, li
     assert piece["offset"] == [3, 0] and piece["shape"] == [2, 3] and piece["full_shape"] == [5, 3]
     assert index["weight_map"]["tied"] == [name.format(0, 0), name.format(0, 1)]
     for r in results:  # the same layout reads exactly its own pieces, each once (none if empty)
-        mine = {k: _local_numel(k, v, r["tp"]) for k, v in _full()[r["pp"]].items()}
+        mine = {k: _local_numel(k, v, r["tp"]) for k, v in tp_params()[r["pp"]].items()}
         expected = {k: n for k, n in mine.items() if n} | {f"m.{k}": n for k, n in mine.items() if n} | {"step": 1}
         assert r["read"] == expected
 
@@ -794,20 +720,20 @@ def _three_dimensions(rank: int, world: int, directory: str) -> tuple[int, list[
 
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
     pp = mesh.get_coordinate()[1]
-    full = _full()
-    params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
+    full = tp_params()
+    params = [distribute_tp(p, mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
     fpipe.save(directory, params, parallel=fpipe.Parallelism(mesh=mesh))
-    meta = [_distribute(template(p), mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
-    return pp, _gathered(fpipe.load(directory, meta, parallel=fpipe.Parallelism(mesh=mesh)).params)
+    meta = [distribute_tp(template(p), mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
+    return pp, gather_tp(fpipe.load(directory, meta, parallel=fpipe.Parallelism(mesh=mesh)).params)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_data_times_pipeline_times_tensor_parallel_saves(tmp_path: Path) -> None:
     results = run_ranks(8, _three_dimensions, str(tmp_path), timeout=200)
-    full = _full()
+    full = tp_params()
     for pp, gathered in results:
-        _check_gathered(gathered, full, pp)
+        check_gathered(gathered, full, pp)
     index = json.loads((tmp_path / (tmp_path / LATEST).read_text().strip() / INDEX).read_text())
     assert sorted((f["rank"], f["tp"]) for f in index["files"].values()) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert_bitwise(fpipe.load(tmp_path, template(full)).params, full)

@@ -19,13 +19,14 @@ from safetensors import safe_open
 import fpipe
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.saving.test_save import TWO, assert_bitwise, layout, model, read_index, template
+from tests.helpers import TWO_STAGES, assert_bitwise, named_weights, stage_weights
+from tests.saving._tools import read_index, template
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _full() -> list[dict[str, torch.Tensor]]:
-    stages = layout(model(), TWO)
+    stages = stage_weights(named_weights(), TWO_STAGES)
     g = torch.Generator().manual_seed(1)
     for s, stage in enumerate(stages):
         stage[f"odd{s}"] = torch.randn(5, generator=g, dtype=torch.float64)  # 5 elements: padded over 2 and 4

@@ -25,9 +25,10 @@ import fpipe.optim
 from fpipe._saving._directory import INDEX, LATEST
 from tests import _resume_run
 from tests._multiprocess import free_port, run_processes, run_ranks
+from tests.helpers import assert_bitwise
 from tests.saving._tensor_parallel_saves import (
-    _check_gathered,
-    _full,
+    check_gathered,
+    tp_params,
 )
 
 STEPS, EVERY = 12, 3
@@ -60,22 +61,6 @@ launch.stderr = []  # type: ignore[attr-defined]
 def outputs(out: Path, world: int) -> list[dict[str, Any]]:
     paths = [out] if world == 1 else [Path(f"{out}.rank{r}") for r in range(world)]
     return [torch.load(p) for p in paths]
-
-
-def assert_bitwise(a: Any, b: Any) -> None:
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_bitwise(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_bitwise(x, y)
-    else:
-        assert a == b
 
 
 def kill_and_resume(tmp_path: Path, world: int, *flags: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -317,9 +302,9 @@ def test_a_load_fails_on_every_rank_when_one_ranks_file_is_bad(tmp_path: Path) -
 
 
 def test_save_state_round_trips_with_tensor_parallel(tp_saves: tuple[Path, list[Any], Any]) -> None:
-    full = _full()
+    full = tp_params()
     for r in tp_saves[1]:
         params, state, number, metadata = r["state"]
-        _check_gathered(params, full, r["pp"])
-        _check_gathered([None if t is None else t["m"] for t in state], full, r["pp"], state=True)
+        check_gathered(params, full, r["pp"])
+        check_gathered([None if t is None else t["m"] for t in state], full, r["pp"], state=True)
         assert (number, metadata) == (5, {"at": 1})
