@@ -27,18 +27,25 @@ settings.load_profile(os.environ.get("FPIPE_HYPOTHESIS", "fpipe"))
 torch.set_num_threads(1)
 
 
+# marker -> the option that runs its tests; skipped without it (CI runs each: .ci/run)
+OPT_IN = {"slow": "--slow", "bench": "--bench"}
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--slow", action="store_true", help="also run the tests marked slow (8 processes)")
+    parser.addoption("--bench", action="store_true", help="also run the benchmarks' smoke tests (marked bench)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the tests marked slow (more processes than CI's 4) unless pytest runs with --slow."""
-    if config.getoption("--slow"):
-        return
-    skip = pytest.mark.skip(reason="marked slow: run with --slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    """Skip the tests marked slow (more processes than CI's 4) unless pytest runs with --slow, and
+    those marked bench (the benchmarks run end to end in quick mode) unless it runs with --bench."""
+    for marker, option in OPT_IN.items():
+        if config.getoption(option):
+            continue
+        skip = pytest.mark.skip(reason=f"marked {marker}: run with {option}")
+        for item in items:
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
 """The benchmark against torch.distributed.pipelining runs end to end in quick mode, on 2 gloo
-processes, and fpipe's grads match torch's (timings are never asserted on)."""
+processes, and fpipe's grads match torch's (timings are never asserted on); marked bench, run by
+``python -m pytest --bench -m bench``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.bench
 
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vs_torch.py"
 

@@ -1,4 +1,5 @@
-"""The benchmarks run end to end in quick mode (timings are never asserted on)."""
+"""The benchmarks run end to end in quick mode (timings are never asserted on); marked bench, run by
+``python -m pytest --bench -m bench``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+pytestmark = pytest.mark.bench
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
