@@ -1,7 +1,7 @@
 """Instructions per action of a tiny 4-stage x 64-microbatch 1F1B step, for ``valgrind --tool=callgrind``.
 
 Instruction counts do not depend on what else the machine runs, so an A/B of two trees on a
-shared machine is exact where wall-clock timings are noise (notes/benchmarks.md, "Randomness")::
+shared machine is exact where wall-clock timings are noise::
 
     for n in 0 4; do PYTHONPATH=TREE valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.$n \
         python benchmarks/bench_instructions.py $n 2>&1 | grep Collected; done

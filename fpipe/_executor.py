@@ -287,7 +287,7 @@ _HANDLERS: dict[str, Handler] = {
 # With one weight for all microbatches, the backward seeds are made by one ``torch.full`` and
 # ``unbind`` (one op each instead of one per microbatch); each microbatch gets its own element,
 # used once. No gradient sum ever shares their storage (NOTE [gradients the engine keeps] in
-# fpipe/_stage.py). A loss of another dtype or device than the first gets a ``new_full``.
+# fpipe/_accumulate.py). A loss of another dtype or device than the first gets a ``new_full``.
 #
 # A seed too large for the loss's dtype (float16 tops out at 65504: ``scale * weight`` with the
 # loss scale 2**16 and one microbatch) must become inf, as a cast does: the gradients are then
@@ -296,16 +296,17 @@ _HANDLERS: dict[str, Handler] = {
 # converted to type c10::Half without overflow"; one element, or ``new_full`` into float16,
 # gives inf; float32 raises both ways). So a seed that does not fit (``_largest``, one
 # comparison) is filled in float64 and cast down: the cast overflows to inf (or rounds to the
-# largest finite value, for one within half a unit of it). A seed that fits is made as before,
-# so results are bitwise those of the plain fill.
+# largest finite value, for one within half a unit of it). A seed that fits is made by the plain
+# fill, so its results are bitwise those of that fill.
 
 
 # NOTE [profiler ranges]
-# A ``record_function`` range costs about 7 us to open and close even with no profiler running
-# (torch 2.13, CPU; it builds a RecordFunction through the dispatcher), a third of an action's
-# whole overhead on a tiny stage. ``torch._C._autograd._profiler_enabled`` answers in 30 ns, so
-# ranges are opened only when some profiler (``torch.profiler.profile``, the legacy
-# ``torch.autograd.profiler.profile``, kineto's) is collecting: measured in notes/benchmarks.md.
+# A ``record_function`` range costs microseconds to open and close even with no profiler running
+# (it builds a RecordFunction through the dispatcher), a large share of an action's whole
+# overhead on a tiny stage, while ``torch._C._autograd._profiler_enabled`` answers in tens of
+# nanoseconds. So ranges are opened only when some profiler (``torch.profiler.profile``, the
+# legacy ``torch.autograd.profiler.profile``, kineto's) is collecting (the figures:
+# notes/design.md, "Per-action overhead").
 # It is asked once per ``Executor.run`` (a piece of a step's order), not per action: a profiler
 # is started and stopped around steps, not by a stage in the middle of one.
 _profiling: Callable[[], bool] = torch._C._autograd._profiler_enabled

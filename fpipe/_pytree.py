@@ -38,9 +38,8 @@ _OPTIONS: dict[str, Any] = {"none_is_leaf": _NONE_IS_LEAF}
 # bitwise its general path's (``_scatter``). Neither the stage nor microbatching keeps a shortcut
 # of its own: the stage's ``_seeds`` loops over its one graph output, and ``split``
 # (fpipe/_microbatch.py) cuts a plain tensor on the general path, which skips laying out the rows
-# of a laid-out batch. Dropping their shortcuts cost nothing above the noise (notes/benchmarks.md,
-# "The last shortcuts": the general split costs about 4 us more per step of 8 microbatches, 0.2 us
-# per action of 1 x 8, far under the 3% at which a shortcut would have stayed).
+# of a laid-out batch. A shortcut stays only where it saves 3% of an action or more, as
+# ``benchmarks/bench_overhead.py --ab`` measures (the readings: notes/design.md, "Per-action overhead").
 def flatten(tree: PyTree) -> tuple[list[Any], TreeSpec]:
     """Leaves (in optree's order) and the structure of ``tree`` (NOTE [one-tensor fast path])."""
     # The option goes by keyword, not ``**_OPTIONS`` (unpacking a dict costs a third of a flatten).

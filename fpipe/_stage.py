@@ -158,7 +158,7 @@ class StageRun:
         """Run the stage on ``x``; return its output and the pullback of this call."""
         # A plain tensor, the usual case, asks optree nothing (NOTE [one-tensor fast path] in
         # fpipe/_pytree.py): its calls were about a third of what a forward costs over plain
-        # autograd (notes/benchmarks.md, Session 5).
+        # autograd (measured by benchmarks/bench_overhead.py; notes/design.md, "Per-action overhead").
         leaves, spec, input_index, inputs = self._inputs(x, differentiate_input)
         if self.recompute:
             return self._recomputed(

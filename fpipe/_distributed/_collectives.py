@@ -138,11 +138,10 @@ def lost(
 
 
 # NOTE [a continued rank]
-# A wait that times out does not end the backend's work: gloo keeps the collective posted. So a
-# rank frozen as it entered a collective (SIGSTOP) and continued after the others timed out
-# found their work still posted, finished the collective and went on: ``global_norm`` returned a
-# norm, a step a loss, though the board had declared that rank failed and every other rank had
-# raised (it learnt of it only at its next step's handshake). Two guards:
+# No rank returns from an operation that the failure board declared failed. A wait that times out
+# does not end the backend's work (gloo keeps the collective posted), so a rank frozen (SIGSTOP)
+# as it entered a collective and continued after the others timed out could find their work
+# still posted, finish the collective and go on. Two guards:
 #
 # 1. A rank whose wait fails aborts the job's groups on its side once the record stands
 #    (``lost``): a continued rank's collective on them then fails on a closed pair, and it raises
@@ -158,40 +157,27 @@ def lost(
 #   survivor  ..wait.....................|timed out|record written|groups aborted|raises
 #   victim    ..frozen.......................|continued: collective finishes|reads the board|raises
 #
-# The board is scoped to the job's groups (``Watchdog.board``): a record there means that those
-# groups failed for good, in this operation or an earlier one (a step on them raises before its
-# handshake: ``check_usable``, or the record read at its start), and a job that recovers makes
-# new groups, with a board of a new generation, so no record of a failure that the job got past
-# fails a later operation. A rank that reads a record written after every rank passed its last
-# collective (another rank failed in the next operation) raises one operation early, as every
-# rank of a failed job does. What remains: a victim continued after a survivor's wait timed out
-# but before that survivor's record reached the store (``lost`` reads the board, then writes it
-# with a compare-set: two store round trips, a millisecond or less) can finish its collective and
-# read an empty board inside that interval, and return. Closing it would need a decision that both
-# ranks take through the store for every wait (a compare-set of "done" against "failed"), a store
-# round trip per message, not per step. The store's host, frozen and continued, finds no record
-# (the survivors could not write one: NOTE [the store's host] in fpipe/_distributed/_faults.py):
-# it names itself from its own clock (NOTE [a stopped process]).
+# A record never fails a job that got past it: the board is scoped to the job's groups
+# (``Watchdog.board``), which it marks failed for good (``check_usable``), and a job that
+# recovers makes new groups, with a board of a new generation. What is left uncovered (a record
+# that reaches the store a millisecond too late; the store's host, NOTE [a stopped process]) and
+# the failure that led here: notes/wire.md, "Failures" ("A continued rank").
 #
 # NOTE [a stopped process]
-# The store's host, frozen (SIGSTOP) and continued (SIGCONT) after the others gave up on it,
-# found no record, and its wait failed on a pair that a survivor closed: it blamed that survivor
-# ("because rank 1 died"), though it was the one that had stopped. A process can tell that it was
-# stopped: its watchdog waits for a request for ``POLL`` seconds at most between two rounds, so a
-# wait that lasted more than ``STALE`` seconds means that the whole process did not run
-# (``Watchdog.stopped``; also while the thread, just continued, has not run yet). That is the
-# board's own criterion: a process whose watchdog did not run for ``STALE`` seconds did not beat,
-# so every peer's board counted it silent, frozen or dead. The stop is used only when this rank's
-# own wait failed with no record on the board and the store answering (``lost``), and only when it
-# ended within that wait's timeout (plus ``STALE``) of the failure; an operation that returns
-# forgets it (``standing``), and so does every failure, used or not. The rank then writes the
-# record naming itself ("stopped answering: it was stopped (frozen) for 3.1 s, and the other
-# ranks gave up on it"), which a slower survivor reads too. Not covered: a stop that falls inside
-# one of the watchdog's store calls (a fraction of a millisecond in every ``POLL``) rather than its
-# wait is not seen, and the old blame stands; a machine so loaded that the watchdog does not run
-# for ``STALE`` seconds, followed within the timeout by a real failure of a peer, names this rank
-# (its peers counted it silent then too); and a continued host whose last collective finished
-# before the survivors' aborts (point 2 above) reads an empty board and returns.
+# A rank stopped (SIGSTOP) and continued (SIGCONT) after the others gave up on it must name
+# itself, not the survivor whose closed pair its wait failed on. The store's host finds no record
+# (the survivors could not reach the store), so it tells from its own clock: its watchdog waits
+# for a request for ``POLL`` seconds at most between two rounds, so a wait that lasted more than
+# ``STALE`` seconds means that the whole process did not run (``Watchdog.stopped``; also while the
+# thread, just continued, has not run yet). That is the board's own criterion: a process whose
+# watchdog did not run for ``STALE`` seconds did not beat, so every peer's board counted it
+# silent. The stop is used only when this rank's own wait failed with no record on the board and
+# the store answering (``lost``), and only when it ended within that wait's timeout (plus
+# ``STALE``) of the failure; an operation that returns forgets it (``standing``), and so does
+# every failure, used or not. The rank then writes the record naming itself ("stopped answering:
+# it was stopped (frozen) for 3.1 s, and the other ranks gave up on it"), which a slower survivor
+# reads too. The cases it does not cover, and the wrong blame it replaced: notes/wire.md,
+# "Failures" ("A continued store's host").
 def standing(topology: Topology, what: str) -> None:
     """Raise the job's failure record if the board holds one, read now (one store read; none
     once this rank knows of a record), after aborting the job's groups on this rank: called

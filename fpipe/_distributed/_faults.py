@@ -17,13 +17,12 @@ groups: a failure breaks them for good, and new groups over the same ranks get a
    receive that times out at once, which closes every pair of the group; other backends:
    ``ProcessGroup.abort``), so the pending wait raises at once, and the rank raises the record.
    With gloo, a pair whose peer aborted first (or died) is closed already and refuses that
-   receive with an error: the abort then tries the next peer, and never raises. (It once
-   raised there, which ended the watchdog thread before it aborted the job's other groups: a
-   rank waiting on its data-parallel group then sat out its full ``timeout``, and a barrier on
-   the default group after the failure seemed to hang.) An ``AsyncSaver``'s copies of the
-   groups are aborted with them (``Board.watch``). Only the job's groups are aborted; the
-   default group is one of them only when the job runs on it (``group=dist.group.WORLD``, or a
-   mesh dimension over every rank, for which torch's DeviceMesh reuses the default group).
+   receive with an error: the abort then tries the next peer, and never raises, so that it goes
+   on to the job's other groups (notes/wire.md, "Failures", says what raising there cost). An
+   ``AsyncSaver``'s copies of the groups are aborted with them (``Board.watch``). Only the
+   job's groups are aborted; the default group is one of them only when the job runs on it
+   (``group=dist.group.WORLD``, or a mesh dimension over every rank, for which torch's
+   DeviceMesh reuses the default group).
 3. Every watchdog beats a counter in the store every ``BEAT`` seconds while its process lives,
    so a rank whose wait times out names the ranks whose counter stopped (frozen or dead)
    instead of blaming the peer it was waiting for, which may itself be waiting. It says
@@ -351,30 +350,29 @@ def abort_job(board: Board) -> None:
 
 
 # NOTE [the store's host]
-# The board lives in the job's store, which one process hosts: global rank 0 for the rendezvous
-# of init_process_group (env:// and tcp:// start the store's server on rank 0), torchrun's agent
-# when it hosts the store (TORCHELASTIC_USE_AGENT_STORE). When that rank dies the store is gone;
-# when it freezes, every store call hangs. Either way no rank can read or write the board, and
-# the heartbeats say nothing. So a rank whose wait fails while the store does not answer (it is
-# gone, or the watchdog has been stuck in a store call for ``STALE`` seconds: a reading that is
-# only slow is tried again until then, ``Watchdog.read``) blames the store's host, and aborts its
-# own groups (``abort_job``): the ranks waiting on it fail at once and, finding the store silent
-# too, blame the host alike, instead of each waiting out its own timeout after the first one
-# gave up (which took twice the timeout). The host died when nothing listens at the store's
-# address (``Watchdog.store_gone``); otherwise it froze. A host that merely failed (it raised,
-# and will exit) keeps the store up until the others have seen the record (``Watchdog.linger``).
+# Every survivor fails within the timeout of the fault and names the culprit, even when the
+# culprit hosts the board. The board lives in the job's store, which one process hosts: global
+# rank 0 for the rendezvous of init_process_group (env:// and tcp:// start the store's server on
+# rank 0), torchrun's agent when it hosts the store (TORCHELASTIC_USE_AGENT_STORE). When that
+# rank dies the store is gone; when it freezes, every store call hangs: no rank can read or write
+# the board, and the heartbeats say nothing. So a rank whose wait fails while the store does not
+# answer (it is gone, or the watchdog has been stuck in a store call for ``STALE`` seconds: a
+# reading that is only slow is tried again until then, ``Watchdog.read``) blames the store's
+# host, and aborts its own groups (``abort_job``): the ranks waiting on it fail at once and,
+# finding the store silent too, blame the host alike, instead of each waiting out its own
+# timeout. The host died when nothing listens at the store's address (``Watchdog.store_gone``);
+# otherwise it froze. A host that merely failed (it raised, and will exit) keeps the store up
+# until the others have seen the record (``Watchdog.linger``).
 # An abort fails another rank's pending gloo collective only when that rank receives from this
 # one, so a rank that enters a collective of three or more ranks late, after the host froze,
-# would learn nothing from the ranks that gave up before it and wait out its own timeout: up to
-# twice the timeout after the fault (21 s with a 12 s timeout, entering 9 s late). So the store's
-# silence is a clock too: the watchdog beats every ``BEAT`` seconds, so it is stuck in a store
-# call from about when the host froze (``Watchdog.silence``), and a wait that begins after the
-# store has been silent for more than ``ASK`` seconds lasts only until ``timeout`` after the
-# silence began (``_bounded`` in fpipe/_distributed/_collectives.py; at once if that is past):
-# every survivor then fails within the timeout of the fault, as the ranks that waited from the
-# start do, and blames the host alike. A store slower than ``ASK`` in a healthy job shortens the
-# waits that begin meanwhile by that silence only; after the store is gone (its host exited),
-# every wait that does not end at once fails, as the job is over.
+# would learn nothing from the ranks that gave up before it. So the store's silence is a clock
+# too: the watchdog beats every ``BEAT`` seconds, so it is stuck in a store call from about when
+# the host froze (``Watchdog.silence``), and a wait that begins after the store has been silent
+# for more than ``ASK`` seconds lasts only until ``timeout`` after the silence began (``_bounded``
+# in fpipe/_distributed/_collectives.py; at once if that is past). The cost: a store slower than
+# ``ASK`` in a healthy job shortens the waits that begin meanwhile by that silence; after the
+# store is gone every wait that does not end at once fails, as the job is over. What each guard
+# cost before it (twice the timeout; 21 s for a 12 s timeout): notes/wire.md, "Failures".
 def store_host() -> int | None:
     """The global rank whose process hosts the job's store (``None``: torchrun's agent does)."""
     return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0

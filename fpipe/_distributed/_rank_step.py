@@ -112,9 +112,9 @@ def run_distributed(
 # rank of that group has arrived, so a rank that returns knows that its tensor-parallel partners
 # averaged with their replicas, which all concluded their pipelines: every rank of the mesh
 # finished its row. A rank that failed never arrives at the next one, and the failure board
-# aborts the wait of those that did. Without the meeting, with pp 2 x tp 2 and rank 0 killed in
-# its backward, its tensor-parallel partner (whose stage needed no collective in that backward)
-# and that partner's pipeline peer returned a loss for the step.
+# aborts the wait of those that did. Without the meeting, the tensor-parallel partner of a rank
+# that failed, when its own stage needed no collective in that action, and that partner's
+# pipeline peer would return a loss for the step (the case: notes/wire.md, "Failures").
 
 
 class _Agreed(NamedTuple):
@@ -457,13 +457,13 @@ def average_loss(topology: Topology, loss: torch.Tensor, timeout: float, *, divi
 # With data-parallel replicas, a stage's gradients are final once its last backward (or weight
 # gradient) action has run; ``replica_mean`` posts their all-reduce right then (one per dtype,
 # async), so that it runs while this rank goes on with its other stages' actions, and the step
-# waits for them all only before it returns (``ReplicatedStages.wait_reductions``); the loss is averaged
-# after that (``average_loss``). Sharded runs do the same with reduce-scatters
+# waits for them all only before it returns (``ReplicatedStages.wait_reductions``); the loss is
+# averaged after that (``average_loss``). Sharded runs do the same with reduce-scatters
 # (fpipe/_sharding/_stages.py). Each replica runs the same row, so every replica posts the same
-# stages in the same order. The sums are those of the one all-reduce at the end that this
-# replaces: two replicas' sum is a + b either way; with three or more, the order of the backend's
-# additions is its own, as before. Each leaf is then divided by the number of replicas (not with
-# ``weight_fn``: each replica's share is already over the total count), as before.
+# stages in the same order. The sums are those of one all-reduce at the end of the step: two
+# replicas' sum is a + b either way; with three or more, the order of the backend's additions is
+# its own either way. Each leaf is then divided by the number of replicas (not with
+# ``weight_fn``: each replica's share is already over the total count).
 #
 #     rank  | 1B3 ... 1B7 | 0B5 0B6 0B7 |            (last actions of stages 1, then 0)
 #     dp    |             | all-reduce stage 1 | all-reduce stage 0 |

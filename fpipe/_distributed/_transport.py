@@ -130,8 +130,8 @@ def confirmed(read_at: Sequence[int], sent_at: Sequence[int]) -> list[int]:
 # waiting for its send returns at once (``_release``, as each message is read); the sends no
 # later message confirms are waited for at the end of the step (``close``). In 1F1B on 2 ranks
 # an activation is so let go at its microbatch's backward (its cotangent confirms it), when the
-# pullback lets go of the output too, and the last rank holds two cotangents at most, where both
-# kept every send to the end of the step (notes/benchmarks.md, "Bytes held per rank").
+# pullback lets go of the output too, and the last rank holds two cotangents at most (measured
+# by benchmarks/bench_memory.py; notes/wire.md, "What a rank holds, and for how long").
 
 
 @dataclass(frozen=True)
@@ -496,12 +496,13 @@ class DistributedTransport:
 # post it whenever it likes, the sender none the wiser. It posts it as it reads the message
 # before on the same channel when the action right after the one that needed that message
 # needs this one (``consumers``: GPipe's run of forwards on the last rank, of backwards on the
-# first), and else when it needs it. Measured with gloo on 2 CPU processes (notes/benchmarks.md,
-# Session 6): posting every small receive ahead made GPipe's actions 30% cheaper and 1F1B's
-# 1.6 times as dear (there a receive is posted two actions ahead, a forward and a backward;
+# first), and else when it needs it: on gloo, every small receive posted ahead makes 1F1B's
+# actions dearer (there a receive would be posted two actions ahead, a forward and a backward;
 # presumably gloo's reader thread then takes the message during compute, a thread switch on
-# busy cores, where a receive posted at need reads what has arrived at once); posted one action
-# ahead, both schedules gain. Large leaves go ahead always: their bytes, not a switch, dominate.
+# busy cores, where a receive posted at need reads what has arrived at once), while posted one
+# action ahead both schedules gain (measured by benchmarks/bench_vs_torch.py --per-action-only;
+# notes/wire.md, "One step, on every rank", point 3). Large leaves go ahead always: their
+# bytes, not a switch, dominate.
 
 
 def ahead_is_safe(sent_at: Sequence[int], next_out: int, needed_at: int) -> bool:

@@ -40,8 +40,8 @@ as the last message on its channel: no header, the packed bytes inline, so its m
 pads the tensor's bytes to their aligned size, and makes the message with one ``torch.cat``
 instead of a layout, a header check and copies into a new buffer. The bytes are those of the
 general path (whose padding is left unwritten). A cotangent (a list of one tensor) takes the
-general path: the same shortcut for it made 1F1B's actions dearer on gloo, measured
-(notes/benchmarks.md, Session 6).
+general path: the same shortcut for it made 1F1B's actions dearer on gloo (measured by
+benchmarks/bench_vs_torch.py --per-action-only; notes/wire.md, "The message format").
 
 NOTE [header]
 A header is ASCII JSON, never a pickle: a peer's bytes are read as data and can name only

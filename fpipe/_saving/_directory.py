@@ -115,14 +115,14 @@ def _unlocked(root: Path, why: str) -> None:
 # the writer, holding the lock, writes who it is into the lock file (host, process id, and the
 # job: ``TORCHELASTIC_RUN_ID`` as torchrun sets it, else the address of the default process
 # group's store, which every process of a job rendezvoused at whatever its ``init_method``
-# (tcp://, file://, env://), else ``MASTER_ADDR:MASTER_PORT``; with only the environment, two
-# jobs started with ``init_method="tcp://..."`` were both "no job", and one job's processes
-# warned of each other), and warns (``RuntimeWarning``) when the previous
-# writer was another process of another job (or of no job) on this host that is still alive:
-# another live run writes here. Processes of one job saving without ``parallel=`` (NOTE [save
-# concurrency]) share the job and are not warned; a resumed run's predecessor is dead. A writer
-# on another host cannot be asked whether it lives and is not reported. It warns rather than
-# refuses: a process id can be reused, and a save must not fail a healthy run.
+# (tcp://, file://, env://), else ``MASTER_ADDR:MASTER_PORT``: the environment alone does not
+# name a job started with ``init_method="tcp://..."``, notes/saving.md), and warns
+# (``RuntimeWarning``) when the previous writer was another process of another job (or of no
+# job) on this host that is still alive: another live run writes here. Processes of one job
+# saving without ``parallel=`` (NOTE [save concurrency]) share the job and are not warned; a
+# resumed run's predecessor is dead. A writer on another host cannot be asked whether it lives
+# and is not reported. It warns rather than refuses: a process id can be reused, and a save must
+# not fail a healthy run.
 _OWNER_BYTES = 4096
 
 

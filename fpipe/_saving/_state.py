@@ -288,8 +288,8 @@ def _state_of(
 # tensor-parallel index]``, next to its generators (``"roles"``), and ``load_state`` refuses to
 # restore a generator into a process of another role: every rank raises, nothing is changed.
 # ``restore_rng=False`` is the opt-in: the parameters and optimizer state load by name into any
-# layout. A process the save has no state for (another number of processes) warns, as before; a
-# save without roles (older fpipe) is not checked.
+# layout. A process the save has no state for (another number of processes) warns
+# (NOTE [train state]); a save without roles (older fpipe) is not checked.
 
 
 def role_of(topology: Topology | None) -> list[int]:

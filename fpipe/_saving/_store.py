@@ -22,7 +22,7 @@ list of its ``d`` files, and each piece's entry in ``tensors`` has ``shape`` ``[
 full tensor (all pieces, concatenated, padding dropped) or piece ``q'`` of any ``d'`` (only the
 saved pieces overlapping it are read, each whole so that its hash is checked). Leaves that are
 not shards (a step counter) are saved whole, once, by the first replica that holds them, and
-every replica must hold the same bytes. Unsharded saves are unchanged: a name maps to one file.
+every replica must hold the same bytes. In an unsharded save a name maps to one file.
 
 On a mesh with a tensor-parallel dimension (NOTE [tensor-parallel saves] in
 ``fpipe/_saving/_boxes.py``) every tensor-parallel rank writes its own file,
@@ -234,14 +234,14 @@ def make_index(
 
 # NOTE [header size]
 # A safetensors file opens with its header's length (8 bytes) and the header, JSON naming every
-# tensor of the file; ``safetensors.safe_open`` parses all of it before it reads any tensor.
-# safetensors accepts headers up to 100 MB: one of a million tiny tensors (87 MB) took 6.6 s and
-# 700 MB of memory to open on the 2-core test VM (18 s and 1 GB in the measurement),
-# whatever was read from it. So fpipe reads the length first and refuses a header larger than
-# MAX_HEADER_BYTES (16 MiB, about 150,000 tensors of 100-byte entries; opening one took 1 to 2.5
-# s and 50 MB there) with a ``ValueError`` naming the file, before safetensors sees it. An
-# fpipe file holds one rank's tensors of one kind, a Hugging Face shard a few hundred to a few
-# thousand tensors (headers of tens to hundreds of KB): neither comes near the limit.
+# tensor of the file; ``safetensors.safe_open`` parses all of it before it reads any tensor, and
+# safetensors accepts headers up to 100 MB, whose parsing takes seconds and hundreds of MB of
+# memory whatever is read from the file. Reading one tensor must not cost that. So fpipe reads
+# the length first and refuses a header larger than MAX_HEADER_BYTES (16 MiB, about 150,000
+# tensors of 100-byte entries) with a ``ValueError`` naming the file, before safetensors sees it.
+# An fpipe file holds one rank's tensors of one kind, a Hugging Face shard a few hundred to a few
+# thousand tensors (headers of tens to hundreds of KB): neither comes near the limit. The
+# measured costs: notes/saving.md, "Trust model: what `load` accepts".
 MAX_HEADER_BYTES = 16 << 20
 
 
