@@ -18,9 +18,9 @@ each, 2 stages per rank. Each rank:
    ``fpipe/schedules/_simulate.py``);
 2. rank 0 searches a program for the looped placement and one for the V (no memory limit, as
    GPipe and looped BFS have none; ``slack=0.02``, the choice for fitted costs: NOTE [memory
-   within the slack] in ``fpipe/schedules/_search.py``) and sends them to rank 1; the fastest
+   within the slack] in ``fpipe/planning/_search.py``) and sends them to rank 1; the fastest
    simulated program of each search (what ``slack=0`` keeps) is timed too;
-3. tunes with ``fpipe.schedules.tune`` (NOTE [measured tuning] in ``fpipe/schedules/_tune.py``):
+3. tunes with ``fpipe.planning.tune`` (NOTE [measured tuning] in ``fpipe/planning/_tune.py``):
    the programs, among every one the two searches tried (the built-ins of both placements
    among them), whose simulated step is within 5% of the shortest (2 to 5 of them, the best
    built-in always among them) run for a few rounds, and the measured fastest is kept as
@@ -61,25 +61,17 @@ import bench_vs_torch  # its run_ranks (one gloo process per rank) and barrier_t
 
 WORLD, STAGES = 2, 4
 SEARCHED = ("search-looped", "search-v")
-SLACK = 0.02  # search's slack for fitted costs (NOTE [memory within the slack] in fpipe/schedules/_search.py)
+SLACK = 0.02  # search's slack for fitted costs (NOTE [memory within the slack] in fpipe/planning/_search.py)
 
 
 def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import fpipe
-    from fpipe.schedules import (
-        Costs,
-        Interleaved1F1B,
-        InterleavedZeroBubble,
-        Program,
-        fit_costs,
-        replay,
-        search,
-        simulate,
-        tune,
-    )
-    from fpipe.schedules._search import builtin_programs, checked_problem  # the built-ins search tries
+    from fpipe.planning import fit_costs, search, tune
+    from fpipe.planning._arguments import checked_problem
+    from fpipe.planning._search import builtin_programs
+    from fpipe.schedules import Costs, Interleaved1F1B, InterleavedZeroBubble, Program, replay, simulate
 
     torch.manual_seed(0)
     dim, m = opts["dim"], opts["microbatches"]
@@ -224,7 +216,8 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def speed() -> dict[str, Any]:
     """Seconds ``search`` takes for the issue's two sizes, on this process's one core."""
-    from fpipe.schedules import Costs, search
+    from fpipe.planning import search
+    from fpipe.schedules import Costs
 
     results = []
     for p, m in ((8, 64), (32, 256)):

@@ -493,7 +493,8 @@ def bubble_analysis(timelines: Sequence[Any]) -> dict[str, Any]:
     rerun with free messages and nothing between actions: the step as long as the schedule and
     the stages' compute make it. No runtime running these actions in this order takes less.
     """
-    from fpipe.schedules import Costs, fit_costs, replay, simulate
+    from fpipe.planning import fit_costs
+    from fpipe.schedules import Costs, replay, simulate
 
     program = timelines[0].program
     durations: dict[tuple[int, str], list[float]] = {}

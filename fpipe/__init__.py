@@ -2,10 +2,12 @@
 
 ``step = fpipe.pipeline(loss_fn, stages, schedule)`` turns pure stage functions
 ``stage(params_i, x) -> y`` and a schedule (plain data, see ``fpipe.schedules``) into
-``loss, grads = step(params, batch)``.
+``loss, grads = step(params, batch)``. ``fpipe.planning`` finds programs and splits for measured
+costs (``search``, ``tune``, ``fit_costs``, ``plan``).
 """
 
 from . import optim as optim
+from . import planning as planning
 from . import schedules as schedules
 from ._api import Step as Step
 from ._api import pipeline as pipeline
@@ -56,6 +58,7 @@ __all__ = [
     "load_state",
     "optim",
     "pipeline",
+    "planning",
     "record",
     "save",
     "save_hf",

@@ -15,31 +15,18 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Literal, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
-from ._plan import (
-    GIB,
-    Candidate,
-    Device,
-    PlanError,
-    Transformer,
-    costs_text,
-    measured_units,
-    plan,
-    table,
-    tokens_per_step,
-    transformer_units,
-)
 from ._plural import plural
+from .planning import Device, PlanError, Transformer, plan
+from .planning._cost_model import GIB
+from .planning._plan import SEARCHED
 from .schedules import (
     Costs,
     Interleaved1F1B,
-    Program,
     ScheduleError,
     chrome_trace,
-    load_costs,
-    search,
     simulate,
     svg,
     terminal_grid,
@@ -49,12 +36,6 @@ from .schedules._registry import BUILTINS, Builtin
 
 # The schedules the command line knows, by their command-line names (fpipe/schedules/_registry.py).
 SCHEDULES: dict[str, Builtin] = {b.command: b for b in BUILTINS}
-
-
-def _offers(schedule: Builtin, v: int) -> bool:
-    """Whether the command line runs ``schedule`` with ``v`` stages per rank: its own count, or
-    any from 2 where the count is a field (with one, an interleaved schedule is a plain one)."""
-    return v == schedule.stages_per_rank or (schedule.field and v >= 2)
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> int:
@@ -155,11 +136,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Predict each schedule's step time, bubble and peak memory per rank, each with its fastest "
         "split of the layers, from measured costs (--costs) or a transformer (--layers ...) on a device "
         "(--tflops ...). "
-        "The cost model: NOTE [planner cost model] in fpipe/_plan.py.",
+        "The cost model: NOTE [planner cost model] in fpipe/planning/_cost_model.py.",
     )
     plan.add_argument("--ranks", type=_positive_int, required=True, help="pipeline ranks")
     plan.add_argument("--microbatches", type=_positive_int, required=True, help="microbatches per step")
-    plan.add_argument("--costs", metavar="PATH", help="per-stage costs saved by fpipe.schedules.save_costs")
+    plan.add_argument("--costs", metavar="PATH", help="per-stage costs saved by fpipe.planning.save_costs")
     plan.add_argument("--layers", type=_positive_int, help="transformer layers")
     plan.add_argument("--hidden", type=_positive_int, help="hidden size")
     plan.add_argument("--sequence", type=_positive_int, help="tokens per sequence")
@@ -223,7 +204,7 @@ def _set_options(args: argparse.Namespace, defaults: dict[str, object]) -> list[
 
 
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
-    """``python -m fpipe plan``: the table of ``fpipe._plan.table`` for the arguments."""
+    """``python -m fpipe plan``: the table of ``fpipe.planning.plan`` for the arguments, printed."""
     known_names = [*SCHEDULES, *SEARCHED]
     names = known_names if args.schedules is None else args.schedules.split(",")
     unknown = [n for n in names if n not in known_names]
@@ -239,56 +220,18 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     if problem:
         print(f"python -m fpipe plan: {problem}.", file=sys.stderr)
         return 2
-    p, m = args.ranks, args.microbatches
-    measured = args.costs is not None
-    # With --costs, memory is in activation units (no bytes), which the search takes as its limit.
-    memory = None if args.memory is None else args.memory if measured else args.memory * GIB
-    candidates = _candidates(names, m, p, args.stages_per_rank, memory if measured else None, args.slack)
-    if not candidates:
-        tried = ",".join(str(v) for v in args.stages_per_rank)
-        print(
-            f"python -m fpipe plan: no schedule of {', '.join(names)} lays out {tried} stages per rank "
-            f"(--stages-per-rank: {tried}). Try 1, 2, or a looped schedule (interleaved, zbinterleaved, bfs).",
-            file=sys.stderr,
-        )
-        return 2
     try:
-        if args.costs is None:
-            model = Transformer(
-                args.layers,
-                args.hidden,
-                args.sequence,
-                args.vocabulary,
-                args.microbatch_size,
-                args.layer_params,
-                args.recompute,
-            )
-            device = Device(
-                args.tflops * 1e12,
-                args.bandwidth * 1e9,
-                args.latency * 1e-6,
-                memory,
-                args.bytes_per_param,
-                tp=args.tp,
-                dp=args.dp,
-                tp_bandwidth=None if args.tp_bandwidth is None else args.tp_bandwidth * 1e9,
-                dp_bandwidth=None if args.dp_bandwidth is None else args.dp_bandwidth * 1e9,
-            )
-            units = transformer_units(model, device)
-            tokens: float | None = tokens_per_step(model, m)
-            about = (
-                f"{plural(model.layers, 'layer')}, hidden {model.hidden}, vocabulary {model.vocabulary}, "
-                f"{model.microbatch_size} x {model.sequence} tokens per microbatch"
-            )
-            if device.tp > 1 or device.dp > 1:
-                about += f"; tp {device.tp}, dp {device.dp} (per device: TFLOP/s, memory, tokens/s)"
-            head = units[-1].costs
-            costs_line = f"layer: {costs_text(units[0].costs)}; head: {costs_text(head)}"
-        else:
-            units, tokens = measured_units(load_costs(args.costs)), None
-            about = f"measured costs of {plural(len(units), 'stage')} ({args.costs})"
-            costs_line = "\n".join(f"stage {s}: {costs_text(u.costs)}" for s, u in enumerate(units))
-        rows = plan(units, p, candidates, memory=memory)
+        found = plan(
+            args.ranks,
+            args.microbatches,
+            costs=args.costs,
+            model=None if args.costs is not None else _model(args),
+            device=None if args.costs is not None else _device(args),
+            memory=args.memory if args.costs is not None else None,
+            stages_per_rank=args.stages_per_rank,
+            schedules=names,
+            slack=args.slack,
+        )
     except (PlanError, ScheduleError) as error:
         message = str(error)
         print(message if isinstance(error, PlanError) else f"python -m fpipe plan: {message}", file=sys.stderr)
@@ -296,11 +239,8 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     except OSError as error:
         print(f"python -m fpipe plan: cannot read {error.filename}: {error.strerror}", file=sys.stderr)
         return 1
-    print(f"{plural(p, 'rank')}, {plural(m, 'microbatch')}; {about}", file=out)
-    print(costs_line, file=out)
-    devices = 1 if measured else args.tp
-    print(table(rows, tokens=tokens, num_ranks=p, memory=memory, devices_per_rank=devices), file=out)
-    fastest = rows[0].simulation
+    print(found, file=out)
+    fastest = found.fastest.simulation
     if args.svg and fastest is not None:
         try:
             with open(args.svg, "w", encoding="utf-8") as f:
@@ -308,73 +248,36 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         except OSError as error:
             print(f"python -m fpipe plan: cannot write {error.filename}: {error.strerror}", file=sys.stderr)
             return 1
-        print(f"wrote {args.svg} ({rows[0].name})", file=out)
+        print(f"wrote {args.svg} ({found.fastest.name})", file=out)
     return 0
 
 
-def _candidates(
-    names: Sequence[str],
-    m: int,
-    p: int,
-    stages_per_rank: Sequence[int] | None,
-    memory: float | None,
-    slack: float,
-) -> list[Candidate]:
-    """The planner's rows: each schedule of ``names`` with its own stages per rank, or with each
-    of ``stages_per_rank`` it lays out (named ``"interleaved v=4"`` when it takes several)."""
-    candidates = []
-    for n in names:
-        looped = (n in SEARCHED and SEARCHED[n][0] == "looped") or (n in SCHEDULES and SCHEDULES[n].field)
-        if stages_per_rank is None:
-            tried = [SEARCHED[n][1] if n in SEARCHED else SCHEDULES[n].stages_per_rank]
-        elif n in SEARCHED:
-            tried = [v for v in stages_per_rank if looped or v == SEARCHED[n][1]]
-        else:
-            tried = [v for v in stages_per_rank if _offers(SCHEDULES[n], v)]
-        for v in tried:
-            name = f"{n} v={v}" if looped and stages_per_rank is not None else n
-            if n in SEARCHED:
-                candidates.append(Candidate(name, v, _searcher(SEARCHED[n][0], m, p, v, memory, slack), adapts=True))
-            else:
-                candidates.append(Candidate(name, v, _builder(SCHEDULES[n], m, p, v)))
-    return candidates
+def _model(args: argparse.Namespace) -> Transformer:
+    """The transformer of the command line's model options."""
+    return Transformer(
+        args.layers,
+        args.hidden,
+        args.sequence,
+        args.vocabulary,
+        args.microbatch_size,
+        args.layer_params,
+        args.recompute,
+    )
 
 
-def _builder(choice: Builtin, m: int, p: int, v: int) -> Callable[[tuple[Costs, ...]], Program]:
-    """The program of ``choice`` with ``v`` stages per rank on ``p`` ranks, whatever the costs."""
-    return lambda costs: choice.build(m, v).program(p * v, p)
-
-
-# The planner's searched programs: name -> (placement, stages per rank). NOTE [searched candidates]:
-# the search runs without a memory limit (the planner marks what does not fit; with --costs and
-# --memory, whose unit is the search's, under that limit), on the stage costs
-# of its own split and of every other schedule's split of as many stages (so its row is never
-# slower than a built-in's of its placement), without the exact branch and bound, so the table
-# depends on the machine's speed only where the 5 s budget runs out (not at the sizes tested).
-SEARCHED: dict[str, tuple[Literal["looped", "v"], int]] = {"searched": ("looped", 1), "searched-v": ("v", 2)}
-
-
-def _searcher(
-    placement: Literal["looped", "v"], m: int, p: int, v: int, memory: float | None, slack: float
-) -> Callable[[tuple[Costs, ...]], Program]:
-    """The program ``fpipe.schedules.search`` finds for a split's stage costs (NOTE [searched candidates]),
-    with ``v`` stages per rank, within ``memory`` activation units per rank when given, with ``slack``."""
-
-    def searched(costs: tuple[Costs, ...]) -> Program:
-        found = search(
-            p,
-            m,
-            costs,
-            placement=placement,
-            stages_per_rank=v,
-            memory=memory,
-            slack=slack,
-            time_budget=5.0,
-            exact=False,
-        )
-        return found.program
-
-    return searched
+def _device(args: argparse.Namespace) -> Device:
+    """The device of the command line's options, in the planner's units (FLOP/s, bytes, seconds)."""
+    return Device(
+        args.tflops * 1e12,
+        args.bandwidth * 1e9,
+        args.latency * 1e-6,
+        None if args.memory is None else args.memory * GIB,
+        args.bytes_per_param,
+        tp=args.tp,
+        dp=args.dp,
+        tp_bandwidth=None if args.tp_bandwidth is None else args.tp_bandwidth * 1e9,
+        dp_bandwidth=None if args.dp_bandwidth is None else args.dp_bandwidth * 1e9,
+    )
 
 
 def _check_drawable(costs: Costs) -> None:

@@ -32,11 +32,12 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
-from fpipe.schedules import Costs, search
-from fpipe.schedules._bound import lower_bound
-from fpipe.schedules._exact import exact
-from fpipe.schedules._search import checked_problem
-from fpipe.schedules._solver import available, solve
+from fpipe.planning import search
+from fpipe.planning._arguments import checked_problem
+from fpipe.planning._bound import lower_bound
+from fpipe.planning._exact import exact
+from fpipe.planning._solver import available, solve
+from fpipe.schedules import Costs
 
 P, M = 4, 8
 PLACEMENTS = [("looped", 1), ("looped", 2), ("v", 2)]

@@ -14,12 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fpipe.schedules import Costs, Interleaved1F1B, ZeroBubbleH1, search
-from fpipe.schedules._bound import lower_bound
+from fpipe.planning import search
+from fpipe.planning._arguments import checked_problem
+from fpipe.planning._bound import lower_bound
+from fpipe.planning._solver import available, solve
+from fpipe.schedules import Costs, Interleaved1F1B, ZeroBubbleH1
 from fpipe.schedules._registry import BUILTINS, Builtin
-from fpipe.schedules._search import checked_problem
-from fpipe.schedules._solver import available, solve
-from tests.schedules._programs import first_pass
+from tests.planning._programs import first_pass
 
 
 def gpipe_backwards_reversed(num_stages: int, num_microbatches: int) -> list[list[str]]:

@@ -45,6 +45,7 @@ def test_public_names() -> None:
         "load_state",
         "optim",
         "pipeline",
+        "planning",
         "record",
         "save",
         "save_hf",

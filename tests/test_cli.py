@@ -205,7 +205,7 @@ def test_plan_from_measured_costs(tmp_path: Path) -> None:
     """Costs saved by save_costs: each schedule with its fastest grouping of the stages measured."""
     path = tmp_path / "costs.json"
     heavy_last = fpipe.schedules.Costs(forward=2, backward_input=2, backward_weight=2, send=0.5)
-    fpipe.schedules.save_costs(path, [fpipe.schedules.Costs()] * 3 + [heavy_last])
+    fpipe.planning.save_costs(path, [fpipe.schedules.Costs()] * 3 + [heavy_last])
     status, text = run_plan("--costs", str(path), "--schedules", "1f1b,zbh1,zbv,interleaved")
     assert status == 0
     assert text == dedent(f"""\
@@ -234,7 +234,7 @@ def test_plan_from_measured_costs(tmp_path: Path) -> None:
 
 def test_plan_says_which_schedules_cannot_run(tmp_path: Path) -> None:
     path = tmp_path / "costs.json"
-    fpipe.schedules.save_costs(path, [fpipe.schedules.Costs()] * 3)
+    fpipe.planning.save_costs(path, [fpipe.schedules.Costs()] * 3)
     out = io.StringIO()
     args = ["plan", "--ranks", "2", "--microbatches", "2", "--costs", str(path), "--schedules", "1f1b,zbh2,zbv"]
     assert main(args, stdout=out) == 0
@@ -355,7 +355,7 @@ def test_plan_costs_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_plan_stages_per_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Each schedule with each stage count it lays out; looped ones (any v >= 2) named with it."""
     path = tmp_path / "costs.json"
-    fpipe.schedules.save_costs(path, [fpipe.schedules.Costs()] * 4)
+    fpipe.planning.save_costs(path, [fpipe.schedules.Costs()] * 4)
     status, text = run_plan(
         "--costs", str(path), "--schedules", "1f1b,interleaved,zbv,searched", "--stages-per-rank", "1,2"
     )
@@ -384,7 +384,7 @@ def test_plan_tensor_and_data_parallel(tmp_path: Path, capsys: pytest.CaptureFix
 
     assert step(text) > step(plain)  # half the FLOPs per device, but the all-reduces
     path = tmp_path / "costs.json"
-    fpipe.schedules.save_costs(path, [fpipe.schedules.Costs()] * 2)
+    fpipe.planning.save_costs(path, [fpipe.schedules.Costs()] * 2)
     for option in (["--tp", "2"], ["--dp", "2"], ["--dp-bandwidth", "1"]):
         assert run_plan("--costs", str(path), *option) == (2, "")
         assert "--costs gives the costs: drop the model and device options" in capsys.readouterr().err
@@ -393,7 +393,7 @@ def test_plan_tensor_and_data_parallel(tmp_path: Path, capsys: pytest.CaptureFix
 def test_plan_memory_with_measured_costs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """With --costs, --memory is in microbatches of a rank's layers (the table's unit)."""
     path = tmp_path / "costs.json"
-    fpipe.schedules.save_costs(path, [fpipe.schedules.Costs()] * 2)
+    fpipe.planning.save_costs(path, [fpipe.schedules.Costs()] * 2)
     status, text = run_plan("--costs", str(path), "--schedules", "gpipe,1f1b,searched", "--memory", "2")
     assert status == 0
     rows = [line.split() for line in text.splitlines()[4:7]]
@@ -413,7 +413,7 @@ def test_plan_slack_keeps_the_searched_program_that_holds_least(
     Costs = fpipe.schedules.Costs
     fitted = [Costs(3.1, 0.03, 3.75), Costs(2.93, 3.4, 2.88, receive=0.22)]
     fitted += [Costs(3.16, 3.84, 2.98), Costs(7.95, 9.36, 9.12, receive=0.22)]
-    fpipe.schedules.save_costs(path, fitted)
+    fpipe.planning.save_costs(path, fitted)
     peaks = []
     for slack in ("0", "0.02"):
         out = io.StringIO()

@@ -19,7 +19,7 @@ import torch
 import fpipe
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLIC_PACKAGES = ("fpipe", "fpipe.schedules", "fpipe.optim")
+PUBLIC_PACKAGES = ("fpipe", "fpipe.schedules", "fpipe.planning", "fpipe.optim")
 
 
 def _doctests() -> list[doctest.DocTest]:

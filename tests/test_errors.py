@@ -20,7 +20,8 @@ from torch import nn
 
 import fpipe
 from fpipe._cli import SCHEDULES
-from fpipe.schedules import Action, Costs, GPipe, OneFOneB, ScheduleError, Searched, search
+from fpipe.planning import Searched, search
+from fpipe.schedules import Action, Costs, GPipe, OneFOneB, ScheduleError
 
 
 def _stage(params: Any, x: torch.Tensor) -> torch.Tensor:
@@ -210,7 +211,7 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ),
     (
         "save_costs of a search result",
-        lambda: fpipe.schedules.save_costs("never.json", _searched()),  # type: ignore[arg-type]
+        lambda: fpipe.planning.save_costs("never.json", _searched()),  # type: ignore[arg-type]
         TypeError,
         "costs must be a sequence of one Costs per stage (costs: type Searched, repr of",
     ),

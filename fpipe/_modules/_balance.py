@@ -1,10 +1,10 @@
 """``fpipe.balance``: choose contiguous split points that even out the stages' costs.
 
 A pipeline runs at the pace of its slowest stage, so the layers ``0..n-1`` are cut into
-``num_stages`` contiguous runs minimizing the largest run's cost (``partition``, in
-``fpipe/_modules/_partition.py``), or, given a schedule, minimizing the simulated step time
-(``split_for``, in ``fpipe/_modules/_schedule_split.py``). This module turns layers (modules or
-costs, in a list or by name) into costs and the chosen runs back into indices or names.
+``num_stages`` contiguous runs minimizing the largest run's cost (``fpipe.planning.partition``),
+or, given a schedule, minimizing the simulated step time (``fpipe.planning.split_for``). This
+module is the adapter: it turns layers (modules or costs, in a list or by name) into costs and
+the chosen runs back into indices or names.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from torch import nn
 
 from .._plural import brief
 from .._pytree import flatten, is_differentiable, map_tensors
+from ..planning import partition, split_for
 from ..schedules import Costs, Schedule
-from ._partition import partition
-from ._schedule_split import split_for
 from ._split import Adapter, adapter_map, lookup
 
 Containers = nn.Sequential | nn.ModuleList | nn.ModuleDict
@@ -86,7 +85,7 @@ def balance(
     every message between ranks takes ``send``. The split minimizes
     ``fpipe.schedules.simulate(schedule.program(num_stages, num_ranks), stage_costs).makespan``:
     exactly when there are at most 20,000 splits, else by a local search from the min-max split
-    that never does worse (NOTE [schedule-aware split] in ``fpipe/_modules/_schedule_split.py``).
+    that never does worse (NOTE [schedule-aware split] in ``fpipe/planning/_schedule_split.py``).
     ``by="time"`` measures a layer's forward and backward together: the time counts as ``3F``.
 
     Args:

@@ -68,8 +68,8 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from ._action import BACKWARD
-from ._list_schedule import Problem
+from ..schedules._action import BACKWARD
+from ._problem import Problem
 
 _SLACK = 1e-9  # relative tolerance on memory limits (sums of floats)
 

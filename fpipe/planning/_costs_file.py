@@ -19,8 +19,7 @@ from dataclasses import asdict, fields
 from typing import Any
 
 from .._plural import brief
-from ._program import ScheduleError
-from ._simulate import Costs
+from ..schedules import Costs, ScheduleError
 
 _FORMAT, _VERSION = "fpipe.costs", 1
 _FIELDS = tuple(f.name for f in fields(Costs))
@@ -34,7 +33,8 @@ def save_costs(path: str | os.PathLike[str], costs: Sequence[Costs]) -> None:
 
     Examples:
         >>> import os, tempfile
-        >>> from fpipe.schedules import Costs, load_costs, save_costs
+        >>> from fpipe.planning import load_costs, save_costs
+        >>> from fpipe.schedules import Costs
         >>> path = os.path.join(tempfile.mkdtemp(), "costs.json")
         >>> save_costs(path, [Costs(forward=1.5, send=0.25), Costs(forward=2.0, backward=3.0)])
         >>> [(c.forward, c.of("B"), c.send) for c in load_costs(path)]
@@ -47,11 +47,11 @@ def save_costs(path: str | os.PathLike[str], costs: Sequence[Costs]) -> None:
     """
     if isinstance(costs, Costs) or not isinstance(costs, Sequence) or not all(isinstance(c, Costs) for c in costs):
         raise TypeError(
-            f"fpipe.schedules.save_costs: costs must be a sequence of one Costs per stage (costs: {brief(costs)}). "
+            f"fpipe.planning.save_costs: costs must be a sequence of one Costs per stage (costs: {brief(costs)}). "
             "Pass what fit_costs returns."
         )
     if not costs:
-        raise ValueError("fpipe.schedules.save_costs: costs is empty; a file needs one Costs per stage (costs: []).")
+        raise ValueError("fpipe.planning.save_costs: costs is empty; a file needs one Costs per stage (costs: []).")
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"format": _FORMAT, "version": _VERSION, "stages": [asdict(c) for c in costs]}, f, indent=1)
         f.write("\n")
@@ -69,23 +69,23 @@ def load_costs(path: str | os.PathLike[str]) -> tuple[Costs, ...]:
         try:
             data: Any = json.load(f)
         except json.JSONDecodeError as error:
-            raise ScheduleError(f"fpipe.schedules.load_costs: {os.fspath(path)} is not JSON ({error}).") from None
+            raise ScheduleError(f"fpipe.planning.load_costs: {os.fspath(path)} is not JSON ({error}).") from None
     ours = isinstance(data, dict) and data.get("format") == _FORMAT and data.get("version") == _VERSION
     stages = data.get("stages") if ours else None
     if not isinstance(stages, list) or not stages:
         raise ScheduleError(
-            f"fpipe.schedules.load_costs: {os.fspath(path)} holds no {_FORMAT} version {_VERSION} costs "
-            "(a JSON object with a non-empty list under 'stages'). Write it with fpipe.schedules.save_costs."
+            f"fpipe.planning.load_costs: {os.fspath(path)} holds no {_FORMAT} version {_VERSION} costs "
+            "(a JSON object with a non-empty list under 'stages'). Write it with fpipe.planning.save_costs."
         )
     costs = []
     for s, stage in enumerate(stages):
         if not isinstance(stage, dict) or not set(stage) <= set(_FIELDS) or "forward" not in stage:
             raise ScheduleError(
-                f"fpipe.schedules.load_costs: stage {s} of {os.fspath(path)} is not a Costs (stage {s}: {stage!r}). "
+                f"fpipe.planning.load_costs: stage {s} of {os.fspath(path)} is not a Costs (stage {s}: {stage!r}). "
                 f"Its fields are {', '.join(_FIELDS)}."
             )
         try:
             costs.append(Costs(**stage))
         except ScheduleError as error:
-            raise ScheduleError(f"fpipe.schedules.load_costs: stage {s} of {os.fspath(path)}: {error}") from None
+            raise ScheduleError(f"fpipe.planning.load_costs: stage {s} of {os.fspath(path)}: {error}") from None
     return tuple(costs)

@@ -49,11 +49,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from ..schedules import Action, Costs, Program
+from ..schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from ._bound import Relaxation
-from ._list_schedule import Problem
-from ._program import Program
-from ._simulate import Costs
+from ._problem import Problem
 
 _EPSILON = 1e-9
 

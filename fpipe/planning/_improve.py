@@ -26,9 +26,9 @@ import random
 import time
 from collections.abc import Sequence
 
-from ._action import BACKWARD, BACKWARD_WEIGHT, FORWARD, Action
-from ._list_schedule import Problem
-from ._program import Program
+from ..schedules import Action, Program
+from ..schedules._action import BACKWARD, BACKWARD_WEIGHT, FORWARD
+from ._problem import Problem
 
 _SLACK = 1e-9  # relative tolerance on memory limits and times (sums of floats)
 

@@ -1,6 +1,6 @@
 """List scheduling: a program built action by action by simulating it.
 
-``search`` (``fpipe.schedules._search``) needs programs laid out for particular costs, not for the
+``search`` (``fpipe.planning._search``) needs programs laid out for particular costs, not for the
 unit costs the papers draw. This module builds them the way the Zero Bubble authors' automatic
 scheduler does (``Graph.manual_order`` in ``megatron/core/pipeline_parallel/zerobubble/scheduler/zb.py``
 of sail-sg/zero-bubble-pipeline-parallelism: a greedy pass over warm-up counts under a memory cap,
@@ -64,59 +64,12 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
-from ._program import Program
-from ._simulate import Costs
+from ..schedules import Action, Costs, Program
+from ..schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from ._problem import Problem
 
 _SLACK = 1e-9  # relative tolerance on memory limits and times (sums of floats)
 _WAIT, _SWAP = 0.1, 0.27  # how often a shaken pass waits for any action, or runs any ready one
-
-
-@dataclass(frozen=True)
-class Problem:
-    """What to lay out: stages on ranks, their costs, and what memory each rank may use.
-
-    Attributes:
-        num_microbatches: microbatches per step.
-        rank_of: ``rank_of[s]`` is the rank that holds stage ``s``.
-        costs: one ``Costs`` per stage.
-        sizes: per stage, the memory one microbatch's activations take (activation units or bytes).
-        limits: per rank, the most memory its live activations may take (``math.inf``: no limit).
-    """
-
-    num_microbatches: int
-    rank_of: tuple[int, ...]
-    costs: tuple[Costs, ...]
-    sizes: tuple[float, ...]
-    limits: tuple[float, ...]
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.rank_of)
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self.limits)
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The stages ``rank`` holds, in increasing order."""
-        return tuple(s for s, r in enumerate(self.rank_of) if r == rank)
-
-    def footprint(self, rank: int) -> float:
-        """The memory one microbatch takes on ``rank`` at its peak: every stage's activations at once.
-
-        A microbatch's forward on the rank's last stage comes before its backward on the first,
-        so whatever the program, all of them are alive together: no limit below this can be met.
-        """
-        return sum(self.sizes[s] for s in self.stages_of(rank))
-
-    def hop(self, stage: int, to: int) -> float:
-        """The latency of a message from ``stage`` to stage ``to``: its ``send``, 0 on one rank."""
-        return self.costs[stage].send if self.rank_of[stage] != self.rank_of[to] else 0.0
-
-    def backward(self, stage: int, split: bool) -> float:
-        """What the backward the previous stage waits for costs: ``I`` when split, else ``B``."""
-        return self.costs[stage].backward_input if split else self.costs[stage].of(BACKWARD)
 
 
 @dataclass(frozen=True)

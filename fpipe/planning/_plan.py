@@ -1,208 +1,29 @@
 """The planner behind ``python -m fpipe plan``: every schedule's predicted step time, bubble and
 peak memory per rank, from measured per-stage costs or from a transformer's shape and a device's
-speed, each with the split of layers into stages that is fastest for it.
-
-NOTE [planner cost model]
-    For a decoder-only transformer with ``L`` layers of ``P`` matmul parameters each (default
-    ``12 h^2``: ``4 h^2`` attention, ``8 h^2`` an MLP of width ``4h``), hidden size ``h``,
-    vocabulary ``V``, and a microbatch of ``b`` sequences of ``s`` tokens (``t = b s``), in
-    FLOPs per microbatch (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
-    on GPU Clusters", section 5.1: ``24 b s h^2 + 4 b s^2 h`` forward for ``P = 12 h^2``)::
-
-        layer  F = 2 P t + 4 b s^2 h      (2 FLOPs per parameter and token; QK^T and AV)
-               I = 2 P t + 8 b s^2 h      (the input gradients: one matmul each, both operands of
-                                           the attention products)
-               W = 2 P t                  (the weight gradients: one matmul each)
-        head   F = I = W = 2 h V t        (on the last stage; the embedding, on the first, is a
-                                           lookup: no FLOPs, only parameters)
-
-    so ``I ~ W ~ F`` and ``B = I + W ~ 2F``. A duration is FLOPs over the device's achieved
-    FLOP/s; a message carries one activation, ``t h`` values of 2 bytes: ``2 t h / bandwidth +
-    latency``. Memory per rank is its parameters' ``bytes_per_param`` (16: bf16 weights and
-    gradients, fp32 master weights and Adam's two moments, Rajbhandari et al. 2020) plus its
-    activations at their peak, ``34 s b h`` bytes per layer and microbatch (Korthikanti et al.
-    2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2 without the
-    ``5 a s / h`` term that flash attention does not store; no tensor or sequence parallelism)
-    and ``4 s b V`` for the head's fp32 logits. With full recomputation a layer keeps only its
-    input, ``2 s b h`` bytes, and its input-gradient pass reruns the forward first: ``I += F``.
-
-    Tensor parallelism over ``n = tp`` devices (Megatron-LM's, with sequence parallelism, as
-    Korthikanti et al. and torchtitan run it): a pipeline rank is ``n`` devices, each with the
-    device's FLOP/s and memory. Each computes ``1/n`` of the FLOPs, holds ``1/n`` of the
-    parameters and of the activations (``34 s b h / n`` per layer), and sends its ``1/n`` of a
-    message over its own link. Each layer's forward runs two all-reduces of the activation
-    (``2 t h`` bytes; as all-gathers and reduce-scatters with sequence parallelism, the same
-    bytes), and its input-gradient pass two more; the head's forward one all-gather and its
-    input gradients one reduce-scatter. A ring all-reduce of ``x`` bytes over ``n`` devices takes
-    ``2 (n-1)/n x / tp_bandwidth + latency`` (an all-gather or reduce-scatter half the bytes).
-    They are not overlapped with compute (no async tensor parallelism): they add to ``F`` and
-    ``I``.
-
-    Data parallelism over ``d = dp`` replicas: after a rank's last action its gradients, 4 bytes
-    per parameter (reduced in fp32), are all-reduced across the replicas, ``2 (d-1)/d x /
-    dp_bandwidth``. A rank starts its reduction when its own last action ends, so the reduction
-    overlaps the other ranks' drain of the pipeline, not the rank's own compute (as Megatron-LM
-    and torchtitan reduce a pipeline stage's gradients once, after its last microbatch): the
-    step is ``max over ranks r of (end of r's last action + r's reduction)``. ZeRO or FSDP move
-    the same bytes (a reduce-scatter, then an all-gather); what they save in memory is
-    ``bytes_per_param``'s to say.
-
-    Nothing else: no kernel launch or allocator effects, no overlap of messages with compute
-    beyond what ``simulate`` models.
+speed (``_cost_model.py``, NOTE [planner cost model]), each with the split of layers into stages
+that is fastest for it. ``plan`` returns the table as a value (``Plan``); the command line prints it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from ._modules import partition, split_for
-from ._plural import plural
-from .schedules import Costs, Program, ScheduleError, Simulation, simulate
-from .schedules._action import BACKWARD, BACKWARD_WEIGHT, FORWARD
-
-GIB = 2.0**30
+from .._plural import plural
+from ..schedules import Costs, Program, ScheduleError, Simulation, simulate
+from ..schedules._action import BACKWARD, BACKWARD_WEIGHT, FORWARD
+from ..schedules._registry import BUILTINS, Builtin
+from ._cost_model import GIB, Device, Transformer, Unit, measured_units, tokens_per_step, transformer_units
+from ._costs_file import load_costs
+from ._partition import partition
+from ._schedule_split import split_for
+from ._search import search
 
 
 class PlanError(ValueError):
-    """A memory limit that no schedule fits."""
-
-
-@dataclass(frozen=True)
-class Unit:
-    """What a split may not cut: a layer (with the embedding on the first) or the head.
-
-    Attributes:
-        name: for the table, e.g. ``"layer 3"`` or ``"head"``.
-        costs: its per-microbatch durations and the latency of the message it sends.
-        activation_bytes: what one microbatch leaves alive in it until its backward (``None``
-            for measured costs).
-        param_bytes: its parameters with their gradients and optimizer state (``None`` when
-            measured).
-        reduce_seconds: the data-parallel all-reduce of its gradients after the step's last
-            action on its rank (NOTE [planner cost model]; 0 without data parallelism).
-    """
-
-    name: str
-    costs: Costs
-    activation_bytes: float | None = None
-    param_bytes: float | None = None
-    reduce_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class Transformer:
-    """A decoder-only transformer's shape (NOTE [planner cost model]).
-
-    Attributes:
-        layers: transformer layers.
-        hidden: hidden size ``h``.
-        sequence: tokens per sequence ``s``.
-        vocabulary: vocabulary size ``V``.
-        microbatch_size: sequences per microbatch ``b``.
-        layer_params: matmul parameters per layer (default ``12 h^2``).
-        recompute: whether each layer's backward recomputes its forward (full activation
-            checkpointing): ``I`` gains an ``F`` and a layer keeps only its input, ``2 s b h`` bytes.
-    """
-
-    layers: int
-    hidden: int
-    sequence: int
-    vocabulary: int
-    microbatch_size: int
-    layer_params: float | None = None
-    recompute: bool = False
-
-
-@dataclass(frozen=True)
-class Device:
-    """What one device can do, and how a pipeline rank's devices are grouped.
-
-    Attributes:
-        flops: achieved FLOP/s of a device (peak times the utilization expected).
-        bandwidth: bytes per second between neighbouring ranks (per device).
-        latency: seconds per message or collective on top of its size over the bandwidth.
-        memory: bytes per device for parameters, optimizer state and activations (``None``: no limit).
-        bytes_per_param: bytes each parameter costs with its gradient and optimizer state.
-        tp: tensor-parallel devices per pipeline rank (NOTE [planner cost model]).
-        dp: data-parallel replicas of the pipeline.
-        tp_bandwidth: bytes per second of the tensor-parallel all-reduces (``None``: ``bandwidth``).
-        dp_bandwidth: bytes per second of the data-parallel all-reduce (``None``: ``bandwidth``).
-    """
-
-    flops: float
-    bandwidth: float
-    latency: float = 0.0
-    memory: float | None = None
-    bytes_per_param: float = 16.0
-    tp: int = 1
-    dp: int = 1
-    tp_bandwidth: float | None = None
-    dp_bandwidth: float | None = None
-
-
-GRADIENT_BYTES = 4.0  # per parameter in the data-parallel reduction (fp32)
-
-
-def all_reduce_seconds(size: float, devices: int, bandwidth: float, latency: float) -> float:
-    """A ring all-reduce of ``size`` bytes over ``devices``: ``2 (n-1)/n size / bandwidth + latency``
-    (0 on one device)."""
-    return 0.0 if devices == 1 else 2.0 * (devices - 1) / devices * size / bandwidth + latency
-
-
-def transformer_units(model: Transformer, device: Device) -> list[Unit]:
-    """The layers and the head of ``model`` on ``device`` (NOTE [planner cost model]): per pipeline
-    rank, ``device.tp`` devices; bytes per device."""
-    h, s, b, vocabulary = model.hidden, model.sequence, model.microbatch_size, model.vocabulary
-    t = b * s
-    n = device.tp
-    flops = device.flops * n
-    params = 12.0 * h * h if model.layer_params is None else model.layer_params
-    send = 2.0 * t * h / n / device.bandwidth + device.latency
-    tp_bandwidth = device.bandwidth if device.tp_bandwidth is None else device.tp_bandwidth
-    dp_bandwidth = device.bandwidth if device.dp_bandwidth is None else device.dp_bandwidth
-    tp_all_reduce = all_reduce_seconds(2.0 * t * h, n, tp_bandwidth, device.latency)
-    tp_gather = 0.0 if n == 1 else (n - 1) / n * 2.0 * t * h / tp_bandwidth + device.latency
-    forward = (2 * params * t + 4 * b * s * s * h) / flops
-    layer = Costs(
-        forward=forward + 2 * tp_all_reduce,
-        backward_input=(2 * params * t + 8 * b * s * s * h) / flops
-        + (forward + 2 * tp_all_reduce if model.recompute else 0.0)
-        + 2 * tp_all_reduce,
-        backward_weight=2 * params * t / flops,
-        send=send,
-    )
-    head = 2.0 * h * vocabulary * t / flops
-    embedding = h * vocabulary / n  # parameters per device
-
-    def reduce(count: float) -> float:
-        return all_reduce_seconds(GRADIENT_BYTES * count, device.dp, dp_bandwidth, 0.0)
-
-    units = [
-        Unit(
-            f"layer {i}",
-            layer,
-            (2.0 if model.recompute else 34.0) * s * b * h / n,
-            (params / n + (embedding if i == 0 else 0)) * device.bytes_per_param,
-            reduce(params / n + (embedding if i == 0 else 0)),
-        )
-        for i in range(model.layers)
-    ]
-    units.append(
-        Unit(
-            "head",
-            Costs(forward=head + tp_gather, backward_input=head + tp_gather, backward_weight=head, send=send),
-            4.0 * s * b * vocabulary / n,
-            embedding * device.bytes_per_param,
-            reduce(embedding),
-        )
-    )
-    return units
-
-
-def measured_units(costs: Sequence[Costs]) -> list[Unit]:
-    """Measured per-stage costs (``fpipe.schedules.load_costs``) as units a split may regroup."""
-    return [Unit(f"stage {s}", c) for s, c in enumerate(costs)]
+    """What ``plan`` cannot do: no schedule runs, none fits the memory limit, unknown schedules."""
 
 
 @dataclass(frozen=True)
@@ -225,7 +46,7 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class Row:
+class PlanRow:
     """One schedule's prediction, or why there is none.
 
     Attributes:
@@ -259,12 +80,12 @@ class Row:
         return peak is not None and (memory is None or peak <= memory)
 
 
-def plan(
+def ranked(
     units: Sequence[Unit], num_ranks: int, candidates: Sequence[Candidate], *, memory: float | None = None
-) -> list[Row]:
+) -> list[PlanRow]:
     """Each candidate's prediction with its fastest split of ``units`` (NOTE [schedule-aware split]
-    in ``fpipe/_modules/_schedule_split.py``), fastest first; those beyond ``memory`` per rank
-    (bytes, or for measured units activations in microbatches of a rank's layers: ``Row.peak``),
+    in ``fpipe/planning/_schedule_split.py``), fastest first; those beyond ``memory`` per rank
+    (bytes, or for measured units activations in microbatches of a rank's layers: ``PlanRow.peak``),
     then those that cannot run, after.
 
     A candidate's program is built for the min-max split's stage costs, split for, and rebuilt
@@ -278,7 +99,7 @@ def plan(
     rows = [_row(units, num_ranks, c) for c in candidates]
     rows = [_on_other_splits(units, c, row, rows) if c.adapts else row for c, row in zip(candidates, rows)]
 
-    def key(row: Row) -> tuple[int, float]:
+    def key(row: PlanRow) -> tuple[int, float]:
         if row.simulation is None:
             return 2, 0.0
         return (0 if row.fits(memory) else 1), row.step
@@ -300,7 +121,7 @@ def plan(
     return rows
 
 
-def _none_runs(units: Sequence[Unit], num_ranks: int, candidates: Sequence[Candidate], rows: Sequence[Row]) -> str:
+def _none_runs(units: Sequence[Unit], num_ranks: int, candidates: Sequence[Candidate], rows: Sequence[PlanRow]) -> str:
     """One line: why no candidate runs, and what would (fewer ranks or more layers, when every
     candidate needs more stages than there are units; else the first candidate's own error)."""
     fewest = min(candidates, key=lambda c: c.stages_per_rank)
@@ -320,10 +141,10 @@ def _none_runs(units: Sequence[Unit], num_ranks: int, candidates: Sequence[Candi
     )
 
 
-def _row(units: Sequence[Unit], num_ranks: int, candidate: Candidate) -> Row:
+def _row(units: Sequence[Unit], num_ranks: int, candidate: Candidate) -> PlanRow:
     num_stages = num_ranks * candidate.stages_per_rank
     if num_stages > len(units):
-        return Row(candidate.name, error=f"needs {num_stages} stages, has {len(units)} units to split")
+        return PlanRow(candidate.name, error=f"needs {num_stages} stages, has {len(units)} units to split")
     layers = [u.costs for u in units]
     try:
         base = partition([c.forward + c.of(BACKWARD) for c in layers], num_stages)
@@ -331,13 +152,13 @@ def _row(units: Sequence[Unit], num_ranks: int, candidate: Candidate) -> Row:
         costs = _stage_costs(units, stages)
         program = candidate.program(costs)
     except ScheduleError as error:
-        return Row(candidate.name, error=str(error))
+        return PlanRow(candidate.name, error=str(error))
     return _predicted(units, candidate.name, tuple(stages), program, costs)
 
 
 def _predicted(
     units: Sequence[Unit], name: str, stages: tuple[range, ...], program: Program, costs: tuple[Costs, ...]
-) -> Row:
+) -> PlanRow:
     """The row of ``program`` run on ``stages``: simulated, its step extended by the ranks'
     data-parallel reductions (NOTE [planner cost model])."""
     simulation = simulate(program, costs)
@@ -348,13 +169,13 @@ def _predicted(
             for r in range(len(program.ranks))
         ]
         step = max(max(ends, default=0.0) + seconds for ends, seconds in zip(simulation.ends, reduce))
-    return Row(name, stages, simulation, _peak_bytes(units, stages, program), step=step)
+    return PlanRow(name, stages, simulation, _peak_bytes(units, stages, program), step=step)
 
 
-def _on_other_splits(units: Sequence[Unit], candidate: Candidate, row: Row, rows: Sequence[Row]) -> Row:
+def _on_other_splits(units: Sequence[Unit], candidate: Candidate, row: PlanRow, rows: Sequence[PlanRow]) -> PlanRow:
     """``row``, or ``candidate`` built for another row's split of as many stages where that is
     faster: a program searched for a split's costs is never slower than a built-in on that split
-    (NOTE [searched candidates] in ``fpipe/_cli.py``)."""
+    (NOTE [searched candidates])."""
     best = row
     for other in rows:
         if other.simulation is None or best.simulation is None or len(other.stages) != len(best.stages):
@@ -411,8 +232,278 @@ def _peak_bytes(units: Sequence[Unit], stages: Sequence[range], program: Program
     return tuple(peaks)
 
 
-def table(
-    rows: Sequence[Row], *, tokens: float | None, num_ranks: int, memory: float | None, devices_per_rank: int = 1
+def _units(r: range) -> str:
+    return f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}"
+
+
+def costs_text(costs: Costs) -> str:
+    """``costs`` in seconds, for a line above the table: ``"F 1.2 ms, I 1.3 ms, W 1.1 ms, send 10 us"``,
+    then ``", overhead 20 us, receive 300 us"`` for those it has (NOTE [per-action overhead])."""
+    named = [("F", costs.forward), ("I", costs.backward_input), ("W", costs.backward_weight), ("send", costs.send)]
+    named += [(name, value) for name, value in (("overhead", costs.overhead), ("receive", costs.receive)) if value]
+    return ", ".join(f"{name} {format_seconds(value)}" for name, value in named)
+
+
+def format_seconds(t: float) -> str:
+    """``t`` seconds with 4 significant digits in s, ms or us."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if t >= scale:
+            return f"{t / scale:.4g} {unit}"
+    return f"{t:.3g} s"
+
+
+# The searched rows: name -> (placement, stages per rank).
+#
+# NOTE [searched candidates]
+#     ``search``'s programs are rows of the plan beside the built-ins: without a memory limit (the
+#     planner marks what does not fit; with measured costs and a memory limit, whose unit is the
+#     search's, under that limit), on the stage costs of their own split and of every other
+#     row's split of as many stages (so a searched row is never slower than a built-in of its
+#     placement), without the exact search, so the table depends on the machine's speed only
+#     where the 5 s budget runs out (not at the sizes tested).
+SEARCHED: dict[str, tuple[Literal["looped", "v"], int]] = {"searched": ("looped", 1), "searched-v": ("v", 2)}
+SCHEDULES: dict[str, Builtin] = {b.command: b for b in BUILTINS}  # the built-in rows, by command-line name
+
+
+def offers(schedule: Builtin, v: int) -> bool:
+    """Whether the planner runs ``schedule`` with ``v`` stages per rank: its own count, or any from
+    2 where the count is a field (with one, an interleaved schedule is a plain one)."""
+    return v == schedule.stages_per_rank or (schedule.field and v >= 2)
+
+
+def candidates(
+    names: Sequence[str],
+    m: int,
+    p: int,
+    stages_per_rank: Sequence[int] | None,
+    memory: float | None,
+    slack: float,
+) -> list[Candidate]:
+    """The planner's rows: each schedule of ``names`` with its own stages per rank, or with each
+    of ``stages_per_rank`` it lays out (named ``"interleaved v=4"`` when it takes several)."""
+    found = []
+    for n in names:
+        looped = (n in SEARCHED and SEARCHED[n][0] == "looped") or (n in SCHEDULES and SCHEDULES[n].field)
+        if stages_per_rank is None:
+            tried = [SEARCHED[n][1] if n in SEARCHED else SCHEDULES[n].stages_per_rank]
+        elif n in SEARCHED:
+            tried = [v for v in stages_per_rank if looped or v == SEARCHED[n][1]]
+        else:
+            tried = [v for v in stages_per_rank if offers(SCHEDULES[n], v)]
+        for v in tried:
+            name = f"{n} v={v}" if looped and stages_per_rank is not None else n
+            if n in SEARCHED:
+                found.append(Candidate(name, v, _searcher(SEARCHED[n][0], m, p, v, memory, slack), adapts=True))
+            else:
+                found.append(Candidate(name, v, _builder(SCHEDULES[n], m, p, v)))
+    return found
+
+
+def _builder(choice: Builtin, m: int, p: int, v: int) -> Callable[[tuple[Costs, ...]], Program]:
+    """The program of ``choice`` with ``v`` stages per rank on ``p`` ranks, whatever the costs."""
+    return lambda costs: choice.build(m, v).program(p * v, p)
+
+
+def _searcher(
+    placement: Literal["looped", "v"], m: int, p: int, v: int, memory: float | None, slack: float
+) -> Callable[[tuple[Costs, ...]], Program]:
+    """The program ``search`` finds for a split's stage costs (NOTE [searched candidates]), with
+    ``v`` stages per rank, within ``memory`` activation units per rank when given, with ``slack``."""
+
+    def searched(costs: tuple[Costs, ...]) -> Program:
+        found = search(
+            p,
+            m,
+            costs,
+            placement=placement,
+            stages_per_rank=v,
+            memory=memory,
+            slack=slack,
+            time_budget=5.0,
+            exact=False,
+        )
+        return found.program
+
+    return searched
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``plan`` predicts: one row per schedule, and the table ``python -m fpipe plan`` prints
+    (``str(plan)``).
+
+    Attributes:
+        rows: each schedule's prediction with its fastest split, fastest first; those beyond the
+            memory limit, then those that cannot run, after.
+        about: one line: the ranks, microbatches and what was planned (the model, or the costs).
+        costs: the costs of the units the splits group (a layer and the head, or each measured
+            stage), one line per kind of unit.
+        tokens: tokens per step of one pipeline, for the throughput column (``None`` for
+            measured costs).
+        memory: the limit per rank the rows are marked against (bytes per device for a model,
+            activations in microbatches of a rank's layers for measured costs), or ``None``.
+        num_ranks: pipeline ranks.
+        devices_per_rank: tensor-parallel devices per rank (the throughput column is per device
+            when above 1).
+    """
+
+    rows: tuple[PlanRow, ...]
+    about: str
+    costs: str
+    tokens: float | None
+    memory: float | None
+    num_ranks: int
+    devices_per_rank: int = 1
+
+    @property
+    def fastest(self) -> PlanRow:
+        """The first row: the fastest schedule that fits."""
+        return self.rows[0]
+
+    def table(self) -> str:
+        """The rows as text: a summary per schedule, its split, and its peak memory per rank."""
+        return _table(
+            self.rows,
+            tokens=self.tokens,
+            num_ranks=self.num_ranks,
+            memory=self.memory,
+            devices_per_rank=self.devices_per_rank,
+        )
+
+    def __str__(self) -> str:
+        return "\n".join([self.about, self.costs, self.table()])
+
+
+def plan(
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    costs: Sequence[Costs] | str | os.PathLike[str] | None = None,
+    model: Transformer | None = None,
+    device: Device | None = None,
+    memory: float | None = None,
+    stages_per_rank: Sequence[int] | None = None,
+    schedules: Sequence[str] | None = None,
+    slack: float = 0.0,
+) -> Plan:
+    """Every schedule's predicted step time, bubble and peak memory per rank, each with the split
+    of the layers into stages that is fastest for it (what ``python -m fpipe plan`` prints).
+
+    Conceptually::
+
+        units = transformer_units(model, device) if model else measured_units(costs)
+        for schedule in schedules:                        # the built-ins, searched, searched-v
+            for v in stages_per_rank:                     # those it lays out
+                split = split_for(schedule.program(...), units)   # NOTE [schedule-aware split]
+                rows.append(simulate(schedule.program(stage_costs(split)), stage_costs(split)))
+        rows.sort(key=(fits memory, step))
+
+    Args:
+        num_ranks: pipeline ranks.
+        num_microbatches: microbatches per step.
+        costs: measured per-stage costs (``fit_costs``), or the path of a file ``save_costs``
+            wrote; each a unit a split may group with its neighbours. Either this, or ``model``
+            and ``device``.
+        model: a decoder-only transformer's shape (NOTE [planner cost model] in
+            ``fpipe/planning/_cost_model.py``).
+        device: what a device does; its ``memory`` is the limit the rows are marked against.
+        memory: with ``costs``, the activations a rank may hold, in microbatches of its layers
+            (the unit of ``Simulation.peak_activations``), also the searched rows' limit.
+        stages_per_rank: the stages per rank to try each schedule with, where it lays them out
+            (default: each schedule's own).
+        schedules: the rows, by the command line's names (``"1f1b"``, ``"zbv"``, ``"searched"``,
+            ``"searched-v"``; default: every built-in, then the two searched).
+        slack: the searched rows keep the program holding the least memory within this fraction
+            of the shortest simulated step (``search``'s ``slack``).
+
+    Example:
+        >>> from fpipe.planning import plan
+        >>> from fpipe.schedules import Costs
+        >>> heavy_last = [Costs()] * 3 + [Costs(forward=2, backward_input=2, backward_weight=2)]
+        >>> found = plan(2, 4, costs=heavy_last, schedules=["1f1b", "zbh1"])
+        >>> print(found.table())  # seconds: the costs' unit
+        schedule  stages  step  vs best  bubble  peak/rank (microbatches)
+        zbh1      2       37 s  1.000x   18.9%   2
+        1f1b      2       39 s  1.054x   23.1%   2
+        units per stage:
+          zbh1: 0-2 | 3
+          1f1b: 0-2 | 3
+        peak memory per rank (microbatches of a rank's layers), rank 0 first:
+          zbh1: 2 2
+          1f1b: 2 1
+
+    Raises:
+        PlanError: for unknown schedules, none that lays out ``stages_per_rank``, none that can
+            run (the message says what would), or none within the memory limit (the message
+            names the least any needs).
+        ScheduleError: for costs, a model or a device that cannot be planned.
+        ValueError: for both or neither of ``costs`` and ``model``, a ``model`` without a
+            ``device``, or ``memory`` with a model (the limit is ``device.memory``).
+        OSError: if the costs' file cannot be read.
+    """
+    if (costs is None) == (model is None) or (model is not None and device is None):
+        raise ValueError(
+            "fpipe.planning.plan: pass measured costs (costs=...), or a model and a device (model=..., device=...) "
+            f"(costs: {'given' if costs is not None else None}, model: {model}, device: {device})."
+        )
+    if model is not None and memory is not None:
+        raise ValueError(
+            f"fpipe.planning.plan: with a model the memory limit is the device's (memory: {memory}). "
+            "Pass Device(..., memory=bytes) instead."
+        )
+    known = [*SCHEDULES, *SEARCHED]
+    names = known if schedules is None else list(schedules)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise PlanError(
+            f"python -m fpipe plan: unknown schedules {', '.join(unknown)} (--schedules: {','.join(names)}). "
+            f"Choose from {', '.join(known)}."
+        )
+    p, m = num_ranks, num_microbatches
+    measured = costs is not None
+    limit = memory if measured else device.memory if device is not None else None
+    # With measured costs, memory is in activation units (no bytes), which the search takes as its limit.
+    rows_of = candidates(names, m, p, stages_per_rank, limit if measured else None, slack)
+    if not rows_of:
+        tried = ",".join(str(v) for v in stages_per_rank or ())
+        raise PlanError(
+            f"python -m fpipe plan: no schedule of {', '.join(names)} lays out {tried} stages per rank "
+            f"(--stages-per-rank: {tried}). Try 1, 2, or a looped schedule (interleaved, zbinterleaved, bfs)."
+        )
+    if model is not None and device is not None:
+        units = transformer_units(model, device)
+        tokens: float | None = tokens_per_step(model, m)
+        about = (
+            f"{plural(model.layers, 'layer')}, hidden {model.hidden}, vocabulary {model.vocabulary}, "
+            f"{model.microbatch_size} x {model.sequence} tokens per microbatch"
+        )
+        if device.tp > 1 or device.dp > 1:
+            about += f"; tp {device.tp}, dp {device.dp} (per device: TFLOP/s, memory, tokens/s)"
+        costs_line = f"layer: {costs_text(units[0].costs)}; head: {costs_text(units[-1].costs)}"
+        devices = device.tp
+    else:
+        if isinstance(costs, (str, os.PathLike)):
+            per_stage, source = load_costs(costs), f" ({os.fspath(costs)})"
+        else:
+            per_stage, source = tuple(costs or ()), ""
+        units, tokens = measured_units(per_stage), None
+        about = f"measured costs of {plural(len(units), 'stage')}{source}"
+        costs_line = "\n".join(f"stage {s}: {costs_text(u.costs)}" for s, u in enumerate(units))
+        devices = 1
+    rows = ranked(units, p, rows_of, memory=limit)
+    return Plan(
+        rows=tuple(rows),
+        about=f"{plural(p, 'rank')}, {plural(m, 'microbatch')}; {about}",
+        costs=costs_line,
+        tokens=tokens,
+        memory=limit,
+        num_ranks=p,
+        devices_per_rank=devices,
+    )
+
+
+def _table(
+    rows: Sequence[PlanRow], *, tokens: float | None, num_ranks: int, memory: float | None, devices_per_rank: int = 1
 ) -> str:
     """The rows as text: a summary per schedule, its split, and its peak memory per rank.
 
@@ -458,28 +549,3 @@ def table(
         [*text, "units per stage:", *splits, f"peak memory per rank ({unit}), rank 0 first:", *peaks]
         + (["cannot run:", *errors] if errors else [])
     )
-
-
-def _units(r: range) -> str:
-    return f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}"
-
-
-def costs_text(costs: Costs) -> str:
-    """``costs`` in seconds, for a line above the table: ``"F 1.2 ms, I 1.3 ms, W 1.1 ms, send 10 us"``,
-    then ``", overhead 20 us, receive 300 us"`` for those it has (NOTE [per-action overhead])."""
-    named = [("F", costs.forward), ("I", costs.backward_input), ("W", costs.backward_weight), ("send", costs.send)]
-    named += [(name, value) for name, value in (("overhead", costs.overhead), ("receive", costs.receive)) if value]
-    return ", ".join(f"{name} {format_seconds(value)}" for name, value in named)
-
-
-def format_seconds(t: float) -> str:
-    """``t`` seconds with 4 significant digits in s, ms or us."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if t >= scale:
-            return f"{t / scale:.4g} {unit}"
-    return f"{t:.3g} s"
-
-
-def tokens_per_step(model: Transformer, num_microbatches: int) -> float:
-    """Tokens one step of the pipeline trains on."""
-    return float(model.microbatch_size * model.sequence * num_microbatches)

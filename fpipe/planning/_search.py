@@ -5,19 +5,19 @@ fastest (ties: the first found), or with a ``slack`` the one holding the least m
 (NOTE [memory within the slack]):
 
 1. every built-in schedule that lays out the placement and fits the memory limit;
-2. list-scheduled programs (``fpipe.schedules._list_schedule``, after the Zero Bubble authors'
+2. list-scheduled programs (``fpipe.planning._list_schedule``, after the Zero Bubble authors'
    automatic scheduler), one per ``Policy`` of a grid over split or fused backwards, the order
    of kinds and of a rank's stages, how many microbatches a rank admits and whether ``W`` waits;
 3. for programs of at most ``LOCAL_ACTIONS`` actions, the fastest of ``SHAKEN_PASSES`` passes
    that depart from their policy at random (NOTE [shaken passes]), and the best of those and of
    the above with actions of a rank moved a few places while it gets faster
-   (``fpipe.schedules._improve``), then on programs of at most ``KICKED_ACTIONS`` actions
+   (``fpipe.planning._improve``), then on programs of at most ``KICKED_ACTIONS`` actions
    kicked out of where moves stop and improved again (NOTE [kicks]);
 4. for small problems (``p <= 4``, ``m <= 8``), an exact search seeded with the best of the
-   above: OR-Tools' CP-SAT when installed (``fpipe.schedules._solver``, NOTE [constraint
-   solver]), else a branch and bound (``fpipe.schedules._exact``, NOTE [exact search]).
+   above: OR-Tools' CP-SAT when installed (``fpipe.planning._solver``, NOTE [constraint
+   solver]), else a branch and bound (``fpipe.planning._exact``, NOTE [exact search]).
 
-Then it compares the winner with ``lower_bound`` (``fpipe.schedules._bound``, NOTE [release
+Then it compares the winner with ``lower_bound`` (``fpipe.planning._bound``, NOTE [release
 bound]: every rank's work from when its inputs can first arrive, the trips through the
 pipeline, the ``W`` that must free memory, ...): a program that meets it is optimal. So is one
 the exact search ran to its end without beating: its space holds a program as fast as any valid
@@ -27,25 +27,24 @@ one (NOTE [microbatch order] in ``_exact.py``).
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from .._plural import plural
+from ..schedules import Costs, Program, Simulation, simulate
+from ..schedules._registry import builtins_for
+from ._arguments import checked_search
 from ._bound import lower_bound
 from ._exact import exact as branch_and_bound
 from ._improve import improve, kicked, peak_memory
-from ._list_schedule import Policy, Problem, list_schedule
-from ._program import Program, ScheduleError
-from ._registry import builtins_for
-from ._simulate import Costs, Simulation, charged, receiving_kinds, simulate
+from ._list_schedule import list_schedule
+from ._policies import LOCAL_ACTIONS, policies
+from ._problem import Problem
 from ._solver import available as solver_available
 from ._solver import solve
 
 EXACT_RANKS, EXACT_MICROBATCHES = 4, 8  # the largest problems the exact search is tried on
-LOCAL_ACTIONS = 200  # the largest programs local improvement is tried on
 LOCAL_SWEEPS, LOCAL_REACH = 4, 3  # its most sweeps over the rows, and how far it moves an action
 SHAKEN_PASSES, SHAKEN_POLICIES = 60, 4  # shaken passes tried on those programs, of the likeliest policies
 KICKED_ACTIONS, KICKS = 100, 20  # the largest programs iterated local search is tried on, and its kicks
@@ -179,7 +178,8 @@ def search(
             ``slack=0.02`` is the better choice (NOTE [memory within the slack]).
 
     Examples:
-        >>> from fpipe.schedules import Costs, search
+        >>> from fpipe.planning import search
+        >>> from fpipe.schedules import Costs
         >>> slow_messages = Costs(forward=0.5, backward_input=0.5, backward_weight=0.5, send=0.5)
         >>> found = search(4, 8, slow_messages, placement="v")
         >>> found.makespan, dict(found.candidates)["ZeroBubbleV"], found.lower_bound, found.optimal
@@ -197,25 +197,18 @@ def search(
         TypeError: if ``costs`` is neither a ``Costs`` nor a sequence of them.
     """
     started = time.perf_counter()
-    if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack < math.inf:
-        raise ScheduleError(
-            f"fpipe.schedules.search: slack must be a non-negative finite fraction (slack: {slack!r}). "
-            "Use 0 for the fastest simulated program, or e.g. 0.02."
-        )
-    problem = checked_problem(num_ranks, num_microbatches, costs, placement, stages_per_rank, memory, activation_sizes)
-    if solver not in ("auto", "cp-sat", "branch-and-bound"):
-        raise ScheduleError(
-            f"fpipe.schedules.search: unknown solver (solver: {solver!r}). Use 'auto', 'cp-sat' or 'branch-and-bound'."
-        )
-    if solver == "cp-sat" and not solver_available():
-        raise ScheduleError(
-            "fpipe.schedules.search: solver='cp-sat' needs OR-Tools (pip install 'fpipe[solver]'). "
-            "Install it, or pass solver='auto' or 'branch-and-bound'."
-        )
-    if isinstance(time_budget, bool) or not isinstance(time_budget, (int, float)) or not 0 < time_budget < math.inf:
-        raise ScheduleError(
-            f"fpipe.schedules.search: time_budget must be a positive number of seconds (time_budget: {time_budget!r})."
-        )
+    problem = checked_search(
+        num_ranks,
+        num_microbatches,
+        costs,
+        placement,
+        stages_per_rank,
+        memory,
+        activation_sizes,
+        time_budget,
+        solver,
+        slack,
+    )
     deadline = started + float(time_budget)
     bound = lower_bound(problem)
     given = costs if isinstance(costs, Costs) else tuple(costs)
@@ -380,115 +373,3 @@ def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Pr
     v = S // p
     for builtin in builtins_for(placement, v, p, m):
         yield builtin.name, builtin.build(m, v).program(S, p)
-
-
-def policies(problem: Problem) -> Iterator[Policy]:
-    """The list-scheduling policies to try, the likeliest winners first: over a grid of 972 cost
-    cases (notes/search.md's costs, ``p`` 4 and 8, every placement), the order of how often each
-    laid out the fastest program; fused backwards win only where ``B`` costs less than ``I + W``.
-    With several stages per rank and a memory limit, memory is held as used (``reserve=False``,
-    NOTE [unreserved memory] in ``_list_schedule.py``): over notes/search.md's small cases and
-    its ``p = 4, m = 8`` grid with two stages per rank, each policy so was among the fastest
-    passes 2.5 to 6 times as often as when reserving (with one stage per rank, or no limit, the
-    two are the same)."""
-    several = problem.num_stages > problem.num_ranks
-    unreserved = several and any(math.isfinite(limit) for limit in problem.limits)
-    for policy in _grid(several):
-        yield replace(policy, reserve=not unreserved)
-    if unreserved and problem.num_stages * problem.num_microbatches * 3 <= LOCAL_ACTIONS:
-        yield from _grid(several)  # cheap there, and local improvement starts from their best too
-
-
-def _grid(several: bool) -> Iterator[Policy]:
-    yield Policy(split=True, extra=None)
-    yield Policy(split=True, backward_first=False, extra=None)
-    yield Policy(split=True, extra=4)
-    yield Policy(split=True, extra=None, patient=True)
-    for extra in (2, 1, 0):
-        yield Policy(split=True, extra=extra, patient=True)
-        yield Policy(split=True, extra=extra)
-    yield Policy(split=True, backward_first=False, extra=0)
-    if several:
-        yield Policy(split=True, deep_first=False, extra=None)
-    yield Policy(split=True, extra=-1)
-    yield Policy(split=False, backward_first=False, extra=None)
-    yield Policy(split=False, extra=0)
-    yield Policy(split=False, extra=None)
-
-
-def _positive(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-
-
-def checked_problem(
-    p: int,
-    m: int,
-    costs: Costs | Sequence[Costs],
-    placement: str,
-    v: int,
-    memory: float | Sequence[float] | None,
-    sizes: Sequence[float] | None,
-) -> Problem:
-    """The search's arguments as a ``Problem``, or the ``ScheduleError`` that says what is wrong."""
-    for name, value in (("num_ranks", p), ("num_microbatches", m), ("stages_per_rank", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"fpipe.schedules.search: {name} must be a positive int ({name}: {value!r}).")
-    if placement == "v":
-        if v not in (1, 2):
-            raise ScheduleError(
-                f"fpipe.schedules.search: the V places 2 stages on each rank (stages_per_rank: {v}). "
-                "Leave stages_per_rank at 1 or 2, or use placement='looped'."
-            )
-        rank_of = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
-    elif placement == "looped":
-        rank_of = tuple(s % p for s in range(p * v))
-    else:
-        raise ScheduleError(
-            f"fpipe.schedules.search: unknown placement (placement: {placement!r}). "
-            "Use 'looped' (stage s on rank s % p) or 'v' (rank r holds stages r and 2p - 1 - r)."
-        )
-    S = len(rank_of)
-    if isinstance(costs, Costs):
-        per_stage = (costs,) * S
-    elif isinstance(costs, Sequence) and not isinstance(costs, (str, bytes)):
-        if not all(isinstance(c, Costs) for c in costs):
-            raise TypeError(f"fpipe.schedules.search: costs must hold Costs only (costs: {costs!r}).")
-        if len(costs) != S:
-            raise ScheduleError(
-                f"fpipe.schedules.search: costs must hold one Costs per stage, {S} for {plural(p, 'rank')} in "
-                f"this placement (len(costs): {len(costs)}). Pass {S} Costs, or one Costs for every stage."
-            )
-        per_stage = tuple(costs)
-    else:
-        raise TypeError(
-            f"fpipe.schedules.search: costs must be a Costs or a sequence of one per stage (costs: {costs!r})."
-        )
-    held = [sum(1 for r in rank_of if r == rank_of[s]) for s in range(S)]
-    stage_sizes = tuple(1 / held[s] for s in range(S)) if sizes is None else tuple(sizes)
-    if len(stage_sizes) != S or not all(_positive(x) for x in stage_sizes):
-        raise ScheduleError(
-            f"fpipe.schedules.search: activation_sizes must hold one positive finite number of bytes per stage, "
-            f"{S} here (activation_sizes: {sizes!r})."
-        )
-    if memory is None:
-        limits = (math.inf,) * p
-    else:
-        limits = (memory,) * p if not isinstance(memory, Sequence) else tuple(memory)  # type: ignore[assignment]
-        if len(limits) != p or not all(_positive(x) for x in limits):
-            raise ScheduleError(
-                f"fpipe.schedules.search: memory must be a positive finite number, or one per rank ({p} here) "
-                f"(memory: {memory!r}). Pass None for no limit."
-            )
-    # The schedulers know durations only: each carries what comes before it (NOTE [per-action overhead]).
-    charged_costs = tuple(charged(c, r) for c, r in zip(per_stage, receiving_kinds(rank_of)))
-    problem = Problem(m, rank_of, charged_costs, stage_sizes, tuple(float(x) for x in limits))
-    least = [problem.footprint(r) for r in range(p)]
-    short = [r for r in range(p) if limits[r] < least[r] * (1 - 1e-9)]
-    if short:
-        r = short[0]
-        unit = "bytes" if sizes is not None else "activation units"
-        raise ScheduleError(
-            f"fpipe.schedules.search: no program fits the memory limit: rank {r} needs {least[r]:g} {unit} for one "
-            f"microbatch through its stages, alive at once (memory: {memory!r}). Use memory >= {max(least):g}."
-        )
-    return problem

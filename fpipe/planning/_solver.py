@@ -46,12 +46,11 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
-from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from ..schedules import Action, Program, simulate, validate
+from ..schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from ._exact import Outcome, choices
 from ._improve import peak_memory
-from ._list_schedule import Problem
-from ._program import Program, validate
-from ._simulate import simulate
+from ._problem import Problem
 
 _DENOMINATOR = 1000  # the largest common denominator of costs (or of sizes and limits) taken exactly
 _UNITS = 10**6  # otherwise, about how many integer units one step spans

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._plural import brief
-from ._program import Program, ScheduleError
+from ..schedules import Program, ScheduleError
 from ._search import Searched
 
 
@@ -113,7 +113,8 @@ def tune(
         rounds: how many times each candidate is measured.
 
     Examples:
-        >>> from fpipe.schedules import Costs, search, tune
+        >>> from fpipe.planning import search, tune
+        >>> from fpipe.schedules import Costs
         >>> found = search(4, 8, Costs(0.5, 0.5, 0.5, send=0.5), placement="v")  # 27 to ZB-V's 32.5
         >>> def measure(program):  # a real one times a step; here the searched program is slower
         ...     return 2.0 if program is found.program else 1.0
@@ -134,31 +135,31 @@ def tune(
         fix = (
             "Pass the Searched itself (found, not found.program): tune times its candidates"
             if isinstance(wrong, Program)
-            else "Pass found = fpipe.schedules.search(...)"
+            else "Pass found = fpipe.planning.search(...)"
         )
         raise ScheduleError(
-            f"fpipe.schedules.tune: found must be what search returned, or a non-empty sequence of those "
+            f"fpipe.planning.tune: found must be what search returned, or a non-empty sequence of those "
             f"(found: {brief(found) if wrong is found else f'a sequence holding {brief(wrong)}'}). {fix}."
         )
     if not callable(measure):
         raise ScheduleError(
-            "fpipe.schedules.tune: measure must be a function measure(program) -> seconds "
+            "fpipe.planning.tune: measure must be a function measure(program) -> seconds "
             f"(measure: {brief(measure)}). "
             "Pass a function that runs one step of the program it is given and returns its time."
         )
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < math.inf:
         raise ScheduleError(
-            f"fpipe.schedules.tune: margin must be a finite number >= 0 (margin: {brief(margin)}). "
+            f"fpipe.planning.tune: margin must be a finite number >= 0 (margin: {brief(margin)}). "
             "Pass a fraction of the shortest simulated step, e.g. 0.05."
         )
     for label, value in (("least", least), ("most", most), ("rounds", rounds)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(
-                f"fpipe.schedules.tune: {label} must be a positive int ({label}: {brief(value)}). Pass an int >= 1."
+                f"fpipe.planning.tune: {label} must be a positive int ({label}: {brief(value)}). Pass an int >= 1."
             )
     if least > most:
         raise ScheduleError(
-            f"fpipe.schedules.tune: least must not exceed most (least: {least}, most: {most}). Raise most."
+            f"fpipe.planning.tune: least must not exceed most (least: {least}, most: {most}). Raise most."
         )
     tried = [
         (name, makespan, program, k < f.builtins)
@@ -183,7 +184,7 @@ def tune(
             seconds = measure(picked[k][2])
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
                 raise ScheduleError(
-                    f"fpipe.schedules.tune: measure must return a finite number >= 0 (candidate: {picked[k][0]!r}, "
+                    f"fpipe.planning.tune: measure must return a finite number >= 0 (candidate: {picked[k][0]!r}, "
                     f"round: {r}, returned: {brief(seconds)}). Return the step's time in seconds, e.g. a float."
                 )
             times[k].append(float(seconds))

@@ -4,19 +4,18 @@ A schedule is a value (``GPipe(num_microbatches=8)``) whose ``program(num_stages
 ``Program``: one ordered list of ``Action`` per rank. Programs can be written by hand too, or read
 from torch's CSV format (``load_csv``). ``placement(schedule, num_stages)`` says which rank holds
 each stage; ``simulate`` replays a program with costs to measure its bubble and memory (and
-``fit_costs`` reads per-stage costs off a measured timeline, ``save_costs`` and ``load_costs``
-keep them in a JSON file, ``replay`` reruns one with its own durations, e.g. to find its critical
-path); ``search`` finds the fastest program it can for given costs, placement and memory limit,
-never slower than a built-in schedule that fits, and ``tune`` times its fastest few with
-the caller's step and keeps the measured fastest; and ``terminal_grid``, ``chrome_trace`` and
-``svg`` draw it (also ``python -m fpipe show``).
+``replay`` reruns a measured timeline with its own durations, e.g. to find its critical path);
+and ``terminal_grid``, ``chrome_trace`` and ``svg`` draw it (also ``python -m fpipe show``).
+Finding programs for measured costs (``search``, ``tune``, ``fit_costs``) is
+``fpipe.planning``'s, which this package never imports.
 """
+
+import importlib as _importlib
+import warnings as _warnings
 
 from ._action import Action as Action
 from ._controllable_memory import VHalf as VHalf
 from ._controllable_memory import VMin as VMin
-from ._costs_file import load_costs as load_costs
-from ._costs_file import save_costs as save_costs
 from ._csv import dump_csv as dump_csv
 from ._csv import load_csv as load_csv
 from ._dual_pipe_v import DualPipeV as DualPipeV
@@ -36,16 +35,10 @@ from ._program import placement as placement
 from ._program import render as render
 from ._program import timeline as timeline
 from ._program import validate as validate
-from ._search import Searched as Searched
-from ._search import search as search
 from ._simulate import Costs as Costs
 from ._simulate import Simulation as Simulation
-from ._simulate import fit_costs as fit_costs
 from ._simulate import replay as replay
 from ._simulate import simulate as simulate
-from ._tune import Measured as Measured
-from ._tune import Tuned as Tuned
-from ._tune import tune as tune
 from ._zero_bubble_h1 import ZeroBubbleH1 as ZeroBubbleH1
 from ._zero_bubble_h2 import ZeroBubbleH2 as ZeroBubbleH2
 from ._zero_bubble_v import ZeroBubbleV as ZeroBubbleV
@@ -58,14 +51,11 @@ __all__ = [
     "Interleaved1F1B",
     "InterleavedZeroBubble",
     "LoopedBFS",
-    "Measured",
     "OneFOneB",
     "Program",
     "Schedule",
     "ScheduleError",
-    "Searched",
     "Simulation",
-    "Tuned",
     "VHalf",
     "VMin",
     "ZeroBubbleH1",
@@ -74,18 +64,32 @@ __all__ = [
     "chrome_trace",
     "dump_csv",
     "execution_order",
-    "fit_costs",
-    "load_costs",
     "load_csv",
     "placement",
     "render",
     "replay",
-    "save_costs",
-    "search",
     "simulate",
     "svg",
     "terminal_grid",
     "timeline",
-    "tune",
     "validate",
 ]
+
+
+# Moved to fpipe.planning; their old names here work for one release, with a warning. The
+# package is reached by name on first use, never at import: schedules imports nothing from it.
+_MOVED = ("Measured", "Searched", "Tuned", "fit_costs", "load_costs", "save_costs", "search", "tune")
+
+
+def __getattr__(name: str) -> object:
+    """``fpipe.schedules.search`` and the other names that moved to ``fpipe.planning``: the new
+    one, with a ``DeprecationWarning`` naming it."""
+    if name not in _MOVED:
+        raise AttributeError(f"module 'fpipe.schedules' has no attribute {name!r}")
+    _warnings.warn(
+        f"fpipe.schedules.{name} moved to fpipe.planning.{name}; the old name goes in the next release. "
+        f"Import it from there: from fpipe.planning import {name}.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(_importlib.import_module("fpipe.planning"), name)

@@ -1,5 +1,5 @@
 """Every program of a tiny problem: the reference the lower bound, the exact search and ``search``
-are checked against (tests/schedules/test_bound.py, test_exact.py, test_solver.py,
+are checked against (tests/planning/test_bound.py, test_exact.py, test_solver.py,
 test_search.py); and the list-scheduled hint the constraint solver's tests start from.
 
 "Every program" is every one ``validate`` accepts: each rank's actions in any order, microbatches
@@ -16,8 +16,9 @@ import itertools
 import math
 from collections.abc import Sequence
 
+from fpipe.planning._list_schedule import Policy, list_schedule
+from fpipe.planning._problem import Problem
 from fpipe.schedules import Action, Costs, Program, ScheduleError, simulate
-from fpipe.schedules._list_schedule import Policy, Problem, list_schedule
 
 _SLACK = 1e-9
 
@@ -128,7 +129,7 @@ def replayed_one_by_one(costs: Sequence[Costs], m: int, memory: float) -> float:
 
 def first_pass(problem: Problem) -> tuple[Program, float]:
     """A list-scheduled program of ``problem`` and its makespan: a hint for the constraint solver
-    (tests/schedules/test_solver.py, tests/conformance.py)."""
+    (tests/planning/test_solver.py, tests/conformance.py)."""
     laid_out = list_schedule(problem, Policy(split=True, backward_first=True, deep_first=True))
     assert laid_out is not None
     return laid_out

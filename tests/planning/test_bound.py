@@ -1,4 +1,4 @@
-"""lower_bound and the release bound (NOTE [release bound] in fpipe/schedules/_bound.py): never above
+"""lower_bound and the release bound (NOTE [release bound] in fpipe/planning/_bound.py): never above
 any program's simulated makespan, in random problems against every built-in that fits, and in tiny
 ones against every program (microbatches in any order, each backward fused or split on its own)."""
 
@@ -13,12 +13,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fpipe.planning import search
+from fpipe.planning._arguments import checked_problem
+from fpipe.planning._bound import lower_bound
+from fpipe.planning._exact import _Search, choices, exact
+from fpipe.planning._improve import peak_memory
+from fpipe.planning._list_schedule import Policy, list_schedule
+from fpipe.planning._problem import Problem
+from fpipe.planning._search import builtin_programs
 from fpipe.schedules import Costs, Program, simulate
-from fpipe.schedules._bound import lower_bound
-from fpipe.schedules._exact import _Search, choices, exact
-from fpipe.schedules._list_schedule import Policy, Problem, list_schedule
-from fpipe.schedules._search import builtin_programs, checked_problem, peak_memory, search
-from tests.schedules._programs import fastest_program
+from tests.planning._programs import fastest_program
 
 costs_strategy = st.builds(
     Costs,

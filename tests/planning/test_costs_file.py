@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fpipe.schedules import Costs, ScheduleError, load_costs, save_costs
+from fpipe.planning import load_costs, save_costs
+from fpipe.schedules import Costs, ScheduleError
 
 
 def test_round_trip_keeps_every_field(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The exact search (fpipe/schedules/_exact.py, NOTE [exact search]) against every program.
+"""The exact search (fpipe/planning/_exact.py, NOTE [exact search]) against every program.
 
 On 2 ranks and 2 or 3 microbatches, and 3 ranks and 2, every valid program (each rank's actions
 in any order, microbatches in any order, each backward fused or split on its own, within the
@@ -14,11 +14,11 @@ import time
 
 import pytest
 
+from fpipe.planning._arguments import checked_problem
+from fpipe.planning._exact import choices, exact
+from fpipe.planning._problem import Problem
 from fpipe.schedules import Costs, simulate, validate
-from fpipe.schedules._exact import choices, exact
-from fpipe.schedules._list_schedule import Problem
-from fpipe.schedules._search import checked_problem
-from tests.schedules._programs import fastest_program, replayed_one_by_one
+from tests.planning._programs import fastest_program, replayed_one_by_one
 
 CASES = [  # (costs per stage, microbatches, memory limit per rank)
     ([Costs(), Costs()], 2, math.inf),

@@ -1,4 +1,4 @@
-"""Local improvement (fpipe/schedules/_improve.py): its replay is simulate's clock, and the swaps
+"""Local improvement (fpipe/planning/_improve.py): its replay is simulate's clock, and the swaps
 and kicks it keeps give a valid, faster program within memory."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ import time
 
 import pytest
 
+from fpipe.planning._arguments import checked_problem
+from fpipe.planning._exact import exact
+from fpipe.planning._improve import improve, kicked, peak_memory, replay
+from fpipe.planning._list_schedule import Policy, list_schedule
+from fpipe.planning._policies import policies
+from fpipe.planning._search import builtin_programs
 from fpipe.schedules import Action, Costs, InterleavedZeroBubble, simulate, validate
-from fpipe.schedules._exact import exact
-from fpipe.schedules._improve import improve, kicked, peak_memory, replay
-from fpipe.schedules._list_schedule import Policy, list_schedule
-from fpipe.schedules._search import builtin_programs, checked_problem, policies
 
 SLOW = [Costs(backward_weight=0.3, send=1.0)] * 7 + [Costs(forward=2, backward_input=2, backward_weight=0.6, send=1.0)]
 

@@ -1,4 +1,4 @@
-"""The list scheduler and its bounds (fpipe/schedules/_list_schedule.py, NOTE [list scheduler]).
+"""The list scheduler and its bounds (fpipe/planning/_list_schedule.py, NOTE [list scheduler]).
 
 References: 1F1B's own program (a fused, backward-first pass admitting its fill on equal
 costs lays out exactly that), a single rank's work (no program beats it, every pass meets it),
@@ -15,10 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fpipe.planning._bound import lower_bound
+from fpipe.planning._improve import peak_memory
+from fpipe.planning._list_schedule import Policy, fill, list_schedule
+from fpipe.planning._problem import Problem
 from fpipe.schedules import Costs, OneFOneB, simulate, validate
-from fpipe.schedules._bound import lower_bound
-from fpipe.schedules._improve import peak_memory
-from fpipe.schedules._list_schedule import Policy, Problem, fill, list_schedule
 
 POLICIES = [
     Policy(split=True, extra=None),

@@ -1,4 +1,4 @@
-"""The min-max split (fpipe/_modules/_partition.py) against every contiguous split of small cost lists.
+"""The min-max split (fpipe/planning/_partition.py) against every contiguous split of small cost lists.
 
 Costs are small integers, so every sum is exact and the brute force and the dynamic programs
 agree on ties: the least largest stage, then the least sum of squares, then the latest cuts
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fpipe._modules._partition import partition
+from fpipe.planning import partition
 
 
 def best_split(costs: list[int], num_stages: int) -> list[range]:

@@ -1,65 +1,21 @@
-"""The planner's cost model (NOTE [planner cost model]) with its formulas written out, its ranking
-of schedules, and the memory check."""
+"""The planner (fpipe/planning/_plan.py): its ranking of schedules with each one's split, the
+memory check, and ``plan``'s table value (what ``python -m fpipe plan`` prints)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal
 
 import pytest
 
-from fpipe._plan import (
-    GIB,
-    Candidate,
-    Device,
-    PlanError,
-    Transformer,
-    Unit,
-    costs_text,
-    measured_units,
-    plan,
-    transformer_units,
-)
-from fpipe.schedules import (
-    Costs,
-    GPipe,
-    OneFOneB,
-    Program,
-    ScheduleError,
-    ZeroBubbleH1,
-    ZeroBubbleV,
-    search,
-    simulate,
-)
+from fpipe.planning import Device, Transformer, save_costs, search
+from fpipe.planning._cost_model import GIB, Unit, measured_units, transformer_units
+from fpipe.planning._plan import Candidate, PlanError, costs_text, plan, ranked
+from fpipe.schedules import Costs, GPipe, OneFOneB, Program, ScheduleError, ZeroBubbleH1, ZeroBubbleV, simulate
 
 MODEL = Transformer(layers=2, hidden=4, sequence=8, vocabulary=16, microbatch_size=2)
 DEVICE = Device(flops=2.0, bandwidth=4.0, latency=0.5, bytes_per_param=16.0)
-
-
-def test_transformer_units_follow_the_formulas() -> None:
-    """h = 4, s = 8, b = 2 (t = 16 tokens), V = 16, P = 12 h^2 = 192, at 2 FLOP/s and 4 B/s."""
-    layer0, layer1, head = transformer_units(MODEL, DEVICE)
-    t, h, s, b, vocabulary, params = 16, 4, 8, 2, 16, 192
-    assert layer0.costs == Costs(
-        forward=(2 * params * t + 4 * b * s * s * h) / 2,  # 6144 + 2048 FLOPs
-        backward_input=(2 * params * t + 8 * b * s * s * h) / 2,
-        backward_weight=2 * params * t / 2,
-        send=2 * t * h / 4 + 0.5,  # t h values of 2 bytes over 4 B/s, plus the latency
-    )
-    assert layer1.costs == layer0.costs
-    assert head.costs == Costs(forward=2048 / 2, backward_input=2048 / 2, backward_weight=2048 / 2, send=32.5)
-    assert (layer0.activation_bytes, head.activation_bytes) == (34 * s * b * h, 4 * s * b * vocabulary)
-    embedding = h * vocabulary * 16
-    assert (layer0.param_bytes, layer1.param_bytes, head.param_bytes) == (
-        params * 16 + embedding,
-        params * 16,
-        embedding,
-    )
-    bigger = transformer_units(Transformer(2, 4, 8, 16, 2, layer_params=1000.0), DEVICE)
-    assert bigger[0].costs.backward_weight == 2 * 1000 * t / 2
-    recomputed, _, _ = transformer_units(Transformer(2, 4, 8, 16, 2, recompute=True), DEVICE)
-    assert recomputed.costs.backward_input == layer0.costs.backward_input + layer0.costs.forward
-    assert recomputed.activation_bytes == 2 * s * b * h
 
 
 def candidates(m: int, p: int) -> list[Candidate]:
@@ -74,7 +30,7 @@ def candidates(m: int, p: int) -> list[Candidate]:
 def test_plan_ranks_by_simulated_step_with_each_split() -> None:
     """Measured stages regrouped per schedule: the rows are simulate's figures for the split shown."""
     units = measured_units([Costs(), Costs(), Costs(), Costs(forward=2, backward_input=2, backward_weight=2, send=0.5)])
-    rows = plan(units, 2, candidates(4, 2))
+    rows = ranked(units, 2, candidates(4, 2))
     assert [r.name for r in rows] == ["zbv", "zbh1", "1f1b", "gpipe"]
     one_f_one_b = next(r for r in rows if r.name == "1f1b")
     assert one_f_one_b.stages == (range(0, 3), range(3, 4))
@@ -87,14 +43,14 @@ def test_plan_ranks_by_simulated_step_with_each_split() -> None:
 
 
 def test_more_stages_than_units_is_a_row_that_cannot_run() -> None:
-    rows = plan(measured_units([Costs(), Costs(), Costs()]), 2, candidates(4, 2))
+    rows = ranked(measured_units([Costs(), Costs(), Costs()]), 2, candidates(4, 2))
     assert rows[-1].name == "zbv" and rows[-1].error == "needs 4 stages, has 3 units to split"
 
 
 def test_no_candidate_that_can_run_is_an_error_saying_what_would() -> None:
     """Every row "cannot run" is no plan: fewer ranks, or more stages (layers and the head, or measured)."""
     with pytest.raises(PlanError) as raised:
-        plan(measured_units([Costs()] * 3), 4, candidates(4, 4))
+        ranked(measured_units([Costs()] * 3), 4, candidates(4, 4))
     assert str(raised.value) == (
         "python -m fpipe plan: no schedule can run: on 4 ranks each needs at least 4 stages (gpipe: 1 per rank) and "
         "there are 3 units to split (3 measured stages). Use at most 3 ranks, or the costs of 4 stages."
@@ -102,11 +58,11 @@ def test_no_candidate_that_can_run_is_an_error_saying_what_would() -> None:
     with pytest.raises(
         PlanError, match=r"\(1 layer and the head\)\. Use at most 1 rank, or a model of at least 3 layers\.$"
     ):
-        plan(transformer_units(Transformer(1, 4, 8, 16, 2), DEVICE), 2, candidates(4, 2)[3:])  # zbv: 4 stages
+        ranked(transformer_units(Transformer(1, 4, 8, 16, 2), DEVICE), 2, candidates(4, 2)[3:])  # zbv: 4 stages
     with pytest.raises(PlanError, match=r"\(1 measured stage\)\. Use the costs of 2 stages\.$"):  # no "at most 0 ranks"
-        plan(measured_units([Costs()]), 1, candidates(4, 1)[3:])
+        ranked(measured_units([Costs()]), 1, candidates(4, 1)[3:])
     with pytest.raises(PlanError, match=r"no schedule can run here \(zbh1: it cannot\)$"):
-        plan(measured_units([Costs()] * 3), 2, [Candidate("zbh1", 1, lambda costs: _refuse())])
+        ranked(measured_units([Costs()] * 3), 2, [Candidate("zbh1", 1, lambda costs: _refuse())])
 
 
 def _refuse() -> Program:
@@ -117,7 +73,7 @@ def test_memory_marks_and_the_least_that_works() -> None:
     """Peak bytes = the rank's parameters + its activations at their peak; over the limit sorts
     after what fits; a limit nothing fits names the least any schedule needs."""
     units = transformer_units(MODEL, DEVICE)
-    rows = {r.name: r for r in plan(units, 2, candidates(4, 2))}
+    rows = {r.name: r for r in ranked(units, 2, candidates(4, 2))}
     gpipe, one_f_one_b = rows["gpipe"].peak_bytes, rows["1f1b"].peak_bytes
     assert gpipe is not None and one_f_one_b is not None
     # 1F1B's rank 0 (layer 0, with the embedding) holds 2 microbatches, GPipe's all 4.
@@ -125,12 +81,12 @@ def test_memory_marks_and_the_least_that_works() -> None:
     activation0 = units[0].activation_bytes or 0.0
     assert (one_f_one_b[0], gpipe[0]) == (params0 + 2 * activation0, params0 + 4 * activation0)
     limit = max(one_f_one_b)
-    ranked = plan(units, 2, candidates(4, 2), memory=limit)
-    assert not ranked[-1].fits(limit) and ranked[0].fits(limit)
-    assert all(r.fits(limit) for r in ranked[: [r.fits(limit) for r in ranked].index(False)])
+    marked = ranked(units, 2, candidates(4, 2), memory=limit)
+    assert not marked[-1].fits(limit) and marked[0].fits(limit)
+    assert all(r.fits(limit) for r in marked[: [r.fits(limit) for r in marked].index(False)])
     least = min(max(r.peak_bytes) for r in rows.values() if r.peak_bytes is not None)  # zbv: 3 units, 4 stages
     with pytest.raises(PlanError, match=rf"the least any needs is {least / GIB:.4g} GiB \((1f1b|zbh1)\)"):
-        plan(units, 2, candidates(4, 2), memory=least * 0.99)
+        ranked(units, 2, candidates(4, 2), memory=least * 0.99)
 
 
 def test_a_searched_candidate_is_never_slower_than_a_built_in_of_its_stage_count() -> None:
@@ -146,58 +102,24 @@ def test_a_searched_candidate_is_never_slower_than_a_built_in_of_its_stage_count
 
     tried = [Candidate("searched", 1, searched("looped"), adapts=True)]
     tried.append(Candidate("searched-v", 2, searched("v"), adapts=True))
-    rows = plan(units, p, [*candidates(m, p), *tried])
+    rows = ranked(units, p, [*candidates(m, p), *tried])
     step = {r.name: r.simulation.makespan for r in rows if r.simulation is not None}
     assert step["searched"] <= min(step["gpipe"], step["1f1b"], step["zbh1"])
     assert step["searched-v"] <= step["zbv"] == 55.0
-    alone = plan(units, p, [Candidate("searched-v", 2, searched("v"))])  # its own split only
+    alone = ranked(units, p, [Candidate("searched-v", 2, searched("v"))])  # its own split only
     assert alone[0].simulation is not None and alone[0].simulation.makespan == 60.0
-
-
-def test_tensor_parallelism_divides_the_work_and_adds_its_all_reduces() -> None:
-    """tp = 2 devices per rank at 2 FLOP/s each, all-reduces at 8 B/s: a layer's F and I gain two
-    all-reduces of t h values of 2 bytes, 2 (n-1)/n x / 8 + latency each; the head one all-gather
-    in F and one reduce-scatter in I; compute, bytes and messages per device are halved."""
-    tp = Device(flops=2.0, bandwidth=4.0, latency=0.5, tp=2, tp_bandwidth=8.0)
-    layer, _, head = transformer_units(MODEL, tp)
-    plain, _, plain_head = transformer_units(MODEL, DEVICE)
-    t, h = 16, 4
-    all_reduce = 2 * (1 / 2) * (2 * t * h) / 8 + 0.5  # 8.5
-    assert layer.costs == Costs(
-        forward=plain.costs.forward / 2 + 2 * all_reduce,
-        backward_input=plain.costs.backward_input / 2 + 2 * all_reduce,
-        backward_weight=plain.costs.backward_weight / 2,
-        send=2 * t * h / 2 / 4 + 0.5,
-    )
-    gather = (1 / 2) * (2 * t * h) / 8 + 0.5
-    assert (head.costs.forward, head.costs.backward_input) == (plain_head.costs.forward / 2 + gather,) * 2
-    assert head.costs.backward_weight == plain_head.costs.backward_weight / 2
-    assert (layer.activation_bytes, layer.param_bytes) == (plain.activation_bytes / 2, plain.param_bytes / 2)  # type: ignore[operator]
-    assert layer.reduce_seconds == head.reduce_seconds == 0.0  # no data parallelism
-
-
-def test_data_parallel_reduction_of_each_parameter() -> None:
-    """dp = 4 replicas at 8 B/s: 4 bytes per parameter, 2 (d-1)/d of them over the bandwidth."""
-    layer0, layer1, head = transformer_units(MODEL, Device(flops=2.0, bandwidth=4.0, dp=4, dp_bandwidth=8.0))
-    embedding, params = 4 * 16, 192
-    assert layer0.reduce_seconds == 2 * (3 / 4) * 4 * (params + embedding) / 8
-    assert (layer1.reduce_seconds, head.reduce_seconds) == (
-        2 * (3 / 4) * 4 * params / 8,
-        2 * (3 / 4) * 4 * embedding / 8,
-    )
-    assert layer0.costs == transformer_units(MODEL, Device(flops=2.0, bandwidth=4.0))[0].costs  # the step's end only
 
 
 def test_data_parallel_reduction_starts_when_its_rank_finishes() -> None:
     """1F1B on 2 ranks: rank 1 finishes at 13, 2 before rank 0, so its reduction (8) hides 2
     behind rank 0's drain and ends the step at 21, after rank 0's (1, ending at 16)."""
     units = [Unit("a", Costs(), reduce_seconds=1.0), Unit("b", Costs(), reduce_seconds=8.0)]
-    (row,) = plan(units, 2, candidates(4, 2)[1:2])
+    (row,) = ranked(units, 2, candidates(4, 2)[1:2])
     assert row.simulation is not None
     ends = [row.simulation.ends[r][-1] for r in range(2)]
     assert ends[1] < ends[0] == row.simulation.makespan == 15.0
     assert ends[1] == 13.0 and row.step == max(ends[0] + 1.0, ends[1] + 8.0) == 21.0
-    (plain,) = plan(measured_units([Costs(), Costs()]), 2, candidates(4, 2)[1:2])
+    (plain,) = ranked(measured_units([Costs(), Costs()]), 2, candidates(4, 2)[1:2])
     assert plain.step == plain.simulation.makespan == 15.0  # type: ignore[union-attr]
 
 
@@ -205,11 +127,11 @@ def test_memory_of_measured_costs_is_in_activation_units() -> None:
     """Measured units have no bytes: a limit is in microbatches of a rank's layers, the unit of
     ``Simulation.peak_activations``; nothing fitting names the least any needs in that unit."""
     units = measured_units([Costs(), Costs()])
-    rows = {r.name: r for r in plan(units, 2, candidates(4, 2), memory=2)}
+    rows = {r.name: r for r in ranked(units, 2, candidates(4, 2), memory=2)}
     assert {name for name, row in rows.items() if row.fits(2)} == {"1f1b", "zbh1"}  # GPipe holds 4
     assert rows["gpipe"].peak() == 4 and rows["zbv"].error is not None and rows["zbv"].peak() is None
     with pytest.raises(PlanError, match=r"memory: 1 microbatches of a rank's layers\); the least any needs is 2 "):
-        plan(units, 2, candidates(4, 2), memory=1)
+        ranked(units, 2, candidates(4, 2), memory=1)
 
 
 def test_measured_overhead_is_shown_and_paid_once_per_action_of_a_merged_stage() -> None:
@@ -219,6 +141,37 @@ def test_measured_overhead_is_shown_and_paid_once_per_action_of_a_merged_stage()
     assert costs_text(Costs(receive=3e-4)) == "F 1 s, I 1 s, W 1 s, send 0 s, receive 300 us"
     assert "overhead" not in costs_text(Costs())
     units = measured_units([Costs(overhead=0.25), Costs(overhead=0.5), Costs(overhead=0.125), Costs()])
-    (row,) = plan(units, 2, candidates(4, 2)[1:2])
+    (row,) = ranked(units, 2, candidates(4, 2)[1:2])
     assert row.simulation is not None and row.stages == (range(0, 2), range(2, 4))
     assert [c.overhead for c in row.simulation.costs] == [0.5, 0.125]  # type: ignore[union-attr]
+
+
+def test_plan_is_the_ranked_rows_as_a_table_value(tmp_path: Path) -> None:
+    """``plan`` builds the candidates by the command line's names, ranks them, and returns a value
+    whose text is the table: from costs or from their file, the same rows."""
+    costs = [Costs(), Costs(), Costs(), Costs(forward=2, backward_input=2, backward_weight=2, send=0.5)]
+    found = plan(2, 4, costs=costs, schedules=["gpipe", "1f1b", "zbh1", "zbv"])
+    expected = ranked(measured_units(costs), 2, candidates(4, 2))
+    assert [(r.name, r.stages, r.step) for r in found.rows] == [(r.name, r.stages, r.step) for r in expected]
+    assert found.fastest is found.rows[0] and found.tokens is None and found.memory is None
+    assert found.about == "2 ranks, 4 microbatches; measured costs of 4 stages"
+    assert str(found) == "\n".join([found.about, found.costs, found.table()])
+    path = tmp_path / "costs.json"
+    save_costs(path, costs)
+    read = plan(2, 4, costs=path, schedules=["gpipe", "1f1b", "zbh1", "zbv"])
+    assert read.about == f"2 ranks, 4 microbatches; measured costs of 4 stages ({path})" and read.rows == found.rows
+    modelled = plan(2, 4, model=MODEL, device=DEVICE, schedules=["1f1b"])
+    assert modelled.tokens == 2 * 8 * 4 and modelled.rows[0].peak_bytes is not None
+
+
+def test_plan_errors() -> None:
+    with pytest.raises(ValueError, match=r"pass measured costs \(costs=...\), or a model and a device"):
+        plan(2, 4, costs=[Costs()] * 2, model=MODEL, device=DEVICE)
+    with pytest.raises(ValueError, match=r"pass measured costs"):
+        plan(2, 4, model=MODEL)
+    with pytest.raises(ValueError, match=r"with a model the memory limit is the device's \(memory: 2\)"):
+        plan(2, 4, model=MODEL, device=DEVICE, memory=2)
+    with pytest.raises(PlanError, match=r"unknown schedules foo \(--schedules: 1f1b,foo\)\. Choose from gpipe, 1f1b"):
+        plan(2, 4, costs=[Costs()] * 2, schedules=["1f1b", "foo"])
+    with pytest.raises(PlanError, match=r"no schedule of 1f1b lays out 3 stages per rank"):
+        plan(2, 4, costs=[Costs()] * 2, schedules=["1f1b"], stages_per_rank=[3])

@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fpipe._modules import _schedule_split
-from fpipe._modules._partition import partition
-from fpipe._modules._schedule_split import _Replay, split_for
+from fpipe.planning import _schedule_split, partition, split_for
+from fpipe.planning._schedule_split import _Replay
 from fpipe.schedules import Costs, Interleaved1F1B, OneFOneB, Program, ZeroBubbleH1, ZeroBubbleV, simulate
 
 # torch's test_optimize_partition_model_layers_rebalances_prefix_after_shift (test/distributed/

@@ -1,4 +1,4 @@
-"""The constraint solver (fpipe/schedules/_solver.py, NOTE [constraint solver]) against every
+"""The constraint solver (fpipe/planning/_solver.py, NOTE [constraint solver]) against every
 program on 2 ranks and 2 or 3 microbatches, against the branch and bound on random small
 problems, where the branch and bound does not reach, with costs it must round, and its errors."""
 
@@ -11,15 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fpipe.schedules._search as search_module
-from fpipe.schedules import Costs, Program, ScheduleError, search, simulate, validate
-from fpipe.schedules._bound import lower_bound
-from fpipe.schedules._exact import exact
-from fpipe.schedules._improve import peak_memory
-from fpipe.schedules._list_schedule import Problem
-from fpipe.schedules._search import checked_problem
-from fpipe.schedules._solver import available, solve
-from tests.schedules._programs import fastest_program, first_pass
+import fpipe.planning._arguments as arguments_module
+import fpipe.planning._search as search_module
+from fpipe.planning import search
+from fpipe.planning._arguments import checked_problem
+from fpipe.planning._bound import lower_bound
+from fpipe.planning._exact import exact
+from fpipe.planning._improve import peak_memory
+from fpipe.planning._problem import Problem
+from fpipe.planning._solver import available, solve
+from fpipe.schedules import Costs, Program, ScheduleError, simulate, validate
+from tests.planning._programs import fastest_program, first_pass
 
 pytestmark = pytest.mark.skipif(not available(), reason="OR-Tools is not installed (pip install 'fpipe[solver]')")
 
@@ -162,6 +164,7 @@ def test_a_solver_that_is_not_installed_or_unknown_is_a_clear_error(monkeypatch:
     with pytest.raises(ScheduleError, match=r"unknown solver .*'gurobi'.*Use 'auto', 'cp-sat' or 'branch-and-bound'"):
         search(2, 4, Costs(), solver="gurobi")  # type: ignore[arg-type]
     monkeypatch.setattr(search_module, "solver_available", lambda: False)
+    monkeypatch.setattr(arguments_module, "solver_available", lambda: False)
     with pytest.raises(ScheduleError, match=r"needs OR-Tools \(pip install 'fpipe\[solver\]'\)"):
         search(2, 4, Costs(), solver="cp-sat")
     engines: list[str] = []

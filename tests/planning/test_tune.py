@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import fpipe
-from fpipe.schedules import Costs, Program, ScheduleError, Searched, search, simulate, tune
+from fpipe.planning import Searched, search, tune
+from fpipe.schedules import Costs, Program, ScheduleError, simulate
 
 SLOW_MESSAGES = Costs(forward=0.5, backward_input=0.5, backward_weight=0.5, send=0.5)
 
@@ -145,7 +146,7 @@ def test_a_program_for_found_or_a_number_for_measure_names_the_fix_in_a_few_line
         with pytest.raises(ScheduleError) as raised:
             call()  # type: ignore[no-untyped-call]
         message = str(raised.value)
-        assert message.startswith("fpipe.schedules.tune: ") and fragment in message and fix in message, message
+        assert message.startswith("fpipe.planning.tune: ") and fragment in message and fix in message, message
         assert len(message) < 400, message
     assert calls == []
 

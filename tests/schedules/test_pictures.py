@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from fpipe.planning import fit_costs
 from fpipe.schedules import (
     Costs,
     GPipe,
@@ -20,7 +21,6 @@ from fpipe.schedules import (
     ZeroBubbleH1,
     ZeroBubbleV,
     chrome_trace,
-    fit_costs,
     render,
     replay,
     simulate,
