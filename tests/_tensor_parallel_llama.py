@@ -15,17 +15,17 @@ order, one all-reduce of a replicated weight's partial gradients per step).
 
 from __future__ import annotations
 
-import optree
 import torch
 import torch.nn.functional as F
 
 import fpipe
+from tests.helpers import assert_bitwise, bitwise_equal
 
 DIM, HEAD_DIM, HIDDEN, VOCAB = 8, 2, 16, 13  # 4 heads
 TP = ("wq", "wk", "wv", "wo", "w1", "w3", "w2", "n1", "n2")  # the DTensor weights of a block
 
 
-def _dtensor_api():
+def dtensor_api():
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     return DTensor, Partial, Replicate, Shard
@@ -38,23 +38,23 @@ def _rms(x, w):
 def _column_input(h):
     """``h`` for a column-parallel product: a replicated DTensor's local copy, whose gradient is a
     partial sum (each rank's heads contribute their part)."""
-    DTensor, Partial, _, _ = _dtensor_api()
+    DTensor, Partial, _, _ = dtensor_api()
     return h.to_local(grad_placements=[Partial()]) if isinstance(h, DTensor) else h
 
 
 def _row_output(y, like):
     """The sum over tensor-parallel ranks of a row-parallel product ``y`` (as a ``Partial`` DTensor)."""
-    DTensor, Partial, _, _ = _dtensor_api()
+    DTensor, Partial, _, _ = dtensor_api()
     return DTensor.from_local(y, like.device_mesh, [Partial()]) if isinstance(like, DTensor) else y
 
 
-def _local(w):
-    DTensor, _, _, _ = _dtensor_api()
+def local_piece(w):
+    DTensor, _, _, _ = dtensor_api()
     return w.to_local() if isinstance(w, DTensor) else w
 
 
 def _replicated(x):
-    DTensor, _, Replicate, _ = _dtensor_api()
+    DTensor, _, Replicate, _ = dtensor_api()
     return x.redistribute(x.device_mesh, [Replicate()]) if isinstance(x, DTensor) else x
 
 
@@ -64,19 +64,19 @@ def _block(p, x):
     stage)."""
     b, t, _ = x.shape
     h = _column_input(_rms(x, p["n1"]))
-    wq, wk, wv = _local(p["wq"]), _local(p["wk"]), _local(p["wv"])
+    wq, wk, wv = local_piece(p["wq"]), local_piece(p["wk"]), local_piece(p["wv"])
     heads = wq.shape[0] // HEAD_DIM  # this rank's heads
     q, k, v = (F.linear(h, w).view(b, t, heads, HEAD_DIM).transpose(1, 2) for w in (wq, wk, wv))
     a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
-    x = x + _replicated(_row_output(F.linear(a, _local(p["wo"])), p["wo"]))
+    x = x + _replicated(_row_output(F.linear(a, local_piece(p["wo"])), p["wo"]))
     h = _column_input(_rms(x, p["n2"]))
-    mlp = F.linear(F.silu(F.linear(h, _local(p["w1"]))) * F.linear(h, _local(p["w3"])), _local(p["w2"]))
+    mlp = F.linear(F.silu(F.linear(h, local_piece(p["w1"]))) * F.linear(h, local_piece(p["w3"])), local_piece(p["w2"]))
     return {"x": x, "mlp": _row_output(mlp, p["w2"])}
 
 
-def _first(p, mb):
+def llama_first(p, mb):
     x = F.embedding(mb["tokens"], p["embed"])
-    DTensor, _, Replicate, _ = _dtensor_api()
+    DTensor, _, Replicate, _ = dtensor_api()
     if isinstance(p["wq"], DTensor):
         x = DTensor.from_local(x, p["wq"].device_mesh, [Replicate()])
     return _block(p, x)
@@ -86,21 +86,21 @@ def _middle(p, y):
     return _block(p, _replicated(y["x"] + y["mlp"]))
 
 
-def _last(p, y):
+def llama_last(p, y):
     y = _block(p, _replicated(y["x"] + y["mlp"]))
-    x = _local(_replicated(y["x"] + y["mlp"]))
+    x = local_piece(_replicated(y["x"] + y["mlp"]))
     return F.linear(_rms(x, p["norm"]), p["head"])
 
 
-def _loss(logits, mb):
+def llama_loss(logits, mb):
     return F.cross_entropy(logits.reshape(-1, VOCAB), mb["targets"].reshape(-1))
 
 
-def _stages(num_stages):
-    return [_first, *[_middle] * (num_stages - 2), _last]
+def llama_stages(num_stages):
+    return [llama_first, *[_middle] * (num_stages - 2), llama_last]
 
 
-def _params(num_stages, seed=0):
+def llama_params(num_stages, seed=0):
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape, scale=0.3):
@@ -118,7 +118,7 @@ def _params(num_stages, seed=0):
     return params
 
 
-def _batch(seed, size=6, length=5):
+def llama_batch(seed, size=6, length=5):
     g = torch.Generator().manual_seed(seed)
     return {
         "tokens": torch.randint(VOCAB, (size, length), generator=g),
@@ -126,22 +126,22 @@ def _batch(seed, size=6, length=5):
     }
 
 
-def _reference(num_stages, batch, params=None):
-    stages = _stages(num_stages)
+def llama_reference(num_stages, batch, params=None):
+    stages = llama_stages(num_stages)
 
     def full_loss(params):
         y = batch
         for stage, p in zip(stages, params, strict=True):
             y = stage(p, y)
-        return _loss(y, batch)
+        return llama_loss(y, batch)
 
-    grads, loss = torch.func.grad_and_value(full_loss)(_params(num_stages) if params is None else params)
+    grads, loss = torch.func.grad_and_value(full_loss)(llama_params(num_stages) if params is None else params)
     return loss, grads
 
 
-def _distribute(params, tensor_mesh):
+def distribute_llama(params, tensor_mesh):
     """Column-wise (``Shard(0)``) q, k, v, w1, w3; row-wise (``Shard(1)``) wo, w2; replicated norms."""
-    _, _, Replicate, Shard = _dtensor_api()
+    _, _, Replicate, Shard = dtensor_api()
     from torch.distributed.tensor import distribute_tensor
 
     placement = {"wo": Shard(1), "w2": Shard(1), "n1": Replicate(), "n2": Replicate()}
@@ -150,15 +150,15 @@ def _distribute(params, tensor_mesh):
     }
 
 
-def _full(tree):
-    DTensor, _, _, _ = _dtensor_api()
+def full_tensors(tree):
+    DTensor, _, _, _ = dtensor_api()
     return {
         k: (v.full_tensor() if isinstance(v, DTensor) else v, type(v).__name__, str(getattr(v, "placements", "")))
         for k, v in tree.items()
     }
 
 
-def _train(rank, world, dims, shape, schedules, num_stages, precision=None):
+def train_ranks(rank, world, dims, shape, schedules, num_stages, precision=None):
     """Steps on a ``dims`` mesh, one per schedule; per schedule the loss, full grads and norm.
     With a ``precision`` policy the parameters are float32 master weights."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -168,25 +168,31 @@ def _train(rank, world, dims, shape, schedules, num_stages, precision=None):
     out = []
     for schedule in schedules:
         step = fpipe.pipeline(
-            _loss, _stages(num_stages), schedule, parallel=fpipe.Parallelism(mesh=mesh, timeout=60), precision=precision
+            llama_loss,
+            llama_stages(num_stages),
+            schedule,
+            parallel=fpipe.Parallelism(mesh=mesh, timeout=60),
+            precision=precision,
         )
-        full_params = _params(num_stages) if precision is None else _float32(_params(num_stages))
-        params = [_distribute(p, mesh["tp"]) if s in step.local_stages else None for s, p in enumerate(full_params)]
-        loss, grads = step(params, _batch(10 + replica) if step.rank == 0 else None)
+        full_params = llama_params(num_stages) if precision is None else as_float32(llama_params(num_stages))
+        params = [
+            distribute_llama(p, mesh["tp"]) if s in step.local_stages else None for s, p in enumerate(full_params)
+        ]
+        loss, grads = step(params, llama_batch(10 + replica) if step.rank == 0 else None)
         for s in step.local_stages:  # the grads' placements and dtypes are their params'
             for k, g in grads[s].items():
                 assert type(g) is type(params[s][k]), (s, k)
                 assert getattr(g, "placements", None) == getattr(params[s][k], "placements", None), (s, k)
                 assert g.dtype == params[s][k].dtype, (s, k, g.dtype)
-        full = [_full(grads[s]) if s in step.local_stages else None for s in range(num_stages)]
+        full = [full_tensors(grads[s]) if s in step.local_stages else None for s in range(num_stages)]
         out.append((step.local_stages, loss, full, step.global_norm(grads)))
     return out
 
 
-def _check(results, num_stages, replicas=1):
+def check_trained(results, num_stages, replicas=1):
     """Each rank's results (one per schedule) against the float64 reference, averaged over
     ``replicas``, and bitwise equal across schedules (split backward or fused)."""
-    refs = [_reference(num_stages, _batch(10 + r)) for r in range(replicas)]
+    refs = [llama_reference(num_stages, llama_batch(10 + r)) for r in range(replicas)]
     loss = sum(r[0] for r in refs) / replicas
     grads = [{k: sum(r[1][s][k] for r in refs) / replicas for k in refs[0][1][s]} for s in range(num_stages)]
     norm = torch.cat([g.reshape(-1) for tree in grads for g in tree.values()]).norm()
@@ -202,8 +208,8 @@ def _check(results, num_stages, replicas=1):
                 for k, (g, kind, placements) in d_grads[s].items():
                     assert kind == ("DTensor" if k in TP else "Tensor"), (s, k, kind)
                     torch.testing.assert_close(g, grads[s][k], rtol=1e-12, atol=1e-14)
-                    assert torch.equal(g, first[s, k]), (j, s, k, placements)  # bitwise across schedules
-            assert torch.equal(d_loss, results[0][0][1])
+                    assert_bitwise(g, first[s, k], f"schedule {j}, stage {s}, {k} {placements}")  # across schedules
+            assert_bitwise(d_loss, results[0][0][1])
 
 
 # bfloat16 compute, float32 master weights and sums (notes/precision.md)
@@ -213,15 +219,15 @@ MIXED = fpipe.Precision(compute=torch.bfloat16, accumulate=torch.float32)
 MIXED_LOSS_RTOL, MIXED_GRADS_RTOL = 1e-2, 5e-2
 
 
-def _float32(params):
+def as_float32(params):
     return [{k: v.float() for k, v in p.items()} for p in params]
 
 
-def _check_mixed(results, num_stages, compute=torch.bfloat16, rtols=(MIXED_LOSS_RTOL, MIXED_GRADS_RTOL)):
+def check_mixed(results, num_stages, compute=torch.bfloat16, rtols=(MIXED_LOSS_RTOL, MIXED_GRADS_RTOL)):
     """``compute`` (bfloat16) on float32 master weights: bitwise equal across schedules, float32
     grads, and the float64 reference to ``compute`` rounding (relative error of the loss and of
     all grads, within ``rtols``)."""
-    loss, grads = _reference(num_stages, _batch(10))
+    loss, grads = llama_reference(num_stages, llama_batch(10))
     first = {
         (s, k): g
         for local_stages, _, d_grads, _ in (r[0] for r in results)
@@ -232,11 +238,11 @@ def _check_mixed(results, num_stages, compute=torch.bfloat16, rtols=(MIXED_LOSS_
     for per_rank in results:
         for local_stages, d_loss, d_grads, _ in per_rank:
             assert d_loss.dtype == compute
-            assert torch.equal(d_loss, results[0][0][1])  # bitwise across schedules and ranks
+            assert_bitwise(d_loss, results[0][0][1])  # across schedules and ranks
             for s in local_stages:
                 for k, (g, kind, _) in d_grads[s].items():
                     assert kind == ("DTensor" if k in TP else "Tensor") and g.dtype == torch.float32, (s, k, kind)
-                    assert torch.equal(g, first[s, k]), (s, k)
+                    assert_bitwise(g, first[s, k], f"stage {s}, {k}")
     loss_rtol, grads_rtol = rtols
     assert abs(float(results[0][0][1]) - float(loss)) <= loss_rtol * float(loss)
     d_all = torch.cat([first[s, k].double().reshape(-1) for s in range(num_stages) for k in grads[s]])
@@ -254,11 +260,11 @@ SCALED_LOSS_RTOL, SCALED_GRADS_RTOL = 2e-3, 1e-2
 OVERFLOW_STEP = 2  # of steps 0 to 3, the one whose gradient overflows on one tensor-parallel rank
 
 
-def _infinite_grad(w, first_only=False):
+def infinite_grad(w, first_only=False):
     """``w`` (a DTensor), whose gradient's local piece on this rank is ``inf`` (the other ranks'
     pieces are untouched: nothing sums a sharded weight's gradient over tensor-parallel ranks);
     with ``first_only``, only the piece's first element (in one data-parallel shard of it)."""
-    DTensor, _, _, _ = _dtensor_api()
+    DTensor, _, _, _ = dtensor_api()
 
     def infinite(g):
         if not first_only:
@@ -277,18 +283,7 @@ def _infinite_grad(w, first_only=False):
 MAX_NORM, LR = 0.5, 1e-2  # the norm is about 1.5: clipping scales
 
 
-def _same(a, b):
-    """Bitwise equal pytrees, DTensors compared by type, placements and local piece."""
-    leaves_a, leaves_b = optree.tree_leaves(a, none_is_leaf=True), optree.tree_leaves(b, none_is_leaf=True)
-    return len(leaves_a) == len(leaves_b) and all(
-        type(x) is type(y)
-        and (x is None or torch.equal(_local(x), _local(y)))
-        and getattr(x, "placements", None) == getattr(y, "placements", None)
-        for x, y in zip(leaves_a, leaves_b)
-    )
-
-
-def _sharded(rank, world, dims, shape, schedule, num_stages):
+def sharded_ranks(rank, world, dims, shape, schedule, num_stages):
     """The same step with ``shard_params=True`` (and ``regather=True``) next to the replicated one on a
     mesh with dp, pp and tp; then a clipped AdamW update of the shards and a second step."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -297,7 +292,7 @@ def _sharded(rank, world, dims, shape, schedule, num_stages):
     replica = mesh.get_coordinate()[dims.index("dp")]
     plain, sharded = (
         fpipe.pipeline(
-            _loss, _stages(num_stages), schedule, parallel=fpipe.Parallelism(mesh=mesh, timeout=60, **options)
+            llama_loss, llama_stages(num_stages), schedule, parallel=fpipe.Parallelism(mesh=mesh, timeout=60, **options)
         )
         for options in ({}, {"shard_params": True})
     )
@@ -307,19 +302,22 @@ def _sharded(rank, world, dims, shape, schedule, num_stages):
     def watching(s, stage):
         def run(p, x):
             freed.extend(all(t.untyped_storage().size() == 0 for t in ts) for other, ts in seen.items() if other != s)
-            seen[s] = [_local(t) for t in p.values()]
+            seen[s] = [local_piece(t) for t in p.values()]
             return stage(p, x)
 
         return run
 
-    stages = [watching(s, f) for s, f in enumerate(_stages(num_stages))]
+    stages = [watching(s, f) for s, f in enumerate(llama_stages(num_stages))]
     regathered = fpipe.pipeline(
-        _loss, stages, schedule, parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, regather=True, timeout=60)
+        llama_loss,
+        stages,
+        schedule,
+        parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, regather=True, timeout=60),
     )
     held = plain.local_stages
-    params = [_distribute(p, mesh["tp"]) if s in held else None for s, p in enumerate(_params(num_stages))]
+    params = [distribute_llama(p, mesh["tp"]) if s in held else None for s, p in enumerate(llama_params(num_stages))]
     shards, r_shards = sharded.shard(params), regathered.shard(params)
-    batch = _batch(10 + replica) if plain.rank == 0 else None
+    batch = llama_batch(10 + replica) if plain.rank == 0 else None
     loss, grads = sharded(shards, batch)
     p_loss, p_grads = plain(params, batch)
     r_loss, r_grads = regathered(r_shards, batch)
@@ -328,19 +326,19 @@ def _sharded(rank, world, dims, shape, schedule, num_stages):
         "shards are plain 1-D tensors": all(
             type(x) is torch.Tensor and x.dim() == 1 for s in held for x in [*shards[s].values(), *grads[s].values()]
         ),
-        "loss bitwise": torch.equal(loss, p_loss) and torch.equal(r_loss, loss),
+        "loss bitwise": bitwise_equal((loss, r_loss), (p_loss, loss)),
         # dp 2: each element is g_0 + g_1 in the reduce-scatter and in the all-reduce alike
         "grads: the shards of the replicated run's, bitwise": all(
-            _same(grads[s], fpipe.shard(p_grads[s], mesh)) for s in held
+            bitwise_equal(grads[s], fpipe.shard(p_grads[s], mesh)) for s in held
         ),
-        "regather bitwise": _same(r_grads, grads),
+        "regather bitwise": bitwise_equal(r_grads, grads),
         "gather: the replicated run's grads, DTensors with their placements, bitwise": all(
-            _same(gathered[s], p_grads[s]) for s in held
+            bitwise_equal(gathered[s], p_grads[s]) for s in held
         ),
         "fpipe.gather(step.shard(params)) == params": all(
-            _same(fpipe.gather(shards[s], params[s], sharded), params[s]) for s in held
+            bitwise_equal(fpipe.gather(shards[s], params[s], sharded), params[s]) for s in held
         ),
-        "evaluate bitwise": torch.equal(sharded.evaluate(shards, batch), plain.evaluate(params, batch)),
+        "evaluate bitwise": bitwise_equal(sharded.evaluate(shards, batch), plain.evaluate(params, batch)),
         "regather frees the other stages' pieces": all(freed) and (len(freed) > 0 or len(held) == 1),
         **_uneven(mesh),
         **_sharded_mixed(mesh, schedule, num_stages, batch),
@@ -358,8 +356,8 @@ def _sharded(rank, world, dims, shape, schedule, num_stages):
         "loss": loss,
         "norm": norm,
         "plain_norm": p_norm,
-        "grads": [_full(gathered[s]) if s in held else None for s in range(num_stages)],
-        "updated": [_full(updated[s]) if s in held else None for s in range(num_stages)],
+        "grads": [full_tensors(gathered[s]) if s in held else None for s in range(num_stages)],
+        "updated": [full_tensors(updated[s]) if s in held else None for s in range(num_stages)],
         "loss2": loss2,
     }
 
@@ -369,8 +367,8 @@ def _sharded_mixed(mesh, schedule, num_stages, batch):
     replicated run's grads, bitwise, and ``step.gather`` float32 DTensors with the params' placements."""
     plain, sharded = (
         fpipe.pipeline(
-            _loss,
-            _stages(num_stages),
+            llama_loss,
+            llama_stages(num_stages),
             schedule,
             parallel=fpipe.Parallelism(mesh=mesh, timeout=60, **options),
             precision=MIXED,
@@ -378,19 +376,22 @@ def _sharded_mixed(mesh, schedule, num_stages, batch):
         for options in ({}, {"shard_params": True})
     )
     held = plain.local_stages
-    params = [_distribute(p, mesh["tp"]) if s in held else None for s, p in enumerate(_float32(_params(num_stages)))]
+    params = [
+        distribute_llama(p, mesh["tp"]) if s in held else None
+        for s, p in enumerate(as_float32(llama_params(num_stages)))
+    ]
     loss, grads = sharded(sharded.shard(params), batch)
     p_loss, p_grads = plain(params, batch)
     return {
-        "mixed: loss bitwise": loss.dtype == torch.bfloat16 and torch.equal(loss, p_loss),
+        "mixed: loss bitwise": loss.dtype == torch.bfloat16 and bitwise_equal(loss, p_loss),
         "mixed: float32 grads": all(
             g.dtype == torch.float32 for s in held for g in [*grads[s].values(), *p_grads[s].values()]
         ),
         "mixed: grads the shards of the replicated run's, bitwise": all(
-            _same(grads[s], fpipe.shard(p_grads[s], mesh)) for s in held
+            bitwise_equal(grads[s], fpipe.shard(p_grads[s], mesh)) for s in held
         ),
         "mixed: gather the replicated run's grads, bitwise": all(
-            _same(sharded.gather(grads)[s], p_grads[s]) for s in held
+            bitwise_equal(sharded.gather(grads)[s], p_grads[s]) for s in held
         ),
     }
 
@@ -398,7 +399,7 @@ def _sharded_mixed(mesh, schedule, num_stages, batch):
 def _uneven(mesh):
     """A DTensor of 5 x 3 split by rows over tp 2 (local pieces of 9 and 6 elements), cut over
     dp 2 by fpipe.shard and gathered back by fpipe.gather."""
-    _, _, _, Shard = _dtensor_api()
+    _, _, _, Shard = dtensor_api()
     from torch.distributed.tensor import distribute_tensor
 
     tree = {"w": distribute_tensor(torch.arange(15.0, dtype=torch.float64).view(5, 3), mesh["tp"], [Shard(0)])}
@@ -406,25 +407,25 @@ def _uneven(mesh):
     tp = mesh.get_local_rank("tp")
     return {
         "uneven: shard sizes by tp rank": tuple(shards["w"].shape) == ((5,), (3,))[tp],
-        "uneven: gather(shard) == tree": _same(fpipe.gather(shards, tree, mesh), tree),
+        "uneven: gather(shard) == tree": bitwise_equal(fpipe.gather(shards, tree, mesh), tree),
     }
 
 
-def _check_sharded(results, num_stages, replicas):
+def check_sharded(results, num_stages, replicas):
     """Against the float64 reference averaged over ``replicas``, clipped AdamW by torch.optim."""
-    batches = [_batch(10 + r) for r in range(replicas)]
-    refs = [_reference(num_stages, b) for b in batches]
+    batches = [llama_batch(10 + r) for r in range(replicas)]
+    refs = [llama_reference(num_stages, b) for b in batches]
     loss = sum(r[0] for r in refs) / replicas
     grads = [{k: sum(r[1][s][k] for r in refs) / replicas for k in refs[0][1][s]} for s in range(num_stages)]
     norm = torch.cat([g.reshape(-1) for tree in grads for g in tree.values()]).norm()
-    params = _params(num_stages)
+    params = llama_params(num_stages)
     flat = [p for tree in params for p in tree.values()]
     for p, g in zip(flat, [g for tree in grads for g in tree.values()]):
         p.grad = g.clone()
     torch.nn.utils.clip_grad_norm_(flat, MAX_NORM)
     torch.optim.AdamW(flat, lr=LR).step()
     updated = [{k: p.detach() for k, p in tree.items()} for tree in params]
-    loss2 = sum(_reference(num_stages, b, updated)[0] for b in batches) / replicas
+    loss2 = sum(llama_reference(num_stages, b, updated)[0] for b in batches) / replicas
     for rank, r in enumerate(results):
         assert all(r["checks"].values()), (rank, [name for name, ok in r["checks"].items() if not ok])
         torch.testing.assert_close(r["loss"], loss, rtol=1e-13, atol=0)

@@ -21,6 +21,7 @@ from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1
 from tests import _tensor_parallel_llama as llama
 from tests._multiprocess import run_ranks
 from tests.conformance import CONFORMANCE
+from tests.helpers import assert_bitwise, bitwise_equal
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 WIDTH = 8
@@ -58,11 +59,6 @@ def _batch(size: int, dtype: torch.dtype, width: int = WIDTH, seed: int = 1) -> 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(size, width, generator=g, dtype=F64)
     return {"x": x.to(dtype), "y": torch.randn(size, width, generator=g, dtype=F64).to(F64 if dtype == F64 else F32)}
-
-
-def _equal(a: Any, b: Any) -> bool:
-    flat_a, flat_b = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
-    return len(flat_a) == len(flat_b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(flat_a, flat_b))
 
 
 # --- accuracy ------------------------------------------------------------------------------------
@@ -116,7 +112,7 @@ def test_every_schedule_agrees_bitwise(dtype: torch.dtype, precision: fpipe.Prec
     expected = precision.grads or dtype
     assert all(g.dtype == expected for p in grads for g in p.values())
     for name, (other_loss, other_grads) in results.items():
-        assert torch.equal(loss, other_loss) and _equal(grads, other_grads), name
+        assert_bitwise((other_loss, other_grads), (loss, grads), name)
 
 
 def test_recompute_is_bitwise_unchanged() -> None:
@@ -124,7 +120,7 @@ def test_recompute_is_bitwise_unchanged() -> None:
     precision = fpipe.Precision(compute=BF16)
     plain = fpipe.pipeline(_loss, _stages(3), ZeroBubbleH1(4), precision=precision)(params, batch)
     again = fpipe.pipeline(_loss, _stages(3), ZeroBubbleH1(4), precision=precision, recompute=True)(params, batch)
-    assert _equal(plain, again)
+    assert_bitwise(again, plain)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -133,7 +129,7 @@ def test_a_policy_that_changes_nothing_is_bitwise_the_default(dtype: torch.dtype
     params, batch = _params(3, dtype), _batch(11, dtype)
     plain = fpipe.pipeline(_loss, _stages(3), OneFOneB(4))(params, batch)
     policy = fpipe.pipeline(_loss, _stages(3), OneFOneB(4), precision=fpipe.Precision())(params, batch)
-    assert _equal(plain, policy)
+    assert_bitwise(policy, plain)
 
 
 def _reference_loop(
@@ -170,8 +166,7 @@ def test_master_weights_equal_the_hand_written_loop(compute: torch.dtype) -> Non
     precision = fpipe.Precision(compute=compute)
     loss, grads = fpipe.pipeline(_loss, _stages(3), OneFOneB(5), precision=precision)(params, batch)
     expected_loss, expected = _reference_loop(params, batch, 5, compute)
-    assert torch.equal(loss, expected_loss)
-    assert _equal(grads, expected)
+    assert_bitwise((loss, grads), (expected_loss, expected))
     assert all(p["w"].dtype == F32 and p["w"].requires_grad is False for p in params)  # untouched
 
 
@@ -191,7 +186,7 @@ def test_master_weights_equal_the_loop_for_any_sizes(
     params, batch = _params(num_stages, F32, seed=seed), _batch(num_microbatches + extra_examples, compute, seed=seed)
     schedule = entry.make(num_stages, num_microbatches)
     step = fpipe.pipeline(_loss, _stages(num_stages), schedule, precision=fpipe.Precision(compute=compute))
-    assert _equal(step(params, batch), _reference_loop(params, batch, num_microbatches, compute))
+    assert_bitwise(step(params, batch), _reference_loop(params, batch, num_microbatches, compute))
 
 
 def test_grads_dtype_is_what_the_policy_says() -> None:
@@ -230,7 +225,8 @@ def test_autocast_inside_a_stage() -> None:
         fpipe.pipeline(_loss, [_autocast_stage] * 3, schedule, recompute=recompute)(params, batch)
         for schedule, recompute in [(GPipe(4), False), (OneFOneB(4), True), (ZeroBubbleH1(4), False)]
     ]
-    assert all(_equal(results[0], other) for other in results[1:])
+    for other in results[1:]:
+        assert_bitwise(other, results[0])
 
     def full_loss(ps: list[dict[str, torch.Tensor]], mb: dict[str, torch.Tensor]) -> torch.Tensor:
         h = mb
@@ -265,7 +261,7 @@ def test_loss_scaling_is_exact_and_its_state_moves() -> None:
     plain = fpipe.pipeline(_loss, _stages(2), OneFOneB(4), precision=fpipe.Precision())(params, batch)
     assert step.loss_scale == fpipe.LossScaleState(1024.0, 0) and not step.last_skipped
     scaled = step(params, batch)
-    assert _equal(scaled, plain)  # a power of two scales and unscales exactly
+    assert_bitwise(scaled, plain)  # a power of two scales and unscales exactly
     assert step.loss_scale == fpipe.LossScaleState(1024.0, 1) and not step.last_skipped
     step(params, batch)
     assert step.loss_scale == fpipe.LossScaleState(2048.0, 0)
@@ -408,10 +404,10 @@ def test_two_processes_agree_with_one_bitwise_and_skip_together() -> None:
         )
         for r, result in enumerate(ranks):
             other_loss, other_grads = result[name]
-            assert torch.equal(loss, other_loss), (name, r)
+            assert_bitwise(other_loss, loss, f"{name}, rank {r}")
             for s in range(4):
                 if other_grads[s] is not None:  # stage s on rank s % 2
-                    assert _equal(grads[s], other_grads[s]), (name, r, s)
+                    assert_bitwise(other_grads[s], grads[s], f"{name}, rank {r}, stage {s}")
     for result in ranks:
         assert result["scaled"] == (True, fpipe.LossScaleState(128.0, 0))
         assert result["overflowed"] == (True, fpipe.LossScaleState(2.0**17, 0))
@@ -461,8 +457,8 @@ def test_replicas_sum_in_float32_sharded_or_not() -> None:
     alone = [step(_params(2, BF16), _batch(10, BF16, seed=r))[1] for r in range(2)]
     expected = [{k: (a[k] + b[k]) / 2 for k in a} for a, b in zip(*alone)]
     for result in ranks:
-        assert _equal(result["replicated"][1], expected)
-        assert _equal(result["sharded"], expected)
+        assert_bitwise(result["replicated"][1], expected)
+        assert_bitwise(result["sharded"], expected)
         assert result["shard dtypes"] == [F32] * 4
         assert result["scaled"] == (True, fpipe.LossScaleState(2.0, 0))
 
@@ -544,9 +540,8 @@ def test_float8_parameters_compute_in_bfloat16_with_float32_sums() -> None:
     loss16, grads16 = fpipe.pipeline(_loss, _stages(2), OneFOneB(4), precision=fpipe.Precision(grads=F32))(
         widened, batch
     )
-    assert torch.equal(loss8, loss16) and grads8[0]["w"].dtype == F32
-    for g8, g16 in zip(grads8, grads16, strict=True):
-        assert all(torch.equal(g8[k], g16[k]) for k in g16)
+    assert grads8[0]["w"].dtype == F32
+    assert_bitwise((loss8, grads8), (loss16, grads16))
 
 
 # -- Loss scaling with tensor parallelism (the model: tests/_tensor_parallel_llama.py) --
@@ -563,29 +558,29 @@ def _loss_scaled(rank, world, schedules):
 
     def first(p, mb):
         if overflow[0] and mesh.get_local_rank("tp") == 1:
-            p = {**p, "w1": llama._infinite_grad(p["w1"])}
-        return llama._first(p, mb)
+            p = {**p, "w1": llama.infinite_grad(p["w1"])}
+        return llama.llama_first(p, mb)
 
     out = []
     for schedule in schedules:
         step = fpipe.pipeline(
-            llama._loss,
-            [first, llama._last],
+            llama.llama_loss,
+            [first, llama.llama_last],
             schedule,
             parallel=fpipe.Parallelism(mesh=mesh, timeout=60),
             precision=llama.SCALED,
         )
         params = [
-            llama._distribute(p, mesh["tp"]) if s in step.local_stages else None
-            for s, p in enumerate(llama._float32(llama._params(2)))
+            llama.distribute_llama(p, mesh["tp"]) if s in step.local_stages else None
+            for s, p in enumerate(llama.as_float32(llama.llama_params(2)))
         ]
         steps = []
         for i in range(4):
             overflow[0] = i == llama.OVERFLOW_STEP
-            loss, grads = step(params, llama._batch(10) if step.rank == 0 else None)
-            full = [llama._full(grads[s]) if s in step.local_stages else None for s in range(2)]
+            loss, grads = step(params, llama.llama_batch(10) if step.rank == 0 else None)
+            full = [llama.full_tensors(grads[s]) if s in step.local_stages else None for s in range(2)]
             finite = all(
-                bool(torch.isfinite(llama._local(g)).all()) for s in step.local_stages for g in grads[s].values()
+                bool(torch.isfinite(llama.local_piece(g)).all()) for s in step.local_stages for g in grads[s].values()
             )
             steps.append((step.local_stages, loss, full, step.loss_scale, step.last_skipped, finite))
         out.append(steps)
@@ -599,7 +594,7 @@ def test_float16_loss_scaling_with_tensor_parallel():
     ``inf`` in one tensor-parallel rank's piece of a gradient makes all 4 ranks skip the step."""
     results = run_ranks(4, _loss_scaled, [GPipe(3), OneFOneB(3)], timeout=120)
     first_steps = [[(*steps[0][:3], None) for steps in r] for r in results]
-    llama._check_mixed(first_steps, 2, torch.float16, (llama.SCALED_LOSS_RTOL, llama.SCALED_GRADS_RTOL))
+    llama.check_mixed(first_steps, 2, torch.float16, (llama.SCALED_LOSS_RTOL, llama.SCALED_GRADS_RTOL))
     S = llama.SCALING.init
     states = [(S, 1), (2 * S, 0), (S, 0), (S, 1)]  # after each step; the third is skipped
     for rank, r in enumerate(results):
@@ -610,14 +605,13 @@ def test_float16_loss_scaling_with_tensor_parallel():
             assert [finite for *_, finite in steps] == [i != llama.OVERFLOW_STEP or rank != 2 for i in range(4)], rank
             _, loss0, grads0, _, _, _ = steps[0]
             for i, (local_stages, loss, grads, _, _, _) in enumerate(steps):
-                assert torch.equal(loss, loss0), (rank, i)  # the loss is never scaled
+                assert_bitwise(loss, loss0, f"rank {rank}, step {i}")  # the loss is never scaled
                 finite = [all(torch.isfinite(g).all() for g, _, _ in grads[s].values()) for s in local_stages]
                 if i == llama.OVERFLOW_STEP:  # stage 0's full w1: inf in tp rank 1's half
                     assert finite == [s != 0 for s in local_stages], (rank, i)
                 else:  # the same grads at scale 2**10 or 2**11 (a power of two, no underflow)
-                    assert all(
-                        torch.equal(g, grads0[s][k][0]) for s in local_stages for k, (g, _, _) in grads[s].items()
-                    ), (rank, i)
+                    for s in local_stages:
+                        assert_bitwise(grads[s], grads0[s], f"rank {rank}, step {i}, stage {s}")
 
 
 def _loss_scaled_data_parallel(rank, world):
@@ -634,16 +628,16 @@ def _loss_scaled_data_parallel(rank, world):
 
     def first(p, mb):
         if overflow[0] and replica == 1 and mesh.get_local_rank("tp") == 1:
-            p = {**p, "w1": llama._infinite_grad(p["w1"], first_only=True)}
-        return llama._first(p, mb)
+            p = {**p, "w1": llama.infinite_grad(p["w1"], first_only=True)}
+        return llama.llama_first(p, mb)
 
-    params = [llama._distribute(p, mesh["tp"]) for p in llama._float32(llama._params(2))]
-    batch = llama._batch(10 + replica)
+    params = [llama.distribute_llama(p, mesh["tp"]) for p in llama.as_float32(llama.llama_params(2))]
+    batch = llama.llama_batch(10 + replica)
     out, plain_grads = {}, []
     for shard_params in (False, True):
         step = fpipe.pipeline(
-            llama._loss,
-            [first, llama._last],
+            llama.llama_loss,
+            [first, llama.llama_last],
             OneFOneB(3),
             parallel=fpipe.Parallelism(mesh=mesh, shard_params=shard_params, timeout=60),
             precision=llama.SCALED,
@@ -653,14 +647,14 @@ def _loss_scaled_data_parallel(rank, world):
         for i in range(4):
             overflow[0] = i == llama.OVERFLOW_STEP
             loss, grads = step(inputs, batch)
-            finite = all(bool(torch.isfinite(llama._local(g)).all()) for tree in grads for g in tree.values())
+            finite = all(bool(torch.isfinite(llama.local_piece(g)).all()) for tree in grads for g in tree.values())
             if shard_params:
-                bitwise = llama._same(grads, [fpipe.shard(tree, mesh) for tree in plain_grads[i]])
+                bitwise = bitwise_equal(grads, [fpipe.shard(tree, mesh) for tree in plain_grads[i]])
                 grads = step.gather(grads)
             else:
                 bitwise = None
                 plain_grads.append(grads)
-            full = [{k: g for k, (g, _, _) in llama._full(tree).items()} for tree in grads]
+            full = [{k: g for k, (g, _, _) in llama.full_tensors(tree).items()} for tree in grads]
             steps.append((loss, full, step.loss_scale, step.last_skipped, finite, bitwise))
         out[shard_params] = steps
     return out
@@ -673,7 +667,7 @@ def test_float16_loss_scaling_with_data_parallel_times_tensor_parallel():
     that one, the scale moves alike on every rank, and the good steps equal the float64 reference
     averaged over the replicas to float16 rounding (sharded: the replicated run's grads' shards)."""
     results = run_ranks(4, _loss_scaled_data_parallel, timeout=120)
-    refs = [llama._reference(2, llama._batch(10 + r)) for r in range(2)]
+    refs = [llama.llama_reference(2, llama.llama_batch(10 + r)) for r in range(2)]
     ref_loss = float(refs[0][0] + refs[1][0]) / 2  # the step's loss is the replicas' mean
     ref = torch.cat([((refs[0][1][s][k] + refs[1][1][s][k]) / 2).reshape(-1) for s in range(2) for k in refs[0][1][s]])
     S = llama.SCALING.init
@@ -697,10 +691,10 @@ def test_float16_loss_scaling_with_data_parallel_times_tensor_parallel():
             error = float((d_all - ref).norm() / ref.norm())
             assert error <= llama.SCALED_GRADS_RTOL, (where, error)
             for i, (loss, grads, _, _, _, _) in enumerate(steps):
-                assert torch.equal(loss, loss0), (where, i)  # the loss is never scaled
+                assert_bitwise(loss, loss0, f"{where}, step {i}")  # the loss is never scaled
                 if i == llama.OVERFLOW_STEP:  # stage 0's full w1 (16 x 8): inf at the first element of tp rank 1's half
                     assert (~torch.isfinite(grads[0]["w1"])).nonzero().tolist() == [[llama.HIDDEN // 2, 0]], where
                 else:  # the same grads at scale 2**10 or 2**11 (a power of two, no underflow)
-                    assert llama._same(grads, grads0), (where, i)
+                    assert_bitwise(grads, grads0, f"{where}, step {i}")
         for i in range(4):  # the replicated and the sharded runs' full grads, bitwise
-            assert llama._same(r[False][i][1], r[True][i][1]), (rank, i)
+            assert_bitwise(r[False][i][1], r[True][i][1], f"rank {rank}, step {i}")

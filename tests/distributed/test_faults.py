@@ -21,25 +21,11 @@ import torch.distributed as dist
 import fpipe
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
+from tests.distributed._faults import DP_PP, PP_TP, SLACK, rank_name, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
 DEFAULT = None  # the pipeline's default timeout (300 s)
-# "Fast" below means well inside the waits a broken fault path would sit out (the 300 s default,
-# or a test's own 20-30 s timeout), with room for a loaded machine: a survivor raises within
-# its wait's timeout plus about 0.1 s (NOTE [failure board]), but a rank of a spawned job on 2
-# busy cores can be off the CPU for seconds.
-SLACK = 10.0
-# "Never twice the timeout", made detectable: with a timeout T of 12 s a survivor must raise
-# within T + 8 s of the fault (room for a loaded machine), below the 2 T = 24 s, and below the
-# LATE + T = 21 s of a survivor that, not told, waits out a timeout of its own begun LATE s
-# after the fault (a loaded machine only makes that later).
-NEVER_TWICE, LATE = 12, 9.0
-WITHIN = NEVER_TWICE + 8.0
-
-
-DP_PP = (("dp", 2), ("pp", 2))  # a mesh, as (dimension, size) pairs
-PP_TP = (("pp", 2), ("tp", 2))  # the tensor-parallel ranks run the same plain stages
 
 
 def scenario(rank, world, mesh, victim, where, sig, timeout):
@@ -125,18 +111,10 @@ def run_case(setup, victim, where, sig, timeout):
     return run_ranks(world, scenario, *args, timeout=90, may_die=frozenset({victim}))
 
 
-def name(setup, victim):
-    """How messages name global rank ``victim``: ``rank 1``, or ``rank 3 (dp 1, pp 1)`` on a mesh."""
-    if isinstance(setup, int):
-        return f"rank {victim}"
-    (first, _), (second, size) = setup
-    return f"rank {victim} ({first} {victim // size}, {second} {victim % size})"
-
-
 @pytest.mark.parametrize(("setup", "victim", "where", "sig", "timeout"), CASES)
 def test_every_survivor_fails_fast_naming_the_victim(setup, victim, where, sig, timeout):
     results = run_case(setup, victim, where, sig, timeout)
-    names = name(setup, victim)
+    names = rank_name(setup, victim)
     limit = SLACK if timeout is None else timeout + SLACK  # either way far below the default 300 s
     for rank, result in enumerate(results):
         if rank == victim:
@@ -178,7 +156,7 @@ def _continued(rank, world, mesh, faults, timeout, directory):
             Path(directory, f"{i} raised {rank}").touch()
             if rank == survivors[0]:
                 for r in survivors:
-                    _wait_for(Path(directory, f"{i} raised {r}"))
+                    wait_for(Path(directory, f"{i} raised {r}"))
                 os.kill(pids[victim], signal.SIGCONT)
         out.append(tuple(result))
         dist.barrier()
@@ -204,7 +182,7 @@ def test_a_victim_continued_after_the_survivors_failed_raises_too(setup, faults,
     world, mesh = (setup, None) if isinstance(setup, int) else (setup[0][1] * setup[1][1], setup)
     results = run_ranks(world, _continued, mesh, faults, 3, str(tmp_path), timeout=90)
     for i, (where, victim) in enumerate(faults):
-        said = f"because {name(setup, victim)} stopped answering"
+        said = f"because {rank_name(setup, victim)} stopped answering"
         for rank, result in enumerate(results):
             seconds, kind, message = result[i]
             assert kind == "PipelineTimeoutError" and said in message, (where, rank, kind, message)
@@ -266,24 +244,17 @@ def _late(rank, world, directory):
     gave_up, done = Path(directory, "rank 0 gave up"), Path(directory, "rank 1 is done")
     step, params, batch = _two_stages(rank, timeout=2 if rank == 0 else 30)
     if rank == 1:
-        _wait_for(gave_up)
+        wait_for(gave_up)
     start = time.monotonic()
     with pytest.raises(fpipe.PipelineError) as info:
         step(params, batch)
     took = time.monotonic() - start
     if rank == 0:
         gave_up.touch()
-        _wait_for(done)  # keep the store (hosted here) up while rank 1 arrives
+        wait_for(done)  # keep the store (hosted here) up while rank 1 arrives
     else:
         done.touch()
     return took, type(info.value).__name__, str(info.value)
-
-
-def _wait_for(path, seconds=60):
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name}: not within {seconds} s"
-        time.sleep(0.02)
 
 
 def test_a_rank_that_arrives_after_the_others_gave_up_fails_at_its_handshake(tmp_path):
@@ -484,7 +455,7 @@ def matrix(setups=((2, 1), (3, 2), (4, 3), (DP_PP, 1)), timeouts=(4, DEFAULT)):
     print("| ranks | victim | fault | signal | timeout | survivors' seconds | error | names the victim |")
     print("|---|---|---|---|---|---|---|---|")
     for setup, victim in setups:
-        names = name(setup, victim)
+        names = rank_name(setup, victim)
         for where in ("forward", "backward", "idle"):
             for sig in (signal.SIGKILL, signal.SIGSTOP):
                 for timeout in timeouts:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import fpipe
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.distributed.test_faults import DP_PP, LATE, NEVER_TWICE, PP_TP, SLACK, WITHIN, _wait_for, name
+from tests.distributed._faults import DP_PP, LATE, NEVER_TWICE, PP_TP, SLACK, WITHIN, rank_name, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -159,7 +159,7 @@ def test_a_save_in_flight_does_not_hold_the_error(setup, victim, sig, timeout, t
         seconds, kind, message = result
         assert seconds < limit, (rank, seconds, message)
         said = "died" if sig == signal.SIGKILL else "stopped answering"
-        assert kind.startswith("Pipeline") and f"because {name(setup, victim)} {said}" in message, (rank, message)
+        assert kind.startswith("Pipeline") and f"because {rank_name(setup, victim)} {said}" in message, (rank, message)
 
 
 def _call(what, step, params, batch, grads, directory, timeout):
@@ -255,7 +255,7 @@ def _in_turn(rank, world, mesh, faults, timeout, directory, aborts=True):
                 Path(here, f"raised {rank}").touch()
                 if rank == min(set(range(world)) - {victim}):
                     for r in set(range(world)) - {victim}:
-                        _wait_for(Path(here, f"raised {r}"))
+                        wait_for(Path(here, f"raised {r}"))
                     os.kill(pids[victim], signal.SIGCONT)
         if sig == signal.SIGSTOP:
             dist.barrier()
@@ -271,13 +271,13 @@ def _check_in_turn(setup, faults, timeout, results):
                 continue
             seconds, kind, message = result[i]
             if rank == victim:  # continued (SIGCONT): it raises the board's record, naming itself
-                assert kind.startswith("Pipeline") and f"because {name(setup, victim)} {said}" in message, (
+                assert kind.startswith("Pipeline") and f"because {rank_name(setup, victim)} {said}" in message, (
                     what,
                     rank,
                     message,
                 )
                 continue
-            named = f"because {name(setup, victim)} {said}"
+            named = f"because {rank_name(setup, victim)} {said}"
             assert kind.startswith("Pipeline") and named in message, (what, rank, message)
             assert seconds < limit, (what, rank, seconds, message)
 
@@ -356,7 +356,7 @@ def _late_survivor(rank, world, victim, directory):
     # would tell the other at once.
     Path(directory, f"raised {rank}").touch()
     for r in set(range(world)) - {victim}:
-        _wait_for(Path(directory, f"raised {r}"))
+        wait_for(Path(directory, f"raised {r}"))
     return out
 
 
@@ -407,7 +407,7 @@ def _host_frozen_in_load(rank, world, directory):
         out = time.monotonic() - start, type(error).__name__, str(error)
     Path(directory, f"raised {rank}").touch()
     for r in (1, 2, 3):
-        _wait_for(Path(directory, f"raised {r}"))
+        wait_for(Path(directory, f"raised {r}"))
     return out
 
 

@@ -22,14 +22,14 @@ from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
 from tests._tensor_parallel_llama import (
     HEAD_DIM,
-    _batch,
-    _distribute,
-    _dtensor_api,
-    _first,
-    _last,
-    _loss,
-    _params,
-    _stages,
+    distribute_llama,
+    dtensor_api,
+    llama_batch,
+    llama_first,
+    llama_last,
+    llama_loss,
+    llama_params,
+    llama_stages,
 )
 
 
@@ -50,12 +50,12 @@ def _bad_inputs(rank, world):
     stage returning DTensors on another sub-mesh; what every rank raised."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    DTensor, _, Replicate, _ = _dtensor_api()
+    DTensor, _, Replicate, _ = dtensor_api()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp, tp = mesh.get_coordinate()
-    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, timeout=30))
-    params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(_params(2))]
-    batch = _batch(1) if pp == 0 else None
+    step = fpipe.pipeline(llama_loss, llama_stages(2), OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, timeout=30))
+    params = [distribute_llama(p, mesh["tp"]) if s == pp else None for s, p in enumerate(llama_params(2))]
+    batch = llama_batch(1) if pp == 0 else None
     messages = {}
     wrong = [dict(p) if p is not None else None for p in params]
     if (pp, tp) == (1, 1):  # one rank: its tp partner and its pipeline peer must hear of it too
@@ -66,10 +66,12 @@ def _bad_inputs(rank, world):
     messages["after"] = float(step(params, batch)[0])  # input errors leave the mesh usable
 
     def elsewhere(p, mb):  # returns a DTensor on the pipeline sub-mesh
-        y = _first(p, mb)
+        y = llama_first(p, mb)
         return {"x": DTensor.from_local(y["x"].to_local(), mesh["pp"], [Replicate()]), "mlp": y["mlp"]}
 
-    failing = fpipe.pipeline(_loss, [elsewhere, _last], OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, timeout=30))
+    failing = fpipe.pipeline(
+        llama_loss, [elsewhere, llama_last], OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, timeout=30)
+    )
     with pytest.raises(fpipe.PipelineError) as info:
         failing(params, batch)
     messages["output elsewhere"] = (str(info.value), repr(info.value.__cause__))
@@ -99,13 +101,13 @@ def _uneven_heads(rank, world):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp = mesh.get_coordinate()[0]
-    step = fpipe.pipeline(_loss, _stages(2), OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, timeout=30))
-    full = _params(2)
+    step = fpipe.pipeline(llama_loss, llama_stages(2), OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, timeout=30))
+    full = llama_params(2)
     for p in full:  # 3 heads of HEAD_DIM: 6 rows of q, k, v, 3 on each rank
         p.update({n: p[n][: 3 * HEAD_DIM] for n in ("wq", "wk", "wv")}, wo=p["wo"][:, : 3 * HEAD_DIM])
-    params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
+    params = [distribute_llama(p, mesh["tp"]) if s == pp else None for s, p in enumerate(full)]
     with pytest.raises(fpipe.PipelineError) as info:
-        step(params, _batch(1) if pp == 0 else None)
+        step(params, llama_batch(1) if pp == 0 else None)
     return str(info.value), repr(info.value.__cause__)
 
 
@@ -131,13 +133,15 @@ def _one_tp_rank_fails(rank, world):
     def first(p, mb):
         if tp == 1:
             raise ValueError("boom on tp rank 1")
-        return _first(p, mb)
+        return llama_first(p, mb)
 
-    step = fpipe.pipeline(_loss, [first, _last], OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, timeout=30))
-    params = [_distribute(p, mesh["tp"]) if s == pp else None for s, p in enumerate(_params(2))]
+    step = fpipe.pipeline(
+        llama_loss, [first, llama_last], OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, timeout=30)
+    )
+    params = [distribute_llama(p, mesh["tp"]) if s == pp else None for s, p in enumerate(llama_params(2))]
     start = time.monotonic()
     with pytest.raises(fpipe.PipelineError) as info:
-        step(params, _batch(1) if pp == 0 else None)
+        step(params, llama_batch(1) if pp == 0 else None)
     return time.monotonic() - start, str(info.value), repr(info.value.__cause__)
 
 

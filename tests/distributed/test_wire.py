@@ -36,6 +36,7 @@ from fpipe._distributed._wire import (
     meta_of,
 )
 from tests._multiprocess import run_ranks
+from tests.helpers import assert_bitwise
 
 CPU = torch.device("cpu")
 
@@ -94,11 +95,7 @@ def test_every_kind_of_leaf_travels() -> None:
     }
     out, _ = roundtrip(Encoder(), Decoder(), tree)
     assert isinstance(out, dict) and out.keys() == tree.keys()
-    for key, value in tree.items():
-        if isinstance(value, torch.Tensor):
-            assert out[key].dtype == value.dtype and torch.equal(out[key], value), key
-        else:
-            assert out[key] == value
+    assert_bitwise(out, tree)
 
 
 def test_headers_travel_only_when_the_layout_changes() -> None:
@@ -129,7 +126,7 @@ def test_a_repeated_one_tensor_message_skips_the_layout(monkeypatch: pytest.Monk
     for k, (value, general) in enumerate(values):
         before = len(layouts)
         out, _ = transfer(encoder, decoder, value)
-        assert isinstance(out, torch.Tensor) and torch.equal(out, value.detach()), k
+        assert_bitwise(out, value.detach(), f"value {k}")
         assert out.requires_grad == value.requires_grad and len(layouts) - before == general, k
 
 
@@ -140,10 +137,6 @@ def test_a_non_tensor_leaf_that_changes_type_travels() -> None:
         out, _ = roundtrip(encoder, decoder, {"h": torch.ones(2), "flag": value})
         received = out["flag"]  # type: ignore[index]
         assert (type(received), received) == (type(value), value)
-
-
-def _bits(x: float) -> bytes:
-    return struct.pack(">d", x)
 
 
 def test_a_float_leaf_arrives_bit_for_bit_and_a_header_travels_when_its_bits_change() -> None:
@@ -160,10 +153,11 @@ def test_a_float_leaf_arrives_bit_for_bit_and_a_header_travels_when_its_bits_cha
         (-nan, True),
         (inf, True),
     ]
-    assert _bits(nan) != _bits(-nan)
+    assert struct.pack(">d", nan) != struct.pack(">d", -nan)
     for scale, header in steps:
         out, sent = roundtrip(encoder, decoder, {"h": torch.ones(2), "scale": scale})
-        assert (_bits(out["scale"]), sent) == (_bits(scale), header), scale  # type: ignore[index]
+        assert_bitwise(out["scale"], scale, repr(scale))  # type: ignore[index]
+        assert sent == header, scale
 
 
 def test_a_steady_channel_sends_one_tensor_with_the_payload_inline() -> None:
@@ -198,7 +192,8 @@ def test_inline_leaves_stay_aligned() -> None:
     tree = {"z": torch.randn(3, dtype=torch.complex128), "x": torch.randn(1)}
     for _ in range(2):
         out, sent = transfer(encoder, decoder, tree)
-    assert len(sent) == 1 and torch.equal(out["z"], tree["z"])  # type: ignore[index]
+    assert len(sent) == 1
+    assert_bitwise(out, tree)
 
 
 def test_an_error_message_fits_the_posted_receive() -> None:
@@ -221,8 +216,8 @@ def test_large_leaves_travel_from_their_own_storage() -> None:
     out, sent = transfer(encoder, decoder, tree)
     assert [t.numel() for t in sent] == [META_BYTES + 32 + 16, INLINE_LIMIT]  # int64[3] padded to 32, float32[4]
     assert sent[1].data_ptr() == big.data_ptr()  # no copy
-    assert out["h"].requires_grad and torch.equal(out["h"], big.detach())  # type: ignore[index]
-    assert torch.equal(out["pos"], torch.arange(3)) and out["tag"] == "x"  # type: ignore[index]
+    assert out["h"].requires_grad  # type: ignore[index]
+    assert_bitwise(out, {**tree, "h": big.detach()})
 
 
 def test_a_large_non_contiguous_leaf_travels() -> None:
@@ -230,7 +225,8 @@ def test_a_large_non_contiguous_leaf_travels() -> None:
     tree = {"h": torch.randn(64, INLINE_LIMIT // 256).t(), "z": torch.randn(INLINE_LIMIT // 16, dtype=torch.complex128)}
     for _ in range(2):
         out, sent = transfer(encoder, decoder, tree)
-    assert len(sent) == 3 and torch.equal(out["h"], tree["h"]) and torch.equal(out["z"], tree["z"])  # type: ignore[index]
+    assert len(sent) == 3
+    assert_bitwise(out, tree)
 
 
 def test_large_conjugate_and_negative_views_travel_as_their_values() -> None:
@@ -242,9 +238,7 @@ def test_large_conjugate_and_negative_views_travel_as_their_values() -> None:
     encoder, decoder = Encoder(), Decoder()
     for _ in range(2):
         out, _ = transfer(encoder, decoder, tree)
-        assert isinstance(out, dict)
-        assert torch.equal(out["z"], z.conj().resolve_conj()) and torch.equal(out["small"], z[:3].conj())
-        assert torch.equal(out["x"], -x)
+        assert_bitwise(out, {"z": z.conj().resolve_conj(), "small": z[:3].conj(), "x": -x})
 
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.complex64, torch.int64, torch.bool]
@@ -284,11 +278,7 @@ def test_any_sequence_of_pytrees_travels_on_one_channel(steps: list[tuple[dict, 
         }
         out, sent = transfer(encoder, decoder, tree)
         assert isinstance(out, dict) and out.keys() == tree.keys()
-        for key, value in tree.items():
-            if isinstance(value, torch.Tensor):
-                assert out[key].dtype == value.dtype and torch.equal(out[key], value), key
-            else:
-                assert type(out[key]) is type(value) and out[key] == value
+        assert_bitwise(out, tree)
         large = [
             v for v in tree.values() if isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= INLINE_LIMIT
         ]
@@ -341,27 +331,6 @@ class Record:
     name: str = dataclasses.field(default="r", metadata={"pytree_node": False})
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Whether ``b`` is ``a`` as it was sent: the same type, floats bit for bit."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, float):
-        return _bits(a) == _bits(b)
-    if isinstance(a, complex):
-        return _bits(a.real) == _bits(b.real) and _bits(a.imag) == _bits(b.imag)
-    return bool(a == b)
-
-
-def assert_arrived(tree: Any, out: Any) -> None:
-    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
-    out_leaves, out_spec = optree.tree_flatten(out, none_is_leaf=True)
-    assert out_spec == spec
-    for k, (a, b) in enumerate(zip(leaves, out_leaves, strict=True)):
-        assert _same(a, b), (k, a, b)
-
-
 _plain = st.one_of(
     st.none(),
     st.booleans(),
@@ -402,7 +371,7 @@ def test_every_kind_of_leaf_and_node_travels_as_it_was_sent(trees: list[Any]) ->
     encoder, decoder = Encoder(), Decoder()
     for tree in trees:
         out, _ = roundtrip(encoder, decoder, tree)
-        assert_arrived(tree, out)
+        assert_bitwise(out, tree)
 
 
 def test_containers_arrive_with_their_key_order_factory_and_maxlen() -> None:
@@ -416,8 +385,9 @@ def test_containers_arrive_with_their_key_order_factory_and_maxlen() -> None:
     out, _ = roundtrip(Encoder(), Decoder(), tree)
     assert isinstance(out, dict) and list(out) == ["b", "a", "q", "box", "record"]
     assert list(out["b"]) == ["y", "x"] and out["a"].default_factory is list and out["q"].maxlen == 4
-    assert out["box"].label == ("label", -0.0) and _bits(out["box"].label[1]) == _bits(-0.0)
-    assert out["record"].name == "n" and torch.equal(out["record"].x, torch.ones(1))
+    assert_bitwise(out, tree)  # node data (the box's label) compares by ==, so the label's -0.0 apart:
+    assert_bitwise(out["box"].label, ("label", -0.0))
+    assert out["record"].name == "n"
 
 
 def test_a_header_is_json() -> None:
@@ -542,7 +512,7 @@ def _dtensors_travel(rank: int, world: int) -> None:
     for k in ("h", "p"):
         assert isinstance(out[k], DTensor) and out[k].placements == tree[k].placements  # type: ignore[index]
         assert out[k].shape == tree[k].shape and out[k].device_mesh == mesh  # type: ignore[index]
-        assert torch.equal(out[k].to_local(), tree[k].to_local())  # type: ignore[index]
+        assert_bitwise(out[k], tree[k])  # type: ignore[index]
     assert out["h"].requires_grad and not out["p"].requires_grad  # type: ignore[index]
     assert roundtrip(encoder, decoder, tree, mesh)[1] is False  # the same placements: no header
     tree["p"] = DTensor.from_local(torch.randn(3), mesh, [Replicate()])
@@ -610,4 +580,4 @@ def test_pickle_is_not_used_on_the_wire(monkeypatch: pytest.MonkeyPatch) -> None
     tree = {"h": torch.ones(3), "p": Pair(Box([1], "b"), torch.return_types.max((2.5, None))), "d": torch.float16}
     for n in (1, 2, 2):
         out, _ = roundtrip(encoder, decoder, {**tree, "n": n})
-        assert_arrived({**tree, "n": n}, out)
+        assert_bitwise(out, {**tree, "n": n})

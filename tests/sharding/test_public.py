@@ -20,7 +20,14 @@ import fpipe
 from fpipe._distributed import resolve_topology
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests._tensor_parallel_llama import _batch, _distribute, _dtensor_api, _loss, _params, _stages
+from tests._tensor_parallel_llama import (
+    distribute_llama,
+    dtensor_api,
+    llama_batch,
+    llama_loss,
+    llama_params,
+    llama_stages,
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +82,12 @@ def _sharded_bad_inputs(rank, world):
     wrong structure to global_norm; what each rank raised."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    DTensor, _, Replicate, _ = _dtensor_api()
+    DTensor, _, Replicate, _ = dtensor_api()
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "pp", "tp"))
     step = fpipe.pipeline(
-        _loss, _stages(2), OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, timeout=30)
+        llama_loss, llama_stages(2), OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, timeout=30)
     )
-    params = [_distribute(p, mesh["tp"]) for p in _params(2)]
+    params = [distribute_llama(p, mesh["tp"]) for p in llama_params(2)]
     messages = {}
     wrong = [dict(p) for p in params]
     wrong[0]["wq"] = DTensor.from_local(wrong[0]["wq"].to_local(), mesh["dp"], [Replicate()])
@@ -93,7 +100,7 @@ def _sharded_bad_inputs(rank, world):
             call()
         messages[name] = str(info.value)
     shards = step.shard(params)
-    batch = _batch(1) if step.rank == 0 else None
+    batch = llama_batch(1) if step.rank == 0 else None
     with pytest.raises(ValueError) as info:
         # on one rank, a full DTensor where its shard belongs
         step([{**shards[0], "wq": params[0]["wq"]}, shards[1]] if rank == 3 else shards, batch)
@@ -104,7 +111,7 @@ def _sharded_bad_inputs(rank, world):
         step.global_norm([{"wq": g["wq"]} for g in grads])
     messages["norm, wrong structure"] = str(info.value)
     unsharded = fpipe.pipeline(
-        _loss, _stages(2), OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, timeout=30)
+        llama_loss, llama_stages(2), OneFOneB(2), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, timeout=30)
     )
     with pytest.raises(ValueError) as info:
         unsharded.global_norm(grads)  # no step.shard yet: no layouts to read the placements from

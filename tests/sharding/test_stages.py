@@ -23,7 +23,8 @@ from fpipe._run import segments
 from fpipe._sharding._layout import LeafLayout, StageLayout, cut, layout_of
 from fpipe.schedules import Interleaved1F1B, OneFOneB
 from tests._multiprocess import run_ranks
-from tests._tensor_parallel_llama import _check_sharded, _sharded
+from tests._tensor_parallel_llama import check_sharded, sharded_ranks
+from tests.helpers import assert_bitwise, bitwise_equal
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -71,13 +72,6 @@ def _sgd(params, grads):
     ]
 
 
-def _same(a, b):
-    leaves_a, leaves_b = optree.tree_leaves(a, none_is_leaf=True), optree.tree_leaves(b, none_is_leaf=True)
-    return len(leaves_a) == len(leaves_b) and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(leaves_a, leaves_b)
-    )
-
-
 CALLS = 2  # two steps with an SGD update of the shards in between
 
 
@@ -92,8 +86,8 @@ def _train(mesh, schedule, num_stages):
     full = [p if s in plain.local_stages else None for s, p in enumerate(params)]
     s0 = sharded.local_stages[0]
     checks = {
-        "fpipe.shard == step.shard": _same(fpipe.shard(params[s0], mesh), shards[s0]),
-        "gather(shard) == params": _same(fpipe.gather(shards[s0], params[s0], sharded), params[s0]),
+        "fpipe.shard == step.shard": bitwise_equal(fpipe.shard(params[s0], mesh), shards[s0]),
+        "gather(shard) == params": bitwise_equal(fpipe.gather(shards[s0], params[s0], sharded), params[s0]),
         "shard sizes": {k: tuple(v.shape) for k, v in shards[s0].items() if isinstance(v, torch.Tensor)},
     }
     # regather=True: a stage's full parameters live only while one of its actions runs
@@ -120,7 +114,7 @@ def _train(mesh, schedule, num_stages):
         batch = _batch(10 * call + replica) if sharded.rank == 0 else None
         loss, grads = sharded(shards, batch)
         r_loss, r_grads = regathered(regathered_shards, batch)
-        checks[f"regather bitwise, call {call}"] = torch.equal(r_loss, loss) and _same(r_grads, grads)
+        checks[f"regather bitwise, call {call}"] = bitwise_equal((r_loss, r_grads), (loss, grads))
         regathered_shards = _sgd(regathered_shards, r_grads)
         plain_loss, plain_grads = plain(full, batch)
         out.append(
@@ -251,12 +245,13 @@ def _norm(leaves):
 
 def _assert_trees(actual, expected, rtol):
     """Bitwise equal with ``rtol=0``; else close, float32 leaves to a few of their ulps."""
+    if rtol == 0:
+        assert_bitwise(actual, expected)
+        return
     assert optree.tree_structure(actual, none_is_leaf=True) == optree.tree_structure(expected, none_is_leaf=True)
     for a, e in zip(optree.tree_leaves(actual, none_is_leaf=True), optree.tree_leaves(expected, none_is_leaf=True)):
         if not isinstance(e, torch.Tensor):
             assert a == e
-        elif rtol == 0:
-            assert torch.equal(a, e), (a, e)
         elif e.dtype in (torch.float64, torch.complex128):
             torch.testing.assert_close(a, e, rtol=rtol, atol=rtol * 1e-2)
         else:
@@ -359,7 +354,7 @@ def test_step_gather_keeps_the_dtypes_of_the_shards():
     for unsharded, gathered, state in run_ranks(2, _mixed_precision, timeout=60):
         for tree in (unsharded[0], gathered):
             assert {k: v.dtype for k, v in tree.items()} == {k: v.dtype for k, v in state[0].items()}
-            assert all(torch.equal(tree[k], state[0][k]) for k in state[0])
+            assert_bitwise(tree, state[0])
 
 
 # --- no processes: the layout and the segments ----------------------------------------------------
@@ -465,5 +460,5 @@ def test_regather_needs_sharding():
 def test_sharded_data_parallel_times_tensor_parallel():
     """dp 2 x pp 1 x tp 2 (both stages on the one pipeline rank, interleaved): shard_params=True
     gives the shards of the replicated run's grads bitwise, and the reference to rounding."""
-    results = run_ranks(4, _sharded, ("dp", "pp", "tp"), (2, 1, 2), OneFOneB(3), 2, timeout=180)
-    _check_sharded(results, 2, replicas=2)
+    results = run_ranks(4, sharded_ranks, ("dp", "pp", "tp"), (2, 1, 2), OneFOneB(3), 2, timeout=180)
+    check_sharded(results, 2, replicas=2)

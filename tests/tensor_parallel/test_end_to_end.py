@@ -9,14 +9,14 @@ import pytest
 
 from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 from tests._multiprocess import run_ranks
-from tests._tensor_parallel_llama import MIXED, _check, _check_mixed, _check_sharded, _sharded, _train
+from tests._tensor_parallel_llama import MIXED, check_mixed, check_sharded, check_trained, sharded_ranks, train_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def _plain_and_mixed(rank, world, dims, shape, schedules, num_stages):
-    """``_train`` in float64, then the first two schedules again under ``MIXED``."""
-    return _train(rank, world, dims, shape, schedules, num_stages), _train(
+    """``train_ranks`` in float64, then the first two schedules again under ``MIXED``."""
+    return train_ranks(rank, world, dims, shape, schedules, num_stages), train_ranks(
         rank, world, dims, shape, schedules[:2], num_stages, precision=MIXED
     )
 
@@ -26,18 +26,18 @@ def test_pipeline_times_tensor_parallel_equals_the_unsplit_model():
     GPipe and 1F1B with bfloat16 compute on float32 master weights, float32 sums (``MIXED``)."""
     schedules = [GPipe(3), OneFOneB(3), ZeroBubbleH1(3)]
     results = run_ranks(4, _plain_and_mixed, ("tp", "pp"), (2, 2), schedules, 2, timeout=180)
-    _check([r[0] for r in results], 2)
-    _check_mixed([r[1] for r in results], 2)
+    check_trained([r[0] for r in results], 2)
+    check_mixed([r[1] for r in results], 2)
 
 
 def test_two_stages_per_rank_with_tensor_parallel():
     """pp 2 x tp 2, 4 stages: looped (interleaved 1F1B) and in a V (ZB-V, split backward)."""
-    results = run_ranks(4, _train, ("pp", "tp"), (2, 2), [OneFOneB(4), ZeroBubbleV(4)], 4, timeout=180)
-    _check(results, 4)
+    results = run_ranks(4, train_ranks, ("pp", "tp"), (2, 2), [OneFOneB(4), ZeroBubbleV(4)], 4, timeout=180)
+    check_trained(results, 4)
 
 
 def _both(rank, world, dims, shape, schedule, num_stages):
-    return _train(rank, world, dims, shape, [schedule], num_stages), _sharded(
+    return train_ranks(rank, world, dims, shape, [schedule], num_stages), sharded_ranks(
         rank, world, dims, shape, schedule, num_stages
     )
 
@@ -47,5 +47,5 @@ def test_data_times_pipeline_times_tensor_parallel():
     """dp 2 x pp 2 x tp 2 on 8 processes: equal to the average of the replicas' references,
     replicated and with shard_params=True."""
     results = run_ranks(8, _both, ("dp", "pp", "tp"), (2, 2, 2), OneFOneB(2), 2, timeout=400)
-    _check([r[0] for r in results], 2, replicas=2)
-    _check_sharded([r[1] for r in results], 2, replicas=2)
+    check_trained([r[0] for r in results], 2, replicas=2)
+    check_sharded([r[1] for r in results], 2, replicas=2)
