@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import struct
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -230,6 +231,32 @@ def torch_optim_reference(
             optimizer.param_groups[0]["lr"] = lrs[k]
         optimizer.step()
     return [p.detach() for p in flat], {i: optimizer.state[p] for i, p in enumerate(flat)}
+
+
+# --- torch.distributed.pipelining's schedules, the oracle of fpipe's (tests/schedules/) ----------
+
+
+def torch_stages(num_ranks: int, stages: list[int], num_stages: int) -> list[Any]:
+    """Stand-ins for rank 0's ``PipelineStage`` objects: what the schedule constructors read."""
+    return [
+        types.SimpleNamespace(
+            num_stages=num_stages,
+            group_size=num_ranks,
+            group_rank=0,
+            stage_index=s,
+            is_first=s == 0,
+            is_last=s == num_stages - 1,
+            submod=None,
+        )
+        for s in stages
+    ]
+
+
+def torch_csv(tmp_path: Path, schedule: Any, *, format: str = "compute_only") -> Path:
+    """``schedule``'s program as torch writes it (its private ``_dump_csv``), in a file under ``tmp_path``."""
+    path = tmp_path / f"{type(schedule).__name__}.csv"
+    schedule._dump_csv(str(path), format=format)
+    return path
 
 
 # --- A model with a leaf of every kind: complex, int and string activations ---------------------

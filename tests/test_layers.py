@@ -24,7 +24,10 @@ Four rules, each shown to fail on a small package written to ``tmp_path``:
 And the tests mirror the tree: every module that holds logic (defines a function or a class at
 its top level; ``__init__.py`` and ``__main__.py`` are faces) has a test module named after it,
 its path without the leading underscores (notes/design.md, "Tests mirror the tree"): ``fpipe/_saving/_async.py`` ->
-``tests/saving/test_async.py``, ``fpipe/_api.py`` -> ``tests/test_api.py``.
+``tests/saving/test_async.py``, ``fpipe/_api.py`` -> ``tests/test_api.py``. What the tests share
+lives in helper modules (tests/helpers.py, and the ``_``-prefixed ones such as tests/_multiprocess.py):
+no module under tests/ imports a ``test_*.py`` module, or a private name of another module (STYLE.md,
+point 20).
 """
 
 from __future__ import annotations
@@ -258,6 +261,56 @@ def untested_modules(root: Path, tests: Path) -> list[str]:
     ]
 
 
+def modules_under(tests: Path) -> dict[str, Path]:
+    """Every module under ``tests`` by dotted name from the repository root (``tests.saving.test_save``)."""
+    paths = sorted(tests.rglob("*.py"))
+    return {".".join(path.relative_to(tests.parent).with_suffix("").parts): path for path in paths}
+
+
+def _resolve(name: str, source: str, tests: Path, known: dict[str, Path]) -> str | None:
+    """The module of ``tests`` that ``import name`` in ``source`` finds, if any: ``name`` from the
+    repository root (``tests.test_x``), from the importing file's folder or from ``tests`` itself
+    (pytest puts both on ``sys.path``: ``from test_x import y``)."""
+    folder = source.rsplit(".", 1)[0]
+    for candidate in (name, f"{folder}.{name}", f"{tests.name}.{name}"):
+        if candidate in known:
+            return candidate
+    return None
+
+
+def import_violations_in_tests(tests: Path) -> list[str]:
+    """Where a module under ``tests`` imports a ``test_*`` module, or a private name of another module
+    under ``tests`` (``from tests._x import _y``, or ``_x._y`` on a module imported whole)."""
+    known = modules_under(tests)
+    found: dict[str, None] = {}  # in order, once each (one statement may take several names)
+    for source, path in known.items():
+        aliases: dict[str, str] = {}  # a module imported whole, by the name it is read through
+        for node in ast.walk(parse(path)):
+            pairs: list[tuple[str | None, str, str]] = []  # (module, name taken from it or "", alias)
+            if isinstance(node, ast.Import):
+                pairs = [(_resolve(a.name, source, tests, known), "", a.asname or a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                base = _resolve(node.module, source, tests, known)
+                for a in node.names:
+                    module = _resolve(f"{node.module}.{a.name}", source, tests, known)
+                    pairs.append((module, "", a.asname or a.name) if module else (base, a.name, a.asname or a.name))
+            for module, name, alias in pairs:
+                if module is None or module == source:
+                    continue
+                if module.rsplit(".", 1)[-1].startswith("test_"):
+                    found[f"{source}:{node.lineno} imports the test module {module}"] = None
+                elif _private(name):
+                    found[f"{source}:{node.lineno} imports {name}, private to {module}"] = None
+                elif not name:
+                    aliases[alias] = module
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr):
+                module = aliases.get(node.value.id)
+                if module is not None and not module.rsplit(".", 1)[-1].startswith("test_"):
+                    found[f"{source}:{node.lineno} reads {ast.unparse(node)}, private to {module}"] = None
+    return list(found)
+
+
 def test_no_import_cycle() -> None:
     assert import_cycles(PACKAGE) == []
 
@@ -282,6 +335,10 @@ def test_imports_follow_the_rows_of_the_design_note() -> None:
 
 def test_every_module_that_holds_logic_has_a_test_module_named_after_it() -> None:
     assert untested_modules(PACKAGE, TESTS) == []
+
+
+def test_no_test_module_imports_another_or_a_private_name() -> None:
+    assert import_violations_in_tests(TESTS) == []
 
 
 # The rules on synthetic packages: each one fails.
@@ -441,4 +498,29 @@ def test_a_module_with_logic_and_no_test_module_fails(tmp_path: Path) -> None:
     assert untested_modules(root, tests) == [
         "pkg/_a.py has no tests/test_a.py",
         "pkg/_sub/_c.py has no tests/sub/test_c.py",
+    ]
+
+
+def test_a_test_module_imported_or_a_private_name_read_across_tests_fails(tmp_path: Path) -> None:
+    files = {
+        "helpers.py": "def model():\n    pass\ndef _seed():\n    pass\n",
+        "_spawn.py": "def run():\n    pass\n",
+        "conftest.py": "from tests.test_a import fixture\n",
+        "test_a.py": "from tests.helpers import model\nfrom tests import _spawn\ndef _own():\n    pass\n_own()\n",
+        "test_b.py": "from test_a import _own, x\nimport tests.test_a\nfrom tests.helpers import _seed\n",
+        "sub/test_c.py": "from tests import helpers as h\nfrom test_d import x\nh._seed()\n",
+        "sub/test_d.py": "x = 1\ndef f():\n    from tests import _spawn\n    _spawn._run()\n",
+    }
+    for name, text in files.items():
+        path = tmp_path / "tests" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert import_violations_in_tests(tmp_path / "tests") == [
+        "tests.conftest:1 imports the test module tests.test_a",
+        "tests.sub.test_c:2 imports the test module tests.sub.test_d",  # from its own folder, as pytest finds it
+        "tests.sub.test_c:3 reads h._seed, private to tests.helpers",
+        "tests.sub.test_d:4 reads _spawn._run, private to tests._spawn",
+        "tests.test_b:1 imports the test module tests.test_a",
+        "tests.test_b:2 imports the test module tests.test_a",
+        "tests.test_b:3 imports _seed, private to tests.helpers",
     ]

@@ -8,7 +8,6 @@ with ``_PipelineScheduleRuntime``; no process group is needed.
 from __future__ import annotations
 
 import io
-import types
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from fpipe.schedules import (
     load_csv,
     validate,
 )
+from tests.helpers import torch_csv, torch_stages
 
 
 def text_of(program: Program) -> str:
@@ -107,28 +107,6 @@ def test_rejects_what_is_not_an_action(cell: str) -> None:
 
 
 # --- torch writes, fpipe reads; fpipe writes, torch reads --------------------------------------
-
-
-def torch_stages(num_ranks: int, stages: list[int], num_stages: int) -> list[Any]:
-    """Stand-ins for rank 0's ``PipelineStage`` objects: what the schedule constructors read."""
-    return [
-        types.SimpleNamespace(
-            num_stages=num_stages,
-            group_size=num_ranks,
-            group_rank=0,
-            stage_index=s,
-            is_first=s == 0,
-            is_last=s == num_stages - 1,
-            submod=None,
-        )
-        for s in stages
-    ]
-
-
-def torch_csv(tmp_path: Path, schedule: Any, *, format: str = "compute_only") -> Path:
-    path = tmp_path / f"{type(schedule).__name__}.csv"
-    schedule._dump_csv(str(path), format=format)
-    return path
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])

@@ -7,10 +7,10 @@ from textwrap import dedent
 from typing import Any
 
 import pytest
-from test_csv import torch_stages  # rank 0's stand-in PipelineStages, shared with the CSV tests
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from fpipe.schedules import DualPipeV, ScheduleError, ZeroBubbleV, load_csv, placement, render, validate
+from tests.helpers import torch_stages  # rank 0's stand-in PipelineStages
 
 
 def test_grid_2_ranks_4_microbatches() -> None:

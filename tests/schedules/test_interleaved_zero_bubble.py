@@ -7,10 +7,10 @@ from pathlib import Path
 from textwrap import dedent
 
 import pytest
-from test_csv import torch_csv, torch_stages  # rank 0's stand-in PipelineStages, shared with the CSV tests
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from fpipe.schedules import InterleavedZeroBubble, ScheduleError, ZeroBubbleH1, load_csv, placement, render, validate
+from tests.helpers import torch_csv, torch_stages  # rank 0's stand-in PipelineStages
 
 
 def test_grid_2_ranks_2_stages_each_4_microbatches() -> None:
