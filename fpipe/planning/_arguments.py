@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from .._plural import plural
 from ..schedules import Costs, ScheduleError
 from ..schedules._simulate import charged, receiving_kinds
-from ._problem import Problem
+from ._problem import TOLERANCE, Problem
 from ._solver import available as solver_available
 
 
@@ -115,7 +115,7 @@ def checked_problem(
     charged_costs = tuple(charged(c, r) for c, r in zip(per_stage, receiving_kinds(rank_of)))
     problem = Problem(m, rank_of, charged_costs, stage_sizes, tuple(float(x) for x in limits))
     least = [problem.footprint(r) for r in range(p)]
-    short = [r for r in range(p) if limits[r] < least[r] * (1 - 1e-9)]
+    short = [r for r in range(p) if limits[r] < least[r] * (1 - TOLERANCE)]
     if short:
         r = short[0]
         unit = "bytes" if sizes is not None else "activation units"

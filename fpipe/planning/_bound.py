@@ -69,9 +69,7 @@ import math
 from collections.abc import Sequence
 
 from ..schedules._action import BACKWARD
-from ._problem import Problem
-
-_SLACK = 1e-9  # relative tolerance on memory limits (sums of floats)
+from ._problem import TOLERANCE, Problem
 
 
 class Relaxation:
@@ -112,7 +110,7 @@ class Relaxation:
             self.through[s] = trip + self.back[s] + self.after[s]
             trip += self.up[s] + self.forward[s] + self.back[s] + self.down[s]
         alive = [problem.limits[r] / problem.sizes[s] for s, r in enumerate(problem.rank_of)]
-        self.capacity = [m if math.isinf(x) else max(1, min(m, math.floor(x * (1 + _SLACK)))) for x in alive]
+        self.capacity = [m if math.isinf(x) else max(1, min(m, math.floor(x * (1 + TOLERANCE)))) for x in alive]
         self.held = [problem.stages_of(r) for r in range(problem.num_ranks)]
         # entry[s]: for the last stage s of a rank holding several, (the rank's first stage, how many
         # other microbatches can still hold that first stage's activations while one holds the
@@ -122,7 +120,7 @@ class Relaxation:
         for r, stages in enumerate(self.held):
             spare = (problem.limits[r] - problem.footprint(r)) / problem.sizes[stages[0]]
             if len(stages) > 1 and not math.isinf(spare):
-                self.entry[stages[-1]] = stages[0], math.floor(spare * (1 + _SLACK) + _SLACK)
+                self.entry[stages[-1]] = stages[0], math.floor(spare * (1 + TOLERANCE) + TOLERANCE)
         # window[s]: for the last stage s of a rank holding several under a limit below m footprints,
         # (at_once, chain, the work per microbatch outside its window if the rank is alone in its
         # windows, else NaN) (NOTE [memory windows])
@@ -130,10 +128,10 @@ class Relaxation:
         for r, stages in enumerate(self.held):
             last, limit, footprint = stages[-1], problem.limits[r], problem.footprint(r)
             if len(stages) > 1 and limit < m * footprint:
-                at_once = max(1, math.floor(limit / footprint * (1 + _SLACK)))
+                at_once = max(1, math.floor(limit / footprint * (1 + TOLERANCE)))
                 trip = self.through[last] - self.back[last] - self.after[last]
                 frees = min(self.after[last] - self.after[s] + self.weight[s] for s in stages)
-                alone = footprint + min(problem.sizes[s] for s in stages) > limit * (1 + _SLACK)
+                alone = footprint + min(problem.sizes[s] for s in stages) > limit * (1 + TOLERANCE)
                 outside = sum(self.weight[s] for s in stages) - max(self.weight[s] for s in stages)
                 self.window[last] = (
                     at_once,

@@ -52,9 +52,7 @@ from typing import Literal
 from ..schedules import Action, Costs, Program
 from ..schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from ._bound import Relaxation
-from ._problem import Problem
-
-_EPSILON = 1e-9
+from ._problem import TOLERANCE, Problem
 
 Outcome = Literal["optimal", "ended", "cut"]
 """How an exact search ended, by its own account, not the clock's: ``"optimal"``, it ran to its
@@ -129,7 +127,7 @@ class _Search:
         found = []
         for s, r in enumerate(problem.rank_of):
             i = done_f[s]
-            fits = self.memory[r] + problem.sizes[s] <= problem.limits[r] * (1 + _EPSILON)
+            fits = self.memory[r] + problem.sizes[s] <= problem.limits[r] * (1 + TOLERANCE)
             if i < m and (s == 0 or done_f[s - 1] > i) and fits:
                 ready = ends[FORWARD][s - 1][i] + problem.hop(s - 1, s) if s else 0.0
                 found.append((max(self.free[r], ready), r, FORWARD, s))
@@ -142,7 +140,7 @@ class _Search:
             if self.waiting[s]:  # its I ran on this rank, so it ended by now
                 found.append((self.free[r], r, BACKWARD_WEIGHT, s))
         order = {BACKWARD: 0, BACKWARD_INPUT: 0, FORWARD: 1, BACKWARD_WEIGHT: 2}
-        kept = [o for o in found if o[0] > last[0] + _EPSILON or (o[0] >= last[0] - _EPSILON and o[1] >= last[1])]
+        kept = [o for o in found if o[0] > last[0] + TOLERANCE or (o[0] >= last[0] - TOLERANCE and o[1] >= last[1])]
         return sorted(kept, key=lambda o: (o[0], order[o[2]], o[1]))
 
     def bound(self, start: float, span: float) -> float:
@@ -152,7 +150,7 @@ class _Search:
         opens = [max(f, start) for f in self.free]
         ends = self.ends[FORWARD], self.ends[BACKWARD]
         done = self.done_f, self.done_b
-        return max(span, self.relaxation.bound(done, self.waiting, ends, opens, self.best - _EPSILON))
+        return max(span, self.relaxation.bound(done, self.waiting, ends, opens, self.best - TOLERANCE))
 
     def dominated(self, last: tuple[float, int]) -> bool:
         """Whether a branch already seen reached these counts with every time that matters no later
@@ -166,9 +164,9 @@ class _Search:
             times += self.ends[BACKWARD][s + 1][done_b[s] : done_b[s + 1]]
         vector = tuple(times)
         bucket = self.seen.setdefault(key, [])
-        if any(all(a <= b + _EPSILON for a, b in zip(other, vector)) for other in bucket):
+        if any(all(a <= b + TOLERANCE for a, b in zip(other, vector)) for other in bucket):
             return True
-        bucket[:] = [other for other in bucket if not all(b <= a + _EPSILON for a, b in zip(other, vector))]
+        bucket[:] = [other for other in bucket if not all(b <= a + TOLERANCE for a, b in zip(other, vector))]
         bucket.append(vector)
         return False
 
@@ -178,16 +176,16 @@ class _Search:
         if self.nodes % 1024 == 0 and time.perf_counter() > self.deadline:
             raise OutOfTime
         if not self.todo:
-            if span < self.best - _EPSILON:
+            if span < self.best - TOLERANCE:
                 self.best = span
                 self.program = Program(
                     tuple(tuple(row) for row in self.rows), self.problem.num_stages, self.problem.num_microbatches
                 )
             return
-        if self.dominated(last) or self.bound(last[0], span) >= self.best - _EPSILON:
+        if self.dominated(last) or self.bound(last[0], span) >= self.best - TOLERANCE:
             return
         for start, r, kind, s in self.options(last):
-            if max(start, last[0]) + self.left[r] >= self.best - _EPSILON:
+            if max(start, last[0]) + self.left[r] >= self.best - TOLERANCE:
                 continue
             undo = self.apply(start, r, kind, s)
             self.descend((start, r), max(span, self.free[r]))

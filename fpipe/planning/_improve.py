@@ -28,9 +28,7 @@ from collections.abc import Sequence
 
 from ..schedules import Action, Program
 from ..schedules._action import BACKWARD, BACKWARD_WEIGHT, FORWARD
-from ._problem import Problem
-
-_SLACK = 1e-9  # relative tolerance on memory limits and times (sums of floats)
+from ._problem import TOLERANCE, Problem
 
 
 def peak_memory(program: Program, sizes: Sequence[float]) -> tuple[float, ...]:
@@ -124,7 +122,7 @@ def improve(
                     a = row.pop(k)
                     row.insert(j, a)
                     t = replay(problem, rows)
-                    if t < best * (1 - _SLACK) and _fits(problem, rows):
+                    if t < best * (1 - TOLERANCE) and _fits(problem, rows):
                         best, kept = t, True
                         break
                     row.pop(j)
@@ -141,7 +139,7 @@ def _fits(problem: Problem, rows: Sequence[Sequence[Action]]) -> bool:
     peaks = peak_memory(
         Program(tuple(tuple(row) for row in rows), problem.num_stages, problem.num_microbatches), problem.sizes
     )
-    return all(peak <= limit * (1 + _SLACK) for peak, limit in zip(peaks, problem.limits))
+    return all(peak <= limit * (1 + TOLERANCE) for peak, limit in zip(peaks, problem.limits))
 
 
 def kicked(
@@ -157,7 +155,7 @@ def kicked(
     shaker = random.Random(0)
     best, kept, finished = makespan, program, True
     for kick in range(kicks):
-        if best <= bound * (1 + _SLACK):
+        if best <= bound * (1 + TOLERANCE):
             break
         if time.perf_counter() > deadline:
             finished = False
@@ -172,9 +170,9 @@ def kicked(
         better, t, done = improve(problem, moved, t, 2, 3, deadline)
         moved = moved if better is None else better
         finished = finished and done
-        if t <= best * (1 + _SLACK):
+        if t <= best * (1 + TOLERANCE):
             best, kept = t, moved
-    return (kept, best, finished) if best < makespan * (1 - _SLACK) else (None, makespan, finished)
+    return (kept, best, finished) if best < makespan * (1 - TOLERANCE) else (None, makespan, finished)
 
 
 def _move_at_random(row: list[Action], shaker: random.Random) -> None:

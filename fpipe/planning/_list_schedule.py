@@ -66,9 +66,8 @@ from dataclasses import dataclass
 
 from ..schedules import Action, Costs, Program
 from ..schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
-from ._problem import Problem
+from ._problem import TOLERANCE, Problem
 
-_SLACK = 1e-9  # relative tolerance on memory limits and times (sums of floats)
 _WAIT, _SWAP = 0.1, 0.27  # how often a shaken pass waits for any action, or runs any ready one
 
 
@@ -124,7 +123,7 @@ def fill(problem: Problem, rank: int, split: bool) -> int:
     for s in range(problem.num_stages - 1, first - 1, -1):
         trip += problem.backward(s, split) + (problem.hop(s + 1, s) if s + 1 < problem.num_stages else 0.0)
     work = sum(_work(problem.costs[s]) for s in problem.stages_of(rank))
-    return max(1, math.ceil(trip / work - _SLACK))
+    return max(1, math.ceil(trip / work - TOLERANCE))
 
 
 def _work(costs: Costs) -> float:
@@ -167,7 +166,7 @@ class _Pass:
             if i < m and (s == 0 or done[FORWARD][s - 1] > i):
                 entering = s == self.stages[r][0]
                 if self.policy.reserve:
-                    fits = not entering or self.reserved[r] + self.footprints[r] <= problem.limits[r] * (1 + _SLACK)
+                    fits = not entering or self.reserved[r] + self.footprints[r] <= problem.limits[r] * (1 + TOLERANCE)
                 else:
                     fits = self.safe(r, s)
                 if fits and (not entering or self.inside[r] < self.admits[r]):
@@ -186,7 +185,7 @@ class _Pass:
         """Whether rank ``r`` may run the next forward of ``stage`` without its memory limit ever
         blocking the oldest microbatch still going forward through it (NOTE [unreserved memory])."""
         sizes, done, stages = self.problem.sizes, self.done[FORWARD], self.stages[r]
-        limit = self.problem.limits[r] * (1 + _SLACK)
+        limit = self.problem.limits[r] * (1 + TOLERANCE)
         if self.held[r] + sizes[stage] > limit:
             return False
         oldest = done[stages[-1]] + (stage == stages[-1])  # a rank's later stages have run fewer forwards
@@ -209,7 +208,7 @@ class _Pass:
         if not options:
             return None
         t = max(self.free[r], min(ready for ready, _, _ in options))
-        ready_now = [o for o in options if o[0] <= t * (1 + _SLACK)]
+        ready_now = [o for o in options if o[0] <= t * (1 + TOLERANCE)]
         if self.shaker is not None:  # NOTE [shaken passes]
             draw = self.shaker.random()
             if draw < _WAIT and len(options) > 1:

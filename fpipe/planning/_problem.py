@@ -11,6 +11,14 @@ from dataclasses import dataclass
 from ..schedules import Costs
 from ..schedules._action import BACKWARD
 
+TOLERANCE = 1e-9
+"""The engine's one tolerance on times and memory, which are sums of floats: two that are equal in
+exact arithmetic may differ in their last bits. Compared relatively, ``a`` fits under ``b`` when
+``a <= b * (1 + TOLERANCE)`` and is faster when ``a < b * (1 - TOLERANCE)``; the exact search
+compares its times absolutely (``a <= b + TOLERANCE``), its costs being of the order of 1. A
+count read off a ratio (``floor(x * (1 + TOLERANCE))``) is not cut short by a rounding below it.
+Not a tolerance: ``fit_costs``'s ``MIN_DURATION``, the least duration it charges."""
+
 
 @dataclass(frozen=True)
 class Problem:

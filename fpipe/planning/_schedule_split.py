@@ -22,7 +22,7 @@ NOTE [schedule-aware split]
        their sizes); keep the best shift that shortens the step, repeat. ``O(S^2 * A)`` per
        round; never slower than the min-max split, not always the optimum.
 
-    Ties (steps within a relative ``1e-9``) go to the split that moves the fewest layers away
+    Ties (steps within the relative ``TOLERANCE``) go to the split that moves the fewest layers away
     from the min-max split (the sum of the cut points' distances), then to the first in
     lexicographic order of cut points. That is what keeps torch's expected
     ``[0, 1, 2], [3, 4], [5], [6, 7]`` over the equally fast ``[0, 1, 2], [3, 4], [5, 6], [7]``.
@@ -45,9 +45,9 @@ from ..schedules import Costs, Program, execution_order, validate
 from ..schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from ..schedules._program import dependencies, split_backwards
 from ._partition import partition
+from ._problem import TOLERANCE
 
 EXACT_LIMIT = 20_000  # splits enumerated exactly; beyond, a local search (NOTE [schedule-aware split])
-_TIE = 1e-9  # relative difference under which two simulated steps count as equal
 
 Cuts = tuple[int, ...]
 
@@ -72,13 +72,13 @@ def split_for(program: Program, layers: Sequence[Costs]) -> list[range]:
     def consider(cuts: Cuts) -> None:
         nonlocal best
         step = replay.step(cuts)
-        if step < best[0] * (1 - _TIE) or (step <= best[0] * (1 + _TIE) and (moved(cuts), cuts) < best[1:]):
+        if step < best[0] * (1 - TOLERANCE) or (step <= best[0] * (1 + TOLERANCE) and (moved(cuts), cuts) < best[1:]):
             best = (step, moved(cuts), cuts)
 
     if math.comb(n - 1, stages - 1) <= EXACT_LIMIT:
         ordered = sorted((replay.bound(c), c) for c in itertools.combinations(range(1, n), stages - 1))
         for bound, cuts in ordered:
-            if bound > best[0] * (1 + _TIE):
+            if bound > best[0] * (1 + TOLERANCE):
                 break
             consider(cuts)
     else:

@@ -40,7 +40,7 @@ from ._exact import exact as branch_and_bound
 from ._improve import improve, kicked, peak_memory
 from ._list_schedule import list_schedule
 from ._policies import LOCAL_ACTIONS, policies
-from ._problem import Problem
+from ._problem import TOLERANCE, Problem
 from ._solver import available as solver_available
 from ._solver import solve
 
@@ -217,13 +217,15 @@ def search(
     # to return should a built-in win (NOTE [per-action overhead]: the same ends).
     simulations: dict[int, Simulation] = {}
     for name, program in builtin_programs(problem, placement):
-        if all(peak <= limit * (1 + 1e-9) for peak, limit in zip(peak_memory(program, problem.sizes), problem.limits)):
+        if all(
+            peak <= limit * (1 + TOLERANCE) for peak, limit in zip(peak_memory(program, problem.sizes), problem.limits)
+        ):
             simulations[id(program)] = simulate(program, given)
             tried.append((name, simulations[id(program)].makespan, program))
     builtins = len(tried)
     reserving = list(tried)
     complete = True
-    met = any(t <= bound * (1 + 1e-9) for _, t, _ in tried)
+    met = any(t <= bound * (1 + TOLERANCE) for _, t, _ in tried)
     for k, policy in enumerate(policies(problem)):
         if met:
             break
@@ -234,9 +236,9 @@ def search(
         assert laid_out is not None, "a list-scheduling pass admits only what it can finish (NOTE [list scheduler])"
         tried.append((str(policy), laid_out[1], laid_out[0]))
         reserving += [tried[-1]] if policy.reserve else []
-        met = laid_out[1] <= bound * (1 + 1e-9)
+        met = laid_out[1] <= bound * (1 + TOLERANCE)
     name, best, program = min(tried, key=lambda t: t[1])
-    optimal = best <= bound * (1 + 1e-9)
+    optimal = best <= bound * (1 + TOLERANCE)
     actions = problem.num_stages * num_microbatches * 3
     if complete and not optimal and actions <= LOCAL_ACTIONS:
         # Each part says whether it ran to its end (the deadline cut nothing): complete is their
@@ -257,15 +259,15 @@ def search(
                 tried.append((f"list swaps of {start}", span, improved))
             if span < best:
                 name, best, program = tried[-1] if improved is not started_from else (start, span, started_from)
-            if best <= bound * (1 + 1e-9):
+            if best <= bound * (1 + TOLERANCE):
                 break
-        if best > bound * (1 + 1e-9) and actions <= KICKED_ACTIONS:
+        if best > bound * (1 + TOLERANCE) and actions <= KICKED_ACTIONS:
             better, span, finished = kicked(problem, program, best, KICKS, bound, deadline)
             complete = complete and finished
             if better is not None:
                 name, program, best = f"list kicks of {name}", better, span
                 tried.append((name, best, program))
-        optimal = best <= bound * (1 + 1e-9)
+        optimal = best <= bound * (1 + TOLERANCE)
     small = num_ranks <= EXACT_RANKS and num_microbatches <= EXACT_MICROBATCHES
     if exact and complete and not optimal and (small or solver == "cp-sat"):
         solving = solver == "cp-sat" or (solver == "auto" and solver_available())
@@ -283,7 +285,7 @@ def search(
         tried += lean
         complete = complete and finished
     kept = leanest(tried, slack, problem.sizes) if slack else (name, best, program)
-    optimal = optimal and kept[1] <= best * (1 + 1e-9)  # a leaner program within the slack may be slower
+    optimal = optimal and kept[1] <= best * (1 + TOLERANCE)  # a leaner program within the slack may be slower
     simulation = simulations.get(id(kept[2]))
     return Searched(
         program=kept[2],
@@ -318,7 +320,7 @@ def leanest(
         (``search`` does not call this then).
     """
     ceiling = min(t for _, t, _ in tried) * (1 + slack)
-    within = [t for t in tried if t[1] <= ceiling * (1 + 1e-9)]
+    within = [t for t in tried if t[1] <= ceiling * (1 + TOLERANCE)]
     return min(within, key=lambda t: (max(peak_memory(t[2], sizes)), t[1]))
 
 
@@ -332,9 +334,9 @@ def leaner(
     whether it ran to its end (``False``: the deadline stopped it)."""
     ceiling = min(t for _, t, _ in tried) * (1 + slack)
     peaks = {id(q): max(peak_memory(q, problem.sizes)) for _, _, q in tried}
-    lean = min(peaks[id(q)] for _, t, q in tried if t <= ceiling * (1 + 1e-9))
+    lean = min(peaks[id(q)] for _, t, q in tried if t <= ceiling * (1 + TOLERANCE))
     least = max(problem.footprint(r) for r in range(problem.num_ranks))
-    for limit in sorted({x for x in peaks.values() if least <= x < lean * (1 - 1e-9)}):
+    for limit in sorted({x for x in peaks.values() if least <= x < lean * (1 - TOLERANCE)}):
         limited = replace(problem, limits=tuple(min(x, limit) for x in problem.limits))
         found: list[tuple[str, float, Program]] = []
         for policy in policies(limited):
@@ -342,7 +344,7 @@ def leaner(
                 return found, False
             laid_out = list_schedule(limited, policy)
             assert laid_out is not None, "a list-scheduling pass admits only what it can finish (NOTE [list scheduler])"
-            if laid_out[1] <= ceiling * (1 + 1e-9):
+            if laid_out[1] <= ceiling * (1 + TOLERANCE):
                 found.append((f"{policy} under {limit:g}", laid_out[1], laid_out[0]))
         if found:
             return found, True

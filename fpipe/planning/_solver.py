@@ -50,12 +50,11 @@ from ..schedules import Action, Program, simulate, validate
 from ..schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from ._exact import Outcome, choices
 from ._improve import peak_memory
-from ._problem import Problem
+from ._problem import TOLERANCE, Problem
 
 _DENOMINATOR = 1000  # the largest common denominator of costs (or of sizes and limits) taken exactly
 _UNITS = 10**6  # otherwise, about how many integer units one step spans
 _WORKERS = 8  # CP-SAT's portfolio of workers: on 2 cores 8 prove in seconds what 1 or 2 do not (notes/search.md)
-_SLACK = 1e-9
 
 
 def available() -> bool:
@@ -210,8 +209,8 @@ def solve(
         lambda key: solver.value(start[key]),
     )
     replayed = simulate(program, costs).makespan
-    fits = all(x <= limit * (1 + _SLACK) for x, limit in zip(peak_memory(program, problem.sizes), problem.limits))
-    if not fits or replayed >= best * (1 - _SLACK):
+    fits = all(x <= limit * (1 + TOLERANCE) for x, limit in zip(peak_memory(program, problem.sizes), problem.limits))
+    if not fits or replayed >= best * (1 - TOLERANCE):
         return None, best, outcome
     return program, replayed, outcome
 
@@ -225,7 +224,7 @@ def _scale(values: list[float]) -> tuple[float, bool]:
         if denominator > _DENOMINATOR:
             break
     exact = denominator <= _DENOMINATOR and all(
-        abs(round(x * denominator) - x * denominator) <= _SLACK * max(1.0, x * denominator) for x in values
+        abs(round(x * denominator) - x * denominator) <= TOLERANCE * max(1.0, x * denominator) for x in values
     )
     return (float(denominator), True) if exact else (_UNITS / max(values), False)
 

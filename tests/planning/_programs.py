@@ -17,10 +17,8 @@ import math
 from collections.abc import Sequence
 
 from fpipe.planning._list_schedule import Policy, list_schedule
-from fpipe.planning._problem import Problem
+from fpipe.planning._problem import TOLERANCE, Problem
 from fpipe.schedules import Action, Costs, Program, ScheduleError, simulate
-
-_SLACK = 1e-9
 
 
 def fastest_program(problem: Problem, at_most: float) -> tuple[float, Program | None]:
@@ -45,7 +43,7 @@ def fastest_program(problem: Problem, at_most: float) -> tuple[float, Program | 
     free, held = [0.0] * p, [0.0] * p
     left = [m * sum(costs[s].forward + cheapest[s] for s in problem.stages_of(r)) for r in range(p)]
     rows: list[list[Action]] = [[] for _ in range(p)]
-    best_span, best_program = at_most * (1 + _SLACK), None
+    best_span, best_program = at_most * (1 + TOLERANCE), None
 
     def next_actions(last: tuple[float, int]) -> list[tuple[float, int, str, int, int]]:
         found = []
@@ -53,27 +51,27 @@ def fastest_program(problem: Problem, at_most: float) -> tuple[float, Program | 
             for i in range(m):
                 f, b = ends_f[s - 1][i] if s else 0.0, ends_b[s + 1][i] if s + 1 < S else ends_f[s][i]
                 if state[s][i] == "start" and f is not None and (s or i == sum(x != "start" for x in state[0])):
-                    if held[r] + problem.sizes[s] <= problem.limits[r] * (1 + _SLACK):
+                    if held[r] + problem.sizes[s] <= problem.limits[r] * (1 + TOLERANCE):
                         found.append((max(free[r], f + (problem.hop(s - 1, s) if s else 0.0)), r, "F", s, i))
                 elif state[s][i] == "forward" and b is not None:
                     ready = max(free[r], ends_f[s][i] or 0.0, b + (problem.hop(s + 1, s) if s + 1 < S else 0.0))
                     found += [(ready, r, "B", s, i), (ready, r, "I", s, i)]
                 elif state[s][i] == "weight":
                     found.append((max(free[r], ends_b[s][i] or 0.0), r, "W", s, i))
-        return [a for a in found if a[0] > last[0] + _SLACK or (a[0] >= last[0] - _SLACK and a[1] >= last[1])]
+        return [a for a in found if a[0] > last[0] + TOLERANCE or (a[0] >= last[0] - TOLERANCE and a[1] >= last[1])]
 
     def descend(last: tuple[float, int]) -> None:
         nonlocal best_span, best_program
         if all(x == "freed" for row in state for x in row):
             span = max(free)
-            if best_program is None or span < best_span * (1 - _SLACK):
+            if best_program is None or span < best_span * (1 - TOLERANCE):
                 best_span, best_program = span, Program(tuple(tuple(row) for row in rows), S, m)
             return
         for start, r, kind, s, i in next_actions(last):
             saved = free[r], held[r], state[s][i]
             free[r] = start + costs[s].of(kind)
             left[r] -= worth[kind][s]
-            limit = best_span * (1 + _SLACK if best_program is None else 1 - _SLACK)
+            limit = best_span * (1 + TOLERANCE if best_program is None else 1 - TOLERANCE)
             if all(max(free[q], start) + left[q] <= limit for q in range(p)):
                 if kind == "F":
                     ends_f[s][i], held[r], state[s][i] = free[r], held[r] + problem.sizes[s], "forward"
@@ -122,7 +120,7 @@ def replayed_one_by_one(costs: Sequence[Costs], m: int, memory: float) -> float:
             sim = simulate(Program(rows, 2, m), list(costs))
         except ScheduleError:  # a deadlock
             continue
-        if max(sim.peak_activations) <= memory * (1 + _SLACK):
+        if max(sim.peak_activations) <= memory * (1 + TOLERANCE):
             best = min(best, sim.makespan)
     return best
 
