@@ -1,13 +1,16 @@
-"""What the tests share: the two comparisons, the unsplit-model oracle, and the toy models.
+"""What the tests share: the two comparisons, the oracles, and the toy models.
 
-Every test module imports what it shares from here (or from the other ``_``-prefixed helper
-modules: tests/_multiprocess.py, tests/conformance.py...), never from another test module
-(tests/test_layers.py checks it).
+Every test module imports what it shares from here (or from the other helper modules, named
+without ``test_``: tests/_multiprocess.py, tests/conformance.py, tests/saving/_tools.py...), never
+from another test module (tests/test_layers.py checks it).
 
 - ``assert_bitwise``: the same bits. "Bitwise" in a test's name or comment means this one
   (STYLE.md, point 20): 0.0 and -0.0 differ, two NaNs with the same payload are equal.
 - ``assert_close``: float64 results to a relative error (the oracle's comparison).
-- ``reference``: ``torch.func.grad_and_value`` of the unsplit model, the transparency oracle.
+- ``reference``: ``torch.func.grad_and_value`` of the unsplit model, the transparency oracle;
+  ``torch_optim_reference`` and ``torch_stages`` put torch's optimizers and schedules beside fpipe's.
+- The toy models, each with its batch and loss: tanh layers, a model of mixed leaves (complex,
+  int, string), weights by global name, the Hugging Face example's Llama, a Llama-like module.
 """
 
 from __future__ import annotations
