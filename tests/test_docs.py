@@ -61,7 +61,8 @@ def run_snippets(page: Path) -> tuple[int, int]:
                 assert out.getvalue() == comment.group(1) + "\n", f"{_name(page)}: {lines[statement.lineno - 1]}"
                 checked_comments += 1
         if shown is not None:
-            assert printed.getvalue() == shown, f"{_name(page)} shows:\n{shown}\nthe snippet prints:\n{printed.getvalue()}"
+            got = printed.getvalue()
+            assert got == shown, f"{_name(page)} shows:\n{shown}\nthe snippet prints:\n{got}"
             checked_blocks += 1
     return checked_blocks, checked_comments
 
