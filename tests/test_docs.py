@@ -90,7 +90,6 @@ def test_tables_are_whole(page: Path) -> None:
     assert not broken, f"{_name(page)}: a blank line splits a table before line(s) {broken}"
 
 
-
 def fence_problems(text: str) -> list[str]:
     """What keeps the ``` fences of ``text`` from pairing up: a block is opened by a fence with a
     language (```python, ```bash, ```text) and closed by a bare ```; an opener inside an open block
