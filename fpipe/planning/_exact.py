@@ -52,6 +52,7 @@ from typing import Literal
 from ..schedules import Action, Costs, Program
 from ..schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from ._bound import Relaxation
+from ._frontier import Frontier
 from ._problem import TOLERANCE, Problem
 
 Outcome = Literal["optimal", "ended", "cut"]
@@ -93,7 +94,7 @@ class _Search:
         self.done_f = [0] * S
         self.done_b = [0] * S  # backwards (B or I) run, microbatches 0 to done_b - 1
         self.waiting: list[list[int]] = [[] for _ in range(S)]  # microbatches whose I ran and W did not
-        self.ends = {FORWARD: [[0.0] * m for _ in range(S)], BACKWARD: [[0.0] * m for _ in range(S)]}
+        self.frontier = Frontier.of(problem)  # when each action's inputs are there (NOTE [what may run next])
         self.free = [0.0] * problem.num_ranks
         self.memory = [0.0] * problem.num_ranks
         self.rows: list[list[Action]] = [[] for _ in range(problem.num_ranks)]
@@ -122,23 +123,22 @@ class _Search:
 
     def options(self, last: tuple[float, int]) -> list[tuple[float, int, str, int]]:
         """``(start, rank, kind, stage)`` of every action that may come next in the order."""
-        problem, ends, m = self.problem, self.ends, self.problem.num_microbatches
-        done_f, done_b = self.done_f, self.done_b
+        problem, m = self.problem, self.problem.num_microbatches
+        done_f, done_b, free = self.done_f, self.done_b, self.free
+        forward, backward = self.frontier.forward, self.frontier.backward
         found = []
         for s, r in enumerate(problem.rank_of):
             i = done_f[s]
-            fits = self.memory[r] + problem.sizes[s] <= problem.limits[r] * (1 + TOLERANCE)
-            if i < m and (s == 0 or done_f[s - 1] > i) and fits:
-                ready = ends[FORWARD][s - 1][i] + problem.hop(s - 1, s) if s else 0.0
-                found.append((max(self.free[r], ready), r, FORWARD, s))
+            if i < m and self.memory[r] + problem.sizes[s] <= problem.limits[r] * (1 + TOLERANCE):
+                ready = forward(s, i)
+                if ready != math.inf:
+                    found.append((max(free[r], ready), r, FORWARD, s))
             j = done_b[s]
-            if j < done_f[s] and (s == problem.num_stages - 1 or done_b[s + 1] > j):
-                ready = ends[FORWARD][s][j]
-                if s + 1 < problem.num_stages:
-                    ready = max(ready, ends[BACKWARD][s + 1][j] + problem.hop(s + 1, s))
-                found += [(max(self.free[r], ready), r, kind, s) for kind in self.choices[s]]
-            if self.waiting[s]:  # its I ran on this rank, so it ended by now
-                found.append((self.free[r], r, BACKWARD_WEIGHT, s))
+            ready = backward(s, j) if j < m else math.inf
+            if ready != math.inf:
+                found += [(max(free[r], ready), r, kind, s) for kind in self.choices[s]]
+            if self.waiting[s]:  # its I ran on this rank, so ``weight`` is at most when the rank is free
+                found.append((free[r], r, BACKWARD_WEIGHT, s))
         order = {BACKWARD: 0, BACKWARD_INPUT: 0, FORWARD: 1, BACKWARD_WEIGHT: 2}
         kept = [o for o in found if o[0] > last[0] + TOLERANCE or (o[0] >= last[0] - TOLERANCE and o[1] >= last[1])]
         return sorted(kept, key=lambda o: (o[0], order[o[2]], o[1]))
@@ -148,7 +148,7 @@ class _Search:
         ``_bound.py``), or one at least ``best``; ``start``: the last action's, before which no
         other action can start."""
         opens = [max(f, start) for f in self.free]
-        ends = self.ends[FORWARD], self.ends[BACKWARD]
+        ends = self.frontier.end_f, self.frontier.end_b
         done = self.done_f, self.done_b
         return max(span, self.relaxation.bound(done, self.waiting, ends, opens, self.best - TOLERANCE))
 
@@ -160,8 +160,8 @@ class _Search:
         S = self.problem.num_stages
         times = [*self.free, last[0], float(last[1])]
         for s in range(S - 1):
-            times += self.ends[FORWARD][s][done_f[s + 1] : done_f[s]]
-            times += self.ends[BACKWARD][s + 1][done_b[s] : done_b[s + 1]]
+            times += self.frontier.end_f[s][done_f[s + 1] : done_f[s]]
+            times += self.frontier.end_b[s + 1][done_b[s] : done_b[s + 1]]
         vector = tuple(times)
         bucket = self.seen.setdefault(key, [])
         if any(all(a <= b + TOLERANCE for a, b in zip(other, vector)) for other in bucket):
@@ -196,10 +196,11 @@ class _Search:
         problem = self.problem
         cost, worth = problem.costs[s].of(kind), self.worth[s][kind]
         saved = (self.free[r], self.memory[r])
+        ends = self.frontier.end_f if kind == FORWARD else self.frontier.end_b  # Frontier.ran, inline
         if kind == FORWARD:
             i = self.done_f[s]
             self.done_f[s] += 1
-            self.ends[FORWARD][s][i] = start + cost
+            ends[s][i] = start + cost
             self.memory[r] += problem.sizes[s]
         elif kind == BACKWARD_WEIGHT:
             i = self.waiting[s].pop(0)
@@ -207,7 +208,7 @@ class _Search:
         else:
             i = self.done_b[s]
             self.done_b[s] += 1
-            self.ends[BACKWARD][s][i] = start + cost
+            ends[s][i] = start + cost
             if kind == BACKWARD:
                 self.memory[r] -= problem.sizes[s]
             else:
@@ -221,10 +222,12 @@ class _Search:
         def undo() -> None:
             if kind == FORWARD:
                 self.done_f[s] -= 1
+                ends[s][i] = math.inf  # Frontier.forget, inline
             elif kind == BACKWARD_WEIGHT:
                 self.waiting[s].insert(0, i)
             else:
                 self.done_b[s] -= 1
+                ends[s][i] = math.inf
                 if kind == BACKWARD_INPUT:
                     self.waiting[s].pop()
             self.free[r], self.memory[r] = saved

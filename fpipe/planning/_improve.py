@@ -4,8 +4,8 @@ The list scheduler decides greedily, one action at a time; a decision that looke
 was made can cost time later (a forward that delays a backward the next rank waits for). The
 pass below tries, for each action of a rank's row, moving it 1, 2, ... ``reach`` places later or
 earlier (a swap of neighbours first) past actions it may trade places with (each stage's actions
-of one kind stay in microbatch order), replays the program (``replay``: ``simulate``'s clock for
-the problem's costs) and keeps the first move that makes it faster within the memory limit; it
+of one kind stay in microbatch order), replays the program (``makespan_of``: ``simulate``'s clock
+for the problem's costs) and keeps the first move that makes it faster within the memory limit; it
 sweeps the rows until a sweep keeps nothing or ``sweeps`` sweeps are done.
 
 NOTE [kicks]
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from ..schedules import Action, Program
 from ..schedules._action import BACKWARD, BACKWARD_WEIGHT, FORWARD
+from ._frontier import Frontier, makespan
 from ._problem import TOLERANCE, Problem
 
 
@@ -45,46 +46,12 @@ def peak_memory(program: Program, sizes: Sequence[float]) -> tuple[float, ...]:
     return tuple(peaks)
 
 
-def replay(problem: Problem, rows: Sequence[Sequence[Action]]) -> float:
-    """The makespan ``simulate`` gives the program of these rows with the problem's costs (each
-    action when its rank is free and its inputs, plus their messages, have arrived); ``math.inf``
-    if the rows deadlock."""
-    costs, rank_of = problem.costs, problem.rank_of
-    ends: dict[tuple[int, str, int], float] = {}  # (stage, "F" or "B" (B or I) or "W", microbatch)
-    position = [0] * len(rows)
-    free = [0.0] * len(rows)
-    left = sum(len(row) for row in rows)
-    while left:
-        moved = False
-        for r, row in enumerate(rows):
-            while position[r] < len(row):
-                a = row[position[r]]
-                s, i = a.stage, a.microbatch
-                ready = free[r]
-                if a.kind == FORWARD:
-                    inputs = [(s - 1, FORWARD)] if s else []
-                    key = FORWARD
-                elif a.kind == BACKWARD_WEIGHT:
-                    inputs, key = [(s, BACKWARD)], BACKWARD_WEIGHT
-                else:
-                    inputs = [(s, FORWARD)] + ([(s + 1, BACKWARD)] if s + 1 < problem.num_stages else [])
-                    key = BACKWARD
-                waiting = False
-                for t, kind in inputs:
-                    end = ends.get((t, kind, i))
-                    if end is None:
-                        waiting = True
-                        break
-                    ready = max(ready, end + (costs[t].send if rank_of[t] != r else 0.0))
-                if waiting:
-                    break
-                free[r] = ends[(s, key, i)] = ready + costs[s].of(a.kind)
-                position[r] += 1
-                left -= 1
-                moved = True
-        if not moved:
-            return math.inf
-    return max(free)
+def makespan_of(problem: Problem, rows: Sequence[Sequence[Action]], frontier: Frontier | None = None) -> float:
+    """The makespan ``simulate`` gives the program of these rows with the problem's costs: each
+    action when its rank is free and its inputs are there (``makespan`` in ``_frontier.py``, NOTE [what may run next]);
+    ``math.inf`` if the rows deadlock. ``frontier``: the problem's, to reuse (it starts over)."""
+    costs = problem.costs
+    return makespan(Frontier.of(problem) if frontier is None else frontier, rows, lambda a: costs[a.stage].of(a.kind))
 
 
 def _swappable(a: Action, b: Action) -> bool:
@@ -105,6 +72,7 @@ def improve(
     ``deadline`` stopped the sweeps before a sweep kept nothing or ``sweeps`` were done.
     """
     rows = [list(row) for row in program.ranks]
+    frontier = Frontier.of(problem)
     best, improved, finished = makespan, False, True
     moves = [1, *(d for x in range(2, reach + 1) for d in (x, -x)), *([-1] if reach > 1 else [])]
     for sweep in range(sweeps):
@@ -121,7 +89,7 @@ def improve(
                         continue
                     a = row.pop(k)
                     row.insert(j, a)
-                    t = replay(problem, rows)
+                    t = makespan_of(problem, rows, frontier)
                     if t < best * (1 - TOLERANCE) and _fits(problem, rows):
                         best, kept = t, True
                         break
@@ -153,6 +121,7 @@ def kicked(
     none is faster; ``finished`` is ``False`` when ``deadline`` stopped a kick or the kicks left.
     """
     shaker = random.Random(0)
+    frontier = Frontier.of(problem)
     best, kept, finished = makespan, program, True
     for kick in range(kicks):
         if best <= bound * (1 + TOLERANCE):
@@ -163,7 +132,7 @@ def kicked(
         rows = [list(row) for row in kept.ranks]
         for _ in range(1 + kick % 3):
             _move_at_random(rows[shaker.randrange(len(rows))], shaker)
-        t = replay(problem, rows)
+        t = makespan_of(problem, rows, frontier)
         if t == math.inf or not _fits(problem, rows):
             continue
         moved = Program(tuple(tuple(row) for row in rows), problem.num_stages, problem.num_microbatches)

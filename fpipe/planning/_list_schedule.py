@@ -66,6 +66,7 @@ from dataclasses import dataclass
 
 from ..schedules import Action, Costs, Program
 from ..schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from ._frontier import Frontier
 from ._problem import TOLERANCE, Problem
 
 _WAIT, _SWAP = 0.1, 0.27  # how often a shaken pass waits for any action, or runs any ready one
@@ -141,14 +142,13 @@ class _Pass:
     def __post_init__(self) -> None:
         p, S, m = self.problem.num_ranks, self.problem.num_stages, self.problem.num_microbatches
         self.done = {FORWARD: [0] * S, BACKWARD: [0] * S, BACKWARD_WEIGHT: [0] * S}  # B counts I too
-        self.ends = {FORWARD: [[0.0] * m for _ in range(S)], BACKWARD: [[0.0] * m for _ in range(S)]}
+        self.frontier = Frontier.of(self.problem)  # when each action's inputs are there (NOTE [what may run next])
         self.free = [0.0] * p
         self.reserved = [0.0] * p
         self.held = [0.0] * p
         self.inside = [0] * p  # microbatches admitted and not yet back through the rank's first stage
         self.rows: list[list[Action]] = [[] for _ in range(p)]
         self.stages = [self.problem.stages_of(r) for r in range(p)]
-        self.last = S - 1
         forward = 1 if self.policy.backward_first else -1
         self.order = {BACKWARD: 0, BACKWARD_INPUT: 0, FORWARD: forward, BACKWARD_WEIGHT: 2}
         self.footprints = [self.problem.footprint(r) for r in range(p)]
@@ -159,27 +159,25 @@ class _Pass:
 
     def candidates(self, r: int) -> Iterator[tuple[float, str, int]]:
         """``(ready, kind, stage)`` of every action rank ``r`` may run next (NOTE [list scheduler])."""
-        problem, done, ends, m = self.problem, self.done, self.ends, self.problem.num_microbatches
-        last = self.last
+        problem, done, frontier, m = self.problem, self.done, self.frontier, self.problem.num_microbatches
         for s in self.stages[r]:
             i = done[FORWARD][s]
-            if i < m and (s == 0 or done[FORWARD][s - 1] > i):
+            ready = frontier.forward(s, i) if i < m else math.inf
+            if ready != math.inf:
                 entering = s == self.stages[r][0]
                 if self.policy.reserve:
                     fits = not entering or self.reserved[r] + self.footprints[r] <= problem.limits[r] * (1 + TOLERANCE)
                 else:
                     fits = self.safe(r, s)
                 if fits and (not entering or self.inside[r] < self.admits[r]):
-                    yield (ends[FORWARD][s - 1][i] + problem.hop(s - 1, s) if s else 0.0), FORWARD, s
+                    yield ready, FORWARD, s
             j = done[BACKWARD][s]
-            if j < done[FORWARD][s] and (s == last or done[BACKWARD][s + 1] > j):
-                ready = ends[FORWARD][s][j]
-                if s < last:
-                    ready = max(ready, ends[BACKWARD][s + 1][j] + problem.hop(s + 1, s))
+            ready = frontier.backward(s, j) if j < m else math.inf
+            if ready != math.inf:
                 yield ready, (BACKWARD_INPUT if self.policy.split else BACKWARD), s
             k = done[BACKWARD_WEIGHT][s]
             if self.policy.split and k < j:
-                yield ends[BACKWARD][s][k], BACKWARD_WEIGHT, s
+                yield frontier.weight(s, k), BACKWARD_WEIGHT, s
 
     def safe(self, r: int, stage: int) -> bool:
         """Whether rank ``r`` may run the next forward of ``stage`` without its memory limit ever
@@ -236,21 +234,18 @@ class _Pass:
         self.free[r] = end
         self.rows[r].append(Action(stage, kind, i))
         touched = [r]
+        self.frontier.ran(kind, stage, i, end)
+        taker = self.frontier.taker(kind, stage)  # whose next action may now be ready
+        if taker is not None:
+            touched.append(problem.rank_of[taker])
         if kind == FORWARD:
-            self.ends[FORWARD][stage][i] = end
             self.held[r] += problem.sizes[stage]
             if stage == self.stages[r][0]:
                 self.reserved[r] += self.footprints[r]
                 self.inside[r] += 1
-            if stage + 1 < problem.num_stages:
-                touched.append(problem.rank_of[stage + 1])
         else:
-            if kind != BACKWARD_WEIGHT:
-                self.ends[BACKWARD][stage][i] = end
-                if stage:
-                    touched.append(problem.rank_of[stage - 1])
-                if stage == self.stages[r][0]:
-                    self.inside[r] -= 1
+            if kind != BACKWARD_WEIGHT and stage == self.stages[r][0]:
+                self.inside[r] -= 1
             if kind != BACKWARD_INPUT:
                 self.reserved[r] -= problem.sizes[stage]
                 self.held[r] -= problem.sizes[stage]

@@ -41,9 +41,9 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from ..schedules import Costs, Program, execution_order, validate
+from ..schedules import Costs, Program, validate
 from ..schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
-from ..schedules._program import dependencies, split_backwards
+from ._frontier import Frontier, makespan
 from ._partition import partition
 from ._problem import TOLERANCE
 
@@ -62,21 +62,21 @@ def split_for(program: Program, layers: Sequence[Costs]) -> list[range]:
     validate(program)
     n, stages = len(layers), program.num_stages
     base = _cuts(partition([c.forward + c.of(BACKWARD) for c in layers], stages))
-    replay = _Replay(program, layers)
+    clock = _SplitClock(program, layers)
 
     def moved(cuts: Cuts) -> int:
         return sum(abs(a - b) for a, b in zip(cuts, base))
 
-    best = (replay.step(base), 0, base)
+    best = (clock.step(base), 0, base)
 
     def consider(cuts: Cuts) -> None:
         nonlocal best
-        step = replay.step(cuts)
+        step = clock.step(cuts)
         if step < best[0] * (1 - TOLERANCE) or (step <= best[0] * (1 + TOLERANCE) and (moved(cuts), cuts) < best[1:]):
             best = (step, moved(cuts), cuts)
 
     if math.comb(n - 1, stages - 1) <= EXACT_LIMIT:
-        ordered = sorted((replay.bound(c), c) for c in itertools.combinations(range(1, n), stages - 1))
+        ordered = sorted((clock.bound(c), c) for c in itertools.combinations(range(1, n), stages - 1))
         for bound, cuts in ordered:
             if bound > best[0] * (1 + TOLERANCE):
                 break
@@ -97,24 +97,13 @@ def _cuts(ranges: Sequence[range]) -> Cuts:
     return tuple(r.start for r in ranges[1:])
 
 
-class _Replay:
-    """``program`` compiled once for replays with the stage costs of many splits of ``layers``:
-    ``simulate``'s model (see ``fpipe.schedules._simulate``) as one pass in execution order."""
+class _SplitClock:
+    """``program`` compiled once for the simulated step of many splits of ``layers``: its rows
+    replayed on one frontier (NOTE [what may run next]), retimed with each split's messages."""
 
     def __init__(self, program: Program, layers: Sequence[Costs]) -> None:
-        split = split_backwards(program)
-        rank_of = program.placement()
-        index: dict[object, int] = {}
-        previous: list[int] = [-1] * program.num_ranks
-        self.steps: list[tuple[int, int, str, tuple[tuple[int, int], ...]]] = []
-        for r, a in execution_order(program):
-            deps = tuple(
-                (index[d], d.stage if rank_of[d.stage] != r else -1) for d in dependencies(a, program.num_stages, split)
-            )
-            index[a] = len(self.steps)
-            self.steps.append((previous[r], a.stage, a.kind, deps))
-            previous[r] = index[a]
-        self.num_stages = program.num_stages
+        self.rows = program.ranks
+        self.frontier = Frontier(program.num_microbatches, program.placement(), [0.0] * program.num_stages)
         self.lowest = [min(program.stages_of(r), default=0) for r in range(program.num_ranks)]
         self.counts = [
             {(a.stage, a.kind): sum(1 for b in row if (b.stage, b.kind) == (a.stage, a.kind)) for a in row}
@@ -144,13 +133,8 @@ class _Replay:
     def step(self, cuts: Cuts) -> float:
         """The simulated step time of the split at ``cuts``."""
         costs = self.stage_costs(cuts)
-        ends: list[float] = []
-        for previous, stage, kind, deps in self.steps:
-            start = ends[previous] if previous >= 0 else 0.0
-            for d, sender in deps:
-                start = max(start, ends[d] + (costs[sender]["send"] if sender >= 0 else 0.0))
-            ends.append(start + costs[stage][kind])
-        return max(ends)
+        self.frontier.retime([c["send"] for c in costs])
+        return makespan(self.frontier, self.rows, lambda a: costs[a.stage][a.kind])
 
     def bound(self, cuts: Cuts) -> float:
         """A lower bound on ``step(cuts)`` (NOTE [schedule-aware split])."""

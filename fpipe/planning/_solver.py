@@ -10,10 +10,11 @@ NOTE [constraint solver]
       interval as long as the action; where both are allowed, a literal says fused, and the
       backward is a ``B`` interval or an ``I`` interval (optional intervals on one start),
       the ``W`` present only with the ``I``; the intervals of a rank never overlap;
-    - a forward starts after the previous stage's forward of its microbatch plus the message;
-      a backward (``I`` or ``B``) after its forward and after the next stage's backward of its
-      microbatch plus the message; a ``W`` after its ``I``; each kind of a stage after its
-      previous microbatch's;
+    - an action starts after its inputs and their messages, the frontier's rule (``inputs``,
+      NOTE [what may run next] in ``_frontier.py``): a forward after the previous stage's
+      forward of its microbatch, a backward (``I`` or ``B``) after its forward and the next
+      stage's backward, a ``W`` after its ``I``; and each kind of a stage after its previous
+      microbatch's;
     - a rank's live activations, each from the start of its forward to the end of the ``W`` or
       ``B`` that frees it (``Simulation.peak_activations``), never take more than its limit (a
       cumulative constraint);
@@ -49,6 +50,7 @@ from typing import Any
 from ..schedules import Action, Program, simulate, validate
 from ..schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from ._exact import Outcome, choices
+from ._frontier import Frontier
 from ._improve import peak_memory
 from ._problem import TOLERANCE, Problem
 
@@ -111,7 +113,7 @@ def solve(
         for i in range(m):
             fused[s, i] = model.new_bool_var("") if len(ways[s]) > 1 else ways[s] == (BACKWARD,)
     end_f = {(s, i): start[s, FORWARD, i] + length[s, FORWARD] for s in range(S) for i in range(m)}
-    end_b = {}
+    end_b: dict[tuple[int, int], Any] = {}
     for s in range(S):
         for i in range(m):
             if len(ways[s]) > 1:
@@ -119,6 +121,14 @@ def solve(
                 end_b[s, i] = start[s, BACKWARD, i] + length[s, BACKWARD_INPUT] + grows * fused[s, i]
             else:
                 end_b[s, i] = start[s, BACKWARD, i] + length[s, ways[s][0]]
+    ends = {FORWARD: end_f, BACKWARD: end_b}
+    frontier = Frontier.of(problem)
+
+    def inputs(s: int, kind: str, i: int) -> list[Any]:
+        """What stage ``s``'s ``kind`` of ``i`` starts after: its inputs' ends, plus their messages
+        (the frontier's rule, NOTE [what may run next])."""
+        return [ends[k][t, i] + hop[t, s] if t != s else ends[k][t, i] for t, k, _ in frontier.inputs(s, kind)]
+
     # when each activation is freed: the end of its B, or of the W after its I
     freed = {}
     for s in range(S):
@@ -127,7 +137,8 @@ def solve(
                 freed[s, i] = end_b[s, i]
                 continue
             end_w = start[s, BACKWARD_WEIGHT, i] + length[s, BACKWARD_WEIGHT]
-            model.add(start[s, BACKWARD_WEIGHT, i] >= end_b[s, i])
+            for after in inputs(s, BACKWARD_WEIGHT, i):
+                model.add(start[s, BACKWARD_WEIGHT, i] >= after)
             if i:  # the W in microbatch order (NOTE [microbatch order]: no program is faster otherwise)
                 model.add(start[s, BACKWARD_WEIGHT, i] >= start[s, BACKWARD_WEIGHT, i - 1])
             if len(ways[s]) == 1:
@@ -177,11 +188,9 @@ def solve(
             if i:
                 model.add(start[s, FORWARD, i] >= end_f[s, i - 1])
                 model.add(start[s, BACKWARD, i] >= end_b[s, i - 1])
-            if s:
-                model.add(start[s, FORWARD, i] >= end_f[s - 1, i] + hop[s - 1, s])
-            model.add(start[s, BACKWARD, i] >= end_f[s, i])
-            if s + 1 < S:
-                model.add(start[s, BACKWARD, i] >= end_b[s + 1, i] + hop[s + 1, s])
+            for kind in (FORWARD, BACKWARD):
+                for after in inputs(s, kind, i):
+                    model.add(start[s, kind, i] >= after)
     makespan = model.new_int_var(0, horizon, "makespan")
     for x in freed.values():  # every action ends by its activation's free
         model.add(makespan >= x)

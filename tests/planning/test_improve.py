@@ -1,4 +1,4 @@
-"""Local improvement (fpipe/planning/_improve.py): its replay is simulate's clock, and the swaps
+"""Local improvement (fpipe/planning/_improve.py): its makespan is simulate's clock, and the swaps
 and kicks it keeps give a valid, faster program within memory."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from fpipe.planning._arguments import checked_problem
 from fpipe.planning._exact import exact
-from fpipe.planning._improve import improve, kicked, peak_memory, replay
+from fpipe.planning._improve import improve, kicked, makespan_of, peak_memory
 from fpipe.planning._list_schedule import Policy, list_schedule
 from fpipe.planning._policies import policies
 from fpipe.planning._search import builtin_programs
@@ -20,19 +20,19 @@ SLOW = [Costs(backward_weight=0.3, send=1.0)] * 7 + [Costs(forward=2, backward_i
 
 
 @pytest.mark.parametrize("placement, v", [("looped", 1), ("looped", 2), ("v", 2)])
-def test_the_replay_is_simulate_s_makespan(placement: str, v: int) -> None:
+def test_the_makespan_is_simulate_s(placement: str, v: int) -> None:
     p = 4 if placement == "v" or v == 2 else 8
     costs = SLOW[-2 * p :] if placement == "v" else SLOW[-p * v :]
     problem = checked_problem(p, 8, costs, placement, v, None, None)
     programs = [program for _, program in builtin_programs(problem, placement)]
     programs += [laid_out[0] for policy in policies(problem) if (laid_out := list_schedule(problem, policy))]
     for program in programs:
-        assert replay(problem, program.ranks) == pytest.approx(simulate(program, costs).makespan)
+        assert makespan_of(problem, program.ranks) == pytest.approx(simulate(program, costs).makespan)
 
 
-def test_the_replay_of_rows_that_deadlock_is_infinite() -> None:
+def test_the_makespan_of_rows_that_deadlock_is_infinite() -> None:
     problem = checked_problem(1, 1, Costs(), "looped", 1, None, None)
-    assert replay(problem, [[Action(0, "I", 0), Action(0, "F", 0), Action(0, "W", 0)]]) == math.inf
+    assert makespan_of(problem, [[Action(0, "I", 0), Action(0, "F", 0), Action(0, "W", 0)]]) == math.inf
 
 
 def test_swaps_make_a_list_scheduled_program_faster_within_memory() -> None:

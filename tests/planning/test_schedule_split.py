@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fpipe.planning import _schedule_split, partition, split_for
-from fpipe.planning._schedule_split import _Replay
+from fpipe.planning._schedule_split import _SplitClock
 from fpipe.schedules import Costs, Interleaved1F1B, OneFOneB, Program, ZeroBubbleH1, ZeroBubbleV, simulate
 
 # torch's test_optimize_partition_model_layers_rebalances_prefix_after_shift (test/distributed/
@@ -31,7 +31,7 @@ def splits(n: int, k: int) -> list[tuple[int, ...]]:
 
 
 def stage_costs(layers: list[Costs], cuts: tuple[int, ...]) -> list[Costs]:
-    """What a stage of layers costs, written out with ``Costs`` (the replay's sums, independently)."""
+    """What a stage of layers costs, written out with ``Costs`` (the clock's sums, independently)."""
     return [
         Costs(
             forward=sum(c.forward for c in layers[a:b]),
@@ -82,10 +82,10 @@ def test_exact_against_brute_force(name: str, layers: list[Costs]) -> None:
     steps = {cuts: simulate(program, stage_costs(layers, cuts)).makespan for cuts in every}
     chosen = split_for(program, layers)
     assert makespan(program, layers, chosen) == pytest.approx(min(steps.values()), rel=1e-9)
-    replay = _Replay(program, layers)
+    clock = _SplitClock(program, layers)
     for cuts, step in steps.items():
-        assert replay.step(cuts) == pytest.approx(step, rel=1e-12)
-        assert replay.bound(cuts) <= step * (1 + 1e-12)
+        assert clock.step(cuts) == pytest.approx(step, rel=1e-12)
+        assert clock.bound(cuts) <= step * (1 + 1e-12)
 
 
 @given(st.sampled_from(sorted(PROGRAMS)), st.lists(layer_costs, min_size=5, max_size=9))
