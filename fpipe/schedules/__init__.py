@@ -33,7 +33,7 @@ from ._program import ScheduleError as ScheduleError
 from ._program import execution_order as execution_order
 from ._program import placement as placement
 from ._program import render as render
-from ._program import timeline as timeline
+from ._program import ticks_of as ticks_of
 from ._program import validate as validate
 from ._simulate import Costs as Costs
 from ._simulate import Simulation as Simulation
@@ -71,7 +71,7 @@ __all__ = [
     "simulate",
     "svg",
     "terminal_grid",
-    "timeline",
+    "ticks_of",
     "validate",
 ]
 
@@ -79,11 +79,22 @@ __all__ = [
 # Moved to fpipe.planning; their old names here work for one release, with a warning. The
 # package is reached by name on first use, never at import: schedules imports nothing from it.
 _MOVED = ("Measured", "Searched", "Tuned", "fit_costs", "load_costs", "save_costs", "search", "tune")
+# Renamed so that each word has one meaning ("timeline": a Simulation, as Recording.timeline).
+_RENAMED = {"timeline": "ticks_of"}
 
 
 def __getattr__(name: str) -> object:
-    """``fpipe.schedules.search`` and the other names that moved to ``fpipe.planning``: the new
-    one, with a ``DeprecationWarning`` naming it."""
+    """The names that moved to ``fpipe.planning`` (``fpipe.schedules.search``, ...) or were renamed
+    (``timeline``, now ``ticks_of``): the new one, with a ``DeprecationWarning`` naming it."""
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        _warnings.warn(
+            f"fpipe.schedules.{name} is now fpipe.schedules.{new} (each action's tick at unit cost; a timeline is "
+            f"a Simulation, as Recording.timeline); the old name goes in the next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
     if name not in _MOVED:
         raise AttributeError(f"module 'fpipe.schedules' has no attribute {name!r}")
     _warnings.warn(

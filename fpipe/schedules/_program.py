@@ -1,6 +1,6 @@
 """Programs: per-rank action lists, their validation, and their rank x time grid.
 
-A program is plain data. ``validate`` checks that it can run; ``timeline`` replays it with unit
+A program is plain data. ``validate`` checks that it can run; ``ticks_of`` replays it with unit
 cost per action (each rank runs its next action as soon as that action's inputs exist), which
 gives both the picture (``render``) and the order in which a single process interprets it.
 
@@ -134,13 +134,13 @@ def validate(program: Program) -> None:
     dependency cycle across ranks (a deadlock), reported with the grid and the stuck actions.
     """
     validate_actions(program)
-    timeline(program)
+    ticks_of(program)
 
 
 def validate_actions(program: Program) -> None:
     """``validate``'s checks but the replay: what a replay with costs (``simulate``) needs before it
     runs. Whether the program deadlocks depends only on its order, so such a replay stops short on
-    a rank exactly when ``timeline`` does, and then calls it for the error."""
+    a rank exactly when ``ticks_of`` does, and then calls it for the error."""
     S, M = program.num_stages, program.num_microbatches
     if S < 1 or M < 1 or not program.ranks:
         raise ScheduleError(
@@ -205,11 +205,11 @@ def forward_only(program: Program) -> Program:
 
     A forward depends only on the same microbatch's forward one stage earlier, which a training
     program that replays (``validate``) runs earlier in the same rows; the filtered rows are
-    replayed again all the same (``timeline``), so a forward-only program never deadlocks.
+    replayed again all the same (``ticks_of``), so a forward-only program never deadlocks.
     """
     rows = tuple(tuple(a for a in row if a.kind == FORWARD) for row in program.ranks)
     forwards = Program(rows, program.num_stages, program.num_microbatches)
-    timeline(forwards)
+    ticks_of(forwards)
     return forwards
 
 
@@ -218,8 +218,8 @@ def _positional(program: Program, marks: set[tuple[int, int]]) -> str:
     return render(program, marks=marks, ticks=[list(range(len(row))) for row in program.ranks])
 
 
-def timeline(program: Program) -> list[list[int]]:
-    """Replay a program with unit cost per action: ``timeline(p)[r][k]`` is the tick of ``p.ranks[r][k]``.
+def ticks_of(program: Program) -> list[list[int]]:
+    """Replay a program with unit cost per action: ``ticks_of(p)[r][k]`` is the tick of ``p.ranks[r][k]``.
 
     At each tick every rank runs its next action if everything it depends on finished at an
     earlier tick (``as_soon_as_possible`` with unit durations). Raises ``ScheduleError`` (with
@@ -255,7 +255,7 @@ def as_soon_as_possible(
     Each rank runs its actions in program order; action ``k`` of rank ``r`` starts when the rank
     is free and every action it depends on has ended (plus ``send(d)`` for a dependency ``d`` on
     another rank), and lasts ``duration(r, k, action)``. A deadlocked program's rows stop at the
-    first action that can never start (``timeline`` reports it; ``validate`` rules it out).
+    first action that can never start (``ticks_of`` reports it; ``validate`` rules it out).
     """
     split = split_backwards(program)
     rank_of = {a.stage: r for r, row in enumerate(program.ranks) for a in row}
@@ -282,7 +282,7 @@ def as_soon_as_possible(
 
 def execution_order(program: Program) -> tuple[tuple[int, Action], ...]:
     """``(rank, action)`` pairs in the order one process interprets them: by tick, then rank."""
-    ticks = timeline(program)
+    ticks = ticks_of(program)
     pairs = [(t, r, a) for r, row in enumerate(program.ranks) for t, a in zip(ticks[r], row)]
     return tuple((r, a) for _, r, a in sorted(pairs, key=lambda p: (p[0], p[1])))
 
@@ -302,10 +302,10 @@ def render(
 
     Column ``t`` is what each rank does at unit time ``t``. ``marks`` holds ``(rank, position)``
     pairs drawn as ``>2B0<``, in place when the action has a time, else after the row (an
-    action stuck in a deadlock); ``ticks`` the times to draw (default: ``timeline(program)``).
+    action stuck in a deadlock); ``ticks`` the times to draw (default: ``ticks_of(program)``).
     """
     if ticks is None:
-        ticks = timeline(program)
+        ticks = ticks_of(program)
     marks = marks or set()
     in_place = any(k < len(ticks[r]) for r, k in marks)
     width = max((len(str(a)) for row in program.ranks for a in row), default=1) + (2 if in_place else 0)

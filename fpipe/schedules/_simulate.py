@@ -1,6 +1,6 @@
 """Simulation: when each action of a program runs, given what each kind of action costs.
 
-``timeline`` replays a program with unit cost; ``simulate`` replays it with a cost per kind of
+``ticks_of`` replays a program with unit cost; ``simulate`` replays it with a cost per kind of
 action and a latency per message between ranks, and measures the two figures that tell
 schedules apart: the bubble (the fraction of the step a rank idles) and the peak activations a
 rank holds, in microbatches of the rank's layers (NOTE [activation units]).
@@ -62,7 +62,7 @@ from ._program import (
     ScheduleError,
     as_soon_as_possible,
     checked_program,
-    timeline,
+    ticks_of,
     validate_actions,
 )
 
@@ -326,7 +326,7 @@ def replay(timeline: Simulation, send: float = 0.0) -> Simulation:
 def _complete(program: Program, starts: tuple[tuple[float, ...], ...]) -> None:
     """Raise ``validate``'s error for a program whose replay stopped short on some rank (it deadlocks)."""
     if any(len(row) < len(actions) for row, actions in zip(starts, program.ranks)):
-        timeline(program)
+        ticks_of(program)
 
 
 def _per_stage(program: Program, costs: Costs | Sequence[Costs]) -> tuple[Costs, ...]:

@@ -31,6 +31,14 @@ def test_an_old_name_in_schedules_is_the_new_one_with_a_warning_naming_it(name: 
         exec(f"from fpipe.schedules import {name}", {})
 
 
+def test_timeline_the_function_is_ticks_of_with_a_warning() -> None:
+    """ "timeline" means a Simulation (``Recording.timeline``); the unit-cost ticks are ``ticks_of``."""
+    assert "timeline" not in fpipe.schedules.__all__
+    with pytest.warns(DeprecationWarning, match=r"fpipe.schedules.timeline is now fpipe.schedules.ticks_of"):
+        renamed = fpipe.schedules.timeline  # type: ignore[attr-defined]
+    assert renamed is fpipe.schedules.ticks_of
+
+
 def test_other_names_are_still_missing() -> None:
     with pytest.raises(AttributeError, match=r"module 'fpipe.schedules' has no attribute 'plan'"):
         fpipe.schedules.plan  # noqa: B018

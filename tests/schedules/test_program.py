@@ -7,7 +7,7 @@ from textwrap import dedent
 
 import pytest
 
-from fpipe.schedules import Action, OneFOneB, Program, ScheduleError, execution_order, render, timeline, validate
+from fpipe.schedules import Action, OneFOneB, Program, ScheduleError, execution_order, render, ticks_of, validate
 
 
 def program(*ranks: Sequence[str], num_microbatches: int | None = None) -> Program:
@@ -38,9 +38,9 @@ def test_str_is_the_grid() -> None:
     assert str(p) == render(p)
 
 
-def test_timeline_and_execution_order() -> None:
+def test_ticks_and_execution_order() -> None:
     p = program(["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"])
-    assert timeline(p) == [[0, 1, 3, 5], [1, 2, 3, 4]]
+    assert ticks_of(p) == [[0, 1, 3, 5], [1, 2, 3, 4]]
     assert [f"{r}:{a}" for r, a in execution_order(p)] == [
         "0:0F0", "0:0F1", "1:1F0", "1:1B0", "0:0B0", "1:1F1", "1:1B1", "0:0B1",
     ]  # fmt: skip

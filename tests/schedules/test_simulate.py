@@ -26,7 +26,7 @@ from fpipe.schedules import (
     ZeroBubbleV,
     replay,
     simulate,
-    timeline,
+    ticks_of,
     validate,
 )
 
@@ -67,9 +67,9 @@ def test_small_timeline_literally() -> None:
         LoopedBFS(3, stages_per_rank=3).program(6),
     ],
 )
-def test_unit_costs_reproduce_timeline(program: Program) -> None:
+def test_unit_costs_reproduce_the_ticks(program: Program) -> None:
     sim = simulate(program, Costs(forward=1, backward=1, backward_input=1, backward_weight=1))
-    assert [list(row) for row in sim.starts] == timeline(program)
+    assert [list(row) for row in sim.starts] == ticks_of(program)
 
 
 @pytest.mark.parametrize("p", range(1, 9))
