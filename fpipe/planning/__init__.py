@@ -17,9 +17,9 @@ from ._costs_file import save_costs as save_costs
 from ._fit import fit_costs as fit_costs
 from ._partition import partition as partition
 from ._plan import Plan as Plan
-from ._plan import PlanError as PlanError
-from ._plan import PlanRow as PlanRow
 from ._plan import plan as plan
+from ._ranking import PlanError as PlanError
+from ._ranking import PlanRow as PlanRow
 from ._schedule_split import split_for as split_for
 from ._search import Searched as Searched
 from ._search import search as search
