@@ -103,9 +103,13 @@ def pipeline(
             dtype gradients are summed in over microbatches (and replicas), the dtype they are
             returned in, and float16 loss scaling (``step.loss_scale``, ``step.last_skipped``).
             ``None`` (default): everything in the parameters' own dtypes.
-        mesh, group, shard_params, regather, timeout: deprecated: the fields of ``parallel``,
-            accepted for one release with a ``DeprecationWarning`` (``parallel=fpipe.Parallelism(
-            mesh=mesh, shard_params=True)`` for ``mesh=mesh, shard_params=True``).
+        mesh: deprecated, the field of ``parallel``: accepted for one release with a
+            ``DeprecationWarning`` (``parallel=fpipe.Parallelism(mesh=mesh, shard_params=True)``
+            for ``mesh=mesh, shard_params=True``), as are the four below.
+        group: deprecated, the field of ``parallel``.
+        shard_params: deprecated, the field of ``parallel``.
+        regather: deprecated, the field of ``parallel``.
+        timeout: deprecated, the field of ``parallel``.
 
     When distributed, every rank calls ``step(params, batch)``: ``params[s]`` is ``None`` for
     the stages the rank does not hold (``step.local_stages`` lists those it does), ``batch``
@@ -132,7 +136,7 @@ def pipeline(
     its gradient. User tensors are never mutated, their ``.grad`` is never touched, and the result
     does not depend on the ambient grad mode.
 
-    Example:
+    Examples:
         >>> import torch, fpipe
         >>> from fpipe.schedules import OneFOneB
         >>> stages = [lambda p, x: x @ p, lambda p, x: torch.tanh(x @ p)]
