@@ -313,8 +313,8 @@ def leanest(
         real device a program that keeps more activations alive runs its actions slower (on a
         CPU, a larger working set and more fresh allocations) and leaves less memory for the
         model. With costs fitted from a recording, programs within a few percent of each other
-        are within the fit's error, and the leanest of them is the safer choice: on the 2-core
-        CPU of notes/benchmarks.md ("Memory within the slack"), list-scheduled programs holding
+        are within the fit's error, and the leanest of them is the safer choice: on a 2-core CPU
+        (measured by benchmarks/bench_search.py), list-scheduled programs holding
         3 to 4 times ZB-V's activations for a simulated gain of 0.05 to 1.5% measured slower
         than the lean programs beside them. ``slack=0`` keeps the fastest simulated program
         (``search`` does not call this then).

@@ -4,8 +4,9 @@ NOTE [measured tuning]
     The simulation ranks programs by a model fitted from a few steps; where two programs are
     within the model's error of each other (on a loaded CPU a few percent, the per-action
     overhead and the switches between a rank's stages being fitted only on average), its choice
-    can measure slower than a built-in (notes/benchmarks.md: on a quiet machine the model's own
-    choice 3.8-7.3% behind V-Half and DualPipeV). A user choosing a schedule for a long run times
+    can measure slower than a built-in (measured by benchmarks/bench_search.py: on a quiet machine
+    the model's own choice 3.8-7.3% behind V-Half and DualPipeV; notes/search.md, "Tuning by
+    measurement"). A user choosing a schedule for a long run times
     the few best candidates for some steps and keeps the fastest: ``tune`` does that, the timing
     being the user's ``measure`` (it needs the user's step, data and process group, which the
     library does not hold). The candidates are the programs within ``margin`` of the shortest

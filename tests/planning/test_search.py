@@ -304,7 +304,7 @@ def test_search_charges_the_receive_cost_of_each_message() -> None:
     assert found.makespan <= min(t for _, t in found.candidates)
 
 
-# Costs fitted on the 2-core CPU of notes/benchmarks.md (ms; the sixth run): a list-scheduled V
+# Costs fitted on a 2-core CPU by benchmarks/bench_search.py (ms): a list-scheduled V
 # program is 0.05% shorter than ZB-V's and holds 7.5 activation units where ZB-V holds 2.
 FITTED = [
     Costs(3.09, 0.03, 3.75, overhead=0.004, receive=0.007),
