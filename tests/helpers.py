@@ -30,6 +30,9 @@ import torch.optim
 from torch import nn
 
 import fpipe.optim
+from fpipe.planning import Device, Transformer
+from fpipe.planning._ranking import Candidate
+from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 
 if TYPE_CHECKING:
     from tests.conformance import Conformance
@@ -498,3 +501,18 @@ def tiny_lm_grads(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor
 def by_name(grads: dict[str, torch.Tensor], keys: Any) -> dict[str, torch.Tensor]:
     """The entries of ``grads`` that ``keys`` names (a stage's parameter names)."""
     return {name: grads[name] for name in keys}
+
+
+# The planner's toy: a tiny transformer on a made-up device, and the schedules it ranks
+# (tests/planning/test_plan.py, test_ranking.py).
+MODEL = Transformer(layers=2, hidden=4, sequence=8, vocabulary=16, microbatch_size=2)
+DEVICE = Device(flops=2.0, bandwidth=4.0, latency=0.5, bytes_per_param=16.0)
+
+
+def candidates(m: int, p: int) -> list[Candidate]:
+    return [
+        Candidate("gpipe", 1, lambda costs: GPipe(m).program(p)),
+        Candidate("1f1b", 1, lambda costs: OneFOneB(m).program(p)),
+        Candidate("zbh1", 1, lambda costs: ZeroBubbleH1(m).program(p)),
+        Candidate("zbv", 2, lambda costs: ZeroBubbleV(m).program(2 * p)),
+    ]

@@ -7,22 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from fpipe.planning import Device, PlanError, Transformer, plan, save_costs
+from fpipe.planning import PlanError, plan, save_costs
 from fpipe.planning._cost_model import measured_units
-from fpipe.planning._ranking import Candidate, ranked
-from fpipe.schedules import Costs, GPipe, OneFOneB, ZeroBubbleH1, ZeroBubbleV
-
-MODEL = Transformer(layers=2, hidden=4, sequence=8, vocabulary=16, microbatch_size=2)
-DEVICE = Device(flops=2.0, bandwidth=4.0, latency=0.5, bytes_per_param=16.0)
-
-
-def candidates(m: int, p: int) -> list[Candidate]:
-    return [
-        Candidate("gpipe", 1, lambda costs: GPipe(m).program(p)),
-        Candidate("1f1b", 1, lambda costs: OneFOneB(m).program(p)),
-        Candidate("zbh1", 1, lambda costs: ZeroBubbleH1(m).program(p)),
-        Candidate("zbv", 2, lambda costs: ZeroBubbleV(m).program(2 * p)),
-    ]
+from fpipe.planning._ranking import ranked
+from fpipe.schedules import Costs
+from tests.helpers import DEVICE, MODEL, candidates
 
 
 def test_plan_is_the_ranked_rows_as_a_table_value(tmp_path: Path) -> None:

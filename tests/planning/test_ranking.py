@@ -8,23 +8,12 @@ from typing import Literal
 
 import pytest
 
-from fpipe.planning import Device, Transformer, search
+from fpipe.planning import Transformer, search
 from fpipe.planning._cost_model import GIB, Unit, measured_units, transformer_units
 from fpipe.planning._plan import costs_text
 from fpipe.planning._ranking import Candidate, PlanError, ranked
-from fpipe.schedules import Costs, GPipe, OneFOneB, Program, ScheduleError, ZeroBubbleH1, ZeroBubbleV, simulate
-
-MODEL = Transformer(layers=2, hidden=4, sequence=8, vocabulary=16, microbatch_size=2)
-DEVICE = Device(flops=2.0, bandwidth=4.0, latency=0.5, bytes_per_param=16.0)
-
-
-def candidates(m: int, p: int) -> list[Candidate]:
-    return [
-        Candidate("gpipe", 1, lambda costs: GPipe(m).program(p)),
-        Candidate("1f1b", 1, lambda costs: OneFOneB(m).program(p)),
-        Candidate("zbh1", 1, lambda costs: ZeroBubbleH1(m).program(p)),
-        Candidate("zbv", 2, lambda costs: ZeroBubbleV(m).program(2 * p)),
-    ]
+from fpipe.schedules import Costs, OneFOneB, Program, ScheduleError, simulate
+from tests.helpers import DEVICE, MODEL, candidates
 
 
 def test_plan_ranks_by_simulated_step_with_each_split() -> None:
