@@ -43,8 +43,10 @@ class Parallelism:
         mesh: run distributed, one pipeline rank per process, over a ``DeviceMesh`` with a
             pipeline dimension named ``"pp"`` and optionally a data-parallel one named ``"dp"``
             (each data-parallel replica gets its own batch; grads and loss are averaged over
-            replicas) and a tensor-parallel one named ``"tp"`` (stages' DTensors live on
-            ``mesh["tp"]``), in any order.
+            replicas), an expert-parallel one named ``"ep"`` (its ranks hold different data, like
+            data-parallel replicas, and each its block of the experts: DTensors sharded over
+            ``mesh["ep"]``, ``fpipe.moe``; notes/experts.md) and a tensor-parallel one named
+            ``"tp"`` (stages' DTensors live on ``mesh["tp"]``), in any order.
         group: run distributed over this process group instead (the pipeline ranks are the
             positions in the group).
         shard_params: keep each stage's parameters sharded over the mesh's data-parallel ranks
@@ -73,7 +75,8 @@ class Parallelism:
             given, or ``shard_params`` or ``regather`` is not a bool.
         ValueError: if ``timeout`` is not a positive finite number, the mesh's dimensions are not
             named as above, ``shard_params`` has no data-parallel dimension to shard over, or
-            ``regather`` is asked without ``shard_params``.
+            ``regather`` is asked without ``shard_params``, or ``shard_params`` with an ``"ep"``
+            dimension.
     """
 
     mesh: DeviceMesh | None = None
@@ -117,6 +120,12 @@ class Parallelism:
             raise ValueError(
                 "fpipe.Parallelism: regather=True re-gathers sharded parameters; it needs shard_params=True "
                 "(regather: True, shard_params: False). Pass shard_params=True too, or leave regather=False."
+            )
+        if self.shard_params and "ep" in roles:
+            raise ValueError(
+                "fpipe.Parallelism: shard_params=True with an expert-parallel dimension is not supported yet: "
+                f"expert weights are already sharded over 'ep' (mesh: {brief(mesh)}). Leave shard_params=False "
+                "(notes/experts.md says what is held where)."
             )
         if self.shard_params and "dp" not in roles:
             given = f"group: {brief(group)}" if group is not None else f"mesh: {brief(mesh)}"

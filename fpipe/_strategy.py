@@ -31,8 +31,9 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 import torch
+from torch.distributed.tensor import Replicate
 
-from ._distributed import Topology, any_inf_nan, average_loss, norm_over, replica_mean
+from ._distributed import Topology, any_inf_nan, average_loss, norm_over, replica_mean, sum_over
 from ._parallelism import Parallelism
 from ._precision import LossScaleState, Precision, Unscaled, check_params, unscale
 from ._pytree import PyTree, flatten, stage_list
@@ -172,17 +173,25 @@ class Strategy:
         docstring says which groups sum what; this rank's sum of squares (a DTensor's as
         ``square_sum`` counts it, a shard's by its layout, ``norm_leaves``), summed over the mesh
         by ``norm_over`` (fpipe/_distributed/_collectives.py)."""
-        tensor_group = None if self.topology is None else self.topology.tensor_group
-        total = torch.zeros((), dtype=torch.float64)
+        topology = self.topology
+        tensor_group = None if topology is None else topology.tensor_group
+        total, experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for s in local_stages:
             if self.shard_params and tensor_group is not None:  # shards are plain: the layout knows their DTensor
                 leaves = norm_leaves(s, grads[s], self.layouts.get(s))
             else:
                 leaves = [(g, None) for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)]
             for g, placements in leaves:
-                total = total + square_sum(g, tensor_group, placements)
+                if topology is not None and topology.is_expert(g):  # one block of experts per ep rank,
+                    experts = experts + square_sum(g, tensor_group, [Replicate()])  # held by every tp rank
+                else:
+                    total = total + square_sum(g, tensor_group, placements)
+        if topology is not None and topology.expert_group is not None:  # the other ep ranks' blocks
+            buffer = experts.reshape(1).to(topology.device)
+            sum_over(topology, ("ep",), [buffer], self.timeout, "the expert-parallel sum of the global norm")
+            experts = buffer.reshape(()).cpu()
         dims = ("pp", "tp", "dp") if self.shard_params else ("pp", "tp")  # replicas hold the same sums
-        return norm_over(self.topology, dims, total, self.timeout)
+        return norm_over(self.topology, dims, total + experts, self.timeout)
 
     def unscale(
         self, params: Sequence[PyTree], grads: list[PyTree], local_stages: Sequence[int], state: LossScaleState | None

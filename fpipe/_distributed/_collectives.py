@@ -414,7 +414,12 @@ def all_reduce_sum(topology: Topology, group: Any, tensors: list[torch.Tensor], 
 
 
 # The mesh's groups by dimension: the topology's attribute and how messages name the group.
-_GROUPS = {"pp": ("group", None), "dp": ("data_group", "data-parallel"), "tp": ("tensor_group", "tensor-parallel")}
+_GROUPS = {
+    "pp": ("group", None),
+    "dp": ("data_group", "data-parallel"),
+    "ep": ("expert_group", "expert-parallel"),
+    "tp": ("tensor_group", "tensor-parallel"),
+}
 
 
 def sum_over(topology: Topology, dims: Sequence[str], tensors: list[torch.Tensor], timeout: float, what: str) -> None:

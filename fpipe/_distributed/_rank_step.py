@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import Shard
 
 from .._errors import PipelineError
 from .._microbatch import Microbatches
@@ -353,7 +354,7 @@ def _run_row(
         # stage, so the error names this rank's action; the board's record, when it names another
         # rank, says why (fpipe's own waits say so already). A stage that failed by itself raises
         # its own error, as without a tp dimension.
-        inside = topology.tensor_group is not None and not _from_board(error, topology)
+        inside = topology.stage_collectives and not _from_board(error, topology)
         standing = WATCHDOG.read(topology.board) if inside else None
         if standing is not None and standing.subject() != topology.board.label():
             raise standing.error(topology.board, topology.rank, "a collective inside its stage") from error
@@ -411,13 +412,22 @@ def _check_held(step: StepView, params: Sequence[PyTree], placement: tuple[int, 
 
 
 def _check_dtensors(step: StepView, params: Sequence[PyTree], topology: Topology) -> None:
-    """Raise unless every DTensor parameter lives on this rank's tensor-parallel sub-mesh."""
+    """Raise unless every DTensor parameter lives on this rank's tensor-parallel sub-mesh, or is an
+    expert weight: sharded along its first dimension over this rank's ``mesh["ep"]``."""
     ranks = None if topology.tensor_ranks is None else list(topology.tensor_ranks)
     for s in step.local_stages:
         paths, leaves, _ = leaves_with_paths(params[s])
         for path, leaf in zip(paths, leaves, strict=True):
-            if is_dtensor(leaf):
-                check_mesh(leaf, ranks, f"params[{s}] leaf {path} (stage {s}, rank {step.rank})")
+            where = f"params[{s}] leaf {path} (stage {s}, rank {step.rank})"
+            if topology.is_expert(leaf):
+                if tuple(leaf.placements) != (Shard(0),):
+                    raise ValueError(
+                        f"fpipe.step: {where} is an expert weight on mesh['ep'] but is not sharded along its "
+                        f"first (expert) dimension (placements: {tuple(leaf.placements)}). Make it with "
+                        "fpipe.moe.distribute_experts, or placements=[Shard(0)]."
+                    )
+            elif is_dtensor(leaf):
+                check_mesh(leaf, ranks, where, experts=topology.expert_ranks)
 
 
 def check_devices(step: StepView, params: Sequence[PyTree], device: torch.device) -> None:
@@ -473,25 +483,32 @@ def average_loss(topology: Topology, loss: torch.Tensor, timeout: float, *, divi
 def replica_mean(topology: Topology, timeout: float, *, divide: bool = True) -> Reduce:
     """The ``Reduce`` that averages a stage's gradient leaves over the data-parallel replicas
     (sums them without ``divide``), posted now and waited for by the step's end (NOTE
-    [reduction overlap]). A DTensor leaf is reduced as its local piece."""
+    [reduction overlap]). A DTensor leaf is reduced as its local piece; an expert weight's over
+    the ranks that hold the same piece (NOTE [experts are data-parallel for the dense weights]
+    in fpipe/_distributed/_topology.py)."""
 
     def reduce(stage: int, leaves: list[torch.Tensor]) -> Pending:
         what = f"the data-parallel all-reduce of stage {stage}'s gradients"
-        pieces = [local(g) for g in leaves]
-        pending = all_reduce_sum_async(topology, topology.data_group, pieces, timeout, what)
-        return _Mean(pending, pieces, topology.data_size if divide else 1)
+        experts = [local(g) for g in leaves if topology.is_expert(g)]
+        pieces = [local(g) for g in leaves if not topology.is_expert(g)]
+        pending = [all_reduce_sum_async(topology, topology.data_group, pieces, timeout, what)]
+        if experts and topology.expert_data_group is not None:
+            what = f"the data-parallel all-reduce of stage {stage}'s expert gradients"
+            pending.append(all_reduce_sum_async(topology, topology.expert_data_group, experts, timeout, what))
+        return _Mean(pending, pieces + experts, topology.data_size if divide else 1)
 
     return reduce
 
 
 class _Mean:
-    """A posted sum of ``leaves`` over replicas; ``wait`` leaves it divided by ``size`` in them."""
+    """Posted sums of ``leaves`` over replicas; ``wait`` leaves them divided by ``size`` in them."""
 
-    def __init__(self, pending: PendingSum, leaves: list[torch.Tensor], size: int) -> None:
+    def __init__(self, pending: list[PendingSum], leaves: list[torch.Tensor], size: int) -> None:
         self._pending, self._leaves, self._size = pending, leaves, size
 
     def wait(self) -> None:
-        self._pending.wait()
+        for pending in self._pending:
+            pending.wait()
         if self._size != 1:
             for g in self._leaves:
                 g.div_(self._size)

@@ -1,11 +1,26 @@
-"""Where this process sits in a distributed job: its pipeline, data-parallel and tensor-parallel groups, its device.
+"""Where this process sits in a distributed job: its pipeline, data-parallel, expert-parallel and
+tensor-parallel groups, its device.
 
 NOTE [mesh dimensions]
 A mesh has one pipeline dimension (``"pp"`` or ``"pipeline"``), at most one data-parallel one
-(``"dp"`` or ``"data"``) and at most one tensor-parallel one (``"tp"`` or ``"tensor"``), in any
-order. A process's pipeline group is the ranks with its own data and tensor coordinates, so the
-pipeline's messages go between ranks of the same tensor-parallel index; its tensor-parallel
-group (``mesh["tp"]``) is where its stages' DTensors live (notes/tensor_parallel.md).
+(``"dp"`` or ``"data"``), at most one expert-parallel one (``"ep"`` or ``"expert"``) and at most
+one tensor-parallel one (``"tp"`` or ``"tensor"``), in any order. A process's pipeline group is
+the ranks with its own data, expert and tensor coordinates, so the pipeline's messages go between
+ranks of the same tensor-parallel index; its tensor-parallel group (``mesh["tp"]``) is where its
+stages' tensor-parallel DTensors live (notes/tensor_parallel.md).
+
+NOTE [experts are data-parallel for the dense weights]
+The expert dimension is laid out as DeepSeek-V3's (notes/experts.md): the ranks of an expert
+group (``mesh["ep"]``) hold different data, like data-parallel replicas, and each holds its
+block of every MoE layer's experts (DTensors sharded over ``mesh["ep"]``); tokens travel to their
+experts and back inside a stage (``fpipe.moe``). So for everything but the expert weights, the
+dp and ep dimensions together are the replicas: ``data_group`` is the ranks with this rank's pp
+and tp coordinates (dp x ep of them, flattened in the mesh's order), which average the loss and
+the dense gradients and each feed their own batch. An expert weight's local piece is held by the
+ranks of the same ep index only: its gradient, which autograd already summed over the expert
+group's tokens (the combine's backward brings every rank's cotangents home), is summed over
+``expert_data_group`` (``mesh["dp"]``, ``None`` without dp) and divided by the dp x ep
+replicas, like the dense ones.
 """
 
 from __future__ import annotations
@@ -17,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._tensor_parallel import is_dtensor, on_ranks
 from ._board import Board
 from ._faults import WATCHDOG
 
@@ -38,6 +54,19 @@ class Topology:
     tensor_ranks: tuple[int, ...] | None = None  # its global ranks, in mesh order
     replica: int = 0  # this rank's data-parallel index (its position in ``data_group``)
     tensor_rank: int = 0  # its tensor-parallel index (its position in ``tensor_group``)
+    # NOTE [experts are data-parallel for the dense weights]
+    expert_group: Any | None = None  # the expert-parallel ProcessGroup (``mesh["ep"]``), the all-to-alls'
+    expert_ranks: tuple[int, ...] | None = None  # its global ranks, in mesh order: where expert DTensors live
+    expert_data_group: Any | None = None  # the ranks holding this rank's expert pieces (``mesh["dp"]``)
+
+    @property
+    def stage_collectives(self) -> bool:
+        """Whether stages run collectives of their own (tensor-parallel DTensors, expert all-to-alls)."""
+        return self.tensor_group is not None or self.expert_group is not None
+
+    def is_expert(self, leaf: Any) -> bool:
+        """Whether ``leaf`` is an expert weight's piece: a DTensor on this rank's ``mesh["ep"]``."""
+        return self.expert_ranks is not None and is_dtensor(leaf) and on_ranks(leaf, self.expert_ranks)
 
 
 # NOTE [the rank's device]
@@ -73,7 +102,7 @@ def device_of(backend: str, mesh_device_type: str | None) -> torch.device:
 
 # Each role a mesh dimension may play, and the names it may have (NOTE [mesh dimensions]): a new
 # dimension (an expert-parallel "ep") is one more entry here and a field of ``Topology``.
-MESH_ROLES = {"pp": ("pp", "pipeline"), "dp": ("dp", "data"), "tp": ("tp", "tensor")}
+MESH_ROLES = {"pp": ("pp", "pipeline"), "dp": ("dp", "data"), "ep": ("ep", "expert"), "tp": ("tp", "tensor")}
 
 
 def mesh_roles(names: tuple[str, ...], ndim: int, caller: str = "fpipe.pipeline") -> dict[str, str]:
@@ -90,7 +119,8 @@ def mesh_roles(names: tuple[str, ...], ndim: int, caller: str = "fpipe.pipeline"
     if len(found["pp"]) != 1 or any(len(f) > 1 for f in found.values()) or sum(map(len, found.values())) != ndim:
         raise ValueError(
             f"{caller}: the mesh needs one pipeline dimension named 'pp', at most one data dimension "
-            f"named 'dp' and at most one tensor-parallel dimension named 'tp' (mesh_dim_names: "
+            f"named 'dp', at most one expert-parallel dimension named 'ep' and at most one tensor-parallel "
+            f"dimension named 'tp' (mesh_dim_names: "
             f"{names or None!r}). Build it with e.g. init_device_mesh('cpu', (2, 4), mesh_dim_names=('dp', 'pp'))."
         )
     return {role: f[0] for role, f in found.items() if f}
@@ -109,20 +139,30 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
             "torch.distributed.init_process_group() first (torchrun sets up the environment)."
         )
     data_group = tensor_group = tensor_mesh = tensor_ranks = None
+    expert_group = expert_ranks = expert_data_group = None
     where: dict[int, tuple[int, int | None]] = {}  # global rank -> (pipeline rank, replica)
     labels: dict[int, str] = {}  # global rank -> its name in failure messages
     if mesh is not None:
         roles = mesh_roles(tuple(mesh.mesh_dim_names or ()), mesh.ndim)
         names = tuple(mesh.mesh_dim_names or ()) or ("pp",)
         pipe = [roles["pp"]]
-        data = [roles["dp"]] if "dp" in roles else []
+        # The replicas of the dense weights: dp and ep, in the mesh's order (NOTE [experts are
+        # data-parallel for the dense weights]).
+        data = [n for n in names if n in (roles.get("dp"), roles.get("ep"))]
         tensor = [roles["tp"]] if "tp" in roles else []
         group = mesh.get_group(pipe[0])
-        data_group = mesh.get_group(data[0]) if data else None
+        if len(data) == 2:
+            data_group = mesh[tuple(data)]._flatten("_".join(data)).get_group()
+        elif data:
+            data_group = mesh.get_group(data[0])
+        if "ep" in roles:
+            expert_group = mesh.get_group(roles["ep"])
+            expert_ranks = tuple(mesh[roles["ep"]].mesh.reshape(-1).tolist())
+            expert_data_group = mesh.get_group(roles["dp"]) if "dp" in roles else None
         if tensor:
             tensor_group, tensor_mesh = mesh.get_group(tensor[0]), mesh[tensor[0]]
             tensor_ranks = tuple(tensor_mesh.mesh.reshape(-1).tolist())
-        # One pipeline per (data, tensor) coordinate. Failure messages name a rank by its global
+        # One pipeline per (data, expert, tensor) coordinate. Failure messages name a rank by its global
         # rank and every coordinate, in the mesh's order: "rank 2 (dp 1, pp 0)".
         rows = mesh.mesh.permute(*(names.index(n) for n in (*data, *tensor, pipe[0])))
         per_replica = mesh.size(names.index(tensor[0])) if tensor else 1
@@ -145,11 +185,17 @@ def resolve_topology(mesh: Any, group: Any) -> Topology | None:
         data_size=1 if data_group is None else dist.get_world_size(data_group),
         device=device,
         board=WATCHDOG.board(
-            tuple(sorted(where)), [g for g in (group, data_group, tensor_group) if g is not None], where, labels
+            tuple(sorted(where)),
+            [g for g in (group, data_group, tensor_group, expert_group, expert_data_group) if g is not None],
+            where,
+            labels,
         ),
         tensor_group=tensor_group,
         tensor_mesh=tensor_mesh,
         tensor_ranks=tensor_ranks,
         replica=0 if data_group is None else dist.get_rank(data_group),
         tensor_rank=0 if tensor_group is None else dist.get_rank(tensor_group),
+        expert_group=expert_group,
+        expert_ranks=expert_ranks,
+        expert_data_group=expert_data_group,
     )

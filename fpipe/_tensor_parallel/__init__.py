@@ -16,6 +16,7 @@ from ._dtensor import is_dtensor as is_dtensor
 from ._dtensor import like_param as like_param
 from ._dtensor import local as local
 from ._dtensor import mesh_ranks as mesh_ranks
+from ._dtensor import on_ranks as on_ranks
 from ._dtensor import placements_from as placements_from
 from ._dtensor import shares_storage as shares_storage
 from ._dtensor import square_sum as square_sum
@@ -32,6 +33,7 @@ __all__ = [
     "like_param",
     "local",
     "mesh_ranks",
+    "on_ranks",
     "placements_from",
     "shares_storage",
     "square_sum",

@@ -108,20 +108,37 @@ def mesh_ranks(mesh: Any) -> list[int]:
     return ranks
 
 
-def check_mesh(leaf: torch.Tensor, tensor_ranks: Sequence[int] | None, where: str, caller: str = "fpipe.step") -> None:
-    """Raise unless DTensor ``leaf`` lives on the tensor-parallel sub-mesh whose ranks are
-    ``tensor_ranks`` (``None``: the step has no ``"tp"`` dimension)."""
+def on_ranks(leaf: torch.Tensor, ranks: Sequence[int]) -> bool:
+    """Whether DTensor ``leaf`` lives on the 1-D mesh whose global ranks are ``ranks``, in order."""
     mesh = leaf.device_mesh  # type: ignore[attr-defined]
+    return bool(mesh.ndim == 1 and mesh_ranks(mesh) == list(ranks))
+
+
+def check_mesh(
+    leaf: torch.Tensor,
+    tensor_ranks: Sequence[int] | None,
+    where: str,
+    caller: str = "fpipe.step",
+    *,
+    experts: Sequence[int] | None = None,
+) -> None:
+    """Raise unless DTensor ``leaf`` lives on the tensor-parallel sub-mesh whose ranks are
+    ``tensor_ranks`` (``None``: the step has no ``"tp"`` dimension). ``experts``: the ranks of the
+    expert-parallel sub-mesh, where expert weights may live too (checked by the caller)."""
+    mesh = leaf.device_mesh  # type: ignore[attr-defined]
+    also = "" if experts is None else f" or expert ranks {list(experts)}"
     if tensor_ranks is None:
         raise ValueError(
             f"{caller}: {where} is a DTensor but the pipeline's mesh has no tensor-parallel dimension "
-            f"(the DTensor's mesh: {mesh!r}). Build the pipeline with "
-            "parallel=fpipe.Parallelism(mesh=mesh), mesh a DeviceMesh with a 'tp' dimension."
+            f"(the DTensor's mesh: {mesh!r}{also}). Build the "
+            "pipeline with parallel=fpipe.Parallelism(mesh=mesh), mesh a DeviceMesh with a 'tp' dimension (or an "
+            "'ep' one for expert weights: fpipe.moe.distribute_experts(params, mesh['ep']))."
         )
-    if mesh.ndim != 1 or mesh_ranks(mesh) != list(tensor_ranks):
+    if not on_ranks(leaf, tensor_ranks):
         raise ValueError(
             f"{caller}: {where} is a DTensor on the wrong mesh (its mesh: {mesh!r}; this rank's tensor-parallel "
-            f"sub-mesh has ranks {list(tensor_ranks)}). Make stage DTensors on mesh['tp'] of the pipeline's mesh."
+            f"sub-mesh has ranks {list(tensor_ranks)}{also}). Make stage DTensors on mesh['tp'] of the pipeline's "
+            "mesh (expert weights on mesh['ep'])."
         )
 
 
