@@ -269,12 +269,12 @@ class DistributedTransport:
     # -- the run's side (``RunTransport`` in fpipe/_run.py): results, completion and failure ----
 
     # NOTE [tensor-parallel waits]
-    # With a tp dimension, stages wait in collectives of their own (DTensor's), which fpipe's
-    # waits do not see; the whole row of actions counts as waiting, so the watchdog reads the
+    # With a tp or an ep dimension, stages wait in collectives of their own (DTensor's, the
+    # experts' all-to-alls), which fpipe's waits do not see; the whole row of actions counts as waiting, so the watchdog reads the
     # board every POLL and aborts the groups when another rank failed.
     def running(self) -> waiting:
         """The context the row's actions run in (NOTE [tensor-parallel waits])."""
-        return waiting(self.topology.board if self.topology.tensor_group is not None else None)
+        return waiting(self.topology.board if self.topology.stage_collectives else None)
 
     def exchange_result(self, result: PyTree | None) -> PyTree:
         """The last stage's rank sends ``result`` to every other rank; the others receive it."""
