@@ -270,8 +270,9 @@ class DistributedTransport:
 
     # NOTE [tensor-parallel waits]
     # With a tp or an ep dimension, stages wait in collectives of their own (DTensor's, the
-    # experts' all-to-alls), which fpipe's waits do not see; the whole row of actions counts as waiting, so the watchdog reads the
-    # board every POLL and aborts the groups when another rank failed.
+    # experts' all-to-alls), which fpipe's waits do not see; the whole row of actions counts as
+    # waiting, so the watchdog reads the board every POLL and aborts the groups when another
+    # rank failed.
     def running(self) -> waiting:
         """The context the row's actions run in (NOTE [tensor-parallel waits])."""
         return waiting(self.topology.board if self.topology.stage_collectives else None)
