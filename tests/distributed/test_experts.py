@@ -19,8 +19,10 @@ import pytest
 import torch
 
 import fpipe
-from fpipe.schedules import OneFOneB, ZeroBubbleV
+from fpipe.schedules import OneFOneB
+from fpipe.schedules._registry import BUILTINS
 from tests._multiprocess import run_ranks
+from tests.conformance import built
 from tests.distributed._faults import SLACK, rank_name
 from tests.helpers import assert_bitwise
 
@@ -155,7 +157,8 @@ def check(results, replicas):
 
 
 def test_pipeline_times_experts_equals_the_unsplit_model():
-    """pp 2 x ep 2: 1F1B with one stage per rank and ZB-V (split backward) with two; then, on the
+    """pp 2 x ep 2: every built-in schedule at its own stages per rank (2 or 4 stages of the same
+    4 layers), bitwise equal to each other; then, on the
     same processes, dp 2 x pp 1 x ep 2 (expert gradients summed over dp only) and pp 1 x ep 2 x
     tp 2 (every tp rank runs its ep index's experts on the same tokens); then the bad inputs."""
     results = run_ranks(4, _every_mesh, timeout=180)
@@ -169,7 +172,8 @@ def test_pipeline_times_experts_equals_the_unsplit_model():
 
 
 def _every_mesh(rank, world):
-    a = _run(rank, world, ("pp", "ep"), (2, 2), [OneFOneB(4), ZeroBubbleV(4)], [2, 4])
+    schedules = [built(b)(2 * b.stages_per_rank, 4) for b in BUILTINS]
+    a = _run(rank, world, ("pp", "ep"), (2, 2), schedules, [2 * b.stages_per_rank for b in BUILTINS])
     b = _run(rank, world, ("dp", "pp", "ep"), (2, 1, 2), [OneFOneB(4)], [1])
     c = _run(rank, world, ("pp", "ep", "tp"), (1, 2, 2), [OneFOneB(4)], [1])
     return a, b, c, _bad_inputs()
