@@ -6,6 +6,7 @@
 costs (``search``, ``tune``, ``fit_costs``, ``plan``).
 """
 
+from . import moe as moe
 from . import optim as optim
 from . import planning as planning
 from . import schedules as schedules
@@ -56,6 +57,7 @@ __all__ = [
     "load",
     "load_hf",
     "load_state",
+    "moe",
     "optim",
     "pipeline",
     "planning",

@@ -43,6 +43,7 @@ def test_public_names() -> None:
         "load",
         "load_hf",
         "load_state",
+        "moe",
         "optim",
         "pipeline",
         "planning",

@@ -19,7 +19,7 @@ import torch
 import fpipe
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLIC_PACKAGES = ("fpipe", "fpipe.schedules", "fpipe.planning", "fpipe.optim")
+PUBLIC_PACKAGES = ("fpipe", "fpipe.schedules", "fpipe.planning", "fpipe.optim", "fpipe.moe")
 
 
 def _doctests() -> list[doctest.DocTest]:

@@ -1,0 +1,224 @@
+"""Dispatch and combine: the token exchange of expert parallelism, dropless, with variable splits.
+
+NOTE [dispatch order]
+The experts are split over the ``R`` ranks of the expert-parallel group in contiguous blocks:
+rank ``r`` holds experts ``[r E/R, (r+1) E/R)``. A token chosen ``k`` times is sent ``k`` times,
+once per (token, slot) pair. The pairs travel in three orders, each a permutation of the last::
+
+    1. local pairs, sorted by (global expert, token, slot)   a stable sort of routing.experts:
+                                                               contiguous per destination rank
+    2. received rows, by (source rank, local expert, token, slot)   what all_to_all delivers
+    3. expert inputs, by (local expert, source rank, token, slot)   a stable sort of 2. by expert
+
+``dispatch`` goes 1 -> 2 -> 3, ``combine`` goes back 3 -> 2 -> 1 and sums each token's ``k``
+rows weighted by its gate weights, slot 0 first. Every step is a gather by a permutation or an
+all_to_all, whose backward is again a gather by the inverse permutation or an all_to_all: no
+index_add, no atomics, so outputs and gradients are the same bits on every run. The only
+reduction, over the ``k`` slots, is a sum in slot order.
+
+NOTE [split agreement]
+A variable-split all_to_all hangs or delivers garbage if a sender and a receiver disagree on
+how many rows pass between them. So before any row moves, the ranks all-gather a small header
+(number of experts, feature size, pairs to send, pairs counted) and every rank checks every
+other's: a disagreement raises the same ValueError on every rank, naming the rank, and no rank
+is left waiting in a collective. The per-expert counts then travel by an all_to_all of ints,
+and each rank's receive splits are computed from exactly the counts its senders computed their
+send splits from.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as functional
+
+from ._routing import Routing, token_counts
+
+
+class Dispatched(NamedTuple):
+    """What ``combine`` needs to bring expert outputs back to their tokens (NOTE [dispatch order]).
+
+    A plain value, so another microbatch's work may run between ``dispatch`` and ``combine``.
+
+    Attributes:
+        tokens_per_expert: int64 ``[E / R]``, how many rows each local expert received: the
+            expert inputs are these many rows for local expert 0, then local expert 1, ...
+        weights: ``[T, k]``, the gate weights (the routing's), summed over in ``combine``.
+        pair_order: ``[T k]``, order 1 as indices of the (token, slot) pairs ``t k + j``.
+        expert_order: ``[N]``, order 3 as indices of the received rows (order 2).
+        send_splits: rows sent to each rank (order 1's blocks).
+        receive_splits: rows received from each rank (order 2's blocks).
+        group: the expert-parallel process group, or None for one process.
+    """
+
+    tokens_per_expert: torch.Tensor
+    weights: torch.Tensor
+    pair_order: torch.Tensor
+    expert_order: torch.Tensor
+    send_splits: list[int]
+    receive_splits: list[int]
+    group: dist.ProcessGroup | None
+
+
+def dispatch(
+    x: torch.Tensor, routing: Routing, /, num_experts: int, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, Dispatched]:
+    """Send each token to the ranks holding its experts; rows grouped by local expert.
+
+    Conceptually, in one process (``group=None``, all experts local)::
+
+        pairs = [(routing.experts[t, j], t, j) for t in range(T) for j in range(k)]
+        tokens = stack([x[t] for (e, t, j) in sorted(pairs)])
+        tokens_per_expert = token_counts(routing, num_experts)
+
+    Over a group of ``R`` ranks, rank ``r`` holds experts ``[r E/R, (r+1) E/R)`` and gets the
+    rows of every rank's tokens that chose them, ordered by (local expert, source rank, token,
+    slot) (NOTE [dispatch order]). Dropless: every choice is served, so the number of rows
+    ``N`` varies; the counts are exchanged first (one small all-gather and an all_to_all of
+    ints, read on the host), then the rows by a differentiable all_to_all. Every rank of the
+    group must call ``dispatch`` (and ``combine``) together, the same number of times.
+
+    Args:
+        x: ``[T, d]`` tokens.
+        routing: their ``Routing`` (``route``).
+        num_experts: ``E``, the number of experts over the whole group, a multiple of its size.
+        group: the expert-parallel process group, or None (one process, no communication).
+
+    Returns:
+        ``(tokens, handle)``: the ``[N, d]`` expert inputs, grouped by local expert
+        (``handle.tokens_per_expert`` rows each), and the ``Dispatched`` handle for ``combine``.
+
+    Raises:
+        ValueError: ``x`` not ``[T, d]`` for the routing's ``T``, experts out of range,
+            ``num_experts`` not a multiple of the group's size, or ranks that disagree
+            (NOTE [split agreement]: the message names the rank; raised on every rank).
+
+    Examples:
+        >>> x = torch.tensor([[0.0], [1.0], [2.0]])
+        >>> r = fpipe.moe.route(torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]), 1)
+        >>> tokens, handle = fpipe.moe.dispatch(x, r, 2)
+        >>> tokens.flatten(), handle.tokens_per_expert  # token 1 (expert 0), then 0 and 2 (expert 1)
+        (tensor([1., 0., 2.]), tensor([1, 2]))
+    """
+    experts = routing.experts
+    if x.dim() != 2 or experts.dim() != 2 or x.shape[0] != experts.shape[0]:
+        raise ValueError(
+            f"fpipe.moe.dispatch: x must be [tokens, features] with one row per row of routing.experts "
+            f"(x: shape {tuple(x.shape)}, routing.experts: shape {tuple(experts.shape)})."
+        )
+    size = 1 if group is None else dist.get_world_size(group)
+    if num_experts % size:
+        raise ValueError(
+            f"fpipe.moe.dispatch: num_experts must be a multiple of the expert-parallel group's size, "
+            f"{size} (num_experts: {num_experts}). Use a number of experts that the ranks divide evenly."
+        )
+    local_experts = num_experts // size
+    num_tokens, top_k = experts.shape
+    counts = token_counts(routing, num_experts)  # [E]
+    if group is not None:
+        _agree(group, num_experts, x.shape[1], num_tokens * top_k, int(counts.sum()), counts.device)
+    pair_order = torch.sort(experts.reshape(-1), stable=True).indices  # order 1
+    # x[pair_order // k] would backward through index_add; expanding then permuting backward
+    # through a sum over k and a gather (NOTE [dispatch order]).
+    pairs = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[1]).reshape(num_tokens * top_k, x.shape[1])
+    send = pairs[pair_order]
+    if group is None:
+        empty = torch.zeros(0, dtype=torch.int64, device=x.device)
+        return send, Dispatched(counts, routing.weights, pair_order, empty, [send.shape[0]], [send.shape[0]], None)
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=group)  # [R, E/R]: source rank, local expert
+    received_counts = received_counts.reshape(size, local_experts)
+    send_splits = counts.reshape(size, local_experts).sum(dim=1).tolist()
+    receive_splits = received_counts.sum(dim=1).tolist()
+    received = _all_to_all(send, receive_splits, send_splits, group)  # order 2
+    local_expert = torch.arange(local_experts, device=x.device).repeat(size)
+    row_expert = torch.repeat_interleave(local_expert, received_counts.reshape(-1))
+    expert_order = torch.sort(row_expert, stable=True).indices  # order 3
+    handle = Dispatched(
+        received_counts.sum(dim=0), routing.weights, pair_order, expert_order, send_splits, receive_splits, group
+    )
+    return received[expert_order], handle
+
+
+def combine(y: torch.Tensor, handle: Dispatched, /) -> torch.Tensor:
+    """Bring the experts' outputs back to their tokens and sum them weighted by the gate weights.
+
+    Conceptually, the inverse of ``dispatch`` followed by::
+
+        out[t] = sum over j = 0, 1, ..., k-1 of weights[t, j] * y_of(t, j)
+
+    in that order of ``j`` (a fixed order, no atomics: NOTE [dispatch order]).
+
+    Args:
+        y: ``[N, d_out]`` expert outputs, one row per row ``dispatch`` returned, in its order.
+        handle: ``dispatch``'s ``Dispatched``.
+
+    Returns:
+        ``[T, d_out]``, in ``y``'s dtype.
+
+    Raises:
+        ValueError: ``y`` has not one row per dispatched row.
+
+    Examples:
+        >>> x = torch.tensor([[0.0], [1.0], [2.0]])
+        >>> r = fpipe.moe.route(torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]), 2)
+        >>> tokens, handle = fpipe.moe.dispatch(x, r, 2)
+        >>> torch.allclose(fpipe.moe.combine(tokens, handle), x)  # the weights sum to 1
+        True
+    """
+    rows = int(handle.tokens_per_expert.sum())
+    if y.dim() != 2 or y.shape[0] != rows:
+        raise ValueError(
+            f"fpipe.moe.combine: y must have one row per dispatched row, {rows} "
+            f"(y: shape {tuple(y.shape)}). Keep the rows in the order dispatch gave them."
+        )
+    if handle.group is None:
+        back = y
+    else:
+        inverse = torch.empty_like(handle.expert_order)
+        inverse[handle.expert_order] = torch.arange(rows, device=y.device)
+        back = _all_to_all(y[inverse], handle.send_splits, handle.receive_splits, handle.group)  # order 1
+    num_tokens, top_k = handle.weights.shape
+    unsort = torch.empty_like(handle.pair_order)
+    unsort[handle.pair_order] = torch.arange(num_tokens * top_k, device=y.device)
+    pairs = back[unsort].reshape(num_tokens, top_k, y.shape[1])
+    weights = handle.weights.to(y.dtype)
+    out = pairs[:, 0] * weights[:, 0, None]
+    for j in range(1, top_k):
+        out = out + pairs[:, j] * weights[:, j, None]
+    return out
+
+
+def _all_to_all(
+    rows: torch.Tensor, receive_splits: list[int], send_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """The differentiable all_to_all of ``rows`` (its backward is the reverse exchange), waited on."""
+    out = functional.all_to_all_single_autograd(rows.contiguous(), receive_splits, send_splits, group)
+    waited: torch.Tensor = functional.wait_tensor(out)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    return waited
+
+
+def _agree(
+    group: dist.ProcessGroup, num_experts: int, dim: int, pairs: int, counted: int, device: torch.device
+) -> None:
+    """Raise on every rank if the ranks disagree on what they exchange (NOTE [split agreement])."""
+    size = dist.get_world_size(group)
+    mine = torch.tensor([num_experts, dim, pairs, counted], dtype=torch.int64, device=device)
+    headers = torch.empty(size * 4, dtype=torch.int64, device=device)
+    dist.all_gather_single(headers, mine, group=group)
+    rows = headers.reshape(size, 4).tolist()
+    for rank, (experts, features, sent, summed) in enumerate(rows):
+        if summed != sent:
+            raise ValueError(
+                f"fpipe.moe.dispatch: rank {rank} of the expert-parallel group counted {summed} routed "
+                f"pairs but has {sent} to send (tokens x top_k). Its token counts disagree with its "
+                "routing; every rank must count with the routing it dispatches."
+            )
+        if (experts, features) != tuple(rows[0][:2]):
+            raise ValueError(
+                f"fpipe.moe.dispatch: the ranks of the expert-parallel group disagree on "
+                f"(num_experts, features): rank 0 has {tuple(rows[0][:2])}, rank {rank} has "
+                f"{(experts, features)}. Every rank must run the same layer with the same sizes."
+            )
