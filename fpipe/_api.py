@@ -686,6 +686,23 @@ class Step:
         """
         return self._sharded_strategy().global_norm(self.local_stages, grads)
 
+    def replica_sum(self, tree: PyTree, /) -> PyTree:
+        """``tree``'s tensor leaves summed over the step's replicas, on every rank: a collective.
+
+        The replicas are the ranks that hold this rank's stages (the same pipeline and
+        tensor-parallel coordinates) and ran batches of their own: the data-parallel ranks and
+        the expert-parallel ones (notes/experts.md). A step returns what ``has_aux`` gathers per
+        replica; this sums such a metric over the job, as ``jax.lax.psum`` over the data axes
+        would, e.g. a mixture of experts' token counts for DeepSeek-V3's bias update::
+
+            (loss, counts), grads = step(params, batch)  # counts: [num_microbatches, E] per replica
+            counts = step.replica_sum(counts.sum(0))  # the global batch's tokens per expert
+
+        Every replica must call it with the same structure and dtypes. In one process, or
+        without replicas, ``tree`` as it is. Non-tensor leaves are kept as they are.
+        """
+        return self._strategy.replica_sum(tree)
+
     def shard(self, params: Sequence[PyTree], /) -> list[PyTree]:
         """This rank's shards of full per-stage parameters, for a step built with
         ``parallel=fpipe.Parallelism(mesh=mesh, shard_params=True)``.

@@ -33,10 +33,10 @@ from types import MappingProxyType
 import torch
 from torch.distributed.tensor import Replicate
 
-from ._distributed import Topology, any_inf_nan, average_loss, norm_over, replica_mean, sum_over
+from ._distributed import Topology, all_reduce_sum, any_inf_nan, average_loss, norm_over, replica_mean, sum_over
 from ._parallelism import Parallelism
 from ._precision import LossScaleState, Precision, Unscaled, check_params, unscale
-from ._pytree import PyTree, flatten, stage_list
+from ._pytree import PyTree, flatten, stage_list, unflatten
 from ._run import HeldStages, Order, ReplicatedStages, StepView, stage_run
 from ._sharding import (
     ShardedStages,
@@ -145,6 +145,18 @@ class Strategy:
         if self.topology is None or self.topology.data_group is None:
             return loss
         return average_loss(self.topology, loss, self.timeout, divide=self.divide)
+
+    def replica_sum(self, tree: PyTree) -> PyTree:
+        """``step.replica_sum``: ``tree``'s tensor leaves summed over the replicas (the ranks of
+        ``data_group``: dp x ep), a new tree on every rank; ``tree`` itself without replicas."""
+        topology = self.topology
+        if topology is None or topology.data_group is None:
+            return tree
+        leaves, spec = flatten(tree)
+        sums = [x.detach().to(topology.device, copy=True) if isinstance(x, torch.Tensor) else x for x in leaves]
+        tensors = [x for x in sums if isinstance(x, torch.Tensor)]
+        all_reduce_sum(topology, topology.data_group, tensors, self.timeout, "the other replicas' sums")
+        return unflatten(spec, [x.to(y.device) if isinstance(y, torch.Tensor) else x for x, y in zip(sums, leaves)])
 
     def shard(self, step: StepView, params: Sequence[PyTree]) -> tuple[list[PyTree], Mapping[int, StageLayout]]:
         """``step.shard``: this rank's shards of the held stages' full ``params``, and their layouts."""

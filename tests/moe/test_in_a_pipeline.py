@@ -1,0 +1,174 @@
+"""``fpipe.moe``'s layer inside pipeline stages, with its balance losses and token counts carried
+through the stages' outputs, equals the unsplit model under every schedule (the torchtitan #2061
+case: a load-balancing loss that "works only with 1F1B"), in one process and on pp 2 x ep 2.
+
+The unsplit model: the same layers, every expert in one process, on each replica's batch cut
+into the same microbatches; the loss is the mean over replicas of each one's mean over its
+microbatches of ``mse + ALPHA * (sum of the layers' balance losses)``. A balance loss is a
+function of one call's tokens, so "per sequence" (``sequence_length``) and "per microbatch"
+(one group: the microbatch's tokens) are both exact under microbatching; a loss over the whole
+batch's tokens is not (notes/experts.md, "Load balancing").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fpipe
+from fpipe.schedules import DualPipeV, GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleV
+from tests._multiprocess import run_ranks
+from tests.helpers import assert_bitwise
+
+pytestmark = pytest.mark.timeout(240)
+
+LAYERS, DIM, HIDDEN, E, TOP_K, ALPHA = 4, 4, 6, 4, 2, 0.01
+B, S, M = 8, 3, 4  # sequences per batch, tokens per sequence, microbatches
+
+
+def params(bias=False):
+    g = torch.Generator().manual_seed(0)
+    layers = [fpipe.moe.init_moe(DIM, HIDDEN, E, shared_hidden=4, generator=g) for _ in range(LAYERS)]
+    if bias:  # DeepSeek-V3's selection bias: in the params, no gradient, moved between steps
+        for layer in layers:
+            layer["bias"] = torch.zeros(E)
+    return layers
+
+
+def batch(replica=0):
+    g = torch.Generator().manual_seed(10 + replica)
+    return {"x": torch.randn(B, S, DIM, generator=g), "y": torch.randn(B, S, DIM, generator=g)}
+
+
+def layer(p, act, per_sequence):
+    """One MoE layer on the carried activation ``{"h", "aux", "counts"}``."""
+    h = act["h"]
+    weights = {k: v for k, v in p.items() if k != "bias"}
+    y, stats = fpipe.moe.moe(weights, h, top_k=TOP_K, bias=p.get("bias"), sequence_length=S if per_sequence else None)
+    return {"h": h + y, "aux": act["aux"] + stats.balance_loss, "counts": act["counts"] + stats.counts}
+
+
+def start(mb):
+    return {"h": mb["x"], "aux": torch.zeros(()), "counts": torch.zeros(E, dtype=torch.int64)}
+
+
+def stages(num_stages, per_sequence):
+    per = LAYERS // num_stages
+
+    def stage(s):
+        def run(p, x):
+            act = start(x) if s == 0 else x
+            for q in p:
+                act = layer(q, act, per_sequence)
+            return act
+
+        return run
+
+    return [stage(s) for s in range(num_stages)], per
+
+
+def loss_fn(act, mb):
+    return ((act["h"] - mb["y"]) ** 2).mean() + ALPHA * act["aux"], act["counts"]
+
+
+def reference(full, replicas, per_sequence):
+    """Loss, gradients and token counts of the unsplit model (module docstring)."""
+
+    def total(ps):
+        out, counts = 0, torch.zeros(E, dtype=torch.int64)
+        for r in range(replicas):
+            b = batch(r)
+            for i in range(M):
+                mb = {k: v[i * (B // M) : (i + 1) * (B // M)] for k, v in b.items()}
+                act = start(mb)
+                for p in ps:
+                    act = layer(p, act, per_sequence)
+                loss, c = loss_fn(act, mb)
+                out, counts = out + loss / (M * replicas), counts + c
+        return out, counts
+
+    grads, (loss, counts) = torch.func.grad_and_value(total, has_aux=True)(full)
+    return loss, grads, counts
+
+
+SCHEDULES = [(GPipe(M), 2), (OneFOneB(M), 4), (Interleaved1F1B(M), 4), (ZeroBubbleV(M), 4), (DualPipeV(M), 4)]
+
+
+@pytest.mark.parametrize("per_sequence", [True, False], ids=["per-sequence", "per-microbatch"])
+def test_balance_losses_and_counts_in_one_process_equal_the_unsplit_model(per_sequence):
+    """GPipe, 1F1B, interleaved, ZB-V and DualPipeV (2 ranks, virtual): loss, every gradient and
+    the counts equal the unsplit model's, the schedules bitwise equal to each other."""
+    full = params()
+    loss, grads, counts = reference(full, 1, per_sequence)
+    first = None
+    for schedule, num_stages in SCHEDULES:
+        fns, per = stages(num_stages, per_sequence)
+        step = fpipe.pipeline(loss_fn, fns, schedule, has_aux=True)
+        (d_loss, d_counts), d_grads = step([full[s * per : (s + 1) * per] for s in range(num_stages)], batch())
+        flat = [g for stage in d_grads for g in stage]
+        torch.testing.assert_close(d_loss, loss, rtol=1e-12, atol=0)
+        torch.testing.assert_close(flat, grads, rtol=1e-10, atol=1e-12)
+        assert torch.equal(d_counts.sum(0), counts), (schedule, d_counts.sum(0), counts)
+        first = first or (d_loss, flat)
+        assert_bitwise((d_loss, flat), first, str(schedule))
+
+
+def test_the_selection_bias_moves_between_steps_from_the_counts():
+    """DeepSeek-V3's auxiliary-loss-free balancing: a bias in the params (its gradient zero) is
+    moved against the step's counts, and the next step equals the unsplit model with that bias."""
+    full = params(bias=True)
+    fns, per = stages(2, True)
+    step = fpipe.pipeline(loss_fn, fns, OneFOneB(M), has_aux=True)
+    for gamma in (0.1, 0.05):
+        (loss, counts), grads = step([full[:per], full[per:]], batch())
+        ref_loss, ref_grads, ref_counts = reference(full, 1, True)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+        assert all(torch.count_nonzero(g["bias"]) == 0 for stage in grads for g in stage)
+        assert torch.equal(counts.sum(0), ref_counts)
+        step_counts = counts.sum(0).double()
+        for q in full:  # the update rule of DeepSeek-V3, section 2.1.2
+            q["bias"] = q["bias"] + gamma * torch.sign(step_counts.mean() - step_counts)
+    assert any(torch.count_nonzero(q["bias"]) > 0 for q in full)
+
+
+@pytest.mark.parametrize("per_sequence", [True, False], ids=["per-sequence", "per-microbatch"])
+def test_balance_losses_and_counts_on_pp_times_ep_equal_the_unsplit_model(per_sequence):
+    """pp 2 x ep 2 on 4 gloo ranks, the experts split over ``mesh["ep"]``, each ep rank its own
+    batch: the same schedules, against the unsplit model over both batches; the counts summed
+    over microbatches and replicas (``step.replica_sum``) equal the unsplit model's."""
+    results = run_ranks(4, _pp_times_ep, per_sequence, timeout=180)
+    loss, grads, counts = reference(params(), 2, per_sequence)
+    first = {}
+    for ep, per_schedule in results:
+        block = slice(ep * E // 2, (ep + 1) * E // 2)
+        for name, d_loss, held, d_counts in per_schedule:
+            torch.testing.assert_close(d_loss, loss, rtol=1e-12, atol=0)
+            assert torch.equal(d_counts, counts), (name, d_counts, counts)
+            for index, g in held.items():
+                expected = {k: (v[block] if k in ("w1", "w2", "w3") else v) for k, v in grads[index].items()}
+                torch.testing.assert_close(g, expected, rtol=1e-10, atol=1e-12)
+                first.setdefault((ep, index), g)
+                assert_bitwise(g, first[ep, index], f"{name}, layer {index}, ep {ep}")
+
+
+def _pp_times_ep(rank, world, per_sequence):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_default_dtype(torch.float64)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    ep = mesh.get_coordinate()[1]
+    out = []
+    for schedule, num_stages in SCHEDULES:
+        fns, per = stages(num_stages, per_sequence)
+        parallel = fpipe.Parallelism(mesh=mesh, timeout=60)
+        step = fpipe.pipeline(loss_fn, fns, schedule, has_aux=True, parallel=parallel)
+        full = [fpipe.moe.distribute_experts(p, mesh["ep"]) for p in params()]
+        ps = [full[s * per : (s + 1) * per] if s in step.local_stages else None for s in range(num_stages)]
+        (loss, counts), grads = step(ps, batch(ep) if 0 in step.local_stages else None)
+        held = {
+            s * per + j: {k: (v.to_local() if k in ("w1", "w2", "w3") else v) for k, v in g.items()}
+            for s in step.local_stages
+            for j, g in enumerate(grads[s])
+        }
+        out.append((str(schedule), loss, held, step.replica_sum(counts.sum(0))))
+    return ep, out
