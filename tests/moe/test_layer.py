@@ -165,8 +165,24 @@ def _expert_parallel_checks(rank: int, world_size: int) -> dict[str, Any]:
     assert torch.equal(counts, full_counts)
     # 5. Deterministic: a second run gives the same bits.
     assert_bitwise(_split_run(split, rank), run)
+    # 6. A rank with no tokens still takes part: the others' outputs and its gradients are right.
+    x = _tokens(rank)[0][: 0 if rank == 0 else None]
+    w2 = split["w2"].detach().requires_grad_()
+    y, stats = moe({**split, "w2": w2}, x, top_k=K)
+    y.sum().backward()
+    assert_close(y, moe(params, x, top_k=K)[0], 1e-12)
+    assert stats.balance_loss.item() == 0.0 if rank == 0 else stats.balance_loss.item() > 0.0
+    assert isinstance(w2.grad, DTensor)
+    pieces = [torch.empty_like(w2.grad.to_local()) for _ in range(world_size)]
+    dist.all_gather(pieces, w2.grad.to_local())
 
-    # 6. Disagreements raise on every rank, naming the rank, before any row moves (no hang).
+    def summed(w2: torch.Tensor) -> torch.Tensor:
+        xs = [_tokens(r)[0][: 0 if r == 0 else None] for r in range(world_size)]
+        return sum(moe({**params, "w2": w2}, x, top_k=K)[0].sum() for x in xs)  # type: ignore[return-value]
+
+    assert_close(torch.cat(pieces), torch.func.grad(summed)(params["w2"]), 1e-12)
+
+    # 7. Disagreements raise on every rank, naming the rank, before any row moves (no hang).
     x, _ = _tokens(rank)
     routing = route(x @ params["router"], K)
     wrong = num_experts * 2 if rank == world_size - 1 else num_experts
@@ -186,7 +202,7 @@ def _expert_parallel_checks(rank: int, world_size: int) -> dict[str, Any]:
         match=rf"num_experts must be a multiple of the expert-parallel group's size, {world_size} \(num_experts: 3\)",
     ):
         dispatch_module.dispatch(x, route(x @ params["router"][:, :3], 1), 3, mesh.get_group())
-    # 7. The layer's and distribute_experts' checks of the expert weights.
+    # 8. The layer's and distribute_experts' checks of the expert weights.
     replicate = DTensor.from_local(params["w3"], mesh["ep"], [Replicate()], run_check=False)
     with pytest.raises(ValueError, match=r"\(params\['w3'\]: placements \(Replicate\(\),\) on a 1-D mesh\)"):
         moe({**split, "w3": replicate}, x, top_k=K)
