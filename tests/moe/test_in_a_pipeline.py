@@ -123,6 +123,7 @@ def test_the_selection_bias_moves_between_steps_from_the_counts():
         (loss, counts), grads = step([full[:per], full[per:]], batch())
         ref_loss, ref_grads, ref_counts = reference(full, 1, True)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+        torch.testing.assert_close([g for stage in grads for g in stage], ref_grads, rtol=1e-10, atol=1e-12)
         assert all(torch.count_nonzero(g["bias"]) == 0 for stage in grads for g in stage)
         assert torch.equal(counts.sum(0), ref_counts)
         step_counts = counts.sum(0).double()
