@@ -19,9 +19,10 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from ._plural import plural
-from .planning import Device, PlanError, Transformer, plan
+from .planning import Device, Experts, PlanError, Transformer, plan
 from .planning._cost_model import GIB
 from .planning._plan import SEARCHED
+from .planning._presets import PRESETS, Preset
 from .schedules import (
     Costs,
     Interleaved1F1B,
@@ -42,6 +43,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     """Run the command line on ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     out = sys.stdout if stdout is None else stdout
     args = _parser().parse_args(argv)
+    if args.command == "plan" and args.preset is not None:  # its model and device become the defaults
+        args = _parser(_preset_options(PRESETS[args.preset])).parse_args(argv)
     if args.command == "plan":
         return _plan(args, out)
     choice = SCHEDULES[args.schedule]
@@ -97,7 +100,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(plan_defaults: dict[str, object] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; ``plan_defaults`` replace the plan options' defaults (a preset's)."""
     parser = argparse.ArgumentParser(prog="python -m fpipe", description="fpipe: pipeline schedules as data.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     show = commands.add_parser(
@@ -164,10 +168,41 @@ def _parser() -> argparse.ArgumentParser:
         "(1: gpipe, 1f1b, zbh1, zbh2, searched; 2: the V schedules, searched-v; any: interleaved, zbinterleaved, "
         "bfs, searched). Default: each schedule's own (1, or 2)",
     )
+    plan.add_argument(
+        "--experts",
+        type=_positive_int,
+        help="routed experts per MoE layer: a mixture of experts (needs --active-experts and --expert-hidden)",
+    )
+    plan.add_argument("--active-experts", type=_positive_int, help="routed experts each token goes to (top-k)")
+    plan.add_argument(
+        "--expert-hidden", type=_positive_int, help="each expert's hidden size (a gated MLP of 3 x hidden x this)"
+    )
+    plan.add_argument("--shared-experts", type=_non_negative_int, default=0, help="experts every token goes to (0)")
+    plan.add_argument(
+        "--dense-layers", type=_non_negative_int, default=0, help="the first layers that are dense (--layer-params; 0)"
+    )
+    plan.add_argument(
+        "--attention-params",
+        type=_positive,
+        help="a MoE layer's matmul parameters besides its router and experts (default 4 x hidden^2)",
+    )
+    plan.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a published model and device whose options become the defaults (the layout, --ranks, --microbatches, "
+        "--tp, --dp, --ep, is yours): " + "; ".join(f"{name}: {p.about}" for name, p in PRESETS.items()),
+    )
     plan.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel devices per pipeline rank (1)")
     plan.add_argument("--dp", type=_positive_int, default=1, help="data-parallel replicas of the pipeline (1)")
     plan.add_argument("--tp-bandwidth", type=_positive, help="GB/s of the tensor-parallel all-reduces (--bandwidth)")
     plan.add_argument("--dp-bandwidth", type=_positive, help="GB/s of the data-parallel all-reduce (--bandwidth)")
+    plan.add_argument(
+        "--ep",
+        type=_positive_int,
+        default=1,
+        help="expert-parallel devices, each with its own data and 1/ep of the routed experts (1)",
+    )
+    plan.add_argument("--ep-bandwidth", type=_positive, help="GB/s of a device's all-to-all (--bandwidth)")
     plan.add_argument(
         "--bytes-per-param", type=_positive, default=16.0, help="bytes per parameter with its optimizer state (16)"
     )
@@ -180,6 +215,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--schedules", help="comma-separated schedules to compare (default: all)")
     plan.add_argument("--svg", metavar="PATH", help="also write the fastest fitting schedule's timeline as an SVG")
+    if plan_defaults:
+        plan.set_defaults(**plan_defaults)
     return parser
 
 
@@ -195,7 +232,57 @@ _MODEL_DEFAULTS: dict[str, object] = {
     "dp": 1,
     "tp_bandwidth": None,
     "dp_bandwidth": None,
+    "experts": None,
+    "active_experts": None,
+    "expert_hidden": None,
+    "shared_experts": 0,
+    "dense_layers": 0,
+    "attention_params": None,
+    "ep": 1,
+    "ep_bandwidth": None,
+    "preset": None,
 }
+# The options of a mixture of experts besides --experts, and their defaults.
+_EXPERT_OPTIONS: dict[str, object] = {
+    name: _MODEL_DEFAULTS[name]
+    for name in ("active_experts", "expert_hidden", "shared_experts", "dense_layers", "attention_params")
+}
+
+
+def _preset_options(preset: Preset) -> dict[str, object]:
+    """A preset's model and device as the plan options' values, in the command line's units."""
+    model, device, experts = preset.model, preset.device, preset.model.experts
+
+    def scaled(value: float | None, unit: float) -> float | None:
+        return None if value is None else value / unit
+
+    options: dict[str, object] = {
+        "layers": model.layers,
+        "hidden": model.hidden,
+        "sequence": model.sequence,
+        "vocabulary": model.vocabulary,
+        "microbatch_size": model.microbatch_size,
+        "layer_params": model.layer_params,
+        "recompute": model.recompute,
+        "tflops": device.flops / 1e12,
+        "bandwidth": device.bandwidth / 1e9,
+        "latency": device.latency / 1e-6,
+        "memory": scaled(device.memory, GIB),
+        "bytes_per_param": device.bytes_per_param,
+        "tp_bandwidth": scaled(device.tp_bandwidth, 1e9),
+        "dp_bandwidth": scaled(device.dp_bandwidth, 1e9),
+        "ep_bandwidth": scaled(device.ep_bandwidth, 1e9),
+    }
+    if experts is not None:
+        options |= {
+            "experts": experts.routed,
+            "active_experts": experts.active,
+            "expert_hidden": experts.hidden,
+            "shared_experts": experts.shared,
+            "dense_layers": experts.dense_layers,
+            "attention_params": experts.attention_params,
+        }
+    return options
 
 
 def _set_options(args: argparse.Namespace, defaults: dict[str, object]) -> list[str]:
@@ -217,11 +304,13 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         problem = f"a model needs {', '.join(missing)}, or measured costs (--costs PATH)"
     elif args.costs is not None and (len(missing) < len(_MODEL) or _set_options(args, _MODEL_DEFAULTS)):
         problem = "--costs gives the costs: drop the model and device options"
+    else:
+        problem = _experts_problem(args)
     if problem:
         print(f"python -m fpipe plan: {problem}.", file=sys.stderr)
         return 2
     try:
-        found = plan(
+        found = plan(  # Experts and Device check themselves here: a ValueError
             args.ranks,
             args.microbatches,
             costs=args.costs,
@@ -232,7 +321,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
             schedules=names,
             slack=args.slack,
         )
-    except (PlanError, ScheduleError) as error:
+    except (ValueError, ScheduleError) as error:  # PlanError is a ValueError; the others: a model or device refused
         message = str(error)
         print(message if isinstance(error, PlanError) else f"python -m fpipe plan: {message}", file=sys.stderr)
         return 2
@@ -252,8 +341,41 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _experts_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the mixture-of-experts options, in their names, or ``None``."""
+    if args.experts is None:
+        given = [f"--{name.replace('_', '-')}" for name in _set_options(args, _EXPERT_OPTIONS)]
+        given += ["--ep"] if args.ep != 1 else []
+        return f"{', '.join(given)} need a mixture of experts (--experts N)" if given else None
+    needed = {"--active-experts": args.active_experts, "--expert-hidden": args.expert_hidden}
+    missing = [name for name, value in needed.items() if value is None]
+    if missing:
+        return f"a mixture of experts needs {', '.join(missing)}"
+    if args.active_experts > args.experts:
+        return (
+            f"a token goes to at most every routed expert (--active-experts: {args.active_experts}, --experts: "
+            f"{args.experts}). Use --active-experts {args.experts} or fewer"
+        )
+    if args.experts % args.ep:
+        return (
+            f"the routed experts do not divide among the expert-parallel devices (--experts: {args.experts}, "
+            f"--ep: {args.ep}). Use an --ep that divides {args.experts}"
+        )
+    return None
+
+
 def _model(args: argparse.Namespace) -> Transformer:
     """The transformer of the command line's model options."""
+    experts = None
+    if args.experts is not None:
+        experts = Experts(
+            args.experts,
+            args.active_experts,
+            args.expert_hidden,
+            args.shared_experts,
+            args.dense_layers,
+            args.attention_params,
+        )
     return Transformer(
         args.layers,
         args.hidden,
@@ -262,6 +384,7 @@ def _model(args: argparse.Namespace) -> Transformer:
         args.microbatch_size,
         args.layer_params,
         args.recompute,
+        experts,
     )
 
 
@@ -277,6 +400,8 @@ def _device(args: argparse.Namespace) -> Device:
         dp=args.dp,
         tp_bandwidth=None if args.tp_bandwidth is None else args.tp_bandwidth * 1e9,
         dp_bandwidth=None if args.dp_bandwidth is None else args.dp_bandwidth * 1e9,
+        ep=args.ep,
+        ep_bandwidth=None if args.ep_bandwidth is None else args.ep_bandwidth * 1e9,
     )
 
 
@@ -325,6 +450,16 @@ def _positive_ints(text: str) -> list[int]:
     if len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, each once, got {text!r}")
     return values
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -11,6 +11,7 @@ what each module owns.
 """
 
 from ._cost_model import Device as Device
+from ._cost_model import Experts as Experts
 from ._cost_model import Transformer as Transformer
 from ._costs_file import load_costs as load_costs
 from ._costs_file import save_costs as save_costs
@@ -29,6 +30,7 @@ from ._tune import tune as tune
 
 __all__ = [
     "Device",
+    "Experts",
     "Measured",
     "Plan",
     "PlanError",

@@ -15,7 +15,16 @@ from typing import Literal
 from .._plural import plural
 from ..schedules import Costs, Program
 from ..schedules._registry import BUILTINS, Builtin
-from ._cost_model import GIB, Device, Transformer, measured_units, tokens_per_step, transformer_units
+from ._cost_model import (
+    GIB,
+    Device,
+    Transformer,
+    Unit,
+    measured_units,
+    model_parameters,
+    tokens_per_step,
+    transformer_units,
+)
 from ._costs_file import load_costs
 from ._ranking import Candidate, PlanError, PlanRow, ranked
 from ._search import search
@@ -134,6 +143,8 @@ class Plan:
         num_ranks: pipeline ranks.
         devices_per_rank: tensor-parallel devices per rank (the throughput column is per device
             when above 1).
+        expert_parallel: expert-parallel devices, each with a pipeline of its own data (the
+            throughput column is per device when above 1; NOTE [planner experts]).
     """
 
     rows: tuple[PlanRow, ...]
@@ -143,6 +154,7 @@ class Plan:
     memory: float | None
     num_ranks: int
     devices_per_rank: int = 1
+    expert_parallel: int = 1
 
     @property
     def fastest(self) -> PlanRow:
@@ -157,6 +169,7 @@ class Plan:
             num_ranks=self.num_ranks,
             memory=self.memory,
             devices_per_rank=self.devices_per_rank,
+            per_device=self.devices_per_rank > 1 or self.expert_parallel > 1,
         )
 
     def __str__(self) -> str:
@@ -194,7 +207,9 @@ def plan(
             wrote; each a unit a split may group with its neighbours. Either this, or ``model``
             and ``device``.
         model: a decoder-only transformer's shape (NOTE [planner cost model] in
-            ``fpipe/planning/_cost_model.py``).
+            ``fpipe/planning/_cost_model.py``), with its experts if any (NOTE [planner experts]:
+            active parameters for compute, a device's share of all of them for memory, the
+            all-to-alls in ``F`` and ``I``).
         device: what a device does; its ``memory`` is the limit the rows are marked against.
         memory: with ``costs``, the activations a rank may hold, in microbatches of its layers
             (the unit of ``Simulation.peak_activations``), also the searched rows' limit.
@@ -227,7 +242,9 @@ def plan(
             names the least any needs).
         ScheduleError: for costs, a model or a device that cannot be planned.
         ValueError: for both or neither of ``costs`` and ``model``, a ``model`` without a
-            ``device``, or ``memory`` with a model (the limit is ``device.memory``).
+            ``device``, ``memory`` with a model (the limit is ``device.memory``), or experts the
+            device cannot hold (routed experts not a multiple of ``device.ep``, ``ep`` above 1
+            without experts).
         OSError: if the costs' file cannot be read.
     """
     if (costs is None) == (model is None) or (model is not None and device is None):
@@ -266,10 +283,14 @@ def plan(
             f"{plural(model.layers, 'layer')}, hidden {model.hidden}, vocabulary {model.vocabulary}, "
             f"{model.microbatch_size} x {model.sequence} tokens per microbatch"
         )
-        if device.tp > 1 or device.dp > 1:
-            about += f"; tp {device.tp}, dp {device.dp} (per device: TFLOP/s, memory, tokens/s)"
-        costs_line = f"layer: {costs_text(units[0].costs)}; head: {costs_text(units[-1].costs)}"
+        if model.experts is not None:
+            about += "; " + _experts_text(model)
+        if device.tp > 1 or device.dp > 1 or device.ep > 1:
+            ep = f", ep {device.ep}: {p * device.tp * device.dp * device.ep:,} devices" if device.ep > 1 else ""
+            about += f"; tp {device.tp}, dp {device.dp}{ep} (per device: TFLOP/s, memory, tokens/s)"
+        costs_line = _layers_text(model, units)
         devices = device.tp
+        expert_parallel = device.ep
     else:
         if isinstance(costs, (str, os.PathLike)):
             per_stage, source = load_costs(costs), f" ({os.fspath(costs)})"
@@ -278,7 +299,7 @@ def plan(
         units, tokens = measured_units(per_stage), None
         about = f"measured costs of {plural(len(units), 'stage')}{source}"
         costs_line = "\n".join(f"stage {s}: {costs_text(u.costs)}" for s, u in enumerate(units))
-        devices = 1
+        devices, expert_parallel = 1, 1
     rows = ranked(units, p, rows_of, memory=limit)
     return Plan(
         rows=tuple(rows),
@@ -288,16 +309,57 @@ def plan(
         memory=limit,
         num_ranks=p,
         devices_per_rank=devices,
+        expert_parallel=expert_parallel,
     )
 
 
+def _experts_text(model: Transformer) -> str:
+    """One clause on a model's experts and parameters, for the line above the table."""
+    experts = model.experts
+    assert experts is not None
+    total, active = model_parameters(model)
+    shared = f", {experts.shared} shared" if experts.shared else ""
+    dense = f", {plural(experts.dense_layers, 'dense layer')} first" if experts.dense_layers else ""
+    return (
+        f"{experts.routed} routed experts (top-{experts.active}{shared}, hidden {experts.hidden}){dense}; "
+        f"{_count(total)} parameters, {_count(active)} active"
+    )
+
+
+def _count(n: float) -> str:
+    """``n`` with 4 significant digits and a suffix: ``"671B"``, ``"37.55B"``, ``"1.2M"``."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.4g}{suffix}"
+    return f"{n:.4g}"
+
+
+def _layers_text(model: Transformer, units: Sequence[Unit]) -> str:
+    """The costs of a layer and of the head (of a dense and a MoE layer, with experts)."""
+    head = f"head: {costs_text(units[-1].costs)}"
+    if model.experts is None:
+        return f"layer: {costs_text(units[0].costs)}; {head}"
+    dense = model.experts.dense_layers
+    moe = units[dense]
+    exchange = f" (all-to-all {format_seconds(moe.all_to_all)} of F and of I)" if moe.all_to_all else ""
+    lines = [f"dense layer: {costs_text(units[0].costs)}"] if dense else []
+    return "; ".join([*lines, f"MoE layer: {costs_text(moe.costs)}{exchange}", head])
+
+
 def _table(
-    rows: Sequence[PlanRow], *, tokens: float | None, num_ranks: int, memory: float | None, devices_per_rank: int = 1
+    rows: Sequence[PlanRow],
+    *,
+    tokens: float | None,
+    num_ranks: int,
+    memory: float | None,
+    devices_per_rank: int = 1,
+    per_device: bool = False,
 ) -> str:
     """The rows as text: a summary per schedule, its split, and its peak memory per rank.
 
     ``tokens`` (per step of one pipeline) gives a throughput column: per rank, or per device
-    when a rank has ``devices_per_rank > 1`` (tensor parallelism)."""
+    when a rank has ``devices_per_rank > 1`` (tensor parallelism) or ``per_device``; and the
+    device-hours a trillion tokens take at that rate (``1e12 / throughput / 3600``)."""
     best = next((r.step for r in rows if r.simulation is not None and r.fits(memory)), None)
     measured = any(r.simulation is not None and r.peak_bytes is None for r in rows)
     unit = "microbatches of a rank's layers" if measured else "GiB"
@@ -309,7 +371,8 @@ def _table(
         "bubble",
         "peak/rank" + (" (microbatches)" if measured else " (GiB)"),
     ]
-    header += [f"tokens/s/{'rank' if devices_per_rank == 1 else 'device'}"] if tokens is not None else []
+    per = "device" if devices_per_rank > 1 or per_device else "rank"
+    header += [f"tokens/s/{per}", f"{per}-hours/1T tokens"] if tokens is not None else []
     header += ["fits"] if memory is not None else []
     lines, splits, peaks, errors = [header], [], [], []
     for row in rows:
@@ -326,7 +389,10 @@ def _table(
             f"{sim.bubble_fraction:.1%}",
             f"{peak:.3g}",
         ]
-        cells += [f"{tokens / row.step / num_ranks / devices_per_rank:,.0f}"] if tokens is not None else []
+        if tokens is not None:
+            rate = tokens / row.step / num_ranks / devices_per_rank
+            hours = 1e12 / rate / 3600
+            cells += [f"{rate:,.0f}", f"{hours:,.0f}" if hours >= 1000 else f"{hours:.4g}"]
         cells += ["yes" if row.fits(memory) else "no"] if memory is not None else []
         lines.append(cells)
         splits.append(f"  {row.name}: " + " | ".join(_units(r) for r in row.stages))
