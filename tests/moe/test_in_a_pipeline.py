@@ -173,3 +173,45 @@ def _pp_times_ep(rank, world, per_sequence):
         }
         out.append((str(schedule), loss, held, step.replica_sum(counts.sum(0))))
     return ep, out
+
+
+def test_one_pipeline_rank_of_two_expert_ranks_equals_the_unsplit_model():
+    """pp 1 x ep 2 on 2 gloo ranks, both stages on the one pipeline rank (1F1B looped): experts
+    only, as DeepSeek-V3's expert groups without a pipeline."""
+    results = run_ranks(2, _experts_only, timeout=120)
+    loss, grads, counts = reference(params(), 2, True)
+    for ep, (d_loss, held, d_counts) in results:
+        block = slice(ep * E // 2, (ep + 1) * E // 2)
+        torch.testing.assert_close(d_loss, loss, rtol=1e-12, atol=0)
+        assert torch.equal(d_counts, counts)
+        for index, g in held.items():
+            expected = {k: (v[block] if k in ("w1", "w2", "w3") else v) for k, v in grads[index].items()}
+            torch.testing.assert_close(g, expected, rtol=1e-10, atol=1e-12)
+
+
+def _experts_only(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_default_dtype(torch.float64)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "ep"))
+    fns, per = stages(2, True)
+    step = fpipe.pipeline(loss_fn, fns, OneFOneB(M), has_aux=True, parallel=fpipe.Parallelism(mesh=mesh, timeout=60))
+    full = [fpipe.moe.distribute_experts(p, mesh["ep"]) for p in params()]
+    (loss, counts), grads = step([full[:per], full[per:]], batch(rank))
+    held = {
+        s * per + j: {k: (v.to_local() if k in ("w1", "w2", "w3") else v) for k, v in g.items()}
+        for s in range(2)
+        for j, g in enumerate(grads[s])
+    }
+    return rank, (loss, held, step.replica_sum(counts.sum(0)))
+
+
+def test_nan_router_logits_fail_the_step_naming_the_stage_and_microbatch():
+    full = params()
+    full[2]["router"] = full[2]["router"].clone()
+    full[2]["router"][0, 1] = float("nan")
+    fns, per = stages(2, True)
+    step = fpipe.pipeline(loss_fn, fns, OneFOneB(M), has_aux=True)
+    with pytest.raises(fpipe.PipelineError, match=r"(?s)stage 1.*microbatch 0.*NaN") as caught:
+        step([full[:per], full[per:]], batch())
+    assert "router" in str(caught.value) or "logits" in str(caught.value)
