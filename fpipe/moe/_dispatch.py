@@ -16,6 +16,14 @@ all_to_all, whose backward is again a gather by the inverse permutation or an al
 index_add, no atomics, so outputs and gradients are the same bits on every run. The only
 reduction, over the ``k`` slots, is a sum in slot order.
 
+With a ``capacity`` (``dispatch(..., capacity=C)``), each (source rank, expert) pair of the
+exchange has exactly ``C`` rows: an expert's first ``C`` pairs in order 1, by (token, slot), take
+them, later ones are dropped (they add nothing in ``combine``), and empty rows are zeros. The
+exchange is then an all_to_all of equal splits, and every index is computed on the device: no
+host synchronization. A dropped pair and every empty row read one shared zero row; in the
+backward, those gathers add into that row only, which is discarded, so every kept row's
+gradient is still one value, the same bits on every run.
+
 NOTE [split agreement]
 A variable-split all_to_all hangs or delivers garbage if a sender and a receiver disagree on
 how many rows pass between them. So before any row moves, the ranks all-gather a small header
@@ -45,25 +53,40 @@ class Dispatched(NamedTuple):
     Attributes:
         tokens_per_expert: int64 ``[E / R]``, how many rows each local expert received: the
             expert inputs are these many rows for local expert 0, then local expert 1, ...
+            (``R C`` each with a capacity, empty rows included).
+        rows: ``N``, the number of expert-input rows (a Python int: no synchronization).
         weights: ``[T, k]``, the gate weights (the routing's), summed over in ``combine``.
         pair_order: ``[T k]``, order 1 as indices of the (token, slot) pairs ``t k + j``.
-        expert_order: ``[N]``, order 3 as indices of the received rows (order 2).
+        expert_order: ``[N]``, order 3 as indices of the received rows (order 2); empty in
+            one process or with a capacity.
+        pair_slot: with a capacity, each pair's row (in order 1) in the ``[E C]`` rows sent,
+            ``E C`` if dropped; else empty.
         send_splits: rows sent to each rank (order 1's blocks).
         receive_splits: rows received from each rank (order 2's blocks).
+        capacity: rows per (source rank, expert), or None (dropless).
         group: the expert-parallel process group, or None for one process.
     """
 
     tokens_per_expert: torch.Tensor
+    rows: int
     weights: torch.Tensor
     pair_order: torch.Tensor
     expert_order: torch.Tensor
+    pair_slot: torch.Tensor
     send_splits: list[int]
     receive_splits: list[int]
+    capacity: int | None
     group: dist.ProcessGroup | None
 
 
 def dispatch(
-    x: torch.Tensor, routing: Routing, /, num_experts: int, group: dist.ProcessGroup | None = None
+    x: torch.Tensor,
+    routing: Routing,
+    /,
+    num_experts: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    capacity: int | None = None,
 ) -> tuple[torch.Tensor, Dispatched]:
     """Send each token to the ranks holding its experts; rows grouped by local expert.
 
@@ -80,11 +103,21 @@ def dispatch(
     ints, read on the host), then the rows by a differentiable all_to_all. Every rank of the
     group must call ``dispatch`` (and ``combine``) together, the same number of times.
 
+    With a ``capacity`` ``C``, each local expert gets exactly ``R C`` rows, ``C`` from each
+    source rank: the first ``C`` pairs by (token, slot) that chose it there, then zero rows;
+    the pairs beyond are dropped (``combine`` adds nothing for them: the token keeps its other
+    choices, and the shared expert and residual if the model has them). No host
+    synchronization: nothing is checked that needs the data (experts in range, the ranks'
+    agreement), so every rank must pass the same ``num_experts``, ``C`` and feature size. A
+    common choice is ``C = ceil(capacity_factor * T * k / E)``; a rank's dropped pairs per
+    expert are ``max(token_counts - C, 0)``.
+
     Args:
         x: ``[T, d]`` tokens.
         routing: their ``Routing`` (``route``).
         num_experts: ``E``, the number of experts over the whole group, a multiple of its size.
         group: the expert-parallel process group, or None (one process, no communication).
+        capacity: rows per (source rank, expert), a positive int; None: dropless.
 
     Returns:
         ``(tokens, handle)``: the ``[N, d]`` expert inputs, grouped by local expert
@@ -92,8 +125,9 @@ def dispatch(
 
     Raises:
         ValueError: ``x`` not ``[T, d]`` for the routing's ``T``, experts out of range,
-            ``num_experts`` not a multiple of the group's size, or ranks that disagree
-            (NOTE [split agreement]: the message names the rank; raised on every rank).
+            ``num_experts`` not a multiple of the group's size, a bad ``capacity``, or ranks
+            that disagree (NOTE [split agreement]: the message names the rank; raised on
+            every rank).
 
     Examples:
         >>> x = torch.tensor([[0.0], [1.0], [2.0]])
@@ -115,6 +149,8 @@ def dispatch(
             f"{size} (num_experts: {num_experts}). Use a number of experts that the ranks divide evenly."
         )
     local_experts = num_experts // size
+    if capacity is not None:
+        return _dispatch_capacity(x, routing, num_experts, group, size, capacity)
     num_tokens, top_k = experts.shape
     counts = token_counts(routing, num_experts)  # [E]
     if group is not None:
@@ -122,11 +158,11 @@ def dispatch(
     pair_order = torch.sort(experts.reshape(-1), stable=True).indices  # order 1
     # x[pair_order // k] would backward through index_add; expanding then permuting backward
     # through a sum over k and a gather (NOTE [dispatch order]).
-    pairs = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[1]).reshape(num_tokens * top_k, x.shape[1])
-    send = pairs[pair_order]
+    send = _pairs(x, top_k)[pair_order]
+    rows = send.shape[0]
+    empty = torch.zeros(0, dtype=torch.int64, device=x.device)
     if group is None:
-        empty = torch.zeros(0, dtype=torch.int64, device=x.device)
-        return send, Dispatched(counts, routing.weights, pair_order, empty, [send.shape[0]], [send.shape[0]], None)
+        return send, Dispatched(counts, rows, routing.weights, pair_order, empty, empty, [rows], [rows], None, None)
     received_counts = torch.empty_like(counts)
     dist.all_to_all_single(received_counts, counts, group=group)  # [R, E/R]: source rank, local expert
     received_counts = received_counts.reshape(size, local_experts)
@@ -136,10 +172,54 @@ def dispatch(
     local_expert = torch.arange(local_experts, device=x.device).repeat(size)
     row_expert = torch.repeat_interleave(local_expert, received_counts.reshape(-1))
     expert_order = torch.sort(row_expert, stable=True).indices  # order 3
+    tokens_per_expert = received_counts.sum(dim=0)
+    rows = received.shape[0]
+    weights = routing.weights
     handle = Dispatched(
-        received_counts.sum(dim=0), routing.weights, pair_order, expert_order, send_splits, receive_splits, group
+        tokens_per_expert, rows, weights, pair_order, expert_order, empty, send_splits, receive_splits, None, group
     )
     return received[expert_order], handle
+
+
+def _pairs(x: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[T k, d]``: row ``t k + j`` is ``x[t]``. Not ``x[arange(T k) // k]``, whose backward is an
+    index_add: an expand's backward is a sum over ``k`` (NOTE [dispatch order])."""
+    num_tokens, dim = x.shape
+    return x.unsqueeze(1).expand(num_tokens, top_k, dim).reshape(num_tokens * top_k, dim)
+
+
+def _dispatch_capacity(
+    x: torch.Tensor, routing: Routing, num_experts: int, group: dist.ProcessGroup | None, size: int, capacity: int
+) -> tuple[torch.Tensor, Dispatched]:
+    """``dispatch`` with ``capacity`` rows per (source rank, expert), without host synchronization."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"fpipe.moe.dispatch: capacity must be a positive int or None (capacity: {capacity!r}).")
+    num_tokens, top_k = routing.experts.shape
+    dim, num_pairs, device = x.shape[1], num_tokens * top_k, x.device
+    flat = routing.experts.reshape(-1)
+    pair_order = torch.sort(flat, stable=True).indices  # order 1
+    sorted_experts = flat[pair_order]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    starts = torch.cumsum(counts, 0) - counts  # each expert's first pair in order 1
+    position = torch.arange(num_pairs, device=device) - starts[sorted_experts]
+    slots = num_experts * capacity
+    pair_slot = torch.where(position < capacity, sorted_experts * capacity + position, slots)
+    slot = torch.arange(slots, device=device)
+    expert, offset = slot // capacity, slot % capacity
+    source = torch.where(offset < counts[expert], starts[expert] + offset, num_pairs)  # the zero row if empty
+    sent = torch.cat([_pairs(x, top_k)[pair_order], x.new_zeros(1, dim)])[source]  # [E C, d]: (expert, offset)
+    local_experts = num_experts // size
+    splits = [local_experts * capacity] * size
+    received = (
+        sent if group is None else _all_to_all(sent, splits, splits, group)
+    )  # (source rank, local expert, offset)
+    tokens = received.reshape(size, local_experts, capacity, dim).transpose(0, 1).reshape(-1, dim)
+    per_expert = torch.full((local_experts,), size * capacity, dtype=torch.int64, device=device)
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    handle = Dispatched(
+        per_expert, tokens.shape[0], routing.weights, pair_order, empty, pair_slot, splits, splits, capacity, group
+    )
+    return tokens, handle
 
 
 def combine(y: torch.Tensor, handle: Dispatched, /) -> torch.Tensor:
@@ -168,13 +248,22 @@ def combine(y: torch.Tensor, handle: Dispatched, /) -> torch.Tensor:
         >>> torch.allclose(fpipe.moe.combine(tokens, handle), x)  # the weights sum to 1
         True
     """
-    rows = int(handle.tokens_per_expert.sum())
+    rows = handle.rows
     if y.dim() != 2 or y.shape[0] != rows:
         raise ValueError(
             f"fpipe.moe.combine: y must have one row per dispatched row, {rows} "
             f"(y: shape {tuple(y.shape)}). Keep the rows in the order dispatch gave them."
         )
-    if handle.group is None:
+    if handle.capacity is not None:
+        size, dim = len(handle.send_splits), y.shape[1]
+        by_rank = y.reshape(-1, size, handle.capacity, dim).transpose(0, 1).reshape(-1, dim)
+        sent = (
+            by_rank
+            if handle.group is None
+            else _all_to_all(by_rank, handle.send_splits, handle.receive_splits, handle.group)
+        )
+        back = torch.cat([sent, y.new_zeros(1, dim)])[handle.pair_slot]  # order 1, zeros for dropped pairs
+    elif handle.group is None:
         back = y
     else:
         inverse = torch.empty_like(handle.expert_order)

@@ -95,6 +95,7 @@ def moe(
     score: Score = "softmax",
     bias: torch.Tensor | None = None,
     sequence_length: int | None = None,
+    capacity: int | None = None,
 ) -> tuple[torch.Tensor, MoEStats]:
     """A mixture-of-experts layer: each token through its ``top_k`` routed experts, plus the shared one.
 
@@ -130,6 +131,10 @@ def moe(
         bias: ``[E]`` selection bias (``route``), or None.
         sequence_length: for the balance loss, the length of the sequences the ``T`` tokens
             form (``balance_loss``); None: one group.
+        capacity: rows per (source rank, expert), dropping the pairs beyond (``dispatch``);
+            None: dropless. The exchange and the experts (one batched matmul) then need no
+            host synchronization (``route``'s check of the logits and the stats' check of the
+            expert indices still read the device).
 
     Returns:
         ``(y, stats)``: ``y`` of ``x``'s shape, and ``MoEStats`` for this call's tokens.
@@ -155,10 +160,14 @@ def moe(
         )
     tokens = x.reshape(-1, x.shape[-1])
     routing = route(tokens @ router, top_k, score=score, bias=bias)
-    expert_inputs, handle = dispatch(tokens, routing, num_experts, group)
-    rows = torch.split(expert_inputs, handle.tokens_per_expert.tolist())
-    outputs = [_swiglu(w1[e], w3[e], w2[e], rows[e]) for e in range(len(rows))]
-    y = combine(torch.cat(outputs), handle)
+    expert_inputs, handle = dispatch(tokens, routing, num_experts, group, capacity=capacity)
+    if capacity is None:
+        rows = torch.split(expert_inputs, handle.tokens_per_expert.tolist())
+        outputs = torch.cat([_swiglu(w1[e], w3[e], w2[e], rows[e]) for e in range(len(rows))])
+    else:  # the same number of rows for every local expert: one batched matmul
+        batched = expert_inputs.reshape(w1.shape[0], -1, expert_inputs.shape[1])
+        outputs = _swiglu(w1, w3, w2, batched).reshape(expert_inputs.shape[0], -1)
+    y = combine(outputs, handle)
     if "shared" in params:
         shared = params["shared"]
         y = y + _swiglu(shared["w1"], shared["w3"], shared["w2"], tokens)

@@ -89,6 +89,42 @@ def test_the_layer_equals_a_dense_loop_with_every_gradient(
     assert_bitwise(torch.func.grad_and_value(layer)(params), got)  # deterministic
 
 
+def capacity_mask(experts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """1 for the (token, slot) pairs a capacity keeps: each expert's first ``capacity``, token by token."""
+    seen: dict[int, int] = {}
+    mask = torch.zeros(experts.shape)
+    for t in range(experts.shape[0]):
+        for j in range(experts.shape[1]):
+            e = int(experts[t, j])
+            mask[t, j] = float(seen.get(e, 0) < capacity)
+            seen[e] = seen.get(e, 0) + 1
+    return mask
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 12])
+def test_the_layer_with_a_capacity_equals_a_dense_loop_that_drops(capacity: int) -> None:
+    params = init_moe(D, H, 4, generator=torch.Generator().manual_seed(2))
+    x, target = torch.randn(12, D), torch.randn(12, D)
+    mask = capacity_mask(route(x @ params["router"], 2).experts, capacity)
+
+    def layer(params: dict[str, Any]) -> torch.Tensor:
+        return loss_of(moe(params, x, top_k=2, capacity=capacity)[0], target)
+
+    def dense(params: dict[str, Any]) -> torch.Tensor:
+        routing = route(x @ params["router"], 2)
+        y = (torch.nn.functional.silu(x @ params["shared"]["w1"]) * (x @ params["shared"]["w3"])) @ params["shared"][
+            "w2"
+        ]
+        for e in range(4):
+            gate = (routing.weights * mask * (routing.experts == e)).sum(dim=1)
+            h = torch.nn.functional.silu(x @ params["w1"][e]) * (x @ params["w3"][e])
+            y = y + gate[:, None] * (h @ params["w2"][e])
+        return loss_of(y, target)
+
+    assert (mask.sum() < 24) == (capacity < 12)
+    assert_close(torch.func.grad_and_value(layer)(params), torch.func.grad_and_value(dense)(params), 1e-12)
+
+
 def test_bad_params_fail() -> None:
     params = init_moe(D, H, 4)
     with pytest.raises(ValueError, match=r"x's last dimension must be the router's input size, 4 \(x: shape \(3, 5\)"):
@@ -106,20 +142,22 @@ def _tokens(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(3 + 2 * rank, D, generator=g), torch.randn(3 + 2 * rank, D, generator=g)
 
 
-def _rank_loss(params: dict[str, Any], rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rank_loss(
+    params: dict[str, Any], rank: int, capacity: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s mean loss (with the balance loss), its token counts and its output."""
     x, target = _tokens(rank)
-    y, stats = moe(params, x, top_k=K, score="sigmoid")
+    y, stats = moe(params, x, top_k=K, score="sigmoid", capacity=capacity)
     return loss_of(y, target) + BALANCE * stats.balance_loss, stats.counts, y
 
 
-def _split_run(params: dict[str, Any], rank: int) -> dict[str, Any]:
+def _split_run(params: dict[str, Any], rank: int, capacity: int | None = None) -> dict[str, Any]:
     """One forward and backward on this rank's tokens with the experts split: output, loss, grads."""
     leaves = {k: v for k, v in params.items() if k != "shared"}
     leaves = {k: v.detach().requires_grad_() for k, v in leaves.items()}
     shared = {k: v.detach().requires_grad_() for k, v in params["shared"].items()}
     tree = {**leaves, "shared": shared}
-    loss, counts, y = _rank_loss(tree, rank)
+    loss, counts, y = _rank_loss(tree, rank, capacity)
     loss.backward()
     grads = {k: v.grad for k, v in leaves.items()} | {"shared": {k: v.grad for k, v in shared.items()}}
     return {"y": y.detach(), "loss": loss.detach(), "counts": counts, "grads": grads}
@@ -138,8 +176,8 @@ def _expert_parallel_checks(rank: int, world_size: int) -> dict[str, Any]:
     block = slice(rank * 2, rank * 2 + 2)
 
     # The unsplit model: every expert here, every rank's tokens, L = mean of the ranks' losses.
-    def total(params: dict[str, Any]) -> torch.Tensor:
-        return torch.stack([_rank_loss(params, r)[0] for r in range(world_size)]).mean()
+    def total(params: dict[str, Any], capacity: int | None = None) -> torch.Tensor:
+        return torch.stack([_rank_loss(params, r, capacity)[0] for r in range(world_size)]).mean()
 
     full_grads, full_loss = torch.func.grad_and_value(total)(params)
     full_counts = sum(_rank_loss(params, r)[1] for r in range(world_size))
@@ -182,7 +220,16 @@ def _expert_parallel_checks(rank: int, world_size: int) -> dict[str, Any]:
 
     assert_close(torch.cat(pieces), torch.func.grad(summed)(params["w2"]), 1e-12)
 
-    # 7. Disagreements raise on every rank, naming the rank, before any row moves (no hang).
+    # 7. With a capacity, which drops per (source rank, expert): the same checks of the output
+    # and the expert gradients against the one-process layer with the same capacity.
+    run = _split_run(split, rank, capacity=1)
+    x, _ = _tokens(rank)
+    assert_close(run["y"], moe(params, x, top_k=K, score="sigmoid", capacity=1)[0], 1e-12)
+    full_grads = torch.func.grad(total)(params, 1)
+    for name in ("w1", "w3", "w2"):
+        assert_close(run["grads"][name].to_local() / world_size, full_grads[name][block], 1e-12, context=name)
+
+    # 8. Disagreements raise on every rank, naming the rank, before any row moves (no hang).
     x, _ = _tokens(rank)
     routing = route(x @ params["router"], K)
     wrong = num_experts * 2 if rank == world_size - 1 else num_experts
@@ -202,7 +249,7 @@ def _expert_parallel_checks(rank: int, world_size: int) -> dict[str, Any]:
         match=rf"num_experts must be a multiple of the expert-parallel group's size, {world_size} \(num_experts: 3\)",
     ):
         dispatch_module.dispatch(x, route(x @ params["router"][:, :3], 1), 3, mesh.get_group())
-    # 8. The layer's and distribute_experts' checks of the expert weights.
+    # 9. The layer's and distribute_experts' checks of the expert weights.
     replicate = DTensor.from_local(params["w3"], mesh["ep"], [Replicate()], run_check=False)
     with pytest.raises(ValueError, match=r"\(params\['w3'\]: placements \(Replicate\(\),\) on a 1-D mesh\)"):
         moe({**split, "w3": replicate}, x, top_k=K)
