@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ._compile import Compile, CompiledRun, compile_option
 from ._distributed import Topology, WireState, resolve_topology, run_distributed
 from ._microbatch import Microbatches
 from ._parallelism import Parallelism, deprecated, parallelism_of
@@ -45,6 +46,7 @@ def pipeline(
     recompute: bool | Collection[int] = False,
     parallel: Parallelism | None = None,
     precision: Precision | None = None,
+    compile: bool | str | Callable[..., Any] = False,
     mesh: Any = None,
     group: Any = None,
     shard_params: bool | None = None,
@@ -103,6 +105,14 @@ def pipeline(
             dtype gradients are summed in over microbatches (and replicas), the dtype they are
             returned in, and float16 loss scaling (``step.loss_scale``, ``step.last_skipped``).
             ``None`` (default): everything in the parameters' own dtypes.
+        compile: run each step's whole program as one graph compiled by ``torch.compile``
+            (``fullgraph=True``): ``True`` for Inductor, or a backend's name (``"aot_eager"``)
+            or callable. The checks and the split stay eager; every forward and backward of
+            every stage and the ordered gradient sums are traced once per batch structure
+            (a changed sequence length compiles once more, with a dynamic dimension). A step
+            that cannot be traced (``.item()``, control flow on data in a stage) warns, naming
+            the action, and runs eagerly. One process only, for now (NOTE [the compiled step]
+            in ``fpipe/_compile.py``; notes/compile.md).
         mesh: deprecated, the field of ``parallel``: accepted for one release with a
             ``DeprecationWarning`` (``parallel=fpipe.Parallelism(mesh=mesh, shard_params=True)``
             for ``mesh=mesh, shard_params=True``), as are the four below.
@@ -233,6 +243,7 @@ def pipeline(
         recompute=frozenset(recompute),
         parallel=parallel,
         precision=precision,
+        compile=compile_option(compile, topology is not None),
     )
     return Step(spec, topology)
 
@@ -369,6 +380,7 @@ class StepSpec:
         recompute: the stages that recompute their forward inside their backward.
         parallel: where and how the step runs, an ``fpipe.Parallelism``.
         precision: the ``fpipe.Precision`` policy, or ``None``.
+        compile: how the step's program is compiled (``pipeline(..., compile=)``), or ``None``: eager.
     """
 
     loss_fn: Callable[[Any, Any], Any]
@@ -381,6 +393,7 @@ class StepSpec:
     recompute: frozenset[int]
     parallel: Parallelism
     precision: Precision | None
+    compile: Compile | None = None
 
 
 @dataclass
@@ -443,6 +456,7 @@ class Step:
         self._local_stages = tuple(range(program.num_stages)) if topology is None else program.stages_of(topology.rank)
         self._order = order_for(program, self._rank)
         self._forward_order = order_for(program, self._rank, forward=True)
+        self._compiled = None if spec.compile is None else CompiledRun(spec.compile)
 
     # What pipeline() fixed (``spec``), read-only.
     @property
@@ -618,7 +632,8 @@ class Step:
         strategy = self._sharded_strategy()
         with not_inference():  # results are plain tensors whatever the ambient mode
             if self._topology is None:
-                return run_local(self, order, strategy, params, batch, key=key, keep_outputs=keep_outputs)
+                local = run_local if self._compiled is None else self._compiled  # NOTE [the compiled step]
+                return local(self, order, strategy, params, batch, key=key, keep_outputs=keep_outputs)
             return run_distributed(
                 self,
                 order,

@@ -6,10 +6,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 import fpipe
 from fpipe.schedules import OneFOneB, ZeroBubbleH1
-from tests.helpers import assert_bitwise
+from tests.conformance import CONFORMANCE, Conformance
+from tests.helpers import assert_bitwise, some_stage_count
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,3 +77,137 @@ def test_recomputed_compiled_stages_compile_one_more_graph() -> None:
             torch.testing.assert_close(grads, expected_grads)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert graphs == [2, 3], graphs
+
+
+# --- The compiled step: pipeline(..., compile=...) (fpipe/_compile.py) --------------------------
+
+
+def first_block(p: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return block(p, batch["x"])
+
+
+def target_loss(y: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return ((y - batch["t"]) ** 2).mean()
+
+
+def dict_batch(size: int, length: int) -> dict[str, torch.Tensor]:
+    return {
+        "x": torch.randn(size, length, 16, dtype=torch.float64),
+        "t": torch.randn(size, length, 16, dtype=torch.float64),
+    }
+
+
+def params64(num_stages: int) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.double() for k, v in p.items()} for p in params(num_stages)]
+
+
+@pytest.mark.parametrize("entry", CONFORMANCE, ids=str)
+def test_compiled_step_is_bitwise_the_eager_step(entry: Conformance) -> None:
+    """Under ``aot_eager`` every schedule's compiled step (one graph: ``fullgraph=True``, else it
+    would warn, and warnings are errors) gives the eager step's bits, split backwards included."""
+    num_stages = some_stage_count(entry, 2)
+    stages = [first_block] + [block] * (num_stages - 1)
+    schedule = entry.make(num_stages, 3)
+    counter = CompileCounter()
+    compiled = fpipe.pipeline(target_loss, stages, schedule, compile=counter)
+    eager = fpipe.pipeline(target_loss, stages, schedule)
+    p, batch = params64(num_stages), dict_batch(5, 2)  # 5 examples: microbatches of 2, 2, 1
+    assert_bitwise(compiled(p, batch), eager(p, batch))
+    assert counter.frame_count == 1
+
+
+def test_compiled_step_recompiles_once_for_a_new_length() -> None:
+    """A changing sequence length: one compile with static shapes, one with a dynamic length, then none."""
+    counter = CompileCounter()
+    stages = [first_block] + [block] * 2
+    compiled = fpipe.pipeline(target_loss, stages, ZeroBubbleH1(4), compile=counter)
+    eager = fpipe.pipeline(target_loss, stages, ZeroBubbleH1(4))
+    p = params64(3)
+    frames = []
+    for length in (5, 7, 9, 11, 5):
+        batch = dict_batch(8, length)
+        assert_bitwise(compiled(p, batch), eager(p, batch))
+        frames.append(counter.frame_count)
+    assert frames == [1, 2, 2, 2, 2], frames
+
+
+def test_compiled_step_with_aux_and_token_counts() -> None:
+    """``has_aux`` and ``weight_fn``: a new token count is a new weight, not a new compile."""
+
+    def loss_aux(y: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = ((y - batch["t"]) ** 2).sum()
+        return loss, {"loss": loss.detach()}
+
+    def tokens(mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (mb["t"][..., 0] > 0).sum()
+
+    counter = CompileCounter()
+    kwargs: dict[str, Any] = {"has_aux": True, "weight_fn": tokens}
+    compiled = fpipe.pipeline(loss_aux, [first_block, block], OneFOneB(4), compile=counter, **kwargs)
+    eager = fpipe.pipeline(loss_aux, [first_block, block], OneFOneB(4), **kwargs)
+    p = params64(2)
+    for _ in range(3):
+        batch = dict_batch(8, 3)
+        assert_bitwise(compiled(p, batch), eager(p, batch))
+    assert counter.frame_count == 1
+
+
+def test_compiled_stages_nest_in_the_compiled_step() -> None:
+    torch._dynamo.reset()
+    compiled_block = torch.compile(block, backend="aot_eager")
+    counter = CompileCounter()
+    x = torch.randn(6, 4, 16)
+    step = fpipe.pipeline(loss_fn, [compiled_block] * 3, OneFOneB(3), compile=counter)
+    eager = fpipe.pipeline(loss_fn, [block] * 3, OneFOneB(3))
+    p = params(3)
+    assert_bitwise(step(p, x), eager(p, x))
+    assert counter.frame_count == 1
+
+
+def item_stage(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """A Python number read from the data steers Python (``.item()`` in arithmetic alone traces)."""
+    return block(p, h) * (2.0 if h.abs().max().item() > 0 else 1.0)
+
+
+def branch_stage(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    return block(p, h) if h.sum() > 0 else -block(p, h)
+
+
+@pytest.mark.parametrize("bad", [item_stage, branch_stage], ids=lambda f: f.__name__)
+def test_a_stage_that_cannot_be_traced_warns_and_runs_eagerly(bad: Any) -> None:
+    """The warning names the first action of the stage that breaks the graph; the step's results
+    are the eager step's; the next call does not try again, and warns again."""
+    stages = [block, bad, block]
+    compiled = fpipe.pipeline(loss_fn, stages, OneFOneB(2), compile="aot_eager")
+    eager = fpipe.pipeline(loss_fn, stages, OneFOneB(2))
+    p, x = params(3), torch.randn(4, 16)
+    for _ in range(2):
+        with pytest.warns(UserWarning, match=r"compile: action 1F0 \(stage 1, microbatch 0\) cannot be traced"):
+            result = compiled(p, x)
+        assert_bitwise(result, eager(p, x))
+
+
+def test_options_not_compiled_yet_warn() -> None:
+    step = fpipe.pipeline(loss_fn, [block] * 2, OneFOneB(2), recompute=True, compile="aot_eager")
+    with pytest.warns(UserWarning, match=r"compile: recomputation \(recompute=\) is not compiled yet"):
+        step(params(2), torch.randn(4, 16))
+
+
+def test_compile_argument_is_checked() -> None:
+    with pytest.raises(ValueError, match="compile names no backend torch"):
+        fpipe.pipeline(loss_fn, [block], OneFOneB(2), compile="no-such-backend")
+    with pytest.raises(TypeError, match="compile must be True, False, a backend name"):
+        fpipe.pipeline(loss_fn, [block], OneFOneB(2), compile=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [OneFOneB(4), ZeroBubbleH1(4)], ids=str)
+def test_inductor_step_is_close_to_eager_and_repeats_itself(schedule: Any) -> None:
+    """Inductor (``compile=True``) in float64: within 1e-12 of the eager step, the same bits run to run."""
+    stages = [first_block] + [block] * 3
+    compiled = fpipe.pipeline(target_loss, stages, schedule, compile=True)
+    eager = fpipe.pipeline(target_loss, stages, schedule)
+    p, batch = params64(4), dict_batch(8, 3)
+    first, again = compiled(p, batch), compiled(p, batch)
+    assert_bitwise(first, again)
+    torch.testing.assert_close(first, eager(p, batch), rtol=1e-12, atol=0)

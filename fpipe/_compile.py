@@ -1,0 +1,323 @@
+"""The compiled step: a process's whole program traced by dynamo into one graph (``pipeline(..., compile=)``).
+
+NOTE [the compiled step]
+``pipeline(..., compile=backend)`` runs each call of the step in two parts::
+
+    eager prologue   the checks, the split into microbatches, the loss weights
+                     (``split_batch``, ``loss_weights``): Python data, as for an eager step
+    traced core      ``_Core.__call__``: the order's actions, one straight line, traced by
+                     dynamo with ``fullgraph=True`` into one graph for every action of every
+                     stage, and compiled by ``backend``
+    eager epilogue   the aux stacked, the gradients shaped like the parameters
+
+The core interprets the same ``Order`` as the eager executor (fpipe/_executor.py), one loop and
+one dispatch on the action kind, but in the form dynamo traces: every backward is an explicit
+``torch.autograd.grad`` on the stage's own leaves (no ``.grad``, no raw engine call, no gradient
+edges), a split backward's ``I`` computes the input and the weight gradients at once and its
+``W`` only adds the weight part to the sum in microbatch order (NOTE [split backward] in
+fpipe/_weight_grad.py: an ``autograd.grad`` on gradient edges does not trace, and inside one
+graph when ``W`` runs is the compiler's choice anyway), and the gradients are summed in
+microbatch order (NOTE [fixed accumulation order] in fpipe/_accumulate.py) by a clone and
+in-place adds, the additions the engine makes. So under the ``aot_eager`` backend the step is
+bitwise the eager step. The dynamo flag ``trace_autograd_ops`` is set only around the core.
+The core's inputs are tensors only (parameters, microbatch leaves, the weights as one float64
+tensor): what else a call's data holds (pytree structures, non-tensor leaves) is a key of the
+cache of cores, so a new sequence length is a new shape for dynamo (one more compile, with a
+dynamic dimension, then none) and a new token count under ``weight_fn`` is no compile at all.
+A core that cannot be traced or compiled is never run eagerly without a word: the step warns
+(``UserWarning``, naming the action dynamo was tracing and the reason) and runs the eager step.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._dynamo.comptime import ComptimeContext, comptime
+
+from ._microbatch import stack
+from ._plural import brief
+from ._pytree import PyTree, flatten, is_differentiable, unflatten
+from ._run import Order, StepView, StrategyView, loss_weights, run_local, split_batch
+from ._stage import StageFn
+from .schedules import Action
+from .schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+
+Backend = str | Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Compile:
+    """What ``pipeline(..., compile=...)`` asked for: the backend the core is compiled with."""
+
+    backend: Backend
+
+
+def compile_option(compile: object, distributed: bool) -> Compile | None:
+    """``pipeline``'s ``compile`` argument checked: ``None`` for an eager step.
+
+    Raises:
+        TypeError: if it is not a bool, a backend name or a backend callable.
+        ValueError: if the backend name is not one ``torch.compile`` knows.
+        NotImplementedError: for a distributed step (one process only, for now).
+    """
+    if compile is False or compile is None:
+        return None
+    backend: Backend
+    if compile is True:
+        backend = "inductor"
+    elif isinstance(compile, str):
+        try:
+            torch._dynamo.lookup_backend(compile)
+        except Exception:
+            raise ValueError(
+                f"fpipe.pipeline: compile names no backend torch.compile knows (compile: {compile!r}). "
+                f"Pass True (Inductor) or one of {sorted(torch._dynamo.list_backends(exclude_tags=()))}."
+            ) from None
+        backend = compile
+    elif callable(compile) and not isinstance(compile, bool):
+        backend = compile
+    else:
+        raise TypeError(
+            f"fpipe.pipeline: compile must be True, False, a backend name or a backend callable "
+            f"(compile: {brief(compile)}). Pass e.g. compile=True or compile='aot_eager'."
+        )
+    if distributed:
+        raise NotImplementedError(
+            "fpipe.pipeline: compile= compiles a step in one process only for now (notes/compile.md); "
+            "a step over a process group or mesh runs eagerly. Drop compile=, or compile the stage functions."
+        )
+    return Compile(backend)
+
+
+class CompiledRun:
+    """A step's compiled runs: ``run_local``'s signature, the whole order traced (NOTE [the compiled step]).
+
+    One core per step, compiled by dynamo once per structure of the parameters and the
+    microbatches, shapes and dtypes (its guards; a changed length once more, with a dynamic
+    dimension). Once the core failed to trace or compile, the step stays eager and warns on
+    every call.
+    """
+
+    def __init__(self, option: Compile) -> None:
+        self.option = option
+        self._core: Callable[..., Any] | None = None
+        self._failed: str | None = None  # why the core did not compile, once it did not
+        self.compiles = 0  # graphs handed to the backend
+
+    def __call__(
+        self,
+        step: StepView,
+        order: Order,
+        strategy: StrategyView,
+        params: Sequence[PyTree],
+        batch: PyTree,
+        *,
+        key: int,
+        keep_outputs: bool = False,
+    ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
+        def eager() -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
+            return run_local(step, order, strategy, params, batch, key=key, keep_outputs=keep_outputs)
+
+        if order.forward_only or keep_outputs:  # evaluate: no backward to gain from, eager
+            return eager()
+        reason = _not_compiled(step)
+        if reason is not None:
+            _warn(reason)
+            return eager()
+        if self._failed is not None:
+            _warn(self._failed)
+            return eager()
+        strategy.check(step, params)
+        microbatches, sizes, count = split_batch(step, batch)
+        weights = loss_weights(sizes, count)
+        if self._core is None:
+            self._core = torch.compile(_own_code(_Core(step, order)), backend=self._backend, fullgraph=True)
+        _TRACING[0] = None
+        try:
+            with torch._dynamo.config.patch(trace_autograd_ops=True):
+                loss, auxes, sums = self._core(
+                    params, microbatches, torch.tensor(weights, dtype=torch.float64), len(set(weights)) == 1
+                )
+        except Exception as error:  # dynamo's, the backend's, or the stages' own (which the eager step raises)
+            reason = self._reason(order, error)
+            _warn(reason)
+            out = eager()
+            self._failed = reason  # the data was fine: what failed was tracing or compiling
+            return out
+        aux = stack(auxes) if step.has_aux else None
+        return (loss, aux, None), _grads(params, sums)
+
+    def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        """The user's backend, counting the graphs it gets."""
+        self.compiles += 1
+        backend = self.option.backend
+        compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        return compiler(graph, example_inputs)
+
+    def _reason(self, order: Order, error: Exception) -> str:
+        """Why the core did not compile, naming the action dynamo was tracing if it was."""
+        first = str(error).strip().splitlines()
+        what = f"{type(error).__name__}: {first[0] if first else ''}"
+        if isinstance(error, torch._dynamo.exc.BackendCompilerFailed):
+            return f"the backend {_name(self.option.backend)} failed to compile the step ({what})"
+        traced = _TRACING[0]
+        if traced is None:
+            return f"dynamo could not compile the step ({what})"
+        action = order.actions[traced][1]
+        return (
+            f"action {action} (stage {action.stage}, microbatch {action.microbatch}) cannot be traced into "
+            f"one graph ({what})"
+        )
+
+
+def _own_code(core: _Core) -> Callable[..., Any]:
+    """``core.__call__`` with a code object of its own: dynamo caches graphs, and counts
+    recompiles against its limit (``recompile_limit``, 8), per code object, so steps must not
+    share one (the ninth step built in a process would fail to compile)."""
+    code = _Core.__call__.__code__.replace()
+    return types.MethodType(types.FunctionType(code, globals(), "__call__"), core)
+
+
+def _warn(reason: str) -> None:
+    warnings.warn(f"fpipe.step: compile: {reason}; this step runs eagerly.", UserWarning, stacklevel=4)
+
+
+def _not_compiled(step: StepView) -> str | None:
+    """Why a step's options keep it eager for now, or ``None`` (notes/compile.md, "What is missing")."""
+    if step.precision is not None:
+        return "a precision policy is not compiled yet"
+    if step.recompute:
+        return "recomputation (recompute=) is not compiled yet"
+    return None
+
+
+def _name(backend: Backend) -> str:
+    return repr(backend) if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
+
+
+def _note_action(ctx: ComptimeContext) -> None:
+    """At trace time: record which action dynamo traces (``comptime``; nothing at run time)."""
+    _TRACING[0] = ctx.get_local("k").as_python_constant()
+
+
+_TRACING: list[int | None] = [None]  # the index of the action dynamo traces now, if it traces
+
+
+def _grads(params: Sequence[PyTree], sums: Sequence[Sequence[torch.Tensor | None]]) -> list[PyTree]:
+    """Gradients shaped like ``params``: zeros where no microbatch reached a differentiable leaf,
+    ``None`` for other leaves (as ``StageRun.grads``)."""
+    out = []
+    for p, total in zip(params, sums):
+        leaves, spec = flatten(p)
+        grads: list[Any] = [None] * len(leaves)
+        for k, g in zip([k for k, x in enumerate(leaves) if is_differentiable(x)], total):
+            grads[k] = torch.zeros_like(leaves[k]) if g is None else g
+        out.append(unflatten(spec, grads))
+    return out
+
+
+class _Core:
+    """The order's actions as one straight line for dynamo (NOTE [the compiled step])."""
+
+    def __init__(self, step: StepView, order: Order) -> None:
+        self.stages: tuple[StageFn, ...] = step.stages
+        self.loss_fn = step.loss_fn
+        self.has_aux = step.has_aux
+        self.last = step.num_stages - 1
+        self.actions: tuple[Action, ...] = tuple(a for _, a in order.actions)
+
+    def __call__(
+        self, params: list[PyTree], microbatches: list[PyTree], weights: torch.Tensor, one_weight: bool
+    ) -> tuple[torch.Tensor, list[Any], list[list[torch.Tensor | None]]]:
+        last = self.last
+        # The stages' own leaves (NOTE [differentiable leaves] in fpipe/_stage.py).
+        wrt: list[list[torch.Tensor]] = []
+        stage_params = []
+        for p in params:
+            leaves, spec = flatten(p)
+            leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+            wrt.append([x.requires_grad_() for x in leaves if is_differentiable(x)])
+            stage_params.append(unflatten(spec, leaves))
+        seeds = weights.unbind()
+        sent: dict[tuple[int, int], Any] = {}  # activations and cotangents by (receiving stage, microbatch)
+        back: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        pulls: dict[tuple[int, int], tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int], int]] = {}
+        deferred: dict[tuple[int, int], Sequence[torch.Tensor | None]] = {}
+        losses: list[Any] = [None] * len(microbatches)
+        auxes: list[Any] = [None] * len(microbatches)
+        sums: list[list[torch.Tensor | None]] = [[None] * len(w) for w in wrt]
+        added = [0] * len(wrt)
+        pending: list[dict[int, Sequence[torch.Tensor | None]]] = [{} for _ in wrt]
+
+        def add(s: int, i: int, grads: Sequence[torch.Tensor | None]) -> None:
+            """NOTE [fixed accumulation order]: microbatch ``i``'s gradients, once its predecessors' are in."""
+            pending[s][i] = grads
+            while added[s] in pending[s]:
+                for n, g in enumerate(pending[s].pop(added[s])):
+                    if g is not None:
+                        total = sums[s][n]
+                        sums[s][n] = g.clone() if total is None else total.add_(g)
+                added[s] += 1
+
+        for k, action in enumerate(self.actions):  # noqa: B007 (``k`` is read by ``_note_action``)
+            comptime(_note_action)
+            s, kind, i = action
+            if kind == FORWARD:
+                x = microbatches[i] if s == 0 else sent.pop((s, i))
+                xs, x_spec = flatten(x)
+                inputs, input_index = [], []
+                for n, leaf in enumerate(xs):
+                    if isinstance(leaf, torch.Tensor):
+                        leaf = leaf.contiguous()  # NOTE [boundary layout] in fpipe/_stage.py
+                        if s > 0 and leaf.requires_grad:
+                            leaf = leaf.detach().requires_grad_()
+                            inputs.append(leaf)
+                            input_index.append(n)
+                        xs[n] = leaf
+                y = self.stages[s](stage_params[s], unflatten(x_spec, xs))
+                if s == last:
+                    result = self.loss_fn(y, microbatches[i])
+                    loss, auxes[i] = result if self.has_aux else (result, None)
+                    y = loss if loss.dim() == 0 else loss.reshape(())
+                    losses[i] = y.detach()
+                else:
+                    sent[s + 1, i] = y
+                ys = flatten(y)[0]
+                outputs_index = [n for n, t in enumerate(ys) if isinstance(t, torch.Tensor) and t.requires_grad]
+                pulls[s, i] = ([ys[n] for n in outputs_index], outputs_index, inputs, input_index, len(xs))
+            elif kind == BACKWARD_WEIGHT:
+                del pulls[s, i]
+                add(s, i, deferred.pop((s, i)))
+            else:
+                outputs, output_index, inputs, input_index, num_inputs = (
+                    pulls[s, i] if kind == BACKWARD_INPUT else pulls.pop((s, i))
+                )
+                if s == last:
+                    cotangents: list[torch.Tensor | None] = [seeds[i].to(losses[i])]  # NOTE [seeds]
+                else:
+                    cotangents = back.pop((s, i))
+                roots = [out for n, out in zip(output_index, outputs) if cotangents[n] is not None]
+                grad_outputs = [cotangents[n] for n in output_index if cotangents[n] is not None]
+                targets = inputs + wrt[s]
+                grads: Sequence[torch.Tensor | None] = [None] * len(targets)
+                if roots and targets:
+                    grads = torch.autograd.grad(roots, targets, grad_outputs, allow_unused=True)
+                if kind == BACKWARD:
+                    add(s, i, grads[len(inputs) :])
+                else:  # I: the weight part waits for W, which only adds it in order
+                    deferred[s, i] = grads[len(inputs) :]
+                if s > 0:
+                    to_send: list[torch.Tensor | None] = [None] * num_inputs
+                    for n, g in zip(input_index, grads[: len(inputs)]):
+                        to_send[n] = None if g is None else g.contiguous()
+                    back[s - 1, i] = to_send
+        if one_weight and all(loss.dtype == losses[0].dtype for loss in losses):
+            loss = torch.stack(losses).mul_(seeds[0])  # NOTE [the step's loss] in fpipe/_run.py
+        else:
+            loss = torch.stack([x * w for x, w in zip(losses, seeds)])
+        return loss.sum(), auxes, sums
