@@ -4,7 +4,8 @@
 dispatch(x, routing, num_experts, group)`` sends the tokens to the ranks holding them and
 ``combine(y, handle)`` brings the experts' outputs back, weighted; ``moe(params, x, top_k=...)``
 is a reference DeepSeek-style layer on them, its experts plain tensors or split over an
-expert-parallel mesh (``distribute_experts``).
+expert-parallel mesh (``distribute_experts``). The exchange is dropless (variable splits, read
+on the host) or, with ``capacity=``, of fixed size with no host synchronization.
 
 Why this lives in the library: the model is the user's, but an expert-parallel layer needs a
 token exchange that is correct (dropless, variable splits that every rank agrees on, or an

@@ -1,4 +1,5 @@
-"""Dispatch and combine: the token exchange of expert parallelism, dropless, with variable splits.
+"""Dispatch and combine: the token exchange of expert parallelism, dropless with variable splits,
+or with a fixed capacity and no host synchronization.
 
 NOTE [dispatch order]
 The experts are split over the ``R`` ranks of the expert-parallel group in contiguous blocks:
@@ -11,10 +12,12 @@ once per (token, slot) pair. The pairs travel in three orders, each a permutatio
     3. expert inputs, by (local expert, source rank, token, slot)   a stable sort of 2. by expert
 
 ``dispatch`` goes 1 -> 2 -> 3, ``combine`` goes back 3 -> 2 -> 1 and sums each token's ``k``
-rows weighted by its gate weights, slot 0 first. Every step is a gather by a permutation or an
-all_to_all, whose backward is again a gather by the inverse permutation or an all_to_all: no
-index_add, no atomics, so outputs and gradients are the same bits on every run. The only
-reduction, over the ``k`` slots, is a sum in slot order.
+rows weighted by its gate weights, slot 0 first. Every step is an all_to_all or an indexing by a
+permutation, whose backward writes each row to exactly one place (a sum of one term, whatever
+order an accumulating kernel runs in), and a token's ``k`` copies are made by an expand, whose
+backward is a sum over ``k``: no row gets several contributions in an unordered index_add or by
+atomics, so outputs and gradients are the same bits on every run. The only reductions, over
+the ``k`` slots, run in slot order.
 
 With a ``capacity`` (``dispatch(..., capacity=C)``), each (source rank, expert) pair of the
 exchange has exactly ``C`` rows: an expert's first ``C`` pairs in order 1, by (token, slot), take
@@ -156,8 +159,6 @@ def dispatch(
     if group is not None:
         _agree(group, num_experts, x.shape[1], num_tokens * top_k, int(counts.sum()), counts.device)
     pair_order = torch.sort(experts.reshape(-1), stable=True).indices  # order 1
-    # x[pair_order // k] would backward through index_add; expanding then permuting backward
-    # through a sum over k and a gather (NOTE [dispatch order]).
     send = _pairs(x, top_k)[pair_order]
     rows = send.shape[0]
     empty = torch.zeros(0, dtype=torch.int64, device=x.device)
@@ -210,9 +211,8 @@ def _dispatch_capacity(
     sent = torch.cat([_pairs(x, top_k)[pair_order], x.new_zeros(1, dim)])[source]  # [E C, d]: (expert, offset)
     local_experts = num_experts // size
     splits = [local_experts * capacity] * size
-    received = (
-        sent if group is None else _all_to_all(sent, splits, splits, group)
-    )  # (source rank, local expert, offset)
+    # received: by (source rank, local expert, offset); the experts want (local expert, source rank, offset)
+    received = sent if group is None else _all_to_all(sent, splits, splits, group)
     tokens = received.reshape(size, local_experts, capacity, dim).transpose(0, 1).reshape(-1, dim)
     per_expert = torch.full((local_experts,), size * capacity, dtype=torch.int64, device=device)
     empty = torch.zeros(0, dtype=torch.int64, device=device)
