@@ -10,7 +10,8 @@ from another test module (tests/test_layers.py checks it).
 - ``reference``: ``torch.func.grad_and_value`` of the unsplit model, the transparency oracle;
   ``torch_optim_reference`` and ``torch_stages`` put torch's optimizers and schedules beside fpipe's.
 - The toy models, each with its batch and loss: tanh layers, a model of mixed leaves (complex,
-  int, string), weights by global name, the Hugging Face example's Llama, a Llama-like module.
+  int, string), weights by global name, the Hugging Face example's Llama, a Llama-like module,
+  a toy mixture of experts (each token to a fixed expert, over ``mesh["ep"]``).
 """
 
 from __future__ import annotations
@@ -516,3 +517,49 @@ def candidates(m: int, p: int) -> list[Candidate]:
         Candidate("zbh1", 1, lambda costs: ZeroBubbleH1(m).program(p)),
         Candidate("zbv", 2, lambda costs: ZeroBubbleV(m).program(2 * p)),
     ]
+
+
+# A toy mixture of experts (tests/distributed/test_experts.py's model, for tests/saving/test_experts.py):
+# token ``t`` goes to expert ``t % EXPERTS`` through the differentiable all-to-all of equal splits.
+EXPERTS, EXPERT_WIDTH, EXPERT_TOKENS = 4, 3, 8  # experts per layer, width, tokens per microbatch
+
+
+def expert_layer(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """``h + tanh(h[t] @ w[t % E])`` per token ``t``; ``p["w"]``: every expert ``[E, D, D]``, or a
+    DTensor sharded over ``mesh["ep"]`` whose block this rank holds (tokens travel there and back)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+    from torch.distributed.tensor import DTensor
+
+    e, w, (tokens, width) = EXPERTS, p["w"], h.shape
+    order = torch.arange(tokens).reshape(tokens // e, e).T.reshape(-1)  # expert-major: t % E, then t
+    x = (h @ p["dense"])[order].reshape(e, tokens // e, width)
+    if isinstance(w, DTensor):
+        group = w.device_mesh.get_group()
+        ep, w = w.device_mesh.size(), w.to_local()
+        x = wait_tensor(all_to_all_single_autograd(x.reshape(-1, width), None, None, group))
+        x = x.reshape(ep, e // ep, tokens // e, width)  # by source rank, then local expert
+        y = torch.tanh(torch.einsum("setd,edk->setk", x, w)).reshape(-1, width)
+        y = wait_tensor(all_to_all_single_autograd(y, None, None, group)).reshape(e, tokens // e, width)
+    else:
+        y = torch.tanh(torch.einsum("etd,edk->etk", x, w))
+    return h + y.reshape(tokens, width)[torch.argsort(order)]
+
+
+def expert_params(num_layers: int) -> list[dict[str, torch.Tensor]]:
+    """Each layer's dense weight ``[D, D]`` and experts ``[E, D, D]``, in the default dtype."""
+    g, d = torch.Generator().manual_seed(0), EXPERT_WIDTH
+    return [
+        {"dense": torch.randn(d, d, generator=g) / 2, "w": torch.randn(EXPERTS, d, d, generator=g) / 2}
+        for _ in range(num_layers)
+    ]
+
+
+def expert_batch(replica: int, m: int = 4) -> dict[str, torch.Tensor]:
+    """Replica ``replica``'s batch of ``m`` microbatches."""
+    g = torch.Generator().manual_seed(10 + replica)
+    size = (m * EXPERT_TOKENS, EXPERT_WIDTH)
+    return {"x": torch.randn(*size, generator=g), "y": torch.randn(*size, generator=g)}
+
+
+def expert_loss(h: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    return ((h - mb["y"]) ** 2).mean()

@@ -44,8 +44,8 @@ from .._pytree import PyTree, map_tensors, stage_list
 from .._sharding import ParallelView
 from .._tensor_parallel import is_dtensor
 from ._boxes import HostPiece, host_piece
-from ._ranks import Ranks, resolve
-from ._save import prepare, write
+from ._ranks import resolve
+from ._save import prepare, save_ranks, write
 from ._state import TrainState, prepare_state, write_state
 
 
@@ -111,7 +111,7 @@ class AsyncSaver:
         params = _snapshot("params", params)
         optimizer_state = None if optimizer_state is None else _snapshot("optimizer_state", optimizer_state)
         prepared = prepare(directory, params, optimizer_state, metadata, self._setup)
-        ranks = self._ranks(prepared.sharding is not None)
+        ranks = save_ranks(self._topology, self._setup.timeout, prepared)
         self._start(lambda: write(prepared, ranks))
 
     def save_state(self, directory: str | os.PathLike[str], state: TrainState, /) -> None:
@@ -133,7 +133,7 @@ class AsyncSaver:
                 extra=_snapshot("extra", [state.extra])[0] if isinstance(state.extra, dict) else state.extra,
             )
         prepared, mine = prepare_state(directory, state, self._setup)
-        ranks = self._ranks(prepared.sharding is not None)
+        ranks = save_ranks(self._topology, self._setup.timeout, prepared)
         self._start(lambda: write_state(prepared, mine, ranks))
 
     def wait(self) -> Path | None:
@@ -170,9 +170,6 @@ class AsyncSaver:
         elif self._thread is not None:
             self._thread.join()  # the body's error is the one to raise
 
-    def _ranks(self, sharded: bool) -> Ranks:
-        return Ranks("save", self._topology, self._setup.timeout, sharded=sharded)
-
     def _start(self, work: Any) -> None:
         def run() -> None:
             try:
@@ -193,12 +190,28 @@ def _own_groups(topology: Topology | None) -> Topology | None:
         ranks = dist.get_process_group_ranks(group)
         return dist.new_group(ranks, use_local_synchronization=True)
 
-    data_group = None if topology.data_group is None else copy(topology.data_group)
-    tensor_group = None if topology.tensor_group is None else copy(topology.tensor_group)
-    group = copy(topology.group)
+    data_group, tensor_group, group, expert_group, expert_data_group = (
+        None if g is None else copy(g)
+        for g in (
+            topology.data_group,
+            topology.tensor_group,
+            topology.group,
+            topology.expert_group,
+            topology.expert_data_group,
+        )
+    )
     # A failure of the job aborts them too, so a save in flight fails with it (NOTE [failure board]).
-    topology.board.watch([g for g in (group, data_group, tensor_group) if g is not None])
-    return replace(topology, group=group, data_group=data_group, tensor_group=tensor_group)
+    topology.board.watch(
+        [g for g in (group, data_group, tensor_group, expert_group, expert_data_group) if g is not None]
+    )
+    return replace(
+        topology,
+        group=group,
+        data_group=data_group,
+        tensor_group=tensor_group,
+        expert_group=expert_group,
+        expert_data_group=expert_data_group,
+    )
 
 
 def _snapshot(argument: str, trees: Sequence[PyTree]) -> list[PyTree]:

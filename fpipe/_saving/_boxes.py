@@ -103,26 +103,38 @@ def is_piece(leaf: Any) -> bool:
     return isinstance(leaf, (DTensor, HostPiece))
 
 
-def box_of(function: str, where: str, leaf: Any, tensor_ranks: Sequence[int] | None = None) -> Box | None:
+def box_of(
+    function: str,
+    where: str,
+    leaf: Any,
+    tensor_ranks: Sequence[int] | None = None,
+    expert_ranks: Sequence[int] | None = None,
+) -> Box | None:
     """The box of DTensor (or ``HostPiece``) ``leaf`` that this rank holds; ``None`` for the whole tensor
-    (NOTE [tensor-parallel saves]). With ``tensor_ranks`` (saving), the DTensor must live on the
-    tensor-parallel sub-mesh with those ranks.
+    (NOTE [tensor-parallel saves]). With ``tensor_ranks`` or ``expert_ranks`` (saving), the DTensor
+    must live on the tensor-parallel sub-mesh with those ranks, or on the expert-parallel one.
 
     Raises:
         TypeError: a placement other than ``Shard`` and ``Replicate`` (a ``Partial`` value is not
             the tensor's value until summed).
-        ValueError: a mesh this rank is not in, or not the tensor-parallel sub-mesh when saving, or
+        ValueError: a mesh this rank is not in, or not a sub-mesh of the save's when saving, or
             a local piece whose shape is not the one torch's chunking gives.
     """
     if isinstance(leaf, DTensor):
         local, mesh, placements, shape = leaf.to_local(), leaf.device_mesh, tuple(leaf.placements), tuple(leaf.shape)
     else:
         local, mesh, placements, shape = leaf.local, leaf.mesh, leaf.placements, leaf.shape
-    if tensor_ranks is not None and (mesh.ndim != 1 or mesh_ranks(mesh) != list(tensor_ranks)):
+    homes = {
+        kind: list(ranks)
+        for kind, ranks in (("tensor-parallel", tensor_ranks), ("expert-parallel", expert_ranks))
+        if ranks is not None
+    }
+    if homes and (mesh.ndim != 1 or mesh_ranks(mesh) not in homes.values()):
+        ranks_of = "; ".join(f"the {kind} ranks: {ranks}" for kind, ranks in homes.items())
         raise ValueError(
-            f"{function}: {where} is a DTensor on a mesh that is not this rank's tensor-parallel sub-mesh (its "
-            f"mesh: {mesh!r}; the tensor-parallel ranks: {list(tensor_ranks)}). Save DTensors on mesh['tp'] of the "
-            "mesh of parallel= (a Parallelism's or the step's), whose tensor-parallel ranks write their own pieces."
+            f"{function}: {where} is a DTensor on a mesh that is not this rank's {' nor its '.join(homes)} sub-mesh "
+            f"(its mesh: {mesh!r}; {ranks_of}). Save DTensors on mesh['tp'] (expert weights on mesh['ep']) of the "
+            "mesh of parallel= (a Parallelism's or the step's), whose ranks write their own pieces."
         )
     box = piece_box(function, where, mesh, placements, shape)
     if list(local.shape) != list(box.shape):

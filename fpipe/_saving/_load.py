@@ -144,7 +144,8 @@ def load_then(
         sharding = sharded_leaves("load", setup.step, trees)
         root = committed(root)
         index = read_index(root)
-        wanted = {kind: _wanted(root, index, kind, kind_trees, sharding) for kind, kind_trees in trees.items()}
+        experts = None if topology is None else topology.expert_ranks
+        wanted = {kind: _wanted(root, index, kind, kind_trees, sharding, experts) for kind, kind_trees in trees.items()}
     except (TypeError, ValueError, OSError) as error:
         problem = error
     names = {kind: sorted(uses) for kind, uses in wanted.items()}
@@ -177,10 +178,15 @@ def load_then(
 
 
 def _wanted(
-    root: Path, index: dict[str, Any], kind: str, trees: Sequence[PyTree], sharding: Sharding | None
+    root: Path,
+    index: dict[str, Any],
+    kind: str,
+    trees: Sequence[PyTree],
+    sharding: Sharding | None,
+    expert_ranks: Sequence[int] | None,
 ) -> dict[str, list[Use]]:
     """Each name the template of ``kind`` needs, with the leaves it fills, checked against the index."""
-    wanted = template_uses("fpipe.load", kind, trees, sharding)
+    wanted = template_uses("fpipe.load", kind, trees, sharding, expert_ranks)
     if MAPS[kind] not in index:
         raise ValueError(f"fpipe.load: the save at {root} has no {label(kind)}; it was saved without it.")
     saved = index[MAPS[kind]]

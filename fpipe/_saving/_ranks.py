@@ -196,9 +196,9 @@ def _topology(function: str, mesh: Any, group: Any) -> Topology | None:
 
 
 class Ranks:
-    """The ranks taking part in a save or load (the pipeline ranks, and the data-parallel ranks of a
-    sharded save and the tensor-parallel ranks of a mesh with a ``"tp"`` dimension), and all-gathers
-    of JSON values among them."""
+    """The ranks taking part in a save or load (the pipeline ranks; the data-parallel ranks of a
+    sharded save, the expert-parallel ranks of a save with ``experts``, the tensor-parallel ranks of
+    a mesh with a ``"tp"`` dimension), and all-gathers of JSON values among them."""
 
     def __init__(
         self,
@@ -209,31 +209,53 @@ class Ranks:
         sharded: bool = False,
         tensor_parallel: bool = True,
         all_replicas: bool = False,
+        experts: bool = False,
     ) -> None:
         """``tensor_parallel=False``: only tensor-parallel rank 0 takes part (``save_hf``, whose other
         tensor-parallel ranks gathered their pieces to it); ``all_replicas``: the data-parallel
-        ranks take part, as in a sharded save (``load``: every process agrees on its outcome)."""
+        ranks take part, as in a sharded save (``load``: every process agrees on its outcome);
+        ``experts``: on a mesh with an ``"ep"`` dimension, the expert-parallel ranks take part
+        (``save``: each writes its block of experts, NOTE [tensor-parallel saves] in
+        fpipe/_saving/_boxes.py), and only the data-parallel replicas (``mesh["dp"]``) wait."""
         self.function = function  # "save" or "load", for messages
         self.topology = topology
         self.timeout = timeout
         self.rank = 0 if topology is None else topology.rank
         self.size = 1 if topology is None else topology.size
-        self.replicas = topology is not None and topology.data_size > 1
-        self.replica = dist.get_rank(topology.data_group) if topology is not None and self.replicas else 0
-        # The other dimensions whose ranks all take part: data-parallel in a sharded save (every
-        # replica writes its shards), tensor-parallel (every tp rank writes its pieces, NOTE
-        # [tensor-parallel saves] in fpipe/_saving/_boxes.py), or both. ``gather`` spans them and the
-        # pipeline group, and writer ``(rank * dp_size + dp_index) * tp_size + tp_index`` is the
-        # position in its result.
         self.sharded = sharded and topology is not None and topology.data_group is not None
+        # The expert ranks write their own blocks: the replicas that wait are the data-parallel
+        # ones of this (pp, ep, tp) coordinate (NOTE [experts are data-parallel for the dense weights]).
+        expert_writers = (
+            experts
+            and topology is not None
+            and topology.expert_group is not None
+            and not (self.sharded or all_replicas)
+        )
+        # The ranks holding this rank's pieces, of which the first writes and the others wait.
+        self.copies: Any = None if topology is None else topology.data_group
+        if expert_writers:
+            assert topology is not None  # (for mypy)
+            self.copies = topology.expert_data_group
+        self.replicas = self.copies is not None and dist.get_world_size(self.copies) > 1
+        self.replica = dist.get_rank(self.copies) if self.replicas else 0
+        # The other dimensions whose ranks all take part: data-parallel in a sharded save (every
+        # replica writes its shards; in a load, the dp x ep replicas), expert-parallel (every ep rank
+        # writes its block of experts), tensor-parallel (every tp rank writes its pieces, NOTE
+        # [tensor-parallel saves] in fpipe/_saving/_boxes.py), or several. ``gather`` spans them and
+        # the pipeline group, and writer ``((rank * dp_size + dp_index) * ep_size + ep_index) *
+        # tp_size + tp_index`` (each factor present only with its dimension) is the position in its result.
         self.inner: list[tuple[str, Any]] = []
         if topology is not None and topology.data_group is not None and (self.sharded or all_replicas):
-            self.inner.append(("dp", topology.data_group))
+            self.inner.append(("dp" if topology.expert_group is None else "replica", topology.data_group))
+        if expert_writers:
+            assert topology is not None  # (for mypy)
+            self.inner.append(("ep", topology.expert_group))
         if topology is not None and topology.tensor_group is not None and tensor_parallel:
             self.inner.append(("tp", topology.tensor_group))
         # (label, index, size) of this rank in each inner dimension
         self.coordinates = [(label, dist.get_rank(g), dist.get_world_size(g)) for label, g in self.inner]
         self.tp = next((index for label, index, _ in self.coordinates if label == "tp"), None)
+        self.ep = next((index for label, index, _ in self.coordinates if label == "ep"), None)
         self.writer = self.rank
         for _, index, size in self.coordinates:
             self.writer = self.writer * size + index
@@ -254,9 +276,10 @@ class Ranks:
         return str(position) + (f" ({' '.join(reversed(inner))})" if inner else "")
 
     def gather_replicas(self, value: Any, what: str) -> list[Any]:
-        """``value`` of every data-parallel replica of this pipeline rank."""
+        """``value`` of every rank of ``copies``: the data-parallel replicas of this pipeline rank
+        (with ``experts``, of this pipeline and expert-parallel rank)."""
         assert self.topology is not None
-        return all_gather_json(self.topology, self.topology.data_group, value, self.timeout, what)
+        return all_gather_json(self.topology, self.copies, value, self.timeout, what)
 
 
 @dataclass(frozen=True)

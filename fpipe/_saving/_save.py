@@ -178,7 +178,7 @@ def save(
     """
     setup = resolve("save", parallel, step=step, group=group, mesh=mesh, timeout=timeout)
     prepared = prepare(directory, params, optimizer_state, metadata, setup)
-    return write(prepared, Ranks("save", setup.topology, setup.timeout, sharded=prepared.sharding is not None))
+    return write(prepared, save_ranks(setup.topology, setup.timeout, prepared))
 
 
 @dataclass(frozen=True)
@@ -223,13 +223,19 @@ def write(prepared: Prepared, ranks: Ranks) -> Path:
     if sharding is not None:  # NOTE [sharded saves]: every replica writes its own shards
         return root / _save_pipeline(root, trees, user, held, ranks, sharding)
     # NOTE [the save protocol], 4: the first replica saves, the others learn its version.
-    group = None if ranks.topology is None or not ranks.replicas else ranks.topology.data_group
+    group = ranks.copies if ranks.replicas else None
     write = None if ranks.replica != 0 else lambda: _save_pipeline(root, trees, user, held, ranks, None)
     waits, tells = "the save of the first replica", "the other data-parallel replicas"
     ok, version = one_writes(ranks.topology, group, write, ranks.timeout, waits, tells)
     if not ok:
         raise RuntimeError("fpipe.save: the first data-parallel replica failed to save; its own error says why.")
     return root / str(version)
+
+
+def save_ranks(topology: Topology | None, timeout: float, prepared: Prepared) -> Ranks:
+    """The writers of a save: with shards, every replica; on a mesh with ``"ep"``, every expert-parallel
+    rank of the first data-parallel replica (NOTE [tensor-parallel saves] in ``fpipe/_saving/_boxes.py``)."""
+    return Ranks("save", topology, timeout, sharded=prepared.sharding is not None, experts=True)
 
 
 # --- Naming and hashing the local stages ------------------------------------------------------
@@ -321,13 +327,14 @@ def _tensor(name: str, where: str, stage: int, leaf: Any, ranks: Ranks) -> _Tens
     box = None
     if is_piece(leaf):
         tensor_ranks = None if ranks.topology is None else ranks.topology.tensor_ranks
-        if tensor_ranks is None:
+        expert_ranks = None if ranks.ep is None or ranks.topology is None else ranks.topology.expert_ranks
+        if tensor_ranks is None and expert_ranks is None:
             raise ValueError(
-                f"fpipe.save: {where} is a DTensor but the save has no tensor-parallel dimension. Pass "
-                "parallel=step (or fpipe.Parallelism(mesh=mesh)) with a 'tp' dimension, on whose sub-mesh "
-                "mesh['tp'] the DTensors live."
+                f"fpipe.save: {where} is a DTensor but the save has no tensor-parallel dimension nor an "
+                "expert-parallel one. Pass parallel=step (or fpipe.Parallelism(mesh=mesh)) with a 'tp' dimension, "
+                "on whose sub-mesh mesh['tp'] the DTensors live (or an 'ep' one, for expert weights on mesh['ep'])."
             )
-        box = box_of("fpipe.save", where, leaf, tensor_ranks)
+        box = box_of("fpipe.save", where, leaf, tensor_ranks, expert_ranks)
         shape = list(leaf.shape)
         leaf = leaf.local if isinstance(leaf, HostPiece) else local(leaf)
     if not isinstance(leaf, torch.Tensor):
@@ -424,6 +431,7 @@ def _save_pipeline(
             "version": version,
             "rank": ranks.rank,
             "replica": ranks.replica,
+            "ep": ranks.ep,
             "tp": ranks.tp,
             "files": my_files,
             "num_stages": num_stages,
@@ -518,6 +526,14 @@ def _order(piece: Piece) -> tuple[Any, ...]:
 def _copies_differ(name: str, a: tuple[Manifest, dict[str, Any]], b: tuple[Manifest, dict[str, Any]]) -> str:
     """The error for copies of ``name`` that one rank's replicas (data- or tensor-parallel) hold differently."""
     (ma, sa), (mb, sb) = a, b
+    if sa["ep"] != sb["ep"]:
+        return (
+            f"fpipe.save: {ma.where} differs between expert-parallel ranks ({_writer(sa)}: sha256 {ma.sha256[:12]}; "
+            f"{_writer(sb)}: sha256 {mb.sha256[:12]}). A plain tensor is a dense weight, which the expert-parallel "
+            "ranks hold as replicas (NOTE [experts are data-parallel for the dense weights]) and which ep rank 0 "
+            "saves once, so every expert-parallel rank must hold the same bytes; make expert weights DTensors "
+            "sharded over mesh['ep'] (fpipe.moe.distribute_experts)."
+        )
     if (ma.shard is None) != (mb.shard is None) or sa["tp"] is None:
         return (
             f"fpipe.save: {ma.where} ({_writer(sa)}) and {mb.where} ({_writer(sb)}) "
@@ -560,6 +576,7 @@ def _writer(status: dict[str, Any]) -> str:
     return (
         f"rank {status['rank']}"
         + (f" dp {status['replica']}" if status["replica"] else "")
+        + (f" ep {status['ep']}" if status["ep"] else "")
         + (f" tp {status['tp']}" if status["tp"] else "")
     )
 
@@ -590,6 +607,7 @@ def _index(
             "bytes": nbytes,
             "rank": st["rank"],
             **({"replica": st["replica"]} if "-dp-" in file else {}),
+            **({"ep": st["ep"]} if "-ep-" in file else {}),
             **({"tp": st["tp"]} if "-tp-" in file else {}),
         }
         for st, w in zip(statuses, written)

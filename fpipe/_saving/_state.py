@@ -41,7 +41,7 @@ from .._pytree import PyTree
 from .._sharding import ParallelView
 from ._load import Loaded, load_then
 from ._ranks import Ranks, Setup, resolve
-from ._save import Prepared, prepare, write
+from ._save import Prepared, prepare, save_ranks, write
 
 KEY = "fpipe_train_state"
 
@@ -119,9 +119,7 @@ def save_state(
     """
     setup = resolve("save_state", parallel, step=step, group=group, mesh=mesh, timeout=timeout)
     prepared, mine = prepare_state(directory, state, setup)
-    return write_state(
-        prepared, mine, Ranks("save", setup.topology, setup.timeout, sharded=prepared.sharding is not None)
-    )
+    return write_state(prepared, mine, save_ranks(setup.topology, setup.timeout, prepared))
 
 
 def prepare_state(

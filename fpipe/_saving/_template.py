@@ -12,10 +12,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import Shard
 
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_names, unflatten
-from .._tensor_parallel import from_header, header_of, is_dtensor, local
+from .._tensor_parallel import from_header, header_of, is_dtensor, local, on_ranks
 from ._boxes import Box, box_of, is_piece
 from ._ranks import Sharding, full_shapes
 from ._store import Part
@@ -45,12 +46,20 @@ class Use(NamedTuple):
         return Part(self.box, self.shard)
 
 
-def template_uses(function: str, kind: str, trees: Sequence[PyTree], sharding: Sharding | None) -> dict[str, list[Use]]:
+def template_uses(
+    function: str,
+    kind: str,
+    trees: Sequence[PyTree],
+    sharding: Sharding | None,
+    expert_ranks: Sequence[int] | None = None,
+) -> dict[str, list[Use]]:
     """Each name the template of ``kind`` holds, with the leaves it fills; ``function``
-    (``fpipe.load``, ``fpipe.load_hf``) names the caller in errors.
+    (``fpipe.load``, ``fpipe.load_hf``) names the caller in errors; ``expert_ranks``: the ranks of
+    this rank's ``mesh["ep"]``, where expert weights live (``Topology.expert_ranks``).
 
     Raises ``TypeError`` for a leaf that is neither a tensor nor ``None`` or a tensor without a
-    name, and ``ValueError`` for a name twice in a stage or a shard of the wrong size.
+    name, and ``ValueError`` for a name twice in a stage, a shard of the wrong size, or an expert
+    weight whose experts the expert-parallel ranks do not divide.
     """
     uses: dict[str, list[Use]] = {}
     for s, tree in enumerate(trees):
@@ -89,8 +98,24 @@ def template_uses(function: str, kind: str, trees: Sequence[PyTree], sharding: S
                 mine.append(Use(where, s, position, leaf, sharding.shard, cut_from.shape, cut_from.box))
             else:
                 box = box_of(function, where, leaf) if is_piece(leaf) else None
+                if expert_ranks is not None and is_dtensor(leaf) and on_ranks(leaf, expert_ranks):
+                    _check_experts(function, where, leaf, len(expert_ranks))
                 mine.append(Use(where, s, position, leaf, box=box))
     return uses
+
+
+def _check_experts(function: str, where: str, leaf: Any, size: int) -> None:
+    """An expert weight (a DTensor sharded along its first dimension over ``mesh["ep"]``) needs a
+    number of experts its ``size`` expert-parallel ranks divide: each runs as many (``fpipe.moe``)."""
+    experts = leaf.shape[0] if leaf.dim() else 0
+    if any(type(p) is Shard and p.dim % max(leaf.dim(), 1) == 0 for p in leaf.placements) and experts % size:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ValueError(
+            f"{function}: {where} is an expert weight of {experts} experts (its first dimension, sharded over "
+            f"mesh['ep']), which the {size} expert-parallel ranks do not divide: each must hold as many experts. "
+            f"Load it on an expert-parallel size that divides {experts} ({listing([str(d) for d in divisors])}), "
+            "or into plain tensors."
+        )
 
 
 def fill(
