@@ -47,6 +47,7 @@ def route(
     *,
     score: Score = "softmax",
     bias: torch.Tensor | None = None,
+    normalize: bool | None = None,
 ) -> Routing:
     """The top-``top_k`` experts of each token and their gate weights, from router logits.
 
@@ -55,12 +56,14 @@ def route(
         s = softmax(logits[t]) if score == "softmax" else sigmoid(logits[t])
         experts[t] = the top_k indices of s + bias, by descending value, lower index first on ties
         weights[t] = s[experts[t]]
-        if score == "sigmoid":
+        if normalize:  # by default: score == "sigmoid"
             weights[t] = weights[t] / weights[t].sum()
 
-    With ``"softmax"`` the weights are the chosen probabilities, not renormalized (Switch
-    Transformer, arXiv:2101.03961; DeepSeek-V2, arXiv:2405.04434); with ``"sigmoid"`` they are
-    the chosen affinities normalized over the ``top_k`` choices (DeepSeek-V3, arXiv:2412.19437).
+    By default, with ``"softmax"`` the weights are the chosen probabilities, not renormalized
+    (Switch Transformer, arXiv:2101.03961; DeepSeek-V2, arXiv:2405.04434); with ``"sigmoid"``
+    they are the chosen affinities normalized over the ``top_k`` choices (DeepSeek-V3,
+    arXiv:2412.19437). ``normalize=True`` with ``"softmax"`` renormalizes the chosen
+    probabilities to sum to 1, as Mixtral does (and Qwen3-MoE with ``norm_topk_prob``).
     ``bias`` is DeepSeek-V3's auxiliary-loss-free balancing: a per-expert offset added to the
     scores for the *selection* only; the weights and ``scores`` never see it (nor does the
     gradient: the selection is not differentiable). The caller updates it between steps from
@@ -73,13 +76,15 @@ def route(
         top_k: experts per token, ``1 <= top_k <= E``.
         score: ``"softmax"`` or ``"sigmoid"``.
         bias: ``[E]`` selection bias, or None.
+        normalize: divide each token's weights by their sum; None: for ``"sigmoid"`` only.
 
     Returns:
         A ``Routing`` (``experts`` and ``weights`` ``[T, top_k]``, ``scores`` ``[T, E]``).
 
     Raises:
         ValueError: ``logits`` not 2-D, ``top_k`` out of range, an unknown ``score``, a ``bias``
-            of the wrong shape, or logits that are NaN or infinite (naming the tokens).
+            of the wrong shape, a ``normalize`` not a bool or None, or logits that are NaN or
+            infinite (naming the tokens).
 
     Examples:
         >>> logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 0.0, 1.0, 5.0]])
@@ -90,6 +95,9 @@ def route(
         >>> fpipe.moe.route(logits, 1, bias=torch.tensor([0.0, 0.0, 0.1, 0.0])).experts  # token 0 now 2
         tensor([[2],
                 [3]])
+        >>> fpipe.moe.route(logits, 2, normalize=True).weights  # Mixtral's: each row sums to 1
+        tensor([[0.5000, 0.5000],
+                [0.9526, 0.0474]])
     """
     if logits.dim() != 2:
         raise ValueError(
@@ -109,13 +117,15 @@ def route(
             f"fpipe.moe.route: bias must have one entry per expert, shape ({num_experts},) "
             f"(bias: shape {tuple(bias.shape)})."
         )
+    if normalize is not None and not isinstance(normalize, bool):
+        raise ValueError(f"fpipe.moe.route: normalize must be True, False or None (normalize: {normalize!r}).")
     check_finite(logits, "fpipe.moe.route")
     scores = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
     selection = scores.detach() if bias is None else scores.detach() + bias.detach().to(scores.dtype)
     order = torch.sort(selection, dim=-1, descending=True, stable=True).indices  # NOTE [deterministic top-k]
     experts = order[:, :top_k].contiguous()
     weights = scores.gather(1, experts)
-    if score == "sigmoid":
+    if (score == "sigmoid") if normalize is None else normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return Routing(experts, weights, scores)
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fpipe.moe import Routing, balance_loss, route, token_counts
-from tests.helpers import assert_close
+from tests.helpers import assert_bitwise, assert_close
 
 
 def reference_route(logits: torch.Tensor, top_k: int, score: str, bias: torch.Tensor | None) -> Routing:
@@ -156,3 +156,21 @@ def test_balance_loss_bad_sequence_length_fails() -> None:
         balance_loss(r, 4, sequence_length=4)
     with pytest.raises(ValueError, match=r"\[tokens, num_experts\] = \[6, 5\]"):
         balance_loss(r, 5)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_normalize_divides_the_chosen_weights_by_their_sum(score: str) -> None:
+    """``normalize=True`` is Mixtral's routing with softmax (softmax, top-k, renormalized) and
+    ``False`` leaves sigmoid affinities as they are; None keeps each score's default."""
+    logits = torch.randn(7, 5, generator=torch.Generator().manual_seed(0))
+    s = torch.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)
+    top = torch.topk(s, 2, dim=-1)  # no ties in random logits
+    normalized = route(logits, 2, score=score, normalize=True)  # type: ignore[arg-type]
+    plain = route(logits, 2, score=score, normalize=False)  # type: ignore[arg-type]
+    default = route(logits, 2, score=score)  # type: ignore[arg-type]
+    assert torch.equal(normalized.experts, top.indices) and torch.equal(plain.experts, top.indices)
+    assert_close(normalized.weights, top.values / top.values.sum(-1, keepdim=True), 1e-15)
+    assert_close(plain.weights, top.values, 1e-15)
+    assert_bitwise(default.weights, normalized.weights if score == "sigmoid" else plain.weights)
+    with pytest.raises(ValueError, match=r"normalize must be True, False or None \(normalize: 1\)"):
+        route(logits, 2, normalize=1)  # type: ignore[arg-type]
