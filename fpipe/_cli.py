@@ -346,7 +346,8 @@ def _experts_problem(args: argparse.Namespace) -> str | None:
     if args.experts is None:
         given = [f"--{name.replace('_', '-')}" for name in _set_options(args, _EXPERT_OPTIONS)]
         given += ["--ep"] if args.ep != 1 else []
-        return f"{', '.join(given)} need a mixture of experts (--experts N)" if given else None
+        verb = "needs" if len(given) == 1 else "need"
+        return f"{', '.join(given)} {verb} a mixture of experts (--experts N)" if given else None
     needed = {"--active-experts": args.active_experts, "--expert-hidden": args.expert_hidden}
     missing = [name for name, value in needed.items() if value is None]
     if missing:

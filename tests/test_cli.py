@@ -425,3 +425,73 @@ def test_plan_slack_keeps_the_searched_program_that_holds_least(
     with pytest.raises(SystemExit):
         main(["plan", "--ranks", "2", "--microbatches", "8", "--costs", str(path), "--slack", "-1"])
     assert "--slack" in capsys.readouterr().err
+
+
+def test_plan_a_mixture_of_experts(capsys: pytest.CaptureFixture[str]) -> None:
+    """--experts and its options make the layers after --dense-layers MoE layers; --ep shards
+    their experts (NOTE [planner experts] in fpipe/planning/_cost_model.py)."""
+    experts = ["--experts", "8", "--active-experts", "2", "--expert-hidden", "32", "--shared-experts", "1"]
+    status, text = run_plan(*MODEL, *experts, "--dense-layers", "1", "--ep", "4", "--dp", "2", "--schedules", "1f1b")
+    assert status == 0
+    about, costs, header, row = text.splitlines()[:4]
+    assert about.endswith(
+        "8 routed experts (top-2, 1 shared, hidden 32), 1 dense layer first; 298.5K parameters, 187.9K active; "
+        "tp 1, dp 2, ep 4: 16 devices (per device: TFLOP/s, memory, tokens/s)"
+    )
+    assert costs.startswith("dense layer: F 3.408 us, ") and "(all-to-all 12.29 us of F and of I)" in costs
+    assert header.split("  ")[-2:] == ["tokens/s/device", "device-hours/1T tokens"]
+    value, unit = row.split()[2:4]
+    step = float(value) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+    rate, hours = (float(x.replace(",", "")) for x in row.split()[-2:])
+    assert rate == pytest.approx(4 * 32 / step / 2, rel=1e-3) and hours == pytest.approx(1e12 / rate / 3600, rel=1e-3)
+
+
+def test_plan_the_deepseek_v3_preset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--preset gives the model and the device; the layout is the user's, and an option given wins."""
+    layout = ["plan", "--preset", "deepseek-v3", "--ranks", "2", "--microbatches", "4", "--ep", "64", "--dp", "16"]
+    out = io.StringIO()
+    assert main([*layout, "--schedules", "1f1b", "--memory", "1000"], stdout=out) == 0
+    about, costs, header, row = out.getvalue().splitlines()[:4]
+    assert about == (
+        "2 ranks, 4 microbatches; 61 layers, hidden 7168, vocabulary 129280, 1 x 4096 tokens per microbatch; "
+        "256 routed experts (top-8, 1 shared, hidden 2048), 3 dense layers first; 671B parameters, 37.55B active; "
+        "tp 1, dp 16, ep 64: 2,048 devices (per device: TFLOP/s, memory, tokens/s)"
+    )
+    assert costs.startswith("dense layer: F 13.28 ms, ") and "(all-to-all 18.52 ms of F and of I)" in costs
+    assert "device-hours/1T tokens" in header and row.split()[0] == "1f1b" and row.split()[-1] == "yes"
+    hours = float(row.split()[-2].replace(",", ""))
+    assert hours == pytest.approx(1e12 * float(row.split()[2]) * 2 / (4 * 4096) / 3600, rel=1e-3)
+    faster = io.StringIO()
+    assert main([*layout, "--schedules", "1f1b", "--memory", "1000", "--tflops", "792"], stdout=faster) == 0
+    assert faster.getvalue().splitlines()[1].startswith("dense layer: F 6.642 ms, ")  # twice the FLOP/s
+    path = tmp_path / "costs.json"
+    fpipe.planning.save_costs(path, [fpipe.schedules.Costs()] * 2)
+    assert run_plan("--costs", str(path), "--preset", "deepseek-v3") == (2, "")
+    assert "--costs gives the costs: drop the model and device options" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--experts", "6"], "a mixture of experts needs --active-experts, --expert-hidden."),
+        (
+            ["--experts", "6", "--active-experts", "7", "--expert-hidden", "32"],
+            "a token goes to at most every routed expert (--active-experts: 7, --experts: 6). Use --active-experts 6",
+        ),
+        (
+            ["--experts", "6", "--active-experts", "2", "--expert-hidden", "32", "--ep", "4"],
+            "the routed experts do not divide among the expert-parallel devices (--experts: 6, --ep: 4). Use an --ep "
+            "that divides 6.",
+        ),
+        (["--ep", "2"], "--ep needs a mixture of experts (--experts N)."),
+        (["--shared-experts", "1", "--ep", "2"], "--shared-experts, --ep need a mixture of experts (--experts N)."),
+        (
+            ["--experts", "6", "--active-experts", "2", "--expert-hidden", "32", "--dense-layers", "4"],
+            "needs a MoE layer (experts.dense_layers: 4, model.layers: 4)",
+        ),
+    ],
+)
+def test_plan_experts_errors(args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_plan(*MODEL, *args) == (2, "")
+    err = capsys.readouterr().err
+    assert err.startswith("python -m fpipe plan: ") and fragment in err, err

@@ -14,6 +14,13 @@ _MLA = 7168 * 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * 128 * 256 + 12
 _DENSE_MLP = 3 * 7168 * 18432  # the first 3 layers' SwiGLU of width 18432
 
 
+# ZeRO-1 as DeepSeek-V3 trains (section 3.3): bf16 weights and fp32 gradients per device, fp32
+# master weights and bf16 Adam moments (8 bytes) sharded over the data-parallel replicas: 128 for
+# the dense weights at PP16 x EP64 on 2048 GPUs (6.06 bytes), 2 for the routed experts (10 bytes),
+# which are 43% of a device's parameters there: about 8 on average.
+BYTES_PER_PARAM = 8.0
+
+
 @dataclass(frozen=True)
 class Preset:
     """A published model on the devices it was trained on.
@@ -32,7 +39,8 @@ class Preset:
 PRESETS = {
     "deepseek-v3": Preset(
         about="DeepSeek-V3 (arXiv:2412.19437, Table 1 and sections 3.1-3.3) on H800s: 671B parameters, 37B "
-        "active; 990 TFLOP/s bf16 dense peak at 40% utilization, 80 GiB, NVLink 160 GB/s, InfiniBand 50 GB/s",
+        "active; 990 TFLOP/s bf16 dense peak at 40% utilization, 80 GiB, NVLink 160 GB/s, InfiniBand 50 GB/s, "
+        "8 bytes per parameter (ZeRO-1)",
         model=Transformer(
             layers=61,
             hidden=7168,
@@ -47,6 +55,7 @@ PRESETS = {
             bandwidth=50e9,
             latency=10e-6,
             memory=80 * GIB,
+            bytes_per_param=BYTES_PER_PARAM,
             tp_bandwidth=160e9,
             dp_bandwidth=50e9,
             ep_bandwidth=50e9,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fpipe.planning import PlanError, plan, save_costs
+from fpipe.planning import Device, Experts, PlanError, Transformer, plan, save_costs
 from fpipe.planning._cost_model import measured_units
 from fpipe.planning._ranking import ranked
 from fpipe.schedules import Costs
@@ -43,3 +43,28 @@ def test_plan_errors() -> None:
         plan(2, 4, costs=[Costs()] * 2, schedules=["1f1b", "foo"])
     with pytest.raises(PlanError, match=r"no schedule of 1f1b lays out 3 stages per rank"):
         plan(2, 4, costs=[Costs()] * 2, schedules=["1f1b"], stages_per_rank=[3])
+
+
+def test_plan_of_a_mixture_of_experts_says_its_parameters_layout_and_device_hours() -> None:
+    """NOTE [planner experts]: the line above the table names the experts, the parameters in
+    all and active, and the devices of the layout; the throughput is per device, beside the
+    device-hours a trillion tokens take at that rate."""
+    model = Transformer(3, 4, 8, 16, 2, experts=Experts(routed=4, active=2, hidden=2, shared=1, dense_layers=1))
+    device = Device(flops=2.0, bandwidth=4.0, latency=0.5, dp=2, ep=2)
+    found = plan(2, 4, model=model, device=device, schedules=["1f1b"])
+    assert found.about == (
+        "2 ranks, 4 microbatches; 3 layers, hidden 4, vocabulary 16, 2 x 8 tokens per microbatch; "
+        "4 routed experts (top-2, 1 shared, hidden 2), 1 dense layer first; 720 parameters, 624 active; "
+        "tp 1, dp 2, ep 2: 8 devices (per device: TFLOP/s, memory, tokens/s)"
+    )
+    assert found.costs == (  # F: (2 x 152 x 16 + 4 b s^2 h) / 2 + 2 x (1/2 x t k h x 2 bytes / 4 + 0.5)
+        "dense layer: F 4096 s, I 5120 s, W 3072 s, send 32.5 s; "
+        "MoE layer: F 3521 s, I 4545 s, W 2432 s, send 32.5 s (all-to-all 65 s of F and of I); "
+        "head: F 1024 s, I 1024 s, W 1024 s, send 32.5 s"
+    )
+    header, row = found.table().splitlines()[:2]
+    assert header.split("  ")[-2:] == ["tokens/s/device", "device-hours/1T tokens"]
+    rate = 2 * 8 * 4 / found.fastest.step / 2
+    assert row.split()[-2:] == [f"{rate:,.0f}", f"{1e12 / rate / 3600:,.0f}"]
+    with pytest.raises(ValueError, match=r"do not divide among the expert-parallel devices \(experts.routed: 4"):
+        plan(2, 4, model=model, device=Device(flops=2.0, bandwidth=4.0, ep=3), schedules=["1f1b"])
