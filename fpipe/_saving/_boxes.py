@@ -15,9 +15,20 @@ With ``shard_params=True`` too, each rank holds a flat shard of its local piece,
 that shard of its box (NOTE [sharded saves] in ``fpipe/_saving/_store.py``; ``piece_box`` gives
 the box from the step's layout, which keeps the DTensor's mesh, placements and global shape).
 
+Expert weights (NOTE [experts are data-parallel for the dense weights] in
+``fpipe/_distributed/_topology.py``) are DTensors ``Shard(0)`` on ``mesh["ep"]``: each expert-parallel
+rank's block of experts is its box, written by that rank. So the writers of a save with an
+``"ep"`` dimension are the ranks of data-parallel index 0, every pipeline and ep index (and every
+tp index); the other data-parallel replicas hold the same pieces and write nothing. Whatever
+several writers hold alike is written once, by the lowest: a plain tensor (a dense weight, held
+by every dp x ep replica) by ep rank 0 and tp rank 0, an expert block by tp rank 0; its copies
+must be bitwise equal (the step's all-reduces keep them so).
+
 Loading, the template decides the layout: a DTensor leaf asks for its own box, a plain leaf for
 the whole tensor, whatever boxes the save has; each piece on disk that overlaps the box is read
-and its overlap copied (``Box.within``).
+and its overlap copied (``Box.within``). So a save at one ep size loads at any other, or into
+plain tensors holding every expert; an expert template whose experts its ep ranks do not
+divide is refused (``load``).
 """
 
 from __future__ import annotations

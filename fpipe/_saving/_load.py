@@ -68,7 +68,10 @@ def load(
             the meta device too) gets a DTensor with its mesh and placements around this rank's
             piece (``Shard`` or ``Replicate``), whatever layout the save had: a save from a
             tensor-parallel mesh loads into plain tensors and the other way round (NOTE
-            [tensor-parallel saves] in ``fpipe/_saving/_boxes.py``).
+            [tensor-parallel saves] in ``fpipe/_saving/_boxes.py``). Expert weights likewise: a
+            ``Shard(0)`` DTensor on ``mesh["ep"]`` gets its block of experts, from a save at any
+            expert-parallel size, a plain tensor every expert; with ``parallel=``, an expert
+            template whose experts its ep ranks do not divide is refused.
         optimizer_state: a template for the optimizer state, to load it too.
         strict: names in the save that no stage of the template has (on any rank, when
             distributed) are an error; ``strict=False`` ignores them. Names of the template that
@@ -107,7 +110,8 @@ def load(
         ValueError: names of the template missing from the save, with ``strict`` names of the
             save missing from the template, a shape or dtype that differs (each named with its
             key path, the value on disk and the expected one), or a file that is truncated or
-            corrupt, or an index whose pieces of a tensor do not cover it exactly once.
+            corrupt, or an index whose pieces of a tensor do not cover it exactly once, or an
+            expert weight's template whose experts the expert-parallel ranks do not divide.
         RuntimeError: another rank failed (with ``parallel=``): the message names
             the rank and the first line of its error, which names the file.
     """

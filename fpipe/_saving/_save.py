@@ -18,8 +18,8 @@ On each pipeline rank (one process: a single rank, and the all-gathers are no-op
 
 1. Name and hash (sha256) the local stages' tensors; all-gather the manifests (names, dtypes,
    shapes, hashes, DTensor boxes: no tensor data) over the pipeline group (and first the
-   tensor-parallel group, on a mesh with one, and the data-parallel group, in a sharded save),
-   with rank 0's choice of version. Every rank checks the
+   tensor-parallel group, on a mesh with one, the expert-parallel group, on a mesh with one, and
+   the data-parallel group, in a sharded save), with rank 0's choice of version. Every rank checks the
    manifests the same way (tied names, stages held twice, stage counts, metadata, pieces that
    tile their tensor), so all ranks fail together, and assigns each piece of each name (the
    whole tensor, or a DTensor's box) to the lowest rank holding it.
@@ -27,7 +27,9 @@ On each pipeline rank (one process: a single rank, and the all-gathers are no-op
    ranks in parallel), fsync; all-gather the file sizes.
 3. Rank 0 writes the index and commits (NOTE [the save directory] in ``fpipe/_saving/_directory.py``).
 4. A last all-gather over the pipeline group, then over the data-parallel group (whose other
-   replicas write nothing and wait here), so ``save`` returns on every rank only once committed.
+   replicas write nothing and wait here; with an ``"ep"`` dimension, ``mesh["dp"]``: NOTE
+   [tensor-parallel saves] in ``fpipe/_saving/_boxes.py``), so ``save`` returns on every rank
+   only once committed.
 
 An error at any step on any rank raises on every rank (the others name the failing rank) and
 rank 0 removes the ``.tmp-`` directory; a killed save leaves it behind, and the next committed
@@ -133,6 +135,12 @@ def save(
             ``fpipe/_saving/_boxes.py``). With ``shard_params=True`` too, each rank's shard of a
             DTensor parameter is a flat piece of its local piece: every rank writes its own, recorded
             as that shard of that box (NOTE [sharded saves] in ``fpipe/_saving/_store.py``).
+            On a mesh with an ``"ep"`` dimension (notes/experts.md), expert weights are DTensors
+            ``Shard(0)`` on ``mesh["ep"]``: every expert-parallel rank of the first data-parallel
+            replica writes its own block of experts (tensor-parallel rank 0 with tp), and plain
+            tensors (the dense weights, the same on every expert-parallel rank) are written once,
+            by expert-parallel rank 0; the other data-parallel replicas (``mesh["dp"]``) write
+            nothing (NOTE [tensor-parallel saves] in ``fpipe/_saving/_boxes.py``).
         step: deprecated: ``parallel=step`` or
         group: deprecated: ``parallel=step`` or
         mesh: deprecated: ``parallel=step`` or
@@ -171,7 +179,8 @@ def save(
         ValueError: two leaves of a stage have the same name, a leaf is named ``__metadata__`` (safetensors
             reserves it), a tied name has different values (or placements),
             or ranks disagree (stage count, metadata) or hold the same stage; a DTensor not on the
-            mesh's ``"tp"`` sub-mesh, or a replicated leaf that differs between tensor-parallel ranks.
+            mesh's ``"tp"`` (or ``"ep"``) sub-mesh, or a replicated leaf that differs between
+            tensor-parallel or expert-parallel ranks.
         OSError: writing failed (the previous save is kept); ``TimeoutError``: another save to
             ``directory`` held its lock for longer than the timeout.
         RuntimeError: another rank failed; its own error says why.

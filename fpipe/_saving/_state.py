@@ -283,21 +283,32 @@ def _state_of(
 # rank 1 of replica 0, then pipeline rank 0 of replica 1), so a resume with the same number of
 # processes would silently give each rank another's generators, and the run would differ from
 # the saved one. ``save_state`` records each process's role, ``[pipeline rank, replica,
-# tensor-parallel index]``, next to its generators (``"roles"``), and ``load_state`` refuses to
-# restore a generator into a process of another role: every rank raises, nothing is changed.
+# tensor-parallel index]`` and on a mesh with ``"ep"`` its expert-parallel index (the experts it
+# runs: a ("dp", "ep") mesh and an ("ep", "dp") one give global rank 1 the same replica, 1 of the
+# dp x ep replicas, but other experts), next to its generators (``"roles"``), and ``load_state``
+# refuses to restore a generator into a process of another role: every rank raises, nothing is
+# changed.
 # ``restore_rng=False`` is the opt-in: the parameters and optimizer state load by name into any
 # layout. A process the save has no state for (another number of processes) warns
 # (NOTE [train state]); a save without roles (older fpipe) is not checked.
 
 
 def role_of(topology: Topology | None) -> list[int]:
-    """A process's ``[pipeline rank, replica, tensor-parallel index]`` (NOTE [resuming in another layout])."""
-    return [0, 0, 0] if topology is None else [topology.rank, topology.replica, topology.tensor_rank]
+    """A process's ``[pipeline rank, replica, tensor-parallel index]``, and its expert-parallel index
+    on a mesh with one (NOTE [resuming in another layout])."""
+    if topology is None:
+        return [0, 0, 0]
+    role = [topology.rank, topology.replica, topology.tensor_rank]
+    return role if topology.expert_group is None else [*role, dist.get_rank(topology.expert_group)]
 
 
-def _said(role: list[int]) -> str:
-    rank, replica, tensor_rank = role
-    return f"pipeline rank {rank} of replica {replica} (tensor-parallel index {tensor_rank})"
+def _said(role: Any) -> str:
+    if not isinstance(role, list) or len(role) not in (3, 4):
+        return f"the role {role!r}"
+    rank, replica, tensor_rank, *expert = role
+    return f"pipeline rank {rank} of replica {replica} (tensor-parallel index {tensor_rank}" + (
+        f", expert-parallel index {expert[0]})" if expert else ")"
+    )
 
 
 # --- Random generators ------------------------------------------------------------------------

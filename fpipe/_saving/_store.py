@@ -32,7 +32,10 @@ placements maps to the list of its pieces' files, and each piece's entry in ``te
 ``sha256``; the pieces must cover the full shape exactly once (``read_index`` checks it). A
 whole tensor (plain, ``Replicate``) maps to one file, as without tensor parallelism. Reading a
 box (a DTensor template's piece) or a whole tensor copies the overlap of each saved piece that
-overlaps it, each piece read whole so that its hash is checked.
+overlaps it, each piece read whole so that its hash is checked. With an expert-parallel
+dimension every ep rank of the first data-parallel replica writes its own file,
+``model-rank-0000r-of-0000p-ep-0000e-of-0000E[-tp-...].safetensors``, and an expert weight's
+blocks are pieces like these (NOTE [tensor-parallel saves] in ``fpipe/_saving/_boxes.py``).
 
 Both at once (``shard_params=True`` on a mesh with ``"tp"``: NOTE [tensor-parallel shards] in
 ``fpipe/_sharding/_stages.py``), a DTensor parameter's shard is a flat piece of its local piece:
@@ -150,8 +153,8 @@ class Entry(NamedTuple):
 
 def file_name(kind: str, rank: int, num_ranks: int, inner: Sequence[tuple[str, int, int]] = ()) -> str:
     """The file that pipeline rank ``rank`` writes its tensors of ``kind`` to; ``inner``
-    (``("dp", q, d)`` in a sharded save, ``("tp", t, T)`` with tensor parallelism, or both) names its
-    place in the other dimensions whose ranks all write."""
+    (``("dp", q, d)`` in a sharded save, ``("ep", e, E)`` with expert parallelism, ``("tp", t, T)``
+    with tensor parallelism, or several) names its place in the other dimensions whose ranks all write."""
     suffix = "".join(f"-{label}-{index:05d}-of-{size:05d}" for label, index, size in inner)
     return f"{_PREFIXES[kind]}-rank-{rank:05d}-of-{num_ranks:05d}{suffix}.safetensors"
 

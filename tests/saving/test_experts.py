@@ -123,6 +123,11 @@ def test_expert_saves_load_into_every_expert_count_and_resume_bitwise(tmp_path: 
             "mesh['ep']), which the 4 expert-parallel ranks do not divide" in out["six"]
         )
         assert "Load it on an expert-parallel size that divides 6 ([1, 2, 3, 6])" in out["six"]
+        if r in (1, 2):
+            assert "ValueError: fpipe.load_state: this process (global rank" in out["other layout"]
+            assert f"(tensor-parallel index 0, expert-parallel index {r % 2})" in out["other layout"]
+        else:
+            assert "RuntimeError: fpipe.load_state: rank(s) [" in out["other layout"], out["other layout"]
         # the resumes: losses and final pieces bitwise equal to the uninterrupted run's
         uninterrupted, resumed, resumed_async = out["runs"]
         assert sorted(resumed[0]) == list(range(SAVED_AT, STEPS))
@@ -213,4 +218,11 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
         assert resumed.step == SAVED_AT
         runs.append(train(resumed.params, resumed.optimizer_state, SAVED_AT, STEPS))
     out["runs"] = [(losses, pieces(params)) for losses, params, _ in runs]
+    # ("ep", "pp", "dp"): global ranks 1 and 2 keep their replica index but run other experts
+    e = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("ep", "pp", "dp"))
+    step_e = pipeline(e)
+    try:
+        fpipe.load_state(root / "state", on(e, template(full), step_e), parallel=step_e, strict=False)
+    except (ValueError, RuntimeError) as error:
+        out["other layout"] = f"{type(error).__name__}: {error}"
     return out
