@@ -3,11 +3,14 @@ fpipe/_saving/_boxes.py; notes/experts.md, "Saving"), on the toy mixture of expe
 tests/helpers.py, in float64.
 
 One 4-process spawn: a pp 2 x ep 2 save (each block of experts written by its ep rank, the dense
-weights once) loads bitwise into pp 1 x ep 4 (one expert per rank), which saves again and loads
-back into pp 2 x ep 2; a save of 6 experts does not load into 4 expert ranks; on dp 2 x pp 1 x
-ep 2 a run of 4 steps equals bitwise 2 steps, ``save_state`` (and ``AsyncSaver.save_state``), a
-``load_state`` into fresh parameters and 2 more steps. Here, in one process, both saves load into
-plain tensors holding every expert (ep 1), bitwise.
+weights once, by ep rank 0) loads bitwise into pp 1 x ep 4 (one expert per rank), which saves
+again and loads back into pp 2 x ep 2; on pp 1 x ep 2 x tp 2 tensor-parallel rank 0 writes; a
+dense weight that differs between ep ranks and a save of 6 experts loaded onto 4 expert ranks
+are refused; on dp 2 x pp 1 x ep 2 a run of 4 steps equals bitwise 2 steps, ``save_state`` (and
+``AsyncSaver.save_state``), a ``load_state`` into fresh parameters and 2 more steps (dp 1 writes
+nothing), and the same save does not restore its generators on ("ep", "pp", "dp"), where two
+ranks run other experts. Here, in one process, the saves load into plain tensors holding every
+expert (ep 1), bitwise.
 """
 
 from __future__ import annotations
@@ -123,9 +126,12 @@ def test_expert_saves_load_into_every_expert_count_and_resume_bitwise(tmp_path: 
             "mesh['ep']), which the 4 expert-parallel ranks do not divide" in out["six"]
         )
         assert "Load it on an expert-parallel size that divides 6 ([1, 2, 3, 6])" in out["six"]
-        if r in (1, 2):
-            assert "ValueError: fpipe.load_state: this process (global rank" in out["other layout"]
-            assert f"(tensor-parallel index 0, expert-parallel index {r % 2})" in out["other layout"]
+        if r in (1, 2):  # ep 0 then 1 (rank 1), 1 then 0 (rank 2); the same replica index
+            assert (
+                f"ValueError: fpipe.load_state: this process (global rank {r}) is pipeline rank 0 of replica {r} "
+                f"(tensor-parallel index 0, expert-parallel index {(r + 1) % 2}), but the save's rank {r} was pipeline "
+                f"rank 0 of replica {r} (tensor-parallel index 0, expert-parallel index {r % 2})" in out["other layout"]
+            ), out["other layout"]
         else:
             assert "RuntimeError: fpipe.load_state: rank(s) [" in out["other layout"], out["other layout"]
         # the resumes: losses and final pieces bitwise equal to the uninterrupted run's
@@ -183,13 +189,9 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     d = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "ep", "tp"))
     step_d = pipeline(d)
     fpipe.save(root / "ep tp", on(d, full, step_d), parallel=step_d)
-    six = [{"0": {"dense": template(full[0]["dense"]), "w": torch.empty(6, 3, 3, device="meta")}}]
+    six = distribute_tensor(torch.empty(6, 3, 3, device="meta"), c["ep"], [Shard(0)])  # 2, 2, 2 and 0 experts
     try:
-        fpipe.load(
-            root / "six",
-            [{"0": {**six[0]["0"], "w": distribute_tensor(six[0]["0"]["w"], c["ep"], [Shard(0)])}}],
-            parallel=step_c,
-        )
+        fpipe.load(root / "six", [{"0": {"dense": template(full[0]["dense"]), "w": six}}], parallel=step_c)
     except ValueError as error:
         out["six"] = str(error)
     # dp 2 x pp 1 x ep 2: a run of STEPS steps, and the same run saved after SAVED_AT and resumed
@@ -222,7 +224,7 @@ def _ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     e = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("ep", "pp", "dp"))
     step_e = pipeline(e)
     try:
-        fpipe.load_state(root / "state", on(e, template(full), step_e), parallel=step_e, strict=False)
+        fpipe.load_state(root / "state", on(e, template(full), step_e), parallel=step_e)
     except (ValueError, RuntimeError) as error:
         out["other layout"] = f"{type(error).__name__}: {error}"
     return out
