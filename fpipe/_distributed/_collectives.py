@@ -137,6 +137,25 @@ def lost(
     return raised
 
 
+# What a collective's backend says when a peer's connection broke (gloo: "Connection reset by
+# peer", "Connection closed by peer"; NCCL: "remote process exited").
+_BROKEN_CONNECTION = ("connection reset", "connection closed", "remote process exited")
+
+
+def peer_lost_in_stage(topology: Topology, error: BaseException, timeout: float) -> None:
+    """When a stage's own collective (DTensor's, an expert all-to-all) failed because a peer's
+    connection broke (``error``: the step's ``PipelineError``, its backend error the cause),
+    and no rank has said why yet, find the lost peer as fpipe's own waits do (``lost``: the
+    first rank whose heartbeat stops) and put it on the board, so that every rank names it,
+    not the rank whose collective noticed first."""
+    cause = error.__cause__
+    if not topology.stage_collectives or not isinstance(cause, RuntimeError):
+        return
+    if not any(words in str(cause).lower() for words in _BROKEN_CONNECTION):
+        return
+    lost(topology.board, cause, topology.rank, "a collective inside its stage", None, timedelta(seconds=timeout))
+
+
 # NOTE [a continued rank]
 # No rank returns from an operation that the failure board declared failed. A wait that times out
 # does not end the backend's work (gloo keeps the collective posted), so a rank frozen (SIGSTOP)

@@ -12,8 +12,8 @@ differs from one process. The protocol (notes/wire.md), per step:
    messages in that order (buffering any it does not need yet); each receive is posted when
    the message is needed, with its size known in advance (fpipe/_distributed/_wire.py). As sends never
    block and the program replays without deadlock (``validate``), no schedule can deadlock on
-   any backend. A send's tensors are let go as soon as the send is known to have completed
-   (NOTE [sends released]); the rest are waited for at the end of the step.
+   any backend. A send's tensors are let go as soon as the send has completed (NOTE [sends
+   released]).
 3. Failure: a rank that fails sends an ERROR meta (failing rank and action) as its next
    message to every peer that still expects one, so a peer waiting on it fails too, and so on.
    A closing all-gather of every rank's status tells the ranks that expected no message from
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,8 +43,8 @@ from .._pytree import PyTree
 from ..schedules import Action, Program, Simulation
 from ..schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD
 from ._board import RAISED, Failure, waiting
-from ._collectives import all_gather_json, handshake, lost, mark_broken, wait
-from ._faults import WATCHDOG
+from ._collectives import all_gather_json, handshake, lost, mark_broken, peer_lost_in_stage, wait
+from ._faults import WATCHDOG, abort_group
 from ._status import Status
 from ._topology import Topology
 from ._wire import ERROR, Decoder, Encoder, FailureCode, as_bytes, error_code, error_message, meta_of
@@ -120,18 +121,22 @@ def confirmed(read_at: Sequence[int], sent_at: Sequence[int]) -> list[int]:
 
 # NOTE [sends released]
 # A send keeps its tensors (a large leaf's own storage, the packed bytes) alive until the
-# transport lets it go, which it does as soon as it knows that the send has completed: when the
-# work says so (``is_completed``, which NCCL answers as the send goes), or when the peer has read
-# the message. gloo's work says False until it is waited for, and waiting for a send whose
-# receive is not posted yet would block, so on gloo the peer's own messages tell: the peer reads
-# this rank's messages in the order sent, each by the action that needs it, and an action
-# receives before it sends (``confirmed``). Once this rank has read a message that the peer sent
-# at position ``k`` of its row, every message the peer needed at ``k`` or before has arrived, and
-# waiting for its send returns at once (``_release``, as each message is read); the sends no
-# later message confirms are waited for at the end of the step (``close``). In 1F1B on 2 ranks
-# an activation is so let go at its microbatch's backward (its cotangent confirms it), when the
-# pullback lets go of the output too, and the last rank holds two cotangents at most (measured
-# by benchmarks/bench_memory.py; notes/wire.md, "What a rank holds, and for how long").
+# transport lets it go, as soon as the send has completed. NCCL's work says so as the send goes
+# (``is_completed``, asked as each message is sent or read); gloo's says False until waited for,
+# even once the peer has read it, and waiting for a send whose receive is not posted blocks. So:
+# 1. The peer's own messages tell: it reads this rank's messages in the order sent, each by the
+#    action that needs it, and an action receives before it sends (``confirmed``), so once this
+#    rank has read a message the peer sent at position ``k`` of its row, waiting for the sends
+#    of every message the peer needed at ``k`` or before returns at once (``_release``).
+# 2. On gloo, the sends that no later message confirms (``_Peer.unconfirmed`` on: GPipe's last
+#    rank's cotangents, 1F1B's last two, the result) go to a thread of the step's (``_Waiter``),
+#    which waits for them oldest first and lets go of each as its wait returns. Its waits have no
+#    timeout of their own (a gloo wait that times out closes the group's pairs, which would race
+#    the step's own waits to name the failure): the step bounds them. ``close`` joins it after
+#    the closing all-gather, when every peer has read every message; ``abort`` at once, aborting
+#    the pipeline group on this rank if sends are left (the failed step broke it: no rank reads
+#    them); a failed wait is raised by the next such send or ``close``. No wait outlives the step.
+# What a rank holds as a result: notes/wire.md, "What a rank holds, and for how long".
 
 
 @dataclass(frozen=True)
@@ -192,10 +197,80 @@ class _Peer:
         # (the message's index in ``outgoing``, the work, its tensor) (NOTE [sends released]).
         self.confirms = route.confirms
         self.pending: deque[tuple[int, Any, torch.Tensor]] = deque()
+        # The first outgoing message that no incoming one confirms: it and those after go to
+        # the step's ``_Waiter`` on gloo (NOTE [sends released], point 2).
+        self.unconfirmed = route.confirms[-1] if route.confirms else 0
         self.buffered: dict[Key, PyTree] = {}
         # The next message's receives, when posted ahead (NOTE [receives ahead] in fpipe/_distributed/_wire.py):
         # its first tensor, its large leaves, and the works of both.
         self.ahead: tuple[torch.Tensor, list[torch.Tensor], list[Any]] | None = None
+
+
+class _Waiter:
+    """The step's thread that waits, oldest first, for the sends no later message confirms, and
+    lets go of each as its wait returns (NOTE [sends released], point 2)."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+        self._changed = threading.Condition()  # guards what follows
+        self._queue: deque[tuple[Any, torch.Tensor, str, int]] = deque()  # (work, tensor, what, peer)
+        self._closing = False
+        self._thread: threading.Thread | None = None  # started at the first send
+        # A failed wait's error, what the send was and its peer's global rank: the thread then
+        # ends, and the step's thread raises it (``DistributedTransport._sent``).
+        self.failed: tuple[BaseException, str, int] | None = None
+
+    def put(self, work: Any, tensor: torch.Tensor, what: str, peer: int) -> None:
+        """Wait for ``work``, a send of ``tensor`` (part of ``what``) to global rank ``peer``."""
+        with self._changed:
+            self._queue.append((work, tensor, what, peer))
+            self._changed.notify()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="fpipe-sends", daemon=True)
+            self._thread.start()
+
+    def held(self) -> int:
+        """Bytes of the sends not yet completed."""
+        with self._changed:
+            return sum(t.numel() * t.element_size() for _, t, _, _ in self._queue)
+
+    def join(self, timeout: float, *, abort: bool) -> None:
+        """End the thread: once every send has completed (``close``: every peer has read every
+        message, so at once), or at once (``abort``: the sends left will never be read). A wait
+        still pending then, or after ``timeout`` seconds, ends as the pipeline group is aborted
+        on this rank."""
+        with self._changed:
+            self._closing = True
+            left = bool(self._queue)
+            self._changed.notify()
+        thread = self._thread
+        if thread is None:
+            return
+        if not (abort and left):
+            thread.join(timeout)
+        if thread.is_alive():
+            abort_group(self._group)
+            thread.join(timeout)
+
+    def _loop(self) -> None:
+        queue = self._queue
+        while True:
+            with self._changed:
+                while not queue and not self._closing:
+                    self._changed.wait()
+                if not queue:
+                    return
+                work = queue[0][0]
+            try:
+                work.wait()  # no timeout of its own: the step bounds it (NOTE [sends released])
+            except BaseException as error:
+                with self._changed:
+                    self.failed = (error.with_traceback(None), queue[0][2], queue[0][3])
+                    queue.clear()
+                return
+            with self._changed:
+                queue.popleft()
+            del work  # (it holds the tensor too)
 
 
 class WireState:
@@ -239,6 +314,8 @@ class DistributedTransport:
         self._now = -1  # the position of the action that needed the message read last
         self._in_order = topology.device.type != "cpu"  # NOTE [receives ahead in stream order]
         self.peers = {route.peer: _Peer(route) for route in routes}
+        # NOTE [sends released], point 2: gloo only (NCCL's work says when a send completed).
+        self._waiter = _Waiter(topology.group) if dist.get_backend(topology.group) == "gloo" else None
         for peer in self.peers.values():
             self._post_ahead(peer)
 
@@ -300,6 +377,9 @@ class DistributedTransport:
             self._remote_failure(failure)
         for peer in self.peers.values():
             self._release(peer, len(peer.outgoing) + 1)  # (wait for each, whatever the peer read)
+        if self._waiter is not None:
+            self._waiter.join(self._seconds, abort=False)
+            self._sent()
         for peer in self.peers.values():
             assert peer.next_in == len(peer.incoming) and not peer.buffered, "fpipe: unread messages"
 
@@ -320,6 +400,7 @@ class DistributedTransport:
         """
         mark_broken(self.topology, error)
         board = self.topology.board
+        peer_lost_in_stage(self.topology, error, self._seconds)  # its record first, if so
         standing = WATCHDOG.report(board, self._failure(error, action))
         rank = -1 if standing.rank is None or standing.replica not in (None, self._replica()) else standing.rank
         code = FailureCode.of(rank, standing.action)
@@ -335,6 +416,8 @@ class DistributedTransport:
             with contextlib.suppress(PipelineError):  # the board tells those this misses
                 self._conclude(code)
         self._wire.reset()
+        if self._waiter is not None:  # (after the closing all-gather: no rank reads any more)
+            self._waiter.join(self._seconds, abort=True)
 
     def _failure(self, error: BaseException, action: Action | None) -> Failure:
         """This rank's failure for ``error`` raised in ``action`` (an error from a failure
@@ -389,7 +472,11 @@ class DistributedTransport:
             except RuntimeError as error:  # the peer is gone: not the stage's fault
                 what = f"{_describe(key)} to be sent to rank {dst}"
                 raise lost(self.topology.board, error, self.me, what, to, self._timeout) from error
-            peer.pending.append((index, work, tensor))
+            if index >= peer.unconfirmed and self._waiter is not None:
+                self._sent()
+                self._waiter.put(work, tensor, f"{_describe(key)} to be sent to rank {dst}", to)
+            else:
+                peer.pending.append((index, work, tensor))
 
     def _release(self, peer: _Peer, known: int) -> None:
         """Let go of the sends to ``peer`` known to have completed (NOTE [sends released]): those
@@ -400,9 +487,17 @@ class DistributedTransport:
             _, work, _ = pending.popleft()
             wait(work, self.topology.board, self._timeout, self.me, "a send to complete")
 
+    def _sent(self) -> None:
+        """Raise the failure of a send the ``_Waiter`` waited for, as this thread's own wait would."""
+        failed = None if self._waiter is None else self._waiter.failed
+        if failed is not None:
+            error, what, peer = failed
+            raise lost(self.topology.board, error, self.me, what, peer, self._timeout) from error
+
     def held(self) -> int:
         """Bytes of this rank's sends not yet known to have completed (NOTE [sends released])."""
-        return sum(t.numel() * t.element_size() for peer in self.peers.values() for _, _, t in peer.pending)
+        waiting = 0 if self._waiter is None else self._waiter.held()
+        return waiting + sum(t.numel() * t.element_size() for peer in self.peers.values() for _, _, t in peer.pending)
 
     def _recv(self, src: int, key: Key) -> PyTree:
         peer = self.peers[src]
