@@ -166,8 +166,9 @@ def make_stages(args):
 def make_loss_fn(balance_coef):
     def loss_fn(act, batch):
         """Cross-entropy per byte plus the scaled balance loss; the counts and both parts as ``aux``."""
-        ce = F.cross_entropy(act["logits"].float().flatten(0, 1), batch["targets"].flatten())
-        balance = act["balance"].float()
+        at_least_32 = torch.promote_types(act["logits"].dtype, torch.float32)  # bf16 -> float32, float64 kept
+        ce = F.cross_entropy(act["logits"].to(at_least_32).flatten(0, 1), batch["targets"].flatten())
+        balance = act["balance"].to(at_least_32)
         aux = {"counts": act["counts"], "ce": ce.detach(), "balance": balance.detach()}
         return ce + balance_coef * balance, aux
 
@@ -175,25 +176,27 @@ def make_loss_fn(balance_coef):
 
 
 def init_params(args, generator):
-    """Four stages of float32 parameters: every rank draws all of them alike, and keeps its own."""
+    """Four stages of float32 parameters (float64 with ``--precision fp64``): every rank draws all
+    of them alike, and keeps its own."""
+    dtype = torch.float64 if args.precision == "fp64" else torch.float32
     dim, std = args.dim, 0.02
 
     def normal(*shape, std=std):
-        return torch.randn(*shape, generator=generator) * std
+        return torch.randn(*shape, generator=generator, dtype=dtype) * std
 
     def new_block(index):
         p = {
-            "norm1": torch.ones(dim),
+            "norm1": torch.ones(dim, dtype=dtype),
             "qkv": normal(dim, 3 * dim),
             "proj": normal(dim, dim, std=std / math.sqrt(2 * args.blocks)),
-            "norm2": torch.ones(dim),
+            "norm2": torch.ones(dim, dtype=dtype),
         }
         if index < args.dense_blocks:
             hidden = args.dense_hidden
             p["mlp"] = {"w1": normal(dim, hidden), "w3": normal(dim, hidden), "w2": normal(hidden, dim)}
         else:
-            p["moe"] = fpipe.moe.init_moe(dim, args.expert_hidden, args.experts, generator=generator)
-            p["bias"] = torch.zeros(args.experts)  # the selection bias: no gradient, moved by the counts
+            p["moe"] = fpipe.moe.init_moe(dim, args.expert_hidden, args.experts, generator=generator, dtype=dtype)
+            p["bias"] = torch.zeros(args.experts, dtype=dtype)  # the selection bias: no gradient, moved by the counts
         return p
 
     per_stage = args.blocks // 4
@@ -202,7 +205,7 @@ def init_params(args, generator):
     ]
     params[0]["wte"] = normal(256, dim)
     params[0]["wpe"] = normal(args.context, dim, std=0.01)
-    params[3]["norm_f"] = torch.ones(dim)
+    params[3]["norm_f"] = torch.ones(dim, dtype=dtype)
     params[3]["head"] = normal(dim, 256)
     return params
 
@@ -257,7 +260,7 @@ def parse_args(argv):
     parser.add_argument("--bias-rate", type=float, default=1e-3, help="the selection bias's update speed")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     parser.add_argument("--warmup", type=int, default=15, help="warm-up steps")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="compute dtype")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp64"], default="fp32", help="compute dtype")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between validation losses")
     parser.add_argument("--save-every", type=int, default=50, help="steps between saves (0: never)")
     parser.add_argument("--out", default="runs/moe", help="directory of the saves and metrics.jsonl")
@@ -400,7 +403,9 @@ def main(argv=None):
             with torch.no_grad():
                 for p in params:
                     for index, b in moe_blocks(p or {"blocks": {}}).items():
-                        b["bias"] += args.bias_rate * torch.sign(counts[index].mean() - counts[index]).float()
+                        b["bias"] += args.bias_rate * torch.sign(counts[index].mean() - counts[index]).to(
+                            b["bias"].dtype
+                        )
             moe_counts = counts[args.dense_blocks :]
             mean_load = moe_counts.mean(dim=1)
             violation = ((moe_counts.max(dim=1).values - mean_load) / mean_load).mean()

@@ -256,7 +256,7 @@ def test_train_gpt_tp_must_divide_the_heads_and_needs_torchrun(
     assert "--tp (2) needs torchrun with a multiple of 2 processes (WORLD_SIZE: 1)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["train_llama", "train_sharded", "hf_llama", "train_gpt"])
+@pytest.mark.parametrize("name", ["train_llama", "train_sharded", "hf_llama", "train_gpt", "train_moe"])
 def test_help_shows_defaults(name: str) -> None:
     run = subprocess.run(
         [sys.executable, str(EXAMPLES / f"{name}.py"), "--help"],
@@ -351,3 +351,74 @@ def test_train_gpt_resumed_after_a_crash_lists_each_step_once(
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 11)) and [r["loss"] for r in rows] == whole
     assert not list((tmp_path / "parts").glob("*.partial"))
+
+
+MOE_TINY = [
+    *("--dim", "16", "--heads", "2", "--context", "16", "--batch-size", "8", "--microbatches", "2"),
+    *("--experts", "4", "--expert-hidden", "8", "--dense-hidden", "32", "--corpus-bytes", "50000"),
+    *("--warmup", "2", "--lr", "3e-2"),
+]
+
+
+@pytest.fixture
+def moe() -> Iterator[ModuleType]:
+    threads = torch.get_num_threads()
+    try:
+        yield _load("train_moe")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_train_moe_learns_and_resumes_exactly(moe: ModuleType, tmp_path: Path) -> None:
+    """The MoE's loss falls on real text; a run stopped at step 4 (its last save, the selection
+    biases in it) and resumed gives bitwise the uninterrupted run's losses and metrics; the bias
+    update changes the run (its counts steer the routing)."""
+    import json
+
+    args = [*MOE_TINY, "--steps", "8", "--save-every", "2", "--eval-every", "4", "--quiet"]
+    whole = moe.main([*args, "--out", str(tmp_path / "whole")])
+    assert len(whole) == 8 and whole[-1] < whole[0] - 0.5
+    first = moe.main([*args, "--out", str(tmp_path / "parts"), "--stop-at", "4"])
+    rest = moe.main([*args, "--out", str(tmp_path / "parts"), "--resume"])
+    assert_bitwise(first + rest, whole)
+
+    def metrics(out: str) -> list[dict[str, float]]:
+        rows = [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
+
+    rows = metrics("whole")
+    assert_bitwise(metrics("parts"), rows)
+    assert [r["step"] for r in rows] == list(range(1, 9)) and "val_ce" in rows[3]
+    assert {"ce", "balance", "max_violation", "grad_norm"} <= rows[0].keys()
+    # loss = ce + 1e-3 * balance, each averaged over the microbatches
+    assert all(abs(r["loss"] - r["ce"] - 1e-3 * r["balance"]) < 1e-5 for r in rows)
+    unbiased = moe.main([*args, "--steps", "4", "--save-every", "0", "--bias-rate", "0", "--out", str(tmp_path / "b")])
+    assert unbiased[0] == whole[0] and unbiased != whole[:4]  # the first update acts from step 2's routing on
+
+
+@pytest.mark.timeout(240)
+def test_train_moe_on_pp_times_ep_under_torchrun(moe: ModuleType, tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 4``: pp 2 x ep 2, the experts split over the expert ranks, each
+    reading half of every global batch. The same global batches and initial parameters as one
+    process: every training and validation loss within float32 rounding of its own (not bitwise:
+    the expert matmuls see other shapes), the experts' load alike."""
+    import json
+
+    args = [*MOE_TINY, "--steps", "3", "--save-every", "2", "--eval-every", "3"]
+    moe.main([*args, "--quiet", "--out", str(tmp_path / "one")])
+    run = _torchrun(4, "train_moe.py", *args, "--out", str(tmp_path / "ep"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "pp 2 x ep 2" in run.stdout and "step 3/3: loss " in run.stdout, run.stdout
+    assert (tmp_path / "ep" / "save").is_dir()
+
+    def metrics(out: str) -> list[dict[str, float]]:
+        return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+
+    one, ep = metrics("one"), metrics("ep")
+    assert [r["step"] for r in ep] == [1, 2, 3] and "val_ce" in ep[2]
+    for r, expected in zip(ep, one, strict=True):
+        for key in ("loss", "ce", "balance", "val_ce"):
+            assert (key in r) == (key in expected), (r, expected)
+            if key in r:
+                assert abs(r[key] - expected[key]) <= 1e-5 * abs(expected[key]), (key, r, expected)
+        assert abs(r["max_violation"] - expected["max_violation"]) < 1e-9, (r, expected)
