@@ -3,10 +3,11 @@ batches and each its block of experts (NOTE [experts are data-parallel for the d
 fpipe/_distributed/_topology.py; notes/experts.md), against the unsplit model with every expert in
 one process, in float64.
 
-The model here routes each token to a fixed expert (token ``t`` to expert ``t % E``) and sends it
-there with the differentiable all-to-all of equal splits, so these tests check the runtime's
-reductions (which group sums which gradient, and by how much it divides) apart from routing;
-``fpipe.moe``'s own layer under the pipeline: test_moe_pipeline.py.
+The model here (tests/helpers.py, ``expert_layer``) routes each token to a fixed expert (token
+``t`` to expert ``t % E``) and sends it there with the differentiable all-to-all of equal splits,
+so these tests check the runtime's reductions (which group sums which gradient, and by how much
+it divides) apart from routing; ``fpipe.moe``'s own layer under the pipeline:
+tests/moe/test_in_a_pipeline.py.
 """
 
 from __future__ import annotations
@@ -24,45 +25,20 @@ from fpipe.schedules._registry import BUILTINS
 from tests._multiprocess import run_ranks
 from tests.conformance import built
 from tests.distributed._faults import SLACK, rank_name
-from tests.helpers import assert_bitwise
+from tests.helpers import (
+    EXPERT_TOKENS,
+    EXPERTS,
+    assert_bitwise,
+    expert_batch,
+    expert_layer,
+    expert_loss,
+    expert_params,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
-E, D, T = 4, 3, 8  # experts per layer, width, tokens per microbatch (T divisible by E)
-
-
-def expert_layer(p, h):
-    """``h + tanh(h[t] @ w[t % E])`` per token ``t``; ``p["w"]``: every expert ``[E, D, D]``, or a
-    DTensor sharded over ``mesh["ep"]`` whose block this rank holds (tokens travel there and back)."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-    from torch.distributed.tensor import DTensor
-
-    w, (tokens, width) = p["w"], h.shape
-    order = torch.arange(tokens).reshape(tokens // E, E).T.reshape(-1)  # expert-major: t % E, then t
-    x = (h @ p["dense"])[order].reshape(E, tokens // E, width)
-    if isinstance(w, DTensor):
-        group = w.device_mesh.get_group()
-        ep, w = w.device_mesh.size(), w.to_local()
-        x = wait_tensor(all_to_all_single_autograd(x.reshape(-1, width), None, None, group))
-        x = x.reshape(ep, E // ep, tokens // E, width)  # by source rank, then local expert
-        y = torch.tanh(torch.einsum("setd,edk->setk", x, w)).reshape(-1, width)
-        y = wait_tensor(all_to_all_single_autograd(y, None, None, group)).reshape(E, tokens // E, width)
-    else:
-        y = torch.tanh(torch.einsum("etd,edk->etk", x, w))
-    return h + y.reshape(tokens, width)[torch.argsort(order)]
-
-
-def params(num_layers):
-    g = torch.Generator().manual_seed(0)
-    return [
-        {"dense": torch.randn(D, D, generator=g) / 2, "w": torch.randn(E, D, D, generator=g) / 2}
-        for _ in range(num_layers)
-    ]
-
-
-def batch(replica, m=4):
-    g = torch.Generator().manual_seed(10 + replica)
-    return {"x": torch.randn(m * T, D, generator=g), "y": torch.randn(m * T, D, generator=g)}
+E, T = EXPERTS, EXPERT_TOKENS
+params, batch, loss_fn = expert_params, expert_batch, expert_loss
 
 
 def stages(num_stages, num_layers=4):
@@ -78,10 +54,6 @@ def stages(num_stages, num_layers=4):
         return run
 
     return [stage(s) for s in range(num_stages)], per
-
-
-def loss_fn(h, mb):
-    return ((h - mb["y"]) ** 2).mean()
 
 
 def reference(replicas, num_layers=4, m=4):
