@@ -563,3 +563,88 @@ def expert_batch(replica: int, m: int = 4) -> dict[str, torch.Tensor]:
 
 def expert_loss(h: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     return ((h - mb["y"]) ** 2).mean()
+
+
+# A small DeepSeek-style MoE of ``fpipe.moe`` layers for pipeline tests (tests/moe/test_in_a_pipeline.py,
+# tests/test_pairs.py): each stage carries ``{"h", "aux", "counts"}``, the activation, the sum of the
+# layers' balance losses and their token counts; ``moe_loss`` adds ``MOE_ALPHA`` times the balance
+# losses to a mean squared error and returns the counts as aux.
+MOE_LAYERS, MOE_DIM, MOE_HIDDEN, MOE_EXPERTS, MOE_TOP_K, MOE_ALPHA = 4, 4, 6, 4, 2, 0.01
+MOE_SEQUENCES, MOE_LENGTH, MOE_MICROBATCHES = 8, 3, 4  # sequences per batch, tokens per sequence
+
+
+def moe_params(bias: bool = False) -> list[dict[str, Any]]:
+    """``MOE_LAYERS`` layers of ``fpipe.moe.init_moe``; with ``bias``, DeepSeek-V3's selection bias
+    in each (no gradient, moved between steps)."""
+    g = torch.Generator().manual_seed(0)
+    layers = [
+        fpipe.moe.init_moe(MOE_DIM, MOE_HIDDEN, MOE_EXPERTS, shared_hidden=4, generator=g) for _ in range(MOE_LAYERS)
+    ]
+    if bias:
+        for layer in layers:
+            layer["bias"] = torch.zeros(MOE_EXPERTS)
+    return layers
+
+
+def moe_batch(replica: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + replica)
+    shape = (MOE_SEQUENCES, MOE_LENGTH, MOE_DIM)
+    return {"x": torch.randn(*shape, generator=g), "y": torch.randn(*shape, generator=g)}
+
+
+def moe_layer(p: dict[str, Any], act: dict[str, Any], per_sequence: bool, dropout: float = 0.0) -> dict[str, Any]:
+    """One MoE layer on the carried activation (and ``dropout`` on its output, drawn from the
+    stage's seeded generator)."""
+    h = act["h"]
+    weights = {k: v for k, v in p.items() if k != "bias"}
+    length = MOE_LENGTH if per_sequence else None
+    y, stats = fpipe.moe.moe(weights, h, top_k=MOE_TOP_K, bias=p.get("bias"), sequence_length=length)
+    if dropout:
+        y = torch.nn.functional.dropout(y, dropout)
+    return {"h": h + y, "aux": act["aux"] + stats.balance_loss, "counts": act["counts"] + stats.counts}
+
+
+def moe_start(mb: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {"h": mb["x"], "aux": torch.zeros(()), "counts": torch.zeros(MOE_EXPERTS, dtype=torch.int64)}
+
+
+def moe_stages(num_stages: int, per_sequence: bool, dropout: float = 0.0) -> tuple[list[Any], int]:
+    """``num_stages`` stage functions of ``MOE_LAYERS / num_stages`` layers each, and that count."""
+    per = MOE_LAYERS // num_stages
+
+    def stage(s: int) -> Any:
+        def run(p: list[dict[str, Any]], x: Any) -> dict[str, Any]:
+            act = moe_start(x) if s == 0 else x
+            for q in p:
+                act = moe_layer(q, act, per_sequence, dropout)
+            return act
+
+        return run
+
+    return [stage(s) for s in range(num_stages)], per
+
+
+def moe_loss(act: dict[str, Any], mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return ((act["h"] - mb["y"]) ** 2).mean() + MOE_ALPHA * act["aux"], act["counts"]
+
+
+def moe_reference(full: list[dict[str, Any]], replicas: int, per_sequence: bool) -> Any:
+    """Loss, gradients and token counts of the unsplit model: every expert in one process, the
+    mean over ``replicas`` batches of each one's mean over its microbatches."""
+    size = MOE_SEQUENCES // MOE_MICROBATCHES
+
+    def total(ps: list[dict[str, Any]]) -> Any:
+        out, counts = torch.zeros(()), torch.zeros(MOE_EXPERTS, dtype=torch.int64)
+        for r in range(replicas):
+            b = moe_batch(r)
+            for i in range(MOE_MICROBATCHES):
+                mb = {k: v[i * size : (i + 1) * size] for k, v in b.items()}
+                act = moe_start(mb)
+                for p in ps:
+                    act = moe_layer(p, act, per_sequence)
+                loss, c = moe_loss(act, mb)
+                out, counts = out + loss / (MOE_MICROBATCHES * replicas), counts + c
+        return out, counts
+
+    grads, (loss, counts) = torch.func.grad_and_value(total, has_aux=True)(full)
+    return loss, grads, counts

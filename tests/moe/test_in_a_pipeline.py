@@ -18,77 +18,21 @@ import torch
 import fpipe
 from fpipe.schedules import DualPipeV, GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleV
 from tests._multiprocess import run_ranks
-from tests.helpers import assert_bitwise
+from tests.helpers import (
+    MOE_EXPERTS,
+    MOE_MICROBATCHES,
+    assert_bitwise,
+    moe_batch,
+    moe_loss,
+    moe_params,
+    moe_reference,
+    moe_stages,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
-LAYERS, DIM, HIDDEN, E, TOP_K, ALPHA = 4, 4, 6, 4, 2, 0.01
-B, S, M = 8, 3, 4  # sequences per batch, tokens per sequence, microbatches
-
-
-def params(bias=False):
-    g = torch.Generator().manual_seed(0)
-    layers = [fpipe.moe.init_moe(DIM, HIDDEN, E, shared_hidden=4, generator=g) for _ in range(LAYERS)]
-    if bias:  # DeepSeek-V3's selection bias: in the params, no gradient, moved between steps
-        for layer in layers:
-            layer["bias"] = torch.zeros(E)
-    return layers
-
-
-def batch(replica=0):
-    g = torch.Generator().manual_seed(10 + replica)
-    return {"x": torch.randn(B, S, DIM, generator=g), "y": torch.randn(B, S, DIM, generator=g)}
-
-
-def layer(p, act, per_sequence):
-    """One MoE layer on the carried activation ``{"h", "aux", "counts"}``."""
-    h = act["h"]
-    weights = {k: v for k, v in p.items() if k != "bias"}
-    y, stats = fpipe.moe.moe(weights, h, top_k=TOP_K, bias=p.get("bias"), sequence_length=S if per_sequence else None)
-    return {"h": h + y, "aux": act["aux"] + stats.balance_loss, "counts": act["counts"] + stats.counts}
-
-
-def start(mb):
-    return {"h": mb["x"], "aux": torch.zeros(()), "counts": torch.zeros(E, dtype=torch.int64)}
-
-
-def stages(num_stages, per_sequence):
-    per = LAYERS // num_stages
-
-    def stage(s):
-        def run(p, x):
-            act = start(x) if s == 0 else x
-            for q in p:
-                act = layer(q, act, per_sequence)
-            return act
-
-        return run
-
-    return [stage(s) for s in range(num_stages)], per
-
-
-def loss_fn(act, mb):
-    return ((act["h"] - mb["y"]) ** 2).mean() + ALPHA * act["aux"], act["counts"]
-
-
-def reference(full, replicas, per_sequence):
-    """Loss, gradients and token counts of the unsplit model (module docstring)."""
-
-    def total(ps):
-        out, counts = 0, torch.zeros(E, dtype=torch.int64)
-        for r in range(replicas):
-            b = batch(r)
-            for i in range(M):
-                mb = {k: v[i * (B // M) : (i + 1) * (B // M)] for k, v in b.items()}
-                act = start(mb)
-                for p in ps:
-                    act = layer(p, act, per_sequence)
-                loss, c = loss_fn(act, mb)
-                out, counts = out + loss / (M * replicas), counts + c
-        return out, counts
-
-    grads, (loss, counts) = torch.func.grad_and_value(total, has_aux=True)(full)
-    return loss, grads, counts
+E, M = MOE_EXPERTS, MOE_MICROBATCHES
+params, batch, stages, loss_fn, reference = moe_params, moe_batch, moe_stages, moe_loss, moe_reference
 
 
 SCHEDULES = [(GPipe(M), 2), (OneFOneB(M), 4), (Interleaved1F1B(M), 4), (ZeroBubbleV(M), 4), (DualPipeV(M), 4)]
