@@ -38,6 +38,8 @@ and the sha256 of each plain tensor, which only rank 0 writes), so a DTensor on 
 or with a ``Partial`` placement, or tensor-parallel ranks holding different leaves, fail every
 rank before any gather that would not match. With ``shard_params=True`` too, each stage is first
 gathered over the data-parallel group into its DTensors (their local pieces), then over tp.
+Expert weights (DTensors on ``mesh["ep"]``) are gathered the same way, first, over the
+expert-parallel group, whose ranks hold the same stages; the first replica writes them.
 """
 
 from __future__ import annotations
@@ -126,6 +128,9 @@ def save_hf(
             ``Shard`` or ``Replicate`` placements: each is gathered whole to tensor-parallel rank
             0, one at a time, which writes it (NOTE [tensor-parallel export]); plain tensors must
             be bitwise equal on every tensor-parallel rank.
+            On a mesh with an ``"ep"`` dimension, expert weights (DTensors ``Shard(0)`` on
+            ``mesh["ep"]``) are gathered whole over the expert-parallel group, one at a time, and
+            the first replica (ep 0) writes them with the rest.
         step: deprecated, as for ``fpipe.save``: ``parallel=``.
         group: deprecated, as for ``fpipe.save``: ``parallel=``.
         mesh: deprecated, as for ``fpipe.save``: ``parallel=``.
@@ -163,6 +168,8 @@ def save_hf(
     if setup.step is not None and setup.step.parallel.shard_params:
         trees = _gathered(trees, setup.step)
     root = Path(directory)
+    if topology is not None and topology.expert_group is not None:
+        trees = _experts_whole(trees, topology, timeout)
     tensor_group = None if topology is None else topology.tensor_group
     if topology is None or tensor_group is None:
         _replicas(root, trees, held, config_files, limit, Ranks("save_hf", topology, timeout))
@@ -246,6 +253,26 @@ def _whole(trees: list[PyTree], topology: Topology, timeout: float) -> list[PyTr
                     leaf = full.detach().to("cpu") if first else None
                 whole.append(leaf if first else None)
             out.append(unflatten(spec, whole) if first else None)
+    return out
+
+
+def _experts_whole(trees: list[PyTree], topology: Topology, timeout: float) -> list[PyTree]:
+    """The trees with each expert weight (a DTensor on this rank's ``mesh["ep"]``) gathered whole over
+    the expert-parallel group, one at a time, in leaf order (NOTE [tensor-parallel export]): kept on
+    the host by the first replica (dp 0, ep 0), which writes, and dropped by the other ranks, which
+    wait for it. Every rank of an expert group holds the same stages, so the gathers pair up."""
+    first = dist.get_rank(topology.data_group) == 0 if topology.data_group is not None else True
+    out: list[PyTree] = []
+    with watched(topology, timeout, "the expert-parallel gathers of the expert weights"):
+        for tree in trees:
+            leaves, spec = flatten(tree)
+            whole = []
+            for leaf in leaves:
+                if topology.is_expert(leaf):  # a collective over mesh["ep"]; one full tensor at a time
+                    full = leaf.full_tensor()  # type: ignore[attr-defined]
+                    leaf = full.detach().to("cpu") if first else None
+                whole.append(leaf)
+            out.append(unflatten(spec, whole))
     return out
 
 
