@@ -42,7 +42,7 @@ from torch._dynamo.comptime import ComptimeContext, comptime
 from ._microbatch import stack
 from ._plural import brief
 from ._pytree import PyTree, flatten, is_differentiable, unflatten
-from ._run import Order, StepView, StrategyView, loss_weights, run_local, split_batch
+from ._run import Order, StepView, StrategyView, loss_weights, run_local, seed_scale, split_batch
 from ._stage import StageFn
 from .schedules import Action
 from .schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
@@ -138,10 +138,18 @@ class CompiledRun:
         if self._core is None:
             self._core = torch.compile(_own_code(_Core(step, order)), backend=self._backend, fullgraph=True)
         _TRACING[0] = None
+        _SEEN.clear()
+        _DRAWS.clear()
         try:
             with torch._dynamo.config.patch(trace_autograd_ops=True):
+                scale = seed_scale(step)  # the weights scaled in Python, as the eager seeds are (NOTE [seeds])
+                scaled = weights if scale is None else [w * scale for w in weights]
                 loss, auxes, sums = self._core(
-                    params, microbatches, torch.tensor(weights, dtype=torch.float64), len(set(weights)) == 1
+                    params,
+                    microbatches,
+                    torch.tensor(weights, dtype=torch.float64),
+                    torch.tensor(scaled, dtype=torch.float64),
+                    len(set(weights)) == 1,
                 )
         except Exception as error:  # dynamo's, the backend's, or the stages' own (which the eager step raises)
             reason = self._reason(order, error)
@@ -155,6 +163,8 @@ class CompiledRun:
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         """The user's backend, counting the graphs it gets."""
         self.compiles += 1
+        if _DRAWS:
+            raise _RandomDraws(*_DRAWS[0])
         backend = self.option.backend
         compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
         return compiler(graph, example_inputs)
@@ -163,7 +173,19 @@ class CompiledRun:
         """Why the core did not compile, naming the action dynamo was tracing if it was."""
         first = str(error).strip().splitlines()
         what = f"{type(error).__name__}: {first[0] if first else ''}"
+        cause: BaseException | None = error
+        while cause is not None and not isinstance(cause, _RandomDraws):
+            cause = cause.__cause__ or getattr(cause, "inner_exception", None)
+        if isinstance(cause, _RandomDraws):
+            action = order.actions[cause.action][1]
+            return (
+                f"action {action} (stage {action.stage}, microbatch {action.microbatch}) draws random numbers "
+                f"({cause.op}), which are not yet a function of the key, stage and microbatch in a graph"
+            )
         if isinstance(error, torch._dynamo.exc.BackendCompilerFailed):
+            inner = error.inner_exception
+            lines = str(inner).strip().splitlines()
+            what = f"{type(inner).__name__}: {lines[0] if lines else ''}"
             return f"the backend {_name(self.option.backend)} failed to compile the step ({what})"
         traced = _TRACING[0]
         if traced is None:
@@ -189,8 +211,6 @@ def _warn(reason: str) -> None:
 
 def _not_compiled(step: StepView) -> str | None:
     """Why a step's options keep it eager for now, or ``None`` (notes/compile.md, "What is missing")."""
-    if step.precision is not None:
-        return "a precision policy is not compiled yet"
     if step.recompute:
         return "recomputation (recompute=) is not compiled yet"
     return None
@@ -201,11 +221,74 @@ def _name(backend: Backend) -> str:
 
 
 def _note_action(ctx: ComptimeContext) -> None:
-    """At trace time: record which action dynamo traces (``comptime``; nothing at run time)."""
+    """At trace time (``comptime``; nothing at run time): the action that dynamo traced last is
+    done, note the random draws among its nodes, and the one it traces now."""
+    _note_draws(ctx)
     _TRACING[0] = ctx.get_local("k").as_python_constant()
 
 
+def _traced(ctx: ComptimeContext) -> None:
+    """At trace time: every action is traced (what fails now is not an action's)."""
+    _note_draws(ctx)
+    _TRACING[0] = None
+
+
+def _note_draws(ctx: ComptimeContext) -> None:
+    """Note the first random draw among the nodes that the action traced last added to the graph."""
+    fresh = [node for node in ctx.graph().nodes if node not in _SEEN]
+    _SEEN.update(fresh)
+    k = _TRACING[0]
+    if k is not None and not _DRAWS:
+        _DRAWS.extend((k, _op(node)) for node in fresh if _draws(node))
+
+
 _TRACING: list[int | None] = [None]  # the index of the action dynamo traces now, if it traces
+_SEEN: set[torch.fx.Node] = set()  # the nodes of the graph dynamo builds, as far as noted
+_DRAWS: list[tuple[int, str]] = []  # the actions traced that draw random numbers, and the ops
+
+
+# NOTE [random draws under compile]
+# An eager step seeds the default generators afresh for each stage call (NOTE [randomness as
+# data] in fpipe/_random.py); ``manual_seed`` does not trace, so in a graph the draws would come
+# from the caller's generator in the compiler's order, and Inductor draws numbers of its own. Until
+# draws are counter-based functions of (key, stage, microbatch) in the graph, a traced program
+# that draws is not run: the step warns, naming the action, and runs eagerly. The ops are those
+# of dynamo's graph (torch functions and tensor methods by name); dropout counts when training.
+# fmt: off
+_RANDOM = frozenset({
+    "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
+    "bernoulli_", "normal", "normal_", "uniform_", "random_", "exponential_", "geometric_",
+    "log_normal_", "cauchy_", "multinomial", "poisson", "rrelu", "rrelu_", "gumbel_softmax",
+    "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "alpha_dropout_",
+    "feature_alpha_dropout", "feature_alpha_dropout_", "feature_dropout", "feature_dropout_",
+    "native_dropout",
+})
+# fmt: on
+
+
+def _draws(node: torch.fx.Node) -> bool:
+    """Whether ``node`` of dynamo's graph draws random numbers (NOTE [random draws under compile])."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = _op(node)
+    if name not in _RANDOM:
+        return False
+    if "dropout" in name:  # dropout(input, p, training, ...): not random when not training
+        training = node.kwargs.get("training", node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True))
+        return training is not False
+    return True
+
+
+def _op(node: torch.fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+
+
+class _RandomDraws(Exception):
+    """The traced program draws random numbers (NOTE [random draws under compile]): ``action`` does."""
+
+    def __init__(self, action: int, op: str) -> None:
+        super().__init__(f"action {action} draws random numbers ({op})")
+        self.action, self.op = action, op
 
 
 def _grads(params: Sequence[PyTree], sums: Sequence[Sequence[torch.Tensor | None]]) -> list[PyTree]:
@@ -230,20 +313,37 @@ class _Core:
         self.has_aux = step.has_aux
         self.last = step.num_stages - 1
         self.actions: tuple[Action, ...] = tuple(a for _, a in order.actions)
+        self.precision = step.precision
 
     def __call__(
-        self, params: list[PyTree], microbatches: list[PyTree], weights: torch.Tensor, one_weight: bool
+        self,
+        params: list[PyTree],
+        microbatches: list[PyTree],
+        weights: torch.Tensor,
+        scaled: torch.Tensor,
+        one_weight: bool,
     ) -> tuple[torch.Tensor, list[Any], list[list[torch.Tensor | None]]]:
         last = self.last
         # The stages' own leaves (NOTE [differentiable leaves] in fpipe/_stage.py).
+        # With a precision policy, differentiable leaves are cast to the compute dtype and their
+        # gradients summed in the accumulate dtype (NOTE [precision of a leaf] in fpipe/_precision.py).
+        precision = self.precision
         wrt: list[list[torch.Tensor]] = []
+        dtypes: list[list[torch.dtype]] = []  # the sums'
         stage_params = []
         for p in params:
             leaves, spec = flatten(p)
-            leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
-            wrt.append([x.requires_grad_() for x in leaves if is_differentiable(x)])
-            stage_params.append(unflatten(spec, leaves))
-        seeds = weights.unbind()
+            mine = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+            index = [k for k, x in enumerate(leaves) if is_differentiable(x)]
+            if precision is not None:
+                for k in index:
+                    mine[k] = mine[k].to(precision.compute_dtype(leaves[k].dtype))
+            wrt.append([mine[k].requires_grad_() for k in index])
+            dtypes.append(
+                [mine[k].dtype if precision is None else precision.accumulate_dtype(leaves[k].dtype) for k in index]
+            )
+            stage_params.append(unflatten(spec, mine))
+        seeds, weight = scaled.unbind(), weights.unbind()  # the backwards' seeds, the losses' weights
         sent: dict[tuple[int, int], Any] = {}  # activations and cotangents by (receiving stage, microbatch)
         back: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         pulls: dict[tuple[int, int], tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int], int]] = {}
@@ -261,7 +361,7 @@ class _Core:
                 for n, g in enumerate(pending[s].pop(added[s])):
                     if g is not None:
                         total = sums[s][n]
-                        sums[s][n] = g.clone() if total is None else total.add_(g)
+                        sums[s][n] = g.to(dtypes[s][n], copy=True) if total is None else total.add_(g)
                 added[s] += 1
 
         for k, action in enumerate(self.actions):  # noqa: B007 (``k`` is read by ``_note_action``)
@@ -316,8 +416,9 @@ class _Core:
                     for n, g in zip(input_index, grads[: len(inputs)]):
                         to_send[n] = None if g is None else g.contiguous()
                     back[s - 1, i] = to_send
+        comptime(_traced)
         if one_weight and all(loss.dtype == losses[0].dtype for loss in losses):
-            loss = torch.stack(losses).mul_(seeds[0])  # NOTE [the step's loss] in fpipe/_run.py
+            loss = torch.stack(losses).mul_(weight[0])  # NOTE [the step's loss] in fpipe/_run.py
         else:
-            loss = torch.stack([x * w for x, w in zip(losses, seeds)])
+            loss = torch.stack([x * w for x, w in zip(losses, weight)])
         return loss.sum(), auxes, sums

@@ -201,6 +201,7 @@ def test_compile_argument_is_checked() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # Inductor's import
 @pytest.mark.parametrize("schedule", [OneFOneB(4), ZeroBubbleH1(4)], ids=str)
 def test_inductor_step_is_close_to_eager_and_repeats_itself(schedule: Any) -> None:
     """Inductor (``compile=True``) in float64: within 1e-12 of the eager step, the same bits run to run."""
@@ -211,3 +212,43 @@ def test_inductor_step_is_close_to_eager_and_repeats_itself(schedule: Any) -> No
     first, again = compiled(p, batch), compiled(p, batch)
     assert_bitwise(first, again)
     torch.testing.assert_close(first, eager(p, batch), rtol=1e-12, atol=0)
+
+
+def dropout_stage(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.dropout(block(p, h), 0.5)
+
+
+def test_a_stage_that_draws_warns_and_runs_eagerly() -> None:
+    """Random draws are a function of (key, stage, microbatch) in the eager step only, for now."""
+    stages = [block, block, dropout_stage]
+    compiled = fpipe.pipeline(loss_fn, stages, OneFOneB(2), compile="aot_eager")
+    eager = fpipe.pipeline(loss_fn, stages, OneFOneB(2))
+    p, x = params(3), torch.randn(4, 16)
+    with pytest.warns(UserWarning, match=r"action 2F0 \(stage 2, microbatch 0\) draws random numbers \(dropout\)"):
+        result = compiled(p, x, key=7)
+    assert_bitwise(result, eager(p, x, key=7))
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [
+        fpipe.Precision(compute=torch.bfloat16),
+        fpipe.Precision(compute=torch.float16, loss_scale=fpipe.LossScale(init=2.0**20)),
+    ],
+    ids=["bfloat16", "float16-scaled"],
+)
+def test_compiled_step_with_a_precision_policy(precision: fpipe.Precision) -> None:
+    """Master weights cast in the graph, sums in float32, the loss scale a seed: the eager bits,
+    the scale's state and skips too (2**20 overflows float16's seeds: the first step skips)."""
+
+    def cast_block(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        return block(p, h.to(p["w1"].dtype))
+
+    stages = [cast_block] * 3
+    compiled = fpipe.pipeline(loss_fn, stages, ZeroBubbleH1(3), precision=precision, compile="aot_eager")
+    eager = fpipe.pipeline(loss_fn, stages, ZeroBubbleH1(3), precision=precision)
+    p = [{k: v.float() for k, v in stage.items()} for stage in params(3)]  # float32 master weights
+    for _ in range(2):
+        x = torch.randn(6, 16, dtype=torch.float32)
+        assert_bitwise(compiled(p, x), eager(p, x))
+        assert (compiled.loss_scale, compiled.last_skipped) == (eager.loss_scale, eager.last_skipped)
