@@ -1,10 +1,12 @@
 """Train a small DeepSeek-style mixture of experts on real text, as a 4-stage pipeline in one process
 or on pp 2 x ep 2 under torchrun, with both of DeepSeek-V3's load balancers.
 
-    python examples/train_moe.py                       # about a minute on 2 CPU cores
+    python examples/train_moe.py                       # 150 steps, about a minute on 2 CPU cores (45-66 s measured)
     python examples/train_moe.py --overwrite           # again from scratch, deleting runs/moe's run
-    python examples/train_moe.py --steps 300 --resume  # continue the run saved in runs/moe
-    torchrun --standalone --nproc-per-node 4 examples/train_moe.py --out runs/moe-ep   # pp 2 x ep 2
+    python examples/train_moe.py --steps 300 --resume  # go on from the save in runs/moe, to step 300
+    torchrun --standalone --nproc-per-node 4 examples/train_moe.py --out runs/moe-ep           # pp 2 x ep 2
+    torchrun --standalone --nproc-per-node 4 examples/train_moe.py --out runs/moe-ep --resume  # each rank its save
+    python examples/train_moe.py --precision fp64 --out runs/moe64  # float64: to compare with a torchrun run
 
 The data are train_gpt.py's: the bytes of the Python standard library's source, read from this
 Python's installation (no download, no tokenizer), the last 10% held out for validation. The
@@ -35,8 +37,10 @@ pipeline ranks of ``--ep`` expert ranks: 4 processes are pp 2 x ep 2). Each expe
 of each global batch of ``--batch-size`` sequences: the expert ranks are data-parallel for every
 weight but the experts (notes/experts.md). The 4 stages go 2 per pipeline rank (1F1B becomes
 interleaved 1F1B). The same seed gives both runs the same initial parameters and the same global
-batches; their losses are equal to float32 rounding, not bit for bit (notes/experts.md, "A real
-run", has the numbers and why).
+batches. Their losses are not bit for bit the same (the expert matmuls see other shapes): they
+agree to rounding until the rounding flips a token's choice of expert, in float32 from step 5 on,
+after which the runs drift apart; in float64 (``--precision fp64``) no choice flips in the 150
+steps and every loss is within 4e-15 (notes/experts.md, "A real run", has the numbers).
 
 Like train_gpt.py: AdamW with warm-up + cosine and clipping by the pipeline's global norm, a
 validation loss every ``--eval-every`` steps (``step.evaluate``), saves every ``--save-every``
@@ -45,8 +49,8 @@ step), ``--resume`` (bitwise the losses of an uninterrupted run), ``--overwrite`
 terminal (plain lines otherwise), and one JSON line per step in ``<out>/metrics.jsonl``: the loss,
 its cross-entropy part, the balance loss and the experts' load, as DeepSeek's papers measure it
 (``max_violation``: the most loaded expert's excess over the mean, per MoE layer, averaged).
-``--precision bf16`` computes in bfloat16 on float32 master weights; the default is float32: the
-expert choice is discrete, and bfloat16 rounding flips more of them between the two runs.
+``--precision bf16`` computes in bfloat16 on float32 master weights (5 times slower on CPU); the
+default is float32: the expert choice is discrete, and bfloat16 rounding flips more of them.
 """
 
 import argparse
