@@ -215,8 +215,9 @@ def init_params(args, generator):
 
 
 def moe_blocks(stage_params):
-    """The MoE blocks of one stage's parameters, by block number."""
-    return {int(i): b for i, b in stage_params["blocks"].items() if "moe" in b}
+    """The MoE blocks of one stage's parameters (None: a stage held elsewhere), by block number."""
+    blocks = {} if stage_params is None else stage_params["blocks"]
+    return {int(i): b for i, b in blocks.items() if "moe" in b}
 
 
 # -----------------------------------------------------------------------------
@@ -333,11 +334,15 @@ def main(argv=None):
     def mine(tree):  # what this rank holds: its stages, None for the others
         return [t if s in step.local_stages else None for s, t in enumerate(tree)]
 
-    params = mine(init_params(args, torch.Generator().manual_seed(args.seed)))
+    full = init_params(args, torch.Generator().manual_seed(args.seed))
+    num_params = sum(t.numel() for p in full for t in optree.tree_leaves(p))
+    params = mine(full)
     if mesh is not None:  # each expert rank keeps its block of every MoE layer's experts
         for p in params:
-            for b in moe_blocks(p or {"blocks": {}}).values():
+            for b in moe_blocks(p).values():
                 b["moe"] = fpipe.moe.distribute_experts(b["moe"], mesh["ep"])
+    # Decay on matrices only. The selection biases (1-D, zero gradients) are thus never moved by
+    # AdamW, whose update of a zero gradient is zero: only the counts below move them.
     decay = [None if p is None else optree.tree_map(lambda t: t.dim() >= 2, p) for p in params]
     warmup = min(args.warmup, args.steps)
     lr = fpipe.optim.warmup_cosine(args.lr, warmup_steps=warmup, total_steps=args.steps, min_lr=args.lr / 10)
@@ -369,7 +374,6 @@ def main(argv=None):
         return sum(ces) / len(ces)  # the cross-entropy of fixed held-out batches, without the balance term
 
     if chatty:
-        num_params = sum(t.numel() for p in init_params(args, torch.Generator()) for t in optree.tree_leaves(p))
         ep = f", pp {dist.get_world_size() // args.ep} x ep {args.ep}" if mesh is not None else ""
         print(
             f"{step!r}{ep}, {args.precision}, {len(data):,} bytes of text; {num_params:,} parameters, "
@@ -406,7 +410,7 @@ def main(argv=None):
             counts = step.replica_sum(aux["counts"].sum(0)).double()  # [blocks, experts]
             with torch.no_grad():
                 for p in params:
-                    for index, b in moe_blocks(p or {"blocks": {}}).items():
+                    for index, b in moe_blocks(p).items():
                         b["bias"] += args.bias_rate * torch.sign(counts[index].mean() - counts[index]).to(
                             b["bias"].dtype
                         )
