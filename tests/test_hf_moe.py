@@ -115,7 +115,7 @@ def test_pp_times_ep_equals_hugging_face_each_rank_reading_its_experts(moe: Modu
     expected_loss, expected = unsplit(model, moe, halves)
     named = {name: p.detach() for name, p in model.named_parameters()}
     updated = {}
-    for rank, ep, held, loss, grads, params, read in results:
+    for rank, ep, held, loaded, loss, grads, params, read in results:
 
         def mine(name: str, t: torch.Tensor, ep: int = ep) -> torch.Tensor:  # experts 0-1 or 2-3
             return t[ep * 2 : (ep + 1) * 2] if name.endswith(moe.EXPERT_TENSORS) else t
@@ -129,6 +129,8 @@ def test_pp_times_ep_equals_hugging_face_each_rank_reading_its_experts(moe: Modu
             assert_close(grads[s], {n: mine(n, expected[n]) for n in grads[s]}, context=f"rank {rank}, stage {s}")
         assert read == {n: mine(n, named[n]).numel() for n in names}, f"rank {rank}"
         for s in held:
+            assert_bitwise(loaded[s], {n: mine(n, named[n]) for n in loaded[s]}, f"rank {rank}, stage {s}")
+        for s in held:
             for name, t in params[s].items():
                 updated.setdefault(name, {})[ep] = t
     back = dict(MixtralForCausalLM.from_pretrained(tmp_path / "out").named_parameters())
@@ -139,6 +141,7 @@ def test_pp_times_ep_equals_hugging_face_each_rank_reading_its_experts(moe: Modu
 
 def _pp_times_ep(rank: int, world: int, directory: str, out: str) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     from tests.saving._tools import Spy
 
@@ -150,6 +153,8 @@ def _pp_times_ep(rank: int, world: int, directory: str, out: str) -> Any:
     step = fpipe.pipeline(moe.loss_fn, stages, OneFOneB(3), parallel=fpipe.Parallelism(mesh=mesh, timeout=60))
     spy = Spy()
     params = moe.load(directory, stages, template, step, mesh)
+    experts = {n: isinstance(t, DTensor) for p in params if p is not None for n, t in p.items()}
+    assert experts == {n: n.endswith(moe.EXPERT_TENSORS) for n in experts}
     batch = {k: v[ep * 3 : (ep + 1) * 3] for k, v in hf_padded_batch(moe).items()}
     loss, grads = step(params, batch if 0 in step.local_stages else None)
     with torch.no_grad():
@@ -160,4 +165,13 @@ def _pp_times_ep(rank: int, world: int, directory: str, out: str) -> Any:
         return None if tree is None else {n: t.to_local() if hasattr(t, "to_local") else t for n, t in tree.items()}
 
     held = list(step.local_stages)
-    return rank, ep, held, loss, [local(g) for g in grads], [local(p) for p in sgd], dict(spy.read)
+    return (
+        rank,
+        ep,
+        held,
+        [local(p) for p in params],
+        loss,
+        [local(g) for g in grads],
+        [local(p) for p in sgd],
+        dict(spy.read),
+    )
