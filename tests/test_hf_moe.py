@@ -175,3 +175,14 @@ def _pp_times_ep(rank: int, world: int, directory: str, out: str) -> Any:
         [local(p) for p in sgd],
         dict(spy.read),
     )
+
+
+def test_example_trains_and_exports(moe: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import MixtralForCausalLM
+
+    args = ["--steps", "3", "--batch-size", "8", "--hidden", "16", "--quiet", "--export", str(tmp_path / "out")]
+    losses = moe.main(args)
+    assert len(losses) == 3 and losses[0] > 2.0  # about ln(17): chance
+    assert capsys.readouterr().out.startswith("3 steps in")
+    back = MixtralForCausalLM.from_pretrained(tmp_path / "out")
+    assert back.model.layers[1].mlp.experts.gate_up_proj.shape == (4, 32, 16)
