@@ -190,7 +190,8 @@ def _parser(plan_defaults: dict[str, object] | None = None) -> argparse.Argument
         "--preset",
         choices=sorted(PRESETS),
         help="a published model and device whose options become the defaults (the layout, --ranks, --microbatches, "
-        "--tp, --dp, --ep, is yours): " + "; ".join(f"{name}: {p.about}" for name, p in PRESETS.items()),
+        "--tp, --dp, --ep, is yours): "
+        + "; ".join(f"{name}: {p.about}" for name, p in PRESETS.items()).replace("%", "%%"),  # argparse's % format
     )
     plan.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel devices per pipeline rank (1)")
     plan.add_argument("--dp", type=_positive_int, default=1, help="data-parallel replicas of the pipeline (1)")

@@ -468,6 +468,10 @@ def test_plan_the_deepseek_v3_preset(tmp_path: Path, capsys: pytest.CaptureFixtu
     fpipe.planning.save_costs(path, [fpipe.schedules.Costs()] * 2)
     assert run_plan("--costs", str(path), "--preset", "deepseek-v3") == (2, "")
     assert "--costs gives the costs: drop the model and device options" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps it to the terminal
+    assert info.value.code == 0 and "at 40% utilization" in help_text  # its % escaped for argparse
 
 
 @pytest.mark.parametrize(

@@ -102,9 +102,9 @@ class Unit:
             measured).
         reduce_seconds: the data-parallel all-reduce of its gradients after the step's last
             action on its rank (NOTE [planner cost model]; 0 without data parallelism).
-        all_to_all: the seconds of its ``F``, and of its ``I``, that are the expert all-to-alls
-            (dispatch and combine), included in ``costs`` (NOTE [planner experts]; 0 for a
-            dense layer, the head, or one expert-parallel device).
+        all_to_all: the seconds of its ``F``, and of its ``I`` (twice that with recomputation),
+            that are the expert all-to-alls (dispatch and combine), included in ``costs`` (NOTE
+            [planner experts]; 0 for a dense layer, the head, or one expert-parallel device).
     """
 
     name: str
