@@ -232,7 +232,7 @@ def loss_fn(logits, microbatch):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE)
 
 
-def load(directory, stages, template, step, mesh, dtype=None):
+def load(directory, template, step, mesh, dtype=None):
     """This rank's stages of the checkpoint in ``directory``: its expert tensors' own rows only."""
     if mesh is not None:
         template = [distribute_experts(p, mesh["ep"]) for p in template]
@@ -261,7 +261,7 @@ def parse_args(argv):
     parser.add_argument(
         "--ep", type=int, default=2, help="under torchrun: expert ranks (pipeline ranks: WORLD_SIZE / ep)"
     )
-    parser.add_argument("--checkpoint", help="a Mixtral checkpoint directory (default: a random one, written first)")
+    parser.add_argument("--checkpoint", help="a Mixtral checkpoint, experts fused (None: a random one)")
     parser.add_argument("--export", help="write the trained model here as a Hugging Face checkpoint")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--quiet", action="store_true", help="print nothing but the final summary")
@@ -295,7 +295,7 @@ def main(argv=None):
         model = meta_model(config, torch.float32)
         stages, template = split(model, config.num_hidden_layers // 2)
         step = fpipe.pipeline(loss_fn, stages, OneFOneB(args.microbatches), parallel=parallel)
-        params = load(checkpoint, stages, template, step, mesh, dtype=torch.float32)
+        params = load(checkpoint, template, step, mesh, dtype=torch.float32)
         if not args.quiet and lead:
             where = f"pp {dist.get_world_size() // ep} x ep {ep}" if mesh is not None else "one process"
             print(

@@ -86,7 +86,7 @@ def test_one_process_equals_hugging_face_and_exports_back(moe: ModuleType, tmp_p
     assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"} <= set(named)
     stages, template = moe.split(moe.meta_model(model.config, torch.float64), 1)
     step = fpipe.pipeline(moe.loss_fn, stages, schedule)
-    params = moe.load(tmp_path / "hf", stages, template, step, None)
+    params = moe.load(tmp_path / "hf", template, step, None)
     assert_bitwise(params, [{name: named[name].detach() for name in p} for p in template])
     batch = hf_padded_batch(moe)
     loss, grads = step(params, batch)
@@ -152,7 +152,7 @@ def _pp_times_ep(rank: int, world: int, directory: str, out: str) -> Any:
     stages, template = moe.split(moe.meta_model(moe.read_config(directory), torch.float64), 1)
     step = fpipe.pipeline(moe.loss_fn, stages, OneFOneB(3), parallel=fpipe.Parallelism(mesh=mesh, timeout=60))
     spy = Spy()
-    params = moe.load(directory, stages, template, step, mesh)
+    params = moe.load(directory, template, step, mesh)
     experts = {n: isinstance(t, DTensor) for p in params if p is not None for n, t in p.items()}
     assert experts == {n: n.endswith(moe.EXPERT_TENSORS) for n in experts}
     batch = {k: v[ep * 3 : (ep + 1) * 3] for k, v in hf_padded_batch(moe).items()}
