@@ -19,6 +19,7 @@ from ._modules import balance as balance
 from ._modules import functionalize as functionalize
 from ._modules import split_module as split_module
 from ._modules import sum_tied as sum_tied
+from ._pairs import communication_point as communication_point
 from ._parallelism import Parallelism as Parallelism
 from ._precision import LossScale as LossScale
 from ._precision import LossScaleState as LossScaleState
@@ -52,6 +53,7 @@ __all__ = [
     "Step",
     "TrainState",
     "balance",
+    "communication_point",
     "functionalize",
     "gather",
     "load",

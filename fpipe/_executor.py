@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from ._accumulate import Grads
 from ._errors import PipelineError
+from ._pairs import SideFailed, run_pair
 from ._pytree import PyTree
 from ._random import Keys
 from ._record import Stopwatch
@@ -102,6 +104,7 @@ class Executor:
         forward_only: bool = False,
         keep_outputs: bool = False,
         keys: Keys | None = None,
+        pairs: Mapping[Action, Action] | None = None,
     ) -> None:
         self.stages = stages
         self.last = num_stages - 1
@@ -122,6 +125,8 @@ class Executor:
         self._watch: Stopwatch | None = None  # while recording (``fpipe.record``)
         self._ready: Any = 0.0  # when the current action's inputs had arrived (a ``Stopwatch`` mark)
         self.current: Action | None = None  # the action running, or that raised
+        self.pairs = pairs or {}  # overlapped pairs: first half -> second (NOTE [overlapped pairs])
+        self._warned = False  # a pair ran in sequence (``_pair``): said once per run
 
     def run(
         self,
@@ -143,13 +148,29 @@ class Executor:
         profiling = _profiling()  # once per run (NOTE [profiler ranges])
         plain = watch is None and not profiling  # the usual case: nothing around the actions
         rank, action = -1, None
+        pairs, second = self.pairs, None
         try:
-            for rank, action in order:  # noqa: B007 (``rank`` is the failing one's, below)
+            for rank, action in order:  # ``rank``, ``action``: the failing one's, below
+                if action == second:  # ran with its pair's first half
+                    continue
                 self.current = action
-                if plain:
+                second = pairs.get(action) if pairs else None
+                if second is not None:
+                    self._pair(rank, action, second, times, profiling)
+                elif plain:
                     handlers[action.kind](self, action)
                 else:
                     self._instrumented(handlers[action.kind], action, times, profiling)
+        except SideFailed as failed:
+            assert action is not None and second is not None
+            cause = failed.__cause__ or failed
+            if isinstance(cause, PipelineError):
+                raise cause from None
+            side = (action, second)[failed.side]
+            self.current = side
+            in_loss_fn = isinstance(cause, _LossFnFailed)
+            cause = (cause.__cause__ or cause) if in_loss_fn else cause
+            raise PipelineError.from_exception(rank, side, cause, in_loss_fn=in_loss_fn) from cause
         except PipelineError:
             raise
         except _LossFnFailed as error:
@@ -175,6 +196,37 @@ class Executor:
             handler(self, action)
         if watch is not None and times is not None:
             times.append((self._ready, watch.mark()))
+
+    def _pair(
+        self, rank: int, first: Action, second: Action, times: list[tuple[Any, Any]] | None, profiling: bool
+    ) -> None:
+        """Run an overlapped pair (NOTE [overlapped pairs] in fpipe/_pairs.py): its halves
+        interleaved at their stages' communication points; in sequence, with a warning, when
+        neither has any. Recorded and profiled as one span, given to both halves."""
+        handlers = _HANDLERS
+
+        def both() -> tuple[int, int]:
+            return run_pair(lambda: handlers[first.kind](self, first), lambda: handlers[second.kind](self, second))
+
+        watch = self._watch
+        if watch is not None:
+            self._ready = watch.mark()
+        if profiling:
+            with torch.profiler.record_function(f"fpipe {first}&{second}"):
+                points = both()
+        else:
+            points = both()
+        if watch is not None and times is not None:
+            span = (self._ready, watch.mark())
+            times += [span, span]
+        if points == (0, 0) and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"fpipe: the overlapped pair {first}&{second} on rank {rank} ran in sequence: its stages have no "
+                "communication points (fpipe.communication_point; fpipe.moe's dispatch and combine have them), so "
+                "nothing could overlap. Pairs with such points still overlap.",
+                stacklevel=2,
+            )
 
     def _loss_fn(self, y: Any, microbatch: Any) -> Any:
         """``loss_fn``, its errors marked as its own (not the last stage's)."""

@@ -12,7 +12,7 @@ transport and the stages they hold.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -78,6 +78,9 @@ class Order:
         segments: ``actions`` cut after each stage's last action (``segments``), for ``interpret``.
         checksum: the program's checksum, which the distributed handshake compares (0 in one process).
         forward_only: an evaluation: forwards with no graph, no backward, no gradients.
+        pairs: on a pipeline rank, its overlapped pairs (``Program.pairs``), first half to
+            second; empty in one process, where no stage communicates (NOTE [overlapped pairs]
+            in fpipe/_pairs.py).
     """
 
     program: Program
@@ -85,6 +88,7 @@ class Order:
     segments: Segments = field(compare=False)  # follows from ``actions``
     checksum: int = 0
     forward_only: bool = False
+    pairs: Mapping[Action, Action] = field(default_factory=dict, compare=False)  # first -> second, on a rank
 
 
 def order_for(program: Program, rank: int | None, *, forward: bool = False) -> Order:
@@ -96,7 +100,8 @@ def order_for(program: Program, rank: int | None, *, forward: bool = False) -> O
         order = execution_order(program)
         return Order(program, order, segments(order), forward_only=forward)
     order = tuple((rank, a) for a in program.ranks[rank])
-    return Order(program, order, segments(order), checksum(program), forward)
+    pairs = {a: b for a, b in program.pairs if a in program.ranks[rank]}
+    return Order(program, order, segments(order, pairs), checksum(program), forward, pairs)
 
 
 class HeldStages(Protocol):
@@ -174,9 +179,13 @@ def stage_run(step: StepView, stage: int, stage_params: PyTree) -> StageRun:
     )
 
 
-def segments(order: Sequence[tuple[int, Action]]) -> Segments:
-    """``order`` cut after each stage's last action: ``(actions, stages finished by them)`` pairs."""
+def segments(order: Sequence[tuple[int, Action]], pairs: Mapping[Action, Action] | None = None) -> Segments:
+    """``order`` cut after each stage's last action: ``(actions, stages finished by them)`` pairs;
+    never between the halves of one of ``pairs`` (the cut then follows the second half)."""
     last = {action.stage: k for k, (_, action) in enumerate(order)}
+    if pairs:
+        seconds = {k for k, (_, action) in enumerate(order) if action in pairs.values()}
+        last = {s: k + 1 if k + 1 in seconds and order[k][1] in pairs else k for s, k in last.items()}
     out: list[tuple[Sequence[tuple[int, Action]], list[int]]] = []
     start = 0
     for k in sorted(set(last.values())):
@@ -279,6 +288,7 @@ def run(
         keep_outputs=keep_outputs,
         loss_scale=seed_scale(step),
         keys=Keys(key, replica=replica, training=not order.forward_only),
+        pairs=order.pairs,
     )
     try:
         start = clock()

@@ -38,6 +38,7 @@ def test_public_names() -> None:
         "Step",
         "TrainState",
         "balance",
+        "communication_point",
         "functionalize",
         "gather",
         "load",

@@ -39,12 +39,13 @@ send splits from.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as functional
 
+from .._pairs import communication_point
 from ._routing import Routing, token_counts
 
 
@@ -283,8 +284,36 @@ def combine(y: torch.Tensor, handle: Dispatched, /) -> torch.Tensor:
 def _all_to_all(
     rows: torch.Tensor, receive_splits: list[int], send_splits: list[int], group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """The differentiable all_to_all of ``rows`` (its backward is the reverse exchange), waited on."""
-    out = functional.all_to_all_single_autograd(rows.contiguous(), receive_splits, send_splits, group)
+    """The differentiable all_to_all of ``rows`` (its backward is the reverse exchange), waited
+    on; posted, then a communication point, then waited for, in the forward and in the backward
+    (NOTE [overlapped pairs] in fpipe/_pairs.py)."""
+    out: torch.Tensor = _Exchange.apply(rows, receive_splits, send_splits, group)  # type: ignore[no-untyped-call]
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """torch's functional all_to_all, posted and waited for around a communication point; its
+    backward is the reverse exchange, the same way (``all_to_all_single_autograd``'s, with the
+    point between posting and waiting)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, rows: torch.Tensor, receive_splits: list[int], send_splits: list[int], group: dist.ProcessGroup
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (receive_splits, send_splits), group
+        return _exchange(rows, receive_splits, send_splits, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        receive_splits, send_splits = ctx.splits
+        return _exchange(grad, send_splits, receive_splits, ctx.group), None, None, None
+
+
+def _exchange(
+    rows: torch.Tensor, receive_splits: list[int], send_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    out = functional.all_to_all_single(rows.contiguous(), receive_splits, send_splits, group)
+    communication_point()  # another microbatch's half of an overlapped pair runs while it flies
     waited: torch.Tensor = functional.wait_tensor(out)  # type: ignore[no-untyped-call]  # torch leaves it untyped
     return waited
 

@@ -24,6 +24,7 @@ from ._interleaved import Interleaved1F1B as Interleaved1F1B
 from ._interleaved_zero_bubble import InterleavedZeroBubble as InterleavedZeroBubble
 from ._looped_bfs import LoopedBFS as LoopedBFS
 from ._one_f_one_b import OneFOneB as OneFOneB
+from ._overlapped import Overlapped as Overlapped
 from ._pictures import chrome_trace as chrome_trace
 from ._pictures import svg as svg
 from ._pictures import terminal_grid as terminal_grid
@@ -52,6 +53,7 @@ __all__ = [
     "InterleavedZeroBubble",
     "LoopedBFS",
     "OneFOneB",
+    "Overlapped",
     "Program",
     "Schedule",
     "ScheduleError",

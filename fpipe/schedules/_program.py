@@ -9,6 +9,12 @@ Dependencies between actions (``s`` stage, ``i`` microbatch, ``S`` stages)::
     F(s, i)      needs F(s-1, i)                     (the activation)
     B/I(s, i)    needs F(s, i) and B/I(s+1, i)       (the cotangent; the last stage needs only F)
     W(s, i)      needs I(s, i)
+
+A program may also pair two adjacent actions of a rank (``Program.pairs``): an overlapped pair,
+run interleaved at the stages' communication points (NOTE [overlapped pairs] in
+fpipe/_pairs.py). A pair is one unit of the replay: it starts once both halves' dependencies
+have ended, and both halves' results exist when it ends, so a program whose pairs would wait on
+each other's messages deadlocks in the replay, and ``validate`` says so.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class Program:
     ranks: tuple[tuple[Action, ...], ...]
     num_stages: int
     num_microbatches: int
+    pairs: frozenset[tuple[Action, Action]] = frozenset()  # overlapped pairs: (first, second), adjacent
 
     @classmethod
     def from_lists(
@@ -49,7 +56,8 @@ class Program:
         """Build a program from per-rank lists of actions or strings such as ``"2F0"``.
 
         ``num_stages`` and ``num_microbatches`` default to one more than the largest index used.
-        The result is not validated; call ``validate`` (``fpipe.pipeline`` does).
+        Two actions joined by ``&`` (``"1F3&1B1"``) are an overlapped pair (``Program.pairs``),
+        in that order. The result is not validated; call ``validate`` (``fpipe.pipeline`` does).
         """
         if isinstance(ranks, (str, bytes)) or not all(
             isinstance(row, Sequence) and not isinstance(row, str) for row in ranks
@@ -58,13 +66,25 @@ class Program:
                 "fpipe.schedules: a program is a list with one list of actions per rank, "
                 f"e.g. [['0F0', '0B0'], ['1F0', '1B0']] (got: {ranks!r})."
             )
-        rows = tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in row) for row in ranks)
+        pairs: set[tuple[Action, Action]] = set()
+        rows_: list[tuple[Action, ...]] = []
+        for row in ranks:
+            out: list[Action] = []
+            for a in row:
+                if isinstance(a, str) and "&" in a:
+                    first, second = (Action.parse(half) for half in a.split("&", 1))
+                    out += [first, second]
+                    pairs.add((first, second))
+                else:
+                    out.append(a if isinstance(a, Action) else Action.parse(a))
+            rows_.append(tuple(out))
+        rows = tuple(rows_)
         every = [a for row in rows for a in row]
         if num_stages is None:
             num_stages = max((a.stage for a in every), default=-1) + 1
         if num_microbatches is None:
             num_microbatches = max((a.microbatch for a in every), default=-1) + 1
-        return cls(rows, num_stages, num_microbatches)
+        return cls(rows, num_stages, num_microbatches, frozenset(pairs))
 
     @property
     def num_ranks(self) -> int:
@@ -134,7 +154,47 @@ def validate(program: Program) -> None:
     dependency cycle across ranks (a deadlock), reported with the grid and the stuck actions.
     """
     validate_actions(program)
+    validate_pairs(program)
     ticks_of(program)
+
+
+def validate_pairs(program: Program) -> None:
+    """Raise ``ScheduleError`` unless each of ``program.pairs`` is a forward and a backward (``B``
+    or ``I``) of one rank, adjacent in its row, each action in one pair at most, and the second
+    not needing the first (it would wait for it inside the pair). Whether pairs wait on each
+    other's messages across ranks is the replay's to find (``ticks_of``)."""
+    where = {a: (r, k) for r, row in enumerate(program.ranks) for k, a in enumerate(row)}
+    seen: set[Action] = set()
+    split = split_backwards(program)
+    for first, second in sorted(program.pairs):
+        name = f"{first}&{second}"
+        if first not in where or second not in where:
+            raise ScheduleError(f"fpipe.schedules: the pair {name} names an action the program does not run.")
+        (r1, k1), (r2, k2) = where[first], where[second]
+        if r1 != r2:
+            raise ScheduleError(
+                f"fpipe.schedules: the pair {name} has its halves on two ranks ({first} on rank {r1}, {second} on "
+                f"rank {r2}). A pair runs two actions of one rank together: pair actions of one rank."
+            )
+        if k2 != k1 + 1:
+            raise ScheduleError(
+                f"fpipe.schedules: the pair {name} is not adjacent on rank {r1} (positions {k1} and {k2}). "
+                "Put the second half right after the first."
+            )
+        kinds = {first.kind, second.kind}
+        if FORWARD not in kinds or not kinds & {BACKWARD, BACKWARD_INPUT}:
+            raise ScheduleError(
+                f"fpipe.schedules: the pair {name} must be a forward and a backward (B or I) "
+                f"(kinds: {first.kind}, {second.kind})."
+            )
+        if seen & {first, second}:
+            raise ScheduleError(f"fpipe.schedules: an action of the pair {name} is in another pair too.")
+        seen |= {first, second}
+        if first in dependencies(second, program.num_stages, split):
+            raise ScheduleError(
+                f"fpipe.schedules: the pair {name} would deadlock: {second} needs {first}, which ends only with "
+                "the pair. Pair actions of different microbatches (or stages) that do not need each other."
+            )
 
 
 def validate_actions(program: Program) -> None:
@@ -208,7 +268,7 @@ def forward_only(program: Program) -> Program:
     replayed again all the same (``ticks_of``), so a forward-only program never deadlocks.
     """
     rows = tuple(tuple(a for a in row if a.kind == FORWARD) for row in program.ranks)
-    forwards = Program(rows, program.num_stages, program.num_microbatches)
+    forwards = Program(rows, program.num_stages, program.num_microbatches)  # no backward: no pairs
     ticks_of(forwards)
     return forwards
 
@@ -248,17 +308,25 @@ Times = tuple[tuple[float, ...], ...]
 
 
 def as_soon_as_possible(
-    program: Program, duration: Callable[[int, int, Action], float], send: Callable[[Action], float]
+    program: Program,
+    duration: Callable[[int, int, Action], float],
+    send: Callable[[Action], float],
+    paired: Callable[[int, int, Action, Action, float, float], float] | None = None,
 ) -> tuple[Times, Times]:
     """Starts and ends per rank of ``program`` replayed as soon as possible.
 
     Each rank runs its actions in program order; action ``k`` of rank ``r`` starts when the rank
     is free and every action it depends on has ended (plus ``send(d)`` for a dependency ``d`` on
-    another rank), and lasts ``duration(r, k, action)``. A deadlocked program's rows stop at the
-    first action that can never start (``ticks_of`` reports it; ``validate`` rules it out).
+    another rank), and lasts ``duration(r, k, action)``. An overlapped pair (``program.pairs``)
+    is one unit: it starts when both halves' dependencies have ended and lasts
+    ``paired(r, k, first, second, first's duration, second's)`` (default ``in_sequence``: the
+    sum). A deadlocked program's rows stop at the first action that can never start
+    (``ticks_of`` reports it; ``validate`` rules it out).
     """
+    paired = in_sequence if paired is None else paired
     split = split_backwards(program)
     rank_of = {a.stage: r for r, row in enumerate(program.ranks) for a in row}
+    partner = dict(program.pairs)
     ends: dict[Action, float] = {}
     starts_of: list[list[float]] = [[] for _ in program.ranks]
     ends_of: list[list[float]] = [[] for _ in program.ranks]
@@ -268,16 +336,31 @@ def as_soon_as_possible(
         for r, row in enumerate(program.ranks):
             while len(ends_of[r]) < len(row):
                 k = len(ends_of[r])
-                deps = dependencies(row[k], program.num_stages, split)
+                second = partner.get(row[k]) if k + 1 < len(row) and partner.get(row[k]) == row[k + 1] else None
+                unit = [row[k]] if second is None else [row[k], second]  # a pair is one unit (module docstring)
+                deps = [d for a in unit for d in dependencies(a, program.num_stages, split) if d not in unit]
                 if any(d not in ends for d in deps):
                     break
                 ready = max((ends[d] + (send(d) if rank_of[d.stage] != r else 0.0) for d in deps), default=0.0)
                 start = max(ends_of[r][-1] if k else 0.0, ready)
-                ends[row[k]] = start + duration(r, k, row[k])
-                starts_of[r].append(start)
-                ends_of[r].append(ends[row[k]])
+                if second is None:
+                    ends[row[k]] = start + duration(r, k, row[k])
+                    starts_of[r].append(start)
+                    ends_of[r].append(ends[row[k]])
+                else:  # drawn as two halves of the pair's time; both results exist at its end
+                    first_time, second_time = duration(r, k, row[k]), duration(r, k + 1, second)
+                    end = start + paired(r, k, row[k], second, first_time, second_time)
+                    middle = start + (end - start) * first_time / ((first_time + second_time) or 1.0)
+                    ends[row[k]] = ends[second] = end
+                    starts_of[r] += [start, middle]
+                    ends_of[r] += [middle, end]
                 moved = True
     return tuple(map(tuple, starts_of)), tuple(map(tuple, ends_of))
+
+
+def in_sequence(rank: int, k: int, first: Action, second: Action, first_time: float, second_time: float) -> float:
+    """A pair's duration when nothing of it overlaps: its halves' durations, summed."""
+    return first_time + second_time
 
 
 def execution_order(program: Program) -> tuple[tuple[int, Action], ...]:
@@ -317,6 +400,8 @@ def render(
             cells[t] = (f">{row[k]}<" if (r, k) in marks else str(row[k])).center(width)
         stuck = [f">{row[k]}<" for (mr, k) in sorted(marks) if mr == r and len(ticks[r]) <= k < len(row)]
         lines.append(f"rank {r} | " + " ".join(cells + stuck).rstrip())
+    if program.pairs:
+        lines.append("pairs  | " + " ".join(f"{a}&{b}" for a, b in sorted(program.pairs)))
     return "\n".join(lines)
 
 
@@ -378,4 +463,6 @@ def checksum(program: Program) -> int:
     text = f"{program.num_stages}/{program.num_microbatches}/" + "|".join(
         ",".join(map(str, row)) for row in program.ranks
     )
+    if program.pairs:
+        text += "/" + ",".join(f"{a}&{b}" for a, b in sorted(program.pairs))
     return zlib.crc32(text.encode())

@@ -149,3 +149,35 @@ def test_duplicate_action_is_marked_in_the_grid() -> None:
     assert grid == dedent("""\
         rank 0 | >0F0<  0B0  >0F0<
         rank 1 |  1F0   1B0    .""")
+
+
+@pytest.mark.parametrize(
+    ("rows", "fragment"),
+    [
+        ([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]], None),  # no pairs: fine
+        ([["0F0", "0F1&0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]], None),
+        ([["0F0", "0F1&0B1", "0B0"], ["1F0", "1B0", "1F1", "1B1"]], "would deadlock"),  # 0B1 needs 0F1
+        ([["0F0", "0F1&0B0", "0B1"], ["1F0", "1B0&1F1", "1B1"]], "deadlocks"),  # each waits on the other
+        (
+            [["0F0", "0F1&0F2", "0B0", "0B1", "0B2"], ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2"]],
+            "forward and a backward",
+        ),
+    ],
+)
+def test_pairs_validate(rows, fragment):
+    program = Program.from_lists(rows)
+    if fragment is None:
+        validate(program)
+    else:
+        with pytest.raises(ScheduleError, match=fragment):
+            validate(program)
+
+
+def test_a_pair_across_ranks_or_apart_is_refused():
+    rows = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]
+    base = Program.from_lists(rows)
+    a = lambda text: Action.parse(text)  # noqa: E731
+    for pairs, fragment in (({(a("0F1"), a("1B0"))}, "on two ranks"), ({(a("0F0"), a("0B0"))}, "not adjacent")):
+        program = Program(base.ranks, base.num_stages, base.num_microbatches, frozenset(pairs))
+        with pytest.raises(ScheduleError, match=fragment):
+            validate(program)

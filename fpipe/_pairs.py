@@ -1,0 +1,148 @@
+"""Overlapped pairs: two actions of one rank run interleaved at their communication points, so
+that one's collective is in flight while the other computes (NOTE [overlapped pairs]).
+
+NOTE [overlapped pairs]
+A program may pair two adjacent actions of a rank, a forward and a backward of other microbatches
+(DualPipe's overlapped chunks, Megatron-Core's Combined 1F1B: ``Program.pairs``). The executor
+runs such a pair as two sides on two threads that hold one baton between them: only the side
+that holds it runs, so at any moment one thread computes, exactly as in a sequential run. A side
+lets go of the baton only at a **communication point**: a stage's collective posted and not yet
+waited for (``fpipe.moe``'s dispatch and combine call ``communication_point`` between posting
+their all-to-all and waiting for it, in the forward and in the backward). The timeline of a
+pair whose two stages each have two points (F: dispatch, combine; B: their backwards)::
+
+    side 0 (F of microbatch i)  | attn+route  [a2a out] .......... | experts [a2a out] ...
+    side 1 (B of microbatch j)  | ........... | combine' [a2a out] ........... | experts' ...
+    baton                       | 0           | 1                  | 0         | 1
+
+Why this holds results bitwise: each side runs the same operations in the same order as in a
+sequential run; only the points where the other side's operations interleave change, and no
+operation reads the other side's tensors (the pair's halves are different microbatches, or
+stages, whose inputs were received before). The default generators are the one shared state:
+the baton saves the CPU generator's state when a side lets go and restores it when the side
+resumes, so each side draws the numbers it would draw alone (a stage's draws are seeded from
+(key, stage, microbatch) at its start: NOTE [randomness as data] in fpipe/_random.py). Both
+sides post their collectives in the same order on every rank of a group (the same program, the
+same stages), so the collectives match. A side that raises still lets go (``finish``), so the
+other side runs to its end or fails itself; the pair then raises the first side's error.
+
+Why threads and not a program of chunks: the backward's communication points are inside the
+autograd engine's pass (a ``torch.autograd.Function``'s backward), which cannot be suspended
+and resumed by Python code except by blocking its thread; and a stage stays one function the
+user wrote. On CPU the engine runs a backward on the thread that asked for it, so the points
+inside the backward are seen; on an accelerator its device threads run the backward, which then
+has no points (the pair still runs, correctly, with less overlap). With ``recompute=True`` the
+replayed forward's points are points of the backward's side.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+_LOCAL = threading.local()  # ``side``: (baton, index) of the pair side running on this thread
+
+
+class _Baton:
+    """Which side of a pair runs (NOTE [overlapped pairs]): one at a time, switching at points."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._turn = 0
+        self._done = [False, False]
+        self._states: list[torch.Tensor | None] = [None, None]  # each side's CPU generator state
+        self.points = [0, 0]  # communication points each side reached
+
+    def wait_turn(self, me: int) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._turn == me)
+
+    def switch(self, me: int) -> None:
+        """Let the other side run until its next point or its end, then go on."""
+        with self._changed:
+            self.points[me] += 1
+            if self._done[1 - me]:
+                return
+            self._states[me] = torch.get_rng_state()
+            self._turn = 1 - me
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: self._turn == me)
+            state = self._states[me]
+        if state is not None:
+            torch.set_rng_state(state)
+
+    def finish(self, me: int) -> None:
+        """Side ``me`` ended (or raised): the other runs to its end."""
+        with self._changed:
+            self._done[me] = True
+            self._turn = 1 - me
+            self._changed.notify_all()  # the other side restores its generator as it resumes
+
+
+def communication_point() -> None:
+    """Mark a communication point: a collective has been posted and is about to be waited for.
+
+    Inside a side of an overlapped pair (NOTE [overlapped pairs]) the other side runs until its
+    own next point or its end, while the posted collective is in flight; anywhere else, nothing
+    happens. Call it between posting an asynchronous collective and waiting for it, e.g.::
+
+        out = torch.distributed._functional_collectives.all_to_all_single(x, out_splits, in_splits, group)
+        fpipe.communication_point()
+        out = torch.distributed._functional_collectives.wait_tensor(out)
+
+    ``fpipe.moe.dispatch`` and ``combine`` do, in their forward and their backward.
+    """
+    side = getattr(_LOCAL, "side", None)
+    if side is not None:
+        baton, me = side
+        baton.switch(me)
+
+
+def run_pair(first: Callable[[], None], second: Callable[[], None]) -> tuple[int, int]:
+    """Run ``first`` and ``second`` interleaved at their communication points: ``first`` on this
+    thread until its first point, then ``second`` on a thread of its own until its first point,
+    and so on (NOTE [overlapped pairs]). Returns the points each reached (``(0, 0)``: they ran in
+    sequence).
+
+    Raises:
+        SideFailed: what a side raised (the first side's, if both did), with its index.
+    """
+    baton = _Baton()
+    errors: list[BaseException | None] = [None, None]
+
+    def side(me: int, fn: Callable[[], None]) -> None:
+        _LOCAL.side = (baton, me)
+        try:
+            if me == 1:
+                baton.wait_turn(1)
+            fn()
+        except BaseException as error:  # handed to the caller below
+            errors[me] = error
+        finally:
+            _LOCAL.side = None
+            baton.finish(me)
+
+    grad = torch.is_grad_enabled()
+
+    def second_side() -> None:
+        with torch.set_grad_enabled(grad):  # thread-local: the second side runs as the first would
+            side(1, second)
+
+    thread = threading.Thread(target=second_side, name="fpipe overlapped pair", daemon=True)
+    thread.start()
+    side(0, first)
+    thread.join()
+    for me, error in enumerate(errors):
+        if error is not None:
+            raise SideFailed(me) from error
+    return baton.points[0], baton.points[1]
+
+
+class SideFailed(Exception):
+    """A side of an overlapped pair raised (the error is the ``__cause__``): ``side`` 0 or 1."""
+
+    def __init__(self, side: int) -> None:
+        super().__init__(side)
+        self.side = side

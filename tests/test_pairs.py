@@ -1,0 +1,162 @@
+"""Overlapped pairs (NOTE [overlapped pairs] in fpipe/_pairs.py): two actions of a rank interleaved
+at their stages' communication points, bitwise equal to the same program run in sequence, and to
+the unsplit model within float tolerance."""
+
+from __future__ import annotations
+
+import warnings
+
+import optree
+import pytest
+import torch
+
+import fpipe
+from fpipe._pairs import SideFailed, communication_point, run_pair
+from fpipe.schedules import DualPipeV, OneFOneB, Overlapped, ZeroBubbleH1
+from tests._multiprocess import run_ranks
+from tests.helpers import MOE_EXPERTS, assert_bitwise, moe_batch, moe_loss, moe_params, moe_reference, moe_stages
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_the_sides_alternate_at_their_points_and_each_draws_its_own_numbers():
+    """Side 0 runs to its first point, then side 1 to its first, and so on; a side that ends lets
+    the other run to its end. Each side's draws are those it makes alone."""
+    trace = []
+
+    def side(name, points, seed):
+        def run():
+            torch.manual_seed(seed)
+            for k in range(points + 1):
+                trace.append((name, k, torch.rand(2)))
+                if k < points:
+                    communication_point()
+
+        return run
+
+    assert run_pair(side("a", 2, 1), side("b", 3, 2)) == (2, 3)
+    assert [(n, k) for n, k, _ in trace] == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2), ("b", 3)]
+    for name, points, seed in (("a", 2, 1), ("b", 3, 2)):
+        torch.manual_seed(seed)
+        alone = [torch.rand(2) for _ in range(points + 1)]
+        assert_bitwise([x for n, _, x in trace if n == name], alone, name)
+
+
+def test_a_point_outside_a_pair_does_nothing_and_a_failing_side_lets_the_other_finish():
+    communication_point()
+    done = []
+
+    def fails():
+        communication_point()
+        raise ValueError("side 0 broke")
+
+    def finishes():
+        communication_point()
+        communication_point()
+        done.append(True)
+
+    with pytest.raises(SideFailed) as caught:
+        run_pair(fails, finishes)
+    assert caught.value.side == 0 and isinstance(caught.value.__cause__, ValueError) and done == [True]
+
+
+def test_pairs_of_stages_without_points_run_in_sequence_in_one_process():
+    """In one process no stage communicates: an overlapped schedule runs its actions in sequence,
+    bitwise equal to the schedule without pairs, and does not warn."""
+    full = moe_params()
+    fns, per = moe_stages(2, True)
+    results = []
+    for schedule in (OneFOneB(4), Overlapped(OneFOneB(4))):
+        step = fpipe.pipeline(moe_loss, fns, schedule, has_aux=True)
+        results.append(step([full[:per], full[per:]], moe_batch()))
+    assert_bitwise(results[1], results[0])
+
+
+def _local_copy(t):
+    return (t.to_local() if hasattr(t, "to_local") else t).clone()
+
+
+def _overlapped_ranks(rank, world, dims, shape, cases, recompute, dropout, strict=True):
+    """For each ``(schedule, num_stages)`` of ``cases``: the step's loss and this rank's gradients
+    (expert pieces local) without and with pairs; with ``strict``, warnings are errors (a pair
+    that ran in sequence)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if strict:
+        warnings.simplefilter("error")
+    torch.set_default_dtype(torch.float64)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    ep = mesh.get_coordinate()[dims.index("ep")] if "ep" in dims else 0
+    out = []
+    for schedule, num_stages in cases:
+        fns, per = moe_stages(num_stages, True, dropout)
+        got = []
+        for s in (schedule, Overlapped(schedule)):
+            step = fpipe.pipeline(
+                moe_loss,
+                fns,
+                s,
+                has_aux=True,
+                recompute=recompute,
+                parallel=fpipe.Parallelism(mesh=mesh, timeout=60),
+            )
+            full = moe_params()
+            if "ep" in dims:
+                full = [fpipe.moe.distribute_experts(p, mesh["ep"]) for p in full]
+            ps = [full[i * per : (i + 1) * per] if i in step.local_stages else None for i in range(num_stages)]
+            (loss, counts), grads = step(ps, moe_batch(ep) if 0 in step.local_stages else None, key=7)
+            local = [optree.tree_map(_local_copy, grads[i]) for i in step.local_stages]
+            got.append((loss.clone(), counts.clone(), local, bool(step.program.pairs)))
+        out.append((str(schedule), ep, got))
+    return out
+
+
+@pytest.mark.parametrize(("recompute", "dropout"), [(False, 0.0), (True, 0.25)], ids=["plain", "recompute-dropout"])
+def test_overlapped_pairs_on_pp_times_ep_are_bitwise_the_sequential_program(recompute, dropout):
+    """pp 2 x ep 2 on 4 gloo ranks: 1F1B (Combined 1F1B), ZB-H1 (pairs with I) and DualPipeV, each
+    with and without pairs: loss, counts and every gradient bitwise equal; without dropout, equal
+    to the unsplit model too."""
+    cases = [(OneFOneB(4), 2), (ZeroBubbleH1(4), 2), (DualPipeV(4), 4)]
+    results = run_ranks(4, _overlapped_ranks, ("pp", "ep"), (2, 2), cases, recompute, dropout, timeout=200)
+    loss, _, _ = moe_reference(moe_params(), 2, True)
+    for per_rank in results:
+        for name, ep, ((a_loss, a_counts, a_grads, _), (b_loss, b_counts, b_grads, paired)) in per_rank:
+            assert paired, name
+            assert_bitwise((b_loss, b_counts, b_grads), (a_loss, a_counts, a_grads), f"{name}, ep {ep}")
+            if not dropout:
+                torch.testing.assert_close(b_loss, loss, rtol=1e-12, atol=0)
+
+
+def test_experts_only_pairs_on_one_pipeline_rank():
+    """pp 1 x ep 2 (both stages on one rank, looped 1F1B): Combined 1F1B with experts only."""
+    results = run_ranks(2, _overlapped_ranks, ("pp", "ep"), (1, 2), [(OneFOneB(4), 2)], False, 0.0, timeout=120)
+    loss, grads, _ = moe_reference(moe_params(), 2, True)
+    for per_rank in results:
+        for name, ep, ((a_loss, _, a_grads, _), (b_loss, _, b_grads, paired)) in per_rank:
+            assert paired
+            assert_bitwise((b_loss, b_grads), (a_loss, a_grads), f"{name}, ep {ep}")
+            torch.testing.assert_close(b_loss, loss, rtol=1e-12, atol=0)
+            block = slice(ep * MOE_EXPERTS // 2, (ep + 1) * MOE_EXPERTS // 2)
+            flat = [g for stage in b_grads for g in stage]
+            for got, want in zip(flat, grads):
+                want = {k: (v[block] if k in ("w1", "w2", "w3") else v) for k, v in want.items()}
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_pairs_without_points_on_a_pipeline_alone_run_in_sequence_and_say_so():
+    """pp 2 without experts: the stages have no communication points, so the pairs run in
+    sequence, bitwise as without pairs, and the step warns that nothing could overlap."""
+    results = run_ranks(2, _recorded, timeout=120)
+    for per_rank, _ in results:
+        for name, _, ((a_loss, _, a_grads, _), (b_loss, _, b_grads, paired)) in per_rank:
+            assert paired
+            assert_bitwise((b_loss, b_grads), (a_loss, a_grads), name)
+    said = [m for _, messages in results for m in messages]  # by rank 0, which holds the pairs
+    assert any("ran in sequence: its stages have no communication points" in m for m in said), said
+
+
+def _recorded(rank, world):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _overlapped_ranks(rank, world, ("pp",), (2,), [(OneFOneB(4), 2)], False, 0.0, strict=False)
+    return got, [str(w.message) for w in caught]
