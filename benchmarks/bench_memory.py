@@ -5,15 +5,16 @@ Run::
     python benchmarks/bench_memory.py              # 8 microbatches of 128 KiB activations, under a minute
     python benchmarks/bench_memory.py --quick      # tiny sizes, a few seconds (used by the tests)
     python benchmarks/bench_memory.py --actions    # also every action's figures, rank by rank
+    python benchmarks/bench_memory.py --schedules GPipe 1F1B  # GPipe only when asked
     python benchmarks/bench_memory.py --json out.json
 
 The model: residual MLP stages (``h + tanh(h W1 + b1) W2``, float32, ``_common``), 2 stages for
-1F1B and 4 (2 per rank) for interleaved 1F1B and ZB-V, run three ways:
+GPipe and 1F1B and 4 (2 per rank) for interleaved 1F1B and ZB-V, run three ways:
 
   - fpipe on 2 gloo processes (127.0.0.1, one torch thread each, ``Parallelism(group=WORLD)``);
   - fpipe in one process, every stage in it (``fpipe.pipeline`` without ``parallel=``);
   - ``torch.distributed.pipelining`` on the same 2 processes: ``PipelineStage``s of ``nn.Module``
-    stages holding the same parameter values, run by ``Schedule1F1B``,
+    stages holding the same parameter values, run by ``ScheduleGPipe``, ``Schedule1F1B``,
     ``ScheduleInterleaved1F1B`` or ``ScheduleZBVZeroBubble`` with the same placement.
 
 Each side is measured over a window that builds it and runs two steps (the previous step's grads
@@ -28,9 +29,10 @@ receive). In one process a rank's bytes are those of allocations made inside its
 actions and still live: a stage's input there is the previous stage's output, not a copy, so it is
 counted once, on the producing rank. "Of which sends" (``sent``) is what fpipe's transport still
 holds of the rank's sends at the start of the action (``DistributedTransport.held``: sends not
-yet known to have completed, NOTE [sends released] in fpipe/_distributed/_transport.py): part
-of the rank's bytes, not more (a large leaf is sent from its own storage, which the stage's
-pullback may hold too).
+yet let go, NOTE [sends released] in fpipe/_distributed/_transport.py): part of the rank's
+bytes, not more (a large leaf is sent from its own storage, which the stage's pullback may hold
+too). The profiler misses frees made on the transport's sends thread, so the script keeps what
+that thread waits for and frees it at the next action's start, once the thread has let it go.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fpipe
-from fpipe.schedules import Interleaved1F1B, OneFOneB, Schedule, ZeroBubbleV
+from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB, Schedule, ZeroBubbleV
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # the command line, JSON output and models the benchmarks share
@@ -58,6 +60,7 @@ import bench_vs_torch  # its run_ranks: one gloo process per rank
 WORLD = 2
 # name -> (fpipe's schedule, stages, torch's schedule class name, the stages rank r holds)
 SCHEDULES: dict[str, tuple[Callable[[int], Schedule], int, str, Callable[[int], list[int]]]] = {
+    "GPipe": (GPipe, 2, "ScheduleGPipe", lambda r: [r]),
     "1F1B": (OneFOneB, 2, "Schedule1F1B", lambda r: [r]),
     "interleaved": (Interleaved1F1B, 4, "ScheduleInterleaved1F1B", lambda r: [r, r + 2]),
     "ZB-V": (ZeroBubbleV, 4, "ScheduleZBVZeroBubble", lambda r: [r, 3 - r]),
@@ -176,6 +179,7 @@ def held(
 def run_fpipe(schedule: Schedule, num_stages: int, opts: dict[str, Any], rank: int | None) -> dict[str, Any]:
     """fpipe's window on this rank (``None``: in one process, every stage here)."""
     from fpipe import _executor
+    from fpipe._distributed import _transport
 
     params = make_params(num_stages, opts)
     batch = make_batch(opts)
@@ -188,17 +192,22 @@ def run_fpipe(schedule: Schedule, num_stages: int, opts: dict[str, Any], rank: i
             _common.mse_loss, stage_fns(num_stages), schedule, parallel=fpipe.Parallelism(group=group)
         )
         mine = [p if rank is None or s in step.local_stages else None for s, p in enumerate(params)]
-        state["loss"], state["grads"] = step(mine, batch)
-        del state["grads"]
-        handlers = dict(_executor._HANDLERS)
-        if rank is not None:  # what the transport holds of this rank's sends, at each action
-            for kind, handler in handlers.items():
-                _executor._HANDLERS[kind] = _recording(handler, sent)
+        handlers, put = dict(_executor._HANDLERS), _transport._Waiter.put
+        kept: list[tuple[Any, torch.Tensor]] = []
+        if rank is not None:
+            _transport._Waiter.put = _keeping(put, kept)  # type: ignore[method-assign]
         try:
+            state["loss"], state["grads"] = step(mine, batch)
+            del state["grads"]
+            kept.clear()  # (the step's sends thread has let every one go)
+            if rank is not None:  # what the transport holds of this rank's sends, at each action
+                for kind, handler in handlers.items():
+                    _executor._HANDLERS[kind] = _recording(handler, sent, kept)
             with torch.profiler.record_function(_STEP):
                 state["loss"], state["grads"] = step(mine, batch)
         finally:
             _executor._HANDLERS.update(handlers)
+            _transport._Waiter.put = put  # type: ignore[method-assign]
 
     if rank is not None:
         dist.barrier()
@@ -217,12 +226,32 @@ def run_fpipe(schedule: Schedule, num_stages: int, opts: dict[str, Any], rank: i
     return result
 
 
-def _recording(handler: Callable[[Any, Any], None], sent: list[tuple[str, int]]) -> Callable[[Any, Any], None]:
+def _recording(
+    handler: Callable[[Any, Any], None], sent: list[tuple[str, int]], kept: list[tuple[Any, torch.Tensor]]
+) -> Callable[[Any, Any], None]:
     def recorded(executor: Any, action: Any) -> None:
         sent.append((str(action), executor.transport.held()))
+        kept[:] = [(waiter, t) for waiter, t in kept if _waits_for(waiter, t)]  # (freed here: ``_keeping``)
         handler(executor, action)
 
     return recorded
+
+
+def _keeping(put: Callable[..., None], kept: list[tuple[Any, torch.Tensor]]) -> Callable[..., None]:
+    """``_Waiter.put``, keeping each tensor until the next action's start once the sends thread let
+    it go: a free on that thread is missing from the profiler's events (it reports memory per
+    thread), so the tensor is freed on the step's thread instead, before the action is read."""
+
+    def keeping(waiter: Any, work: Any, tensor: torch.Tensor, *args: Any) -> None:
+        kept.append((waiter, tensor))
+        put(waiter, work, tensor, *args)
+
+    return keeping
+
+
+def _waits_for(waiter: Any, tensor: torch.Tensor) -> bool:
+    with waiter._changed:
+        return any(t is tensor for _, t, _, _ in waiter._queue)
 
 
 def run_torch(name: str, opts: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -344,7 +373,7 @@ def combine(ranks: list[dict[str, Any]], local: dict[str, Any], opts: dict[str, 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = _common.parser(__doc__)
     parser.add_argument("--actions", action="store_true", help="also print every action's figures")
-    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
+    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=["1F1B", "interleaved", "ZB-V"])
     args = parser.parse_args(argv)
     if args.quick:  # 64 KiB activations: they still travel from their own storage
         opts: dict[str, Any] = {"dim": 64, "hidden": 64, "rows": 256, "microbatches": 4}

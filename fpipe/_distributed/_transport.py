@@ -131,11 +131,12 @@ def confirmed(read_at: Sequence[int], sent_at: Sequence[int]) -> list[int]:
 # 2. On gloo, the sends that no later message confirms (``_Peer.unconfirmed`` on: GPipe's last
 #    rank's cotangents, 1F1B's last two, the result) go to a thread of the step's (``_Waiter``),
 #    which waits for them oldest first and lets go of each as its wait returns. Its waits have no
-#    timeout of their own (a gloo wait that times out closes the group's pairs, which would race
-#    the step's own waits to name the failure): the step bounds them. ``close`` joins it after
-#    the closing all-gather, when every peer has read every message; ``abort`` at once, aborting
-#    the pipeline group on this rank if sends are left (the failed step broke it: no rank reads
-#    them); a failed wait is raised by the next such send or ``close``. No wait outlives the step.
+#    timeout but the group's (a gloo wait that times out closes the group's pairs, which would
+#    race the step's own waits to name the failure): the step's waits bound them. ``close``
+#    joins it after the closing all-gather, when every peer has read every message; ``abort`` at
+#    once, aborting the pipeline group on this rank if sends are left (the failed step broke it:
+#    no rank reads them); a failed wait is raised by the next such send or ``close``, as the
+#    step's own wait would be. No wait outlives the step.
 # What a rank holds as a result: notes/wire.md, "What a rank holds, and for how long".
 
 
