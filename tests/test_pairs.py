@@ -4,6 +4,9 @@ the unsplit model within float tolerance."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 import warnings
 
 import optree
@@ -14,6 +17,7 @@ import fpipe
 from fpipe._pairs import SideFailed, communication_point, run_pair
 from fpipe.schedules import DualPipeV, OneFOneB, Overlapped, ZeroBubbleH1
 from tests._multiprocess import run_ranks
+from tests.distributed._faults import SLACK
 from tests.helpers import MOE_EXPERTS, assert_bitwise, moe_batch, moe_loss, moe_params, moe_reference, moe_stages
 
 pytestmark = pytest.mark.timeout(240)
@@ -160,3 +164,50 @@ def _recorded(rank, world):
         warnings.simplefilter("always")
         got = _overlapped_ranks(rank, world, ("pp",), (2,), [(OneFOneB(4), 2)], False, 0.0, strict=False)
     return got, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize(("sig", "timeout"), [(signal.SIGKILL, None), (signal.SIGSTOP, 4)], ids=["killed", "frozen"])
+def test_a_rank_lost_while_a_pair_is_in_flight_fails_every_survivor_fast(sig, timeout):
+    """pp 2 x ep 2, Combined 1F1B: global rank 1 (pp 0, ep 1) dies or freezes in the forward half
+    of its pair ``0F2&0B1``, after that half's first all-to-alls (the backward half is then
+    paused mid-backward); every survivor raises fpipe's error naming it, nothing hangs."""
+    results = run_ranks(4, _lost_in_a_pair, sig, timeout, timeout=90, may_die=frozenset({1}))
+    limit = SLACK if timeout is None else timeout + SLACK
+    for rank, result in enumerate(results):
+        if rank == 1:
+            continue
+        seconds, kind, message = result
+        assert seconds < limit, (rank, seconds, message)
+        words = "died" if sig == signal.SIGKILL else "stopped answering"
+        assert f"rank 1 (pp 0, ep 1) {words}" in message, (rank, kind, message)
+
+
+def _lost_in_a_pair(rank, world, sig, timeout):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_default_dtype(torch.float64)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    fns, per = moe_stages(2, True)
+    armed = [False]
+
+    def first(p, x):  # stage 0: the victim stops before its second layer of microbatch 2
+        if armed[0] and rank == 1 and fpipe.stage_info().microbatch == 2:
+            act = fns[0](p[:1], x)
+            os.kill(os.getpid(), sig)
+            return fns[1](p[1:], act)
+        return fns[0](p, x)
+
+    options = {} if timeout is None else {"timeout": timeout}
+    parallel = fpipe.Parallelism(mesh=mesh, **options)
+    step = fpipe.pipeline(moe_loss, [first, fns[1]], Overlapped(OneFOneB(4)), has_aux=True, parallel=parallel)
+    full = [fpipe.moe.distribute_experts(p, mesh["ep"]) for p in moe_params()]
+    ps = [full[s * per : (s + 1) * per] if s in step.local_stages else None for s in range(2)]
+    b = moe_batch(mesh.get_coordinate()[1]) if step.rank == 0 else None
+    step(ps, b)
+    armed[0] = True
+    start = time.monotonic()
+    try:
+        step(ps, b)
+    except fpipe.PipelineError as error:
+        return time.monotonic() - start, type(error).__name__, str(error)
+    return time.monotonic() - start, "no error", ""
