@@ -1,10 +1,19 @@
-"""Eager vs ``torch.compile``'d stages under fpipe, after warm-up, with the same gradients.
+"""Eager vs ``torch.compile``'d stages vs the compiled whole step under fpipe, with the same gradients.
 
 Run::
 
     python benchmarks/bench_compile.py            # inductor, dim 256, 4 stages x 8 microbatches
     python benchmarks/bench_compile.py --quick    # aot_eager backend, tiny (the tests)
     python benchmarks/bench_compile.py --json out.json
+    python benchmarks/bench_compile.py --whole-step-only   # the second part alone
+
+The second part times ``pipeline(..., compile=True)`` (the whole step of the process traced into
+one graph, NOTE [the compiled step] in fpipe/_compile.py) in the per-call-overhead regime: 4
+residual MLP stages ``h + tanh(h W1 + b1) W2`` of width 64, a batch of 64 rows in 8
+microbatches, float32, against fpipe's eager step (GPipe, 1F1B, ZB-H1), the eager step with
+compiled stages (1F1B) and the unsplit model (eager autograd, and forward and gradient compiled
+in one graph); every row A/B interleaved (one step of each, repeated), medians of CPU time, the
+first call's seconds (the compile) reported, grads checked against the eager step (rtol 1e-4).
 
 Each stage is two residual SwiGLU blocks written as a pure function; the compiled pipeline
 passes ``torch.compile(stage)`` as its stage functions (forward and backward both compiled by
@@ -16,6 +25,7 @@ a compiled region (its ``I`` then does the whole backward, see NOTE [split backw
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -26,7 +36,7 @@ from typing import Any
 import torch
 
 import fpipe
-from fpipe.schedules import OneFOneB, ZeroBubbleH1
+from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # the command line, JSON output and models the benchmarks share
@@ -45,8 +55,18 @@ def timed(step: Callable[..., Any], *args: Any) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = _common.parser(__doc__).parse_args(argv)
-    dim, batch, seq, repeats, backend = (16, 8, 4, 2, "aot_eager") if args.quick else (256, 32, 64, 7, "inductor")
+    parser = _common.parser(__doc__, repeats="rounds of the whole-step comparison (default 41, quick 3)")
+    parser.add_argument("--whole-step-only", action="store_true", help="only the compiled whole step's comparison")
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {} if args.whole_step_only else compiled_stages(args.quick)
+    results["whole_step"] = whole_step(args.quick, args.repeats)
+    _common.write_json(args.json, results)
+    return results
+
+
+def compiled_stages(quick: bool) -> dict[str, Any]:
+    """Eager against ``torch.compile``'d stages (the first part)."""
+    dim, batch, seq, repeats, backend = (16, 8, 4, 2, "aot_eager") if quick else (256, 32, 64, 7, "inductor")
     torch.manual_seed(0)
     params = _common.swiglu_params(4, 2, dim)
     results: dict[str, Any] = {"config": {"dim": dim, "batch": batch, "seq": seq, "backend": backend}}
@@ -84,7 +104,83 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"{name:>14}: eager {r['eager_ms']:8.1f} ms  compiled {r['compiled_ms']:8.1f} ms  "
             f"ratio {r['ratio']:.3f}  first compile {compile_seconds:.1f} s  graphs {graphs}"
         )
-    _common.write_json(args.json, results)
+    return results
+
+
+def whole_step(quick: bool, repeats: int | None) -> dict[str, Any]:
+    """The compiled whole step against eager steps, compiled stages and the unsplit model (the second part)."""
+    width, rows, stages, microbatches = (8, 8, 2, 2) if quick else (64, 64, 4, 8)
+    backend = "aot_eager" if quick else "inductor"
+    repeats = repeats or (3 if quick else 41)
+    torch.manual_seed(0)
+    params = _common.mlp_params(stages, width, width)
+    batch = {"x": torch.randn(rows, width), "y": torch.randn(rows, width)}
+    fns = [_common.mlp_first] + [_common.mlp_block] * (stages - 1)
+    schedules = {"GPipe": GPipe(microbatches), "1F1B": OneFOneB(microbatches), "ZB-H1": ZeroBubbleH1(microbatches)}
+    torch._dynamo.reset()
+    steps: dict[str, Callable[[], Any]] = {}
+    first_call_s: dict[str, float] = {}
+    reference = {}
+    for name, schedule in schedules.items():
+        eager = fpipe.pipeline(_common.mse_loss, fns, schedule)
+        compiled = fpipe.pipeline(_common.mse_loss, fns, schedule, compile=backend)
+        reference[name] = eager(params, batch)
+        start = time.perf_counter()
+        got = compiled(params, batch)  # compiles
+        first_call_s[f"whole step {name}"] = time.perf_counter() - start
+        torch.testing.assert_close(got, reference[name], rtol=1e-4, atol=1e-6)
+        steps[f"eager {name}"] = functools.partial(eager, params, batch)
+        steps[f"whole step {name}"] = functools.partial(compiled, params, batch)
+    stage_fns = [torch.compile(fn, backend=backend) for fn in (_common.mlp_first, _common.mlp_block)]
+    staged = fpipe.pipeline(_common.mse_loss, stage_fns[:1] + stage_fns[1:] * (stages - 1), OneFOneB(microbatches))
+    start = time.perf_counter()
+    torch.testing.assert_close(staged(params, batch), reference["1F1B"], rtol=1e-4, atol=1e-6)
+    first_call_s["compiled stages 1F1B"] = time.perf_counter() - start
+    steps["compiled stages 1F1B"] = functools.partial(staged, params, batch)
+
+    def unsplit(params: list[dict[str, torch.Tensor]], batch: dict[str, torch.Tensor]) -> Any:
+        leaves = [{k: v.detach().requires_grad_() for k, v in p.items()} for p in params]
+        h: Any = batch
+        for fn, p in zip(fns, leaves):
+            h = fn(p, h)
+        loss = _common.mse_loss(h, batch)
+        return loss.detach(), torch.autograd.grad(loss, [t for p in leaves for t in p.values()])
+
+    compiled_unsplit = torch.compile(unsplit, backend=backend, fullgraph=True)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        start = time.perf_counter()
+        compiled_unsplit(params, batch)
+        first_call_s["unsplit compiled"] = time.perf_counter() - start
+    steps["unsplit eager"] = functools.partial(unsplit, params, batch)
+    steps["unsplit compiled"] = functools.partial(compiled_unsplit, params, batch)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        for step in steps.values():  # warm-up
+            step()
+        for _ in range(repeats):  # A/B interleaved: one step of each, repeated
+            for name, step in steps.items():
+                start = time.process_time()
+                step()
+                times[name].append(time.process_time() - start)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    actions = 2 * stages * microbatches
+    results: dict[str, Any] = {
+        "config": {"width": width, "rows": rows, "stages": stages, "microbatches": microbatches, "backend": backend},
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "cpu_ms": ms,
+        "first_call_s": first_call_s,
+        "eager_over_whole_step": {name: ms[f"eager {name}"] / ms[f"whole step {name}"] for name in schedules},
+        "whole_step_over_unsplit_compiled": ms["whole step 1F1B"] / ms["unsplit compiled"],
+        "us_per_action_over_unsplit_compiled": (ms["whole step 1F1B"] - ms["unsplit compiled"]) * 1e3 / actions,
+        "grads_match": True,
+    }
+    for name, value in ms.items():
+        print(
+            f"{name:>22}: {value:8.3f} ms CPU"
+            + (f"   first call {first_call_s[name]:6.1f} s" if name in first_call_s else "")
+        )
+    print("eager / whole step:", {k: round(v, 2) for k, v in results["eager_over_whole_step"].items()})
     return results
 
 

@@ -534,8 +534,9 @@ class Step:
             f"{plural(p.num_ranks, 'rank')}>"
         )
 
-    # The step is an interpreter of Python data (programs, pytrees, autograd calls): dynamo gains
-    # nothing tracing it, so torch.compile(step) runs it eagerly; compile the stages instead.
+    # The step is an interpreter of Python data (programs, pytrees, autograd calls) with an eager
+    # prologue: torch.compile(step) runs it as it is, and pipeline(..., compile=) compiles its
+    # whole program (NOTE [the compiled step] in fpipe/_compile.py).
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def __call__(
         self, params: Sequence[PyTree], batch: PyTree, /, *, key: int | None = None
@@ -551,7 +552,8 @@ class Step:
 
         Stage functions may be ``torch.compile``'d (forward and backward run compiled, and
         dynamic shapes avoid recompiling when the sequence length changes); ``torch.compile``
-        of the step itself runs the step eagerly.
+        of the step itself runs the step as it is: eagerly, or its compiled program when built
+        with ``pipeline(..., compile=...)``.
 
         Raises:
             TypeError, ValueError: if ``params`` is not one pytree per stage, a parameter of a

@@ -252,3 +252,15 @@ def test_compiled_step_with_a_precision_policy(precision: fpipe.Precision) -> No
         x = torch.randn(6, 16, dtype=torch.float32)
         assert_bitwise(compiled(p, x), eager(p, x))
         assert (compiled.loss_scale, compiled.last_skipped) == (eager.loss_scale, eager.last_skipped)
+
+
+def test_torch_compile_of_a_compiled_step_runs_its_core() -> None:
+    """``torch.compile(step)`` runs the step's own prologue eagerly and its compiled core;
+    ``evaluate`` stays eager (forwards only, nothing to fuse with a backward)."""
+    counter = CompileCounter()
+    step = fpipe.pipeline(loss_fn, [block] * 2, OneFOneB(2), compile=counter)
+    eager = fpipe.pipeline(loss_fn, [block] * 2, OneFOneB(2))
+    p, x = params(2), torch.randn(4, 16)
+    assert_bitwise(torch.compile(step, backend="aot_eager")(p, x), eager(p, x))
+    assert counter.frame_count == 1
+    assert_bitwise(step.evaluate(p, x), eager.evaluate(p, x))
