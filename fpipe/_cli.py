@@ -138,8 +138,8 @@ def _parser(plan_defaults: dict[str, object] | None = None) -> argparse.Argument
         "plan",
         help="predict every schedule's step time, bubble and peak memory",
         description="Predict each schedule's step time, bubble and peak memory per rank, each with its fastest "
-        "split of the layers, from measured costs (--costs) or a transformer (--layers ...) on a device "
-        "(--tflops ...). "
+        "split of the layers, from measured costs (--costs) or a transformer (--layers ..., with experts: "
+        "--experts ...) on a device (--tflops ...), or a published one (--preset). "
         "The cost model: NOTE [planner cost model] in fpipe/planning/_cost_model.py.",
     )
     plan.add_argument("--ranks", type=_positive_int, required=True, help="pipeline ranks")
@@ -311,7 +311,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         print(f"python -m fpipe plan: {problem}.", file=sys.stderr)
         return 2
     try:
-        found = plan(  # Experts and Device check themselves here: a ValueError
+        found = plan(  # the experts are checked here (Experts, and against the device's ep): a ValueError
             args.ranks,
             args.microbatches,
             costs=args.costs,
