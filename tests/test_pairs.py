@@ -16,7 +16,9 @@ import torch
 import fpipe
 from fpipe._pairs import SideFailed, communication_point, run_pair
 from fpipe.schedules import DualPipeV, OneFOneB, Overlapped, ZeroBubbleH1
+from fpipe.schedules._registry import BUILTINS
 from tests._multiprocess import run_ranks
+from tests.conformance import built
 from tests.distributed._faults import SLACK
 from tests.helpers import MOE_EXPERTS, assert_bitwise, moe_batch, moe_loss, moe_params, moe_reference, moe_stages
 
@@ -115,20 +117,16 @@ def _overlapped_ranks(rank, world, dims, shape, cases, recompute, dropout, stric
     return out
 
 
-@pytest.mark.parametrize(("recompute", "dropout"), [(False, 0.0), (True, 0.25)], ids=["plain", "recompute-dropout"])
-def test_overlapped_pairs_on_pp_times_ep_are_bitwise_the_sequential_program(recompute, dropout):
-    """pp 2 x ep 2 on 4 gloo ranks: 1F1B (Combined 1F1B), ZB-H1 (pairs with I) and DualPipeV, each
-    with and without pairs: loss, counts and every gradient bitwise equal; without dropout, equal
-    to the unsplit model too."""
+def test_overlapped_pairs_with_recompute_and_dropout_are_bitwise_the_sequential_program():
+    """pp 2 x ep 2 on 4 gloo ranks, ``recompute=True`` and dropout: 1F1B (Combined 1F1B), ZB-H1
+    (pairs with I) and DualPipeV, each with and without pairs: loss, counts and every gradient
+    bitwise equal (the same key: the same draws)."""
     cases = [(OneFOneB(4), 2), (ZeroBubbleH1(4), 2), (DualPipeV(4), 4)]
-    results = run_ranks(4, _overlapped_ranks, ("pp", "ep"), (2, 2), cases, recompute, dropout, timeout=200)
-    loss, _, _ = moe_reference(moe_params(), 2, True)
+    results = run_ranks(4, _overlapped_ranks, ("pp", "ep"), (2, 2), cases, True, 0.25, timeout=200)
     for per_rank in results:
         for name, ep, ((a_loss, a_counts, a_grads, _), (b_loss, b_counts, b_grads, paired)) in per_rank:
             assert paired, name
             assert_bitwise((b_loss, b_counts, b_grads), (a_loss, a_counts, a_grads), f"{name}, ep {ep}")
-            if not dropout:
-                torch.testing.assert_close(b_loss, loss, rtol=1e-12, atol=0)
 
 
 def test_experts_only_pairs_on_one_pipeline_rank():
@@ -211,3 +209,16 @@ def _lost_in_a_pair(rank, world, sig, timeout):
     except fpipe.PipelineError as error:
         return time.monotonic() - start, type(error).__name__, str(error)
     return time.monotonic() - start, "no error", ""
+
+
+def test_every_built_in_schedule_overlapped_on_pp_times_ep_is_bitwise_its_sequential_program():
+    """Every built-in of the registry at its own stages per rank (2 or 4 stages), pp 2 x ep 2:
+    with its pairs (``Overlapped``), bitwise the same program without them, and the loss equal to
+    the unsplit model's."""
+    cases = [(built(b)(2 * b.stages_per_rank, 4), 2 * b.stages_per_rank) for b in BUILTINS]
+    results = run_ranks(4, _overlapped_ranks, ("pp", "ep"), (2, 2), cases, False, 0.0, timeout=300)
+    loss, _, _ = moe_reference(moe_params(), 2, True)
+    for per_rank in results:
+        for name, ep, ((a_loss, a_counts, a_grads, _), (b_loss, b_counts, b_grads, _)) in per_rank:
+            assert_bitwise((b_loss, b_counts, b_grads), (a_loss, a_counts, a_grads), f"{name}, ep {ep}")
+            torch.testing.assert_close(b_loss, loss, rtol=1e-12, atol=0)
