@@ -226,9 +226,9 @@ class _Waiter:
         with self._changed:
             self._queue.append((work, tensor, what, peer))
             self._changed.notify()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="fpipe-sends", daemon=True)
-            self._thread.start()
+            if self._thread is None:  # (under the lock: an overlapped pair's halves both send)
+                self._thread = threading.Thread(target=self._loop, name="fpipe-sends", daemon=True)
+                self._thread.start()
 
     def held(self) -> int:
         """Bytes of the sends not yet completed."""
