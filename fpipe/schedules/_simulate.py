@@ -47,6 +47,26 @@ NOTE [per-action overhead]
     and the bubble counts that time as time the rank does not compute, as a measured timeline
     does. ``fpipe.planning.fit_costs`` reads both back off a measured timeline (NOTE [fitting the
     overhead] in ``fpipe/planning/_fit.py``).
+
+NOTE [overlapped time]
+    An overlapped pair (``Program.pairs``, NOTE [overlapped pairs] in fpipe/_pairs.py) lasts what
+    the runtime's baton gives when each half of duration ``d`` (charged: NOTE [per-action
+    overhead]) is ``n = Costs.communication_points`` rounds of compute ``(d - c) / n`` (1) then
+    a collective ``c / n`` (2), ``c = Costs.communication``; the side switches at each point, and
+    resumes once its collective has ended (3); collectives run one at a time (one network)::
+
+        compute    | F (1) | B (1)          | F (1) | B (1)          |.....|
+        network    |       | F (2) |        | B (2)      | F (2) |   | B (2) |
+                   0 first compute, hidden by nothing      the last collective, hidden by nothing
+
+    So a pair lasts at least its longer resource, compute ``sum(d - c)`` or network ``sum(c)``,
+    plus what cannot hide: the first side's first compute, before any collective is in flight,
+    and the last collective, after every compute (more where one side's collective outlasts
+    the other's compute: ``overlapped`` replays it exactly). As the points grow it tends to
+    ``max(sum(d - c), sum(c))``: DualPipe's claim (arXiv:2412.19437, section 3.2.1) that at a
+    1:1 ratio all-to-alls hide fully, which its hand-placed chunks (layer boundaries not aligned,
+    SMs split between compute and communication) approach and this model does not assume: no
+    compute slows down while a collective runs. Halves without communication last their sum.
 """
 
 from __future__ import annotations
@@ -86,6 +106,13 @@ class Costs:
             ``of`` does not include it.
         receive: what an action of the stage that takes a message from another rank costs its
             rank on top of ``overhead``, once the message is there (NOTE [per-action overhead]).
+        communication: the part of each ``F``'s and each ``B``'s or ``I``'s duration spent in
+            the stage's own collectives (the expert all-to-alls; ``W`` has none): what an
+            overlapped pair can hide behind its other half's compute (NOTE [overlapped time]).
+            It changes nothing for actions that are not paired.
+        communication_points: how many collectives each ``F`` and each ``B`` or ``I`` of the
+            stage posts and waits for (``fpipe.communication_point``; a MoE layer's dispatch and
+            combine are 2): the rounds ``communication`` is split into.
     """
 
     forward: float = 1.0
@@ -95,18 +122,46 @@ class Costs:
     send: float = 0.0
     overhead: float = 0.0
     receive: float = 0.0
+    communication: float = 0.0
+    communication_points: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward_input", "backward_weight", "backward", "send", "overhead", "receive"):
+        for name in (
+            "forward",
+            "backward_input",
+            "backward_weight",
+            "backward",
+            "send",
+            "overhead",
+            "receive",
+            "communication",
+        ):
             value = getattr(self, name)
             if value is None and name == "backward":
                 continue
-            positive = name not in ("send", "overhead", "receive")
+            positive = name not in ("send", "overhead", "receive", "communication")
             number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not number or value < 0 or (positive and value == 0):
                 raise ScheduleError(
                     f"fpipe.schedules.Costs: {name} must be a finite {'positive' if positive else 'non-negative'} "
                     f"number ({name}: {value!r})."
+                )
+        points = self.communication_points
+        if not isinstance(points, int) or isinstance(points, bool) or points < 1:
+            raise ScheduleError(
+                f"fpipe.schedules.Costs: communication_points must be an int of at least 1 "
+                f"(communication_points: {points!r})."
+            )
+        for name, duration in (
+            ("forward", self.forward),
+            ("backward_input", self.backward_input),
+            ("backward", self.of(BACKWARD)),
+        ):
+            if self.communication > duration:
+                raise ScheduleError(
+                    f"fpipe.schedules.Costs: communication is the part of each F and each B or I spent in "
+                    f"collectives, so it cannot exceed {name} (communication: {self.communication!r}, {name}: "
+                    f"{duration!r}). Lower communication, or give {name} its collectives' time too."
                 )
 
     def of(self, kind: str) -> float:
@@ -134,7 +189,33 @@ def charged(costs: Costs, receives: tuple[bool, bool] = (False, False)) -> Costs
         backward_weight=costs.backward_weight + costs.overhead,
         backward=costs.of(BACKWARD) + backward,
         send=costs.send,
+        communication=costs.communication,
+        communication_points=costs.communication_points,
     )
+
+
+def overlapped(first: tuple[float, float, int], second: tuple[float, float, int]) -> float:
+    """How long an overlapped pair lasts whose halves are ``(duration, communication, points)``,
+    the first half starting (NOTE [overlapped time]): their sum without communication."""
+    if first[1] == 0 and second[1] == 0:
+        return first[0] + second[0]
+    halves = (first, second)
+    compute = [(d - c) / n for d, c, n in halves]
+    collective = [c / n for _, c, n in halves]
+    left = [n for _, _, n in halves]
+    ready = [0.0, 0.0]  # when each side's posted collective ends
+    clock = network = 0.0
+    side, done = 0, [False, False]
+    while not all(done):
+        clock = max(clock, ready[side])  # (3)
+        if not left[side]:
+            done[side], side = True, 1 - side
+            continue
+        clock += compute[side]  # (1)
+        network = max(network, clock) + collective[side]  # (2)
+        ready[side], left[side] = network, left[side] - 1
+        side = side if done[1 - side] else 1 - side
+    return clock
 
 
 def receiving_kinds(placement: Sequence[int]) -> tuple[tuple[bool, bool], ...]:
@@ -278,14 +359,22 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
     per_stage = _per_stage(program, costs)
     receives = receiving_kinds(program.placement())
     occupied = tuple(charged(c, r) for c, r in zip(per_stage, receives))  # what comes before, then the action
+
+    def paired(r: int, k: int, first: Action, second: Action, first_time: float, second_time: float) -> float:
+        one, two = per_stage[first.stage], per_stage[second.stage]  # NOTE [overlapped time]
+        return overlapped(
+            (first_time, one.communication, one.communication_points),
+            (second_time, two.communication, two.communication_points),
+        )
+
     starts, ends = as_soon_as_possible(
-        program, lambda r, k, a: occupied[a.stage].of(a.kind), lambda d: per_stage[d.stage].send
+        program, lambda r, k, a: occupied[a.stage].of(a.kind), lambda d: per_stage[d.stage].send, paired
     )
     _complete(program, starts)
     if any(c.overhead or c.receive for c in per_stage):
-        starts = tuple(
-            tuple(t + before(per_stage[a.stage], receives[a.stage], a.kind) for t, a in zip(row_starts, row))
-            for row_starts, row in zip(starts, program.ranks)
+        starts = tuple(  # a half of an overlapped pair may be drawn shorter than what comes before it
+            tuple(min(t + before(per_stage[a.stage], receives[a.stage], a.kind), e) for t, e, a in zip(*rows))
+            for rows in zip(starts, ends, program.ranks)
         )
     return Simulation(program, costs if isinstance(costs, Costs) else per_stage, starts, ends)
 
@@ -293,10 +382,11 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
 def replay(timeline: Simulation, send: float = 0.0) -> Simulation:
     """``timeline``'s actions rerun with their own durations, as soon as dependencies allow.
 
-    Each action lasts what it lasted in ``timeline`` (``end - start``) and each message between
-    ranks takes ``send``; the replay is ``simulate``'s. With ``send=0`` its makespan is the
-    step's *critical path*: how long the step takes if messages and whatever a runtime does
-    between actions cost nothing, so no runtime can run these actions in this order faster.
+    Each action lasts what it lasted in ``timeline`` (``end - start``), an overlapped pair what it
+    lasted as a whole, and each message between ranks takes ``send``; the replay is
+    ``simulate``'s. With ``send=0`` its makespan is the step's *critical path*: how long the step
+    takes if messages and whatever a runtime does between actions cost nothing, so no runtime
+    can run these actions in this order faster.
     For a measured timeline (``fpipe.record()``), ``timeline.makespan / replay(timeline).makespan
     - 1`` is the share of the step spent beyond its actions' own work.
 
@@ -316,8 +406,14 @@ def replay(timeline: Simulation, send: float = 0.0) -> Simulation:
     if isinstance(send, bool) or not isinstance(send, (int, float)) or not math.isfinite(send) or send < 0:
         raise ValueError(f"fpipe.schedules.replay: send must be a finite number >= 0 (send: {send!r}).")
     validate_actions(timeline.program)
+
+    def paired(r: int, k: int, first: Action, second: Action, first_time: float, second_time: float) -> float:
+        # A pair lasts what it lasted: one span given to both halves when recorded, two halves of
+        # it when simulated.
+        return max(timeline.ends[r][k : k + 2]) - min(timeline.starts[r][k : k + 2])
+
     starts, ends = as_soon_as_possible(
-        timeline.program, lambda r, k, a: timeline.ends[r][k] - timeline.starts[r][k], lambda d: float(send)
+        timeline.program, lambda r, k, a: timeline.ends[r][k] - timeline.starts[r][k], lambda d: float(send), paired
     )
     _complete(timeline.program, starts)
     return Simulation(timeline.program, None, starts, ends)

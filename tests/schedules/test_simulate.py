@@ -7,6 +7,7 @@ running actions, within the makespan.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from fpipe.schedules import (
     Interleaved1F1B,
     LoopedBFS,
     OneFOneB,
+    Overlapped,
     Program,
     ScheduleError,
     Simulation,
@@ -332,3 +334,68 @@ def test_replay_of_a_recorded_step_is_no_longer_than_the_step() -> None:
     critical = replay(measured)
     assert critical.busy == pytest.approx(measured.busy)
     assert 0 < critical.makespan <= measured.makespan + 1e-9  # up to the rounding of end - start
+
+
+# Overlapped pairs (NOTE [overlapped time]): the pair's time worked by hand, dyadic costs.
+PAIRED = Program.from_lists([["0F0", "0F1&0B0", "0B1"]])  # one rank: 0F1 and 0B0 as a pair
+
+
+@pytest.mark.parametrize(
+    "costs, pair",
+    [
+        # F 2 = compute 1 + collective 1; B 6 = compute 5 + collective 1; one point each:
+        #   compute | F 1 | B 5       |        the pair: 1 + 5 + B's collective 1 = 7 (in sequence 8)
+        #   network |     | F 1 |     | B 1 |
+        (Costs(forward=2, backward=6, communication=1), 7.0),
+        # Two points each (F: 0.5 + 0.5, twice; B: 2.5 + 0.5, twice): compute never waits, only
+        # B's last collective shows: 6 + 0.5.
+        (Costs(forward=2, backward=6, communication=1, communication_points=2), 6.5),
+        # Collectives longer than compute (F = B = 1 + 3): the network never idles after F's
+        # first compute: 1 + 3 + 3.
+        (Costs(forward=4, backward_input=4, backward=4, communication=3), 7.0),
+        (Costs(forward=2, backward=6), 8.0),  # no communication: the sum
+    ],
+)
+def test_overlapped_pair_literally(costs: Costs, pair: float) -> None:
+    sim = simulate(PAIRED, costs)
+    forward, backward = costs.forward, costs.of("B")
+    middle = forward + pair * forward / (forward + backward)  # the pair drawn as two halves of its time
+    assert sim.starts == ((0, forward, middle, forward + pair),)
+    assert sim.ends == ((forward, middle, forward + pair, forward + pair + backward),)
+    assert replay(sim).ends == sim.ends  # a replay keeps the pair as it lasted
+
+
+def test_pairs_without_communication_last_their_sum_and_communication_changes_no_unpaired_action() -> None:
+    costs = Costs(forward=1, backward=2.5, backward_input=1.5, send=0.25)
+    paired = Overlapped(OneFOneB(6)).program(3)
+    assert paired.pairs
+    sim = simulate(paired, costs)
+    for r, row in enumerate(paired.ranks):
+        for k, action in enumerate(row[:-1]):
+            if (action, row[k + 1]) in paired.pairs:
+                assert sim.ends[r][k + 1] - sim.starts[r][k] == costs.of("F") + costs.of("B")
+    plain = OneFOneB(6).program(3)
+    talking = replace(costs, communication=0.75, communication_points=3)
+    assert simulate(plain, talking).ends == simulate(plain, costs).ends
+    assert simulate(paired, talking).makespan < sim.makespan
+
+
+def test_replay_of_a_recorded_pair_keeps_its_span() -> None:
+    # fpipe.record() gives both halves of a pair the pair's span: 0F1&0B0 ran [2, 9].
+    measured = Simulation(PAIRED, None, ((0, 2, 2, 9),), ((2, 9, 9, 15),))
+    again = replay(measured)
+    assert again.ends == ((2, 5.5, 9, 15),) and again.makespan == 15
+
+
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        ({"communication": -1.0}, "communication must be a finite non-negative number"),
+        ({"communication": 1.5}, r"cannot exceed forward \(communication: 1.5, forward: 1"),
+        ({"forward": 2, "communication": 1.5}, r"cannot exceed backward_input \(communication: 1.5"),
+        ({"communication_points": 0}, r"communication_points must be an int of at least 1 \(communication_points: 0"),
+    ],
+)
+def test_costs_reject_bad_communication(fields: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ScheduleError, match=fragment):
+        Costs(**fields)  # type: ignore[arg-type]
