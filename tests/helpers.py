@@ -519,7 +519,7 @@ def candidates(m: int, p: int) -> list[Candidate]:
     ]
 
 
-# A toy mixture of experts (tests/distributed/test_experts.py's model, for tests/saving/test_experts.py):
+# A toy mixture of experts (tests/distributed/test_expert_parallel.py's model, for tests/saving/test_experts.py):
 # token ``t`` goes to expert ``t % EXPERTS`` through the differentiable all-to-all of equal splits.
 EXPERTS, EXPERT_WIDTH, EXPERT_TOKENS = 4, 3, 8  # experts per layer, width, tokens per microbatch
 
