@@ -17,7 +17,7 @@ import torch
 
 from ._accumulate import Grads
 from ._errors import PipelineError
-from ._pairs import SideFailed, run_pair
+from ._pairs import SideFailed, current_side, run_pair
 from ._pytree import PyTree
 from ._random import Keys
 from ._record import Stopwatch
@@ -204,9 +204,20 @@ class Executor:
         interleaved at their stages' communication points; in sequence, with a warning, when
         neither has any. Recorded and profiled as one span, given to both halves."""
         handlers = _HANDLERS
+        transport = self.transport
+        in_order = self.transport = SendsInOrder(transport)
+
+        def first_half() -> None:
+            handlers[first.kind](self, first)
+            in_order.first_done = True
 
         def both() -> tuple[int, int]:
-            return run_pair(lambda: handlers[first.kind](self, first), lambda: handlers[second.kind](self, second))
+            try:
+                points = run_pair(first_half, lambda: handlers[second.kind](self, second))
+            finally:
+                self.transport = transport
+            in_order.release()
+            return points
 
         watch = self._watch
         if watch is not None:
@@ -320,6 +331,46 @@ class Executor:
     def _backward_weight(self, action: Action) -> None:
         s, _, i = action
         self.stages[s].backward_weight(self._pullbacks.pop((s, i)), i)
+
+
+class SendsInOrder:
+    """The transport while a pair runs: the second half's sends wait for the first half's end,
+    so that each peer gets this rank's messages in the program's order (the distributed
+    transport checks it), whichever half ends first; receives happen at each half's start, in
+    that order already. A pair's second half never reads the microbatch (``validate_pairs``:
+    stage 0's forward, which may send it on, is never a second half)."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.first_done = False
+        self._held: list[tuple[Callable[[int, int, Any], None], int, int, Any]] = []
+
+    def microbatch(self, microbatch: int) -> PyTree:
+        return self.inner.microbatch(microbatch)
+
+    def recv_activation(self, stage: int, microbatch: int) -> PyTree:
+        return self.inner.recv_activation(stage, microbatch)
+
+    def recv_cotangent(self, stage: int, microbatch: int) -> Grads:
+        return self.inner.recv_cotangent(stage, microbatch)
+
+    def send_activation(self, stage: int, microbatch: int, value: PyTree) -> None:
+        self._send(self.inner.send_activation, stage, microbatch, value)
+
+    def send_cotangent(self, stage: int, microbatch: int, value: Grads) -> None:
+        self._send(self.inner.send_cotangent, stage, microbatch, value)
+
+    def _send(self, send: Callable[[int, int, Any], None], stage: int, microbatch: int, value: Any) -> None:
+        if current_side() == 1 and not self.first_done:
+            self._held.append((send, stage, microbatch, value))
+        else:
+            send(stage, microbatch, value)
+
+    def release(self) -> None:
+        """Send what the second half held, in order (after the pair)."""
+        held, self._held = self._held, []
+        for send, stage, microbatch, value in held:
+            send(stage, microbatch, value)
 
 
 Handler = Callable[[Executor, Action], None]

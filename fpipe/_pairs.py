@@ -100,6 +100,12 @@ def communication_point() -> None:
         baton.switch(me)
 
 
+def current_side() -> int | None:
+    """The side of an overlapped pair running on this thread (0: the first half), or ``None``."""
+    side = getattr(_LOCAL, "side", None)
+    return None if side is None else int(side[1])
+
+
 def run_pair(first: Callable[[], None], second: Callable[[], None]) -> tuple[int, int]:
     """Run ``first`` and ``second`` interleaved at their communication points: ``first`` on this
     thread until its first point, then ``second`` on a thread of its own until its first point,

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import fpipe
+from fpipe._executor import SendsInOrder
 from fpipe._pairs import SideFailed, communication_point, run_pair
-from fpipe.schedules import DualPipeV, OneFOneB, Overlapped, ZeroBubbleH1
+from fpipe.schedules import Action, DualPipeV, OneFOneB, Overlapped, Program, ScheduleError, ZeroBubbleH1, validate
 from fpipe.schedules._registry import BUILTINS
 from tests._multiprocess import run_ranks
 from tests.conformance import built
@@ -222,3 +223,34 @@ def test_every_built_in_schedule_overlapped_on_pp_times_ep_is_bitwise_its_sequen
         for name, ep, ((a_loss, a_counts, a_grads, _), (b_loss, b_counts, b_grads, _)) in per_rank:
             assert_bitwise((b_loss, b_counts, b_grads), (a_loss, a_counts, a_grads), f"{name}, ep {ep}")
             torch.testing.assert_close(b_loss, loss, rtol=1e-12, atol=0)
+
+
+def test_the_second_half_sends_after_the_first_whichever_ends_first():
+    """A second half that ends first (here: it has no point) holds its sends until the first half
+    has ended, so a peer gets this rank's messages in the program's order."""
+    sent = []
+
+    class Recorder:
+        def send_activation(self, stage, microbatch, value):
+            sent.append(("activation", stage, microbatch))
+
+        def send_cotangent(self, stage, microbatch, value):
+            sent.append(("cotangent", stage, microbatch))
+
+    in_order = SendsInOrder(Recorder())
+
+    def first():
+        communication_point()  # the second half runs to its end here
+        in_order.send_activation(0, 3, None)
+        in_order.first_done = True
+
+    run_pair(first, lambda: in_order.send_cotangent(3, 1, None))
+    assert sent == [("activation", 0, 3)]
+    in_order.release()
+    assert sent == [("activation", 0, 3), ("cotangent", 3, 1)]
+
+
+def test_stage_0s_forward_is_never_a_second_half():
+    with pytest.raises(ScheduleError, match="stage 0's forward second"):
+        validate(Program.from_lists([["0F0", "0B0&0F1", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]))
+    assert all(b != Action(0, "F", b.microbatch) for _, b in Overlapped(DualPipeV(8)).program(8).pairs)

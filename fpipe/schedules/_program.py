@@ -187,6 +187,11 @@ def validate_pairs(program: Program) -> None:
                 f"fpipe.schedules: the pair {name} must be a forward and a backward (B or I) "
                 f"(kinds: {first.kind}, {second.kind})."
             )
+        if second.kind == FORWARD and second.stage == 0:
+            raise ScheduleError(
+                f"fpipe.schedules: the pair {name} has stage 0's forward second; it reads the microbatch (and may send "
+                "it on to the last stage's rank) as it starts, which must come before its pair's sends: put it first."
+            )
         if seen & {first, second}:
             raise ScheduleError(f"fpipe.schedules: an action of the pair {name} is in another pair too.")
         seen |= {first, second}
