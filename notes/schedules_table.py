@@ -403,7 +403,8 @@ ROWS: list[Row] = [
         Formula("(p-1)/(6m+p-1)", _bubble(2, 3), "for `m >= 2p`", lambda p, v, m, g: m >= 2 * p),
         Formula("min(m, p + 1/2)", lambda p, v, m, g: min(m, p + 0.5)),
         Idle("`(p-1) T_F / 2`", lambda p, v, c: (p - 1) * c.forward / 2, "`T_F = T_I = T_W`, `B = I + W`", (SPLIT,)),
-        "same costs, `T_B = T_I + T_W`; overlapped `F`+`B` pairs run one after the other",
+        "same costs, `T_B = T_I + T_W`; its `F`+`B` pairs run in turn, or interleaved at the experts' all-to-alls "
+        "with `Overlapped(DualPipeV(m))` (notes/pairs.md)",
     ),
 ]
 
