@@ -9,6 +9,7 @@ halves at their stages' communication points (NOTE [overlapped pairs] in fpipe/_
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -99,13 +100,15 @@ class _Order:
 
     def __init__(self, program: Program, split: frozenset[tuple[int, int]]) -> None:
         ticks = ticks_of(program)
-        every = sorted((t, r, k, a) for r, row in enumerate(program.ranks) for k, (t, a) in enumerate(zip(ticks[r], row)))
+        every = sorted(
+            (t, r, k, a) for r, row in enumerate(program.ranks) for k, (t, a) in enumerate(zip(ticks[r], row))
+        )
         self.place = {a: n for n, (_, _, _, a) in enumerate(every)}  # the action's position in the order
         self.out: dict[Action, list[Action]] = {a: [] for a in self.place}
         self.into: dict[Action, list[Action]] = {a: [] for a in self.place}
         self.needs = {a: dependencies(a, program.num_stages, split) for a in self.place}
         for row in program.ranks:
-            for a, b in zip(row, row[1:]):
+            for a, b in itertools.pairwise(row):
                 self._edge(a, b)
         for a, needs in self.needs.items():
             for d in needs:
