@@ -22,6 +22,12 @@ bound]: every rank's work from when its inputs can first arrive, the trips throu
 pipeline, the ``W`` that must free memory, ...): a program that meets it is optimal. So is one
 the exact search ran to its end without beating: its space holds a program as fast as any valid
 one (NOTE [microbatch order] in ``_exact.py``).
+
+With ``overlap=True`` and costs with communication, each program tried is tried again with its
+adjacent forwards and backwards paired (``pair_adjacent``, NOTE [overlapped time] in
+``fpipe/schedules/_simulate.py``). The list scheduler, local improvement and the exact search do
+not know pairs (they lay out orders; pairs are added to what they found), so the result is then
+optimal only when it meets the bound of compute alone (NOTE [overlapped bound]).
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ..schedules import Costs, Program, Simulation, simulate
+from ..schedules import Costs, Program, ScheduleError, Simulation, simulate
+from ..schedules._action import BACKWARD
+from ..schedules._overlapped import pair_adjacent
 from ..schedules._registry import builtins_for
 from ._arguments import checked_search
 from ._bound import lower_bound
@@ -62,7 +70,8 @@ class Searched:
             policy (``"list(I/W, backward first, ...)"``, ``"..., shaken 7)"`` for a shaken
             pass), the best of those improved by moving actions a few places (``"list swaps of
             ZeroBubbleH1"``) and kicked (``"list kicks of ..."``), or the exact search (``"exact"``,
-            ``"exact (CP-SAT)"``).
+            ``"exact (CP-SAT)"``); with ``overlap``, any of them with its pairs
+            (``"Overlapped(OneFOneB)"``).
         lower_bound: a makespan no program can beat (``makespan / lower_bound - 1`` is how far
             from it the program may be); never above ``makespan`` (where the two differ by
             rounding only, the bound is the makespan).
@@ -119,6 +128,7 @@ def search(
     exact: bool = True,
     solver: Literal["auto", "cp-sat", "branch-and-bound"] = "auto",
     slack: float = 0.0,
+    overlap: bool = False,
 ) -> Searched:
     """The fastest program found for these ranks, microbatches, costs and memory limit.
 
@@ -176,6 +186,12 @@ def search(
             shorter step; so it may be up to ``slack`` slower in simulation than a built-in that
             fits. ``0`` keeps the fastest simulated program. With costs fitted from a recording,
             ``slack=0.02`` is the better choice (NOTE [memory within the slack]).
+        overlap: also try each program with its adjacent forwards and backwards paired
+            (``pair_adjacent``: the order kept, pairs added), which hides the stages'
+            ``communication`` behind the other half's compute (NOTE [overlapped time]), and keep
+            the faster under ``simulate``: the fastest programs first, while the budget lasts.
+            Only costs with communication gain from pairs (without, a pair is never faster than
+            its halves in sequence, and none is tried).
 
     Examples:
         >>> from fpipe.planning import search
@@ -197,6 +213,8 @@ def search(
         TypeError: if ``costs`` is neither a ``Costs`` nor a sequence of them.
     """
     started = time.perf_counter()
+    if not isinstance(overlap, bool):
+        raise ScheduleError(f"fpipe.planning.search: overlap must be True or False (overlap: {overlap!r}).")
     problem = checked_search(
         num_ranks,
         num_microbatches,
@@ -284,6 +302,13 @@ def search(
         lean, finished = leaner(problem, tried, slack, deadline)
         tried += lean
         complete = complete and finished
+    if overlap and any(c.communication for c in problem.costs):
+        paired, finished = _paired(tried, given, deadline)
+        tried += paired
+        complete = complete and finished
+        name, best, program = min(tried, key=lambda t: t[1])
+        bound = lower_bound(_computing(problem))  # NOTE [overlapped bound]
+        optimal = best <= bound * (1 + TOLERANCE)
     kept = leanest(tried, slack, problem.sizes) if slack else (name, best, program)
     optimal = optimal and kept[1] <= best * (1 + TOLERANCE)  # a leaner program within the slack may be slower
     simulation = simulations.get(id(kept[2]))
@@ -366,6 +391,53 @@ def _shaken(problem: Problem, deadline: float) -> tuple[tuple[str, float, Progra
         if best is None or laid_out[1] < best[1]:
             best = str(policy), laid_out[1], laid_out[0]
     return best, True
+
+
+def _paired(
+    tried: Sequence[tuple[str, float, Program]], costs: Costs | tuple[Costs, ...], deadline: float
+) -> tuple[list[tuple[str, float, Program]], bool]:
+    """``tried``'s programs with their adjacent forwards and backwards paired (``pair_adjacent``),
+    named ``"Overlapped(<name>)"``, fastest first, the first whatever the clock; and whether all
+    were (``False``: ``deadline`` passed)."""
+    found: list[tuple[str, float, Program]] = []
+    seen: list[Program] = []
+    for k, (name, _, program) in enumerate(sorted(tried, key=lambda t: t[1])):
+        if k and time.perf_counter() > deadline:
+            return found, False
+        if program in seen:
+            continue
+        seen.append(program)
+        paired = pair_adjacent(program)
+        if paired.pairs != program.pairs:
+            found.append((f"Overlapped({name})", simulate(paired, costs).makespan, paired))
+    return found, True
+
+
+def _computing(problem: Problem) -> Problem:
+    """``problem`` with each ``F``, ``B`` and ``I`` shortened by its communication.
+
+    NOTE [overlapped bound]
+        A pair lasts at least its halves' compute, ``sum(d - c)`` (NOTE [overlapped time] in
+        ``fpipe/schedules/_simulate.py``), and an action alone its duration ``d``; drawing a
+        pair's halves one after the other in ``d - c`` each ends every action no later, so a
+        program with pairs takes at least as long as the same order without pairs whose
+        actions last ``d - c``, and ``lower_bound`` of these costs bounds every program, paired
+        or not. (An action all communication is given ``TOLERANCE`` of its duration, as
+        ``Costs`` wants it positive.)
+    """
+    return replace(
+        problem,
+        costs=tuple(
+            replace(
+                c,
+                forward=max(c.forward - c.communication, c.forward * TOLERANCE),
+                backward_input=max(c.backward_input - c.communication, c.backward_input * TOLERANCE),
+                backward=max(c.of(BACKWARD) - c.communication, c.of(BACKWARD) * TOLERANCE),
+                communication=0.0,
+            )
+            for c in problem.costs
+        ),
+    )
 
 
 def builtin_programs(problem: Problem, placement: str) -> Iterator[tuple[str, Program]]:

@@ -374,3 +374,30 @@ def test_slack_lays_out_leaner_programs_under_the_peaks_of_those_tried() -> None
     assert lean.name.endswith("under 1.5") and lean.makespan <= fastest.makespan * 1.02
     assert len(lean.candidates) > len(fastest.candidates)  # the leaner passes are candidates too
     assert min(max(peak_memory(q, (0.5,) * 4)) for q in fastest.programs) == 1.5  # the limit tried
+
+
+@pytest.mark.parametrize("communication", [0.0, 0.5, 1.0])
+def test_overlap_pairs_programs_only_where_communication_hides(communication: float) -> None:
+    # NOTE [overlapped time]: with an F's and an I's communication half their duration or all
+    # of it (two points each), DualPipe-V's pairs hide it best (49 -> 42.25 and 39.5; ZB-V's
+    # pairs give 44.5 and 50). Without communication nothing is paired: ZB-V, as without overlap.
+    costs = Costs(forward=1, backward_input=1, backward_weight=1, communication=communication, communication_points=2)
+    found = search(2, 8, costs, placement="v", overlap=True, exact=False, time_budget=60.0)
+    plain = search(2, 8, costs, placement="v", exact=False, time_budget=60.0)
+    tried = dict(found.candidates)
+    assert not any(name.startswith("Overlapped(") for name, _ in plain.candidates)
+    assert plain.name == "ZeroBubbleV" and plain.makespan == 49.0
+    if communication == 0:
+        assert (found.name, found.makespan, found.program.pairs) == ("ZeroBubbleV", 49.0, frozenset())
+        assert found.candidates == plain.candidates and found.optimal
+        return
+    assert found.name == "Overlapped(DualPipeV)" and found.program.pairs and found.complete
+    assert found.makespan == tried["Overlapped(DualPipeV)"] == {0.5: 42.25, 1.0: 39.5}[communication]
+    assert tried["Overlapped(ZeroBubbleV)"] == {0.5: 44.5, 1.0: 50.0}[communication]
+    assert found.simulation == simulate(found.program, costs)
+    assert found.lower_bound <= found.makespan and not found.optimal  # the bound of compute alone
+
+
+def test_overlap_must_be_a_bool() -> None:
+    with pytest.raises(ScheduleError, match=r"overlap must be True or False \(overlap: 'yes'\)"):
+        search(2, 4, Costs(), overlap="yes")  # type: ignore[arg-type]
