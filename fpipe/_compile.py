@@ -125,10 +125,6 @@ class CompiledRun:
 
         if order.forward_only or keep_outputs:  # evaluate: no backward to gain from, eager
             return eager()
-        reason = _not_compiled(step)
-        if reason is not None:
-            _warn(reason)
-            return eager()
         if self._failed is not None:
             _warn(self._failed)
             return eager()
@@ -141,7 +137,8 @@ class CompiledRun:
         _SEEN.clear()
         _DRAWS.clear()
         try:
-            with torch._dynamo.config.patch(trace_autograd_ops=True):
+            # (the graph is recorded whatever the ambient grad mode, NOTE [differentiable leaves])
+            with torch._dynamo.config.patch(trace_autograd_ops=True), torch.enable_grad():
                 scale = seed_scale(step)  # the weights scaled in Python, as the eager seeds are (NOTE [seeds])
                 scaled = weights if scale is None else [w * scale for w in weights]
                 loss, auxes, sums = self._core(
@@ -207,13 +204,6 @@ def _own_code(core: _Core) -> Callable[..., Any]:
 
 def _warn(reason: str) -> None:
     warnings.warn(f"fpipe.step: compile: {reason}; this step runs eagerly.", UserWarning, stacklevel=4)
-
-
-def _not_compiled(step: StepView) -> str | None:
-    """Why a step's options keep it eager for now, or ``None`` (notes/compile.md, "What is missing")."""
-    if step.recompute:
-        return "recomputation (recompute=) is not compiled yet"
-    return None
 
 
 def _name(backend: Backend) -> str:
@@ -304,6 +294,13 @@ def _grads(params: Sequence[PyTree], sums: Sequence[Sequence[torch.Tensor | None
     return out
 
 
+def graph_outputs(y: PyTree) -> tuple[list[torch.Tensor], list[int]]:
+    """The output leaves of ``y`` that carry the graph, and their positions among its leaves."""
+    ys = flatten(y)[0]
+    index = [n for n, t in enumerate(ys) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [ys[n] for n in index], index
+
+
 class _Core:
     """The order's actions as one straight line for dynamo (NOTE [the compiled step])."""
 
@@ -314,6 +311,7 @@ class _Core:
         self.last = step.num_stages - 1
         self.actions: tuple[Action, ...] = tuple(a for _, a in order.actions)
         self.precision = step.precision
+        self.recompute = step.recompute
 
     def __call__(
         self,
@@ -346,7 +344,9 @@ class _Core:
         seeds, weight = scaled.unbind(), weights.unbind()  # the backwards' seeds, the losses' weights
         sent: dict[tuple[int, int], Any] = {}  # activations and cotangents by (receiving stage, microbatch)
         back: dict[tuple[int, int], list[torch.Tensor | None]] = {}
-        pulls: dict[tuple[int, int], tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int], int]] = {}
+        # What a forward keeps for its backward: its outputs that carry the graph and their positions,
+        # its differentiable inputs and theirs, how many input leaves, and a recomputed one's input.
+        pulls: dict[tuple[int, int], tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int], int, Any]] = {}
         deferred: dict[tuple[int, int], Sequence[torch.Tensor | None]] = {}
         losses: list[Any] = [None] * len(microbatches)
         auxes: list[Any] = [None] * len(microbatches)
@@ -364,6 +364,16 @@ class _Core:
                         sums[s][n] = g.to(dtypes[s][n], copy=True) if total is None else total.add_(g)
                 added[s] += 1
 
+        def forward(s: int, i: int, x: PyTree) -> tuple[Any, Any]:
+            """Stage ``s`` on ``x``, and for the last stage ``loss_fn``: the output (the loss, a
+            scalar) and the aux."""
+            y = self.stages[s](stage_params[s], x)
+            if s < last:
+                return y, None
+            result = self.loss_fn(y, microbatches[i])
+            loss, aux = result if self.has_aux else (result, None)
+            return (loss if loss.dim() == 0 else loss.reshape(())), aux
+
         for k, action in enumerate(self.actions):  # noqa: B007 (``k`` is read by ``_note_action``)
             comptime(_note_action)
             s, kind, i = action
@@ -379,24 +389,30 @@ class _Core:
                             inputs.append(leaf)
                             input_index.append(n)
                         xs[n] = leaf
-                y = self.stages[s](stage_params[s], unflatten(x_spec, xs))
+                tree = unflatten(x_spec, xs)
+                if s in self.recompute:  # NOTE [recomputation] in fpipe/_stage.py: the inputs kept, no graph
+                    with torch.no_grad():
+                        y, aux = forward(s, i, tree)
+                    if s < last:  # the next stage differentiates every floating leaf, as it will carry the graph
+                        ys, y_spec = flatten(y)
+                        y = unflatten(y_spec, [t.detach().requires_grad_() if is_differentiable(t) else t for t in ys])
+                    pulls[s, i] = ([], [], inputs, input_index, len(xs), tree)
+                else:
+                    y, aux = forward(s, i, tree)
+                    pulls[s, i] = (*graph_outputs(y), inputs, input_index, len(xs), None)
                 if s == last:
-                    result = self.loss_fn(y, microbatches[i])
-                    loss, auxes[i] = result if self.has_aux else (result, None)
-                    y = loss if loss.dim() == 0 else loss.reshape(())
-                    losses[i] = y.detach()
+                    losses[i], auxes[i] = y.detach(), aux
                 else:
                     sent[s + 1, i] = y
-                ys = flatten(y)[0]
-                outputs_index = [n for n, t in enumerate(ys) if isinstance(t, torch.Tensor) and t.requires_grad]
-                pulls[s, i] = ([ys[n] for n in outputs_index], outputs_index, inputs, input_index, len(xs))
             elif kind == BACKWARD_WEIGHT:
                 del pulls[s, i]
                 add(s, i, deferred.pop((s, i)))
             else:
-                outputs, output_index, inputs, input_index, num_inputs = (
+                outputs, output_index, inputs, input_index, num_inputs, replay = (
                     pulls[s, i] if kind == BACKWARD_INPUT else pulls.pop((s, i))
                 )
+                if replay is not None:  # the recomputed forward, with its graph this time
+                    outputs, output_index = graph_outputs(forward(s, i, replay)[0])
                 if s == last:
                     cotangents: list[torch.Tensor | None] = [seeds[i].to(losses[i])]  # NOTE [seeds]
                 else:

@@ -117,18 +117,20 @@ def test_compiled_step_is_bitwise_the_eager_step(entry: Conformance) -> None:
 
 
 def test_compiled_step_recompiles_once_for_a_new_length() -> None:
-    """A changing sequence length: one compile with static shapes, one with a dynamic length, then none."""
+    """A changing sequence length: at most one compile with static shapes, one with a dynamic length, then none."""
     counter = CompileCounter()
-    stages = [first_block] + [block] * 2
-    compiled = fpipe.pipeline(target_loss, stages, ZeroBubbleH1(4), compile=counter)
-    eager = fpipe.pipeline(target_loss, stages, ZeroBubbleH1(4))
-    p = params64(3)
+    stages = [first_block, block]
+    compiled = fpipe.pipeline(target_loss, stages, ZeroBubbleH1(2), compile=counter)
+    eager = fpipe.pipeline(target_loss, stages, ZeroBubbleH1(2))
+    p = params64(2)
     frames = []
-    for length in (5, 7, 9, 11, 5):
-        batch = dict_batch(8, length)
+    for length in (5, 7, 9, 5):
+        batch = dict_batch(4, length)
         assert_bitwise(compiled(p, batch), eager(p, batch))
         frames.append(counter.frame_count)
-    assert frames == [1, 2, 2, 2, 2], frames
+    # 1, 2, 2, 2 in a fresh process; 1, 1, 1, 1 once dynamo's automatic dynamic shapes remember, for
+    # this code's file and line (its profile, kept on disk too), that the length changes
+    assert frames[-1] <= 2 and frames[1:] == [frames[1]] * 3, frames
 
 
 def test_compiled_step_with_aux_and_token_counts() -> None:
@@ -187,10 +189,16 @@ def test_a_stage_that_cannot_be_traced_warns_and_runs_eagerly(bad: Any) -> None:
         assert_bitwise(result, eager(p, x))
 
 
-def test_options_not_compiled_yet_warn() -> None:
-    step = fpipe.pipeline(loss_fn, [block] * 2, OneFOneB(2), recompute=True, compile="aot_eager")
-    with pytest.warns(UserWarning, match=r"compile: recomputation \(recompute=\) is not compiled yet"):
-        step(params(2), torch.randn(4, 16))
+@pytest.mark.parametrize("schedule", [OneFOneB(2), ZeroBubbleH1(2)], ids=str)
+def test_compiled_step_with_recomputed_stages(schedule: Any) -> None:
+    """Recomputed stages (the last one included) run their forward without a graph and replay it in
+    their backward, inside the graph: the eager bits, and the step runs under ``no_grad`` too."""
+    stages = [first_block] + [block] * 2
+    compiled = fpipe.pipeline(target_loss, stages, schedule, recompute={1, 2}, compile="aot_eager")
+    eager = fpipe.pipeline(target_loss, stages, schedule, recompute={1, 2})
+    p, batch = params64(3), dict_batch(4, 2)
+    with torch.no_grad():
+        assert_bitwise(compiled(p, batch), eager(p, batch))
 
 
 def test_compile_argument_is_checked() -> None:
@@ -244,12 +252,12 @@ def test_compiled_step_with_a_precision_policy(precision: fpipe.Precision) -> No
     def cast_block(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         return block(p, h.to(p["w1"].dtype))
 
-    stages = [cast_block] * 3
-    compiled = fpipe.pipeline(loss_fn, stages, ZeroBubbleH1(3), precision=precision, compile="aot_eager")
-    eager = fpipe.pipeline(loss_fn, stages, ZeroBubbleH1(3), precision=precision)
-    p = [{k: v.float() for k, v in stage.items()} for stage in params(3)]  # float32 master weights
+    stages = [cast_block] * 2
+    compiled = fpipe.pipeline(loss_fn, stages, ZeroBubbleH1(2), precision=precision, compile="aot_eager")
+    eager = fpipe.pipeline(loss_fn, stages, ZeroBubbleH1(2), precision=precision)
+    p = [{k: v.float() for k, v in stage.items()} for stage in params(2)]  # float32 master weights
     for _ in range(2):
-        x = torch.randn(6, 16, dtype=torch.float32)
+        x = torch.randn(4, 16, dtype=torch.float32)
         assert_bitwise(compiled(p, x), eager(p, x))
         assert (compiled.loss_scale, compiled.last_skipped) == (eager.loss_scale, eager.last_skipped)
 
