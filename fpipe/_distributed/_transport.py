@@ -26,6 +26,7 @@ differs from one process. The protocol (notes/wire.md), per step:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import threading
@@ -42,7 +43,7 @@ from .._errors import PipelineError
 from .._pytree import PyTree
 from ..schedules import Action, Program, Simulation
 from ..schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD
-from ._board import RAISED, Failure, waiting
+from ._board import ASK, RAISED, Failure, waiting
 from ._collectives import all_gather_json, handshake, lost, mark_broken, peer_lost_in_stage, wait
 from ._faults import WATCHDOG, abort_group
 from ._status import Status
@@ -133,10 +134,12 @@ def confirmed(read_at: Sequence[int], sent_at: Sequence[int]) -> list[int]:
 #    which waits for them oldest first and lets go of each as its wait returns. Its waits have no
 #    timeout but the group's (a gloo wait that times out closes the group's pairs, which would
 #    race the step's own waits to name the failure): the step's waits bound them. ``close``
-#    joins it after the closing all-gather, when every peer has read every message; ``abort`` at
-#    once, aborting the pipeline group on this rank if sends are left (the failed step broke it:
-#    no rank reads them); a failed wait is raised by the next such send or ``close``, as the
-#    step's own wait would be. No wait outlives the step.
+#    joins it after the closing all-gather, when every peer has read every message, so at once.
+#    After a failure (``abort``) the sends left may never be read: it is joined when the job's
+#    groups are aborted on this rank (a lost rank: its wait has ended), else left to end with its
+#    wait (the peer reads, exits, or the group goes), and at exit its group is aborted
+#    (``_end_left``): aborting the group at once would close it for the ranks still using it. A
+#    failed wait is raised by the next such send or ``close``, as the step's own wait would be.
 # What a rank holds as a result: notes/wire.md, "What a rank holds, and for how long".
 
 
@@ -235,23 +238,43 @@ class _Waiter:
         with self._changed:
             return sum(t.numel() * t.element_size() for _, t, _, _ in self._queue)
 
-    def join(self, timeout: float, *, abort: bool) -> None:
-        """End the thread: once every send has completed (``close``: every peer has read every
-        message, so at once), or at once (``abort``: the sends left will never be read). A wait
-        still pending then, or after ``timeout`` seconds, ends as the pipeline group is aborted
-        on this rank."""
+    def join(self, timeout: float) -> None:
+        """End the thread once every send has completed (``close``: every peer has read every
+        message, so at once); a wait still pending after ``timeout`` seconds ends as the pipeline
+        group is aborted on this rank."""
         with self._changed:
             self._closing = True
-            left = bool(self._queue)
             self._changed.notify()
-        thread = self._thread
-        if thread is None:
-            return
-        if not (abort and left):
-            thread.join(timeout)
-        if thread.is_alive():
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                self.end()
+
+    def leave(self, *, aborted: bool) -> None:
+        """After a failed step: let go of the sends not yet waited for, and end the thread as
+        soon as its wait ends: at once when the job's groups are aborted on this rank
+        (``aborted``), else when the peer reads the message, leaves or the group goes (aborting
+        the group here would close it for the other ranks too), or at exit (``_end_left``)."""
+        with self._changed:
+            self._closing = True
+            while len(self._queue) > 1:  # (the first is the thread's)
+                self._queue.pop()
+            self._changed.notify()
+        if self._thread is not None:
+            self._thread.join(ASK if aborted else 0)  # (an aborted group's waits end at once)
+            if self._thread.is_alive():
+                _LEFT[:] = [*(waiter for waiter in _LEFT if waiter.waiting()), self]
+
+    def waiting(self) -> bool:
+        """Whether the thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def end(self) -> None:
+        """End the thread's wait by aborting the pipeline group on this rank, and the thread."""
+        with contextlib.suppress(Exception):  # (at exit, the group may be gone)
             abort_group(self._group)
-            thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(ASK)
 
     def _loop(self) -> None:
         queue = self._queue
@@ -272,6 +295,18 @@ class _Waiter:
             with self._changed:
                 queue.popleft()
             del work  # (it holds the tensor too)
+
+
+_LEFT: list[_Waiter] = []  # threads still waiting after their failed step (``_Waiter.leave``)
+
+
+@atexit.register
+def _end_left() -> None:
+    """End the threads still waiting after a failed step before the interpreter finalizes: a
+    thread woken in a gloo wait then (as the group is destroyed) can abort the process."""
+    for waiter in _LEFT:
+        if waiter.waiting():
+            waiter.end()
 
 
 class WireState:
@@ -379,7 +414,7 @@ class DistributedTransport:
         for peer in self.peers.values():
             self._release(peer, len(peer.outgoing) + 1)  # (wait for each, whatever the peer read)
         if self._waiter is not None:
-            self._waiter.join(self._seconds, abort=False)
+            self._waiter.join(self._seconds)
             self._sent()
         for peer in self.peers.values():
             assert peer.next_in == len(peer.incoming) and not peer.buffered, "fpipe: unread messages"
@@ -418,7 +453,7 @@ class DistributedTransport:
                 self._conclude(code)
         self._wire.reset()
         if self._waiter is not None:  # (after the closing all-gather: no rank reads any more)
-            self._waiter.join(self._seconds, abort=True)
+            self._waiter.leave(aborted=self.topology.board.aborted)
 
     def _failure(self, error: BaseException, action: Action | None) -> Failure:
         """This rank's failure for ``error`` raised in ``action`` (an error from a failure

@@ -295,8 +295,8 @@ def _faulty_gpipe(rank, world, fault, timeout, directory):
     in its first backward, having read one cotangent (and posted the next one's receive), so rank
     1's later cotangents and its result wait in rank 1's sends thread. The survivor returns its
     seconds, error type and message, the bytes its transport held as ``close`` began, and the
-    threads alive after the step that were not before it; a victim that raised waits for it to
-    finish (its process exiting would end the survivor's waits)."""
+    threads alive that were not before the step: as it ended, and once the victim has exited
+    (a victim that raised waits for the survivor's step to end first)."""
     armed, held = [False], []
 
     def stage(p, x):
@@ -338,7 +338,11 @@ def _faulty_gpipe(rank, world, fault, timeout, directory):
     (directory / f"done{rank}").touch()
     if rank == 0:
         wait_for(directory / "done1")
-    return seconds, kind, message, held[-1] if held else None, new
+    deadline = time.monotonic() + 20  # (the victim, done, exits meanwhile)
+    while any(t not in before for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    later = [t.name for t in threading.enumerate() if t not in before]
+    return seconds, kind, message, held[-1] if held else None, new, later
 
 
 @pytest.mark.timeout(120)
@@ -354,14 +358,15 @@ def test_a_send_left_waiting_on_a_failed_peer_fails_the_step_fast_and_ends_its_t
     fault, timeout, kind, because, tmp_path
 ):
     """Killed or frozen, rank 0 never reads rank 1's last cotangents: rank 1's sends thread waits
-    on them until the closed connection or the step's own failure ends the wait, and rank 1
-    raises the usual error (naming rank 0, which hosts the store here: NOTE [the store's host])
-    within the fault tests' bounds. Raised, rank 0 stays alive but reads no more: the thread's
-    waits end as ``abort`` aborts the broken group, not after the 300 s default. Either way no
-    thread is left after the step."""
+    on them until the closed connection or the step's own failure (which aborts the job's groups)
+    ends the wait, and rank 1 raises the usual error (naming rank 0, which hosts the store here:
+    NOTE [the store's host]) within the fault tests' bounds, its thread ended. Raised, rank 0
+    stays alive and reads no more: rank 1 fails as fast, not after the 300 s default, and leaves
+    its thread waiting (the group stays open for the other ranks) until rank 0 exits."""
     results = run_ranks(2, _faulty_gpipe, fault, timeout, tmp_path, timeout=100, may_die=frozenset({0}))
-    seconds, raised, message, held, new = results[1]
+    seconds, raised, message, held, new, later = results[1]
     assert raised == kind and because in message, (raised, message)
-    assert seconds < (SLACK if timeout is None else timeout + SLACK) and new == [], (seconds, new)
+    assert seconds < (SLACK if timeout is None else timeout + SLACK), seconds
+    assert later == [] and (new == [] if fault != "raise" else new == ["fpipe-sends"]), (new, later)
     if fault != signal.SIGKILL:  # (killed, rank 0 may have failed the thread's waits before)
         assert held > 0  # the thread held sends as rank 1's close began
