@@ -148,3 +148,21 @@ def test_bench_search_quick(tmp_path: Path) -> None:
     assert all(len(c) == 7 and min(c[4:]) >= 0 for c in costs)
     assert 0 < results["recorded"]["timeline_s"] <= results["recorded"]["step_s"]
     assert results["recorded"]["simulated_s"] > 0
+
+
+def test_bench_pairs_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pp 1 x ep 2 on 2 gloo processes: the overlapped and the sequential 1F1B step bitwise equal,
+    both timed, their all-to-all waits measured, and the simulator's prediction beside them."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # its spawned ranks import it by name
+    out = tmp_path / "out.json"
+    results = _load("bench_pairs").main(["--quick", "--configs", "2", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    (row,) = results["pp1xep2"]
+    assert row["schedule"] == "OneFOneB" and row["bitwise"] is True
+    assert row["sequential_ms"] > 0 and row["overlapped_ms"] > 0 and row["ratio"] > 0
+    for side in ("sequential", "overlapped"):
+        assert 0 < row["a2a_share"][side] < 1 and row["cpu_ms_per_rank"][side] > 0
+    assert row["predicted_ratio"] <= 1 and row["simulated_ratio"] <= 1  # one rank: pairs never wait longer
+    for rank in row["ranks"]:
+        assert rank["pairs_on_rank"] == 3 and len(rank["pairs"]) == 3  # Combined 1F1B's 3 pairs, recorded
+        assert {"0F", "0B", "1F", "1B"} <= set(rank["a2a_s"])
