@@ -214,6 +214,12 @@ def _parser(plan_defaults: dict[str, object] | None = None) -> argparse.Argument
         help="the searched rows keep the program holding the least memory within this fraction of the shortest "
         "step (search's slack; 0.02 suits --costs from a recording; default 0: the shortest)",
     )
+    plan.add_argument(
+        "--overlap",
+        action="store_true",
+        help="pair each rank's adjacent F and B where faster, hiding the experts' all-to-alls behind the other's "
+        "compute (Overlapped; NOTE [planner overlap] in fpipe/planning/_plan.py)",
+    )
     plan.add_argument("--schedules", help="comma-separated schedules to compare (default: all)")
     plan.add_argument("--svg", metavar="PATH", help="also write the fastest fitting schedule's timeline as an SVG")
     if plan_defaults:
@@ -321,6 +327,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
             stages_per_rank=args.stages_per_rank,
             schedules=names,
             slack=args.slack,
+            overlap=args.overlap,
         )
     except (ValueError, ScheduleError) as error:  # PlanError is a ValueError; the others: a model or device refused
         message = str(error)

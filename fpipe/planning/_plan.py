@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from .._plural import plural
-from ..schedules import Costs, Program
+from ..schedules import Costs, Program, simulate
+from ..schedules._overlapped import pair_adjacent
 from ..schedules._registry import BUILTINS, Builtin
 from ._cost_model import (
     GIB,
@@ -76,9 +77,11 @@ def candidates(
     stages_per_rank: Sequence[int] | None,
     memory: float | None,
     slack: float,
+    overlap: bool = False,
 ) -> list[Candidate]:
     """The planner's rows: each schedule of ``names`` with its own stages per rank, or with each
-    of ``stages_per_rank`` it lays out (named ``"interleaved v=4"`` when it takes several)."""
+    of ``stages_per_rank`` it lays out (named ``"interleaved v=4"`` when it takes several); with
+    ``overlap``, each program paired where that is faster (NOTE [planner overlap])."""
     found = []
     for n in names:
         looped = (n in SEARCHED and SEARCHED[n][0] == "looped") or (n in SCHEDULES and SCHEDULES[n].field)
@@ -91,22 +94,43 @@ def candidates(
         for v in tried:
             name = f"{n} v={v}" if looped and stages_per_rank is not None else n
             if n in SEARCHED:
-                found.append(Candidate(name, v, _searcher(SEARCHED[n][0], m, p, v, memory, slack), adapts=True))
+                searcher = _searcher(SEARCHED[n][0], m, p, v, memory, slack, overlap)
+                found.append(Candidate(name, v, searcher, adapts=True))
             else:
-                found.append(Candidate(name, v, _builder(SCHEDULES[n], m, p, v)))
+                found.append(Candidate(name, v, _builder(SCHEDULES[n], m, p, v, overlap), adapts=overlap))
     return found
 
 
-def _builder(choice: Builtin, m: int, p: int, v: int) -> Callable[[tuple[Costs, ...]], Program]:
-    """The program of ``choice`` with ``v`` stages per rank on ``p`` ranks, whatever the costs."""
-    return lambda costs: choice.build(m, v).program(p * v, p)
+def _builder(choice: Builtin, m: int, p: int, v: int, overlap: bool = False) -> Callable[[tuple[Costs, ...]], Program]:
+    """The program of ``choice`` with ``v`` stages per rank on ``p`` ranks, whatever the costs;
+    with ``overlap``, paired (``pair_adjacent``) where that is faster for the costs (NOTE
+    [planner overlap]). Built on the first call (a ``ScheduleError`` is the row's), paired once."""
+    built: list[Program] = []  # the program, then its pairs'
+
+    def program(costs: tuple[Costs, ...]) -> Program:
+        if not built:
+            built.append(choice.build(m, v).program(p * v, p))
+        if not overlap or not any(c.communication for c in costs):
+            return built[0]
+        if len(built) == 1:
+            built.append(pair_adjacent(built[0]))
+        return min(built, key=lambda q: simulate(q, costs).makespan)
+
+    return program
 
 
 def _searcher(
-    placement: Literal["looped", "v"], m: int, p: int, v: int, memory: float | None, slack: float
+    placement: Literal["looped", "v"],
+    m: int,
+    p: int,
+    v: int,
+    memory: float | None,
+    slack: float,
+    overlap: bool = False,
 ) -> Callable[[tuple[Costs, ...]], Program]:
     """The program ``search`` finds for a split's stage costs (NOTE [searched candidates]), with
-    ``v`` stages per rank, within ``memory`` activation units per rank when given, with ``slack``."""
+    ``v`` stages per rank, within ``memory`` activation units per rank when given, with ``slack``
+    and ``overlap``."""
 
     def searched(costs: tuple[Costs, ...]) -> Program:
         found = search(
@@ -119,6 +143,7 @@ def _searcher(
             slack=slack,
             time_budget=5.0,
             exact=False,
+            overlap=overlap,
         )
         return found.program
 
@@ -187,6 +212,7 @@ def plan(
     stages_per_rank: Sequence[int] | None = None,
     schedules: Sequence[str] | None = None,
     slack: float = 0.0,
+    overlap: bool = False,
 ) -> Plan:
     """Every schedule's predicted step time, bubble and peak memory per rank, each with the split
     of the layers into stages that is fastest for it (what ``python -m fpipe plan`` prints).
@@ -219,6 +245,9 @@ def plan(
             ``"searched-v"``; default: every built-in, then the two searched).
         slack: the searched rows keep the program holding the least memory within this fraction
             of the shortest simulated step (``search``'s ``slack``).
+        overlap: each row's program with its adjacent forwards and backwards paired where that
+            is faster, the experts' all-to-alls hidden behind the other half's compute (NOTE
+            [planner overlap]); such a row is named ``"dualpipev overlapped"``.
 
     Example:
         >>> from fpipe.planning import plan
@@ -269,7 +298,7 @@ def plan(
     measured = costs is not None
     limit = memory if measured else device.memory if device is not None else None
     # With measured costs, memory is in activation units (no bytes), which the search takes as its limit.
-    rows_of = candidates(names, m, p, stages_per_rank, limit if measured else None, slack)
+    rows_of = candidates(names, m, p, stages_per_rank, limit if measured else None, slack, overlap)
     if not rows_of:
         tried = ",".join(str(v) for v in stages_per_rank or ())
         raise PlanError(
@@ -300,7 +329,15 @@ def plan(
         about = f"measured costs of {plural(len(units), 'stage')}{source}"
         costs_line = "\n".join(f"stage {s}: {costs_text(u.costs)}" for s, u in enumerate(units))
         devices, expert_parallel = 1, 1
+    if overlap:
+        units, hiding = overlapping(units)
+        about += (
+            "; overlap: F and B paired where faster, the all-to-alls hidden behind the other's compute"
+            if hiding
+            else "; overlap: nothing to hide (no all-to-all), no pairs"
+        )
     rows = ranked(units, p, rows_of, memory=limit)
+    rows = [replace(r, name=f"{r.name} overlapped") if r.simulation and r.simulation.program.pairs else r for r in rows]
     return Plan(
         rows=tuple(rows),
         about=f"{plural(p, 'rank')}, {plural(m, 'microbatch')}; {about}",
@@ -311,6 +348,28 @@ def plan(
         devices_per_rank=devices,
         expert_parallel=expert_parallel,
     )
+
+
+def overlapping(units: Sequence[Unit]) -> tuple[list[Unit], bool]:
+    """``units`` with each layer's all-to-alls as its ``communication``, and whether any has some.
+
+    NOTE [planner overlap]
+        With ``overlap``, a MoE layer's ``F`` and ``I`` keep their all-to-all seconds
+        (``Unit.all_to_all``, NOTE [planner experts]) as ``Costs.communication``, two points each
+        (the dispatch and the combine); a stage sums its layers' (``_ranking._stage_costs``).
+        Each row's program is then paired (``pair_adjacent``, or ``search(overlap=True)`` for
+        the searched rows) and kept where ``simulate`` finds it faster (NOTE [overlapped time]
+        in ``fpipe/schedules/_simulate.py``), for the split found for it. With ``recompute`` the
+        recomputed forward's all-to-alls in ``I`` count as compute (one ``communication`` for
+        ``F`` and ``I``): that part is not hidden. The tensor-parallel all-reduces and the
+        pipeline's own messages are not communication here (fpipe's runtime overlaps the expert
+        exchanges only).
+    """
+    out = [
+        replace(u, costs=replace(u.costs, communication=u.all_to_all, communication_points=2)) if u.all_to_all else u
+        for u in units
+    ]
+    return out, any(u.all_to_all for u in units)
 
 
 def _experts_text(model: Transformer) -> str:

@@ -186,9 +186,10 @@ def _on_other_splits(units: Sequence[Unit], candidate: Candidate, row: PlanRow, 
 
 
 def _stage_costs(units: Sequence[Unit], stages: Sequence[range]) -> tuple[Costs, ...]:
-    """Each stage's ``Costs``: its units' durations summed, the last unit's message, and the
-    largest of their overheads and receive costs (a stage's action is one dispatch and takes at
-    most one message, whatever units it runs)."""
+    """Each stage's ``Costs``: its units' durations and communication summed (with their
+    communication points), the last unit's message, and the largest of their overheads and
+    receive costs (a stage's action is one dispatch and takes at most one message, whatever
+    units it runs)."""
     return tuple(
         Costs(
             forward=sum(units[k].costs.forward for k in r),
@@ -198,6 +199,10 @@ def _stage_costs(units: Sequence[Unit], stages: Sequence[range]) -> tuple[Costs,
             send=units[r.stop - 1].costs.send,
             overhead=max(units[k].costs.overhead for k in r),
             receive=max(units[k].costs.receive for k in r),
+            communication=sum(units[k].costs.communication for k in r),
+            communication_points=max(
+                1, sum(units[k].costs.communication_points for k in r if units[k].costs.communication)
+            ),
         )
         for r in stages
     )

@@ -3,10 +3,12 @@ given by name, ranks them, and returns the table ``python -m fpipe plan`` prints
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
 
+from fpipe._cli import main
 from fpipe.planning import Device, Experts, PlanError, Transformer, plan, save_costs
 from fpipe.planning._cost_model import measured_units
 from fpipe.planning._ranking import ranked
@@ -68,3 +70,39 @@ def test_plan_of_a_mixture_of_experts_says_its_parameters_layout_and_device_hour
     assert row.split()[-2:] == [f"{rate:,.0f}", f"{1e12 / rate / 3600:,.0f}"]
     with pytest.raises(ValueError, match=r"do not divide among the expert-parallel devices \(experts.routed: 4"):
         plan(2, 4, model=model, device=Device(flops=2.0, bandwidth=4.0, ep=3), schedules=["1f1b"])
+
+
+def test_plan_with_overlap_pairs_the_rows_whose_pairs_hide_the_all_to_alls() -> None:
+    """NOTE [planner overlap]: all-to-alls slow enough to be worth hiding (at 0.125 bytes/s, 2049 s
+    of a MoE layer's F of 5505 s); the V schedules gain from their pairs and are named for them,
+    1F1B's pairs would wait longer than they hide, so its row is unchanged. The command line's
+    --overlap prints the same table."""
+    model = Transformer(6, 4, 8, 16, 2, experts=Experts(routed=4, active=2, hidden=2, shared=1, dense_layers=1))
+    device = Device(flops=2.0, bandwidth=4.0, latency=0.5, dp=2, ep=2, ep_bandwidth=0.125)
+    schedules = ["1f1b", "zbv", "dualpipev"]
+    plain = {r.name: r for r in plan(2, 8, model=model, device=device, schedules=schedules).rows}
+    found = plan(2, 8, model=model, device=device, schedules=schedules, overlap=True)
+    rows = {r.name: r for r in found.rows}
+    assert set(rows) == {"zbv overlapped", "dualpipev overlapped", "1f1b"}
+    for name in ("zbv", "dualpipev"):
+        row = rows[f"{name} overlapped"]
+        assert row.simulation is not None and row.simulation.program.pairs
+        assert row.step < plain[name].step and row.peak_bytes == plain[name].peak_bytes  # pairs keep the order
+    assert rows["1f1b"].step == plain["1f1b"].step and rows["1f1b"].simulation.program.pairs == frozenset()  # type: ignore[union-attr]
+    assert found.about.endswith(
+        "; overlap: F and B paired where faster, the all-to-alls hidden behind the other's compute"
+    )
+    out = io.StringIO()
+    args = ["--layers", "6", "--hidden", "4", "--sequence", "8", "--vocabulary", "16", "--microbatch-size", "2"]
+    args += ["--experts", "4", "--active-experts", "2", "--expert-hidden", "2", "--shared-experts", "1"]
+    args += ["--dense-layers", "1", "--tflops", "2e-12", "--bandwidth", "4e-9", "--latency", "5e5", "--dp", "2"]
+    args += ["--ep", "2", "--ep-bandwidth", "1.25e-10", "--schedules", ",".join(schedules), "--overlap"]
+    assert main(["plan", "--ranks", "2", "--microbatches", "8", *args], stdout=out) == 0
+    assert out.getvalue().splitlines()[2:] == found.table().splitlines()
+
+
+def test_plan_with_overlap_and_nothing_to_hide_pairs_nothing() -> None:
+    costs = [Costs(), Costs(), Costs(), Costs(forward=2, backward_input=2, backward_weight=2, send=0.5)]
+    found = plan(2, 4, costs=costs, schedules=["1f1b", "dualpipev"], overlap=True)
+    assert found.rows == plan(2, 4, costs=costs, schedules=["1f1b", "dualpipev"]).rows
+    assert found.about.endswith("; overlap: nothing to hide (no all-to-all), no pairs")
