@@ -88,7 +88,8 @@ class Searched:
             [microbatch order] in ``_exact.py``). ``False`` when neither happened: the budget
             cut the search, the problem is beyond the exact search's sizes (or
             ``exact=False``), CP-SAT had to round the costs (NOTE [constraint solver]), or
-            ``slack`` kept a slower program.
+            ``slack`` kept a slower program. With ``overlap`` and communication, only the first
+            way counts, against the bound of compute alone (NOTE [overlapped bound]).
         peak_memory: per rank, the most memory its live activations take, in the unit of
             ``memory`` (activation units, or bytes with ``activation_sizes``).
         candidates: ``(name, makespan)`` of every program tried that fits the memory limit, in
