@@ -1,31 +1,23 @@
 """The compiled step: a process's whole program traced by dynamo into one graph (``pipeline(..., compile=)``).
 
 NOTE [the compiled step]
-``pipeline(..., compile=backend)`` runs each call of the step in two parts::
+``pipeline(..., compile=backend)`` runs each call of the step in three parts::
 
-    eager prologue   the checks, the split into microbatches, the loss weights
-                     (``split_batch``, ``loss_weights``): Python data, as for an eager step
-    traced core      ``_Core.__call__``: the order's actions, one straight line, traced by
-                     dynamo with ``fullgraph=True`` into one graph for every action of every
-                     stage, and compiled by ``backend``
+    eager prologue   the checks, the split into microbatches, the loss weights and the seeds (as
+                     float64 tensors: a new token count or loss scale is no new compile)
+    traced core      ``_Core.__call__`` on the parameters and microbatches: every action of the
+                     order, traced by dynamo with ``fullgraph=True`` into one graph per process
     eager epilogue   the aux stacked, the gradients shaped like the parameters
 
-The core interprets the same ``Order`` as the eager executor (fpipe/_executor.py), one loop and
-one dispatch on the action kind, but in the form dynamo traces: every backward is an explicit
-``torch.autograd.grad`` on the stage's own leaves (no ``.grad``, no raw engine call, no gradient
-edges), a split backward's ``I`` computes the input and the weight gradients at once and its
-``W`` only adds the weight part to the sum in microbatch order (NOTE [split backward] in
-fpipe/_weight_grad.py: an ``autograd.grad`` on gradient edges does not trace, and inside one
-graph when ``W`` runs is the compiler's choice anyway), and the gradients are summed in
-microbatch order (NOTE [fixed accumulation order] in fpipe/_accumulate.py) by a clone and
-in-place adds, the additions the engine makes. So under the ``aot_eager`` backend the step is
-bitwise the eager step. The dynamo flag ``trace_autograd_ops`` is set only around the core.
-The core's inputs are tensors only (parameters, microbatch leaves, the weights as one float64
-tensor): what else a call's data holds (pytree structures, non-tensor leaves) is a key of the
-cache of cores, so a new sequence length is a new shape for dynamo (one more compile, with a
-dynamic dimension, then none) and a new token count under ``weight_fn`` is no compile at all.
-A core that cannot be traced or compiled is never run eagerly without a word: the step warns
-(``UserWarning``, naming the action dynamo was tracing and the reason) and runs the eager step.
+What must hold: the core does the eager step's arithmetic op for op, so that under the
+``aot_eager`` backend it gives the eager bits. A backward is ``autograd.grad`` on the stage's own
+leaves; gradients are summed in microbatch order by a copy and in-place adds (NOTE [fixed
+accumulation order]); cotangents are made contiguous (NOTE [boundary layout]); the loss is NOTE
+[the step's loss]'s. A split backward's ``I`` computes the input and the weight gradients at once
+and ``W`` only adds the weight part in order: ``autograd.grad`` on gradient edges (NOTE [split
+backward]) does not trace, and inside one graph when ``W`` runs is the compiler's choice anyway.
+Nothing runs eagerly without a word: what fails to trace or compile warns, naming the action
+dynamo was tracing or the backend, and the eager step runs (notes/compile.md: what breaks the graph).
 """
 
 from __future__ import annotations
@@ -37,11 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch._dynamo.comptime import ComptimeContext, comptime
 
 from ._microbatch import stack
 from ._plural import brief
-from ._pytree import PyTree, flatten, is_differentiable, unflatten
+from ._pytree import PyTree, broadcast_prefix, flatten, is_differentiable, unflatten
 from ._run import Order, StepView, StrategyView, loss_weights, run_local, seed_scale, split_batch
 from ._stage import StageFn
 from .schedules import Action
@@ -107,7 +100,6 @@ class CompiledRun:
         self.option = option
         self._core: Callable[..., Any] | None = None
         self._failed: str | None = None  # why the core did not compile, once it did not
-        self.compiles = 0  # graphs handed to the backend
 
     def __call__(
         self,
@@ -131,14 +123,20 @@ class CompiledRun:
         strategy.check(step, params)
         microbatches, sizes, count = split_batch(step, batch)
         weights = loss_weights(sizes, count)
+        _mark_batch_dims(microbatches, step.batch_dims)
         if self._core is None:
             self._core = torch.compile(_own_code(_Core(step, order)), backend=self._backend, fullgraph=True)
         _TRACING[0] = None
         _SEEN.clear()
         _DRAWS.clear()
         try:
-            # (the graph is recorded whatever the ambient grad mode, NOTE [differentiable leaves])
-            with torch._dynamo.config.patch(trace_autograd_ops=True), torch.enable_grad():
+            # The graph is recorded whatever the ambient grad mode (NOTE [differentiable leaves]); a
+            # dimension of size 1 (a microbatch of one example) is not a case of its own (``_mark_batch_dims``).
+            with (
+                torch._dynamo.config.patch(trace_autograd_ops=True),
+                fx_config.patch(backed_size_oblivious=True),  # type: ignore[attr-defined]
+                torch.enable_grad(),
+            ):
                 scale = seed_scale(step)  # the weights scaled in Python, as the eager seeds are (NOTE [seeds])
                 scaled = weights if scale is None else [w * scale for w in weights]
                 loss, auxes, sums = self._core(
@@ -154,12 +152,13 @@ class CompiledRun:
             out = eager()
             self._failed = reason  # the data was fine: what failed was tracing or compiling
             return out
+        finally:
+            _SEEN.clear()  # (the traced graph's nodes)
         aux = stack(auxes) if step.has_aux else None
         return (loss, aux, None), _grads(params, sums)
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        """The user's backend, counting the graphs it gets."""
-        self.compiles += 1
+        """The user's backend, unless the program draws random numbers (NOTE [random draws under compile])."""
         if _DRAWS:
             raise _RandomDraws(*_DRAWS[0])
         backend = self.option.backend
@@ -192,6 +191,23 @@ class CompiledRun:
             f"action {action} (stage {action.stage}, microbatch {action.microbatch}) cannot be traced into "
             f"one graph ({what})"
         )
+
+
+def _mark_batch_dims(microbatches: Sequence[PyTree], batch_dims: PyTree) -> None:
+    """Tell dynamo that each microbatch's examples dimension varies (``maybe_mark_dynamic``).
+
+    A new batch size changes which microbatches share a size and which hold one example: without
+    the hint each change made dynamo generalize one more input, and each pattern of microbatches
+    of one example (sizes 0 and 1 are special to it unless ``backed_size_oblivious``) was one
+    more graph: 6 graphs for 12 batch sizes of 4 microbatches, against 2 (tests/test_compile.py).
+    """
+    for microbatch in microbatches:
+        leaves, _ = flatten(microbatch)
+        one = batch_dims is None or type(batch_dims) is int
+        dims = [batch_dims] * len(leaves) if one else broadcast_prefix(batch_dims, microbatch)
+        for leaf, dim in zip(leaves, dims):
+            if isinstance(leaf, torch.Tensor) and isinstance(dim, int) and leaf.dim() > 0:
+                torch._dynamo.maybe_mark_dynamic(leaf, dim % leaf.dim())
 
 
 def _own_code(core: _Core) -> Callable[..., Any]:

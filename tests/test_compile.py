@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import fpipe
-from fpipe.schedules import OneFOneB, ZeroBubbleH1
+from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1
 from tests.conformance import CONFORMANCE, Conformance
 from tests.helpers import assert_bitwise, some_stage_count
 
@@ -210,16 +210,20 @@ def test_compile_argument_is_checked() -> None:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # Inductor's import
-@pytest.mark.parametrize("schedule", [OneFOneB(4), ZeroBubbleH1(4)], ids=str)
-def test_inductor_step_is_close_to_eager_and_repeats_itself(schedule: Any) -> None:
-    """Inductor (``compile=True``) in float64: within 1e-12 of the eager step, the same bits run to run."""
+def test_inductor_step_is_close_to_eager_repeats_itself_and_is_one_across_schedules() -> None:
+    """Inductor (``compile=True``) in float64: within 1e-12 of the eager step, the same bits run to
+    run, and the same bits for GPipe, 1F1B and ZB-H1 (one program of operations up to order)."""
     stages = [first_block] + [block] * 3
-    compiled = fpipe.pipeline(target_loss, stages, schedule, compile=True)
-    eager = fpipe.pipeline(target_loss, stages, schedule)
     p, batch = params64(4), dict_batch(8, 3)
-    first, again = compiled(p, batch), compiled(p, batch)
-    assert_bitwise(first, again)
-    torch.testing.assert_close(first, eager(p, batch), rtol=1e-12, atol=0)
+    expected = fpipe.pipeline(target_loss, stages, GPipe(4))(p, batch)
+    results = []
+    for schedule in (GPipe(4), OneFOneB(4), ZeroBubbleH1(4)):
+        compiled = fpipe.pipeline(target_loss, stages, schedule, compile=True)
+        results.append(compiled(p, batch))
+        assert_bitwise(compiled(p, batch), results[-1])
+        torch.testing.assert_close(results[-1], expected, rtol=1e-12, atol=0)
+    for result in results[1:]:
+        assert_bitwise(result, results[0])
 
 
 def dropout_stage(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
@@ -272,3 +276,19 @@ def test_torch_compile_of_a_compiled_step_runs_its_core() -> None:
     assert_bitwise(torch.compile(step, backend="aot_eager")(p, x), eager(p, x))
     assert counter.frame_count == 1
     assert_bitwise(step.evaluate(p, x), eager.evaluate(p, x))
+
+
+def test_compiled_step_compiles_twice_for_any_batch_size() -> None:
+    """New batch sizes (uneven splits, microbatches of one example): one graph for even
+    microbatches and one for uneven ones, then none."""
+    counter = CompileCounter()
+    stages = [first_block, block]
+    compiled = fpipe.pipeline(target_loss, stages, OneFOneB(4), compile=counter)
+    eager = fpipe.pipeline(target_loss, stages, OneFOneB(4))
+    p = params64(2)
+    frames = []
+    for size in (8, 7, 6, 9, 5, 4, 12):
+        batch = dict_batch(size, 2)
+        assert_bitwise(compiled(p, batch), eager(p, batch))
+        frames.append(counter.frame_count)
+    assert frames[-1] <= 2 and frames[1:] == [frames[1]] * 6, frames
