@@ -178,6 +178,11 @@ class CompiledRun:
                 f"action {action} (stage {action.stage}, microbatch {action.microbatch}) draws random numbers "
                 f"({cause.op}), which are not yet a function of the key, stage and microbatch in a graph"
             )
+        if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
+            return (
+                f"dynamo reached its recompile limit for this step (torch._dynamo.config.recompile_limit: "
+                f"{torch._dynamo.config.recompile_limit}) at a new structure, dtype or shape of the parameters or batch"
+            )
         if isinstance(error, torch._dynamo.exc.BackendCompilerFailed):
             inner = error.inner_exception
             lines = str(inner).strip().splitlines()

@@ -292,3 +292,16 @@ def test_compiled_step_compiles_twice_for_any_batch_size() -> None:
         assert_bitwise(compiled(p, batch), eager(p, batch))
         frames.append(counter.frame_count)
     assert frames[-1] <= 2 and frames[1:] == [frames[1]] * 6, frames
+
+
+def test_past_the_recompile_limit_the_step_warns_and_runs_eagerly() -> None:
+    """Dynamo's recompile limit under ``fullgraph=True`` is an error, never a silent eager step."""
+    step = fpipe.pipeline(loss_fn, [block] * 2, OneFOneB(2), compile="aot_eager")
+    eager = fpipe.pipeline(loss_fn, [block] * 2, OneFOneB(2))
+    p = params(2)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        step(p, torch.randn(4, 16))
+        x = torch.randn(4, 3, 16)  # one more dimension: a new graph
+        with pytest.warns(UserWarning, match="compile: dynamo reached its recompile limit for this step"):
+            result = step(p, x)
+    assert_bitwise(result, eager(p, x))
