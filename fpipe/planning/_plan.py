@@ -97,7 +97,7 @@ def candidates(
                 searcher = _searcher(SEARCHED[n][0], m, p, v, memory, slack, overlap)
                 found.append(Candidate(name, v, searcher, adapts=True))
             else:
-                found.append(Candidate(name, v, _builder(SCHEDULES[n], m, p, v, overlap), adapts=overlap))
+                found.append(Candidate(name, v, _builder(SCHEDULES[n], m, p, v, overlap)))
     return found
 
 
