@@ -6,6 +6,7 @@ Run::
     python benchmarks/bench_compile.py --quick    # aot_eager backend, tiny (the tests)
     python benchmarks/bench_compile.py --json out.json
     python benchmarks/bench_compile.py --whole-step-only   # the second part alone
+    python benchmarks/bench_compile.py --whole-step-only --device cuda   # on a GPU (benchmarks/gpu_check.sh)
 
 The second part times ``pipeline(..., compile=True)`` (the whole step of the process traced into
 one graph, NOTE [the compiled step] in fpipe/_compile.py) in the per-call-overhead regime: 4
@@ -14,6 +15,7 @@ microbatches, float32, against fpipe's eager step (GPipe, 1F1B, ZB-H1), the eage
 compiled stages (1F1B) and the unsplit model (eager autograd, and forward and gradient compiled
 in one graph); every row A/B interleaved (one step of each, repeated), medians of CPU time, the
 first call's seconds (the compile) reported, grads checked against the eager step (rtol 1e-4).
+On a GPU (``--device cuda``) the times are wall-clock, synchronized after each step.
 
 Each stage is two residual SwiGLU blocks written as a pure function; the compiled pipeline
 passes ``torch.compile(stage)`` as its stage functions (forward and backward both compiled by
@@ -57,9 +59,10 @@ def timed(step: Callable[..., Any], *args: Any) -> float:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = _common.parser(__doc__, repeats="rounds of the whole-step comparison (default 41, quick 3)")
     parser.add_argument("--whole-step-only", action="store_true", help="only the compiled whole step's comparison")
+    parser.add_argument("--device", default="cpu", help="where the whole-step comparison runs (default cpu)")
     args = parser.parse_args(argv)
     results: dict[str, Any] = {} if args.whole_step_only else compiled_stages(args.quick)
-    results["whole_step"] = whole_step(args.quick, args.repeats)
+    results["whole_step"] = whole_step(args.quick, args.repeats, torch.device(args.device))
     _common.write_json(args.json, results)
     return results
 
@@ -107,14 +110,15 @@ def compiled_stages(quick: bool) -> dict[str, Any]:
     return results
 
 
-def whole_step(quick: bool, repeats: int | None) -> dict[str, Any]:
+def whole_step(quick: bool, repeats: int | None, device: torch.device | None = None) -> dict[str, Any]:
     """The compiled whole step against eager steps, compiled stages and the unsplit model (the second part)."""
+    device = device or torch.device("cpu")
     width, rows, stages, microbatches = (8, 8, 2, 2) if quick else (64, 64, 4, 8)
     backend = "aot_eager" if quick else "inductor"
     repeats = repeats or (3 if quick else 41)
     torch.manual_seed(0)
-    params = _common.mlp_params(stages, width, width)
-    batch = {"x": torch.randn(rows, width), "y": torch.randn(rows, width)}
+    params = [{k: v.to(device) for k, v in p.items()} for p in _common.mlp_params(stages, width, width)]
+    batch = {"x": torch.randn(rows, width, device=device), "y": torch.randn(rows, width, device=device)}
     fns = [_common.mlp_first] + [_common.mlp_block] * (stages - 1)
     schedules = {"GPipe": GPipe(microbatches), "1F1B": OneFOneB(microbatches), "ZB-H1": ZeroBubbleH1(microbatches)}
     torch._dynamo.reset()
@@ -154,18 +158,24 @@ def whole_step(quick: bool, repeats: int | None) -> dict[str, Any]:
     steps["unsplit eager"] = functools.partial(unsplit, params, batch)
     steps["unsplit compiled"] = functools.partial(compiled_unsplit, params, batch)
     times: dict[str, list[float]] = {name: [] for name in steps}
+    cuda = device.type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time  # CPU time on a shared CPU machine
     with torch._dynamo.config.patch(trace_autograd_ops=True):
         for step in steps.values():  # warm-up
             step()
         for _ in range(repeats):  # A/B interleaved: one step of each, repeated
             for name, step in steps.items():
-                start = time.process_time()
+                start = clock()
                 step()
-                times[name].append(time.process_time() - start)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                times[name].append(clock() - start)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     actions = 2 * stages * microbatches
     results: dict[str, Any] = {
         "config": {"width": width, "rows": rows, "stages": stages, "microbatches": microbatches, "backend": backend},
+        "device": str(device),
+        "clock": "wall" if cuda else "cpu",
         "threads": torch.get_num_threads(),
         "repeats": repeats,
         "cpu_ms": ms,
@@ -177,7 +187,7 @@ def whole_step(quick: bool, repeats: int | None) -> dict[str, Any]:
     }
     for name, value in ms.items():
         print(
-            f"{name:>22}: {value:8.3f} ms CPU"
+            f"{name:>22}: {value:8.3f} ms {results['clock']}"
             + (f"   first call {first_call_s[name]:6.1f} s" if name in first_call_s else "")
         )
     print("eager / whole step:", {k: round(v, 2) for k, v in results["eager_over_whole_step"].items()})

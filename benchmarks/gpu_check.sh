@@ -10,6 +10,9 @@
 # 2. tests/test_syncs.py and tests/test_record.py on CPU (the same checks, host side).
 # 3. benchmarks/bench_overhead.py --device cuda: fpipe vs plain autograd, 1 stage and 4 x 8, and
 #    the per-action cost on tiny stages.
+# 4. benchmarks/bench_compile.py --whole-step-only --device cuda: the compiled whole step
+#    (pipeline(..., compile=True), issue 38) against the eager step and the unsplit model on the
+#    GPU, grads checked against eager; Inductor's default mode (no CUDA graphs). Unrun so far.
 set -uo pipefail
 OUT="${OUT:-/tmp/fpipe-gpu}"
 mkdir -p "$OUT"
@@ -28,4 +31,6 @@ timeout 120 "$PYTHON" -m pytest tests/test_record.py tests/test_syncs.py -q -p n
     2>&1 | tee "$OUT/test_cpu_side.txt" || status=1
 timeout 240 "$PYTHON" benchmarks/bench_overhead.py --device cuda --json "$OUT/overhead_cuda.json" \
     2>&1 | tee "$OUT/overhead_cuda.txt" || status=1
+timeout 600 "$PYTHON" benchmarks/bench_compile.py --whole-step-only --device cuda --json "$OUT/compile_cuda.json" \
+    2>&1 | tee "$OUT/compile_cuda.txt" || status=1
 exit $status
