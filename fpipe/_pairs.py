@@ -37,6 +37,7 @@ replayed forward's points are points of the backward's side.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
 
@@ -108,8 +109,8 @@ def current_side() -> int | None:
 
 def run_pair(first: Callable[[], None], second: Callable[[], None]) -> tuple[int, int]:
     """Run ``first`` and ``second`` interleaved at their communication points: ``first`` on this
-    thread until its first point, then ``second`` on a thread of its own until its first point,
-    and so on (NOTE [overlapped pairs]). Returns the points each reached (``(0, 0)``: they ran in
+    thread until its first point, then ``second`` on this thread's second-side thread until its
+    first point, and so on (NOTE [overlapped pairs]). Returns the points each reached (``(0, 0)``: they ran in
     sequence).
 
     Raises:
@@ -136,14 +137,45 @@ def run_pair(first: Callable[[], None], second: Callable[[], None]) -> tuple[int
         with torch.set_grad_enabled(grad):  # thread-local: the second side runs as the first would
             side(1, second)
 
-    thread = threading.Thread(target=second_side, name="fpipe overlapped pair", daemon=True)
-    thread.start()
+    done = _second_thread().submit(second_side)
     side(0, first)
-    thread.join()
+    done.wait()
     for me, error in enumerate(errors):
         if error is not None:
             raise SideFailed(me) from error
     return baton.points[0], baton.points[1]
+
+
+class _SecondThread:
+    """One long-lived daemon thread per thread that runs pairs, for their second sides: a new
+    thread per pair made a step's first torch operations on it cost CPU each time (measured by
+    benchmarks/bench_pairs.py: +27% CPU per step with a thread per pair)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="fpipe overlapped pair", daemon=True).start()
+
+    def submit(self, job: Callable[[], None]) -> threading.Event:
+        """Run ``job`` on the thread; the event is set when it has returned (it never raises)."""
+        done = threading.Event()
+        self._jobs.put((job, done))
+        return done
+
+    def _serve(self) -> None:
+        while True:
+            job, done = self._jobs.get()
+            try:
+                job()
+            finally:
+                done.set()
+
+
+def _second_thread() -> _SecondThread:
+    """This thread's ``_SecondThread``, made on its first pair."""
+    worker: _SecondThread | None = getattr(_LOCAL, "worker", None)
+    if worker is None:
+        worker = _LOCAL.worker = _SecondThread()
+    return worker
 
 
 class SideFailed(Exception):
