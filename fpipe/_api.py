@@ -700,6 +700,9 @@ class Step:
         dimension the sums are also summed over the tensor-parallel group, each DTensor shard
         counted once and each replicated gradient (plain, or ``Replicate``) on one rank only
         (with ``shard_params`` too: the plain shards of a DTensor's local piece count as it does).
+        With an ``"ep"`` dimension each rank's block of experts (a DTensor on ``mesh["ep"]``)
+        counts once, on tensor-parallel rank 0, and the blocks are summed over the expert group;
+        dense gradients, the same on every ep rank, count once (notes/experts.md).
         """
         return self._sharded_strategy().global_norm(self.local_stages, grads)
 

@@ -101,7 +101,7 @@ def device_of(backend: str, mesh_device_type: str | None) -> torch.device:
 
 
 # Each role a mesh dimension may play, and the names it may have (NOTE [mesh dimensions]): a new
-# dimension (an expert-parallel "ep") is one more entry here and a field of ``Topology``.
+# dimension is one more entry here and fields of ``Topology``, as the expert-parallel "ep" was.
 MESH_ROLES = {"pp": ("pp", "pipeline"), "dp": ("dp", "data"), "ep": ("ep", "expert"), "tp": ("tp", "tensor")}
 
 
