@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import warnings
 
 import optree
@@ -20,7 +19,7 @@ from fpipe.schedules import Action, DualPipeV, OneFOneB, Overlapped, Program, Sc
 from fpipe.schedules._registry import BUILTINS
 from tests._multiprocess import run_ranks
 from tests.conformance import built
-from tests.distributed._faults import SLACK
+from tests.distributed._faults import SLACK, timed_failure
 from tests.helpers import MOE_EXPERTS, assert_bitwise, moe_batch, moe_loss, moe_params, moe_reference, moe_stages
 
 pytestmark = pytest.mark.timeout(240)
@@ -204,12 +203,7 @@ def _lost_in_a_pair(rank, world, sig, timeout):
     b = moe_batch(mesh.get_coordinate()[1]) if step.rank == 0 else None
     step(ps, b)
     armed[0] = True
-    start = time.monotonic()
-    try:
-        step(ps, b)
-    except fpipe.PipelineError as error:
-        return time.monotonic() - start, type(error).__name__, str(error)
-    return time.monotonic() - start, "no error", ""
+    return timed_failure(step, ps, b)
 
 
 def test_every_built_in_schedule_overlapped_on_pp_times_ep_is_bitwise_its_sequential_program():

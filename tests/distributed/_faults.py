@@ -38,3 +38,15 @@ def wait_for(path: Path, seconds: float = 60) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path.name}: not within {seconds} s"
         time.sleep(0.02)
+
+
+def timed_failure(step: Any, params: Any, batch: Any) -> tuple[float, str, str]:
+    """Run one step that a fault should fail: ``(seconds, error type, message)``, or ``"no error"``."""
+    import fpipe
+
+    start = time.monotonic()
+    try:
+        step(params, batch)
+    except fpipe.PipelineError as error:
+        return time.monotonic() - start, type(error).__name__, str(error)
+    return time.monotonic() - start, "no error", ""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from fpipe.schedules import GPipe, OneFOneB
 from fpipe.schedules._registry import BUILTINS
 from tests._multiprocess import run_ranks
 from tests.conformance import built
-from tests.distributed._faults import SLACK, rank_name
+from tests.distributed._faults import SLACK, rank_name, timed_failure
 from tests.helpers import (
     EXPERT_TOKENS,
     EXPERTS,
@@ -219,9 +218,4 @@ def _lost_in_all_to_all(rank, world, sig, timeout):
     b = batch(rank % 2) if step.rank == 0 else None
     step(ps, b)
     armed[0] = True
-    start = time.monotonic()
-    try:
-        step(ps, b)
-    except fpipe.PipelineError as error:
-        return time.monotonic() - start, type(error).__name__, str(error)
-    return time.monotonic() - start, "no error", ""
+    return timed_failure(step, ps, b)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import fpipe
 from fpipe.schedules import OneFOneB
 from tests._multiprocess import run_ranks
-from tests.distributed._faults import DP_PP, PP_TP, SLACK, rank_name, wait_for
+from tests.distributed._faults import DP_PP, PP_TP, SLACK, rank_name, timed_failure, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,12 +32,7 @@ def scenario(rank, world, mesh, victim, where, sig, timeout):
     """One healthy step, then the victim's fault; a survivor returns ``(seconds, error type, message)``."""
     step, params, batch, arm = _faulty(world, mesh, victim, where, sig, timeout)
     arm()
-    start = time.monotonic()
-    try:
-        step(params, batch)
-    except fpipe.PipelineError as error:
-        return time.monotonic() - start, type(error).__name__, str(error)
-    return time.monotonic() - start, "no error", ""
+    return timed_failure(step, params, batch)
 
 
 def _faulty(world, mesh, victim, where, sig, timeout, group=None):
