@@ -97,49 +97,22 @@ def consumers(program: Program, rank: int, send_microbatches: bool) -> dict[Key,
     return out
 
 
-def confirmed(read_at: Sequence[int], sent_at: Sequence[int]) -> list[int]:
-    """For each message a peer sends this rank in one step, how many of this rank's messages to
-    it the peer has read by the time it sends it (NOTE [sends released]). ``read_at``: for each
-    of this rank's messages to the peer, in the order sent, the position in the peer's row of the
-    action that needs it (``consumers``); ``sent_at``: for each of the peer's messages to this
-    rank, that of the action that sends it (``sends``; the result: one past the last).
-
-    The peer reads this rank's messages in the order they are sent, each by the end of the
-    receives of the action that needs it, and an action's receives come before its sends; so a
-    message that the peer sends in the action at position ``k`` follows the reading of every
-    message needed at ``k`` or before, and of every message sent before one of those.
-    """
-    read_by = list(read_at)
-    for j in range(len(read_by) - 2, -1, -1):  # read when it or a later one is needed
-        read_by[j] = min(read_by[j], read_by[j + 1])
-    out, count = [], 0
-    for k in sent_at:  # (in the order sent: ``k`` grows)
-        while count < len(read_by) and read_by[count] <= k:
-            count += 1
-        out.append(count)
-    return out
-
-
 # NOTE [sends released]
 # A send keeps its tensors (a large leaf's own storage, the packed bytes) alive until the
 # transport lets it go, as soon as the send has completed. NCCL's work says so as the send goes
-# (``is_completed``, asked as each message is sent or read); gloo's says False until waited for,
-# even once the peer has read it, and waiting for a send whose receive is not posted blocks. So:
-# 1. The peer's own messages tell: it reads this rank's messages in the order sent, each by the
-#    action that needs it, and an action receives before it sends (``confirmed``), so once this
-#    rank has read a message the peer sent at position ``k`` of its row, waiting for the sends
-#    of every message the peer needed at ``k`` or before returns at once (``_release``).
-# 2. On gloo, the sends that no later message confirms (``_Peer.unconfirmed`` on: GPipe's last
-#    rank's cotangents, 1F1B's last two, the result) go to a thread of the step's (``_Waiter``),
-#    which waits for them oldest first and lets go of each as its wait returns. Its waits have no
-#    timeout but the group's (a gloo wait that times out closes the group's pairs, which would
-#    race the step's own waits to name the failure): the step's waits bound them. ``close``
-#    joins it after the closing all-gather, when every peer has read every message, so at once.
-#    After a failure (``abort``) the sends left may never be read: it is joined when the job's
-#    groups are aborted on this rank (a lost rank: its wait has ended), else left to end with its
-#    wait (the peer reads, exits, or the group goes), and at exit its group is aborted
-#    (``_end_left``): aborting the group at once would close it for the ranks still using it. A
-#    failed wait is raised by the next such send or ``close``, as the step's own wait would be.
+# (``is_completed``, asked as each message is sent or read: ``_release``); gloo's says False
+# until waited for, even once the peer has read it, and waiting for a send whose receive is not
+# posted blocks. So on gloo every send goes to a thread of the step's per peer (``_Waiter``),
+# which waits for that peer's sends oldest first (the peer reads them in the order sent) and
+# lets go of each as its wait returns. Its waits have no timeout but the group's (a gloo wait
+# that times out closes the group's pairs, which would race the step's own waits to name the
+# failure): the step's waits bound them. ``close`` joins the threads after the closing
+# all-gather, when every peer has read every message, so at once. After a failure (``abort``)
+# the sends left may never be read: a thread is joined when the job's groups are aborted on
+# this rank (a lost rank: its wait has ended), else left to end with its wait (the peer reads,
+# exits, or the group goes), and at exit its group is aborted (``_end_left``): aborting the
+# group at once would close it for the ranks still using it. A failed wait is raised by the
+# next send or ``close``, as the step's own wait would be.
 # What a rank holds as a result: notes/wire.md, "What a rank holds, and for how long".
 
 
@@ -158,7 +131,6 @@ class _Route(NamedTuple):
     incoming: list[Key]  # the peer's messages to this rank, in the order sent
     outgoing: list[Key]  # this rank's messages to the peer, in the order sent
     sent_at: list[int]  # the position in this rank's row of the action that sends each outgoing one
-    confirms: list[int]  # per incoming message, how many outgoing ones the peer had read (``confirmed``)
 
 
 class Plan(NamedTuple):
@@ -179,31 +151,25 @@ def plan(program: Program, rank: int, send_microbatches: bool) -> Plan:
         if r != rank:
             theirs, mine = sends(program, r, send_microbatches).get(rank, []), outgoing.get(r, [])
             if theirs or mine:
-                needed = consumers(program, r, send_microbatches) if mine and theirs else {}
-                confirms = confirmed([needed[key] for key, _ in mine], [k for _, k in theirs]) if needed else []
                 keys, sent_at = [key for key, _ in mine], [k for _, k in mine]
-                routes.append(_Route(r, [key for key, _ in theirs], keys, sent_at, confirms))
+                routes.append(_Route(r, [key for key, _ in theirs], keys, sent_at))
     return Plan(tuple(routes), consumers(program, rank, send_microbatches))
 
 
 class _Peer:
     """The message streams between this rank and one other pipeline rank, for one step."""
 
-    def __init__(self, route: _Route) -> None:
+    def __init__(self, route: _Route, waiter: _Waiter | None) -> None:
         self.rank = route.peer
         self.incoming = route.incoming
         self.next_in = 0
         self.outgoing = route.outgoing
         self.sent_at = route.sent_at  # the position of the action that sends each
         self.next_out = 0
-        # Per incoming message, how many outgoing ones the peer had read when it sent it
-        # (``confirmed``); and this rank's sends not yet known to have completed, oldest first:
-        # (the message's index in ``outgoing``, the work, its tensor) (NOTE [sends released]).
-        self.confirms = route.confirms
-        self.pending: deque[tuple[int, Any, torch.Tensor]] = deque()
-        # The first outgoing message that no incoming one confirms: it and those after go to
-        # the step's ``_Waiter`` on gloo (NOTE [sends released], point 2).
-        self.unconfirmed = route.confirms[-1] if route.confirms else 0
+        # This rank's sends not yet known to have completed (NOTE [sends released]): on gloo
+        # with the peer's ``_Waiter``, else here, oldest first, as (the work, its tensor).
+        self.waiter = waiter
+        self.pending: deque[tuple[Any, torch.Tensor]] = deque()
         self.buffered: dict[Key, PyTree] = {}
         # The next message's receives, when posted ahead (NOTE [receives ahead] in fpipe/_distributed/_wire.py):
         # its first tensor, its large leaves, and the works of both.
@@ -211,8 +177,8 @@ class _Peer:
 
 
 class _Waiter:
-    """The step's thread that waits, oldest first, for the sends no later message confirms, and
-    lets go of each as its wait returns (NOTE [sends released], point 2)."""
+    """The step's thread that waits, oldest first, for its sends to one peer, and lets go of each
+    as its wait returns (NOTE [sends released])."""
 
     def __init__(self, group: Any) -> None:
         self._group = group
@@ -292,9 +258,9 @@ class _Waiter:
                     self.failed = (error.with_traceback(None), queue[0][2], queue[0][3])
                     queue.clear()
                 return
+            del work  # (it holds the tensor too: the queue's entry is then the thread's last reference)
             with self._changed:
                 queue.popleft()
-            del work  # (it holds the tensor too)
 
 
 _LEFT: list[_Waiter] = []  # threads still waiting after their failed step (``_Waiter.leave``)
@@ -349,9 +315,8 @@ class DistributedTransport:
         routes, self._needed = plan(program, self.me, send_microbatches)
         self._now = -1  # the position of the action that needed the message read last
         self._in_order = topology.device.type != "cpu"  # NOTE [receives ahead in stream order]
-        self.peers = {route.peer: _Peer(route) for route in routes}
-        # NOTE [sends released], point 2: gloo only (NCCL's work says when a send completed).
-        self._waiter = _Waiter(topology.group) if dist.get_backend(topology.group) == "gloo" else None
+        gloo = dist.get_backend(topology.group) == "gloo"  # NOTE [sends released]
+        self.peers = {route.peer: _Peer(route, _Waiter(topology.group) if gloo else None) for route in routes}
         for peer in self.peers.values():
             self._post_ahead(peer)
 
@@ -412,10 +377,10 @@ class DistributedTransport:
         if failure is not None:
             self._remote_failure(failure)
         for peer in self.peers.values():
-            self._release(peer, len(peer.outgoing) + 1)  # (wait for each, whatever the peer read)
-        if self._waiter is not None:
-            self._waiter.join(self._seconds)
-            self._sent()
+            self._release(peer, every=True)
+            if peer.waiter is not None:
+                peer.waiter.join(self._seconds)
+        self._sent()
         for peer in self.peers.values():
             assert peer.next_in == len(peer.incoming) and not peer.buffered, "fpipe: unread messages"
 
@@ -452,8 +417,9 @@ class DistributedTransport:
             with contextlib.suppress(PipelineError):  # the board tells those this misses
                 self._conclude(code)
         self._wire.reset()
-        if self._waiter is not None:  # (after the closing all-gather: no rank reads any more)
-            self._waiter.leave(aborted=self.topology.board.aborted)
+        for peer in self.peers.values():  # (after the closing all-gather: no rank reads any more)
+            if peer.waiter is not None:
+                peer.waiter.leave(aborted=self.topology.board.aborted)
 
     def _failure(self, error: BaseException, action: Action | None) -> Failure:
         """This rank's failure for ``error`` raised in ``action`` (an error from a failure
@@ -498,9 +464,9 @@ class DistributedTransport:
         assert peer.outgoing[peer.next_out] == key, f"fpipe: sending {key}, expected {peer.outgoing[peer.next_out]}"
         ranks = None if self.topology.tensor_ranks is None else list(self.topology.tensor_ranks)
         tensors = self._wire.encoders[_channel(dst, key)].encode(value, self.topology.device, ranks)
-        index, peer.next_out = peer.next_out, peer.next_out + 1
+        peer.next_out += 1
         if peer.pending:
-            self._release(peer, 0)  # those the backend says are done (NOTE [sends released])
+            self._release(peer)  # those the backend says are done (NOTE [sends released])
         to, group = self.topology.global_ranks[dst], self.topology.group
         for tensor in tensors:
             try:
@@ -508,32 +474,32 @@ class DistributedTransport:
             except RuntimeError as error:  # the peer is gone: not the stage's fault
                 what = f"{_describe(key)} to be sent to rank {dst}"
                 raise lost(self.topology.board, error, self.me, what, to, self._timeout) from error
-            if index >= peer.unconfirmed and self._waiter is not None:
+            if peer.waiter is not None:
                 self._sent()
-                self._waiter.put(work, tensor, f"{_describe(key)} to be sent to rank {dst}", to)
+                peer.waiter.put(work, tensor, f"{_describe(key)} to be sent to rank {dst}", to)
             else:
-                peer.pending.append((index, work, tensor))
+                peer.pending.append((work, tensor))
 
-    def _release(self, peer: _Peer, known: int) -> None:
-        """Let go of the sends to ``peer`` known to have completed (NOTE [sends released]): those
-        of its first ``known`` outgoing messages (the peer has read them: their waits return at
-        once), and the oldest ones whose work says it is done."""
+    def _release(self, peer: _Peer, *, every: bool = False) -> None:
+        """Let go of the oldest sends to ``peer`` whose work says it is done (NOTE [sends
+        released]), or of ``every`` one once it is (``close``: the peer has read them all)."""
         pending = peer.pending
-        while pending and (pending[0][0] < known or pending[0][1].is_completed()):
-            _, work, _ = pending.popleft()
+        while pending and (every or pending[0][0].is_completed()):
+            work, _ = pending.popleft()
             wait(work, self.topology.board, self._timeout, self.me, "a send to complete")
 
     def _sent(self) -> None:
-        """Raise the failure of a send the ``_Waiter`` waited for, as this thread's own wait would."""
-        failed = None if self._waiter is None else self._waiter.failed
-        if failed is not None:
-            error, what, peer = failed
-            raise lost(self.topology.board, error, self.me, what, peer, self._timeout) from error
+        """Raise the failure of a send a ``_Waiter`` waited for, as this thread's own wait would."""
+        for peer in self.peers.values():
+            failed = None if peer.waiter is None else peer.waiter.failed
+            if failed is not None:
+                error, what, to = failed
+                raise lost(self.topology.board, error, self.me, what, to, self._timeout) from error
 
     def held(self) -> int:
         """Bytes of this rank's sends not yet known to have completed (NOTE [sends released])."""
-        waiting = 0 if self._waiter is None else self._waiter.held()
-        return waiting + sum(t.numel() * t.element_size() for peer in self.peers.values() for _, _, t in peer.pending)
+        waiting = sum(peer.waiter.held() for peer in self.peers.values() if peer.waiter is not None)
+        return waiting + sum(t.numel() * t.element_size() for peer in self.peers.values() for _, t in peer.pending)
 
     def _recv(self, src: int, key: Key) -> PyTree:
         peer = self.peers[src]
@@ -586,7 +552,7 @@ class DistributedTransport:
         peer.buffered[key] = decoder.decode(first, packed, large, self.topology.tensor_mesh)
         self._now = self._needed[key]
         if peer.pending:
-            self._release(peer, peer.confirms[peer.next_in - 1])
+            self._release(peer)
         self._post_ahead(peer)
 
     def _remote_failure(self, code: FailureCode) -> None:

@@ -1,10 +1,9 @@
 """The distributed transport's plan of a step (``fpipe._distributed._transport``): which messages
-each rank receives, which action needs each (NOTE [small receives ahead]), and which of its own
-sends a rank knows to have completed when it reads a peer's message (NOTE [sends released]); a
-recorded timeline gathered from every rank's own row; and, on 2 gloo ranks, sent tensors let go
-once their sends have completed, confirmed by the peer's later messages or waited for by the
-step's own thread, which ends with the step, failed or not. The messages themselves are tested
-on gloo ranks in tests/test_distributed.py."""
+each rank receives and which action needs each (NOTE [small receives ahead]); a recorded
+timeline gathered from every rank's own row; and, on 2 gloo ranks, sent tensors let go once
+their sends have completed (NOTE [sends released]), waited for by the step's own threads, which
+end with the step, failed or not. The messages themselves are tested on gloo ranks in
+tests/test_distributed.py."""
 
 from __future__ import annotations
 
@@ -22,8 +21,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import fpipe
 from fpipe._distributed import _transport
-from fpipe._distributed._transport import Key, ahead_is_safe, confirmed, consumers, messages, sends
-from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleV, simulate
+from fpipe._distributed._transport import Key, ahead_is_safe, consumers, messages, sends
+from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB, simulate
 from fpipe.schedules._program import Program, Schedule
 from tests._multiprocess import run_ranks
 from tests.distributed._faults import SLACK, wait_for
@@ -105,59 +104,20 @@ def test_a_recorded_timeline_gathers_each_ranks_own_row(monkeypatch: pytest.Monk
     assert timeline.program is program and timeline.costs is None
 
 
-def _confirmed(program: Program, me: int, peer: int, send_microbatches: bool) -> list[int]:
-    """``confirmed`` for ``me``'s messages to ``peer`` and ``peer``'s to ``me``, as the transport asks it."""
-    needed = consumers(program, peer, send_microbatches)
-    mine = messages(program, me, send_microbatches).get(peer, [])
-    return confirmed([needed[key] for key in mine], [k for _, k in sends(program, peer, send_microbatches).get(me, [])])
-
-
-def test_a_peers_message_confirms_the_messages_it_had_read_when_it_sent_it() -> None:
-    """NOTE [sends released], 1F1B on 2 ranks: rank 1 sends the cotangent of 1B_i after 1F_i read
-    activation i, so it confirms activations 0..i (the result, all 8); rank 0 sends activation
-    i + 2 after 0B_i read cotangent i, so it confirms cotangents 0..i."""
-    program = _program(OneFOneB(8), 2)
-    assert _confirmed(program, 0, 1, False) == [1, 2, 3, 4, 5, 6, 7, 8, 8]
-    assert _confirmed(program, 1, 0, False) == [0, 0, 1, 2, 3, 4, 5, 6]
-    # GPipe: rank 1 sends nothing back before its backwards, by when it has read every activation.
-    assert _confirmed(_program(GPipe(4), 2), 0, 1, False) == [4] * 5
-    # With the microbatches sent too, they count among rank 0's messages to rank 1 (2 per forward).
-    assert _confirmed(_program(OneFOneB(4), 2), 0, 1, True) == [2, 4, 6, 8, 8]
-
-
-def test_a_peer_has_read_what_it_confirms_before_it_sends() -> None:
-    """For every built-in schedule on 2 and 4 ranks: a peer's message confirms only messages needed
-    by an action of the peer's row at or before the one that sends it, and the result confirms all."""
-    for schedule, num_stages, num_ranks in [
-        (GPipe(4), 4, 4), (OneFOneB(6), 4, 2), (OneFOneB(4), 4, 4), (ZeroBubbleV(4), 4, 2),
-    ]:  # fmt: skip
-        program = schedule.program(num_stages, num_ranks)
-        for me in range(num_ranks):
-            for peer in range(num_ranks):
-                if peer == me:
-                    continue
-                mine = messages(program, me, True).get(peer, [])
-                needed = consumers(program, peer, True)
-                theirs = sends(program, peer, True).get(me, [])
-                counts = _confirmed(program, me, peer, True)
-                assert len(counts) == len(theirs)
-                # Read by the time the peer sends at position k: needed at k or before, or before a later one is.
-                read_by = [min(needed[key] for key in mine[j:]) for j in range(len(mine))]
-                assert counts == [sum(at <= k for at in read_by) for _, k in theirs]
-                if theirs and theirs[-1][0][0] == "result":
-                    assert counts[-1] == len(mine)
-
-
 # -- Sent tensors let go on 2 gloo ranks (NOTE [sends released]) ----------------------------------
 
 WIDTH = 1 << 14  # float64 leaves of 128 KiB: they travel from their own storage (INLINE_LIMIT)
 M = 8
+RELEASE = 10.0  # seconds a completed send's thread may take to let go of it (NOTE [sends released])
 _SENT: dict[int, StorageWeakRef] = {}  # microbatch -> the storage of its stage-0 output's ``big`` leaf, on rank 0
 _ALIVE: dict[int, list[int]] = {}  # microbatch -> the earlier ``big`` leaves alive when its forward ran
 
 
 def _first(p, mb):
     i = int(mb["id"])
+    deadline = time.monotonic() + RELEASE  # (activation i - 2's send has completed: below)
+    while any(not ref.expired() for j, ref in _SENT.items() if j < i - 1) and time.monotonic() < deadline:
+        time.sleep(0.001)
     _ALIVE[i] = sorted(j for j, ref in _SENT.items() if not ref.expired())
     big = torch.full((WIDTH,), float(i + 1), dtype=torch.float64)  # no graph: the pullback does not keep it
     _SENT[i] = StorageWeakRef(big.untyped_storage())  # (the wire sends a view of it)
@@ -190,6 +150,9 @@ def _released(rank, world):
     send_cotangent = _transport.DistributedTransport.send_cotangent
 
     def recording(self, stage, microbatch, value):
+        deadline = time.monotonic() + RELEASE  # (cotangent i - 2's send has completed: below)
+        while self.held() >= 2 * WIDTH * 8 and time.monotonic() < deadline:
+            time.sleep(0.001)
         held.append(self.held())  # before this send: what the earlier sends still hold
         send_cotangent(self, stage, microbatch, value)
 
@@ -209,12 +172,12 @@ def _released(rank, world):
 
 @pytest.mark.timeout(120)
 def test_sent_tensors_are_let_go_once_the_peer_has_read_them():
-    """No timing involved: at 0F_j, rank 0 has run 0B_{j-2}, whose cotangent rank 1 sent after 1F_{j-2}
-    read activation j - 2, so every send of activation j - 2 or earlier has completed and nothing
-    may hold its tensors (a stage output's leaf with no graph, which no pullback keeps either);
-    before, the transport kept all of them until the end of the step. Likewise rank 1, as it sends
-    cotangent i, has read activation i, sent after 0B_{i-2} read cotangent i - 2: it may hold
-    cotangent i - 1 alone. Twice, so the second step starts with every layout known."""
+    """At 0F_j, rank 0 has run 0B_{j-2}, whose cotangent rank 1 sent after 1F_{j-2} read activation
+    j - 2, so every send of activation j - 2 or earlier has completed and, within ``RELEASE``
+    seconds (the sends thread's turn), nothing may hold its tensors (a stage output's leaf with no
+    graph, which no pullback keeps either). Likewise rank 1, as it sends cotangent i, has read
+    activation i, sent after 0B_{i-2} read cotangent i - 2: it may hold cotangent i - 1 alone.
+    Twice, so the second step starts with every layout known."""
     results = run_ranks(2, _released, timeout=100)
     cotangent = WIDTH * 8  # bytes of one cotangent's large leaf
     for first, second in zip(*results):
@@ -225,7 +188,7 @@ def test_sent_tensors_are_let_go_once_the_peer_has_read_them():
         assert all(held < 2 * cotangent for held in second["held"]), second["held"]
 
 
-# -- Every send let go once it has completed, confirmed or not (NOTE [sends released], point 2) ----
+# -- Every send let go once it has completed, the last ones too (NOTE [sends released]) -------------
 
 
 def _scaled(p, x):
@@ -277,11 +240,11 @@ def _every_send(rank, world):
 
 @pytest.mark.timeout(180)
 def test_every_sent_tensor_is_let_go_soon_after_the_last_action():
-    """The sends that no later message confirms (GPipe's last rank's cotangents, 1F1B's and
-    interleaved 1F1B's last two, the result) are let go by the step's own thread as their sends
-    complete: as ``close`` begins, every tensor a rank sent in the step is let go within moments,
-    where before they were held until after the closing all-gather (so the test waited its 5 s
-    and found them). The thread ends with the step: none is left after it."""
+    """The sends of a step's last actions (GPipe's last rank's cotangents, 1F1B's and interleaved
+    1F1B's last two, the result) are let go by the step's own threads as their sends complete: as
+    ``close`` begins, every tensor a rank sent in the step is let go within moments, where a
+    transport that kept them until after the closing all-gather would have the test wait its 5 s
+    and find them. The threads end with the step: none is left after it."""
     for rank, steps in enumerate(run_ranks(2, _every_send, timeout=150)):
         assert len(steps) == 6
         for checked in steps:
