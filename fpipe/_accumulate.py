@@ -45,12 +45,20 @@ class OrderedSum:
 
     NOTE [fixed accumulation order]: ``engine_accumulates`` says whether the engine may accumulate
     a microbatch's backward straight into ``.grad`` (then ``accumulated`` records it); ``add``
-    takes a contribution computed apart and adds it once its predecessors are in.
+    takes a contribution computed apart and adds it once its predecessors are in. ``order``: the
+    microbatches summed, in order (default ``0, 1, 2, ...``): a holder's own, for a stage on
+    several ranks (NOTE [a stage on several ranks] in fpipe/schedules/_program.py).
     """
 
-    def __init__(self, leaves: list[torch.Tensor], dtypes: Sequence[torch.dtype] | None = None) -> None:
+    def __init__(
+        self,
+        leaves: list[torch.Tensor],
+        dtypes: Sequence[torch.dtype] | None = None,
+        order: Sequence[int] | None = None,
+    ) -> None:
         self._leaves = leaves
-        self._next = 0
+        self._order = order  # (``None``: microbatch ``k`` is the ``k``-th)
+        self._next = 0  # the position in ``order`` of the next microbatch to add
         self._pending: dict[int, Grads] = {}
         # With a precision policy whose sums are wider than the leaves (NOTE [precision of a leaf]),
         # the sums live here in their own dtypes, every contribution is added by ``_flush``.
@@ -64,11 +72,16 @@ class OrderedSum:
         """Whether the engine may add ``microbatch``'s gradients straight into ``.grad``: every
         earlier microbatch's contribution is in, and the sums have the leaves' dtypes (``.grad``
         has the leaf's dtype)."""
-        return microbatch == self._next and self._dtypes is None
+        return microbatch == self._expected() and self._dtypes is None
+
+    def _expected(self) -> int:
+        """The microbatch to add next (past the end: -1)."""
+        order, k = self._order, self._next
+        return k if order is None else order[k] if k < len(order) else -1
 
     def accumulated(self, microbatch: int) -> None:
         """The engine has added ``microbatch``'s gradients to ``.grad`` (each one this sum's own: ``own``)."""
-        assert microbatch == self._next, "fpipe: accumulated out of microbatch order"
+        assert microbatch == self._expected(), "fpipe: accumulated out of microbatch order"
         self._next += 1
         if self._pending:
             self._flush()
@@ -89,12 +102,12 @@ class OrderedSum:
         self._flush()
 
     def _flush(self) -> None:
-        while self._next in self._pending:
+        while self._expected() in self._pending:
             if self._dtypes is not None:
-                self._add_wide(self._pending.pop(self._next), self._dtypes)
+                self._add_wide(self._pending.pop(self._expected()), self._dtypes)
                 self._next += 1
                 continue
-            for leaf, g in zip(self._leaves, self._pending.pop(self._next)):
+            for leaf, g in zip(self._leaves, self._pending.pop(self._expected())):
                 if g is None:
                     continue
                 if leaf.grad is None:
@@ -129,3 +142,52 @@ class OrderedSum:
             self._sums[k] = g
         else:
             self._leaves[k].grad = g
+
+
+class HoldersSum:
+    """A stage's gradients in one process when the program runs it on several ranks (NOTE [a stage
+    on several ranks] in fpipe/schedules/_program.py): one ``OrderedSum`` per holder, over that
+    holder's microbatches (``orders``, in holder order), the first in ``.grad``, the others apart
+    in the leaves' dtypes (or the policy's); ``total`` adds the others to the first in holder
+    order, once, as the holders' exchange does on many ranks. ``OrderedSum``'s interface."""
+
+    def __init__(
+        self, leaves: list[torch.Tensor], dtypes: Sequence[torch.dtype] | None, orders: Sequence[Sequence[int]]
+    ) -> None:
+        apart = list(dtypes) if dtypes is not None else [leaf.dtype for leaf in leaves]
+        self._sums = [OrderedSum(leaves, dtypes, orders[0])] + [
+            OrderedSum(leaves, apart, order) for order in orders[1:]
+        ]
+        self._holder = {i: k for k, order in enumerate(orders) for i in order}
+        self._added = False
+
+    @property
+    def all_own(self) -> bool:
+        return self._sums[0].all_own
+
+    def engine_accumulates(self, microbatch: int) -> bool:
+        return self._holder[microbatch] == 0 and self._sums[0].engine_accumulates(microbatch)
+
+    def accumulated(self, microbatch: int) -> None:
+        self._sums[0].accumulated(microbatch)
+
+    def own(self) -> None:
+        self._sums[0].own()
+
+    def add(self, microbatch: int, grads: Sequence[torch.Tensor | None]) -> None:
+        self._sums[self._holder[microbatch]].add(microbatch, grads)
+
+    @property
+    def total(self) -> Grads:
+        first = self._sums[0]
+        if not self._added:
+            self._added = True
+            for other in self._sums[1:]:
+                for k, g in enumerate(other.total):
+                    total = first.total[k]
+                    if g is not None:
+                        first.replace(k, clone(g)) if total is None else total.add_(g)
+        return first.total
+
+    def replace(self, k: int, g: torch.Tensor) -> None:
+        self._sums[0].replace(k, g)

@@ -78,6 +78,12 @@ class LocalTransport:
     def exchange_result(self, result: PyTree) -> PyTree:
         return result
 
+    def share_grads(self, grads: dict[int, PyTree]) -> dict[int, list[PyTree]]:
+        return {s: [tree] for s, tree in grads.items()}
+
+    def gather_losses(self, losses: tuple[dict[int, Any], ...]) -> tuple[dict[int, Any], ...]:
+        return losses
+
     def close(self) -> None:
         pass
 

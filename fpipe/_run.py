@@ -173,10 +173,18 @@ class ReplicatedStages(dict[int, StageRun]):
 
 
 def stage_run(step: StepView, stage: int, stage_params: PyTree) -> StageRun:
-    """The ``StageRun`` of ``stage`` with ``stage_params``."""
+    """The ``StageRun`` of ``stage`` with ``stage_params``: for a stage on several ranks, summing
+    this rank's microbatches, or in one process each holder's apart (NOTE [a stage on several
+    ranks] in fpipe/schedules/_program.py)."""
+    program, orders = step.program, tuple[tuple[int, ...], ...]()
+    holders = program.holders(stage)
+    if len(holders) > 1:
+        mine = holders if step.rank is None else (step.rank,)
+        orders = tuple(program.microbatches_on(stage, r) for r in mine)
     return StageRun(
-        stage, step.stages[stage], stage_params, recompute=stage in step.recompute, precision=step.precision
-    )
+        stage, step.stages[stage], stage_params, recompute=stage in step.recompute, precision=step.precision,
+        orders=orders,
+    )  # fmt: skip
 
 
 def segments(order: Sequence[tuple[int, Action]], pairs: Mapping[Action, Action] | None = None) -> Segments:
@@ -223,6 +231,16 @@ class RunTransport(Transport, Protocol):
 
     def running(self) -> AbstractContextManager[object]:
         """The context the actions run in (NOTE [tensor-parallel waits] in fpipe/_distributed/_transport.py)."""
+        ...
+
+    def share_grads(self, grads: dict[int, PyTree], /) -> dict[int, list[PyTree]]:
+        """For each stage this process holds with other processes, every holder's gradient sum
+        in holder order (NOTE [a stage on several ranks] in fpipe/schedules/_program.py)."""
+        ...
+
+    def gather_losses(self, losses: tuple[dict[int, Any], ...], /) -> tuple[dict[int, Any], ...] | None:
+        """The last stage's ``(losses, auxes, outputs)`` by microbatch, every holder's, on the one
+        that makes the result; ``None`` on the others."""
         ...
 
     def exchange_result(self, result: PyTree, /) -> PyTree:
@@ -294,7 +312,16 @@ def run(
         start = clock()
         with transport.running():
             times = interpret(executor, runs, order, devices)
-        mine = result(step, executor, explicit=explicit) if step.num_stages - 1 in step.local_stages else None
+        if step.rank is not None and not order.forward_only:  # NOTE [a stage on several ranks]
+            shared = {s: runs[s].grads() for s in runs if len(step.program.holders(s)) > 1}
+            for s, partials in (transport.share_grads(shared) if shared else {}).items():
+                runs[s].add_holders(partials)
+        mine = None
+        if step.num_stages - 1 in step.local_stages:
+            gathered = transport.gather_losses((executor.losses, executor.auxes, executor.outputs))
+            if gathered is not None:
+                executor.losses, executor.auxes, executor.outputs = gathered
+                mine = result(step, executor, explicit=explicit)
         loss, aux, outputs = transport.exchange_result(mine)
         transport.close()
         recording = active()

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from ._accumulate import Grads, OrderedSum
+from ._accumulate import Grads, HoldersSum, OrderedSum
 from ._precision import Precision
 from ._purity import raise_if_in_place
 from ._pytree import (
@@ -106,7 +106,12 @@ class Pullback:
 
 
 class StageRun:
-    """Stage ``index`` for the duration of one step: prepared parameters and the gradient sum."""
+    """Stage ``index`` for the duration of one step: prepared parameters and the gradient sum.
+
+    ``orders``: for a stage on several ranks (NOTE [a stage on several ranks] in
+    fpipe/schedules/_program.py), the microbatches each holder here sums, in holder order (one
+    on a rank, every holder's in one process); empty for the usual ``0, 1, 2, ...``.
+    """
 
     def __init__(
         self,
@@ -116,6 +121,7 @@ class StageRun:
         *,
         recompute: bool = False,
         precision: Precision | None = None,
+        orders: Sequence[Sequence[int]] = (),
     ) -> None:
         self.index = index
         self.fn = fn
@@ -144,7 +150,11 @@ class StageRun:
             prepared[k].requires_grad_()
         self._param_inputs = [prepared[k] for k in self._param_index]
         self.params = unflatten(self._spec, prepared)
-        self._grads = OrderedSum(self._param_inputs, dtypes)
+        self._grads: OrderedSum | HoldersSum
+        if len(orders) > 1:
+            self._grads = HoldersSum(self._param_inputs, dtypes, orders)
+        else:
+            self._grads = OrderedSum(self._param_inputs, dtypes, orders[0] if orders else None)
 
     def to_device(self, tree: PyTree) -> PyTree:
         """``tree`` with its tensors on this stage's device (``tree`` itself where all already are)."""
@@ -369,6 +379,17 @@ class StageRun:
         with not_inference():
             self._grads.add(microbatch, pullback.deferred.run())
         pullback.deferred = None
+
+    def add_holders(self, partials: Sequence[PyTree]) -> None:
+        """Make the sum every holder's (``partials``, in holder order, this run's ``grads()``
+        among them), added in that order (NOTE [a stage on several ranks] in
+        fpipe/schedules/_program.py)."""
+        leaves = [flatten(tree)[0] for tree in partials]
+        for i, k in enumerate(self._param_index):
+            total = leaves[0][k]
+            for other in leaves[1:]:
+                total = total + other[k]
+            self._grads.replace(i, total)
 
     def grads(self) -> PyTree:
         """The summed parameter gradients, shaped like the parameters.

@@ -406,6 +406,34 @@ ROWS: list[Row] = [
         "same costs, `T_B = T_I + T_W`; its `F`+`B` pairs run in turn, or interleaved at the experts' all-to-alls "
         "with `Overlapped(DualPipeV(m))` (notes/pairs.md)",
     ),
+    Row(
+        "DualPipe",
+        "DualPipe",
+        "`DualPipe(m)`",
+        "stage `s` on ranks `s` and `p-1-s`, half of the microbatches each (parameters held twice)",
+        'DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024',
+        "DeepSeek-AI 2024 (`PP+1`); deepseek-ai/DualPipe's `DualPipe` with its overlapped pairs run `F` then `B`",
+        "DualPipe",
+        (1,),
+        True,
+        Formula(
+            "(p-2)/(6m+p-2)",
+            lambda p, v, m, g: (p - 2) / (6 * m + p - 2),
+            "for every count it takes (`p`, `m` even, `m >= 2p`)",
+            lambda p, v, m, g: p % 2 == 0 and m % 2 == 0 and m >= 2 * p,
+        ),
+        Formula("p + 1", lambda p, v, m, g: p + 1),
+        Idle(
+            "`(p/2-1) T_F`",
+            lambda p, v, c: (p / 2 - 1) * c.forward,
+            "`T_I <= T_F <= 2 T_I`, `T_W >= T_I`, `B = I + W` (not at `T_F = 3 T_I` or `T_W < T_I`)",
+            tuple(
+                Costs(forward=f, backward_input=1, backward_weight=w)
+                for f, w in [(1, 1), (1.5, 1), (2, 1), (1, 1.5), (1, 2), (1, 3), (2, 2), (1.5, 1.5)]
+            ),
+        ),
+        "same costs; its `F`+`B` pairs interleave at the experts' all-to-alls with `Overlapped(DualPipe(m))`",
+    ),
 ]
 
 # Interleaved 1F1B with Megatron-Core's microbatch groups of g (v = 2): (p, m, groups).

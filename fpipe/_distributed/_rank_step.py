@@ -31,7 +31,7 @@ from .._plural import plural
 from .._pytree import PyTree, leaves_with_paths
 from .._run import HeldStages, Order, Pending, Reduce, StepView, StrategyView, loss_weights, run, split_batch
 from .._tensor_parallel import check_mesh, is_dtensor, local
-from ..schedules import ScheduleError
+from ..schedules import Program, ScheduleError
 from ._collectives import (
     DEVICE_TYPE_WORDS,
     PendingSum,
@@ -203,7 +203,7 @@ def _agree(
     )
     statuses = handshake(topology, status, step.timeout, "the other pipeline ranks at the start of the step")
     mixed = mixed_device_types([st.device_type for st in statuses])
-    problem = mixed or problem or _disagreement(statuses, order.checksum, m, first, last)
+    problem = mixed or problem or _disagreement(statuses, order.checksum, m, step.program)
     agreed_sizes = list(statuses[first].sizes[:m])
     if m > INLINE_SIZES and _same_program(statuses):
         what, device = "the other pipeline ranks at the start of the step", handshake_device(topology)
@@ -302,12 +302,12 @@ def _local_inputs(
         TypeError, ValueError: for inputs this rank cannot run with.
     """
     me, placement, m = topology.rank, step.program.placement(), step.num_microbatches
-    first, last = placement[0], placement[-1]
+    first = placement[0]
     _check_held(step, params, placement)
     _check_dtensors(step, params, topology)
     check_devices(step, params, topology.device)
     strategy.check(step, params)
-    if batch is None or me not in (first, last):
+    if batch is None or me not in _feeders(step.program):
         if me == first:
             raise ValueError(
                 f"fpipe.step: rank {me} holds stage 0 but was given batch=None. Pass the batch on "
@@ -371,7 +371,14 @@ def _same_program(statuses: list[_Status]) -> bool:
     return len({(st.checksum, st.num_microbatches) for st in statuses}) == 1
 
 
-def _disagreement(statuses: list[_Status], checksum: int, m: int, first: int, last: int) -> Exception | None:
+def _feeders(program: Program) -> tuple[int, ...]:
+    """The ranks that may be given the batch: those of stage 0 and of the last stage, each stage's
+    first holder first (the batch must be on every one of them where a stage lives on several
+    ranks: NOTE [a stage on several ranks] in fpipe/schedules/_program.py)."""
+    return tuple(dict.fromkeys((*program.holders(0), *program.holders(program.num_stages - 1))))
+
+
+def _disagreement(statuses: list[_Status], checksum: int, m: int, program: Program) -> Exception | None:
     """What the handshake's statuses (program, microbatches, rejected, batch size per rank) object to."""
     if not _same_program(statuses):
         return ScheduleError(
@@ -387,11 +394,22 @@ def _disagreement(statuses: list[_Status], checksum: int, m: int, first: int, la
     rejected = [r for r, st in enumerate(statuses) if st.rejected]
     if rejected:
         return ValueError(f"fpipe.step: rank(s) {rejected} rejected their inputs; their own errors say why.")
-    if statuses[last].has_batch and statuses[last].size != statuses[first].size:
+    feeders, shared = _feeders(program), program.shared()
+    first = feeders[0]
+    if shared and not all(statuses[r].has_batch for r in feeders):
+        missing = [r for r in feeders if not statuses[r].has_batch]
         return ValueError(
-            f"fpipe.step: the batch on rank {first} has {plural(statuses[first].size, 'example')} but the one "
-            f"on rank {last} has {statuses[last].size}. Pass the same batch, or None on rank {last}."
+            f"fpipe.step: rank(s) {missing} run stage 0 or the last stage on some microbatches (the program "
+            "runs a stage on several ranks, as DualPipe does) but were given batch=None. Pass the batch on "
+            f"ranks {list(feeders)}."
         )
+    for r in feeders[1:]:
+        if statuses[r].has_batch and statuses[r].size != statuses[first].size:
+            return ValueError(
+                f"fpipe.step: the batch on rank {first} has {plural(statuses[first].size, 'example')} but the one "
+                f"on rank {r} has {statuses[r].size}. Pass the same batch"
+                + ("." if shared else f", or None on rank {r}.")
+            )
     return None
 
 

@@ -50,7 +50,7 @@ from ._status import Status
 from ._topology import Topology
 from ._wire import ERROR, Decoder, Encoder, FailureCode, as_bytes, error_code, error_message, meta_of
 
-Key = tuple[str, int, int]  # ("act" | "cot" | "mb" | "result", stage, microbatch)
+Key = tuple[str, int, int]  # ("act" | "cot" | "mb" | "grad" | "losses" | "result", stage, microbatch)
 
 
 def messages(program: Program, sender: int, send_microbatches: bool) -> dict[int, list[Key]]:
@@ -59,42 +59,66 @@ def messages(program: Program, sender: int, send_microbatches: bool) -> dict[int
 
 
 def sends(program: Program, sender: int, send_microbatches: bool) -> dict[int, list[tuple[Key, int]]]:
-    """``messages``, each with the position in ``sender``'s row of the action that sends it (the
-    result: one past the last)."""
-    placement, last, row = program.placement(), program.num_stages - 1, program.ranks[sender]
+    """``messages``, each with the position in ``sender``'s row of the action that sends it (those
+    after the row, NOTE [after the row]: one past the last)."""
+    where, last, row = program.placement_by_microbatch(), program.num_stages - 1, program.ranks[sender]
     out: dict[int, list[tuple[Key, int]]] = defaultdict(list)
     for k, a in enumerate(row):
         s, i = a.stage, a.microbatch
         if a.kind == FORWARD:
-            if s == 0 and send_microbatches and placement[last] != sender:
-                out[placement[last]].append((("mb", 0, i), k))
-            if s < last and placement[s + 1] != sender:
-                out[placement[s + 1]].append((("act", s, i), k))
-        elif a.kind in (BACKWARD, BACKWARD_INPUT) and s > 0 and placement[s - 1] != sender:
-            out[placement[s - 1]].append((("cot", s, i), k))
-    if sender == placement[last]:
+            if s == 0 and send_microbatches and where[last][i] != sender:
+                out[where[last][i]].append((("mb", 0, i), k))
+            if s < last and where[s + 1][i] != sender:
+                out[where[s + 1][i]].append((("act", s, i), k))
+        elif a.kind in (BACKWARD, BACKWARD_INPUT) and s > 0 and where[s - 1][i] != sender:
+            out[where[s - 1][i]].append((("cot", s, i), k))
+    end = len(row)
+    for s in program.stages_of(sender):
+        for r in program.holders(s):
+            if r != sender:
+                out[r].append((("grad", s, 0), end))
+    holders = program.holders(last)
+    if sender in holders[1:]:
+        out[holders[0]].append((("losses", last, 0), end))
+    if sender == holders[0]:
         for r in range(program.num_ranks):
             if r != sender:
-                out[r].append((("result", last, 0), len(row)))
+                out[r].append((("result", last, 0), end))
     return out
 
 
 def consumers(program: Program, rank: int, send_microbatches: bool) -> dict[Key, int]:
     """Each message ``rank`` receives in one step, and the position in its row of the action that
-    needs it (the result: one past the last)."""
-    placement, last, row = program.placement(), program.num_stages - 1, program.ranks[rank]
+    needs it (those after the row, NOTE [after the row]: one past the last)."""
+    where, last, row = program.placement_by_microbatch(), program.num_stages - 1, program.ranks[rank]
     out: dict[Key, int] = {}
     for k, a in enumerate(row):
         s, i = a.stage, a.microbatch
-        if a.kind == FORWARD and s > 0 and placement[s - 1] != rank:
+        if a.kind == FORWARD and s > 0 and where[s - 1][i] != rank:
             out["act", s - 1, i] = k
-        if a.kind == FORWARD and s == last and send_microbatches and placement[0] != rank:
+        if a.kind == FORWARD and s == last and send_microbatches and where[0][i] != rank:
             out["mb", 0, i] = k
-        if a.kind in (BACKWARD, BACKWARD_INPUT) and s < last and placement[s + 1] != rank:
+        if a.kind in (BACKWARD, BACKWARD_INPUT) and s < last and where[s + 1][i] != rank:
             out["cot", s + 1, i] = k
-    if placement[last] != rank:
-        out["result", last, 0] = len(row)
+    end = len(row)
+    for s in program.stages_of(rank):
+        if len(program.holders(s)) > 1:
+            out["grad", s, 0] = end  # (from each other holder: one key, one position)
+    holders = program.holders(last)
+    if rank == holders[0] and len(holders) > 1:
+        out["losses", last, 0] = end
+    if rank != holders[0]:
+        out["result", last, 0] = end
     return out
+
+
+# NOTE [after the row]
+# After its row a rank sends, in this order: for each stage it holds with other ranks (NOTE [a
+# stage on several ranks] in fpipe/schedules/_program.py), by stage, its gradient sum to each
+# other holder (``grad``); as a last stage's holder other than the first, its microbatches' losses
+# (``losses``) to the first holder, which stacks every microbatch's in order (NOTE [the step's
+# loss] in fpipe/_run.py); as that first holder, the result to every other rank. Each rank sends
+# all of a kind before it reads any, and sends never block, so no order of ranks can deadlock.
 
 
 # NOTE [sends released]
@@ -303,7 +327,8 @@ class DistributedTransport:
     ) -> None:
         self.topology = topology
         self.me = topology.rank
-        self.placement = program.placement()
+        self._program = program
+        self._where = program.placement_by_microbatch()  # the rank of each stage and microbatch
         self.last = program.num_stages - 1
         self._microbatches = microbatches
         self._wire = wire
@@ -323,26 +348,27 @@ class DistributedTransport:
     # -- the Transport protocol -------------------------------------------------------------
 
     def microbatch(self, microbatch: int) -> PyTree:
+        first, last = self._where[0][microbatch], self._where[self.last][microbatch]
         if self._microbatches is None:
-            return self._recv(self.placement[0], ("mb", 0, microbatch))
+            return self._recv(first, ("mb", 0, microbatch))
         value = self._microbatches[microbatch]
-        if self.placement[0] == self.me and self.placement[self.last] in self.peers:
-            peer = self.peers[self.placement[self.last]]
+        if first == self.me and last in self.peers:
+            peer = self.peers[last]
             if peer.next_out < len(peer.outgoing) and peer.outgoing[peer.next_out] == ("mb", 0, microbatch):
                 self._send(peer.rank, ("mb", 0, microbatch), value)
         return value
 
     def send_activation(self, stage: int, microbatch: int, value: PyTree) -> None:
-        self._put(self.placement[stage + 1], ("act", stage, microbatch), value)
+        self._put(self._where[stage + 1][microbatch], ("act", stage, microbatch), value)
 
     def recv_activation(self, stage: int, microbatch: int) -> PyTree:
-        return self._get(self.placement[stage - 1], ("act", stage - 1, microbatch))
+        return self._get(self._where[stage - 1][microbatch], ("act", stage - 1, microbatch))
 
     def send_cotangent(self, stage: int, microbatch: int, value: Any) -> None:
-        self._put(self.placement[stage - 1], ("cot", stage, microbatch), value)
+        self._put(self._where[stage - 1][microbatch], ("cot", stage, microbatch), value)
 
     def recv_cotangent(self, stage: int, microbatch: int) -> Any:
-        return self._get(self.placement[stage + 1], ("cot", stage + 1, microbatch))
+        return self._get(self._where[stage + 1][microbatch], ("cot", stage + 1, microbatch))
 
     # -- the run's side (``RunTransport`` in fpipe/_run.py): results, completion and failure ----
 
@@ -355,9 +381,35 @@ class DistributedTransport:
         """The context the row's actions run in (NOTE [tensor-parallel waits])."""
         return waiting(self.topology.board if self.topology.stage_collectives else None)
 
+    def share_grads(self, grads: dict[int, PyTree]) -> dict[int, list[PyTree]]:
+        """For each stage this rank holds with others (NOTE [a stage on several ranks] in
+        fpipe/schedules/_program.py), its gradient sum (``grads``) sent to the other holders,
+        and every holder's, in holder order (NOTE [after the row])."""
+        for s, tree in grads.items():
+            for r in self._program.holders(s):
+                if r != self.me:
+                    self._send(r, ("grad", s, 0), tree)
+        return {
+            s: [tree if r == self.me else self._recv(r, ("grad", s, 0)) for r in self._program.holders(s)]
+            for s, tree in grads.items()
+        }
+
+    def gather_losses(self, losses: tuple[dict[int, Any], ...]) -> tuple[dict[int, Any], ...] | None:
+        """The last stage's microbatch losses of every holder, on its first holder; ``None`` on
+        another holder, which sends its own there (NOTE [after the row])."""
+        holders = self._program.holders(self.last)
+        if self.me != holders[0]:
+            self._send(holders[0], ("losses", self.last, 0), losses)
+            return None
+        merged = tuple(dict(part) for part in losses)
+        for r in holders[1:]:
+            for part, theirs in zip(merged, self._recv(r, ("losses", self.last, 0))):
+                part.update(theirs)
+        return merged
+
     def exchange_result(self, result: PyTree | None) -> PyTree:
         """The last stage's rank sends ``result`` to every other rank; the others receive it."""
-        holder = self.placement[self.last]
+        holder = self._program.holders(self.last)[0]
         if holder == self.me:
             for peer in self.peers.values():
                 self._send(peer.rank, ("result", self.last, 0), result)
@@ -636,6 +688,10 @@ def _describe(key: Key) -> str:
         return f"the cotangent from stage {s} for microbatch {i}"
     if kind == "mb":
         return f"microbatch {i} (for the last stage's loss_fn)"
+    if kind == "grad":
+        return f"the gradients of stage {s} summed by its other holder"
+    if kind == "losses":
+        return "the losses of the last stage's other holder"
     assert kind == "result", kind
     return "the loss from the last stage"
 

@@ -18,6 +18,7 @@ from ._controllable_memory import VHalf as VHalf
 from ._controllable_memory import VMin as VMin
 from ._csv import dump_csv as dump_csv
 from ._csv import load_csv as load_csv
+from ._dual_pipe import DualPipe as DualPipe
 from ._dual_pipe_v import DualPipeV as DualPipeV
 from ._gpipe import GPipe as GPipe
 from ._interleaved import Interleaved1F1B as Interleaved1F1B
@@ -47,6 +48,7 @@ from ._zero_bubble_v import ZeroBubbleV as ZeroBubbleV
 __all__ = [
     "Action",
     "Costs",
+    "DualPipe",
     "DualPipeV",
     "GPipe",
     "Interleaved1F1B",

@@ -24,8 +24,9 @@ class Overlapped:
     Walking each rank's row from the start, two adjacent actions become a pair when one is a
     forward and the other a backward of another microbatch (or stage) that does not need it
     (stage 0's forward first, as ``validate`` wants), and the program with that pair still
-    replays without a deadlock (``pair_adjacent``). The order
-    of actions is the schedule's own; only the pairs are added.
+    replays without a deadlock (``pair_adjacent``). A schedule that names its own pairs
+    (``paired_program``: ``DualPipe``) gets exactly those. The order of actions is the
+    schedule's own; only the pairs are added.
 
     Examples:
         >>> from fpipe.schedules import OneFOneB, Overlapped
@@ -48,6 +49,11 @@ class Overlapped:
         return self.schedule.num_microbatches
 
     def program(self, num_stages: int, num_ranks: int | None = None) -> Program:
+        own = getattr(self.schedule, "paired_program", None)  # a schedule that names its pairs (DualPipe)
+        if own is not None:
+            program: Program = own(num_stages, num_ranks)
+            validate(program)
+            return program
         return pair_adjacent(self.schedule.program(num_stages, num_ranks))
 
 

@@ -19,6 +19,7 @@ each other's messages deadlocks in the replay, and ``validate`` says so.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,7 +38,8 @@ class Program:
     """Per-rank ordered action lists for ``num_stages`` stages and ``num_microbatches`` microbatches.
 
     ``ranks[r]`` is what rank ``r`` executes, in order. Which rank holds a stage (the placement)
-    is read off the actions: a stage lives on the rank whose list mentions it.
+    is read off the actions: a stage lives on the rank whose list mentions it, or on several,
+    each running it on its own microbatches (NOTE [a stage on several ranks]).
     """
 
     ranks: tuple[tuple[Action, ...], ...]
@@ -92,12 +94,31 @@ class Program:
         return len(self.ranks)
 
     def placement(self) -> tuple[int, ...]:
-        """``placement()[s]`` is the rank that holds stage ``s`` (validated programs only)."""
-        where: dict[int, int] = {}
-        for r, row in enumerate(self.ranks):
-            for a in row:
-                where.setdefault(a.stage, r)
-        return tuple(where[s] for s in range(self.num_stages))
+        """``placement()[s]`` is the rank that holds stage ``s``, the first of its holders for a
+        stage on several ranks (``holders``; validated programs only)."""
+        return tuple(holders[0] for holders in _holders(self))
+
+    def holders(self, stage: int) -> tuple[int, ...]:
+        """The ranks that hold ``stage``, ordered by the first microbatch each runs it on: one,
+        or several (NOTE [a stage on several ranks]; validated programs only)."""
+        return _holders(self)[stage]
+
+    def rank_of(self, stage: int, microbatch: int) -> int:
+        """The rank that runs ``stage`` on ``microbatch`` (validated programs only)."""
+        return _ranks_of(self)[stage][microbatch]
+
+    def placement_by_microbatch(self) -> tuple[tuple[int, ...], ...]:
+        """``placement_by_microbatch()[s][i]`` is ``rank_of(s, i)``: the table, for callers that
+        ask per message (one lookup of the program, which hashes it, instead of one per call)."""
+        return _ranks_of(self)
+
+    def microbatches_on(self, stage: int, rank: int) -> tuple[int, ...]:
+        """The microbatches ``rank`` runs ``stage`` on, in order (validated programs only)."""
+        return tuple(i for i, r in enumerate(_ranks_of(self)[stage]) if r == rank)
+
+    def shared(self) -> bool:
+        """Whether some stage lives on several ranks (NOTE [a stage on several ranks])."""
+        return any(len(holders) > 1 for holders in _holders(self))
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages that ``rank`` holds, in increasing order."""
@@ -105,6 +126,36 @@ class Program:
 
     def __str__(self) -> str:
         return render(self)
+
+
+# NOTE [a stage on several ranks]
+# A program may run a stage on several ranks, each on its own microbatches: DualPipe's rank r
+# holds stage r for the first half of the microbatches and stage p-1-r for the second. Every
+# holder holds the stage's parameters. A (stage, microbatch)'s actions all run on one rank, which
+# receives its activation and cotangent and sends them on; each holder sums its microbatches'
+# gradients in microbatch order, and the holders' sums are added in holder order (by the first
+# microbatch each runs): ``(g_0 + ... + g_{h-1}) + (g_h + ... + g_{m-1})`` for two halves, in one
+# process and many. Such a program is bitwise equal to itself across runtimes and within float
+# rounding of the other schedules, which add ``g_h`` to the running sum: keeping their order
+# would need every per-microbatch gradient of one holder sent to the other, or held until the
+# other's sum arrives (the memory DualPipe saves).
+
+
+@functools.lru_cache(maxsize=64)
+def _ranks_of(program: Program) -> tuple[tuple[int, ...], ...]:
+    """``_ranks_of(p)[s][i]``: the rank whose row runs stage ``s`` on microbatch ``i``."""
+    where = [[-1] * program.num_microbatches for _ in range(program.num_stages)]
+    for r, row in enumerate(program.ranks):
+        for a in row:  # (one rank per stage and microbatch in a valid program: ``validate_actions``)
+            if where[a.stage][a.microbatch] < 0:
+                where[a.stage][a.microbatch] = r
+    return tuple(map(tuple, where))
+
+
+@functools.lru_cache(maxsize=64)
+def _holders(program: Program) -> tuple[tuple[int, ...], ...]:
+    """Per stage, its ranks ordered by the first microbatch each runs it on (``Program.holders``)."""
+    return tuple(tuple(dict.fromkeys(ranks)) for ranks in _ranks_of(program))
 
 
 class Schedule(Protocol):
@@ -148,7 +199,7 @@ def split_backwards(program: Program) -> frozenset[tuple[int, int]]:
 def validate(program: Program) -> None:
     """Check that ``program`` can run, or raise ``ScheduleError`` saying why.
 
-    Checks, in order: indices in range; each stage on exactly one rank; every forward and
+    Checks, in order: indices in range; each stage and microbatch on one rank; every forward and
     backward present exactly once (a backward is either ``B`` or the pair ``I`` + ``W``); on each
     rank a backward after its forward and ``W`` after its ``I``; and, replaying the program, no
     dependency cycle across ranks (a deadlock), reported with the grid and the stuck actions.
@@ -213,7 +264,7 @@ def validate_actions(program: Program) -> None:
             f"(ranks: {program.num_ranks}, stages: {S}, microbatches: {M})."
         )
     seen: dict[Action, tuple[int, int]] = {}
-    owner: dict[int, int] = {}
+    owner: dict[tuple[int, int], int] = {}
     for r, row in enumerate(program.ranks):
         for pos, a in enumerate(row):
             if a.kind not in KINDS or not (0 <= a.stage < S) or not (0 <= a.microbatch < M):
@@ -229,11 +280,11 @@ def validate_actions(program: Program) -> None:
                     + _positional(program, {(r0, p0), (r, pos)})
                 )
             seen[a] = (r, pos)
-            if owner.setdefault(a.stage, r) != r:
+            if owner.setdefault((a.stage, a.microbatch), r) != r:
                 raise ScheduleError(
-                    f"fpipe.schedules: stage {a.stage} appears on rank {owner[a.stage]} and on "
-                    f"rank {r} (action {a}). Each stage must live on exactly one rank.\n"
-                    + _positional(program, {(r, pos)})
+                    f"fpipe.schedules: stage {a.stage} runs microbatch {a.microbatch} on rank "
+                    f"{owner[a.stage, a.microbatch]} and on rank {r} (action {a}). A stage's actions on one "
+                    "microbatch (F, B, I, W) must run on one rank.\n" + _positional(program, {(r, pos)})
                 )
     missing: list[str] = []
     for s in range(S):
@@ -330,7 +381,7 @@ def as_soon_as_possible(
     """
     paired = in_sequence if paired is None else paired
     split = split_backwards(program)
-    rank_of = {a.stage: r for r, row in enumerate(program.ranks) for a in row}
+    rank_of = {(a.stage, a.microbatch): r for r, row in enumerate(program.ranks) for a in row}
     partner = dict(program.pairs)
     ends: dict[Action, float] = {}
     starts_of: list[list[float]] = [[] for _ in program.ranks]
@@ -346,7 +397,9 @@ def as_soon_as_possible(
                 deps = [d for a in unit for d in dependencies(a, program.num_stages, split) if d not in unit]
                 if any(d not in ends for d in deps):
                     break
-                ready = max((ends[d] + (send(d) if rank_of[d.stage] != r else 0.0) for d in deps), default=0.0)
+                ready = max(
+                    (ends[d] + (send(d) if rank_of[d.stage, d.microbatch] != r else 0.0) for d in deps), default=0.0
+                )
                 start = max(ends_of[r][-1] if k else 0.0, ready)
                 if second is None:
                     ends[row[k]] = start + duration(r, k, row[k])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ._controllable_memory import VHalf, VMin
+from ._dual_pipe import DualPipe
 from ._dual_pipe_v import DualPipeV
 from ._gpipe import GPipe
 from ._interleaved import Interleaved1F1B
@@ -41,8 +42,9 @@ class Builtin:
         name: the class's name, which ``search`` names its program by (``"OneFOneB"``).
         command: its name on the command line (``python -m fpipe show 1f1b``).
         schedule: the class; ``build`` makes a value of it.
-        placement: ``"looped"`` (stage ``s`` on rank ``s % p``) or ``"v"`` (rank ``r`` holds
-            stages ``r`` and ``2p - 1 - r``).
+        placement: ``"looped"`` (stage ``s`` on rank ``s % p``), ``"v"`` (rank ``r`` holds
+            stages ``r`` and ``2p - 1 - r``) or ``"dual"`` (``p`` stages, stage ``s`` on ranks
+            ``s`` and ``p - 1 - s``, each on half of the microbatches: ``DualPipe``).
         stages_per_rank: the stages per rank it lays out by default.
         field: whether ``stages_per_rank`` is a field of the class (``Interleaved1F1B``), so it
             lays out any count from ``least_stages_per_rank`` on.
@@ -59,7 +61,7 @@ class Builtin:
     name: str
     command: str
     schedule: type[Schedule]
-    placement: Literal["looped", "v"]
+    placement: Literal["looped", "v", "dual"]
     stages_per_rank: int
     about: str
     field: bool = False
@@ -121,6 +123,16 @@ BUILTINS: tuple[Builtin, ...] = (
     Builtin("ZeroBubbleV", "zbv", ZeroBubbleV, "v", 2, "ZB-V: two stages per rank in a V"),
     Builtin(
         "DualPipeV", "dualpipev", DualPipeV, "v", 2, "DualPipeV: DeepSeek's DualPipe in a V, overlaps run in order"
+    ),
+    Builtin(
+        "DualPipe",
+        "dualpipe",
+        DualPipe,
+        "dual",
+        1,
+        "DualPipe: two pipelines in opposite directions, each stage on two ranks",
+        requires="p even, m even, m >= 2p",
+        allows=lambda p, m: p % 2 == 0 and m % 2 == 0 and m >= 2 * p,
     ),
     Builtin("VHalf", "vhalf", VHalf, "v", 2, "V-Half: a V at half of 1F1B's activations"),
     Builtin("VMin", "vmin", VMin, "v", 2, "V-Min: a V at a third of 1F1B's activations"),

@@ -10,7 +10,9 @@ NOTE [activation units]
     a one-stage-per-rank pipeline. A rank holding ``v`` stages counts each of its
     ``(stage, microbatch)`` activations as ``1/v``, so schedules with different stages per rank
     compare directly (1F1B's rank 0 peaks at ``p``, ZB-V's at ``p`` too, from ``2p`` half-size
-    chunks). The CLI, the Chrome trace's counters and the README's table use this unit.
+    chunks). A stage on several ranks counts as one over its holders (``stages_held``): DualPipe's
+    rank holds two whole stages, each for half of the microbatches, and peaks at ``p + 1`` of
+    them, DeepSeek's figure. The CLI, the Chrome trace's counters and the README's table use this unit.
 
 The replay is "as soon as possible": each rank runs its actions in program order, and an action
 starts when the rank is free and every action it depends on (see ``fpipe.schedules._program``)
@@ -228,6 +230,19 @@ def receiving_kinds(placement: Sequence[int]) -> tuple[tuple[bool, bool], ...]:
     )
 
 
+def _receiving(program: Program) -> dict[tuple[int, int], tuple[bool, bool]]:
+    """``receiving_kinds`` per stage and microbatch: where a stage lives on several ranks, whether
+    a message crosses ranks depends on the microbatch (NOTE [a stage on several ranks])."""
+    m, placement = program.num_microbatches, program.placement()
+    if not program.shared():
+        return {(s, i): r for s, r in enumerate(receiving_kinds(placement)) for i in range(m)}
+    out = {}
+    for i in range(m):
+        for s, kinds in enumerate(receiving_kinds([program.rank_of(t, i) for t in range(program.num_stages)])):
+            out[s, i] = kinds
+    return out
+
+
 def before(costs: Costs, receives: tuple[bool, bool], kind: str) -> float:
     """What an action of ``kind`` costs its rank before it starts (NOTE [per-action overhead])."""
     takes = receives[0] if kind == FORWARD else receives[1] if kind in (BACKWARD, BACKWARD_INPUT) else False
@@ -311,9 +326,11 @@ class Simulation:
         return "\n".join(lines)
 
 
-def stages_held(program: Program, rank: int) -> int:
-    """How many stages ``rank`` holds (at least 1: the divisor of its activation counts)."""
-    return max(1, len(program.stages_of(rank)))
+def stages_held(program: Program, rank: int) -> float:
+    """How many stages of the model ``rank`` holds, a stage on several ranks counting as its share
+    on each (DualPipe's two halves of a rank make one: NOTE [a stage on several ranks] in
+    fpipe/schedules/_program.py); at least 1: the divisor of its activation counts."""
+    return max(1.0, sum(1 / len(program.holders(s)) for s in program.stages_of(rank)))
 
 
 def activations_alive(row: tuple[Action, ...]) -> Iterator[tuple[int, int]]:
@@ -357,8 +374,8 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
     costs = Costs() if costs is None else costs
     validate_actions(checked_program("simulate", program))
     per_stage = _per_stage(program, costs)
-    receives = receiving_kinds(program.placement())
-    occupied = tuple(charged(c, r) for c, r in zip(per_stage, receives))  # what comes before, then the action
+    receives = _receiving(program)
+    occupied = {key: charged(per_stage[key[0]], r) for key, r in receives.items()}  # what comes before, then the action
 
     def paired(r: int, k: int, first: Action, second: Action, first_time: float, second_time: float) -> float:
         one, two = per_stage[first.stage], per_stage[second.stage]  # NOTE [overlapped time]
@@ -368,12 +385,15 @@ def simulate(program: Program, costs: Costs | Sequence[Costs] | None = None) -> 
         )
 
     starts, ends = as_soon_as_possible(
-        program, lambda r, k, a: occupied[a.stage].of(a.kind), lambda d: per_stage[d.stage].send, paired
+        program, lambda r, k, a: occupied[a.stage, a.microbatch].of(a.kind), lambda d: per_stage[d.stage].send, paired
     )
     _complete(program, starts)
     if any(c.overhead or c.receive for c in per_stage):
         starts = tuple(  # a half of an overlapped pair may be drawn shorter than what comes before it
-            tuple(min(t + before(per_stage[a.stage], receives[a.stage], a.kind), e) for t, e, a in zip(*rows))
+            tuple(
+                min(t + before(per_stage[a.stage], receives[a.stage, a.microbatch], a.kind), e)
+                for t, e, a in zip(*rows)
+            )
             for rows in zip(starts, ends, program.ranks)
         )
     return Simulation(program, costs if isinstance(costs, Costs) else per_stage, starts, ends)

@@ -87,9 +87,19 @@ def test_rejects_duplicated_action() -> None:
         validate(program(["0F0", "0F0", "0B0"]))
 
 
-def test_rejects_stage_on_two_ranks() -> None:
-    with pytest.raises(ScheduleError, match=r"stage 0 appears on rank 0 and on rank 1 \(action 0B0\)"):
+def test_rejects_a_stage_and_microbatch_on_two_ranks() -> None:
+    with pytest.raises(ScheduleError, match=r"stage 0 runs microbatch 0 on rank 0 and on rank 1 \(action 0B0\)"):
         validate(program(["0F0"], ["0B0"]))
+
+
+def test_a_stage_on_two_ranks_each_with_its_own_microbatches() -> None:
+    """NOTE [a stage on several ranks]: DualPipe's placement, p = 2, m = 2."""
+    dual = program(["0F0", "1F1", "1B1", "0B0"], ["1F0", "0F1", "1B0", "0B1"])
+    validate(dual)
+    assert dual.holders(0) == (0, 1) and dual.holders(1) == (1, 0)
+    assert [dual.rank_of(s, i) for s in range(2) for i in range(2)] == [0, 1, 1, 0]
+    assert dual.placement() == (0, 1) and dual.shared()
+    assert not program(["0F0", "0B0"], ["1F0", "1B0"]).shared()
 
 
 def test_rejects_out_of_range() -> None:

@@ -37,7 +37,7 @@ def test_every_builtin_class_has_one_entry_named_after_it() -> None:
 def test_an_entry_lays_out_what_it_says_and_refuses_what_it_does_not_allow(builtin: Builtin) -> None:
     for p, v, m in itertools.product((1, 2, 3, 4), (1, 2, 3), (1, 2, 5, 8)):
         S = 2 * p if builtin.placement == "v" else p * v
-        if builtin.placement == "v" and v != 2:
+        if builtin.placement in ("v", "dual") and v != builtin.stages_per_rank:
             continue
         takes = builtin.field or builtin.lays_out(v)  # a field takes any count, below its least as another entry
         try:
@@ -47,6 +47,9 @@ def test_an_entry_lays_out_what_it_says_and_refuses_what_it_does_not_allow(built
             continue
         assert isinstance(program, Program) and takes and builtin.allows(p, m), (p, v, m)
         fpipe.schedules.validate(program)
+        if builtin.placement == "dual":  # (NOTE [a stage on several ranks])
+            assert [program.holders(s) for s in range(S)] == [(s, p - 1 - s) for s in range(S)]
+            continue
         expected = tuple(s % p for s in range(S)) if builtin.placement == "looped" else tuple(range(p)) * 2
         assert sorted(program.placement()) == sorted(expected)
 

@@ -42,13 +42,14 @@ def table() -> ModuleType:
 
 
 def grid(row: Any) -> list[tuple[int, int, int, int]]:
-    """The counts a row is checked at: ``p`` 1..6, each of its ``v``, ``m`` 1..3p+5, and for the
-    microbatch groups each ``g`` from ``p`` to ``2p+1``."""
+    """The counts a row is checked at: ``p`` 1..6, each of its ``v``, ``m`` 1..3p+5 (5p+5 for
+    DualPipe, which takes even ``m >= 2p`` only), and for the microbatch groups each ``g`` from
+    ``p`` to ``2p+1``."""
     return [
         (p, v, m, g)
         for p in range(1, 7)
         for v in row.stages_per_rank
-        for m in range(1, 3 * p + 6)
+        for m in range(1, (5 if row.builtin == "DualPipe" else 3) * p + 6)
         for g in (range(p, 2 * p + 2) if row.groups else (p,))
     ]
 
