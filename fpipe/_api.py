@@ -537,6 +537,13 @@ class Step:
     def local_stages(self) -> tuple[int, ...]:
         return self._local_stages
 
+    @property
+    def shared_stages(self) -> tuple[int, ...]:
+        """The stages this process holds with other processes (DualPipe's: NOTE [a stage on several
+        ranks] in fpipe/schedules/_program.py); empty in one process."""
+        program = self.program
+        return () if self._rank is None else tuple(s for s in self._local_stages if len(program.holders(s)) > 1)
+
     def __repr__(self) -> str:
         p = self.program
         return (
@@ -712,9 +719,13 @@ class Step:
         (with ``shard_params`` too: the plain shards of a DTensor's local piece count as it does).
         With an ``"ep"`` dimension each rank's block of experts (a DTensor on ``mesh["ep"]``)
         counts once, on tensor-parallel rank 0, and the blocks are summed over the expert group;
-        dense gradients, the same on every ep rank, count once (notes/experts.md).
+        dense gradients, the same on every ep rank, count once (notes/experts.md). A stage on
+        several ranks (DualPipe), whose holders hold the same summed gradients, counts once, on its
+        first holder.
         """
-        return self._sharded_strategy().global_norm(self.local_stages, grads)
+        program, rank = self.program, self._rank
+        counted = [s for s in self.local_stages if rank is None or program.holders(s)[0] == rank]
+        return self._sharded_strategy().global_norm(counted, grads)
 
     def replica_sum(self, tree: PyTree, /) -> PyTree:
         """``tree``'s tensor leaves summed over the step's replicas, on every rank: a collective.

@@ -18,7 +18,7 @@ from fpipe.planning import search
 from fpipe.planning._arguments import checked_problem
 from fpipe.planning._bound import lower_bound
 from fpipe.planning._solver import available, solve
-from fpipe.schedules import Costs, Interleaved1F1B, ZeroBubbleH1
+from fpipe.schedules import Costs, Interleaved1F1B, Program, ZeroBubbleH1
 from fpipe.schedules._registry import BUILTINS, Builtin
 from tests.planning._programs import first_pass
 
@@ -99,6 +99,20 @@ def solved_v(num_stages: int, num_microbatches: int) -> Any:
     return hint if program is None else program
 
 
+def shares_stages(schedule: Any, num_stages: int) -> bool:
+    """Whether ``schedule``'s program (in one process) runs a stage on several ranks (DualPipe):
+    its gradients equal GPipe's within rounding, not bitwise (NOTE [a stage on several ranks] in
+    fpipe/schedules/_program.py)."""
+    program = (
+        schedule
+        if isinstance(schedule, Program)
+        else Program.from_lists(schedule)
+        if isinstance(schedule, list)
+        else schedule.program(num_stages)
+    )
+    return bool(program.shared())
+
+
 @dataclass(frozen=True)
 class Conformance:
     """A way to schedule: ``make(num_stages, num_microbatches)`` is what ``fpipe.pipeline`` takes."""
@@ -125,6 +139,7 @@ SIZES: dict[str, tuple[tuple[int, ...], tuple[tuple[int, int, int], ...]]] = {
     "LoopedBFS": ((2, 4, 6), ((2, 4, 3),)),
     "ZeroBubbleV": ((2, 4, 6), ((2, 4, 4),)),
     "DualPipeV": ((2, 4, 6), ((2, 4, 4),)),
+    "DualPipe": ((2, 4), ((2, 2, 4), (4, 4, 8))),
     "VHalf": ((4, 6), ((2, 4, 5),)),
     "VMin": ((4, 6), ((2, 4, 3), (3, 6, 2))),
 }

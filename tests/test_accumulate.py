@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from fpipe._accumulate import OrderedSum
+from fpipe._accumulate import HoldersSum, OrderedSum
 
 
 @pytest.mark.parametrize("arrival", list(itertools.permutations(range(4))), ids=str)
@@ -68,3 +68,35 @@ def test_ordered_sum_owns_its_memory() -> None:
     assert second.total[1] is not None and torch.equal(second.total[1], torch.full((3,), 3.0))
     assert torch.equal(shared, torch.ones(3)) and g.item() == 1.0
     assert first.total[0] is not second.total[0]
+
+
+@pytest.mark.parametrize("arrival", [(0, 1, 2, 3), (3, 2, 1, 0), (2, 0, 3, 1)], ids=str)
+def test_a_holder_sums_its_own_microbatches_in_order(arrival: tuple[int, ...]) -> None:
+    """NOTE [a stage on several ranks]: a holder of microbatches 1 and 3 adds ``g1 + g3``."""
+    values = [5.0, 1e16, 7.0, 1.0]
+    total = OrderedSum(_leaves(1, (1,)), order=(1, 3))
+    for i in arrival:
+        if i in (1, 3):
+            total.add(i, [torch.tensor([values[i]])])
+    assert total.total[0] is not None and total.total[0].item() == 1e16 + 1.0
+    assert not total.engine_accumulates(0) and not total.engine_accumulates(3)
+
+
+@pytest.mark.parametrize("arrival", list(itertools.permutations(range(4))), ids=str)
+def test_holders_sums_are_added_in_holder_order(arrival: tuple[int, ...]) -> None:
+    """Holders of (0, 1) and (2, 3) in one process: ``(g0 + g1) + (g2 + g3)``, whatever the arrival
+    and with the engine accumulating the first holder's: ``(1 + 1e16) + (-1e16 + 1) = 0``, where
+    microbatch order gives ``((1 + 1e16) - 1e16) + 1 = 1``; the many-rank exchange adds the same."""
+    values = [1.0, 1e16, -1e16, 1.0]
+    (leaf,) = leaves = _leaves(1, (1,))
+    total = HoldersSum(leaves, None, [(0, 1), (2, 3)])
+    for i in arrival:
+        if total.engine_accumulates(i):
+            (leaf * values[i]).sum().backward(inputs=[leaf])
+            total.accumulated(i)
+        else:
+            total.add(i, [torch.tensor([values[i]])])
+    first, second = torch.tensor([values[0]]) + values[1], torch.tensor([values[2]]) + values[3]
+    assert total.total[0] is not None and total.total[0].item() == (first + second).item() == 0.0
+    again = total.total[0]  # a second read adds nothing again
+    assert again is not None and again.item() == 0.0

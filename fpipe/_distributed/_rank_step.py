@@ -373,8 +373,9 @@ def _same_program(statuses: list[_Status]) -> bool:
 
 def _feeders(program: Program) -> tuple[int, ...]:
     """The ranks that may be given the batch: those of stage 0 and of the last stage, each stage's
-    first holder first (the batch must be on every one of them where a stage lives on several
-    ranks: NOTE [a stage on several ranks] in fpipe/schedules/_program.py)."""
+    first holder first. Stage 0's first rank must hold it and sends it to the last stage's first
+    rank when that holds none (to DualPipe's rank p-1 for both stages); any other must hold it
+    (NOTE [a stage on several ranks] in fpipe/schedules/_program.py)."""
     return tuple(dict.fromkeys((*program.holders(0), *program.holders(program.num_stages - 1))))
 
 
@@ -394,21 +395,20 @@ def _disagreement(statuses: list[_Status], checksum: int, m: int, program: Progr
     rejected = [r for r, st in enumerate(statuses) if st.rejected]
     if rejected:
         return ValueError(f"fpipe.step: rank(s) {rejected} rejected their inputs; their own errors say why.")
-    feeders, shared = _feeders(program), program.shared()
-    first = feeders[0]
-    if shared and not all(statuses[r].has_batch for r in feeders):
-        missing = [r for r in feeders if not statuses[r].has_batch]
+    feeders = _feeders(program)
+    first, last = feeders[0], program.placement()[-1]
+    missing = [r for r in feeders if r not in (first, last) and not statuses[r].has_batch]
+    if missing:
         return ValueError(
             f"fpipe.step: rank(s) {missing} run stage 0 or the last stage on some microbatches (the program "
-            "runs a stage on several ranks, as DualPipe does) but were given batch=None. Pass the batch on "
-            f"ranks {list(feeders)}."
+            f"runs a stage on several ranks) but were given batch=None. Pass the batch on ranks {list(feeders)}."
         )
     for r in feeders[1:]:
         if statuses[r].has_batch and statuses[r].size != statuses[first].size:
             return ValueError(
                 f"fpipe.step: the batch on rank {first} has {plural(statuses[first].size, 'example')} but the one "
                 f"on rank {r} has {statuses[r].size}. Pass the same batch"
-                + ("." if shared else f", or None on rank {r}.")
+                + (f", or None on rank {r}." if r == last else ".")
             )
     return None
 

@@ -63,17 +63,20 @@ def sends(program: Program, sender: int, send_microbatches: bool) -> dict[int, l
     after the row, NOTE [after the row]: one past the last)."""
     where, last, row = program.placement_by_microbatch(), program.num_stages - 1, program.ranks[sender]
     out: dict[int, list[tuple[Key, int]]] = defaultdict(list)
+    feeds = send_microbatches and sender == program.placement()[0]  # the batch's rank sends it on
+    for r, i in ahead(program, sender) if feeds else []:
+        out[r].append((("mb", 0, i), 0))
     for k, a in enumerate(row):
         s, i = a.stage, a.microbatch
         if a.kind == FORWARD:
-            if s == 0 and send_microbatches and where[last][i] != sender:
+            if s == 0 and feeds and where[last][i] != sender:
                 out[where[last][i]].append((("mb", 0, i), k))
             if s < last and where[s + 1][i] != sender:
                 out[where[s + 1][i]].append((("act", s, i), k))
         elif a.kind in (BACKWARD, BACKWARD_INPUT) and s > 0 and where[s - 1][i] != sender:
             out[where[s - 1][i]].append((("cot", s, i), k))
     end = len(row)
-    for s in program.stages_of(sender):
+    for s in program.stages_of(sender) if _trains(row) else ():
         for r in program.holders(s):
             if r != sender:
                 out[r].append((("grad", s, 0), end))
@@ -96,12 +99,12 @@ def consumers(program: Program, rank: int, send_microbatches: bool) -> dict[Key,
         s, i = a.stage, a.microbatch
         if a.kind == FORWARD and s > 0 and where[s - 1][i] != rank:
             out["act", s - 1, i] = k
-        if a.kind == FORWARD and s == last and send_microbatches and where[0][i] != rank:
-            out["mb", 0, i] = k
+        if a.kind == FORWARD and s in (0, last) and send_microbatches and program.placement()[0] != rank:
+            out["mb", 0, i] = k  # (on DualPipe's rank p-1 for stage 0 or the last, never both)
         if a.kind in (BACKWARD, BACKWARD_INPUT) and s < last and where[s + 1][i] != rank:
             out["cot", s + 1, i] = k
     end = len(row)
-    for s in program.stages_of(rank):
+    for s in program.stages_of(rank) if _trains(row) else ():
         if len(program.holders(s)) > 1:
             out["grad", s, 0] = end  # (from each other holder: one key, one position)
     holders = program.holders(last)
@@ -110,6 +113,27 @@ def consumers(program: Program, rank: int, send_microbatches: bool) -> dict[Key,
     if rank != holders[0]:
         out["result", last, 0] = end
     return out
+
+
+def _trains(row: Sequence[Action]) -> bool:
+    """Whether a row makes gradients (an evaluation's forward-only program has none to exchange)."""
+    return any(a.kind != FORWARD for a in row)
+
+
+def ahead(program: Program, sender: int) -> list[tuple[int, int]]:
+    """``(rank, microbatch)``: the microbatches the batch's rank ``sender`` (stage 0's first holder)
+    sends before its row, when the last stage's rank holds no batch: those whose stage 0 another
+    rank runs (DualPipe's second half, on rank p-1), to it and to their last stage's rank."""
+    where, last = program.placement_by_microbatch(), program.num_stages - 1
+    if sender != program.placement()[0]:
+        return []
+    return [
+        (r, i)
+        for i in range(program.num_microbatches)
+        if where[0][i] != sender
+        for r in dict.fromkeys((where[0][i], where[last][i]))
+        if r != sender
+    ]
 
 
 # NOTE [after the row]
@@ -331,6 +355,9 @@ class DistributedTransport:
         self._where = program.placement_by_microbatch()  # the rank of each stage and microbatch
         self.last = program.num_stages - 1
         self._microbatches = microbatches
+        self._feeder = program.placement()[0]  # the batch's rank (stage 0's first holder)
+        self._fed = send_microbatches and self.me != self._feeder  # it sends this rank its microbatches
+        self._ahead = ahead(program, self.me) if send_microbatches else []  # sent as the row starts (``running``)
         self._wire = wire
         self._timeout = timedelta(seconds=timeout)
         self._seconds = timeout
@@ -348,10 +375,11 @@ class DistributedTransport:
     # -- the Transport protocol -------------------------------------------------------------
 
     def microbatch(self, microbatch: int) -> PyTree:
-        first, last = self._where[0][microbatch], self._where[self.last][microbatch]
-        if self._microbatches is None:
-            return self._recv(first, ("mb", 0, microbatch))
+        if self._fed:
+            return self._recv(self._feeder, ("mb", 0, microbatch))
+        assert self._microbatches is not None
         value = self._microbatches[microbatch]
+        first, last = self._where[0][microbatch], self._where[self.last][microbatch]
         if first == self.me and last in self.peers:
             peer = self.peers[last]
             if peer.next_out < len(peer.outgoing) and peer.outgoing[peer.next_out] == ("mb", 0, microbatch):
@@ -378,7 +406,11 @@ class DistributedTransport:
     # waiting, so the watchdog reads the board every POLL and aborts the groups when another
     # rank failed.
     def running(self) -> waiting:
-        """The context the row's actions run in (NOTE [tensor-parallel waits])."""
+        """The context the row's actions run in (NOTE [tensor-parallel waits]); the microbatches
+        this rank sends before its row (``ahead``) go first."""
+        assert not self._ahead or self._microbatches is not None
+        for r, i in self._ahead:
+            self._send(r, ("mb", 0, i), self._microbatches[i])  # type: ignore[index]
         return waiting(self.topology.board if self.topology.stage_collectives else None)
 
     def share_grads(self, grads: dict[int, PyTree]) -> dict[int, list[PyTree]]:

@@ -122,6 +122,12 @@ class Setup:
         """The stages the step holds here (``None`` without a step: the entries given)."""
         return None if self.step is None else self.step.local_stages
 
+    @property
+    def shared(self) -> tuple[int, ...]:
+        """The stages the step holds here and on other ranks too (DualPipe's), which each holder
+        saves as a tied name is saved: written once, its copies bitwise equal."""
+        return () if self.step is None else self.step.shared_stages
+
 
 def resolve(
     function: str,

@@ -200,6 +200,7 @@ class Prepared:
     topology: Topology | None
     held: tuple[int, ...] | None
     sharding: Sharding | None
+    shared: tuple[int, ...] = ()  # held stages other ranks hold too (``Setup.shared``)
 
 
 def prepare(
@@ -223,17 +224,19 @@ def prepare(
         raise TypeError(f"fpipe.save: metadata must be JSON-serializable ({error}).") from error
     check_stage_count("save", params, setup.step)
     sharding = sharded_leaves("save", setup.step, trees)
-    return Prepared(Path(directory), trees, user, setup.topology, setup.held, sharding)
+    return Prepared(Path(directory), trees, user, setup.topology, setup.held, sharding, setup.shared)
 
 
 def write(prepared: Prepared, ranks: Ranks) -> Path:
     """Write and commit a prepared save among ``ranks`` (NOTE [the save protocol]); its version's directory."""
     root, trees, user, held, sharding = prepared.root, prepared.trees, prepared.user, prepared.held, prepared.sharding
     if sharding is not None:  # NOTE [sharded saves]: every replica writes its own shards
-        return root / _save_pipeline(root, trees, user, held, ranks, sharding)
+        return root / _save_pipeline(root, trees, user, (held, prepared.shared), ranks, sharding)
     # NOTE [the save protocol], 4: the first replica saves, the others learn its version.
     group = ranks.copies if ranks.replicas else None
-    write = None if ranks.replica != 0 else lambda: _save_pipeline(root, trees, user, held, ranks, None)
+    write = (
+        None if ranks.replica != 0 else lambda: _save_pipeline(root, trees, user, (held, prepared.shared), ranks, None)
+    )
     waits, tells = "the save of the first replica", "the other data-parallel replicas"
     ok, version = one_writes(ranks.topology, group, write, ranks.timeout, waits, tells)
     if not ok:
@@ -408,12 +411,13 @@ def _save_pipeline(
     root: Path,
     trees: dict[str, list[PyTree]],
     user: Any,
-    held: tuple[int, ...] | None,
+    stages: tuple[tuple[int, ...] | None, tuple[int, ...]],
     ranks: Ranks,
     sharding: Sharding | None,
 ) -> str:
-    """Steps 1 to 4 of NOTE [the save protocol] on one writer; the committed version."""
-    me, num_stages = ranks.writer, len(trees["params"])
+    """Steps 1 to 4 of NOTE [the save protocol] on one writer; the committed version. ``stages``:
+    the stages held here (``None``: the entries given) and those of them other ranks hold too."""
+    (held, shared), me, num_stages = stages, ranks.writer, len(trees["params"])
     local: dict[str, dict[str, _Tensor]] = {}
     version, problem = None, None
     with contextlib.ExitStack() as lock:
@@ -445,6 +449,7 @@ def _save_pipeline(
             "files": my_files,
             "num_stages": num_stages,
             "stages": list(held or ()),
+            "shared": list(shared),
             "metadata": json.dumps(user, sort_keys=True),
             "manifest": {
                 kind: {n: astuple(t.manifest()) for n, t in tensors.items()} for kind, tensors in local.items()
@@ -495,7 +500,8 @@ def _writers(statuses: list[dict[str, Any]]) -> dict[str, dict[str, dict[Piece, 
     for st in statuses:
         for s in st["stages"]:
             holders.setdefault(s, set()).add(st["rank"])
-    twice = {s: sorted(rs) for s, rs in sorted(holders.items()) if len(rs) > 1}
+    shared = {s for st in statuses for s in st["shared"]}  # held by several ranks by the program: saved as ties
+    twice = {s: sorted(rs) for s, rs in sorted(holders.items()) if len(rs) > 1 and s not in shared}
     if twice:
         raise ValueError(
             f"fpipe.save: stages are held by several ranks ({{stage: ranks}}: {twice}). Pass None elsewhere."

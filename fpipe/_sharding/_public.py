@@ -42,6 +42,11 @@ class ParallelView(Protocol):
         ...
 
     @property
+    def shared_stages(self) -> tuple[int, ...]:
+        """The stages this process holds with other processes (DualPipe's), which they all save."""
+        ...
+
+    @property
     def shard_layouts(self) -> Mapping[int, StageLayout]:
         """With ``shard_params``: the full shapes ``step.shard`` recorded (empty before)."""
         ...

@@ -51,6 +51,7 @@ def test_a_shard_is_the_rank_s_slice_of_the_flattened_leaf_and_gathers_back(mesh
     view = SimpleNamespace(
         parallel=fpipe.Parallelism(mesh=mesh, timeout=30.0), topology=topology, num_stages=1, local_stages=(0,),
         shard_layouts={},
+        shared_stages=(),
     )  # fmt: skip
     for over in (mesh, fpipe.Parallelism(mesh=mesh), view):
         shards = fpipe.shard(full, over)
@@ -69,7 +70,12 @@ def test_anything_without_a_data_parallel_dimension_is_refused(mesh: DeviceMesh,
     full = tree()
     call = {"shard": lambda over: fpipe.shard(full, over), "gather": lambda over: fpipe.gather(full, full, over)}[name]
     one_process_step = SimpleNamespace(
-        parallel=fpipe.Parallelism(timeout=30.0), topology=None, num_stages=1, local_stages=(0,), shard_layouts={}
+        parallel=fpipe.Parallelism(timeout=30.0),
+        topology=None,
+        num_stages=1,
+        local_stages=(0,),
+        shard_layouts={},
+        shared_stages=(),
     )
     for over in (mesh["pp"], fpipe.Parallelism(), one_process_step, object(), None):
         with pytest.raises(ValueError, match=rf"^fpipe.{name}: shards are cut over the data-parallel ranks of a mesh"):
