@@ -86,7 +86,8 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         "schedule unknown name",
         lambda: fpipe.pipeline(_loss, [_stage], "fast"),
         TypeError,
-        "Pass a schedule value from fpipe.schedules, e.g. OneFOneB(num_microbatches=8) (built-ins: DualPipe, DualPipeV, GPipe,",
+        "Pass a schedule value from fpipe.schedules, e.g. OneFOneB(num_microbatches=8) "
+        "(built-ins: DualPipe, DualPipeV, GPipe,",
     ),
     (
         "schedule search result",
