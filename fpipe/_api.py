@@ -232,16 +232,12 @@ def pipeline(
             f"fpipe.pipeline: the program has {plural(program.num_ranks, 'rank')} but the pipeline group has "
             f"{plural(topology.size, 'process')}. Use a schedule and stage count that fit the group size."
         )
-    if program.shared() and topology is not None:  # NOTE [a stage on several ranks] in fpipe/schedules/_program.py
-        others = [name for name, on in (("data-parallel or expert-parallel replicas", topology.data_group is not None),
-                  ("a tensor-parallel dimension", topology.tensor_group is not None),
-                  ("shard_params=True", parallel.shard_params)) if on]  # fmt: skip
-        if others:
-            raise ValueError(
-                f"fpipe.pipeline: the program runs a stage on several ranks (DualPipe), which runs on a pipeline group "
-                f"alone: not with {' or '.join(others)} (its holders' gradient sums are not reduced over them "
-                "yet). Use DualPipeV, which holds each stage once, or a mesh with a pipeline dimension only."
-            )
+    if program.shared() and parallel.shard_params:  # NOTE [a stage on several ranks] in fpipe/schedules/_program.py
+        raise ValueError(
+            "fpipe.pipeline: the program runs a stage on several ranks (DualPipe), whose holders add their full "
+            "gradients: not with shard_params=True, whose replicas hold shards of them. Use DualPipeV, which holds "
+            "each stage once, or shard_params=False."
+        )
     spec = StepSpec(
         loss_fn,
         tuple(stages),

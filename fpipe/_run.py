@@ -205,11 +205,16 @@ def segments(order: Sequence[tuple[int, Action]], pairs: Mapping[Action, Action]
 
 
 def interpret(
-    executor: Executor, runs: HeldStages, order: Order, devices: Iterable[torch.device] = ()
+    executor: Executor,
+    runs: HeldStages,
+    order: Order,
+    devices: Iterable[torch.device] = (),
+    held_back: frozenset[int] = frozenset(),
 ) -> list[tuple[float, float]]:
-    """Run ``order``'s actions, telling ``runs`` as each stage's last action has run; the actions'
-    times when a recording is active (``fpipe.record``), on ``devices``' CUDA events if any
-    (``Stopwatch``; read after the last action)."""
+    """Run ``order``'s actions, telling ``runs`` as each stage's last action has run (but the
+    stages ``held_back``, whose holders' sums are added first: ``run``); the actions' times when a
+    recording is active (``fpipe.record``), on ``devices``' CUDA events if any (``Stopwatch``;
+    read after the last action)."""
     marks: list[tuple[Any, Any]] = []
     watch = Stopwatch(devices) if active() is not None else None
     with keep_generators(runs[s].device for s in runs):  # NOTE [randomness as data] in fpipe/_random.py
@@ -217,7 +222,8 @@ def interpret(
             executor.run(actions, times=marks if watch is not None else None, watch=watch)
             if not executor.forward_only:  # a forward-only run makes no gradient to reduce
                 for s in finished:
-                    runs.post_reduction(s)
+                    if s not in held_back:
+                        runs.post_reduction(s)
     if watch is None:
         return []
     flat = watch.seconds([m for pair in marks for m in pair])
@@ -308,14 +314,19 @@ def run(
         keys=Keys(key, replica=replica, training=not order.forward_only),
         pairs=order.pairs,
     )
+    # A stage this rank holds with others (NOTE [a stage on several ranks] in fpipe/schedules/_program.py).
+    training, program = not order.forward_only, step.program
+    shared = (
+        frozenset(s for s in runs if len(program.holders(s)) > 1) if training and step.rank is not None else frozenset()
+    )
     try:
         start = clock()
         with transport.running():
-            times = interpret(executor, runs, order, devices)
-        if step.rank is not None and not order.forward_only:  # NOTE [a stage on several ranks]
-            shared = {s: runs[s].grads() for s in runs if len(step.program.holders(s)) > 1}
-            for s, partials in (transport.share_grads(shared) if shared else {}).items():
+            times = interpret(executor, runs, order, devices, shared)
+        if shared:  # summed over their holders, then reduced over replicas like the others
+            for s, partials in transport.share_grads({s: runs[s].holders_part() for s in sorted(shared)}).items():
                 runs[s].add_holders(partials)
+                runs.post_reduction(s)
         mine = None
         if step.num_stages - 1 in step.local_stages:
             gathered = transport.gather_losses((executor.losses, executor.auxes, executor.outputs))

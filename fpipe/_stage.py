@@ -74,7 +74,7 @@ from ._pytree import (
     tensor_map,
     unflatten,
 )
-from ._tensor_parallel import is_dtensor, like_param
+from ._tensor_parallel import is_dtensor, like_param, local, with_piece
 from ._weight_grad import DeferredWeightGrad, Root, input_grad
 
 StageFn = Callable[[Any, Any], Any]  # stage(stage_params, x) -> y
@@ -380,16 +380,21 @@ class StageRun:
             self._grads.add(microbatch, pullback.deferred.run())
         pullback.deferred = None
 
-    def add_holders(self, partials: Sequence[PyTree]) -> None:
-        """Make the sum every holder's (``partials``, in holder order, this run's ``grads()``
-        among them), added in that order (NOTE [a stage on several ranks] in
+    def holders_part(self) -> PyTree:
+        """This holder's sum (``grads``), each DTensor as its local piece: what it sends the stage's
+        other holders, which hold the same pieces (NOTE [a stage on several ranks] in
         fpipe/schedules/_program.py)."""
-        leaves = [flatten(tree)[0] for tree in partials]
+        return map_tensors(local, self.grads())
+
+    def add_holders(self, partials: Sequence[PyTree]) -> None:
+        """Make the sum every holder's (``partials``: each one's ``holders_part``, in holder order,
+        this run's among them), added in that order, a DTensor's as its local pieces."""
+        leaves, mine = [flatten(tree)[0] for tree in partials], flatten(self.grads())[0]
         for i, k in enumerate(self._param_index):
             total = leaves[0][k]
             for other in leaves[1:]:
                 total = total + other[k]
-            self._grads.replace(i, total)
+            self._grads.replace(i, with_piece(mine[k], total))
 
     def grads(self) -> PyTree:
         """The summed parameter gradients, shaped like the parameters.

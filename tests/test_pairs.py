@@ -209,9 +209,8 @@ def _lost_in_a_pair(rank, world, sig, timeout):
 def test_every_built_in_schedule_overlapped_on_pp_times_ep_is_bitwise_its_sequential_program():
     """Every built-in of the registry at its own stages per rank (2 or 4 stages), pp 2 x ep 2:
     with its pairs (``Overlapped``), bitwise the same program without them, and the loss equal to
-    the unsplit model's. (DualPipe, whose stages live on two ranks, runs without replicas:
-    tests/distributed/test_shared_stages.py.)"""
-    cases = [(built(b)(2 * b.stages_per_rank, 4), 2 * b.stages_per_rank) for b in BUILTINS if b.placement != "dual"]
+    the unsplit model's."""
+    cases = [(built(b)(2 * b.stages_per_rank, 4), 2 * b.stages_per_rank) for b in BUILTINS]
     results = run_ranks(4, _overlapped_ranks, ("pp", "ep"), (2, 2), cases, False, 0.0, timeout=300)
     loss, _, _ = moe_reference(moe_params(), 2, True)
     for per_rank in results:

@@ -20,6 +20,7 @@ from ._dtensor import on_ranks as on_ranks
 from ._dtensor import placements_from as placements_from
 from ._dtensor import shares_storage as shares_storage
 from ._dtensor import square_sum as square_sum
+from ._dtensor import with_piece as with_piece
 
 __all__ = [
     "DTensorHeader",

@@ -35,6 +35,21 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local().detach() if isinstance(t, DTensor) else t
 
 
+def with_piece(template: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` as the local piece of a DTensor laid out as ``template`` (no communication), or
+    ``piece`` itself where ``template`` is a plain tensor."""
+    if not isinstance(template, DTensor):
+        return piece
+    return DTensor.from_local(
+        piece,
+        template.device_mesh,
+        template.placements,
+        run_check=False,
+        shape=template.shape,
+        stride=template.stride(),
+    )
+
+
 def shares_storage(t: torch.Tensor) -> bool:
     """Whether another tensor shares ``t``'s storage (a DTensor's local piece's): a view, an
     alias, or ``t`` as a view of another's."""
