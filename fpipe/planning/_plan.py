@@ -14,7 +14,7 @@ from typing import Literal
 
 from .._plural import plural
 from ..schedules import Costs, Program, simulate
-from ..schedules._overlapped import pair_adjacent
+from ..schedules._overlapped import Overlapped
 from ..schedules._registry import BUILTINS, Builtin
 from ._cost_model import (
     GIB,
@@ -103,8 +103,9 @@ def candidates(
 
 def _builder(choice: Builtin, m: int, p: int, v: int, overlap: bool = False) -> Callable[[tuple[Costs, ...]], Program]:
     """The program of ``choice`` with ``v`` stages per rank on ``p`` ranks, whatever the costs;
-    with ``overlap``, paired (``pair_adjacent``) where that is faster for the costs (NOTE
-    [planner overlap]). Built on the first call (a ``ScheduleError`` is the row's), paired once."""
+    with ``overlap``, paired (``Overlapped``: ``pair_adjacent``, or the schedule's own pairs) where
+    that is faster for the costs (NOTE [planner overlap]). Built on the first call (a
+    ``ScheduleError`` is the row's), paired once."""
     built: list[Program] = []  # the program, then its pairs'
 
     def program(costs: tuple[Costs, ...]) -> Program:
@@ -113,7 +114,7 @@ def _builder(choice: Builtin, m: int, p: int, v: int, overlap: bool = False) -> 
         if not overlap or not any(c.communication for c in costs):
             return built[0]
         if len(built) == 1:
-            built.append(pair_adjacent(built[0]))
+            built.append(Overlapped(choice.build(m, v)).program(p * v, p))
         return min(built, key=lambda q: simulate(q, costs).makespan)
 
     return program
@@ -357,7 +358,7 @@ def overlapping(units: Sequence[Unit]) -> tuple[list[Unit], bool]:
         With ``overlap``, a MoE layer's ``F`` and ``I`` keep their all-to-all seconds
         (``Unit.all_to_all``, NOTE [planner experts]) as ``Costs.communication``, two points each
         (the dispatch and the combine); a stage sums its layers' (``_ranking._stage_costs``).
-        Each row's program is then paired (``pair_adjacent``, or ``search(overlap=True)`` for
+        Each row's program is then paired (``Overlapped``, or ``search(overlap=True)`` for
         the searched rows) and kept where ``simulate`` finds it faster (NOTE [overlapped time]
         in ``fpipe/schedules/_simulate.py``), for the split found for it. With ``recompute`` the
         recomputed forward's all-to-alls in ``I`` count as compute (one ``communication`` for
