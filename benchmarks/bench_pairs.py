@@ -17,7 +17,8 @@ configuration runs on gloo processes (127.0.0.1, one torch thread each):
 - 2 processes, pp 1 x ep 2: 2 stages on the one pipeline rank, ``OneFOneB`` against
   ``Overlapped(OneFOneB)`` (Combined 1F1B with experts only);
 - 4 processes, pp 2 x ep 2: ``OneFOneB`` against ``Overlapped(OneFOneB)`` (2 stages) and
-  ``DualPipeV`` against ``Overlapped(DualPipeV)`` (4 stages, DualPipe's pairs).
+  ``DualPipeV`` against ``Overlapped(DualPipeV)`` (4 stages, DualPipe's pairs), and
+  ``DualPipe`` against ``Overlapped(DualPipe)`` (2 stages, each on both pipeline ranks).
 
 For each pair of schedules, in the same processes:
 
@@ -162,7 +163,7 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     from torch.distributed.device_mesh import init_device_mesh
 
     import fpipe
-    from fpipe.schedules import DualPipeV, OneFOneB, Overlapped
+    from fpipe.schedules import DualPipe, DualPipeV, OneFOneB, Overlapped
 
     timer = ExchangeTimer()
     timer.install()
@@ -170,7 +171,8 @@ def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     mesh = init_device_mesh("cpu", (pp, ep), mesh_dim_names=("pp", "ep"))
     replica = mesh.get_coordinate()[1]
     m = opts["microbatches"]
-    cases = [(OneFOneB(m), 2)] + ([(DualPipeV(m), 4)] if pp == 2 else [])
+    dual = [(DualPipe(m), 2)] if m % 2 == 0 and m >= 4 else []  # (each of its 2 stages on both ranks)
+    cases = [(OneFOneB(m), 2)] + ([(DualPipeV(m), 4), *dual] if pp == 2 else [])
     tokens = opts["batch"] * opts["seq"] // m  # per microbatch
     capacity = math.ceil(opts["capacity_factor"] * tokens * TOP_K / EXPERTS)
     g = torch.Generator().manual_seed(1 + replica)

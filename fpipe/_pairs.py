@@ -30,9 +30,18 @@ Why threads and not a program of chunks: the backward's communication points are
 autograd engine's pass (a ``torch.autograd.Function``'s backward), which cannot be suspended
 and resumed by Python code except by blocking its thread; and a stage stays one function the
 user wrote. On CPU the engine runs a backward on the thread that asked for it, so the points
-inside the backward are seen; on an accelerator its device threads run the backward, which then
-has no points (the pair still runs, correctly, with less overlap). With ``recompute=True`` the
-replayed forward's points are points of the backward's side.
+inside the backward are seen there. On an accelerator its device threads run the backward while
+the side that asked waits for them: a point reached on a thread that is no side's is the point of
+the side holding the baton (only that side runs, so only its work can reach one), and that
+thread waits for the baton in its place (NOTE [points on other threads]). With
+``recompute=True`` the replayed forward's points are points of the backward's side.
+
+NOTE [points on other threads]
+``_ACTIVE`` holds the baton of the pair running in this process (a pipeline rank runs one pair at
+a time); ``communication_point`` on a thread with no side of its own switches for the side whose
+turn it is. Tested on CPU with a side that waits for a helper thread reaching its points, as the
+engine's device thread would; not run on an accelerator (no GPU lent). The generator swapped
+per side is the CPU one (an accelerator's draws inside a pair may differ from a sequential run's).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from collections.abc import Callable
 import torch
 
 _LOCAL = threading.local()  # ``side``: (baton, index) of the pair side running on this thread
+_ACTIVE: list[_Baton] = []  # the baton of the pair running in this process (NOTE [points on other threads])
 
 
 class _Baton:
@@ -55,6 +65,11 @@ class _Baton:
         self._done = [False, False]
         self._states: list[torch.Tensor | None] = [None, None]  # each side's CPU generator state
         self.points = [0, 0]  # communication points each side reached
+
+    @property
+    def turn(self) -> int:
+        """The side that holds the baton: the one running."""
+        return self._turn
 
     def wait_turn(self, me: int) -> None:
         with self._changed:
@@ -96,6 +111,8 @@ def communication_point() -> None:
     ``fpipe.moe.dispatch`` and ``combine`` do, in their forward and their backward.
     """
     side = getattr(_LOCAL, "side", None)
+    if side is None and _ACTIVE:  # a thread working for the running side (NOTE [points on other threads])
+        side = (_ACTIVE[-1], _ACTIVE[-1].turn)
     if side is not None:
         baton, me = side
         baton.switch(me)
@@ -138,8 +155,12 @@ def run_pair(first: Callable[[], None], second: Callable[[], None]) -> tuple[int
             side(1, second)
 
     done = _second_thread().submit(second_side)
-    side(0, first)
-    done.wait()
+    _ACTIVE.append(baton)
+    try:
+        side(0, first)
+        done.wait()
+    finally:
+        _ACTIVE.remove(baton)
     for me, error in enumerate(errors):
         if error is not None:
             raise SideFailed(me) from error

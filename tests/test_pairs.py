@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import warnings
 
 import optree
@@ -46,6 +47,34 @@ def test_the_sides_alternate_at_their_points_and_each_draws_its_own_numbers():
         torch.manual_seed(seed)
         alone = [torch.rand(2) for _ in range(points + 1)]
         assert_bitwise([x for n, _, x in trace if n == name], alone, name)
+
+
+def test_a_point_on_a_thread_working_for_a_side_switches_for_it():
+    """NOTE [points on other threads]: side 1 waits for a helper thread that reaches two points, as
+    an accelerator's autograd thread runs a backward for the side that asked: the sides still
+    alternate at those points."""
+    trace = []
+
+    def side_0():
+        for k in range(3):
+            trace.append(("a", k))
+            if k < 2:
+                communication_point()
+
+    def side_1():
+        def helper():
+            for k in range(3):
+                trace.append(("b", k))
+                if k < 2:
+                    communication_point()
+
+        worker = threading.Thread(target=helper)
+        worker.start()
+        worker.join()
+
+    assert run_pair(side_0, side_1) == (2, 2)
+    assert trace == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    communication_point()  # the pair has ended: nothing to switch
 
 
 def test_a_point_outside_a_pair_does_nothing_and_a_failing_side_lets_the_other_finish():
