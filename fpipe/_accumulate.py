@@ -185,8 +185,12 @@ class HoldersSum:
             for other in self._sums[1:]:
                 for k, g in enumerate(other.total):
                     total = first.total[k]
-                    if g is not None:
-                        first.replace(k, clone(g)) if total is None else total.add_(g)
+                    if g is None:
+                        continue
+                    if total is None:
+                        first.replace(k, clone(g))
+                    else:
+                        total.add_(g)
         return first.total
 
     def replace(self, k: int, g: torch.Tensor) -> None:

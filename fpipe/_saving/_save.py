@@ -178,7 +178,8 @@ def save(
             ``metadata`` is not JSON-serializable.
         ValueError: two leaves of a stage have the same name, a leaf is named ``__metadata__`` (safetensors
             reserves it), a tied name has different values (or placements),
-            or ranks disagree (stage count, metadata) or hold the same stage; a DTensor not on the
+            or ranks disagree (stage count, metadata) or hold the same stage (but a stage the step's
+            program runs on several ranks, DualPipe's, saved once like a tied name); a DTensor not on the
             mesh's ``"tp"`` (or ``"ep"``) sub-mesh, or a replicated leaf that differs between
             tensor-parallel or expert-parallel ranks.
         OSError: writing failed (the previous save is kept); ``TimeoutError``: another save to
