@@ -13,8 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from .._plural import plural
-from ..schedules import Costs, Program, simulate
-from ..schedules._overlapped import Overlapped
+from ..schedules import Costs, Overlapped, Program, simulate
 from ..schedules._registry import BUILTINS, Builtin
 from ._cost_model import (
     GIB,
