@@ -29,7 +29,7 @@ receive). In one process a rank's bytes are those of allocations made inside its
 actions and still live: a stage's input there is the previous stage's output, not a copy, so it is
 counted once, on the producing rank. "Of which sends" (``sent``) is what fpipe's transport still
 holds of the rank's sends at the start of the action (``DistributedTransport.held``: sends not
-yet let go, NOTE [sends released] in fpipe/_distributed/_transport.py): part of the rank's
+yet let go, NOTE [sends released] in fpipe/_distributed/_sends.py): part of the rank's
 bytes, not more (a large leaf is sent from its own storage, which the stage's pullback may hold
 too). The profiler misses frees made on the transport's sends thread, so the script keeps what
 that thread waits for and frees it at the next action's start, once the thread has let it go.
@@ -179,7 +179,7 @@ def held(
 def run_fpipe(schedule: Schedule, num_stages: int, opts: dict[str, Any], rank: int | None) -> dict[str, Any]:
     """fpipe's window on this rank (``None``: in one process, every stage here)."""
     from fpipe import _executor
-    from fpipe._distributed import _transport
+    from fpipe._distributed import _sends
 
     params = make_params(num_stages, opts)
     batch = make_batch(opts)
@@ -192,10 +192,10 @@ def run_fpipe(schedule: Schedule, num_stages: int, opts: dict[str, Any], rank: i
             _common.mse_loss, stage_fns(num_stages), schedule, parallel=fpipe.Parallelism(group=group)
         )
         mine = [p if rank is None or s in step.local_stages else None for s, p in enumerate(params)]
-        handlers, put = dict(_executor._HANDLERS), _transport._Waiter.put
+        handlers, put = dict(_executor._HANDLERS), _sends.Waiter.put
         kept: list[tuple[Any, torch.Tensor]] = []
         if rank is not None:
-            _transport._Waiter.put = _keeping(put, kept)  # type: ignore[method-assign]
+            _sends.Waiter.put = _keeping(put, kept)  # type: ignore[method-assign]
         try:
             state["loss"], state["grads"] = step(mine, batch)
             del state["grads"]
@@ -207,7 +207,7 @@ def run_fpipe(schedule: Schedule, num_stages: int, opts: dict[str, Any], rank: i
                 state["loss"], state["grads"] = step(mine, batch)
         finally:
             _executor._HANDLERS.update(handlers)
-            _transport._Waiter.put = put  # type: ignore[method-assign]
+            _sends.Waiter.put = put  # type: ignore[method-assign]
 
     if rank is not None:
         dist.barrier()
@@ -238,7 +238,7 @@ def _recording(
 
 
 def _keeping(put: Callable[..., None], kept: list[tuple[Any, torch.Tensor]]) -> Callable[..., None]:
-    """``_Waiter.put``, keeping each tensor until the next action's start once the sends thread let
+    """``Waiter.put``, keeping each tensor until the next action's start once the sends thread let
     it go: a free on that thread is missing from the profiler's events (it reports memory per
     thread), so the tensor is freed on the step's thread instead, before the action is read."""
 

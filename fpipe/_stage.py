@@ -30,7 +30,7 @@ A pullback keeps each output that carries the graph as its gradient edge (the no
 not as the tensor: the backward starts from the edge, which autograd treats exactly as it treats
 the tensor (the same root, the same shape checks, the same bits), and the output's data is then
 held only by what needs it: the next stage's input in one process, a send until it completes
-(NOTE [sends released] in fpipe/_distributed/_transport.py), and the graph's own saved tensors when
+(NOTE [sends released] in fpipe/_distributed/_sends.py), and the graph's own saved tensors when
 the backward reads the output (``tanh``'s result, say). The edge of a leaf passed through (an
 input or a parameter) is its gradient accumulator, which holds the leaf: its data is held anyway.
 

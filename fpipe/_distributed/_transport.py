@@ -26,15 +26,12 @@ differs from one process. The protocol (notes/wire.md), per step:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import functools
-import threading
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,126 +39,14 @@ import torch.distributed as dist
 from .._errors import PipelineError
 from .._pytree import PyTree
 from ..schedules import Action, Program, Simulation
-from ..schedules._action import BACKWARD, BACKWARD_INPUT, FORWARD
-from ._board import ASK, RAISED, Failure, waiting
+from ._board import RAISED, Failure, waiting
 from ._collectives import all_gather_json, handshake, lost, mark_broken, peer_lost_in_stage, wait
-from ._faults import WATCHDOG, abort_group
+from ._faults import WATCHDOG
+from ._messages import Key, Route, ahead, plan
+from ._sends import Waiter
 from ._status import Status
 from ._topology import Topology
 from ._wire import ERROR, Decoder, Encoder, FailureCode, as_bytes, error_code, error_message, meta_of
-
-Key = tuple[str, int, int]  # ("act" | "cot" | "mb" | "grad" | "losses" | "result", stage, microbatch)
-
-
-def messages(program: Program, sender: int, send_microbatches: bool) -> dict[int, list[Key]]:
-    """Per receiving rank, the messages ``sender`` sends in one step, in the order it sends them."""
-    return {r: [key for key, _ in sent] for r, sent in sends(program, sender, send_microbatches).items()}
-
-
-def sends(program: Program, sender: int, send_microbatches: bool) -> dict[int, list[tuple[Key, int]]]:
-    """``messages``, each with the position in ``sender``'s row of the action that sends it (those
-    after the row, NOTE [after the row]: one past the last)."""
-    where, last, row = program.placement_by_microbatch(), program.num_stages - 1, program.ranks[sender]
-    out: dict[int, list[tuple[Key, int]]] = defaultdict(list)
-    feeds = send_microbatches and sender == program.placement()[0]  # the batch's rank sends it on
-    for r, i in ahead(program, sender) if feeds else []:
-        out[r].append((("mb", 0, i), 0))
-    for k, a in enumerate(row):
-        s, i = a.stage, a.microbatch
-        if a.kind == FORWARD:
-            if s == 0 and feeds and where[last][i] != sender:
-                out[where[last][i]].append((("mb", 0, i), k))
-            if s < last and where[s + 1][i] != sender:
-                out[where[s + 1][i]].append((("act", s, i), k))
-        elif a.kind in (BACKWARD, BACKWARD_INPUT) and s > 0 and where[s - 1][i] != sender:
-            out[where[s - 1][i]].append((("cot", s, i), k))
-    end = len(row)
-    for s in program.stages_of(sender) if _trains(row) else ():
-        for r in program.holders(s):
-            if r != sender:
-                out[r].append((("grad", s, 0), end))
-    holders = program.holders(last)
-    if sender in holders[1:]:
-        out[holders[0]].append((("losses", last, 0), end))
-    if sender == holders[0]:
-        for r in range(program.num_ranks):
-            if r != sender:
-                out[r].append((("result", last, 0), end))
-    return out
-
-
-def consumers(program: Program, rank: int, send_microbatches: bool) -> dict[Key, int]:
-    """Each message ``rank`` receives in one step, and the position in its row of the action that
-    needs it (those after the row, NOTE [after the row]: one past the last)."""
-    where, last, row = program.placement_by_microbatch(), program.num_stages - 1, program.ranks[rank]
-    out: dict[Key, int] = {}
-    for k, a in enumerate(row):
-        s, i = a.stage, a.microbatch
-        if a.kind == FORWARD and s > 0 and where[s - 1][i] != rank:
-            out["act", s - 1, i] = k
-        if a.kind == FORWARD and s in (0, last) and send_microbatches and program.placement()[0] != rank:
-            out["mb", 0, i] = k  # (on DualPipe's rank p-1 for stage 0 or the last, never both)
-        if a.kind in (BACKWARD, BACKWARD_INPUT) and s < last and where[s + 1][i] != rank:
-            out["cot", s + 1, i] = k
-    end = len(row)
-    for s in program.stages_of(rank) if _trains(row) else ():
-        if len(program.holders(s)) > 1:
-            out["grad", s, 0] = end  # (from each other holder: one key, one position)
-    holders = program.holders(last)
-    if rank == holders[0] and len(holders) > 1:
-        out["losses", last, 0] = end
-    if rank != holders[0]:
-        out["result", last, 0] = end
-    return out
-
-
-def _trains(row: Sequence[Action]) -> bool:
-    """Whether a row makes gradients (an evaluation's forward-only program has none to exchange)."""
-    return any(a.kind != FORWARD for a in row)
-
-
-def ahead(program: Program, sender: int) -> list[tuple[int, int]]:
-    """``(rank, microbatch)``: the microbatches the batch's rank ``sender`` (stage 0's first holder)
-    sends before its row, when the last stage's rank holds no batch: those whose stage 0 another
-    rank runs (DualPipe's second half, on rank p-1), to it and to their last stage's rank."""
-    where, last = program.placement_by_microbatch(), program.num_stages - 1
-    if sender != program.placement()[0]:
-        return []
-    return [
-        (r, i)
-        for i in range(program.num_microbatches)
-        if where[0][i] != sender
-        for r in dict.fromkeys((where[0][i], where[last][i]))
-        if r != sender
-    ]
-
-
-# NOTE [after the row]
-# After its row a rank sends, in this order: for each stage it holds with other ranks (NOTE [a
-# stage on several ranks] in fpipe/schedules/_program.py), by stage, its gradient sum to each
-# other holder (``grad``); as a last stage's holder other than the first, its microbatches' losses
-# (``losses``) to the first holder, which stacks every microbatch's in order (NOTE [the step's
-# loss] in fpipe/_run.py); as that first holder, the result to every other rank. Each rank sends
-# all of a kind before it reads any, and sends never block, so no order of ranks can deadlock.
-
-
-# NOTE [sends released]
-# A send keeps its tensors (a large leaf's own storage, the packed bytes) alive until the
-# transport lets it go, as soon as the send has completed. NCCL's work says so as the send goes
-# (``is_completed``, asked as each message is sent or read: ``_release``); gloo's says False
-# until waited for, even once the peer has read it, and waiting for a send whose receive is not
-# posted blocks. So on gloo every send goes to a thread of the step's per peer (``_Waiter``),
-# which waits for that peer's sends oldest first (the peer reads them in the order sent) and
-# lets go of each as its wait returns. Its waits have no timeout but the group's (a gloo wait
-# that times out closes the group's pairs, which would race the step's own waits to name the
-# failure): the step's waits bound them. ``close`` joins the threads after the closing
-# all-gather, when every peer has read every message, so at once. After a failure (``abort``)
-# the sends left may never be read: a thread is joined when the job's groups are aborted on
-# this rank (a lost rank: its wait has ended), else left to end with its wait (the peer reads,
-# exits, or the group goes), and at exit its group is aborted (``_end_left``): aborting the
-# group at once would close it for the ranks still using it. A failed wait is raised by the
-# next send or ``close``, as the step's own wait would be.
-# What a rank holds as a result: notes/wire.md, "What a rank holds, and for how long".
 
 
 @dataclass(frozen=True)
@@ -172,155 +57,24 @@ class _Concluded(Status):
     code: FailureCode  # how (zeros when it did not)
 
 
-class _Route(NamedTuple):
-    """The messages between this rank and one peer in one step (``plan``)."""
-
-    peer: int
-    incoming: list[Key]  # the peer's messages to this rank, in the order sent
-    outgoing: list[Key]  # this rank's messages to the peer, in the order sent
-    sent_at: list[int]  # the position in this rank's row of the action that sends each outgoing one
-
-
-class Plan(NamedTuple):
-    """What ``rank``'s transport derives from the program for every step (``plan``)."""
-
-    routes: tuple[_Route, ...]  # one per peer that this rank sends to or receives from
-    needed: dict[Key, int]  # ``consumers``: read only
-
-
-@functools.lru_cache(maxsize=16)
-def plan(program: Program, rank: int, send_microbatches: bool) -> Plan:
-    """``rank``'s messages with each peer in a step of ``program``: the same for every step of a
-    pipeline, so made once (the program is a value: a step hashes it, about 11 us at 256 actions,
-    where making the plan took 0.2 ms a peer)."""
-    outgoing = sends(program, rank, send_microbatches)
-    routes = []
-    for r in range(program.num_ranks):
-        if r != rank:
-            theirs, mine = sends(program, r, send_microbatches).get(rank, []), outgoing.get(r, [])
-            if theirs or mine:
-                keys, sent_at = [key for key, _ in mine], [k for _, k in mine]
-                routes.append(_Route(r, [key for key, _ in theirs], keys, sent_at))
-    return Plan(tuple(routes), consumers(program, rank, send_microbatches))
-
-
 class _Peer:
     """The message streams between this rank and one other pipeline rank, for one step."""
 
-    def __init__(self, route: _Route, waiter: _Waiter | None) -> None:
+    def __init__(self, route: Route, waiter: Waiter | None) -> None:
         self.rank = route.peer
         self.incoming = route.incoming
         self.next_in = 0
         self.outgoing = route.outgoing
         self.sent_at = route.sent_at  # the position of the action that sends each
         self.next_out = 0
-        # This rank's sends not yet known to have completed (NOTE [sends released]): on gloo
-        # with the peer's ``_Waiter``, else here, oldest first, as (the work, its tensor).
+        # This rank's sends not yet known to have completed (NOTE [sends released] in _sends.py): on gloo
+        # with the peer's ``Waiter``, else here, oldest first, as (the work, its tensor).
         self.waiter = waiter
         self.pending: deque[tuple[Any, torch.Tensor]] = deque()
         self.buffered: dict[Key, PyTree] = {}
         # The next message's receives, when posted ahead (NOTE [receives ahead] in fpipe/_distributed/_wire.py):
         # its first tensor, its large leaves, and the works of both.
         self.ahead: tuple[torch.Tensor, list[torch.Tensor], list[Any]] | None = None
-
-
-class _Waiter:
-    """The step's thread that waits, oldest first, for its sends to one peer, and lets go of each
-    as its wait returns (NOTE [sends released])."""
-
-    def __init__(self, group: Any) -> None:
-        self._group = group
-        self._changed = threading.Condition()  # guards what follows
-        self._queue: deque[tuple[Any, torch.Tensor, str, int]] = deque()  # (work, tensor, what, peer)
-        self._closing = False
-        self._thread: threading.Thread | None = None  # started at the first send
-        # A failed wait's error, what the send was and its peer's global rank: the thread then
-        # ends, and the step's thread raises it (``DistributedTransport._sent``).
-        self.failed: tuple[BaseException, str, int] | None = None
-
-    def put(self, work: Any, tensor: torch.Tensor, what: str, peer: int) -> None:
-        """Wait for ``work``, a send of ``tensor`` (part of ``what``) to global rank ``peer``."""
-        with self._changed:
-            self._queue.append((work, tensor, what, peer))
-            self._changed.notify()
-            if self._thread is None:  # (under the lock: an overlapped pair's halves both send)
-                self._thread = threading.Thread(target=self._loop, name="fpipe-sends", daemon=True)
-                self._thread.start()
-
-    def held(self) -> int:
-        """Bytes of the sends not yet completed."""
-        with self._changed:
-            return sum(t.numel() * t.element_size() for _, t, _, _ in self._queue)
-
-    def join(self, timeout: float) -> None:
-        """End the thread once every send has completed (``close``: every peer has read every
-        message, so at once); a wait still pending after ``timeout`` seconds ends as the pipeline
-        group is aborted on this rank."""
-        with self._changed:
-            self._closing = True
-            self._changed.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                self.end()
-
-    def leave(self, *, aborted: bool) -> None:
-        """After a failed step: let go of the sends not yet waited for, and end the thread as
-        soon as its wait ends: at once when the job's groups are aborted on this rank
-        (``aborted``), else when the peer reads the message, leaves or the group goes (aborting
-        the group here would close it for the other ranks too), or at exit (``_end_left``)."""
-        with self._changed:
-            self._closing = True
-            while len(self._queue) > 1:  # (the first is the thread's)
-                self._queue.pop()
-            self._changed.notify()
-        if self._thread is not None:
-            self._thread.join(ASK if aborted else 0)  # (an aborted group's waits end at once)
-            if self._thread.is_alive():
-                _LEFT[:] = [*(waiter for waiter in _LEFT if waiter.waiting()), self]
-
-    def waiting(self) -> bool:
-        """Whether the thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def end(self) -> None:
-        """End the thread's wait by aborting the pipeline group on this rank, and the thread."""
-        with contextlib.suppress(Exception):  # (at exit, the group may be gone)
-            abort_group(self._group)
-        if self._thread is not None:
-            self._thread.join(ASK)
-
-    def _loop(self) -> None:
-        queue = self._queue
-        while True:
-            with self._changed:
-                while not queue and not self._closing:
-                    self._changed.wait()
-                if not queue:
-                    return
-                work = queue[0][0]
-            try:
-                work.wait()  # no timeout of its own: the step bounds it (NOTE [sends released])
-            except BaseException as error:
-                with self._changed:
-                    self.failed = (error.with_traceback(None), queue[0][2], queue[0][3])
-                    queue.clear()
-                return
-            del work  # (it holds the tensor too: the queue's entry is then the thread's last reference)
-            with self._changed:
-                queue.popleft()
-
-
-_LEFT: list[_Waiter] = []  # threads still waiting after their failed step (``_Waiter.leave``)
-
-
-@atexit.register
-def _end_left() -> None:
-    """End the threads still waiting after a failed step before the interpreter finalizes: a
-    thread woken in a gloo wait then (as the group is destroyed) can abort the process."""
-    for waiter in _LEFT:
-        if waiter.waiting():
-            waiter.end()
 
 
 class WireState:
@@ -367,8 +121,8 @@ class DistributedTransport:
         routes, self._needed = plan(program, self.me, send_microbatches)
         self._now = -1  # the position of the action that needed the message read last
         self._in_order = topology.device.type != "cpu"  # NOTE [receives ahead in stream order]
-        gloo = dist.get_backend(topology.group) == "gloo"  # NOTE [sends released]
-        self.peers = {route.peer: _Peer(route, _Waiter(topology.group) if gloo else None) for route in routes}
+        gloo = dist.get_backend(topology.group) == "gloo"  # NOTE [sends released] in fpipe/_distributed/_sends.py
+        self.peers = {route.peer: _Peer(route, Waiter(topology.group) if gloo else None) for route in routes}
         for peer in self.peers.values():
             self._post_ahead(peer)
 
@@ -416,7 +170,7 @@ class DistributedTransport:
     def share_grads(self, grads: dict[int, PyTree]) -> dict[int, list[PyTree]]:
         """For each stage this rank holds with others (NOTE [a stage on several ranks] in
         fpipe/schedules/_program.py), its gradient sum (``grads``) sent to the other holders,
-        and every holder's, in holder order (NOTE [after the row])."""
+        and every holder's, in holder order (NOTE [after the row] in fpipe/_distributed/_messages.py)."""
         for s, tree in grads.items():
             for r in self._program.holders(s):
                 if r != self.me:
@@ -428,7 +182,7 @@ class DistributedTransport:
 
     def gather_losses(self, losses: tuple[dict[int, Any], ...]) -> tuple[dict[int, Any], ...] | None:
         """The last stage's microbatch losses of every holder, on its first holder; ``None`` on
-        another holder, which sends its own there (NOTE [after the row])."""
+        another holder, which sends its own there (NOTE [after the row] in fpipe/_distributed/_messages.py)."""
         holders = self._program.holders(self.last)
         if self.me != holders[0]:
             self._send(holders[0], ("losses", self.last, 0), losses)
@@ -550,7 +304,7 @@ class DistributedTransport:
         tensors = self._wire.encoders[_channel(dst, key)].encode(value, self.topology.device, ranks)
         peer.next_out += 1
         if peer.pending:
-            self._release(peer)  # those the backend says are done (NOTE [sends released])
+            self._release(peer)  # those the backend says are done (NOTE [sends released] in _sends.py)
         to, group = self.topology.global_ranks[dst], self.topology.group
         for tensor in tensors:
             try:
@@ -573,7 +327,7 @@ class DistributedTransport:
             wait(work, self.topology.board, self._timeout, self.me, "a send to complete")
 
     def _sent(self) -> None:
-        """Raise the failure of a send a ``_Waiter`` waited for, as this thread's own wait would."""
+        """Raise the failure of a send a ``Waiter`` waited for, as this thread's own wait would."""
         for peer in self.peers.values():
             failed = None if peer.waiter is None else peer.waiter.failed
             if failed is not None:
@@ -581,7 +335,7 @@ class DistributedTransport:
                 raise lost(self.topology.board, error, self.me, what, to, self._timeout) from error
 
     def held(self) -> int:
-        """Bytes of this rank's sends not yet known to have completed (NOTE [sends released])."""
+        """Bytes of this rank's sends not yet known to have completed (NOTE [sends released] in _sends.py)."""
         waiting = sum(peer.waiter.held() for peer in self.peers.values() if peer.waiter is not None)
         return waiting + sum(t.numel() * t.element_size() for peer in self.peers.values() for _, t in peer.pending)
 

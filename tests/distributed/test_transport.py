@@ -1,9 +1,9 @@
-"""The distributed transport's plan of a step (``fpipe._distributed._transport``): which messages
-each rank receives and which action needs each (NOTE [small receives ahead]); a recorded
-timeline gathered from every rank's own row; and, on 2 gloo ranks, sent tensors let go once
-their sends have completed (NOTE [sends released]), waited for by the step's own threads, which
-end with the step, failed or not. The messages themselves are tested on gloo ranks in
-tests/test_distributed.py."""
+"""The distributed transport (``fpipe._distributed._transport``): which receives go ahead (NOTE
+[receives ahead in stream order]); a recorded timeline gathered from every rank's own row; and,
+on 2 gloo ranks, sent tensors let go once their sends have completed (NOTE [sends released] in
+fpipe/_distributed/_sends.py), waited for by the step's own threads, which end with the step,
+failed or not. The plan of a step's messages: tests/distributed/test_messages.py; the messages
+themselves on gloo ranks: tests/test_distributed.py."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import fpipe
 from fpipe._distributed import _transport
-from fpipe._distributed._transport import Key, ahead_is_safe, consumers, messages, sends
+from fpipe._distributed._messages import Key, consumers, sends
+from fpipe._distributed._transport import ahead_is_safe
 from fpipe.schedules import GPipe, Interleaved1F1B, OneFOneB, simulate
 from fpipe.schedules._program import Program, Schedule
 from tests._multiprocess import run_ranks
@@ -30,36 +31,6 @@ from tests.distributed._faults import SLACK, wait_for
 
 def _program(schedule: Schedule, num_stages: int) -> Program:
     return schedule.program(num_stages)
-
-
-def test_each_received_message_is_needed_by_one_action_of_the_row() -> None:
-    for schedule in (GPipe(4), OneFOneB(4)):
-        program = _program(schedule, 2)
-        for rank in (0, 1):
-            needed = consumers(program, rank, send_microbatches=True)
-            sent_here = [key for r in (0, 1) if r != rank for key in messages(program, r, True).get(rank, [])]
-            assert sorted(needed) == sorted(sent_here)
-
-
-def test_gpipe_needs_its_next_message_one_action_later_and_1f1b_two() -> None:
-    """What decides whether a small receive is posted ahead: GPipe's last rank runs its forwards
-    one after another, 1F1B's a backward between them."""
-    gpipe = consumers(_program(GPipe(4), 2), 1, send_microbatches=False)
-    assert [gpipe["act", 0, i] for i in range(4)] == [0, 1, 2, 3]
-    one_f_one_b = consumers(_program(OneFOneB(4), 2), 1, send_microbatches=False)
-    assert [one_f_one_b["act", 0, i] for i in range(4)] == [0, 2, 4, 6]
-    assert ("result", 1, 0) not in gpipe and ("mb", 0, 0) not in gpipe
-    assert consumers(_program(GPipe(4), 2), 1, send_microbatches=True)["mb", 0, 2] == 2
-    first = consumers(_program(GPipe(4), 2), 0, send_microbatches=True)
-    assert [first["cot", 1, i] for i in range(4)] == [4, 5, 6, 7] and first["result", 1, 0] == 8
-
-
-def test_each_message_is_sent_by_one_action_of_the_senders_row() -> None:
-    program = _program(GPipe(4), 2)
-    first, last = sends(program, 0, send_microbatches=False), sends(program, 1, send_microbatches=False)
-    assert first[1] == [(("act", 0, i), i) for i in range(4)]
-    assert last[0] == [*((("cot", 1, i), 4 + i) for i in range(4)), (("result", 1, 0), 8)]
-    assert {r: [key for key, _ in sent] for r, sent in first.items()} == messages(program, 0, False)
 
 
 def test_a_receive_goes_ahead_in_stream_order_only_if_no_send_to_its_peer_comes_first() -> None:
