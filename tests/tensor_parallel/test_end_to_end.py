@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1, ZeroBubbleV
+from fpipe.schedules import DualPipe, GPipe, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 from tests._multiprocess import run_ranks
 from tests._tensor_parallel_llama import MIXED, check_mixed, check_sharded, check_trained, sharded_ranks, train_ranks
 
@@ -34,6 +34,14 @@ def test_two_stages_per_rank_with_tensor_parallel():
     """pp 2 x tp 2, 4 stages: looped (interleaved 1F1B) and in a V (ZB-V, split backward)."""
     results = run_ranks(4, train_ranks, ("pp", "tp"), (2, 2), [OneFOneB(4), ZeroBubbleV(4)], 4, timeout=180)
     check_trained(results, 4)
+
+
+def test_dual_pipe_with_tensor_parallel():
+    """pp 2 x tp 2, DualPipe (each stage on both pipeline ranks, NOTE [a stage on several ranks] in
+    fpipe/schedules/_program.py): the holders' sums travel as local pieces and come back as
+    DTensors with their placements, equal to the unsplit model; the norm counts each stage once."""
+    results = run_ranks(4, train_ranks, ("pp", "tp"), (2, 2), [DualPipe(4)], 2, timeout=180)
+    check_trained(results, 2)
 
 
 def _both(rank, world, dims, shape, schedule, num_stages):
