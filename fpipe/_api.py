@@ -232,12 +232,6 @@ def pipeline(
             f"fpipe.pipeline: the program has {plural(program.num_ranks, 'rank')} but the pipeline group has "
             f"{plural(topology.size, 'process')}. Use a schedule and stage count that fit the group size."
         )
-    if program.shared() and parallel.shard_params:  # NOTE [a stage on several ranks] in fpipe/schedules/_program.py
-        raise ValueError(
-            "fpipe.pipeline: the program runs a stage on several ranks (DualPipe), whose holders add their full "
-            "gradients: not with shard_params=True, whose replicas hold shards of them. Use DualPipeV, which holds "
-            "each stage once, or shard_params=False."
-        )
     spec = StepSpec(
         loss_fn,
         tuple(stages),

@@ -135,7 +135,7 @@ class Program:
 # receives its activation and cotangent and sends them on; each holder sums its microbatches'
 # gradients in microbatch order, and the holders' sums are added in holder order (by the first
 # microbatch each runs): ``(g_0 + ... + g_{h-1}) + (g_h + ... + g_{m-1})`` for two halves, in one
-# process and many; replicas then reduce that sum as any stage's gradients. Such a program is
+# process and many; replicas then reduce (or reduce-scatter) that sum as any stage's gradients. Such a program is
 # bitwise equal to itself across runtimes and within float rounding of the other schedules,
 # which add ``g_h`` to the running sum: keeping their order would need every per-microbatch
 # gradient of one holder sent to the other, or held until the other's sum arrives (the memory

@@ -2,8 +2,8 @@
 row and then reduced over replicas like any other stage's (NOTE [a stage on several ranks] in
 fpipe/schedules/_program.py). The conformance battery runs it on 2 and 4 ranks against one process
 (tests/test_distributed.py); here, on one spawn of 4 ranks: its overlapped pairs with recompute
-and dropout and a save, data-parallel replicas, experts with their all-to-alls overlapped, and
-``shard_params`` refused."""
+and dropout and a save, data-parallel replicas (replicated and sharded), and experts with their
+all-to-alls overlapped."""
 
 from __future__ import annotations
 
@@ -83,11 +83,13 @@ def _ranks(rank: int, world: int, directory: Any) -> dict[str, Any]:
     step = fpipe.pipeline(_loss, [_plain_stage] * 2, DualPipe(4), parallel=fpipe.Parallelism(mesh=mesh, timeout=30))
     mine = [p if s in step.local_stages else None for s, p in enumerate(params)]
     out["dp"] = (step.local_stages, step(mine, _model(2, seed=1 + replica)[1]))
-    try:
-        fpipe.pipeline(_loss, [_plain_stage] * 2, DualPipe(4), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True))
-        out["refused"] = ""
-    except ValueError as error:
-        out["refused"] = str(error)
+    sharded = fpipe.pipeline(
+        _loss, [_plain_stage] * 2, DualPipe(4), parallel=fpipe.Parallelism(mesh=mesh, shard_params=True, timeout=30)
+    )
+    shards = sharded.shard(params)
+    loss, grads = sharded(shards, _model(2, seed=1 + replica)[1])
+    full = [None if g is None else fpipe.gather(g, params[s], sharded) for s, g in enumerate(grads)]
+    out["sharded"] = (loss, full, sharded.global_norm(grads), step.global_norm(out["dp"][1][1]))
     # 3. pp 2 x ep 2 with fpipe.moe: DualPipe and its pairs, which overlap the all-to-alls (a pair
     # run in sequence would warn: an error here).
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
@@ -119,7 +121,8 @@ def test_dual_pipe_on_ranks_with_pairs_saves_replicas_and_experts(tmp_path: Any)
     - dp 2 x pp 2: bitwise ``(g_a + g_b) / 2`` of the two replicas' one-process steps;
     - pp 2 x ep 2 with ``fpipe.moe``: with and without pairs bitwise, the pairs overlapping (no
       warning), and equal to the unsplit model with every expert in one process;
-    - ``shard_params=True`` refused, naming DualPipeV."""
+    - ``shard_params=True`` on dp 2 x pp 2: the gathered gradients bitwise the replicated ones, and
+      the same global norm."""
     torch.set_default_dtype(torch.float64)  # (the test's default dtype, restored by conftest)
     params, batch = _model(4)
     with warnings.catch_warnings():
@@ -145,7 +148,9 @@ def test_dual_pipe_on_ranks_with_pairs_saves_replicas_and_experts(tmp_path: Any)
         assert_bitwise(*got["saved"], f"rank {rank}, loaded")
         local, (d_loss, d_grads) = got["dp"]
         assert_bitwise((d_loss, d_grads), (dp_loss, [g if s in local else None for s, g in enumerate(dp_grads)]))
-        assert "shard_params=True" in got["refused"] and "DualPipeV" in got["refused"]
+        s_loss, s_grads, s_norm, plain_norm = got["sharded"]  # shard_params=True: the same, gathered
+        assert_bitwise((s_loss, s_grads), (d_loss, d_grads), f"sharded, rank {rank}")
+        torch.testing.assert_close(s_norm, plain_norm, rtol=1e-13, atol=0)
         (ep, *sequential), (_, *paired) = got["ep"]
         assert_bitwise(paired, sequential, f"experts, rank {rank}")
         e_loss, e_counts, e_grads, kinds = paired
