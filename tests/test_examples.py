@@ -256,7 +256,7 @@ def test_train_gpt_tp_must_divide_the_heads_and_needs_torchrun(
     assert "--tp (2) needs torchrun with a multiple of 2 processes (WORLD_SIZE: 1)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["train_llama", "train_sharded", "hf_llama", "train_gpt", "train_moe"])
+@pytest.mark.parametrize("name", ["train_llama", "train_sharded", "hf_llama", "train_gpt", "train_moe", "hf_moe"])
 def test_help_shows_defaults(name: str) -> None:
     run = subprocess.run(
         [sys.executable, str(EXAMPLES / f"{name}.py"), "--help"],
@@ -272,7 +272,8 @@ def test_help_shows_defaults(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "missing", "extra"), [("hf_llama", "transformers", "hf"), ("train_llama", "tqdm", "examples")]
+    ("name", "missing", "extra"),
+    [("hf_llama", "transformers", "hf"), ("hf_moe", "transformers", "hf"), ("train_llama", "tqdm", "examples")],
 )
 def test_a_missing_extra_is_one_line_naming_it(name: str, missing: str, extra: str) -> None:
     """Without the extra's package, an example says what to install, with no traceback."""
