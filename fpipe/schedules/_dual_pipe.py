@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .._plural import plural
-from ._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from ._dual_pipe_v import ChunkRow
 from ._placement import BuiltinSchedule
 from ._program import Program, ScheduleError
 
@@ -72,47 +72,23 @@ class DualPipe(BuiltinSchedule):
                 f"the ranks, so num_microbatches must be even and at least 2 x {p} = {2 * p} "
                 f"(num_microbatches: {m}). Use DualPipeV for fewer."
             )
-        rows = [_dual_pipe_rank(r, p, m) for r in range(p)]
-        return Program(tuple(tuple(a for a in row if isinstance(a, Action)) for row in rows), p, m)
+        return Program(tuple(tuple(_dual_pipe_rank(r, p, m).row) for r in range(p)), p, m)
 
     def paired_program(self, num_stages: int, num_ranks: int | None = None) -> Program:
         """``program`` with the pairs DualPipe overlaps (``[F B]`` above) marked (``Program.pairs``):
         what ``Overlapped(DualPipe(m))`` runs."""
         program = self.program(num_stages, num_ranks)
         m = self.num_microbatches
-        rows = [_dual_pipe_rank(r, num_stages, m) for r in range(num_stages)]
-        pairs = frozenset(pair for row in rows for pair in row if not isinstance(pair, Action))
+        pairs = frozenset(pair for r in range(num_stages) for pair in _dual_pipe_rank(r, num_stages, m).pairs)
         return Program(program.ranks, program.num_stages, m, pairs)
 
 
-def _dual_pipe_rank(r: int, p: int, m: int) -> list[Action | tuple[Action, Action]]:
-    """Rank ``r``'s actions, following steps 1-8 of the class docstring, each pair DualPipe
-    overlaps after its halves."""
+def _dual_pipe_rank(r: int, p: int, m: int) -> ChunkRow:
+    """Rank ``r``'s actions and the pairs DualPipe overlaps, following steps 1-8 of the class docstring."""
     q, h, half = min(r, p - 1 - r), m // 2, p // 2
     near = 0 if r < half else 1  # the direction (half of the microbatches) of the near chunk
-    chunks = ((q, near * h), (p - 1 - q, (1 - near) * h))  # (stage, first microbatch) per chunk
-    counts = {(c, kind): 0 for c in (0, 1) for kind in (FORWARD, BACKWARD)}  # B and I count backwards
-    pending: list[Action] = []  # weight gradients owed by I, oldest first
-    row: list[Action | tuple[Action, Action]] = []
-
-    def run(*steps: str) -> None:  # "F0": a forward of chunk 0 on its next microbatch; "W": the oldest owed W
-        for step in steps:
-            if "&" in step:  # "F0&B1": both, then the pair
-                run(*step.split("&"))
-                row.append((row[-2], row[-1]))  # type: ignore[arg-type]  # (both are actions)
-                continue
-            if step == "W":
-                row.extend(pending[:1])
-                del pending[:1]
-                continue
-            kind, c = step[0], int(step[1])
-            key = (c, FORWARD if kind == FORWARD else BACKWARD)
-            stage, first = chunks[c]
-            row.append(Action(stage, kind, first + counts[key]))
-            if kind == BACKWARD_INPUT:
-                pending.append(Action(stage, BACKWARD_WEIGHT, first + counts[key]))
-            counts[key] += 1
-
+    rank = ChunkRow(((q, near * h), (p - 1 - q, (1 - near) * h)))  # (stage, first microbatch) per chunk
+    run = rank.run
     flip = (q + 1) // 2
     run(*["F0"] * (2 * (half - q - 1)))  # 1
     run(*["F0", "F1"] * (q + 1))  # 2
@@ -124,4 +100,4 @@ def _dual_pipe_rank(r: int, p: int, m: int) -> list[Action | tuple[Action, Actio
         run("I1" if i > flip or (i == flip and q % 2) else "B1", "I0" if i >= flip else "B0")
     run(*["W", "I0"] * (half - q - 1))  # 7
     run(*["W"] * (q + 1))  # 8
-    return row
+    return rank

@@ -67,26 +67,41 @@ class DualPipeV(BuiltinSchedule):
         return Program(ranks, num_stages, m)
 
 
+class ChunkRow:
+    """One rank's row, written in the step language of both DualPipe schedules: ``"F0"`` a forward of
+    chunk 0 on its next microbatch, ``"B1"`` a backward of chunk 1 on its next one (``"I1"``: its
+    input half, the weight half owed), ``"W"`` the oldest owed weight gradient, and ``"F0&B1"`` both,
+    then marked a pair (``pairs``)."""
+
+    def __init__(self, chunks: tuple[tuple[int, int], tuple[int, int]]) -> None:
+        self.chunks = chunks  # per chunk, (its stage, its first microbatch)
+        self.row: list[Action] = []
+        self.pairs: list[tuple[Action, Action]] = []
+        self._counts = {(c, kind): 0 for c in (0, 1) for kind in (FORWARD, BACKWARD)}  # B and I count backwards
+        self._pending: list[Action] = []  # weight gradients owed by I, oldest first
+
+    def run(self, *steps: str) -> None:
+        """Append ``steps`` to the row."""
+        for step in steps:
+            if "&" in step:
+                self.run(*step.split("&"))
+                self.pairs.append((self.row[-2], self.row[-1]))
+            elif step == "W":
+                self.row.extend(self._pending[:1])
+                del self._pending[:1]
+            else:
+                kind, c = step[0], int(step[1])
+                key = (c, FORWARD if kind == FORWARD else BACKWARD)
+                stage, first = self.chunks[c]
+                self.row.append(Action(stage, kind, first + self._counts[key]))
+                if kind == BACKWARD_INPUT:
+                    self._pending.append(Action(stage, BACKWARD_WEIGHT, first + self._counts[key]))
+                self._counts[key] += 1
+
+
 def _dual_pipe_v_rank(r: int, p: int, m: int) -> list[Action]:
     """Rank ``r``'s actions, following steps 1-8 of the class docstring."""
-    chunks = (r, 2 * p - 1 - r)
-    counts = {(c, kind): 0 for c in (0, 1) for kind in (FORWARD, BACKWARD)}  # B and I count backwards
-    pending: list[Action] = []  # weight gradients owed by I, oldest first
-    row: list[Action] = []
-
-    def run(*steps: str) -> None:  # "F0": a forward of chunk 0 on its next microbatch; "W": the oldest owed W
-        for step in steps:
-            if step == "W":
-                row.extend(pending[:1])
-                del pending[:1]
-                continue
-            kind, c = step[0], int(step[1])
-            key = (c, FORWARD if kind == FORWARD else BACKWARD)
-            row.append(Action(chunks[c], kind, counts[key]))
-            if kind == BACKWARD_INPUT:
-                pending.append(Action(chunks[c], BACKWARD_WEIGHT, counts[key]))
-            counts[key] += 1
-
+    run = (rank := ChunkRow(((r, 0), (2 * p - 1 - r, 0)))).run
     half = (r + 1) // 2
     run(*["F0"] * (2 * (p - r - 1)))  # 1
     run(*["F0", "F1"] * (r + 1))  # 2
@@ -97,4 +112,4 @@ def _dual_pipe_v_rank(r: int, p: int, m: int) -> list[Action]:
         run("I1" if i > half or (i == half and r % 2) else "B1", "I0" if i >= half else "B0")
     run(*["W", "I0"] * (p - r - 1))  # 7
     run(*["W"] * (r + 1))  # 8
-    return row
+    return rank.row
