@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ._compile import Compile, CompiledRun, compile_option
-from ._distributed import Topology, WireState, resolve_topology, run_distributed
+from ._distributed import CompiledRows, Topology, WireState, resolve_topology, run_distributed
 from ._microbatch import Microbatches
 from ._parallelism import Parallelism, deprecated, parallelism_of
 from ._plural import brief, plural
@@ -243,7 +243,7 @@ def pipeline(
         recompute=frozenset(recompute),
         parallel=parallel,
         precision=precision,
-        compile=compile_option(compile, topology is not None),
+        compile=compile_option(compile, _distributed_parts(topology, parallel, program)),
     )
     return Step(spec, topology)
 
@@ -266,6 +266,26 @@ def _check_module_stage(s: int, module: torch.nn.Module) -> None:
             "make one with fn, params = fpipe.functionalize(module) and pass fn, with params as its stage "
             "params, or cut a whole model with stages, params = fpipe.split_module(model, stages)."
         ) from None
+
+
+def _distributed_parts(topology: Topology | None, parallel: Parallelism, program: Program) -> list[str]:
+    """What a distributed step has that a compiled row cannot run (``compile_option``): ``[]``
+    in one process, ``["nothing"]`` for a plain pipeline over a group."""
+    if topology is None:
+        return []
+    shared = any(len(program.holders(s)) > 1 for s in range(program.num_stages))
+    parts = [
+        name
+        for name, present in (
+            ("data-parallel replicas", topology.data_group is not None),
+            ("tensor parallelism", topology.tensor_group is not None),
+            ("expert parallelism", topology.expert_group is not None),
+            ("sharded parameters", parallel.shard_params),
+            ("a stage on several ranks (DualPipe)", shared),
+        )
+        if present
+    ]
+    return parts or ["nothing"]
 
 
 def _program(
@@ -457,6 +477,7 @@ class Step:
         self._order = order_for(program, self._rank)
         self._forward_order = order_for(program, self._rank, forward=True)
         self._compiled = None if spec.compile is None else CompiledRun(spec.compile)
+        self._compiled_rows = None if spec.compile is None else CompiledRows(spec.compile)
 
     # What pipeline() fixed (``spec``), read-only.
     @property
@@ -654,6 +675,7 @@ class Step:
                 key=key,
                 rejected=rejected,
                 keep_outputs=keep_outputs,
+                compiled=self._compiled_rows,
             )
 
     def _sharded_strategy(self) -> Strategy:

@@ -26,9 +26,10 @@ import types
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
 from torch._dynamo.comptime import ComptimeContext, comptime
 
@@ -50,13 +51,15 @@ class Compile:
     backend: Backend
 
 
-def compile_option(compile: object, distributed: bool) -> Compile | None:
-    """``pipeline``'s ``compile`` argument checked: ``None`` for an eager step.
+def compile_option(compile: object, unsupported: Sequence[str]) -> Compile | None:
+    """``pipeline``'s ``compile`` argument checked: ``None`` for an eager step. ``unsupported``:
+    what the distributed step has that a compiled row cannot run (``["nothing"]``: a plain pipeline
+    over a group; ``[]``: one process).
 
     Raises:
         TypeError: if it is not a bool, a backend name or a backend callable.
         ValueError: if the backend name is not one ``torch.compile`` knows.
-        NotImplementedError: for a distributed step (one process only, for now).
+        NotImplementedError: for a distributed step with anything but pipeline ranks.
     """
     if compile is False or compile is None:
         return None
@@ -79,10 +82,10 @@ def compile_option(compile: object, distributed: bool) -> Compile | None:
             f"fpipe.pipeline: compile must be True, False, a backend name or a backend callable "
             f"(compile: {brief(compile)}). Pass e.g. compile=True or compile='aot_eager'."
         )
-    if distributed:
+    if unsupported and list(unsupported) != ["nothing"]:
         raise NotImplementedError(
-            "fpipe.pipeline: compile= compiles a step in one process only for now (notes/compile.md); "
-            "a step over a process group or mesh runs eagerly. Drop compile=, or compile the stage functions."
+            f"fpipe.pipeline: compile= compiles one process's step or a pipeline rank's row, not yet a step "
+            f"with {' or '.join(unsupported)} (notes/compile.md). Drop compile=, or compile the stage functions."
         )
     return Compile(backend)
 
@@ -100,6 +103,13 @@ class CompiledRun:
         self.option = option
         self._core: Callable[..., Any] | None = None
         self._failed: str | None = None  # why the core did not compile, once it did not
+        self._agree: Callable[[bool], bool] | None = None  # this call's, distributed (``attempt``)
+        self._agreed: bool | None = None  # what the ranks agreed on in this call, if they did
+
+    @property
+    def failed(self) -> str | None:
+        """Why the step runs eagerly, once its core failed to trace or compile."""
+        return self._failed
 
     def __call__(
         self,
@@ -118,28 +128,63 @@ class CompiledRun:
         if order.forward_only or keep_outputs:  # evaluate: no backward to gain from, eager
             return eager()
         if self._failed is not None:
-            _warn(self._failed)
+            self.warn(self._failed)
             return eager()
         strategy.check(step, params)
         microbatches, sizes, count = split_batch(step, batch)
-        weights = loss_weights(sizes, count)
         _mark_batch_dims(microbatches, step.batch_dims)
         if self._core is None:
-            self._core = torch.compile(_own_code(_Core(step, order)), backend=self._backend, fullgraph=True)
+            self._core = self.compile_core(step, order)[1]
+        out = self.attempt(self._core, step, order, params, microbatches, loss_weights(sizes, count))
+        return eager() if out is None else out
+
+    def compile_core(
+        self, step: StepView, order: Order, *, dynamic: bool | None = None
+    ) -> tuple[_Core, Callable[..., Any]]:
+        """A core for ``order`` and its compiled form (``torch.compile`` with this run's backend,
+        ``fullgraph=True``); the core's ``mail`` may be set before each call."""
+        core = _Core(step, order)
+        return core, torch.compile(_own_code(core), backend=self._backend, fullgraph=True, dynamic=dynamic)
+
+    def warn(self, reason: str) -> None:
+        """Say that the step runs eagerly, and why."""
+        _warn(reason)
+
+    def attempt(
+        self,
+        core: Callable[..., Any],
+        step: StepView,
+        order: Order,
+        params: Sequence[PyTree],
+        microbatches: list[PyTree] | None,
+        weights: Sequence[float],
+        agree: Callable[[bool], bool] | None = None,
+    ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]] | None:
+        """``((loss, aux, None), grads)`` from the compiled ``core``, or ``None`` (with a warning,
+        the step then eager for good) when it did not trace or compile.
+
+        ``agree`` (a pipeline rank's): called with whether this rank compiled its row, once it
+        traced one in this call, before the graph runs; it says whether every rank did (NOTE
+        [compiled rows] in fpipe/_distributed/_compiled.py). A failure once the ranks agreed, or
+        of a graph compiled before, is the step's and raises.
+        """
         _TRACING[0] = None
+        _TRACED[0] = False
         _SEEN.clear()
         _DRAWS.clear()
+        self._agree, self._agreed = agree, None
         try:
             # The graph is recorded whatever the ambient grad mode (NOTE [differentiable leaves]); a
             # dimension of size 1 (a microbatch of one example) is not a case of its own (``_mark_batch_dims``).
             with (
                 torch._dynamo.config.patch(trace_autograd_ops=True),
                 fx_config.patch(backed_size_oblivious=True),  # type: ignore[attr-defined]
+                inductor_config.patch(allow_buffer_reuse=agree is None),  # NOTE [compiled rows]
                 torch.enable_grad(),
             ):
                 scale = seed_scale(step)  # the weights scaled in Python, as the eager seeds are (NOTE [seeds])
                 scaled = weights if scale is None else [w * scale for w in weights]
-                loss, auxes, sums = self._core(
+                loss, aux, sums = core(
                     params,
                     microbatches,
                     torch.tensor(weights, dtype=torch.float64),
@@ -147,14 +192,19 @@ class CompiledRun:
                     len(set(weights)) == 1,
                 )
         except Exception as error:  # dynamo's, the backend's, or the stages' own (which the eager step raises)
+            if agree is not None:
+                limit = isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit)  # (on every rank alike)
+                if self._agreed or not (_TRACED[0] or limit):
+                    raise  # the graph ran: its failure is the step's
+                if self._agreed is None and not limit:
+                    agree(False)
             reason = self._reason(order, error)
             _warn(reason)
-            out = eager()
             self._failed = reason  # the data was fine: what failed was tracing or compiling
-            return out
+            return None
         finally:
             _SEEN.clear()  # (the traced graph's nodes)
-        aux = stack(auxes) if step.has_aux else None
+            self._agree = None
         return (loss, aux, None), _grads(params, sums)
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -163,15 +213,22 @@ class CompiledRun:
             raise _RandomDraws(*_DRAWS[0])
         backend = self.option.backend
         compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-        return compiler(graph, example_inputs)
+        compiled = compiler(graph, example_inputs)
+        if self._agree is not None:
+            self._agreed = self._agree(True)
+            if not self._agreed:
+                raise _Refused()
+        return compiled
 
     def _reason(self, order: Order, error: Exception) -> str:
         """Why the core did not compile, naming the action dynamo was tracing if it was."""
         first = str(error).strip().splitlines()
         what = f"{type(error).__name__}: {first[0] if first else ''}"
         cause: BaseException | None = error
-        while cause is not None and not isinstance(cause, _RandomDraws):
+        while cause is not None and not isinstance(cause, (_RandomDraws, _Refused)):
             cause = cause.__cause__ or getattr(cause, "inner_exception", None)
+        if isinstance(cause, _Refused):
+            return "another pipeline rank could not compile its row (its own warning says why)"
         if isinstance(cause, _RandomDraws):
             action = order.actions[cause.action][1]
             return (
@@ -235,6 +292,7 @@ def _note_action(ctx: ComptimeContext) -> None:
     """At trace time (``comptime``; nothing at run time): the action that dynamo traced last is
     done, note the random draws among its nodes, and the one it traces now."""
     _note_draws(ctx)
+    _TRACED[0] = True
     _TRACING[0] = ctx.get_local("k").as_python_constant()
 
 
@@ -254,6 +312,7 @@ def _note_draws(ctx: ComptimeContext) -> None:
 
 
 _TRACING: list[int | None] = [None]  # the index of the action dynamo traces now, if it traces
+_TRACED = [False]  # whether dynamo traced an action in this call
 _SEEN: set[torch.fx.Node] = set()  # the nodes of the graph dynamo builds, as far as noted
 _DRAWS: list[tuple[int, str]] = []  # the actions traced that draw random numbers, and the ops
 
@@ -294,6 +353,10 @@ def _op(node: torch.fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
 
 
+class _Refused(Exception):
+    """Another pipeline rank could not compile its row (NOTE [compiled rows])."""
+
+
 class _RandomDraws(Exception):
     """The traced program draws random numbers (NOTE [random draws under compile]): ``action`` does."""
 
@@ -322,10 +385,52 @@ def graph_outputs(y: PyTree) -> tuple[list[torch.Tensor], list[int]]:
     return [ys[n] for n in index], index
 
 
+Key = tuple[str, int, int]  # ("act" | "cot" | "mb" | "result", stage, microbatch): a message
+
+
+class Mail(Protocol):
+    """Where a traced row's messages go (``_Core``): between the stages of one process, or, on a
+    pipeline rank, to and from the other ranks inside the graph (fpipe/_distributed/_compiled.py)."""
+
+    def put(self, key: Key, value: PyTree) -> None:
+        """Hand over ``value`` (an activation, a cotangent, a microbatch for the last stage)."""
+        ...
+
+    def take(self, key: Key) -> PyTree:
+        """The value handed over as ``key``."""
+        ...
+
+    def result(self, result: tuple[torch.Tensor, Any, Any] | None) -> tuple[torch.Tensor, Any, Any]:
+        """The last stage's ``(loss, aux, outputs)`` (``None`` where it is held elsewhere), on every
+        process; the row's messages all sent and received."""
+        ...
+
+
+class LocalMail:
+    """Every stage in this process: values handed over in a dict."""
+
+    def __init__(self) -> None:
+        self.held: dict[Key, PyTree] = {}
+
+    def put(self, key: Key, value: PyTree) -> None:
+        if key[0] != "mb":  # (the last stage has the batch here)
+            self.held[key] = value
+
+    def take(self, key: Key) -> PyTree:
+        return self.held.pop(key)
+
+    def result(self, result: tuple[torch.Tensor, Any, Any] | None) -> tuple[torch.Tensor, Any, Any]:
+        assert result is not None
+        return result
+
+
 class _Core:
     """The order's actions as one straight line for dynamo (NOTE [the compiled step])."""
 
     def __init__(self, step: StepView, order: Order) -> None:
+        self.mail: Callable[[], Mail] = LocalMail
+        self.num_microbatches = order.program.num_microbatches
+        self.holds_last = step.num_stages - 1 in step.local_stages
         self.stages: tuple[StageFn, ...] = step.stages
         self.loss_fn = step.loss_fn
         self.has_aux = step.has_aux
@@ -337,12 +442,12 @@ class _Core:
     def __call__(
         self,
         params: list[PyTree],
-        microbatches: list[PyTree],
+        microbatches: list[PyTree] | None,
         weights: torch.Tensor,
         scaled: torch.Tensor,
         one_weight: bool,
-    ) -> tuple[torch.Tensor, list[Any], list[list[torch.Tensor | None]]]:
-        last = self.last
+    ) -> tuple[torch.Tensor, Any, list[list[torch.Tensor | None]]]:
+        last, mail = self.last, self.mail()
         # The stages' own leaves (NOTE [differentiable leaves] in fpipe/_stage.py).
         # With a precision policy, differentiable leaves are cast to the compute dtype and their
         # gradients summed in the accumulate dtype (NOTE [precision of a leaf] in fpipe/_precision.py).
@@ -363,14 +468,12 @@ class _Core:
             )
             stage_params.append(unflatten(spec, mine))
         seeds, weight = scaled.unbind(), weights.unbind()  # the backwards' seeds, the losses' weights
-        sent: dict[tuple[int, int], Any] = {}  # activations and cotangents by (receiving stage, microbatch)
-        back: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         # What a forward keeps for its backward: its outputs that carry the graph and their positions,
         # its differentiable inputs and theirs, how many input leaves, and a recomputed one's input.
         pulls: dict[tuple[int, int], tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int], int, Any]] = {}
         deferred: dict[tuple[int, int], Sequence[torch.Tensor | None]] = {}
-        losses: list[Any] = [None] * len(microbatches)
-        auxes: list[Any] = [None] * len(microbatches)
+        losses: list[Any] = [None] * self.num_microbatches
+        auxes: list[Any] = [None] * self.num_microbatches
         sums: list[list[torch.Tensor | None]] = [[None] * len(w) for w in wrt]
         added = [0] * len(wrt)
         pending: list[dict[int, Sequence[torch.Tensor | None]]] = [{} for _ in wrt]
@@ -391,7 +494,7 @@ class _Core:
             y = self.stages[s](stage_params[s], x)
             if s < last:
                 return y, None
-            result = self.loss_fn(y, microbatches[i])
+            result = self.loss_fn(y, mail.take(("mb", 0, i)) if microbatches is None else microbatches[i])
             loss, aux = result if self.has_aux else (result, None)
             return (loss if loss.dim() == 0 else loss.reshape(())), aux
 
@@ -399,7 +502,11 @@ class _Core:
             comptime(_note_action)
             s, kind, i = action
             if kind == FORWARD:
-                x = microbatches[i] if s == 0 else sent.pop((s, i))
+                if s == 0 and microbatches is not None:
+                    x = microbatches[i]
+                    mail.put(("mb", 0, i), x)  # (to the last stage's rank when it holds no batch)
+                else:
+                    x = mail.take(("mb", 0, i) if s == 0 else ("act", s - 1, i))
                 xs, x_spec = flatten(x)
                 inputs, input_index = [], []
                 for n, leaf in enumerate(xs):
@@ -424,7 +531,7 @@ class _Core:
                 if s == last:
                     losses[i], auxes[i] = y.detach(), aux
                 else:
-                    sent[s + 1, i] = y
+                    mail.put(("act", s, i), y)
             elif kind == BACKWARD_WEIGHT:
                 del pulls[s, i]
                 add(s, i, deferred.pop((s, i)))
@@ -437,7 +544,7 @@ class _Core:
                 if s == last:
                     cotangents: list[torch.Tensor | None] = [seeds[i].to(losses[i])]  # NOTE [seeds]
                 else:
-                    cotangents = back.pop((s, i))
+                    cotangents = mail.take(("cot", s + 1, i))
                 roots = [out for n, out in zip(output_index, outputs) if cotangents[n] is not None]
                 grad_outputs = [cotangents[n] for n in output_index if cotangents[n] is not None]
                 targets = inputs + wrt[s]
@@ -452,10 +559,14 @@ class _Core:
                     to_send: list[torch.Tensor | None] = [None] * num_inputs
                     for n, g in zip(input_index, grads[: len(inputs)]):
                         to_send[n] = None if g is None else g.contiguous()
-                    back[s - 1, i] = to_send
+                    mail.put(("cot", s, i), to_send)
         comptime(_traced)
-        if one_weight and all(loss.dtype == losses[0].dtype for loss in losses):
-            loss = torch.stack(losses).mul_(weight[0])  # NOTE [the step's loss] in fpipe/_run.py
-        else:
-            loss = torch.stack([x * w for x, w in zip(losses, weight)])
-        return loss.sum(), auxes, sums
+        result = None
+        if self.holds_last:
+            if one_weight and all(loss.dtype == losses[0].dtype for loss in losses):
+                loss = torch.stack(losses).mul_(weight[0])  # NOTE [the step's loss] in fpipe/_run.py
+            else:
+                loss = torch.stack([x * w for x, w in zip(losses, weight)])
+            result = (loss.sum(), stack(auxes) if self.has_aux else None, None)
+        loss, aux, _ = mail.result(result)
+        return loss, aux, sums

@@ -16,6 +16,7 @@ from ._collectives import one_writes as one_writes
 from ._collectives import sum_over as sum_over
 from ._collectives import wait as wait
 from ._collectives import watched as watched
+from ._compiled import CompiledRows as CompiledRows
 from ._rank_step import average_loss as average_loss
 from ._rank_step import replica_mean as replica_mean
 from ._rank_step import run_distributed as run_distributed
@@ -29,6 +30,7 @@ from ._wire import tensor_bytes as tensor_bytes
 
 __all__ = [
     "Board",
+    "CompiledRows",
     "Status",
     "Topology",
     "WireState",

@@ -18,7 +18,7 @@ Any rank's failure fails every rank (NOTE [failure board] in fpipe/_distributed/
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -48,7 +48,9 @@ from ._collectives import (
     standing,
     watched,
 )
+from ._compiled import CompiledRows, signature
 from ._faults import WATCHDOG
+from ._messages import Key
 from ._status import Status, words
 from ._topology import Topology
 from ._transport import DistributedTransport, WireState
@@ -66,6 +68,7 @@ def run_distributed(
     key: int,
     rejected: Exception | None = None,
     keep_outputs: bool = False,
+    compiled: CompiledRows | None = None,
 ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]]:
     """A step as pipeline rank ``topology.rank``: its row of the program; ``((loss, aux,
     outputs), grads)`` (``outputs`` with ``keep_outputs``; no grads for a forward-only order).
@@ -76,16 +79,27 @@ def run_distributed(
     draws are those of the key every rank agrees on, ``key`` of the first stage's rank of replica
     0 and tensor-parallel rank 0 (NOTE [randomness as data] in fpipe/_random.py). ``rejected``:
     what the step's checks found wrong before; this rank raises it after the handshake, and every
-    other rank a ``ValueError`` saying so (NOTE [a handshake of fixed size]).
+    other rank a ``ValueError`` saying so (NOTE [a handshake of fixed size]). ``compiled``: the
+    step's compiled rows (NOTE [compiled rows] in fpipe/_distributed/_compiled.py), run in place
+    of the eager row once every rank's messages have known layouts.
     """
     check_usable(topology)
     try:
         late = WATCHDOG.read(topology.board)  # the others gave up on the job before this rank came
         if late is not None:
             raise late.error(topology.board, topology.rank, "the other pipeline ranks at the start of the step")
-        agreed = _agree(step, order, topology, params, batch, strategy, key, rejected)
+        agreed = _agree(step, order, topology, params, batch, strategy, key, rejected, compiled is not None)
+        if compiled is not None and not keep_outputs:
+            out = compiled(
+                step, order, topology, params, agreed.microbatches, agreed.weights, agreed.signatures,
+                agreed.send_microbatches,
+            )  # fmt: skip
+            if out is not None:
+                standing(topology, "the end of the step")
+                return out
+        record = None if compiled is None or keep_outputs else compiled.recorder(agreed.signatures, order)
         runs = strategy.held_stages(step, order, params)
-        loss, aux, outputs = _run_row(step, order, topology, wire, runs, agreed, keep_outputs)
+        loss, aux, outputs = _run_row(step, order, topology, wire, runs, agreed, keep_outputs, record)
         if not order.forward_only:
             runs.wait_reductions()
         if topology.data_group is not None:
@@ -126,6 +140,7 @@ class _Agreed(NamedTuple):
     explicit: bool  # the batch came as fpipe.Microbatches
     send_microbatches: bool  # the last stage's rank holds no batch: stage 0's rank sends them
     key: int  # the step's key (NOTE [randomness as data] in fpipe/_random.py)
+    signatures: tuple[int, ...]  # every rank's, by rank (NOTE [compiled rows] in fpipe/_distributed/_compiled.py)
 
 
 # NOTE [a handshake of fixed size]
@@ -158,6 +173,7 @@ class _Status(Status):
     weight_count: int  # ``weight_fn``'s total on the first stage's rank
     weighted: bool  # the pipeline has a ``weight_fn``
     key: int
+    signature: int  # of its layouts, for a compiled step (NOTE [compiled rows]); else 0
     sizes: tuple[int, ...] = words(INLINE_SIZES)  # its first microbatch sizes, zeros past its count
     device_type: tuple[int, ...] = words(DEVICE_TYPE_WORDS)  # NOTE [device types in the handshake]
 
@@ -171,6 +187,7 @@ def _agree(
     strategy: StrategyView,
     key: int,
     rejected: Exception | None,
+    compiled: bool = False,
 ) -> _Agreed:
     """Check the local inputs and agree with every rank (and replica) on what the step runs.
 
@@ -178,6 +195,7 @@ def _agree(
     rank weighs the microbatches alike, and its ``key``; the replicas' counts are summed with
     their failure flags, and replica 0's key (then tensor-parallel rank 0's) with them.
     ``rejected``: what the step's own checks found wrong before (raised here, after the handshake).
+    ``compiled``: each rank's ``signature`` travels too (NOTE [compiled rows] in fpipe/_distributed/_compiled.py).
     """
     placement, m = step.program.placement(), step.num_microbatches
     first, last = placement[0], placement[-1]
@@ -198,6 +216,7 @@ def _agree(
         weight_count=count,
         weighted=step.weight_fn is not None,
         key=key,
+        signature=0 if not compiled else signature([params[s] for s in step.local_stages], microbatches),
         sizes=tuple((sizes + [0] * INLINE_SIZES)[:INLINE_SIZES]),
         device_type=device_type_words(topology.device),
     )
@@ -240,7 +259,8 @@ def _agree(
             problem = error
     if problem is not None:
         raise problem
-    return _Agreed(microbatches, weights, statuses[first].explicit, not statuses[last].has_batch, key)
+    signatures = tuple(st.signature for st in statuses)
+    return _Agreed(microbatches, weights, statuses[first].explicit, not statuses[last].has_batch, key, signatures)
 
 
 @dataclass(frozen=True)
@@ -332,9 +352,10 @@ def _run_row(
     runs: HeldStages,
     agreed: _Agreed,
     keep_outputs: bool,
+    record: Callable[[Key, PyTree], None] | None = None,
 ) -> tuple[torch.Tensor, Any, Any]:
     """Run this rank's row (``run``, fpipe/_run.py, over a ``DistributedTransport``); the loss, aux
-    and outputs, received from the last stage's rank."""
+    and outputs, received from the last stage's rank. ``record`` is told each message received."""
     transport = DistributedTransport(
         topology,
         order.program,
@@ -342,6 +363,7 @@ def _run_row(
         send_microbatches=agreed.send_microbatches,
         wire=wire,
         timeout=step.timeout,
+        record=record,
     )
     try:
         return run(

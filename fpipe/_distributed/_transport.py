@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -102,8 +102,10 @@ class DistributedTransport:
         send_microbatches: bool,
         wire: WireState,
         timeout: float,
+        record: Callable[[Key, PyTree], None] | None = None,
     ) -> None:
         self.topology = topology
+        self._record = record  # told each message received (NOTE [compiled rows] in fpipe/_distributed/_compiled.py)
         self.me = topology.rank
         self._program = program
         self._where = program.placement_by_microbatch()  # the rank of each stage and microbatch
@@ -343,7 +345,10 @@ class DistributedTransport:
         peer = self.peers[src]
         while key not in peer.buffered:
             self._read(peer)
-        return peer.buffered.pop(key)
+        value = peer.buffered.pop(key)
+        if self._record is not None:
+            self._record(key, value)
+        return value
 
     def _post_ahead(self, peer: _Peer) -> None:
         """Post the receives of the peer's next message now if its channel carries large leaves

@@ -1,0 +1,355 @@
+"""A pipeline rank's row compiled into one graph, its messages sent and received inside it
+(``pipeline(..., compile=)`` over a process group).
+
+NOTE [compiled rows]
+A compiled step on pipeline rank ``r`` runs ``r``'s row as one graph (the one-process core,
+NOTE [the compiled step] in fpipe/_compile.py, with a ``RowMail``): an activation or cotangent
+for a stage on another rank is sent inside the graph (``_c10d_functional.isend``, one per tensor
+leaf, tagged by message), one from another rank received into a buffer of its known layout
+(``irecv`` and ``wait_tensor``), and the last stage's rank sends the result to every other rank.
+What must hold:
+
+1. **Both sides know every message's layout before the graph runs.** The eager wire sends a
+   header when a layout changes (fpipe/_distributed/_wire.py); a graph cannot. So each step's
+   handshake carries every rank's *signature* (a hash of the structure, shapes, dtypes and
+   ``requires_grad`` of its local stages' parameters and of its microbatches: what the messages'
+   layouts follow from), and the first step with a new tuple of signatures runs eagerly,
+   recording the layout of each message this rank receives; the next ones run the graph. So a
+   new sequence length costs one eager step and one compile (static shapes: each tuple of
+   signatures is a graph of its own, up to dynamo's ``recompile_limit``). A message leaf that is
+   not a tensor (or ``None``) cannot be rebuilt from a layout: such a step stays eager and warns.
+2. **Every rank runs the graph, or none does.** A rank whose row fails to trace or compile
+   (a stage with data-dependent control flow, random draws, a backend error) would leave its
+   peers waiting in theirs. Each rank that traced in a call says whether it compiled (one
+   all-gather, after compiling and before the graph runs: ``CompiledRun.attempt``'s ``agree``);
+   unless all did, every rank warns and runs this step, and the ones after, eagerly.
+3. **Messages match whatever the order of posting.** Each message's tensors travel under a tag
+   of their own (``_tag``: kind, stage, microbatch), never 0, the eager wire's; a sent
+   activation is waited for when its cotangent comes back from the same peer (the peer read it
+   then), the rest at the end of the graph. Inductor must not reuse a sent tensor's buffer for
+   a later receive before the send completed: it deadlocked so (a torch bug met while
+   prototyping: notes/compile.md), so ``allow_buffer_reuse`` is off for compiled rows.
+4. **A failure fails every rank, naming the culprit, never a hang.** The graph's waits have no
+   timeout of fpipe's: the row runs under the failure board (``waiting``), so another rank's
+   failure aborts its waits, and a timer aborts them once the pipeline's ``timeout`` has passed
+   since the graph started (a frozen peer; the timer starts after compiling, so a long compile
+   is no timeout). The error is then ``lost``'s, as an eager wait's: the rank that died or
+   stopped answering, or the one whose record stands.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .._compile import Compile, CompiledRun, Key, Mail
+from .._errors import PipelineError
+from .._pytree import PyTree, flatten, unflatten
+from .._run import Order, StepView
+from ._board import RAISED, waiting
+from ._collectives import all_gather_ints, lost, mark_broken
+from ._faults import WATCHDOG, abort_job
+from ._messages import plan
+from ._topology import Topology
+
+Leaf = tuple[tuple[int, ...], torch.dtype, bool] | None  # a tensor's shape, dtype, requires_grad; or None
+Layout = tuple[Any, tuple[Leaf, ...]]  # the value's structure (``_recipe``) and its leaves
+Signatures = tuple[int, ...]  # every pipeline rank's ``signature``, by rank
+
+_KINDS = {"act": 1, "cot": 2, "mb": 3, "result": 4}
+
+
+def layout_of(value: PyTree) -> Layout | str:
+    """The layout a receiver needs to rebuild ``value``, or why it has none (a leaf that is not a tensor)."""
+    leaves, spec = flatten(value)
+    out: list[Leaf] = []
+    for leaf in leaves:
+        if leaf is None:
+            out.append(None)
+        elif type(leaf) is torch.Tensor:
+            out.append((tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
+        else:
+            return f"a leaf of type {type(leaf).__name__}"
+    recipe = _recipe(unflatten(spec, list(range(len(leaves)))))
+    return recipe if isinstance(recipe, str) else (recipe, tuple(out))
+
+
+def _recipe(numbered: Any) -> Any:
+    """How to build a value of builtin containers from its leaves, which ``numbered`` holds as
+    their positions among the leaves; or why not (another kind of node). Dynamo traces building
+    containers, not a ``PyTreeSpec`` made outside the graph (its ``unflatten``: "does not know
+    how to trace"), nor flattening a constant (optree's ``DictMetaData``)."""
+    kind = type(numbered)
+    if kind is int:
+        return numbered
+    if kind is dict:
+        children = [_recipe(v) for v in numbered.values()]
+        why = next((c for c in children if isinstance(c, str)), None)
+        return why if why is not None else ("dict", tuple(numbered), tuple(children))
+    if kind in (list, tuple) or (issubclass(kind, tuple) and hasattr(kind, "_fields")):
+        children = [_recipe(v) for v in numbered]
+        why = next((c for c in children if isinstance(c, str)), None)
+        return why if why is not None else (kind, tuple(children))
+    return f"a node of type {kind.__name__}"
+
+
+def _build(recipe: Any, leaves: Sequence[Any]) -> Any:
+    """The value ``recipe`` (``_recipe``) describes, with ``leaves``."""
+    if type(recipe) is int:
+        return leaves[recipe]
+    if recipe[0] == "dict":
+        return {k: _build(c, leaves) for k, c in zip(recipe[1], recipe[2])}
+    kind, children = recipe
+    built = [_build(c, leaves) for c in children]
+    return kind(built) if kind in (list, tuple) else kind(*built)
+
+
+def signature(local_params: Sequence[PyTree], microbatches: Sequence[PyTree] | None) -> int:
+    """A 63-bit hash of what this rank's message layouts follow from (NOTE [compiled rows], point 1)."""
+    words: list[str] = []
+    for tree in [*local_params, *(microbatches if microbatches is not None else [None, "no batch"])]:
+        leaves, spec = flatten(tree)
+        words.append(str(spec))
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                words.append(f"{type(leaf).__name__}{tuple(leaf.shape)}{leaf.dtype}{leaf.requires_grad}")
+            else:
+                words.append(f"{type(leaf).__name__}:{leaf!r:.200}")
+    digest = hashlib.blake2b("\n".join(words).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True, eq=False)
+class RowWire:
+    """Where each message of a rank's row goes or comes from, and each received one's layout."""
+
+    group: str  # the pipeline group's name
+    device: torch.device
+    routes: Mapping[Key, tuple[int, int]]  # a message crossing ranks: (the peer's global rank, its tag)
+    layouts: Mapping[Key, Layout]  # each received message's
+    result_to: tuple[int, ...]  # the global ranks the last stage's rank sends the result to
+    result_from: int | None  # the global rank the result comes from (None: this rank makes it)
+    result_tag: int
+
+
+class RowMail:
+    """``Mail`` for a rank's compiled row: messages to other ranks sent and received inside the graph."""
+
+    def __init__(self, wire: RowWire) -> None:
+        self.wire = wire
+        self.held: dict[Key, PyTree] = {}
+        self.sends: dict[Key, list[torch.Tensor]] = {}
+
+    def put(self, key: Key, value: PyTree) -> None:
+        route = self.wire.routes.get(key)
+        if route is not None:
+            self.sends[key] = self._send(value, *route)
+        elif key[0] != "mb":  # (a microbatch the last stage's rank holds itself)
+            self.held[key] = value
+
+    def take(self, key: Key) -> PyTree:
+        if key in self.held:
+            return self.held.pop(key)
+        value = self._receive(self.wire.layouts[key], *self.wire.routes[key])
+        if key[0] == "cot":  # the peer ran this microbatch's next stage: it read our activation
+            for handle in self.sends.pop(("act", key[1] - 1, key[2]), []):
+                torch.ops._c10d_functional.wait_tensor(handle)
+        return value
+
+    def result(self, result: tuple[torch.Tensor, Any, Any] | None) -> tuple[torch.Tensor, Any, Any]:
+        wire = self.wire
+        if result is None:
+            assert wire.result_from is not None
+            result = self._receive(wire.layouts[("result", 0, 0)], wire.result_from, wire.result_tag)
+        else:
+            for n, peer in enumerate(wire.result_to):
+                self.sends["result", n, 0] = self._send(result, peer, wire.result_tag)
+        for handles in self.sends.values():
+            for handle in handles:
+                torch.ops._c10d_functional.wait_tensor(handle)
+        return result  # type: ignore[return-value]
+
+    def _send(self, value: PyTree, peer: int, tag: int) -> list[torch.Tensor]:
+        leaves = [leaf for leaf in flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+        return [
+            torch.ops._c10d_functional.isend(leaf.detach().contiguous(), peer, tag, self.wire.group) for leaf in leaves
+        ]
+
+    def _receive(self, layout: Layout, peer: int, tag: int) -> PyTree:
+        recipe, leaves = layout
+        out: list[torch.Tensor | None] = []
+        for leaf in leaves:
+            if leaf is None:
+                out.append(None)
+                continue
+            shape, dtype, requires_grad = leaf
+            buffer = torch.empty(shape, dtype=dtype, device=self.wire.device)
+            received = torch.ops._c10d_functional.irecv(buffer, peer, tag, self.wire.group)
+            tensor = torch.ops._c10d_functional.wait_tensor(received)
+            out.append(tensor.requires_grad_() if requires_grad else tensor)
+        return _build(recipe, out)
+
+
+def _tag(key: Key, num_stages: int, num_microbatches: int) -> int:
+    """The tag of message ``key``'s tensors: one per message, never 0 (NOTE [compiled rows], point 3)."""
+    kind, stage, microbatch = key
+    return (_KINDS[kind] * num_stages + stage) * num_microbatches + microbatch
+
+
+class CompiledRows:
+    """A step's compiled rows on this pipeline rank (NOTE [compiled rows]): the layouts learned per
+    tuple of signatures, and the compiled core."""
+
+    def __init__(self, option: Compile) -> None:
+        self.run = CompiledRun(option)
+        self._layouts: dict[Signatures, dict[Key, Layout | str]] = {}
+        self._mails: dict[Signatures, Callable[[], Mail]] = {}
+        self._ran: set[Signatures] = set()  # compiled and run (no compile in the next call)
+        self._core: Any = None
+        self._compiled: Callable[..., Any] | None = None
+
+    def recorder(self, signatures: Signatures, order: Order) -> Callable[[Key, PyTree], None] | None:
+        """What the eager row calls with each message it receives when it runs to learn their
+        layouts (the first step of ``signatures``); ``None`` when it need not."""
+        if order.forward_only or self.run.failed is not None or signatures in self._layouts:
+            return None
+        layouts = self._layouts[signatures] = {}
+
+        def record(key: Key, value: PyTree) -> None:
+            layouts[("result", 0, 0) if key[0] == "result" else key] = layout_of(value)
+
+        return record
+
+    def __call__(
+        self,
+        step: StepView,
+        order: Order,
+        topology: Topology,
+        params: Sequence[PyTree],
+        microbatches: list[PyTree] | None,
+        weights: Sequence[float],
+        signatures: Signatures,
+        send_microbatches: bool,
+    ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]] | None:
+        """This step's ``((loss, aux, None), grads)`` from the compiled row, or ``None``: run the
+        eager row (to learn the layouts, or for good once the row did not compile, with a warning)."""
+        if order.forward_only:
+            return None
+        if self.run.failed is not None:
+            self.run.warn(self.run.failed)
+            return None
+        layouts = self._layouts.get(signatures)
+        if layouts is None:
+            return None
+        refused = next(((k, v) for k, v in layouts.items() if isinstance(v, str)), None)
+        if refused is not None:
+            self.run.warn(f"message {_describe(refused[0])} carries {refused[1]}, which cannot travel in a graph")
+            return None
+        if self._compiled is None:
+            self._core, self._compiled = self.run.compile_core(step, order, dynamic=False)
+        self._core.mail = self._mail(step, order, topology, signatures, send_microbatches)
+        timeout = timedelta(seconds=step.timeout)
+        timer = _Timer(topology, step.timeout)
+        if signatures in self._ran:
+            timer.start()
+
+        def agree(ok: bool) -> bool:
+            what = "the other pipeline ranks as they compiled their rows"
+            every = all_gather_ints(topology, topology.group, [int(ok)], step.timeout, what)
+            agreed = all(word == [1] for word in every)
+            if agreed:
+                timer.start()
+            return agreed
+
+        try:
+            with waiting(topology.board):
+                out = self.run.attempt(self._compiled, step, order, params, microbatches, weights, agree)
+        except PipelineError as error:
+            mark_broken(topology, error)
+            raise
+        except RuntimeError as error:  # a wait in the graph: a peer died, the board or the timer aborted it
+            mark_broken(topology, error)
+            cause = RuntimeError("timed out") if timer.fired else error
+            raise lost(topology.board, cause, topology.rank, "its compiled row", None, timeout) from error
+        except BaseException as error:  # its own: the others learn it from the board
+            mark_broken(topology, error)
+            me = topology.global_ranks[topology.rank]
+            what = f"failed in its compiled row ({type(error).__name__}); its own error says why"
+            WATCHDOG.report(topology.board, topology.board.failure_of(me, RAISED, what))
+            abort_job(topology.board)
+            raise
+        finally:
+            timer.cancel()
+        if out is not None:
+            self._ran.add(signatures)
+        return out
+
+    def _mail(
+        self, step: StepView, order: Order, topology: Topology, signatures: Signatures, send_microbatches: bool
+    ) -> Callable[[], Mail]:
+        """The mail factory of ``signatures``' layouts: one object per tuple of signatures, which
+        dynamo guards on (a new one is a new graph)."""
+        factory = self._mails.get(signatures)
+        if factory is None:
+            program, me = order.program, topology.rank
+            s, m = program.num_stages, program.num_microbatches
+            routes: dict[Key, tuple[int, int]] = {}
+            for route in plan(program, me, send_microbatches).routes:
+                for key in (*route.incoming, *route.outgoing):
+                    if key[0] in ("act", "cot", "mb"):
+                        routes[key] = (topology.global_ranks[route.peer], _tag(key, s, m))
+            holder = program.holders(s - 1)[0]
+            layouts = {k: v for k, v in self._layouts[signatures].items() if not isinstance(v, str)}
+            wire = RowWire(
+                group=topology.group.group_name,
+                device=topology.device,
+                routes=routes,
+                layouts=layouts,
+                result_to=tuple(topology.global_ranks[r] for r in range(program.num_ranks) if r != me)
+                if me == holder
+                else (),
+                result_from=None if me == holder else topology.global_ranks[holder],
+                result_tag=_tag(("result", 0, 0), s, m),
+            )
+            factory = self._mails[signatures] = lambda: RowMail(wire)
+        return factory
+
+
+class _Timer:
+    """Aborts the job's groups on this rank once ``seconds`` have passed since ``start`` (NOTE
+    [compiled rows], point 4)."""
+
+    def __init__(self, topology: Topology, seconds: float) -> None:
+        self._topology, self._seconds = topology, seconds
+        self._thread: threading.Timer | None = None
+        self.fired = False
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Timer(self._seconds, self._fire)
+            self._thread.daemon = True
+            self._thread.start()
+
+    def cancel(self) -> None:
+        if self._thread is not None:
+            self._thread.cancel()
+
+    def _fire(self) -> None:
+        self.fired = True
+        abort_job(self._topology.board)
+
+
+def _describe(key: Key) -> str:
+    kind, stage, microbatch = key
+    words = {"act": "the activation of stage", "cot": "the cotangent of stage", "mb": "microbatch"}
+    if kind == "result":
+        return "the result (loss and aux)"
+    if kind == "mb":
+        return f"microbatch {microbatch}"
+    return f"{words[kind]} {stage} for microbatch {microbatch}"
