@@ -17,7 +17,10 @@ What must hold:
    recording the layout of each message this rank receives; the next ones run the graph. So a
    new sequence length costs one eager step and one compile (static shapes: each tuple of
    signatures is a graph of its own, up to dynamo's ``recompile_limit``). A message leaf that is
-   not a tensor (or ``None``) cannot be rebuilt from a layout: such a step stays eager and warns.
+   that is a plain value (``None``, a number, a string) is not sent: the receiver has it from the
+   eager step, and the signatures hash the plain values of the parameters and microbatches it
+   follows from. Any other leaf (or a container other than a dict, list, tuple or namedtuple)
+   cannot be rebuilt in a graph: such a step stays eager and warns.
 2. **Every rank runs the graph, or none does.** A rank whose row fails to trace or compile
    (a stage with data-dependent control flow, random draws, a backend error) would leave its
    peers waiting in theirs. Each rank that traced in a call says whether it compiled (one
@@ -58,7 +61,10 @@ from ._faults import WATCHDOG, abort_job
 from ._messages import plan
 from ._topology import Topology
 
-Leaf = tuple[tuple[int, ...], torch.dtype, bool] | None  # a tensor's shape, dtype, requires_grad; or None
+# A tensor leaf's shape, dtype and requires_grad; or ("value", v) for a plain value (not sent: the
+# receiver has it from the eager step, and a new value is a new signature: NOTE [compiled rows]).
+Leaf = tuple[tuple[int, ...], torch.dtype, bool] | tuple[str, Any]
+_VALUES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device)
 Layout = tuple[Any, tuple[Leaf, ...]]  # the value's structure (``_recipe``) and its leaves
 Signatures = tuple[int, ...]  # every pipeline rank's ``signature``, by rank
 
@@ -70,10 +76,10 @@ def layout_of(value: PyTree) -> Layout | str:
     leaves, spec = flatten(value)
     out: list[Leaf] = []
     for leaf in leaves:
-        if leaf is None:
-            out.append(None)
-        elif type(leaf) is torch.Tensor:
+        if type(leaf) is torch.Tensor:
             out.append((tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
+        elif type(leaf) in _VALUES:
+            out.append(("value", leaf))
         else:
             return f"a leaf of type {type(leaf).__name__}"
     recipe = _recipe(unflatten(spec, list(range(len(leaves)))))
@@ -183,10 +189,10 @@ class RowMail:
 
     def _receive(self, layout: Layout, peer: int, tag: int) -> PyTree:
         recipe, leaves = layout
-        out: list[torch.Tensor | None] = []
+        out: list[Any] = []
         for leaf in leaves:
-            if leaf is None:
-                out.append(None)
+            if type(leaf[0]) is str:
+                out.append(leaf[1])
                 continue
             shape, dtype, requires_grad = leaf
             buffer = torch.empty(shape, dtype=dtype, device=self.wire.device)

@@ -1,0 +1,192 @@
+"""Compiled rows (``fpipe._distributed._compiled``): on 2 gloo ranks, each rank's row one graph
+with its messages inside it, bitwise the eager step; ranks that cannot all compile run eagerly
+together; a rank killed or frozen in its graph fails the other, naming it (NOTE [compiled rows])."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.testing import CompileCounter
+
+import fpipe
+from fpipe._compile import CompiledRun, compile_option
+from fpipe.schedules import OneFOneB
+from tests._multiprocess import run_ranks
+from tests.conformance import CONFORMANCE, shares_stages
+from tests.distributed._faults import SLACK
+from tests.helpers import MIXED_BATCH_DIMS, assert_bitwise, mixed_batch, mixed_loss, mixed_model
+
+pytestmark = pytest.mark.timeout(300)
+
+# Every 2-rank size of the conformance list whose stages each live on one rank.
+TWO_RANKS = {
+    f"{e.name}-{S}x{M}": (e.make(S, M), S)
+    for e in CONFORMANCE
+    for p, S, M in e.ranks
+    if p == 2 and not shares_stages(e.make(S, M), S)
+}
+QUICK = ("OneFOneB-2x5", "ZeroBubbleH1-2x4", "Interleaved1F1B-2-4x4", "ZeroBubbleV-4x4")
+# (sequence length, batch also on the last rank): the first call of each signature runs eagerly
+# and learns the layouts, the second is compiled; the last comes back to the first signature.
+CALLS = [(5, False), (5, False), (7, True), (7, True), (5, False)]
+COMPILED = [False, True, False, True, True]
+
+
+def _steps(rank, world, names):
+    """For each schedule, the eager and the compiled step's results at each call, with the
+    warnings and the graphs compiled."""
+    torch.set_default_dtype(torch.float64)
+    out = {}
+    for name in names:
+        schedule, num_stages = TWO_RANKS[name]
+        stages, params = mixed_model(num_stages)
+        parallel = fpipe.Parallelism(group=dist.group.WORLD, timeout=60)
+        counter = CompileCounter()
+        kwargs = {"batch_dims": MIXED_BATCH_DIMS, "parallel": parallel}
+        compiled = fpipe.pipeline(mixed_loss, stages, schedule, compile=counter, **kwargs)
+        eager = fpipe.pipeline(mixed_loss, stages, schedule, **kwargs)
+        params = [p if s in eager.local_stages else None for s, p in enumerate(params)]
+        placement = eager.program.placement()
+        calls = []
+        for length, batch_on_last in CALLS:
+            has = rank == placement[0] or (batch_on_last and rank == placement[-1])
+            batch = mixed_batch(length) if has else None
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = compiled(params, batch)
+            calls.append((result, eager(params, batch), [str(w.message) for w in caught], counter.frame_count))
+        out[name] = calls
+    return out
+
+
+def _check(names):
+    for rank, results in enumerate(run_ranks(2, _steps, names, timeout=280)):
+        for name in names:
+            for call, (compiled, eager, caught, _) in enumerate(results[name]):
+                assert_bitwise(compiled, eager, f"{name}, rank {rank}, call {call}")
+                assert caught == [], (name, rank, call, caught)
+            frames = [frames for *_, frames in results[name]]
+            assert frames == [0, 1, 1, 2, 2], (name, rank, frames)  # one graph per signature, then none
+
+
+def test_compiled_rows_are_bitwise_the_eager_step():
+    """Complex and integer activations, a string leaf (not sent), the sequence length changing,
+    the last rank given the batch or not: bitwise the eager step, two graphs for two signatures."""
+    _check(list(QUICK))
+
+
+@pytest.mark.slow
+def test_every_schedule_s_compiled_rows_are_bitwise_the_eager_step():
+    _check([name for name in TWO_RANKS if name not in QUICK])
+
+
+def _item_stage(p, x):
+    """A stage whose Python branches on a tensor's value: it cannot be traced into one graph."""
+    y = torch.tanh(x @ p["w"])
+    return y * 2 if y.sum().item() > 0 else y
+
+
+def _first(p, x):
+    return torch.tanh(x["x"] @ p["w"])
+
+
+def _square(y, mb):
+    return ((y - mb["t"]) ** 2).mean()
+
+
+def _refusing(rank, world):
+    """Stage 1 (rank 1) cannot be traced: both ranks warn and run eagerly, every call."""
+    torch.set_default_dtype(torch.float64)
+    g = torch.Generator().manual_seed(0)
+    params = [{"w": torch.randn(4, 4, generator=g)} for _ in range(2)]
+    batch = {"x": torch.randn(6, 4, generator=g), "t": torch.randn(6, 4, generator=g)}
+    parallel = fpipe.Parallelism(group=dist.group.WORLD, timeout=60)
+    stages = [_first, _item_stage]
+    compiled = fpipe.pipeline(_square, stages, OneFOneB(3), parallel=parallel, compile="aot_eager")
+    eager = fpipe.pipeline(_square, stages, OneFOneB(3), parallel=parallel)
+    params = [p if s in eager.local_stages else None for s, p in enumerate(params)]
+    out = []
+    for _ in range(3):
+        mine = batch if rank == 0 else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = compiled(params, mine)
+        out.append((result, eager(params, mine), [str(w.message) for w in caught]))
+    return out
+
+
+def test_a_rank_that_cannot_compile_its_row_has_every_rank_run_eagerly():
+    results = run_ranks(2, _refusing, timeout=200)
+    for rank, calls in enumerate(results):
+        for call, (compiled, eager, caught) in enumerate(calls):
+            assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
+            if call == 0:  # (learning the layouts: eagerly, as documented)
+                assert caught == [], caught
+                continue
+            assert len(caught) == 1 and caught[0].endswith("this step runs eagerly."), caught
+            if rank == 1:
+                assert "action 1F0 (stage 1, microbatch 0) cannot be traced" in caught[0], caught
+            else:
+                assert "another pipeline rank could not compile its row" in caught[0], caught
+
+
+def _fault(rank, world, fault, timeout):
+    """1F1B on 2 ranks, compiled; in the third call rank 0 ``fault``s after the handshake, as its
+    graph starts: rank 1 waits in its graph for rank 0's activation. The survivor's seconds,
+    error type and message."""
+    torch.set_default_dtype(torch.float64)
+    g = torch.Generator().manual_seed(0)
+    params = [{"w": torch.randn(4, 4, generator=g)} for _ in range(2)]
+    batch = {"x": torch.randn(6, 4, generator=g), "t": torch.randn(6, 4, generator=g)}
+    parallel = fpipe.Parallelism(group=dist.group.WORLD, timeout=timeout)
+    step = fpipe.pipeline(
+        _square, [_first, lambda p, x: torch.tanh(x @ p["w"])], OneFOneB(3), parallel=parallel, compile="aot_eager"
+    )
+    params = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    mine = batch if rank == 0 else None
+    step(params, mine)  # learns the layouts
+    step(params, mine)  # compiles
+    if rank == 0:
+        attempt = CompiledRun.attempt
+
+        def faulty(self, *args, **kwargs):
+            os.kill(os.getpid(), fault)
+            return attempt(self, *args, **kwargs)
+
+        CompiledRun.attempt = faulty  # (this process only)
+    start = time.monotonic()
+    try:
+        step(params, mine)
+        return "no error", "", time.monotonic() - start
+    except fpipe.PipelineError as error:
+        return type(error).__name__, str(error), time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("fault", "timeout", "kind", "because"),
+    [
+        (signal.SIGKILL, 60, "PipelineError", "because rank 0 died"),
+        (signal.SIGSTOP, 4, "PipelineTimeoutError", "because rank 0 stopped answering"),
+    ],
+    ids=["killed", "frozen"],
+)
+def test_a_rank_killed_or_frozen_in_its_graph_fails_the_other_naming_it(fault, timeout, kind, because):
+    """Rank 1's graph waits on a receive that no fpipe wait bounds: the closed connection or, for
+    a frozen peer, the timer at the pipeline's timeout ends it, and rank 1 raises as an eager
+    step would, naming rank 0."""
+    kind_, message, seconds = run_ranks(2, _fault, fault, timeout, timeout=100, may_die=frozenset({0}))[1]
+    assert kind_ == kind and because in message, (kind_, message)
+    assert seconds < timeout + SLACK, seconds
+
+
+def test_compile_names_what_a_distributed_step_cannot_compile_yet():
+    with pytest.raises(NotImplementedError, match="not yet a step with data-parallel replicas or sharded parameters"):
+        compile_option(True, ["data-parallel replicas", "sharded parameters"])
+    assert compile_option("aot_eager", ["nothing"]) is not None and compile_option(False, ["x"]) is None
