@@ -472,6 +472,7 @@ class _Core:
         # its differentiable inputs and theirs, how many input leaves, and a recomputed one's input.
         pulls: dict[tuple[int, int], tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int], int, Any]] = {}
         deferred: dict[tuple[int, int], Sequence[torch.Tensor | None]] = {}
+        fed: dict[int, PyTree] = {}  # the last stage's microbatches received, by microbatch
         losses: list[Any] = [None] * self.num_microbatches
         auxes: list[Any] = [None] * self.num_microbatches
         sums: list[list[torch.Tensor | None]] = [[None] * len(w) for w in wrt]
@@ -494,7 +495,13 @@ class _Core:
             y = self.stages[s](stage_params[s], x)
             if s < last:
                 return y, None
-            result = self.loss_fn(y, mail.take(("mb", 0, i)) if microbatches is None else microbatches[i])
+            if microbatches is not None:
+                target = microbatches[i]
+            elif i in fed:  # (a recomputed forward's replay)
+                target = fed[i]
+            else:
+                target = fed[i] = mail.take(("mb", 0, i))
+            result = self.loss_fn(y, target)
             loss, aux = result if self.has_aux else (result, None)
             return (loss if loss.dim() == 0 else loss.reshape(())), aux
 

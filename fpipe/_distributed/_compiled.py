@@ -191,7 +191,7 @@ class RowMail:
         recipe, leaves = layout
         out: list[Any] = []
         for leaf in leaves:
-            if type(leaf[0]) is str:
+            if len(leaf) == 2:  # a plain value: ("value", v)
                 out.append(leaf[1])
                 continue
             shape, dtype, requires_grad = leaf

@@ -93,7 +93,7 @@ def _item_stage(p, x):
 
 
 def _first(p, x):
-    return torch.tanh(x["x"] @ p["w"])
+    return torch.tanh(x["x"].to(p["w"].dtype) @ p["w"])
 
 
 def _square(y, mb):
@@ -190,3 +190,47 @@ def test_compile_names_what_a_distributed_step_cannot_compile_yet():
     with pytest.raises(NotImplementedError, match="not yet a step with data-parallel replicas or sharded parameters"):
         compile_option(True, ["data-parallel replicas", "sharded parameters"])
     assert compile_option("aot_eager", ["nothing"]) is not None and compile_option(False, ["x"]) is None
+
+
+def _aux_loss(y, mb):
+    loss = ((y - mb["t"]) ** 2).sum()
+    return loss, {"sum": loss.detach(), "first": y[0].detach()}
+
+
+def _tokens(mb):
+    return (mb["t"][..., 0] > 0).sum()
+
+
+def _composed(rank, world):
+    """``has_aux`` with ``weight_fn``, ``recompute`` and a bfloat16 precision policy, compiled and
+    eager, on rows learned then compiled."""
+    torch.set_default_dtype(torch.float64)
+    g = torch.Generator().manual_seed(0)
+    params = [{"w": torch.randn(4, 4, generator=g)} for _ in range(2)]
+    parallel = fpipe.Parallelism(group=dist.group.WORLD, timeout=60)
+    stages = [_first, lambda p, x: torch.tanh(x @ p["w"])]
+    out = []
+    for options in (
+        {"has_aux": True, "weight_fn": _tokens, "recompute": {0, 1}},
+        {"precision": fpipe.Precision(compute=torch.bfloat16, accumulate=torch.float32)},
+    ):
+        loss_fn = _aux_loss if options.get("has_aux") else _square
+        compiled = fpipe.pipeline(loss_fn, stages, OneFOneB(3), parallel=parallel, compile="aot_eager", **options)
+        eager = fpipe.pipeline(loss_fn, stages, OneFOneB(3), parallel=parallel, **options)
+        mine = [p if s in eager.local_stages else None for s, p in enumerate(params)]
+        for seed in (1, 2):
+            h = torch.Generator().manual_seed(seed)
+            batch = {"x": torch.randn(6, 4, generator=h), "t": torch.randn(6, 4, generator=h)}
+            batch = batch if rank == 0 else None
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = compiled(mine, batch)
+            out.append((result, eager(mine, batch), [str(w.message) for w in caught]))
+    return out
+
+
+def test_compiled_rows_compose_with_aux_token_weights_recompute_and_precision():
+    for rank, calls in enumerate(run_ranks(2, _composed, timeout=200)):
+        for call, (compiled, eager, caught) in enumerate(calls):
+            assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
+            assert caught == [], caught
