@@ -277,10 +277,9 @@ def _distributed_parts(topology: Topology | None, parallel: Parallelism, program
     parts = [
         name
         for name, present in (
-            ("data-parallel replicas", topology.data_group is not None),
+            ("sharded data parallelism", topology.data_group is not None and parallel.shard_params),
             ("tensor parallelism", topology.tensor_group is not None),
             ("expert parallelism", topology.expert_group is not None),
-            ("sharded parameters", parallel.shard_params),
             ("a stage on several ranks (DualPipe)", shared),
         )
         if present

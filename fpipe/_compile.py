@@ -179,7 +179,9 @@ class CompiledRun:
             with (
                 torch._dynamo.config.patch(trace_autograd_ops=True),
                 fx_config.patch(backed_size_oblivious=True),  # type: ignore[attr-defined]
-                inductor_config.patch(allow_buffer_reuse=agree is None),  # NOTE [compiled rows]
+                inductor_config.patch(  # NOTE [compiled rows]
+                    allow_buffer_reuse=agree is None, reorder_for_peak_memory=agree is None
+                ),
                 torch.enable_grad(),
             ):
                 scale = seed_scale(step)  # the weights scaled in Python, as the eager seeds are (NOTE [seeds])

@@ -139,6 +139,24 @@ class Strategy:
             divide=self.divide,
         )
 
+    def reduce_grads(self, order: Order, grads: list[PyTree]) -> list[PyTree]:
+        """Replicated ``grads`` (a compiled row's: NOTE [compiled rows] in
+        fpipe/_distributed/_compiled.py) reduced over the replicas in place, each stage's as the
+        eager row posts it (at its last action: NOTE [reduction overlap]), so that replicas that
+        ran eagerly and replicas that ran compiled post the same reductions in the same order."""
+        topology = self.topology
+        if topology is None or topology.data_group is None:
+            return grads
+        reduce = replica_mean(topology, self.timeout, divide=self.divide)
+        pending = [
+            reduce(s, [g for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)])
+            for _, finished in order.segments
+            for s in finished
+        ]
+        for posted in pending:
+            posted.wait()
+        return grads
+
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """This replica's ``loss`` reduced over the data-parallel replicas: averaged, or summed
         with ``weight_fn`` (each replica's share is already over the total count)."""

@@ -66,6 +66,19 @@ def test_bench_compile_quick() -> None:
         assert results[name]["grads_match"] and results[name]["compiled_ms"] > 0
 
 
+def test_bench_compile_ranks_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 gloo processes, aot_eager at a tiny size: every side timed, the compiled rows' grads the
+    eager step's, fpipe's torch's."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # its spawned ranks import it by name
+    out = tmp_path / "out.json"
+    results = _load("bench_compile_ranks").main(["--quick", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    row = results["sizes"]["tiny"]
+    assert row["grads_match"] and set(row["median_ms"]) == set(row["over_fpipe_eager"])
+    assert len(row["median_ms"]) == 5 and all(ms > 0 for ms in row["median_ms"].values())
+    assert row["first_call_s"]["fpipe compiled rows"] > 0
+
+
 def test_bench_async_save_quick(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     results = _load("bench_async_save").main(["--quick", "--json", str(out)])

@@ -94,9 +94,12 @@ def run_distributed(
                 step, order, topology, params, agreed.microbatches, agreed.weights, agreed.signatures,
                 agreed.send_microbatches,
             )  # fmt: skip
-            if out is not None:
+            if out is not None:  # (replicas reduce as the eager row does, after the graph)
+                (loss, aux, outputs), grads = out
+                if topology.data_group is not None:
+                    grads, loss = strategy.reduce_grads(order, grads), strategy.reduce_loss(loss)
                 standing(topology, "the end of the step")
-                return out
+                return (loss, aux, outputs), grads
         record = None if compiled is None or keep_outputs else compiled.recorder(agreed.signatures, order)
         runs = strategy.held_stages(step, order, params)
         loss, aux, outputs = _run_row(step, order, topology, wire, runs, agreed, keep_outputs, record)

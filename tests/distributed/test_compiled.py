@@ -187,8 +187,8 @@ def test_a_rank_killed_or_frozen_in_its_graph_fails_the_other_naming_it(fault, t
 
 
 def test_compile_names_what_a_distributed_step_cannot_compile_yet():
-    with pytest.raises(NotImplementedError, match="not yet a step with data-parallel replicas or sharded parameters"):
-        compile_option(True, ["data-parallel replicas", "sharded parameters"])
+    with pytest.raises(NotImplementedError, match="not yet a step with sharded data parallelism or tensor parallelism"):
+        compile_option(True, ["sharded data parallelism", "tensor parallelism"])
     assert compile_option("aot_eager", ["nothing"]) is not None and compile_option(False, ["x"]) is None
 
 
@@ -231,6 +231,37 @@ def _composed(rank, world):
 
 def test_compiled_rows_compose_with_aux_token_weights_recompute_and_precision():
     for rank, calls in enumerate(run_ranks(2, _composed, timeout=200)):
+        for call, (compiled, eager, caught) in enumerate(calls):
+            assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
+            assert caught == [], caught
+
+
+def _replicas(rank, world):
+    """dp 2 x pp 1, two stages on each replica's one pipeline rank: replica 1's sequence length
+    changes at the second call, so that one replica runs compiled while the other learns its
+    layouts eagerly; with and without ``weight_fn`` (replicas summed, or averaged)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_default_dtype(torch.float64)
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
+    parallel = fpipe.Parallelism(mesh=mesh, timeout=60)
+    stages, params = mixed_model(2)
+    out = []
+    for weight_fn in (None, lambda mb: (mb["tokens"] % 2).sum()):
+        options = {"batch_dims": MIXED_BATCH_DIMS, "parallel": parallel, "weight_fn": weight_fn}
+        compiled = fpipe.pipeline(mixed_loss, stages, OneFOneB(2), compile="aot_eager", **options)
+        eager = fpipe.pipeline(mixed_loss, stages, OneFOneB(2), **options)
+        for length in (5, 5, 5) if rank == 0 else (5, 7, 7):
+            batch = mixed_batch(length, seed=rank + 1)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = compiled(params, batch)
+            out.append((result, eager(params, batch), [str(w.message) for w in caught]))
+    return out
+
+
+def test_replicas_reduce_compiled_rows_as_the_eager_step_does():
+    for rank, calls in enumerate(run_ranks(2, _replicas, timeout=200)):
         for call, (compiled, eager, caught) in enumerate(calls):
             assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
             assert caught == [], caught
