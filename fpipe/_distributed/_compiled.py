@@ -26,12 +26,15 @@ What must hold:
    peers waiting in theirs. Each rank that traced in a call says whether it compiled (one
    all-gather, after compiling and before the graph runs: ``CompiledRun.attempt``'s ``agree``);
    unless all did, every rank warns and runs this step, and the ones after, eagerly.
-3. **Messages match whatever the order of posting.** Each message's tensors travel under a tag
-   of their own (``_tag``: kind, stage, microbatch), never 0, the eager wire's; a sent
-   activation is waited for when its cotangent comes back from the same peer (the peer read it
-   then), the rest at the end of the graph. Inductor must not reuse a sent tensor's buffer for
-   a later receive before the send completed: it deadlocked so (a torch bug met while
-   prototyping: notes/compile.md), so ``allow_buffer_reuse`` is off for compiled rows.
+3. **Messages match whatever the order of posting.** Each tensor of each message travels under
+   a tag of its own (``_tag``: kind, stage, microbatch, position), never 0, the eager wire's:
+   Inductor posts receives in an order of its own (earlier, grouped). A sent activation is
+   waited for when its cotangent comes back from the same peer (the peer read it then), the
+   rest at the end of the graph; a wait moved to right after its send deadlocks 1F1B (each
+   rank would wait for the other to read), which Inductor's peak-memory reordering did, so
+   ``reorder_for_peak_memory`` is off for compiled rows. So is ``allow_buffer_reuse``: a sent
+   tensor's buffer reused for a later receive before the send completed deadlocked too (the
+   research, notes/compile.md). Whatever still goes wrong in a graph meets point 4's timer.
 4. **A failure fails every rank, naming the culprit, never a hang.** The graph's waits have no
    timeout of fpipe's: the row runs under the failure board (``waiting``), so another rank's
    failure aborts its waits, and a timer aborts them once the pipeline's ``timeout`` has passed
@@ -69,6 +72,7 @@ Layout = tuple[Any, tuple[Leaf, ...]]  # the value's structure (``_recipe``) and
 Signatures = tuple[int, ...]  # every pipeline rank's ``signature``, by rank
 
 _KINDS = {"act": 1, "cot": 2, "mb": 3, "result": 4}
+_TENSORS = 1 << 10  # the most tensors a message may have in a compiled row (``_tag``)
 
 
 def layout_of(value: PyTree) -> Layout | str:
@@ -82,6 +86,8 @@ def layout_of(value: PyTree) -> Layout | str:
             out.append(("value", leaf))
         else:
             return f"a leaf of type {type(leaf).__name__}"
+    if sum(type(leaf) is torch.Tensor for leaf in leaves) > _TENSORS:
+        return f"more than {_TENSORS} tensors"
     recipe = _recipe(unflatten(spec, list(range(len(leaves)))))
     return recipe if isinstance(recipe, str) else (recipe, tuple(out))
 
@@ -183,29 +189,34 @@ class RowMail:
 
     def _send(self, value: PyTree, peer: int, tag: int) -> list[torch.Tensor]:
         leaves = [leaf for leaf in flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+        group = self.wire.group
         return [
-            torch.ops._c10d_functional.isend(leaf.detach().contiguous(), peer, tag, self.wire.group) for leaf in leaves
+            torch.ops._c10d_functional.isend(leaf.detach().contiguous(), peer, tag + n, group)
+            for n, leaf in enumerate(leaves)
         ]
 
     def _receive(self, layout: Layout, peer: int, tag: int) -> PyTree:
         recipe, leaves = layout
         out: list[Any] = []
+        n = 0  # the tensor's position among the message's tensors
         for leaf in leaves:
             if len(leaf) == 2:  # a plain value: ("value", v)
                 out.append(leaf[1])
                 continue
             shape, dtype, requires_grad = leaf
             buffer = torch.empty(shape, dtype=dtype, device=self.wire.device)
-            received = torch.ops._c10d_functional.irecv(buffer, peer, tag, self.wire.group)
+            received = torch.ops._c10d_functional.irecv(buffer, peer, tag + n, self.wire.group)
+            n += 1
             tensor = torch.ops._c10d_functional.wait_tensor(received)
             out.append(tensor.requires_grad_() if requires_grad else tensor)
         return _build(recipe, out)
 
 
 def _tag(key: Key, num_stages: int, num_microbatches: int) -> int:
-    """The tag of message ``key``'s tensors: one per message, never 0 (NOTE [compiled rows], point 3)."""
+    """The tag of message ``key``'s first tensor (its ``n``-th tensor's is ``tag + n``): one per
+    tensor of each message, never 0 (NOTE [compiled rows], point 3)."""
     kind, stage, microbatch = key
-    return (_KINDS[kind] * num_stages + stage) * num_microbatches + microbatch
+    return ((_KINDS[kind] * num_stages + stage) * num_microbatches + microbatch) * _TENSORS
 
 
 class CompiledRows:

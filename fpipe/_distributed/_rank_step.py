@@ -89,17 +89,12 @@ def run_distributed(
         if late is not None:
             raise late.error(topology.board, topology.rank, "the other pipeline ranks at the start of the step")
         agreed = _agree(step, order, topology, params, batch, strategy, key, rejected, compiled is not None)
+        out = None
         if compiled is not None and not keep_outputs:
-            out = compiled(
-                step, order, topology, params, agreed.microbatches, agreed.weights, agreed.signatures,
-                agreed.send_microbatches,
-            )  # fmt: skip
-            if out is not None:  # (replicas reduce as the eager row does, after the graph)
-                (loss, aux, outputs), grads = out
-                if topology.data_group is not None:
-                    grads, loss = strategy.reduce_grads(order, grads), strategy.reduce_loss(loss)
-                standing(topology, "the end of the step")
-                return (loss, aux, outputs), grads
+            out = _compiled_row(step, order, topology, strategy, compiled, params, agreed)
+        if out is not None:
+            standing(topology, "the end of the step")
+            return out
         record = None if compiled is None or keep_outputs else compiled.recorder(agreed.signatures, order)
         runs = strategy.held_stages(step, order, params)
         loss, aux, outputs = _run_row(step, order, topology, wire, runs, agreed, keep_outputs, record)
@@ -345,6 +340,28 @@ def _local_inputs(
             "Return how many tokens or examples count in each microbatch."
         )
     return microbatches, sizes, count
+
+
+def _compiled_row(
+    step: StepView,
+    order: Order,
+    topology: Topology,
+    strategy: StrategyView,
+    compiled: CompiledRows,
+    params: Sequence[PyTree],
+    agreed: _Agreed,
+) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]] | None:
+    """This rank's row compiled (NOTE [compiled rows] in fpipe/_distributed/_compiled.py), its
+    gradients and loss then reduced over the replicas as the eager row's are; ``None``: run it eagerly."""
+    out = compiled(
+        step, order, topology, params, agreed.microbatches, agreed.weights, agreed.signatures,
+        agreed.send_microbatches,
+    )  # fmt: skip
+    if out is None or topology.data_group is None:
+        return out
+    (loss, aux, outputs), grads = out
+    grads = strategy.reduce_grads(order, grads)  # (then the loss, as the eager step: the same collectives)
+    return (strategy.reduce_loss(loss), aux, outputs), grads
 
 
 def _run_row(
