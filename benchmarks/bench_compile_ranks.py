@@ -51,80 +51,81 @@ MICROBATCHES = 8
 
 
 def rank_main(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    return {size: one_size(rank, world_size, SIZES[size], opts["backend"], opts["repeats"]) for size in opts["sizes"]}
+
+
+def one_size(rank: int, world_size: int, cfg: dict[str, int], backend: str, repeats: int) -> dict[str, Any]:
+    """This rank's step times of every side at one size, and the compiled sides' first calls."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     import fpipe
     from fpipe.schedules import OneFOneB
 
-    backend, out = opts["backend"], {}
-    for size in opts["sizes"]:
-        cfg = SIZES[size]
-        torch._dynamo.reset()
-        module = model.build_stage_module(cfg, rank, world_size)
-        fns = [
-            model.stage_fn(cfg, model.stage_layers(cfg, s, world_size), s == 0, s == world_size - 1)
-            for s in range(world_size)
-        ]
-        batch = model.make_batch(cfg)
-        own = {name: p.detach() for name, p in module.named_parameters()}
-        params = [own if s == rank else None for s in range(world_size)]
-        parallel = fpipe.Parallelism(group=dist.group.WORLD, timeout=1800)
-        schedule = OneFOneB(MICROBATCHES)
-        eager = fpipe.pipeline(model.fpipe_loss, fns, schedule, parallel=parallel)
-        rows = fpipe.pipeline(model.fpipe_loss, fns, schedule, parallel=parallel, compile=backend)
-        staged_fns = [torch.compile(fn, backend=backend) for fn in fns]
-        staged = fpipe.pipeline(model.fpipe_loss, staged_fns, schedule, parallel=parallel)
-        compiled_module = torch.compile(module, backend=backend)
-        torch_schedules = {
-            "torch eager": Schedule1F1B(
-                PipelineStage(module, rank, world_size, torch.device("cpu")), MICROBATCHES, loss_fn=model.torch_loss
-            ),
-            "torch compiled stages": Schedule1F1B(
-                PipelineStage(compiled_module, rank, world_size, torch.device("cpu")),  # type: ignore[arg-type]
-                MICROBATCHES,
-                loss_fn=model.torch_loss,
-            ),
-        }
+    torch._dynamo.reset()
+    module = model.build_stage_module(cfg, rank, world_size)
+    fns = [
+        model.stage_fn(cfg, model.stage_layers(cfg, s, world_size), s == 0, s == world_size - 1)
+        for s in range(world_size)
+    ]
+    batch = model.make_batch(cfg)
+    own = {name: p.detach() for name, p in module.named_parameters()}
+    params = [own if s == rank else None for s in range(world_size)]
+    parallel = fpipe.Parallelism(group=dist.group.WORLD, timeout=1800)
+    schedule = OneFOneB(MICROBATCHES)
+    eager = fpipe.pipeline(model.fpipe_loss, fns, schedule, parallel=parallel)
+    rows = fpipe.pipeline(model.fpipe_loss, fns, schedule, parallel=parallel, compile=backend)
+    staged_fns = [torch.compile(fn, backend=backend) for fn in fns]
+    staged = fpipe.pipeline(model.fpipe_loss, staged_fns, schedule, parallel=parallel)
+    compiled_module = torch.compile(module, backend=backend)
+    torch_schedules = {
+        "torch eager": Schedule1F1B(
+            PipelineStage(module, rank, world_size, torch.device("cpu")), MICROBATCHES, loss_fn=model.torch_loss
+        ),
+        "torch compiled stages": Schedule1F1B(
+            PipelineStage(compiled_module, rank, world_size, torch.device("cpu")),  # type: ignore[arg-type]
+            MICROBATCHES,
+            loss_fn=model.torch_loss,
+        ),
+    }
 
-        def fpipe_side(step: Any) -> Callable[[], Any]:
-            return lambda: step(params, batch)
+    def fpipe_side(step: Any) -> Callable[[], Any]:
+        return lambda: step(params, batch)
 
-        def torch_side(schedule: Any) -> Callable[[], Any]:
-            def run() -> Any:
-                module.zero_grad(set_to_none=True)
-                if rank == 0:
-                    return schedule.step(batch["tokens"], return_outputs=False)
-                return schedule.step(target=batch["targets"], return_outputs=False)
+    def torch_side(schedule: Any) -> Callable[[], Any]:
+        def run() -> Any:
+            module.zero_grad(set_to_none=True)
+            if rank == 0:
+                return schedule.step(batch["tokens"], return_outputs=False)
+            return schedule.step(target=batch["targets"], return_outputs=False)
 
-            return run
+        return run
 
-        sides = {
-            "fpipe eager": fpipe_side(eager),
-            "fpipe compiled rows": fpipe_side(rows),
-            "fpipe compiled stages": fpipe_side(staged),
-            **{name: torch_side(schedule) for name, schedule in torch_schedules.items()},
-        }
-        reference = eager(params, batch)
-        rows(params, batch)  # learns the layouts (NOTE [compiled rows])
-        first_call_s = {}
-        for name in ("fpipe compiled rows", "fpipe compiled stages", "torch compiled stages"):
-            dist.barrier()
-            start = time.perf_counter()
-            got = sides[name]()
-            first_call_s[name] = time.perf_counter() - start
-            if name == "fpipe compiled rows":
-                torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-6)
-        torch_side(torch_schedules["torch eager"])()
-        torch_grads = {n: p.grad for n, p in module.named_parameters()}
-        torch.testing.assert_close(reference[1][rank], torch_grads, rtol=1e-3, atol=1e-5)
-        times: dict[str, list[float]] = {name: [] for name in sides}
-        order = list(sides)
-        for r in range(opts["repeats"]):
-            for name in order if r % 2 == 0 else order[::-1]:
-                times[name].append(model.barrier_timed(sides[name]))
-        out[size] = {"times": times, "first_call_s": first_call_s}
-    return out
+    sides = {
+        "fpipe eager": fpipe_side(eager),
+        "fpipe compiled rows": fpipe_side(rows),
+        "fpipe compiled stages": fpipe_side(staged),
+        **{name: torch_side(schedule) for name, schedule in torch_schedules.items()},
+    }
+    reference = eager(params, batch)
+    rows(params, batch)  # learns the layouts (NOTE [compiled rows])
+    first_call_s = {}
+    for name in ("fpipe compiled rows", "fpipe compiled stages", "torch compiled stages"):
+        dist.barrier()
+        start = time.perf_counter()
+        got = sides[name]()
+        first_call_s[name] = time.perf_counter() - start
+        if name == "fpipe compiled rows":
+            torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-6)
+    torch_side(torch_schedules["torch eager"])()
+    torch_grads = {n: p.grad for n, p in module.named_parameters()}
+    torch.testing.assert_close(reference[1][rank], torch_grads, rtol=1e-3, atol=1e-5)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    order = list(sides)
+    for r in range(repeats):
+        for name in order if r % 2 == 0 else order[::-1]:
+            times[name].append(model.barrier_timed(sides[name]))
+    return {"times": times, "first_call_s": first_call_s}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -160,7 +160,8 @@ def test_every_sent_tensor_is_let_go_soon_after_the_last_action():
     1F1B's last two, the result) are let go by the step's own threads as their sends complete: as
     ``close`` begins, every tensor a rank sent in the step is let go while ``close`` waits, where a
     transport that kept them until after the closing all-gather would have the test wait its 20 s
-    and find them (how long it took is a matter of load, so it is not asserted). The threads end with the step: none is left after it."""
+    and find them (how long it took is a matter of load, so it is not asserted). The threads end
+    with the step: none is left after it."""
     for rank, steps in enumerate(run_ranks(2, _every_send, timeout=150)):
         assert len(steps) == 6
         for checked in steps:
