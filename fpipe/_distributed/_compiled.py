@@ -143,10 +143,12 @@ class RowWire:
 
     group: str  # the pipeline group's name
     device: torch.device
-    routes: Mapping[Key, tuple[int, int]]  # a message crossing ranks: (the peer's global rank, its tag)
+    # A message crossing ranks: (the peer's rank in the pipeline group, which the functional ops
+    # take, not its global rank: a subgroup's pair is not connected otherwise; its tag).
+    routes: Mapping[Key, tuple[int, int]]
     layouts: Mapping[Key, Layout]  # each received message's
-    result_to: tuple[int, ...]  # the global ranks the last stage's rank sends the result to
-    result_from: int | None  # the global rank the result comes from (None: this rank makes it)
+    result_to: tuple[int, ...]  # the pipeline ranks the last stage's rank sends the result to
+    result_from: int | None  # the pipeline rank the result comes from (None: this rank makes it)
     result_tag: int
 
 
@@ -320,7 +322,7 @@ class CompiledRows:
             for route in plan(program, me, send_microbatches).routes:
                 for key in (*route.incoming, *route.outgoing):
                     if key[0] in ("act", "cot", "mb"):
-                        routes[key] = (topology.global_ranks[route.peer], _tag(key, s, m))
+                        routes[key] = (route.peer, _tag(key, s, m))
             holder = program.holders(s - 1)[0]
             layouts = {k: v for k, v in self._layouts[signatures].items() if not isinstance(v, str)}
             wire = RowWire(
@@ -328,10 +330,8 @@ class CompiledRows:
                 device=topology.device,
                 routes=routes,
                 layouts=layouts,
-                result_to=tuple(topology.global_ranks[r] for r in range(program.num_ranks) if r != me)
-                if me == holder
-                else (),
-                result_from=None if me == holder else topology.global_ranks[holder],
+                result_to=tuple(r for r in range(program.num_ranks) if r != me) if me == holder else (),
+                result_from=None if me == holder else holder,
                 result_tag=_tag(("result", 0, 0), s, m),
             )
             factory = self._mails[signatures] = lambda: RowMail(wire)
