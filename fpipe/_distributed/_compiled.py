@@ -54,10 +54,11 @@ from typing import Any
 
 import torch
 
-from .._compile import Compile, CompiledRun, Key, Mail
+from .._compile import Compile, CompiledRun
 from .._errors import PipelineError
 from .._pytree import PyTree, flatten, unflatten
 from .._run import Order, StepView
+from .._traced import Key, Mail
 from ._board import RAISED, waiting
 from ._collectives import all_gather_ints, lost, mark_broken
 from ._faults import WATCHDOG, abort_job
