@@ -475,8 +475,9 @@ class Step:
         self._local_stages = tuple(range(program.num_stages)) if topology is None else program.stages_of(topology.rank)
         self._order = order_for(program, self._rank)
         self._forward_order = order_for(program, self._rank, forward=True)
-        self._compiled = None if spec.compile is None else CompiledRun(spec.compile)
-        self._compiled_rows = None if spec.compile is None else CompiledRows(spec.compile)
+        # NOTE [the compiled step] in fpipe/_compile.py; on a rank, NOTE [compiled rows]
+        self._compiled = None if spec.compile is None or topology is not None else CompiledRun(spec.compile)
+        self._compiled_rows = None if spec.compile is None or topology is None else CompiledRows(spec.compile)
 
     # What pipeline() fixed (``spec``), read-only.
     @property

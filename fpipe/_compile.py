@@ -5,9 +5,10 @@ NOTE [the compiled step]
 
     eager prologue   the checks, the split into microbatches, the loss weights and the seeds (as
                      float64 tensors: a new token count or loss scale is no new compile)
-    traced core      ``Core.__call__`` (fpipe/_traced.py) on the parameters and microbatches: every action of the
-                     order, traced by dynamo with ``fullgraph=True`` into one graph per process
-    eager epilogue   the aux stacked, the gradients shaped like the parameters
+    traced core      ``Core.__call__`` (fpipe/_traced.py) on the parameters and microbatches:
+                     every action of the order, the loss and the stacked aux, traced by dynamo
+                     with ``fullgraph=True`` into one graph per process
+    eager epilogue   the gradients shaped like the parameters
 
 What must hold: the core does the eager step's arithmetic op for op, so that under the
 ``aot_eager`` backend it gives the eager bits. A backward is ``autograd.grad`` on the stage's own
@@ -144,6 +145,11 @@ class CompiledRun:
     def warn(self, reason: str) -> None:
         """Say that the step runs eagerly, and why."""
         _warn(reason)
+
+    def fail(self, reason: str) -> None:
+        """Run eagerly from now on, for ``reason`` (the first one given stands)."""
+        if self._failed is None:
+            self._failed = reason
 
     def attempt(
         self,

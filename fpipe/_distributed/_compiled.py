@@ -20,12 +20,17 @@ What must hold:
    that is a plain value (``None``, a number, a string) is not sent: the receiver has it from the
    eager step, and the signatures hash the plain values of the parameters and microbatches it
    follows from. Any other leaf (or a container other than a dict, list, tuple or namedtuple)
-   cannot be rebuilt in a graph: such a step stays eager and warns.
+   cannot be rebuilt in a graph: the rank that received it says so in the next handshake
+   (``usable``), and every rank warns and runs eagerly from then on.
 2. **Every rank runs the graph, or none does.** A rank whose row fails to trace or compile
    (a stage with data-dependent control flow, random draws, a backend error) would leave its
    peers waiting in theirs. Each rank that traced in a call says whether it compiled (one
    all-gather, after compiling and before the graph runs: ``CompiledRun.attempt``'s ``agree``);
-   unless all did, every rank warns and runs this step, and the ones after, eagerly.
+   unless all did, every rank warns and runs this step, and the ones after, eagerly. Ranks trace
+   in the same calls: a new tuple of signatures is a new mail factory, which every rank's
+   dynamo guards on. Were one rank to retrace alone (a global setting changed on it only), its
+   agreement and the others' graphs would wait for each other until the timeout: a failed step,
+   not a hang.
 3. **Messages match whatever the order of posting.** Each tensor of each message travels under
    a tag of its own (``_tag``: kind, stage, microbatch, position), never 0, the eager wire's:
    Inductor posts receives in an order of its own (earlier, grouped). A sent activation is
@@ -68,7 +73,7 @@ from ._topology import Topology
 # A tensor leaf's shape, dtype and requires_grad; or ("value", v) for a plain value (not sent: the
 # receiver has it from the eager step, and a new value is a new signature: NOTE [compiled rows]).
 Leaf = tuple[tuple[int, ...], torch.dtype, bool] | tuple[str, Any]
-_VALUES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device)
+_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 Layout = tuple[Any, tuple[Leaf, ...]]  # the value's structure (``_recipe``) and its leaves
 Signatures = tuple[int, ...]  # every pipeline rank's ``signature``, by rank
 
@@ -228,11 +233,16 @@ class CompiledRows:
 
     def __init__(self, option: Compile) -> None:
         self.run = CompiledRun(option)
-        self._layouts: dict[Signatures, dict[Key, Layout | str]] = {}
+        self._layouts: dict[Signatures, dict[Key, Layout]] = {}
         self._mails: dict[Signatures, Callable[[], Mail]] = {}
         self._ran: set[Signatures] = set()  # compiled and run (no compile in the next call)
         self._core: Any = None
         self._compiled: Callable[..., Any] | None = None
+
+    @property
+    def usable(self) -> bool:
+        """Whether this rank may still run compiled rows (its word in the step's handshake)."""
+        return self.run.failed is None
 
     def recorder(self, signatures: Signatures, order: Order) -> Callable[[Key, PyTree], None] | None:
         """What the eager row calls with each message it receives when it runs to learn their
@@ -242,7 +252,11 @@ class CompiledRows:
         layouts = self._layouts[signatures] = {}
 
         def record(key: Key, value: PyTree) -> None:
-            layouts[("result", 0, 0) if key[0] == "result" else key] = layout_of(value)
+            layout = layout_of(value)
+            if isinstance(layout, str):  # every rank learns it at the next handshake (``usable``)
+                self.run.fail(f"message {_describe(key)} carries {layout}, which cannot travel in a graph")
+            else:
+                layouts[("result", 0, 0) if key[0] == "result" else key] = layout
 
         return record
 
@@ -256,20 +270,19 @@ class CompiledRows:
         weights: Sequence[float],
         signatures: Signatures,
         send_microbatches: bool,
+        every_usable: bool,
     ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]] | None:
         """This step's ``((loss, aux, None), grads)`` from the compiled row, or ``None``: run the
-        eager row (to learn the layouts, or for good once the row did not compile, with a warning)."""
+        eager row (to learn the layouts, or for good once a row did not compile, with a warning).
+        ``every_usable``: whether every rank's handshake said ``usable``."""
         if order.forward_only:
             return None
+        if not every_usable:
+            self.run.fail("another pipeline rank cannot compile its row (its own warning says why)")
         if self.run.failed is not None:
             self.run.warn(self.run.failed)
             return None
-        layouts = self._layouts.get(signatures)
-        if layouts is None:
-            return None
-        refused = next(((k, v) for k, v in layouts.items() if isinstance(v, str)), None)
-        if refused is not None:
-            self.run.warn(f"message {_describe(refused[0])} carries {refused[1]}, which cannot travel in a graph")
+        if signatures not in self._layouts:
             return None
         if self._compiled is None:
             self._core, self._compiled = self.run.compile_core(step, order, dynamic=False)
@@ -325,7 +338,7 @@ class CompiledRows:
                     if key[0] in ("act", "cot", "mb"):
                         routes[key] = (route.peer, _tag(key, s, m))
             holder = program.holders(s - 1)[0]
-            layouts = {k: v for k, v in self._layouts[signatures].items() if not isinstance(v, str)}
+            layouts = self._layouts[signatures]
             wire = RowWire(
                 group=topology.group.group_name,
                 device=topology.device,

@@ -88,7 +88,7 @@ def run_distributed(
         late = WATCHDOG.read(topology.board)  # the others gave up on the job before this rank came
         if late is not None:
             raise late.error(topology.board, topology.rank, "the other pipeline ranks at the start of the step")
-        agreed = _agree(step, order, topology, params, batch, strategy, key, rejected, compiled is not None)
+        agreed = _agree(step, order, topology, params, batch, strategy, key, rejected, compiled)
         out = None
         if compiled is not None and not keep_outputs:
             out = _compiled_row(step, order, topology, strategy, compiled, params, agreed)
@@ -139,6 +139,7 @@ class _Agreed(NamedTuple):
     send_microbatches: bool  # the last stage's rank holds no batch: stage 0's rank sends them
     key: int  # the step's key (NOTE [randomness as data] in fpipe/_random.py)
     signatures: tuple[int, ...]  # every rank's, by rank (NOTE [compiled rows] in fpipe/_distributed/_compiled.py)
+    compiling: bool  # every rank may still run its compiled row (``CompiledRows.usable``)
 
 
 # NOTE [a handshake of fixed size]
@@ -172,6 +173,7 @@ class _Status(Status):
     weighted: bool  # the pipeline has a ``weight_fn``
     key: int
     signature: int  # of its layouts, for a compiled step (NOTE [compiled rows]); else 0
+    compiling: bool  # it may still run its compiled row (``CompiledRows.usable``)
     sizes: tuple[int, ...] = words(INLINE_SIZES)  # its first microbatch sizes, zeros past its count
     device_type: tuple[int, ...] = words(DEVICE_TYPE_WORDS)  # NOTE [device types in the handshake]
 
@@ -185,7 +187,7 @@ def _agree(
     strategy: StrategyView,
     key: int,
     rejected: Exception | None,
-    compiled: bool = False,
+    compiled: CompiledRows | None = None,
 ) -> _Agreed:
     """Check the local inputs and agree with every rank (and replica) on what the step runs.
 
@@ -193,7 +195,8 @@ def _agree(
     rank weighs the microbatches alike, and its ``key``; the replicas' counts are summed with
     their failure flags, and replica 0's key (then tensor-parallel rank 0's) with them.
     ``rejected``: what the step's own checks found wrong before (raised here, after the handshake).
-    ``compiled``: each rank's ``signature`` travels too (NOTE [compiled rows] in fpipe/_distributed/_compiled.py).
+    ``compiled``: each rank's ``signature`` and ``usable`` travel too (NOTE [compiled rows] in
+    fpipe/_distributed/_compiled.py).
     """
     placement, m = step.program.placement(), step.num_microbatches
     first, last = placement[0], placement[-1]
@@ -214,7 +217,8 @@ def _agree(
         weight_count=count,
         weighted=step.weight_fn is not None,
         key=key,
-        signature=0 if not compiled else signature([params[s] for s in step.local_stages], microbatches),
+        signature=0 if compiled is None else signature([params[s] for s in step.local_stages], microbatches),
+        compiling=compiled is not None and compiled.usable,
         sizes=tuple((sizes + [0] * INLINE_SIZES)[:INLINE_SIZES]),
         device_type=device_type_words(topology.device),
     )
@@ -258,7 +262,10 @@ def _agree(
     if problem is not None:
         raise problem
     signatures = tuple(st.signature for st in statuses)
-    return _Agreed(microbatches, weights, statuses[first].explicit, not statuses[last].has_batch, key, signatures)
+    compiling = all(st.compiling for st in statuses)
+    return _Agreed(
+        microbatches, weights, statuses[first].explicit, not statuses[last].has_batch, key, signatures, compiling
+    )
 
 
 @dataclass(frozen=True)
@@ -355,7 +362,7 @@ def _compiled_row(
     gradients and loss then reduced over the replicas as the eager row's are; ``None``: run it eagerly."""
     out = compiled(
         step, order, topology, params, agreed.microbatches, agreed.weights, agreed.signatures,
-        agreed.send_microbatches,
+        agreed.send_microbatches, agreed.compiling,
     )  # fmt: skip
     if out is None or topology.data_group is None:
         return out

@@ -4,6 +4,7 @@ together; a rank killed or frozen in its graph fails the other, naming it (NOTE 
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import time
@@ -311,3 +312,47 @@ def test_compiled_rows_on_a_data_parallel_pipeline_mesh():
     for rank, calls in enumerate(run_ranks(4, _mesh, timeout=280)):
         for call, (compiled, eager) in enumerate(calls):
             assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
+
+
+def _ordered_first(p, x):
+    return collections.OrderedDict(h=torch.tanh(x["x"] @ p["w"]))
+
+
+def _ordered_second(p, x):
+    return torch.tanh(x["h"] @ p["w"])
+
+
+def _unbuildable(rank, world):
+    """Stage 0 hands stage 1 an OrderedDict, which the eager wire carries and a graph cannot rebuild:
+    rank 1 learns it in the first call; from the second, both ranks warn and run eagerly."""
+    torch.set_default_dtype(torch.float64)
+    g = torch.Generator().manual_seed(0)
+    params = [{"w": torch.randn(4, 4, generator=g)} for _ in range(2)]
+    batch = {"x": torch.randn(6, 4, generator=g), "t": torch.randn(6, 4, generator=g)}
+    parallel = fpipe.Parallelism(group=dist.group.WORLD, timeout=60)
+    stages = [_ordered_first, _ordered_second]
+    compiled = fpipe.pipeline(_square, stages, OneFOneB(3), parallel=parallel, compile="aot_eager")
+    eager = fpipe.pipeline(_square, stages, OneFOneB(3), parallel=parallel)
+    params = [p if s in eager.local_stages else None for s, p in enumerate(params)]
+    out = []
+    for _ in range(3):
+        mine = batch if rank == 0 else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = compiled(params, mine)
+        out.append((result, eager(params, mine), [str(w.message) for w in caught]))
+    return out
+
+
+def test_a_message_a_graph_cannot_rebuild_has_every_rank_run_eagerly():
+    for rank, calls in enumerate(run_ranks(2, _unbuildable, timeout=200)):
+        for call, (compiled, eager, caught) in enumerate(calls):
+            assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
+            if call == 0:
+                assert caught == [], caught
+                continue
+            assert len(caught) == 1, caught
+            if rank == 1:
+                assert "the activation of stage 0 for microbatch 0 carries a node of type OrderedDict" in caught[0]
+            else:
+                assert "another pipeline rank cannot compile its row" in caught[0], caught
