@@ -10,6 +10,8 @@ import ast
 import contextlib
 import io
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -45,7 +47,10 @@ def snippets(page: Path) -> list[tuple[str, str | None]]:
 def run_snippets(page: Path) -> tuple[int, int]:
     """Runs ``page``'s snippets in one namespace, checking what they print. Returns the number of
     text blocks and of ``print(...)  # text`` comments checked."""
-    namespace: dict[str, object] = {"__name__": f"docs:{page.stem}"}
+    # A module of its own, importable by name: dynamo (``compile=``) looks up a function's module.
+    module = types.ModuleType(f"docs_{page.stem.replace('-', '_')}")
+    sys.modules[module.__name__] = module
+    namespace: dict[str, object] = module.__dict__
     checked_blocks = checked_comments = 0
     for source, shown in snippets(page):
         lines = source.splitlines()
