@@ -43,9 +43,10 @@ What must hold:
 4. **A failure fails every rank, naming the culprit, never a hang.** The graph's waits have no
    timeout of fpipe's: the row runs under the failure board (``waiting``), so another rank's
    failure aborts its waits, and a timer aborts them once the pipeline's ``timeout`` has passed
-   since the graph started (a frozen peer; the timer starts after compiling, so a long compile
-   is no timeout). The error is then ``lost``'s, as an eager wait's: the rank that died or
-   stopped answering, or the one whose record stands.
+   with no compile in progress on this rank (a frozen peer; the time dynamo and the backend
+   take is not counted: the timer counts again from the ranks' agreement). The error is then
+   ``lost``'s, as an eager wait's: the rank that died or stopped answering, or the one whose
+   record stands.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from .._compile import Compile, CompiledRun
 from .._errors import PipelineError
 from .._pytree import PyTree, flatten, unflatten
 from .._run import Order, StepView
-from .._traced import Key, Mail
+from .._traced import Key, Mail, traced
 from ._board import RAISED, waiting
 from ._collectives import all_gather_ints, lost, mark_broken
 from ._faults import WATCHDOG, abort_job
@@ -235,7 +236,6 @@ class CompiledRows:
         self.run = CompiledRun(option)
         self._layouts: dict[Signatures, dict[Key, Layout]] = {}
         self._mails: dict[Signatures, Callable[[], Mail]] = {}
-        self._ran: set[Signatures] = set()  # compiled and run (no compile in the next call)
         self._core: Any = None
         self._compiled: Callable[..., Any] | None = None
 
@@ -288,17 +288,16 @@ class CompiledRows:
             self._core, self._compiled = self.run.compile_core(step, order, dynamic=False)
         self._core.mail = self._mail(step, order, topology, signatures, send_microbatches)
         timeout = timedelta(seconds=step.timeout)
-        timer = _Timer(topology, step.timeout)
-        if signatures in self._ran:
-            timer.start()
+        agreed: list[bool] = []  # (once the ranks agreed in this call)
+        timer = _Timer(topology, step.timeout, lambda: traced() and not agreed)
+        timer.start()
 
         def agree(ok: bool) -> bool:
             what = "the other pipeline ranks as they compiled their rows"
             every = all_gather_ints(topology, topology.group, [int(ok)], step.timeout, what)
-            agreed = all(word == [1] for word in every)
-            if agreed:
-                timer.start()
-            return agreed
+            agreed.append(all(word == [1] for word in every))
+            timer.start()  # (the graph starts now)
+            return agreed[-1]
 
         try:
             with waiting(topology.board):
@@ -319,15 +318,17 @@ class CompiledRows:
             raise
         finally:
             timer.cancel()
-        if out is not None:
-            self._ran.add(signatures)
+        if timer.fired:  # (as the graph returned: the groups are aborted all the same)
+            mark_broken(topology, RuntimeError("timed out"))
+            raise lost(topology.board, RuntimeError("timed out"), topology.rank, "its compiled row", None, timeout)
         return out
 
     def _mail(
         self, step: StepView, order: Order, topology: Topology, signatures: Signatures, send_microbatches: bool
     ) -> Callable[[], Mail]:
         """The mail factory of ``signatures``' layouts: one object per tuple of signatures, which
-        dynamo guards on (a new one is a new graph)."""
+        every rank's dynamo guards on, so that a new tuple is a new graph on every rank at once
+        (NOTE [compiled rows], point 2)."""
         factory = self._mails.get(signatures)
         if factory is None:
             program, me = order.program, topology.rank
@@ -353,27 +354,44 @@ class CompiledRows:
 
 
 class _Timer:
-    """Aborts the job's groups on this rank once ``seconds`` have passed since ``start`` (NOTE
-    [compiled rows], point 4)."""
+    """Aborts the job's groups on this rank once ``seconds`` have passed since ``start`` with no
+    compile in progress (``compiling``), so a graph's waits end (NOTE [compiled rows], point 4);
+    never once ``cancel`` has returned."""
 
-    def __init__(self, topology: Topology, seconds: float) -> None:
-        self._topology, self._seconds = topology, seconds
+    def __init__(self, topology: Topology, seconds: float, compiling: Callable[[], bool]) -> None:
+        self._topology, self._seconds, self._compiling = topology, seconds, compiling
         self._thread: threading.Timer | None = None
+        self._lock = threading.Lock()
+        self._over = False
         self.fired = False
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Timer(self._seconds, self._fire)
-            self._thread.daemon = True
-            self._thread.start()
+        """Start counting ``seconds`` from now (again, if it was counting)."""
+        with self._lock:
+            self._arm()
 
     def cancel(self) -> None:
+        with self._lock:
+            self._over = True
+            if self._thread is not None:
+                self._thread.cancel()
+
+    def _arm(self) -> None:
         if self._thread is not None:
             self._thread.cancel()
+        self._thread = threading.Timer(self._seconds, self._fire)
+        self._thread.daemon = True
+        self._thread.start()
 
     def _fire(self) -> None:
-        self.fired = True
-        abort_job(self._topology.board)
+        with self._lock:
+            if self._over:
+                return
+            if self._compiling():  # (a compile's time is no peer's silence: count again from now)
+                self._arm()
+                return
+            self.fired = True
+            abort_job(self._topology.board)
 
 
 def _describe(key: Key) -> str:
