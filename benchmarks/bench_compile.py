@@ -7,6 +7,7 @@ Run::
     python benchmarks/bench_compile.py --json out.json
     python benchmarks/bench_compile.py --whole-step-only   # the second part alone
     python benchmarks/bench_compile.py --whole-step-only --device cuda   # on a GPU (benchmarks/gpu_check.sh)
+    python benchmarks/bench_compile.py --train-gpt-only   # the compiled step at examples/train_gpt.py's size
 
 The second part times ``pipeline(..., compile=True)`` (the whole step of the process traced into
 one graph, NOTE [the compiled step] in fpipe/_compile.py) in the per-call-overhead regime: 4
@@ -60,8 +61,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = _common.parser(__doc__, repeats="rounds of the whole-step comparison (default 41, quick 3)")
     parser.add_argument("--whole-step-only", action="store_true", help="only the compiled whole step's comparison")
     parser.add_argument("--device", default="cpu", help="where the whole-step comparison runs (default cpu)")
+    parser.add_argument("--train-gpt-only", action="store_true", help="only the comparison at train_gpt's size")
     args = parser.parse_args(argv)
-    results: dict[str, Any] = {} if args.whole_step_only else compiled_stages(args.quick)
+    if args.train_gpt_only:
+        results: dict[str, Any] = {"train_gpt": train_gpt_size(args.quick, args.repeats)}
+        _common.write_json(args.json, results)
+        return results
+    results = {} if args.whole_step_only else compiled_stages(args.quick)
     results["whole_step"] = whole_step(args.quick, args.repeats, torch.device(args.device))
     _common.write_json(args.json, results)
     return results
@@ -192,6 +198,62 @@ def whole_step(quick: bool, repeats: int | None, device: torch.device | None = N
         )
     print("eager / whole step:", {k: round(v, 2) for k, v in results["eager_over_whole_step"].items()})
     return results
+
+
+def train_gpt_size(quick: bool, repeats: int | None) -> dict[str, Any]:
+    """The compiled whole step at ``examples/train_gpt.py``'s size (4 stages of one GPT block,
+    width 128, 4 heads, 16 sequences of 64 bytes, 1F1B x 4, bfloat16 compute with float32 sums)
+    against its eager step and its eager step over compiled stages; CPU time, A/B interleaved."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import train_gpt  # the example's model: its stages, parameters and loss
+
+    dim, heads, batch_size, context = (32, 2, 8, 16) if quick else (128, 4, 16, 64)
+    backend = "aot_eager" if quick else "inductor"
+    repeats = repeats or (3 if quick else 21)
+    generator = torch.Generator().manual_seed(0)
+    params = train_gpt.init_params(dim, context, 4, generator)
+    tokens = torch.randint(256, (batch_size, context + 1), generator=generator)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    fns = train_gpt.make_stages(heads, 1)
+    precision = fpipe.Precision(compute=torch.bfloat16)
+    torch._dynamo.reset()
+
+    def build(stages: Sequence[Any], compile: Any = False) -> Any:
+        return fpipe.pipeline(train_gpt.loss_fn, stages, OneFOneB(4), precision=precision, compile=compile)
+
+    eager = build(fns)
+    sides = {
+        "eager 1F1B": eager,
+        "whole step 1F1B": build(fns, backend),
+        "compiled stages 1F1B": build([torch.compile(fn, backend=backend) for fn in fns]),
+    }
+    reference = eager(params, batch)
+    first_call_s = {}
+    for name in ("whole step 1F1B", "compiled stages 1F1B"):
+        start = time.perf_counter()
+        got = sides[name](params, batch)
+        first_call_s[name] = time.perf_counter() - start
+        torch.testing.assert_close(got[0], reference[0], rtol=2e-2, atol=0)  # bfloat16 compute
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeats):  # A/B interleaved: one step of each, repeated
+        for name, step in sides.items():
+            start = time.process_time()
+            step(params, batch)
+            times[name].append(time.process_time() - start)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    for name, value in ms.items():
+        first = f"   first call {first_call_s[name]:6.1f} s" if name in first_call_s else ""
+        print(f"{name:>22}: {value:8.2f} ms cpu{first}")
+    return {
+        "config": {"dim": dim, "heads": heads, "batch": batch_size, "context": context, "backend": backend},
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "cpu_ms": ms,
+        "first_call_s": first_call_s,
+        "eager_over_whole_step": ms["eager 1F1B"] / ms["whole step 1F1B"],
+        "eager_over_compiled_stages": ms["eager 1F1B"] / ms["compiled stages 1F1B"],
+        "loss_close": True,
+    }
 
 
 if __name__ == "__main__":

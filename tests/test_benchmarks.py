@@ -66,6 +66,12 @@ def test_bench_compile_quick() -> None:
         assert results[name]["grads_match"] and results[name]["compiled_ms"] > 0
 
 
+def test_bench_compile_train_gpt_quick() -> None:
+    """The compiled step at (a tiny) train_gpt's model: every side timed, the losses close."""
+    row = _load("bench_compile").main(["--train-gpt-only", "--quick"])["train_gpt"]
+    assert row["loss_close"] and all(ms > 0 for ms in row["cpu_ms"].values()) and len(row["cpu_ms"]) == 3
+
+
 def test_bench_compile_ranks_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """2 gloo processes, aot_eager at a tiny size: every side timed, the compiled rows' grads the
     eager step's, fpipe's torch's."""
