@@ -34,10 +34,13 @@ import torch.fx.experimental._config as fx_config
 
 from ._plural import brief
 from ._pytree import PyTree, broadcast_prefix, flatten
+from ._record import active
 from ._run import Order, StepView, StrategyView, loss_weights, run_local, seed_scale, split_batch
 from ._traced import Core, begin, end, first_draw, grads_like, own_code, traced, tracing
 
 Backend = str | Callable[..., Any]
+# ``fpipe.record()`` times each action, which a graph does not have: a step recorded runs eagerly.
+RECORDING = "fpipe.record() times each action, and one graph has none to time"
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,9 @@ class CompiledRun:
             return run_local(step, order, strategy, params, batch, key=key, keep_outputs=keep_outputs)
 
         if order.forward_only or keep_outputs:  # evaluate: no backward to gain from, eager
+            return eager()
+        if active() is not None:
+            self.warn(RECORDING)
             return eager()
         if self._failed is not None:
             self.warn(self._failed)

@@ -305,3 +305,18 @@ def test_past_the_recompile_limit_the_step_warns_and_runs_eagerly() -> None:
         with pytest.warns(UserWarning, match="compile: dynamo reached its recompile limit for this step"):
             result = step(p, x)
     assert_bitwise(result, eager(p, x))
+
+
+def test_a_recorded_compiled_step_runs_its_actions_and_says_so() -> None:
+    """``fpipe.record()`` times each action: under it the step runs eagerly, with a warning, and
+    the recording holds its timeline; outside it, the step is compiled again."""
+    counter = CompileCounter()
+    stages = [first_block, block]
+    compiled = fpipe.pipeline(target_loss, stages, OneFOneB(2), compile=counter)
+    eager = fpipe.pipeline(target_loss, stages, OneFOneB(2))
+    p, batch = params64(2), dict_batch(4, 2)
+    with fpipe.record() as recording, pytest.warns(UserWarning, match="fpipe.record\\(\\) times each action"):
+        assert_bitwise(compiled(p, batch), eager(p, batch))
+    assert len(recording.timelines) == 2 and counter.frame_count == 0
+    assert_bitwise(compiled(p, batch), eager(p, batch))
+    assert counter.frame_count == 1

@@ -25,10 +25,12 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import Shard
 
+from .._compile import RECORDING
 from .._errors import PipelineError
 from .._microbatch import Microbatches
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_paths
+from .._record import active
 from .._run import HeldStages, Order, Pending, Reduce, StepView, StrategyView, loss_weights, run, split_batch
 from .._tensor_parallel import check_mesh, is_dtensor, local
 from ..schedules import Program, ScheduleError
@@ -140,6 +142,7 @@ class _Agreed(NamedTuple):
     key: int  # the step's key (NOTE [randomness as data] in fpipe/_random.py)
     signatures: tuple[int, ...]  # every rank's, by rank (NOTE [compiled rows] in fpipe/_distributed/_compiled.py)
     compiling: bool  # every rank may still run its compiled row (``CompiledRows.usable``)
+    recording: bool  # some rank runs the step under ``fpipe.record()``: every rank's row runs eagerly
 
 
 # NOTE [a handshake of fixed size]
@@ -174,6 +177,7 @@ class _Status(Status):
     key: int
     signature: int  # of its layouts, for a compiled step (NOTE [compiled rows]); else 0
     compiling: bool  # it may still run its compiled row (``CompiledRows.usable``)
+    recording: bool  # it runs the step under ``fpipe.record()``
     sizes: tuple[int, ...] = words(INLINE_SIZES)  # its first microbatch sizes, zeros past its count
     device_type: tuple[int, ...] = words(DEVICE_TYPE_WORDS)  # NOTE [device types in the handshake]
 
@@ -219,6 +223,7 @@ def _agree(
         key=key,
         signature=0 if compiled is None else signature([params[s] for s in step.local_stages], microbatches),
         compiling=compiled is not None and compiled.usable,
+        recording=active() is not None,
         sizes=tuple((sizes + [0] * INLINE_SIZES)[:INLINE_SIZES]),
         device_type=device_type_words(topology.device),
     )
@@ -262,10 +267,11 @@ def _agree(
     if problem is not None:
         raise problem
     signatures = tuple(st.signature for st in statuses)
-    compiling = all(st.compiling for st in statuses)
+    compiling, recording = all(st.compiling for st in statuses), any(st.recording for st in statuses)
     return _Agreed(
-        microbatches, weights, statuses[first].explicit, not statuses[last].has_batch, key, signatures, compiling
-    )
+        microbatches, weights, statuses[first].explicit, not statuses[last].has_batch, key, signatures, compiling,
+        recording,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -360,6 +366,9 @@ def _compiled_row(
 ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]] | None:
     """This rank's row compiled (NOTE [compiled rows] in fpipe/_distributed/_compiled.py), its
     gradients and loss then reduced over the replicas as the eager row's are; ``None``: run it eagerly."""
+    if agreed.recording:
+        compiled.run.warn(RECORDING)
+        return None
     out = compiled(
         step, order, topology, params, agreed.microbatches, agreed.weights, agreed.signatures,
         agreed.send_microbatches, agreed.compiling,

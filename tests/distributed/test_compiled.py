@@ -227,14 +227,23 @@ def _composed(rank, world):
                 warnings.simplefilter("always")
                 result = compiled(mine, batch)
             out.append((result, eager(mine, batch), [str(w.message) for w in caught]))
+        with fpipe.record() as recording, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = compiled(mine, batch)  # recorded: every rank runs its row eagerly
+        out.append((result, eager(mine, batch), [str(w.message) for w in caught] + [len(recording.timelines)]))
     return out
 
 
 def test_compiled_rows_compose_with_aux_token_weights_recompute_and_precision():
+    """Then a call under ``fpipe.record()``: its actions run (and are timed), with a warning."""
     for rank, calls in enumerate(run_ranks(2, _composed, timeout=200)):
         for call, (compiled, eager, caught) in enumerate(calls):
             assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
-            assert caught == [], caught
+            if call % 3 == 2:
+                assert len(caught) == 2 and "fpipe.record() times each action" in caught[0], caught
+                assert caught[1] == 1, caught  # the timeline of the step recorded
+            else:
+                assert caught == [], caught
 
 
 def _replicas(rank, world):
