@@ -43,6 +43,7 @@ from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # the command line, JSON output and models the benchmarks share
+import bench_vs_torch  # its peak of allocated bytes
 
 stage = _common.swiglu  # two blocks per stage
 
@@ -177,6 +178,11 @@ def whole_step(quick: bool, repeats: int | None, device: torch.device | None = N
                     torch.cuda.synchronize(device)
                 times[name].append(clock() - start)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    peak_kib: dict[str, float] = {}
+    if not cuda:  # bytes allocated in a step and live at once, at their most (bench_vs_torch.peak_allocated)
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            for name in ("eager GPipe", "whole step GPipe", "eager 1F1B", "whole step 1F1B"):
+                peak_kib[name] = bench_vs_torch.peak_allocated(steps[name]) / 1024
     actions = 2 * stages * microbatches
     results: dict[str, Any] = {
         "config": {"width": width, "rows": rows, "stages": stages, "microbatches": microbatches, "backend": backend},
@@ -185,6 +191,7 @@ def whole_step(quick: bool, repeats: int | None, device: torch.device | None = N
         "threads": torch.get_num_threads(),
         "repeats": repeats,
         "cpu_ms": ms,
+        "peak_kib": peak_kib,
         "first_call_s": first_call_s,
         "eager_over_whole_step": {name: ms[f"eager {name}"] / ms[f"whole step {name}"] for name in schedules},
         "whole_step_over_unsplit_compiled": ms["whole step 1F1B"] / ms["unsplit compiled"],
@@ -197,6 +204,7 @@ def whole_step(quick: bool, repeats: int | None, device: torch.device | None = N
             + (f"   first call {first_call_s[name]:6.1f} s" if name in first_call_s else "")
         )
     print("eager / whole step:", {k: round(v, 2) for k, v in results["eager_over_whole_step"].items()})
+    print("peak KiB in a step:", {k: round(v, 1) for k, v in peak_kib.items()})
     return results
 
 
