@@ -63,13 +63,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--whole-step-only", action="store_true", help="only the compiled whole step's comparison")
     parser.add_argument("--device", default="cpu", help="where the whole-step comparison runs (default cpu)")
     parser.add_argument("--train-gpt-only", action="store_true", help="only the comparison at train_gpt's size")
+    parser.add_argument("--mode", help="Inductor's mode for the whole step, e.g. reduce-overhead (CUDA graphs)")
     args = parser.parse_args(argv)
     if args.train_gpt_only:
         results: dict[str, Any] = {"train_gpt": train_gpt_size(args.quick, args.repeats)}
         _common.write_json(args.json, results)
         return results
     results = {} if args.whole_step_only else compiled_stages(args.quick)
-    results["whole_step"] = whole_step(args.quick, args.repeats, torch.device(args.device))
+    results["whole_step"] = whole_step(args.quick, args.repeats, torch.device(args.device), args.mode)
     _common.write_json(args.json, results)
     return results
 
@@ -117,7 +118,9 @@ def compiled_stages(quick: bool) -> dict[str, Any]:
     return results
 
 
-def whole_step(quick: bool, repeats: int | None, device: torch.device | None = None) -> dict[str, Any]:
+def whole_step(
+    quick: bool, repeats: int | None, device: torch.device | None = None, mode: str | None = None
+) -> dict[str, Any]:
     """The compiled whole step against eager steps, compiled stages and the unsplit model (the second part)."""
     device = device or torch.device("cpu")
     width, rows, stages, microbatches = (8, 8, 2, 2) if quick else (64, 64, 4, 8)
@@ -134,7 +137,8 @@ def whole_step(quick: bool, repeats: int | None, device: torch.device | None = N
     reference = {}
     for name, schedule in schedules.items():
         eager = fpipe.pipeline(_common.mse_loss, fns, schedule)
-        compiled = fpipe.pipeline(_common.mse_loss, fns, schedule, compile=backend)
+        option = fpipe.Compile(backend, mode)  # (a mode is Inductor's: not with --quick)
+        compiled = fpipe.pipeline(_common.mse_loss, fns, schedule, compile=option)
         reference[name] = eager(params, batch)
         start = time.perf_counter()
         got = compiled(params, batch)  # compiles
@@ -185,7 +189,7 @@ def whole_step(quick: bool, repeats: int | None, device: torch.device | None = N
                 peak_kib[name] = bench_vs_torch.peak_allocated(steps[name]) / 1024
     actions = 2 * stages * microbatches
     results: dict[str, Any] = {
-        "config": {"width": width, "rows": rows, "stages": stages, "microbatches": microbatches, "backend": backend},
+        "config": dict(width=width, rows=rows, stages=stages, microbatches=microbatches, backend=backend, mode=mode),
         "device": str(device),
         "clock": "wall" if cuda else "cpu",
         "threads": torch.get_num_threads(),

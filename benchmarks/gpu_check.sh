@@ -13,6 +13,8 @@
 # 4. benchmarks/bench_compile.py --whole-step-only --device cuda: the compiled whole step
 #    (pipeline(..., compile=True), issue 38) against the eager step and the unsplit model on the
 #    GPU, grads checked against eager; Inductor's default mode (no CUDA graphs). Unrun so far.
+# 5. The same with fpipe.Compile(mode="reduce-overhead"): the whole step captured as CUDA graphs
+#    (the receive buffers are allocated inside the graph, from its private pool). Unrun so far.
 set -uo pipefail
 OUT="${OUT:-/tmp/fpipe-gpu}"
 mkdir -p "$OUT"
@@ -33,4 +35,6 @@ timeout 240 "$PYTHON" benchmarks/bench_overhead.py --device cuda --json "$OUT/ov
     2>&1 | tee "$OUT/overhead_cuda.txt" || status=1
 timeout 600 "$PYTHON" benchmarks/bench_compile.py --whole-step-only --device cuda --json "$OUT/compile_cuda.json" \
     2>&1 | tee "$OUT/compile_cuda.txt" || status=1
+timeout 600 "$PYTHON" benchmarks/bench_compile.py --whole-step-only --device cuda --mode reduce-overhead \
+    --json "$OUT/compile_cuda_graphs.json" 2>&1 | tee "$OUT/compile_cuda_graphs.txt" || status=1
 exit $status

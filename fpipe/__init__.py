@@ -12,6 +12,7 @@ from . import planning as planning
 from . import schedules as schedules
 from ._api import Step as Step
 from ._api import pipeline as pipeline
+from ._compile import Compile as Compile
 from ._errors import PipelineError as PipelineError
 from ._errors import PipelineTimeoutError as PipelineTimeoutError
 from ._microbatch import Microbatches as Microbatches
@@ -41,6 +42,7 @@ from ._sharding import shard as shard
 
 __all__ = [
     "AsyncSaver",
+    "Compile",
     "LossScale",
     "LossScaleState",
     "Microbatches",

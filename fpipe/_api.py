@@ -46,7 +46,7 @@ def pipeline(
     recompute: bool | Collection[int] = False,
     parallel: Parallelism | None = None,
     precision: Precision | None = None,
-    compile: bool | str | Callable[..., Any] = False,
+    compile: bool | str | Callable[..., Any] | Compile = False,
     mesh: Any = None,
     group: Any = None,
     shard_params: bool | None = None,
@@ -106,13 +106,17 @@ def pipeline(
             returned in, and float16 loss scaling (``step.loss_scale``, ``step.last_skipped``).
             ``None`` (default): everything in the parameters' own dtypes.
         compile: run each step's whole program as one graph compiled by ``torch.compile``
-            (``fullgraph=True``): ``True`` for Inductor, or a backend's name (``"aot_eager"``)
-            or callable. The checks and the split stay eager; every forward and backward of
-            every stage and the ordered gradient sums are traced once per batch structure
-            (a changed sequence length compiles once more, with a dynamic dimension). A step
-            that cannot be traced (``.item()``, control flow on data in a stage) warns, naming
-            the action, and runs eagerly. One process only, for now (NOTE [the compiled step]
-            in ``fpipe/_compile.py``; notes/compile.md).
+            (``fullgraph=True``): ``True`` for Inductor, a backend's name (``"aot_eager"``) or
+            callable, or an ``fpipe.Compile`` (a backend and Inductor's mode). The checks and
+            the split stay eager; every forward and backward of every stage and the ordered
+            gradient sums are traced once per batch structure (in one process a changed
+            sequence length compiles once more, with a dynamic dimension). On a pipeline group
+            each rank's row is one graph with its sends and receives inside it (NOTE [compiled
+            rows] in ``fpipe/_distributed/_compiled.py``); replicas reduce after it; tensor and
+            expert parallelism and sharded parameters raise ``NotImplementedError``. A step
+            that cannot be traced (``.item()``, control flow on data in a stage, random draws)
+            warns, naming the action, and runs eagerly (NOTE [the compiled step] in
+            ``fpipe/_compile.py``; notes/compile.md).
         mesh: deprecated, the field of ``parallel``: accepted for one release with a
             ``DeprecationWarning`` (``parallel=fpipe.Parallelism(mesh=mesh, shard_params=True)``
             for ``mesh=mesh, shard_params=True``), as are the four below.

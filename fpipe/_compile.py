@@ -23,6 +23,7 @@ dynamo was tracing or the backend, and the eager step runs (notes/compile.md: wh
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,9 +46,29 @@ RECORDING = "fpipe.record() times each action, and one graph has none to time"
 
 @dataclass(frozen=True)
 class Compile:
-    """What ``pipeline(..., compile=...)`` asked for: the backend the core is compiled with."""
+    """How ``pipeline(..., compile=fpipe.Compile(...))`` compiles the step's program (NOTE [the
+    compiled step]); ``compile=True`` is ``Compile()``, ``compile="aot_eager"`` is
+    ``Compile("aot_eager")``.
 
-    backend: Backend
+    Attributes:
+        backend: a backend name ``torch.compile`` knows, or a backend callable.
+        mode: Inductor's mode (``torch._inductor.list_mode_options()``: ``"reduce-overhead"``
+            captures CUDA graphs on a GPU, unrun here; on a CPU Inductor skips them), or ``None``.
+
+    Example:
+        >>> fpipe.Compile(mode="reduce-overhead")
+        Compile(backend='inductor', mode='reduce-overhead')
+        >>> step = fpipe.pipeline(
+        ...     lambda y, mb: (y**2).mean(), [lambda p, x: x @ p], fpipe.schedules.OneFOneB(2),
+        ...     compile=fpipe.Compile("aot_eager"),
+        ... )
+        >>> loss, grads = step([torch.eye(2)], torch.ones(4, 2))
+        >>> loss
+        tensor(1.)
+    """
+
+    backend: Backend = "inductor"
+    mode: str | None = None
 
 
 def compile_option(compile: object, unsupported: Sequence[str]) -> Compile | None:
@@ -56,37 +77,41 @@ def compile_option(compile: object, unsupported: Sequence[str]) -> Compile | Non
     over a group; ``[]``: one process).
 
     Raises:
-        TypeError: if it is not a bool, a backend name or a backend callable.
-        ValueError: if the backend name is not one ``torch.compile`` knows.
+        TypeError: if it is not a bool, a backend name, a backend callable or a ``Compile``.
+        ValueError: if the backend name is not one ``torch.compile`` knows, or a mode not Inductor's.
         NotImplementedError: for a distributed step with anything but pipeline ranks.
     """
     if compile is False or compile is None:
         return None
-    backend: Backend
-    if compile is True:
-        backend = "inductor"
-    elif isinstance(compile, str):
+    option = compile if isinstance(compile, Compile) else None
+    backend: object = option.backend if option is not None else "inductor" if compile is True else compile
+    if isinstance(backend, str):
         try:
-            torch._dynamo.lookup_backend(compile)
+            torch._dynamo.lookup_backend(backend)
         except Exception:
             raise ValueError(
-                f"fpipe.pipeline: compile names no backend torch.compile knows (compile: {compile!r}). "
+                f"fpipe.pipeline: compile names no backend torch.compile knows (backend: {backend!r}). "
                 f"Pass True (Inductor) or one of {sorted(torch._dynamo.list_backends(exclude_tags=()))}."
             ) from None
-        backend = compile
-    elif callable(compile) and not isinstance(compile, bool):
-        backend = compile
-    else:
+    elif not callable(backend) or isinstance(backend, bool):
         raise TypeError(
-            f"fpipe.pipeline: compile must be True, False, a backend name or a backend callable "
-            f"(compile: {brief(compile)}). Pass e.g. compile=True or compile='aot_eager'."
+            f"fpipe.pipeline: compile must be True, False, a backend name, a backend callable or an "
+            f"fpipe.Compile (compile: {brief(compile)}). Pass e.g. compile=True or compile='aot_eager'."
         )
+    mode = None if option is None else option.mode
+    if mode is not None:
+        modes = sorted(torch._inductor.list_mode_options())
+        if backend != "inductor" or mode not in modes:
+            raise ValueError(
+                f"fpipe.pipeline: fpipe.Compile's mode is one of Inductor's (mode: {mode!r}, backend: "
+                f"{_name(backend)}). Pass backend='inductor' and a mode of {modes}, or mode=None."
+            )
     if unsupported and list(unsupported) != ["nothing"]:
         raise NotImplementedError(
             f"fpipe.pipeline: compile= compiles one process's step or a pipeline rank's row, not yet a step "
             f"with {' or '.join(unsupported)} (notes/compile.md). Drop compile=, or compile the stage functions."
         )
-    return Compile(backend)
+    return Compile(backend, mode)  # type: ignore[arg-type]
 
 
 class CompiledRun:
@@ -218,8 +243,10 @@ class CompiledRun:
         draw = first_draw()
         if draw is not None:
             raise _RandomDraws(*draw)
-        backend = self.option.backend
-        compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        backend, mode = self.option.backend, self.option.mode
+        compiler: Callable[..., Any] = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        if mode is not None:  # (Inductor's: ``compile_option``) its mode's configuration, as torch.compile sets it
+            compiler = functools.partial(compiler, config_patches=torch._inductor.list_mode_options(mode))
         compiled = compiler(graph, example_inputs)
         if self._agree is not None:
             self._agreed = self._agree(True)

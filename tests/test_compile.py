@@ -206,6 +206,22 @@ def test_compile_argument_is_checked() -> None:
         fpipe.pipeline(loss_fn, [block], OneFOneB(2), compile="no-such-backend")
     with pytest.raises(TypeError, match="compile must be True, False, a backend name"):
         fpipe.pipeline(loss_fn, [block], OneFOneB(2), compile=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="compile names no backend torch"):
+        fpipe.pipeline(loss_fn, [block], OneFOneB(2), compile=fpipe.Compile("no-such-backend"))
+    with pytest.raises(ValueError, match=r"Compile's mode is one of Inductor's \(mode: 'fast'.*'reduce-overhead'"):
+        fpipe.pipeline(loss_fn, [block], OneFOneB(2), compile=fpipe.Compile(mode="fast"))
+    with pytest.raises(ValueError, match=r"backend: 'aot_eager'\)\. Pass backend='inductor'"):
+        fpipe.pipeline(loss_fn, [block], OneFOneB(2), compile=fpipe.Compile("aot_eager", mode="reduce-overhead"))
+
+
+def test_a_compile_value_names_the_backend() -> None:
+    """``fpipe.Compile(backend)`` is the backend's name or callable, as ``compile=backend`` is."""
+    counter = CompileCounter()
+    stages = [first_block, block]
+    compiled = fpipe.pipeline(target_loss, stages, OneFOneB(2), compile=fpipe.Compile(counter))
+    p, batch = params64(2), dict_batch(4, 2)
+    assert_bitwise(compiled(p, batch), fpipe.pipeline(target_loss, stages, OneFOneB(2))(p, batch))
+    assert counter.frame_count == 1 and fpipe.Compile() == fpipe.Compile("inductor", None)
 
 
 @pytest.mark.slow
@@ -224,6 +240,9 @@ def test_inductor_step_is_close_to_eager_repeats_itself_and_is_one_across_schedu
         torch.testing.assert_close(results[-1], expected, rtol=1e-12, atol=0)
     for result in results[1:]:
         assert_bitwise(result, results[0])
+    # Inductor's mode (on a CPU "reduce-overhead" captures no CUDA graph: the same program)
+    moded = fpipe.pipeline(target_loss, stages, OneFOneB(4), compile=fpipe.Compile(mode="reduce-overhead"))
+    torch.testing.assert_close(moded(p, batch), expected, rtol=1e-12, atol=0)
 
 
 def dropout_stage(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
