@@ -5,7 +5,7 @@ NOTE [compiled rows]
 A compiled step on pipeline rank ``r`` runs ``r``'s row as one graph (the one-process core,
 NOTE [the compiled step] in fpipe/_compile.py, with a ``RowMail``): an activation or cotangent
 for a stage on another rank is sent inside the graph (``_c10d_functional.isend``, one per tensor
-leaf, tagged by message), one from another rank received into a buffer of its known layout
+leaf, each with a tag of its own), one from another rank received into a buffer of its known layout
 (``irecv`` and ``wait_tensor``), and the last stage's rank sends the result to every other rank.
 What must hold:
 
@@ -16,17 +16,19 @@ What must hold:
    layouts follow from), and the first step with a new tuple of signatures runs eagerly,
    recording the layout of each message this rank receives; the next ones run the graph. So a
    new sequence length costs one eager step and one compile (static shapes: each tuple of
-   signatures is a graph of its own, up to dynamo's ``recompile_limit``). A message leaf that is
-   that is a plain value (``None``, a number, a string) is not sent: the receiver has it from the
-   eager step, and the signatures hash the plain values of the parameters and microbatches it
-   follows from. Any other leaf (or a container other than a dict, list, tuple or namedtuple)
-   cannot be rebuilt in a graph: the rank that received it says so in the next handshake
-   (``usable``), and every rank warns and runs eagerly from then on.
+   signatures is a graph of its own, up to dynamo's ``recompile_limit``: why not dynamic shapes,
+   notes/compile.md). A message leaf that is a plain value (``None``, a number, a string) is
+   not sent: the receiver has it from the eager step, and the signatures hash the plain values
+   of the parameters and microbatches it follows from. Any other leaf (or a container other
+   than a dict, list, tuple or namedtuple) cannot be rebuilt in a graph: the rank that received
+   it says so in the next handshake (``usable``), and every rank warns and runs eagerly from
+   then on.
 2. **Every rank runs the graph, or none does.** A rank whose row fails to trace or compile
    (a stage with data-dependent control flow, random draws, a backend error) would leave its
    peers waiting in theirs. Each rank that traced in a call says whether it compiled (one
    all-gather, after compiling and before the graph runs: ``CompiledRun.attempt``'s ``agree``);
-   unless all did, every rank warns and runs this step, and the ones after, eagerly. Ranks trace
+   unless all did, every rank warns and runs this step, and the ones after, eagerly (a step
+   under ``fpipe.record()`` on any rank, a word in the handshake, runs eagerly too). Ranks trace
    in the same calls: a new tuple of signatures is a new mail factory, which every rank's
    dynamo guards on. Were one rank to retrace alone (a global setting changed on it only), its
    agreement and the others' graphs would wait for each other until the timeout: a failed step,
