@@ -307,12 +307,12 @@ class CompiledRows:
         except PipelineError as error:
             mark_broken(topology, error)
             raise
-        except RuntimeError as error:  # a wait in the graph: a peer died, the board or the timer aborted it
+        except BaseException as error:
             mark_broken(topology, error)
-            cause = RuntimeError("timed out") if timer.fired else error
-            raise lost(topology.board, cause, topology.rank, "its compiled row", None, timeout) from error
-        except BaseException as error:  # its own: the others learn it from the board
-            mark_broken(topology, error)
+            if isinstance(error, RuntimeError) and _lost(error, timer.fired, topology):
+                cause = RuntimeError("timed out") if timer.fired else error  # (a wait in the graph)
+                raise lost(topology.board, cause, topology.rank, "its compiled row", None, timeout) from error
+            # Its own (a stage's, at run time): the others learn it from the board.
             me = topology.global_ranks[topology.rank]
             what = f"failed in its compiled row ({type(error).__name__}); its own error says why"
             WATCHDOG.report(topology.board, topology.board.failure_of(me, RAISED, what))
@@ -394,6 +394,18 @@ class _Timer:
                 return
             self.fired = True
             abort_job(self._topology.board)
+
+
+# What a wait in a graph raises when a peer is gone or the wait was aborted (gloo: "Connection
+# closed by peer", "Timed out waiting ... for recv", "pair closure"; NCCL: "remote process exited").
+_LOST_WORDS = ("connection", "timed out", "timeout", "pair", "abort", "remote process exited")
+
+
+def _lost(error: RuntimeError, timed_out: bool, topology: Topology) -> bool:
+    """Whether ``error``, raised by a compiled row, is a wait that a lost peer, the failure board
+    or the timer ended (``lost`` names who), not this rank's own error in a stage."""
+    text = str(error).lower()
+    return timed_out or topology.board.aborted or any(words in text for words in _LOST_WORDS)
 
 
 def _describe(key: Key) -> str:

@@ -393,3 +393,39 @@ def test_inductor_rows_are_close_to_eager_and_repeat_themselves():
             if want is not None:
                 scale = max(w.abs().max() for w in want.values())
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-12 * float(scale))
+
+
+def _with_ids(p, x):
+    return {"h": torch.tanh(x["x"] @ p["w"]), "ids": x["ids"]}
+
+
+def _embedded(p, x):
+    return x["h"] * p["emb"][x["ids"]]
+
+
+def _own_error(rank, world):
+    """In the third call rank 1's compiled graph indexes past its table (its own error, at run
+    time): it raises that; rank 0, waiting in its graph, raises naming rank 1."""
+    torch.set_default_dtype(torch.float64)
+    g = torch.Generator().manual_seed(0)
+    params = [{"w": torch.randn(4, 4, generator=g)}, {"emb": torch.randn(5, 4, generator=g)}]
+    parallel = fpipe.Parallelism(group=dist.group.WORLD, timeout=60)
+    step = fpipe.pipeline(_square, [_with_ids, _embedded], OneFOneB(3), parallel=parallel, compile="aot_eager")
+    params = [p if s in step.local_stages else None for s, p in enumerate(params)]
+    batch = {"x": torch.randn(6, 4, generator=g), "t": torch.randn(6, 4, generator=g), "ids": torch.arange(6) % 5}
+    step(params, batch if rank == 0 else None)  # learns the layouts
+    step(params, batch if rank == 0 else None)  # compiles
+    batch["ids"] = batch["ids"] + 3  # (past the table's 5 rows)
+    start = time.monotonic()
+    try:
+        step(params, batch if rank == 0 else None)
+        return "no error", "", time.monotonic() - start
+    except Exception as error:
+        return type(error).__name__, str(error), time.monotonic() - start
+
+
+def test_a_stage_s_own_error_in_a_compiled_row_fails_the_others_naming_its_rank():
+    (kind0, message0, seconds0), (kind1, message1, _) = run_ranks(2, _own_error, timeout=150)
+    assert kind1 == "IndexError", (kind1, message1)
+    assert kind0 == "PipelineError" and "rank 1 failed in its compiled row (IndexError)" in message0, message0
+    assert seconds0 < SLACK, seconds0  # (told by the board, not after the timeout)
