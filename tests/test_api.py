@@ -26,6 +26,7 @@ GPIPE, ZERO_BUBBLE_H1 = (next(e for e in CONFORMANCE if e.name == name) for name
 def test_public_names() -> None:
     assert fpipe.__all__ == [
         "AsyncSaver",
+        "Compile",
         "LossScale",
         "LossScaleState",
         "Microbatches",
