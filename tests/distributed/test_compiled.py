@@ -101,14 +101,14 @@ def _square(y, mb):
     return ((y - mb["t"]) ** 2).mean()
 
 
-def _refusing(rank, world):
-    """Stage 1 (rank 1) cannot be traced: both ranks warn and run eagerly, every call."""
+def _three_calls(rank, stages):
+    """Three calls of a compiled 1F1B step on ``stages`` and of its eager twin, with the compiled
+    call's warnings."""
     torch.set_default_dtype(torch.float64)
     g = torch.Generator().manual_seed(0)
     params = [{"w": torch.randn(4, 4, generator=g)} for _ in range(2)]
     batch = {"x": torch.randn(6, 4, generator=g), "t": torch.randn(6, 4, generator=g)}
     parallel = fpipe.Parallelism(group=dist.group.WORLD, timeout=60)
-    stages = [_first, _item_stage]
     compiled = fpipe.pipeline(_square, stages, OneFOneB(3), parallel=parallel, compile="aot_eager")
     eager = fpipe.pipeline(_square, stages, OneFOneB(3), parallel=parallel)
     params = [p if s in eager.local_stages else None for s, p in enumerate(params)]
@@ -122,19 +122,27 @@ def _refusing(rank, world):
     return out
 
 
-def test_a_rank_that_cannot_compile_its_row_has_every_rank_run_eagerly():
-    results = run_ranks(2, _refusing, timeout=200)
+def _check_eager_together(results, own, other):
+    """Every call bitwise the eager step; from the second, one warning on each rank: rank 1's
+    ``own``, rank 0's ``other`` (the first call learns the layouts, eagerly, as documented)."""
     for rank, calls in enumerate(results):
         for call, (compiled, eager, caught) in enumerate(calls):
             assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
-            if call == 0:  # (learning the layouts: eagerly, as documented)
+            if call == 0:
                 assert caught == [], caught
                 continue
             assert len(caught) == 1 and caught[0].endswith("this step runs eagerly."), caught
-            if rank == 1:
-                assert "action 1F0 (stage 1, microbatch 0) cannot be traced" in caught[0], caught
-            else:
-                assert "another pipeline rank could not compile its row" in caught[0], caught
+            assert (own if rank == 1 else other) in caught[0], caught
+
+
+def _refusing(rank, world):
+    """Stage 1 (rank 1) cannot be traced: both ranks warn and run eagerly, every call."""
+    return _three_calls(rank, [_first, _item_stage])
+
+
+def test_a_rank_that_cannot_compile_its_row_has_every_rank_run_eagerly():
+    own = "action 1F0 (stage 1, microbatch 0) cannot be traced"
+    _check_eager_together(run_ranks(2, _refusing, timeout=200), own, "another pipeline rank could not compile its row")
 
 
 def _fault(rank, world, fault, timeout):
@@ -334,37 +342,12 @@ def _ordered_second(p, x):
 def _unbuildable(rank, world):
     """Stage 0 hands stage 1 an OrderedDict, which the eager wire carries and a graph cannot rebuild:
     rank 1 learns it in the first call; from the second, both ranks warn and run eagerly."""
-    torch.set_default_dtype(torch.float64)
-    g = torch.Generator().manual_seed(0)
-    params = [{"w": torch.randn(4, 4, generator=g)} for _ in range(2)]
-    batch = {"x": torch.randn(6, 4, generator=g), "t": torch.randn(6, 4, generator=g)}
-    parallel = fpipe.Parallelism(group=dist.group.WORLD, timeout=60)
-    stages = [_ordered_first, _ordered_second]
-    compiled = fpipe.pipeline(_square, stages, OneFOneB(3), parallel=parallel, compile="aot_eager")
-    eager = fpipe.pipeline(_square, stages, OneFOneB(3), parallel=parallel)
-    params = [p if s in eager.local_stages else None for s, p in enumerate(params)]
-    out = []
-    for _ in range(3):
-        mine = batch if rank == 0 else None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = compiled(params, mine)
-        out.append((result, eager(params, mine), [str(w.message) for w in caught]))
-    return out
+    return _three_calls(rank, [_ordered_first, _ordered_second])
 
 
 def test_a_message_a_graph_cannot_rebuild_has_every_rank_run_eagerly():
-    for rank, calls in enumerate(run_ranks(2, _unbuildable, timeout=200)):
-        for call, (compiled, eager, caught) in enumerate(calls):
-            assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
-            if call == 0:
-                assert caught == [], caught
-                continue
-            assert len(caught) == 1, caught
-            if rank == 1:
-                assert "the activation of stage 0 for microbatch 0 carries a node of type OrderedDict" in caught[0]
-            else:
-                assert "another pipeline rank cannot compile its row" in caught[0], caught
+    own = "the activation of stage 0 for microbatch 0 carries a node of type OrderedDict"
+    _check_eager_together(run_ranks(2, _unbuildable, timeout=200), own, "another pipeline rank cannot compile its row")
 
 
 def _inductor(rank, world):
