@@ -113,10 +113,12 @@ def pipeline(
             sequence length compiles once more, with a dynamic dimension). On a pipeline group
             each rank's row is one graph with its sends and receives inside it (NOTE [compiled
             rows] in ``fpipe/_distributed/_compiled.py``); replicas reduce after it; tensor and
-            expert parallelism and sharded parameters raise ``NotImplementedError``. A step
-            that cannot be traced (``.item()``, control flow on data in a stage, random draws)
-            warns, naming the action, and runs eagerly (NOTE [the compiled step] in
-            ``fpipe/_compile.py``; notes/compile.md).
+            expert parallelism and sharded parameters raise ``NotImplementedError``. Random
+            draws are counted from the key, stage and microbatch (NOTE [counted draws] in
+            ``fpipe/_random.py``: not the eager step's numbers). A step that cannot be traced
+            (``.item()``, control flow on data in a stage, ``rand_like``) warns, naming the
+            action, and runs eagerly (NOTE [the compiled step] in ``fpipe/_compile.py``;
+            notes/compile.md).
         mesh: deprecated, the field of ``parallel``: accepted for one release with a
             ``DeprecationWarning`` (``parallel=fpipe.Parallelism(mesh=mesh, shard_params=True)``
             for ``mesh=mesh, shard_params=True``), as are the four below.
@@ -527,6 +529,12 @@ class Step:
     @property
     def num_stages(self) -> int:
         return self.spec.program.num_stages
+
+    @property
+    def counted_draws(self) -> bool:
+        """Whether the stages' random draws are counted (a compiled step's, NOTE [counted draws]
+        in fpipe/_random.py), rather than drawn from torch's seeded generators."""
+        return self.spec.compile is not None
 
     @property
     def num_microbatches(self) -> int:

@@ -35,6 +35,7 @@ import torch.fx.experimental._config as fx_config
 
 from ._plural import brief
 from ._pytree import PyTree, broadcast_prefix, flatten
+from ._random import COUNTED, Keys
 from ._record import active
 from ._run import Order, StepView, StrategyView, loss_weights, run_local, seed_scale, split_batch
 from ._traced import Core, begin, end, first_draw, grads_like, own_code, traced, tracing
@@ -162,7 +163,8 @@ class CompiledRun:
         _mark_batch_dims(microbatches, step.batch_dims)
         if self._core is None:
             self._core = self.compile_core(step, order)[1]
-        out = self.attempt(self._core, step, order, params, microbatches, loss_weights(sizes, count))
+        random_seeds = Keys(key).seeds(step.num_stages, order.program.num_microbatches)
+        out = self.attempt(self._core, step, order, params, microbatches, loss_weights(sizes, count), random_seeds)
         return eager() if out is None else out
 
     def compile_core(
@@ -190,10 +192,12 @@ class CompiledRun:
         params: Sequence[PyTree],
         microbatches: list[PyTree] | None,
         weights: Sequence[float],
+        random_seeds: torch.Tensor,
         agree: Callable[[bool], bool] | None = None,
     ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]] | None:
         """``((loss, aux, None), grads)`` from the compiled ``core``, or ``None`` (with a warning,
-        the step then eager for good) when it did not trace or compile.
+        the step then eager for good) when it did not trace or compile. ``random_seeds``: each
+        stage call's (``Keys.seeds``; NOTE [counted draws] in fpipe/_random.py).
 
         ``agree`` (a pipeline rank's): called with whether this rank compiled its row, once it
         traced one in this call, before the graph runs; it says whether every rank did (NOTE
@@ -220,6 +224,7 @@ class CompiledRun:
                     microbatches,
                     torch.tensor(weights, dtype=torch.float64),
                     torch.tensor(scaled, dtype=torch.float64),
+                    random_seeds,
                     len(set(weights)) == 1,
                 )
         except Exception as error:  # dynamo's, the backend's, or the stages' own (which the eager step raises)
@@ -267,7 +272,8 @@ class CompiledRun:
             action = order.actions[cause.action][1]
             return (
                 f"action {action} (stage {action.stage}, microbatch {action.microbatch}) draws random numbers "
-                f"({cause.op}), which are not yet a function of the key, stage and microbatch in a graph"
+                f"({cause.op}) that a graph does not count from the key, stage and microbatch (counted: "
+                f"{', '.join(sorted(COUNTED))})"
             )
         if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
             return (

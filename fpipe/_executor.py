@@ -266,6 +266,13 @@ class Executor:
             self._arrived()
         if self.keys is not None:
             self.keys.enter(s, i, stage.device)
+            if self.keys.counted:
+                with self.keys.counting(s, i):
+                    return self._call(s, i, stage, x, microbatch)
+        self._call(s, i, stage, x, microbatch)
+
+    def _call(self, s: int, i: int, stage: StageRun, x: PyTree, microbatch: PyTree) -> None:
+        """Stage ``s``'s forward on microbatch ``i``'s ``x`` (and ``loss_fn``'s on ``microbatch``)."""
         if self.forward_only:
             if s == self.last:
                 loss, aux, y = stage.evaluate_loss(x, microbatch, self._loss_fn, has_aux=self.has_aux)
@@ -312,8 +319,8 @@ class Executor:
         cotangents = self._output_cotangents(s, i)
         if self._watch is not None:
             self._arrived()
-        self._replays(s, i)
-        input_cotangents = self.stages[s].backward(self._pullbacks.pop((s, i)), cotangents, i)
+        with self._replays(s, i):
+            input_cotangents = self.stages[s].backward(self._pullbacks.pop((s, i)), cotangents, i)
         if s > 0:
             self.transport.send_cotangent(s, i, input_cotangents)
 
@@ -322,17 +329,20 @@ class Executor:
         cotangents = self._output_cotangents(s, i)
         if self._watch is not None:
             self._arrived()
-        self._replays(s, i)
-        input_cotangents = self.stages[s].backward_input(self._pullbacks[s, i], cotangents)
+        with self._replays(s, i):
+            input_cotangents = self.stages[s].backward_input(self._pullbacks[s, i], cotangents)
         if s > 0:
             self.transport.send_cotangent(s, i, input_cotangents)
 
-    def _replays(self, s: int, i: int) -> None:
-        """Before a backward that may replay stage ``s``'s forward on microbatch ``i`` (NOTE
-        [recomputation] in fpipe/_stage.py): the generators as that forward had them."""
+    def _replays(self, s: int, i: int) -> contextlib.AbstractContextManager[object]:
+        """Around a backward that may replay stage ``s``'s forward on microbatch ``i`` (NOTE
+        [recomputation] in fpipe/_stage.py): the draws as that forward had them."""
         stage = self.stages[s]
         if self.keys is not None and stage.recompute:
             self.keys.enter(s, i, stage.device)
+            if self.keys.counted:
+                return self.keys.counting(s, i)
+        return contextlib.nullcontext()
 
     def _backward_weight(self, action: Action) -> None:
         s, _, i = action

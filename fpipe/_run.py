@@ -61,6 +61,8 @@ class StepView(Protocol):
     def precision(self) -> Precision | None: ...
     @property
     def loss_scale(self) -> LossScaleState | None: ...
+    @property
+    def counted_draws(self) -> bool: ...
 
 
 # An order cut into ``(actions, stages whose last action they end with)`` pieces (``segments``).
@@ -312,7 +314,7 @@ def run(
         forward_only=order.forward_only,
         keep_outputs=keep_outputs,
         loss_scale=seed_scale(step),
-        keys=Keys(key, replica=replica, training=not order.forward_only),
+        keys=Keys(key, replica=replica, training=not order.forward_only, counted=step.counted_draws),
         pairs=order.pairs,
     )
     # A stage this rank holds with others (NOTE [a stage on several ranks] in fpipe/schedules/_program.py).

@@ -21,6 +21,7 @@ from torch._dynamo.comptime import ComptimeContext, comptime
 
 from ._microbatch import stack
 from ._pytree import PyTree, flatten, is_differentiable, unflatten
+from ._random import CountedDraws
 from ._run import Order, StepView
 from ._stage import StageFn
 from .schedules import Action
@@ -67,10 +68,11 @@ _DRAWS: list[tuple[int, str]] = []  # the actions traced that draw random number
 # NOTE [random draws under compile]
 # An eager step seeds the default generators afresh for each stage call (NOTE [randomness as
 # data] in fpipe/_random.py); ``manual_seed`` does not trace, so in a graph the draws would come
-# from the caller's generator in the compiler's order, and Inductor draws numbers of its own. Until
-# draws are counter-based functions of (key, stage, microbatch) in the graph, a traced program
-# that draws is not run: the step warns, naming the action, and runs eagerly. The ops are those
-# of dynamo's graph (torch functions and tensor methods by name); dropout counts when training.
+# from the caller's generator in the compiler's order, and Inductor draws numbers of its own. So
+# each stage call runs under ``CountedDraws`` with its seed (NOTE [counted draws]), which replaces
+# the common draws by counted ones. A draw left in the graph is not: the step warns, naming the
+# action and the op, and runs eagerly. The ops are those of dynamo's graph (torch functions and
+# tensor methods by name); dropout counts when training, attention when its ``dropout_p`` is not 0.
 # fmt: off
 _RANDOM = frozenset({
     "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
@@ -88,6 +90,8 @@ def _draws(node: torch.fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     name = _op(node)
+    if name == "scaled_dot_product_attention":  # (query, key, value, attn_mask, dropout_p, ...)
+        return bool(node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0) != 0.0)
     if name not in _RANDOM:
         return False
     if "dropout" in name:  # dropout(input, p, training, ...): not random when not training
@@ -208,6 +212,7 @@ class Core:
         microbatches: list[PyTree] | None,
         weights: torch.Tensor,
         scaled: torch.Tensor,
+        random_seeds: torch.Tensor,
         one_weight: bool,
     ) -> tuple[torch.Tensor, Any, list[list[torch.Tensor | None]]]:
         last, mail = self.last, self.mail()
@@ -254,17 +259,18 @@ class Core:
 
         def forward(s: int, i: int, x: PyTree) -> tuple[Any, Any]:
             """Stage ``s`` on ``x``, and for the last stage ``loss_fn``: the output (the loss, a
-            scalar) and the aux."""
-            y = self.stages[s](stage_params[s], x)
-            if s < last:
-                return y, None
-            if microbatches is not None:
-                target = microbatches[i]
-            elif i in fed:  # (a recomputed forward's replay)
-                target = fed[i]
-            else:
-                target = fed[i] = mail.take(("mb", 0, i))
-            result = self.loss_fn(y, target)
+            scalar) and the aux. Their draws are counted from the call's seed (NOTE [counted draws])."""
+            with CountedDraws(random_seeds[s, i]):
+                y = self.stages[s](stage_params[s], x)
+                if s < last:
+                    return y, None
+                if microbatches is not None:
+                    target = microbatches[i]
+                elif i in fed:  # (a recomputed forward's replay)
+                    target = fed[i]
+                else:
+                    target = fed[i] = mail.take(("mb", 0, i))
+                result = self.loss_fn(y, target)
             loss, aux = result if self.has_aux else (result, None)
             return (loss if loss.dim() == 0 else loss.reshape(())), aux
 

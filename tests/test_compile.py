@@ -9,7 +9,8 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import fpipe
-from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1
+from fpipe._random import CountedDraws, Keys
+from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 from tests.conformance import CONFORMANCE, Conformance
 from tests.helpers import assert_bitwise, some_stage_count
 
@@ -243,19 +244,81 @@ def test_inductor_step_is_close_to_eager_repeats_itself_and_is_one_across_schedu
     # Inductor's mode (on a CPU "reduce-overhead" captures no CUDA graph: the same program)
     moded = fpipe.pipeline(target_loss, stages, OneFOneB(4), compile=fpipe.Compile(mode="reduce-overhead"))
     torch.testing.assert_close(moded(p, batch), expected, rtol=1e-12, atol=0)
+    # counted draws (NOTE [counted draws]): Inductor's masks are aot_eager's
+    noisy = fpipe.pipeline(noisy_loss, NOISY, OneFOneB(4), compile=True)(p, batch, key=3)
+    reference = fpipe.pipeline(noisy_loss, NOISY, OneFOneB(4), compile="aot_eager")(p, batch, key=3)
+    torch.testing.assert_close(noisy, reference, rtol=1e-12, atol=0)
 
 
-def dropout_stage(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.dropout(block(p, h), 0.5)
+def noisy_stage(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """Dropout, and noise from ``torch.rand``: both counted in a graph."""
+    return torch.nn.functional.dropout(block(p, h), 0.5) + 0.01 * torch.rand(h.shape[-1], dtype=h.dtype)
 
 
-def test_a_stage_that_draws_warns_and_runs_eagerly() -> None:
-    """Random draws are a function of (key, stage, microbatch) in the eager step only, for now."""
-    stages = [block, block, dropout_stage]
+def noisy_loss(y: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return ((torch.nn.functional.dropout(y, 0.25) - batch["t"]) ** 2).mean()
+
+
+NOISY = [first_block, noisy_stage, block, noisy_stage]
+
+
+def counted_reference(
+    p: list[dict[str, torch.Tensor]], batch: dict[str, torch.Tensor], key: int, num_microbatches: int
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """The unsplit model by plain autograd, each stage call's draws counted from its seed as a
+    compiled step's are (NOTE [counted draws]): the loss and the gradients."""
+    seeds = Keys(key).seeds(len(NOISY), num_microbatches)
+    leaves = [{k: v.detach().requires_grad_() for k, v in q.items()} for q in p]
+    losses = []
+    for i in range(num_microbatches):
+        h: Any = {k: v.tensor_split(num_microbatches)[i] for k, v in batch.items()}
+        for s, stage in enumerate(NOISY):
+            with CountedDraws(seeds[s, i]):  # (the last stage's loss_fn counts on in its call)
+                h = stage(leaves[s], h)
+                if s == len(NOISY) - 1:
+                    losses.append(noisy_loss(h, {k: v.tensor_split(num_microbatches)[i] for k, v in batch.items()}))
+    loss = torch.stack(losses).mean()
+    grads = torch.autograd.grad(loss, [v for q in leaves for v in q.values()])
+    it = iter(grads)
+    return loss.detach(), [{k: next(it) for k in q} for q in p]
+
+
+def test_a_compiled_step_counts_its_draws_from_the_key_stage_and_microbatch() -> None:
+    """Dropout and ``torch.rand`` in stages and in ``loss_fn`` (NOTE [counted draws]): every
+    schedule, with or without recomputation, gives the same bits, within 1e-12 of the unsplit
+    model drawing the same counted numbers. They are not the eager step's numbers (MT19937's),
+    and a new key is new masks, not a new graph."""
+    p, batch = params64(4), dict_batch(4, 3)
+    counter = CompileCounter()
+    results = []
+    for schedule, recompute in ((GPipe(4), False), (OneFOneB(4), True), (ZeroBubbleV(4), False)):
+        step = fpipe.pipeline(noisy_loss, NOISY, schedule, recompute=recompute, compile=counter)
+        results.append(step(p, batch, key=5))
+    for result in results[1:]:
+        assert_bitwise(result, results[0])
+    loss, grads = results[0]
+    expected_loss, expected_grads = counted_reference(p, batch, 5, 4)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grads, expected_grads, rtol=1e-12, atol=1e-15)
+    eager_loss, _ = fpipe.pipeline(noisy_loss, NOISY, GPipe(4))(p, batch, key=5)
+    assert not torch.equal(loss, eager_loss)
+    frames = counter.frame_count
+    other_loss, _ = step(p, batch, key=6)
+    torch.testing.assert_close(other_loss, counted_reference(p, batch, 6, 4)[0], rtol=1e-12, atol=0)
+    assert counter.frame_count == frames
+
+
+def like_stage(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    return block(p, h) * torch.rand_like(h)
+
+
+def test_a_stage_whose_draws_a_graph_cannot_count_warns_and_runs_eagerly() -> None:
+    """``rand_like`` reaches dynamo's graph as a draw of its own (NOTE [counted draws]): refused."""
+    stages = [block, block, like_stage]
     compiled = fpipe.pipeline(loss_fn, stages, OneFOneB(2), compile="aot_eager")
     eager = fpipe.pipeline(loss_fn, stages, OneFOneB(2))
     p, x = params(3), torch.randn(4, 16)
-    with pytest.warns(UserWarning, match=r"action 2F0 \(stage 2, microbatch 0\) draws random numbers \(dropout\)"):
+    with pytest.warns(UserWarning, match=r"action 2F0 \(stage 2, microbatch 0\) draws random numbers \(rand_like\)"):
         result = compiled(p, x, key=7)
     assert_bitwise(result, eager(p, x, key=7))
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fpipe
+from fpipe._random import CountedDraws
 from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleV
 from tests._multiprocess import run_ranks
 from tests.conformance import CONFORMANCE, Conformance
@@ -265,3 +266,90 @@ def test_replicas_draw_their_own_masks_of_one_agreed_key_and_tensor_parallel_ran
     for tp_loss, tp_grad in (r["tp"] for r in results):
         assert_bitwise(tp_loss, loss)
         torch.testing.assert_close(tp_grad, grads[0]["w"], rtol=1e-12, atol=1e-15)
+
+
+# Counted draws (NOTE [counted draws]): a traced stage call's random numbers.
+
+CPU = torch.device("cpu")
+
+
+def _counted(seed: int, draw: Any, backends: tuple[str, ...] = ("aot_eager",)) -> Any:
+    """``draw()`` under ``CountedDraws`` seeded ``seed``, eagerly and compiled with each backend."""
+
+    def run(s: torch.Tensor) -> Any:
+        with CountedDraws(s):
+            return draw()
+
+    s = torch.tensor(seed)
+    outs = [run(s)]
+    for backend in backends:
+        torch._dynamo.reset()
+        outs.append(torch.compile(run, backend=backend, fullgraph=True)(s))
+    return outs
+
+
+@pytest.mark.parametrize("backends", [("aot_eager",), pytest.param(("inductor",), marks=pytest.mark.slow)], ids=str)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # Inductor's import
+def test_counted_draws_are_the_same_bits_eager_and_under_each_backend(backends: tuple[str, ...]) -> None:
+    """Integer hashing and exact conversions: the bits do not depend on the backend (a normal's
+    logarithm and cosine within 1e-6 relative: the backend's)."""
+    x = torch.ones(3, 5, dtype=torch.float64)
+
+    def draws() -> Any:
+        return (
+            F.dropout(x, 0.3), torch.rand(2, 3), torch.rand((4,), dtype=torch.bfloat16), torch.randint(3, 9, (5,)),
+            torch.randperm(6), torch.bernoulli(torch.full((4,), 0.5)), x.clone().uniform_(-1, 1),
+            torch.dropout(x, 0.5, True), torch.randn(4, 2),
+        )  # fmt: skip
+
+    first, *compiled = _counted(11, draws, backends)
+    for out in compiled:
+        assert_bitwise(out[:-1], first[:-1])
+        torch.testing.assert_close(out[-1], first[-1], rtol=1e-6, atol=0)
+
+
+def test_counted_uniforms_fill_zero_to_one_in_each_dtype_and_look_uniform() -> None:
+    mode = CountedDraws(torch.tensor(3))
+    for dtype, step in ((torch.float64, 2.0**-53), (torch.float32, 2.0**-24), (torch.bfloat16, 2.0**-8)):
+        u = mode.uniform((20000,), dtype, CPU)
+        assert u.dtype == dtype and float(u.min()) >= 0 and float(u.max()) < 1
+        assert torch.equal(torch.remainder(u.double(), step), torch.zeros(20000, dtype=torch.float64))
+    u = mode.uniform((100000,), torch.float64, CPU)
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+    z = mode.normal((100000,), torch.float64, CPU)
+    assert abs(float(z.mean())) < 0.01 and abs(float(z.std()) - 1) < 0.01
+    bits = mode.words63(50000, CPU)
+    assert int(bits.min()) >= 0 and int(bits.max()) < 2**63 and bits.unique().numel() == 50000
+
+
+def test_counted_draws_differ_by_seed_and_by_draw_and_repeat_for_both() -> None:
+    def two() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.rand(1000), torch.rand(1000)
+
+    a = _counted(1, two)[0]
+    b = _counted(2, two)[0]
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], b[0])
+    assert_bitwise(_counted(1, two)[0], a)
+
+
+def test_counted_dropout_keeps_its_semantics() -> None:
+    x = torch.arange(1.0, 2001.0, dtype=torch.float64)
+    with CountedDraws(torch.tensor(5)):
+        assert F.dropout(x, 0.0) is x and F.dropout(x, 0.5, training=False) is x
+        assert torch.equal(F.dropout(x, 1.0), torch.zeros_like(x))
+        y = F.dropout(x, 0.25)
+        kept = y != 0
+        torch.testing.assert_close(y[kept], x[kept] / 0.75)
+        assert abs(float(kept.double().mean()) - 0.75) < 0.03
+        z = x.clone()
+        assert F.dropout(z, 0.25, inplace=True) is z and not torch.equal(z, x)
+        assert torch.equal(torch.randperm(50).sort().values, torch.arange(50))
+        r = torch.randint(10, (1000,))
+        assert int(r.min()) == 0 and int(r.max()) == 9 and r.dtype == torch.int64
+
+
+def test_a_draw_from_the_callers_own_generator_is_not_counted() -> None:
+    """``generator=`` (or ``out=``): the caller's numbers, as torch draws them."""
+    with CountedDraws(torch.tensor(5)):
+        mine = torch.rand(4, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(mine, torch.rand(4, generator=torch.Generator().manual_seed(1)))

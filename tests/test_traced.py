@@ -8,6 +8,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import fpipe
+from fpipe._random import Keys
 from fpipe._run import order_for
 from fpipe._traced import Core, LocalMail, begin, end, first_draw, grads_like, own_code, traced, tracing
 from fpipe.schedules import GPipe, OneFOneB, ZeroBubbleH1
@@ -42,7 +43,7 @@ def test_the_core_run_eagerly_is_bitwise_the_eager_step(schedule):
     sizes = [2, 2, 1]
     microbatches = [{k: v[a : a + n] for k, v in batch.items()} for a, n in zip([0, 2, 4], sizes)]
     weights = torch.tensor([n / 5 for n in sizes], dtype=torch.float64)
-    loss, aux, sums = core(params, microbatches, weights, weights, False)
+    loss, aux, sums = core(params, microbatches, weights, weights, Keys(0).seeds(3, 3), False)
     assert aux is None
     assert_bitwise((loss, grads_like(params, sums)), step(params, batch))
 
@@ -59,12 +60,22 @@ def test_each_core_has_its_own_code_and_local_mail_hands_values_on():
     assert mail.result(result) is result
 
 
-def test_the_trace_notes_the_action_and_its_random_draws():
-    def dropping(p, x):
-        return torch.nn.functional.dropout(_stage(p, x), 0.5, training=True)
+@pytest.mark.parametrize(
+    ("draw", "op"),
+    [
+        (lambda h: torch.nn.functional.dropout(h, 0.5, training=True), None),  # counted (NOTE [counted draws])
+        (lambda h: h * torch.rand_like(h), "rand_like"),
+        (lambda h: torch.nn.functional.scaled_dot_product_attention(h[None], h[None], h[None], dropout_p=0.1)[0],
+         "scaled_dot_product_attention"),
+    ],
+    ids=["dropout", "rand_like", "attention"],
+)  # fmt: skip
+def test_the_trace_notes_the_action_and_the_draws_it_does_not_count(draw, op):
+    def drawing(p, x):
+        return draw(_stage(p, x))
 
     params, batch = _model()
-    step = fpipe.pipeline(_loss, [_stage, dropping, _stage], GPipe(3))
+    step = fpipe.pipeline(_loss, [_stage, drawing, _stage], GPipe(3))
     counter = CompileCounter()
     compiled = torch.compile(own_code(Core(step, order_for(step.program, None))), backend=counter, fullgraph=True)
     microbatches = [{k: v[a : a + 2] for k, v in batch.items()} for a in (0, 2, 3)]
@@ -72,8 +83,9 @@ def test_the_trace_notes_the_action_and_its_random_draws():
     begin()
     assert (tracing(), traced(), first_draw()) == (None, False, None)
     with torch._dynamo.config.patch(trace_autograd_ops=True), torch.enable_grad():
-        compiled(params, microbatches, weights, weights, False)
+        compiled(params, microbatches, weights, weights, Keys(0).seeds(3, 3), False)
     assert traced() and tracing() is None and counter.frame_count == 1
     actions = [a for _, a in order_for(step.program, None).actions]
-    assert first_draw() == (next(k for k, a in enumerate(actions) if a.stage == 1), "dropout")  # 1F0
+    first = next(k for k, a in enumerate(actions) if a.stage == 1)  # 1F0
+    assert first_draw() == (None if op is None else (first, op))
     end()

@@ -65,6 +65,7 @@ import torch
 from .._compile import Compile, CompiledRun
 from .._errors import PipelineError
 from .._pytree import PyTree, flatten, unflatten
+from .._random import Keys
 from .._run import Order, StepView
 from .._traced import Key, Mail, traced
 from ._board import RAISED, waiting
@@ -270,12 +271,14 @@ class CompiledRows:
         params: Sequence[PyTree],
         microbatches: list[PyTree] | None,
         weights: Sequence[float],
+        key: int,
         signatures: Signatures,
         send_microbatches: bool,
         every_usable: bool,
     ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]] | None:
         """This step's ``((loss, aux, None), grads)`` from the compiled row, or ``None``: run the
         eager row (to learn the layouts, or for good once a row did not compile, with a warning).
+        ``key``: the step's (its draws', NOTE [counted draws] in fpipe/_random.py);
         ``every_usable``: whether every rank's handshake said ``usable``."""
         if order.forward_only:
             return None
@@ -303,7 +306,9 @@ class CompiledRows:
 
         try:
             with waiting(topology.board):
-                out = self.run.attempt(self._compiled, step, order, params, microbatches, weights, agree)
+                keys = Keys(key, replica=topology.replica)
+                random_seeds = keys.seeds(step.num_stages, order.program.num_microbatches)
+                out = self.run.attempt(self._compiled, step, order, params, microbatches, weights, random_seeds, agree)
         except PipelineError as error:
             mark_broken(topology, error)
             raise

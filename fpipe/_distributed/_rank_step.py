@@ -370,7 +370,7 @@ def _compiled_row(
         compiled.run.warn(RECORDING)
         return None
     out = compiled(
-        step, order, topology, params, agreed.microbatches, agreed.weights, agreed.signatures,
+        step, order, topology, params, agreed.microbatches, agreed.weights, agreed.key, agreed.signatures,
         agreed.send_microbatches, agreed.compiling,
     )  # fmt: skip
     if out is None or topology.data_group is None:

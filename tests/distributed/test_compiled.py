@@ -239,15 +239,27 @@ def _composed(rank, world):
             warnings.simplefilter("always")
             result = compiled(mine, batch)  # recorded: every rank runs its row eagerly
         out.append((result, eager(mine, batch), [str(w.message) for w in caught] + [len(recording.timelines)]))
+    # Dropout, recomputed on the last stage: the draws are counted (NOTE [counted draws]) in the
+    # row that learns the layouts as in the graph, and are the one-process compiled step's.
+    stages = [_first, lambda p, x: torch.nn.functional.dropout(torch.tanh(x @ p["w"]), 0.3)]
+    options = {"recompute": {1}, "compile": "aot_eager"}
+    compiled = fpipe.pipeline(_square, stages, OneFOneB(3), parallel=parallel, **options)
+    alone = fpipe.pipeline(_square, stages, OneFOneB(3), **options)
+    for key in (4, 5):
+        h = torch.Generator().manual_seed(key)
+        batch = {"x": torch.randn(6, 4, generator=h), "t": torch.randn(6, 4, generator=h)}
+        loss, grads = alone(params, batch, key=key)
+        expected = (loss, [g if s in compiled.local_stages else None for s, g in enumerate(grads)])
+        out.append((compiled(mine, batch if rank == 0 else None, key=key), expected, []))
     return out
 
 
-def test_compiled_rows_compose_with_aux_token_weights_recompute_and_precision():
+def test_compiled_rows_compose_with_aux_token_weights_recompute_precision_and_draws():
     """Then a call under ``fpipe.record()``: its actions run (and are timed), with a warning."""
     for rank, calls in enumerate(run_ranks(2, _composed, timeout=200)):
         for call, (compiled, eager, caught) in enumerate(calls):
             assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
-            if call % 3 == 2:
+            if call in (2, 5):
                 assert len(caught) == 2 and "fpipe.record() times each action" in caught[0], caught
                 assert caught[1] == 1, caught  # the timeline of the step recorded
             else:
