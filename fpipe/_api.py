@@ -111,8 +111,9 @@ def pipeline(
             the split stay eager; every forward and backward of every stage and the ordered
             gradient sums are traced once per batch structure (in one process a changed
             sequence length compiles once more, with a dynamic dimension). On a pipeline group
-            each rank's row is one graph with its sends and receives inside it (NOTE [compiled
-            rows] in ``fpipe/_distributed/_compiled.py``); replicas reduce after it; tensor and
+            each rank's row is one graph with its sends and receives inside it, its shapes
+            dynamic (NOTE [compiled rows] in ``fpipe/_distributed/_compiled.py``); replicas
+            reduce after it; tensor and
             expert parallelism and sharded parameters raise ``NotImplementedError``. Random
             draws are counted from the key, stage and microbatch (NOTE [counted draws] in
             ``fpipe/_random.py``: not the eager step's numbers). A step that cannot be traced

@@ -194,10 +194,12 @@ class CompiledRun:
         weights: Sequence[float],
         random_seeds: torch.Tensor,
         agree: Callable[[bool], bool] | None = None,
+        sizes: Sequence[int] = (),
     ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]] | None:
         """``((loss, aux, None), grads)`` from the compiled ``core``, or ``None`` (with a warning,
         the step then eager for good) when it did not trace or compile. ``random_seeds``: each
-        stage call's (``Keys.seeds``; NOTE [counted draws] in fpipe/_random.py).
+        stage call's (``Keys.seeds``; NOTE [counted draws] in fpipe/_random.py); ``sizes``: the
+        dims of the tensors a pipeline rank receives (its mail's).
 
         ``agree`` (a pipeline rank's): called with whether this rank compiled its row, once it
         traced one in this call, before the graph runs; it says whether every rank did (NOTE
@@ -211,7 +213,10 @@ class CompiledRun:
             # dimension of size 1 (a microbatch of one example) is not a case of its own (``_mark_batch_dims``).
             with (
                 torch._dynamo.config.patch(trace_autograd_ops=True),
-                fx_config.patch(backed_size_oblivious=True),  # type: ignore[attr-defined]
+                fx_config.patch(  # type: ignore[attr-defined]
+                    backed_size_oblivious=True,
+                    use_duck_shape=agree is None,  # (NOTE [compiled rows], point 1)
+                ),
                 inductor_config.patch(  # NOTE [compiled rows]
                     allow_buffer_reuse=agree is None, reorder_for_peak_memory=agree is None
                 ),
@@ -226,6 +231,7 @@ class CompiledRun:
                     torch.tensor(scaled, dtype=torch.float64),
                     random_seeds,
                     len(set(weights)) == 1,
+                    list(sizes),
                 )
         except Exception as error:  # dynamo's, the backend's, or the stages' own (which the eager step raises)
             if agree is not None:

@@ -43,7 +43,7 @@ def test_the_core_run_eagerly_is_bitwise_the_eager_step(schedule):
     sizes = [2, 2, 1]
     microbatches = [{k: v[a : a + n] for k, v in batch.items()} for a, n in zip([0, 2, 4], sizes)]
     weights = torch.tensor([n / 5 for n in sizes], dtype=torch.float64)
-    loss, aux, sums = core(params, microbatches, weights, weights, Keys(0).seeds(3, 3), False)
+    loss, aux, sums = core(params, microbatches, weights, weights, Keys(0).seeds(3, 3), False, [])
     assert aux is None
     assert_bitwise((loss, grads_like(params, sums)), step(params, batch))
 
@@ -83,7 +83,7 @@ def test_the_trace_notes_the_action_and_the_draws_it_does_not_count(draw, op):
     begin()
     assert (tracing(), traced(), first_draw()) == (None, False, None)
     with torch._dynamo.config.patch(trace_autograd_ops=True), torch.enable_grad():
-        compiled(params, microbatches, weights, weights, Keys(0).seeds(3, 3), False)
+        compiled(params, microbatches, weights, weights, Keys(0).seeds(3, 3), False, [])
     assert traced() and tracing() is None and counter.frame_count == 1
     actions = [a for _, a in order_for(step.program, None).actions]
     first = next(k for k, a in enumerate(actions) if a.stage == 1)  # 1F0

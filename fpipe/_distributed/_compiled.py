@@ -14,23 +14,30 @@ What must hold:
    handshake carries every rank's *signature* (a hash of the structure, shapes, dtypes and
    ``requires_grad`` of its local stages' parameters and of its microbatches: what the messages'
    layouts follow from), and the first step with a new tuple of signatures runs eagerly,
-   recording the layout of each message this rank receives; the next ones run the graph. So a
-   new sequence length costs one eager step and one compile (static shapes: each tuple of
-   signatures is a graph of its own, up to dynamo's ``recompile_limit``: why not dynamic shapes,
-   notes/compile.md). A message leaf that is a plain value (``None``, a number, a string) is
-   not sent: the receiver has it from the eager step, and the signatures hash the plain values
-   of the parameters and microbatches it follows from. Any other leaf (or a container other
+   recording the layout of each message this rank receives; the next ones run the graph. A
+   layout is *slots* (structure, dtypes, ``requires_grad``, dims per tensor) and *sizes* (the
+   dims, ints passed to the graph, which is compiled with ``dynamic=True``): a new sequence
+   length costs one eager step and no compile. The first compiled call of a tuple of signatures
+   all-gathers every rank's hash of its slots; each tuple of hashes is a mail factory with a
+   compiled core of its own (a code object of its own: no graph of other slots can match it),
+   so new slots are a new graph on every rank in the same call. A graph's guards may still fail
+   on one rank alone (a stage branching on a size): after its first compile a core runs under
+   dynamo's stance ``fail_on_recompile``, and such a rank warns and runs the core without a
+   graph for that call, sending and receiving what its graph would. A message leaf that is a
+   plain value (``None``, a number, a string) is not sent: the receiver has it from the eager
+   step, and the signatures hash the plain values of the parameters and microbatches it follows
+   from. Any other leaf (or a container other
    than a dict, list, tuple or namedtuple) cannot be rebuilt in a graph: the rank that received
    it says so in the next handshake (``usable``), and every rank warns and runs eagerly from
    then on.
 2. **Every rank runs the graph, or none does.** A rank whose row fails to trace or compile
-   (a stage with data-dependent control flow, random draws, a backend error) would leave its
-   peers waiting in theirs. Each rank that traced in a call says whether it compiled (one
-   all-gather, after compiling and before the graph runs: ``CompiledRun.attempt``'s ``agree``);
-   unless all did, every rank warns and runs this step, and the ones after, eagerly (a step
-   under ``fpipe.record()`` on any rank, a word in the handshake, runs eagerly too). Ranks trace
-   in the same calls: a new tuple of signatures is a new mail factory, which every rank's
-   dynamo guards on. Were one rank to retrace alone (a global setting changed on it only), its
+   (a stage with data-dependent control flow, an uncounted random draw, a backend error) would
+   leave its peers waiting in theirs. Each rank that traced in a call says whether it compiled
+   (one all-gather, after compiling and before the graph runs: ``CompiledRun.attempt``'s
+   ``agree``); unless all did, every rank warns and runs this step, and the ones after, eagerly
+   (a step under ``fpipe.record()`` on any rank, a word in the handshake, runs eagerly too).
+   Ranks trace in the same calls: new slots are a new mail factory and core on every rank
+   (point 1). Were one rank to retrace alone (a global setting changed on it only), its
    agreement and the others' graphs would wait for each other until the timeout: a failed step,
    not a hang.
 3. **Messages match whatever the order of posting.** Each tensor of each message travels under
@@ -53,6 +60,7 @@ What must hold:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -67,7 +75,7 @@ from .._errors import PipelineError
 from .._pytree import PyTree, flatten, unflatten
 from .._random import Keys
 from .._run import Order, StepView
-from .._traced import Key, Mail, traced
+from .._traced import Core, Key, Mail, traced
 from ._board import RAISED, waiting
 from ._collectives import all_gather_ints, lost, mark_broken
 from ._faults import WATCHDOG, abort_job
@@ -80,6 +88,11 @@ Leaf = tuple[tuple[int, ...], torch.dtype, bool] | tuple[str, Any]
 _VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 Layout = tuple[Any, tuple[Leaf, ...]]  # the value's structure (``_recipe``) and its leaves
 Signatures = tuple[int, ...]  # every pipeline rank's ``signature``, by rank
+# A received tensor leaf in a graph: where its dims start in the call's ``sizes``, how many, its
+# dtype and requires_grad; or ("value", v) (NOTE [compiled rows], point 1).
+Slot = tuple[int, int, torch.dtype, bool] | tuple[str, Any]
+Slots = tuple[Any, tuple[Slot, ...]]  # a received message's structure and its leaves' slots
+MailFactory = Callable[[list[int]], Mail]
 
 _KINDS = {"act": 1, "cot": 2, "mb": 3, "result": 4}
 _TENSORS = 1 << 10  # the most tensors a message may have in a compiled row (``_tag``)
@@ -132,6 +145,29 @@ def _build(recipe: Any, leaves: Sequence[Any]) -> Any:
     return kind(built) if kind in (list, tuple) else kind(*built)
 
 
+def slots_of(layouts: Mapping[Key, Layout]) -> tuple[dict[Key, Slots], list[int]]:
+    """``layouts`` as slots, and the ``sizes`` those slots read (NOTE [compiled rows], point 1)."""
+    slots: dict[Key, Slots] = {}
+    sizes: list[int] = []
+    for key in sorted(layouts):
+        recipe, leaves = layouts[key]
+        mine: list[Slot] = []
+        for leaf in leaves:
+            if len(leaf) == 2:
+                mine.append(leaf)  # type: ignore[arg-type]
+            else:
+                shape, dtype, requires_grad = leaf
+                mine.append((len(sizes), len(shape), dtype, requires_grad))
+                sizes.extend(shape)
+        slots[key] = (recipe, tuple(mine))
+    return slots, sizes
+
+
+def _digest(words: object) -> int:
+    """A 63-bit hash of ``words``' text."""
+    return int.from_bytes(hashlib.blake2b(str(words).encode(), digest_size=8).digest(), "little") >> 1
+
+
 def signature(local_params: Sequence[PyTree], microbatches: Sequence[PyTree] | None) -> int:
     """A 63-bit hash of what this rank's message layouts follow from (NOTE [compiled rows], point 1)."""
     words: list[str] = []
@@ -143,8 +179,7 @@ def signature(local_params: Sequence[PyTree], microbatches: Sequence[PyTree] | N
                 words.append(f"{type(leaf).__name__}{tuple(leaf.shape)}{leaf.dtype}{leaf.requires_grad}")
             else:
                 words.append(f"{type(leaf).__name__}:{leaf!r:.200}")
-    digest = hashlib.blake2b("\n".join(words).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return _digest("\n".join(words))
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,17 +191,19 @@ class RowWire:
     # A message crossing ranks: (the peer's rank in the pipeline group, which the functional ops
     # take, not its global rank: a subgroup's pair is not connected otherwise; its tag).
     routes: Mapping[Key, tuple[int, int]]
-    layouts: Mapping[Key, Layout]  # each received message's
+    slots: Mapping[Key, Slots]  # each received message's (its dims are the call's ``sizes``)
     result_to: tuple[int, ...]  # the pipeline ranks the last stage's rank sends the result to
     result_from: int | None  # the pipeline rank the result comes from (None: this rank makes it)
     result_tag: int
 
 
 class RowMail:
-    """``Mail`` for a rank's compiled row: messages to other ranks sent and received inside the graph."""
+    """``Mail`` for a rank's compiled row: messages to other ranks sent and received inside the
+    graph, into buffers whose dims are ``sizes`` (the graph's inputs: one graph for many shapes)."""
 
-    def __init__(self, wire: RowWire) -> None:
+    def __init__(self, wire: RowWire, sizes: Sequence[int]) -> None:
         self.wire = wire
+        self.sizes = sizes
         self.held: dict[Key, PyTree] = {}
         self.sends: dict[Key, list[torch.Tensor]] = {}
 
@@ -180,7 +217,7 @@ class RowMail:
     def take(self, key: Key) -> PyTree:
         if key in self.held:
             return self.held.pop(key)
-        value = self._receive(self.wire.layouts[key], *self.wire.routes[key])
+        value = self._receive(self.wire.slots[key], *self.wire.routes[key])
         if key[0] == "cot":  # the peer ran this microbatch's next stage: it read our activation
             for handle in self.sends.pop(("act", key[1] - 1, key[2]), []):
                 torch.ops._c10d_functional.wait_tensor(handle)
@@ -190,7 +227,7 @@ class RowMail:
         wire = self.wire
         if result is None:
             assert wire.result_from is not None
-            result = self._receive(wire.layouts[("result", 0, 0)], wire.result_from, wire.result_tag)
+            result = self._receive(wire.slots[("result", 0, 0)], wire.result_from, wire.result_tag)
         else:
             for n, peer in enumerate(wire.result_to):
                 self.sends["result", n, 0] = self._send(result, peer, wire.result_tag)
@@ -207,15 +244,16 @@ class RowMail:
             for n, leaf in enumerate(leaves)
         ]
 
-    def _receive(self, layout: Layout, peer: int, tag: int) -> PyTree:
-        recipe, leaves = layout
+    def _receive(self, slots: Slots, peer: int, tag: int) -> PyTree:
+        recipe, leaves = slots
         out: list[Any] = []
         n = 0  # the tensor's position among the message's tensors
         for leaf in leaves:
             if len(leaf) == 2:  # a plain value: ("value", v)
                 out.append(leaf[1])
                 continue
-            shape, dtype, requires_grad = leaf
+            start, ndim, dtype, requires_grad = leaf
+            shape = self.sizes[start : start + ndim]
             buffer = torch.empty(shape, dtype=dtype, device=self.wire.device)
             received = torch.ops._c10d_functional.irecv(buffer, peer, tag + n, self.wire.group)
             n += 1
@@ -233,14 +271,17 @@ def _tag(key: Key, num_stages: int, num_microbatches: int) -> int:
 
 class CompiledRows:
     """A step's compiled rows on this pipeline rank (NOTE [compiled rows]): the layouts learned per
-    tuple of signatures, and the compiled core."""
+    tuple of signatures, their mails, and the compiled core."""
 
     def __init__(self, option: Compile) -> None:
         self.run = CompiledRun(option)
         self._layouts: dict[Signatures, dict[Key, Layout]] = {}
-        self._mails: dict[Signatures, Callable[[], Mail]] = {}
-        self._core: Any = None
-        self._compiled: Callable[..., Any] | None = None
+        self._mails: dict[Signatures, tuple[MailFactory, list[int]]] = {}  # and its ``sizes``
+        self._factories: dict[tuple[int, ...], MailFactory] = {}  # by every rank's slots' hash
+        # Per factory (``id``): its core and the core compiled (a code object of its own, so that
+        # no graph of other slots can match its call), and whether a graph ran.
+        self._rows: dict[int, tuple[Core, Callable[..., Any]]] = {}
+        self._fitted: set[int] = set()
 
     @property
     def usable(self) -> bool:
@@ -289,9 +330,13 @@ class CompiledRows:
             return None
         if signatures not in self._layouts:
             return None
-        if self._compiled is None:
-            self._core, self._compiled = self.run.compile_core(step, order, dynamic=False)
-        self._core.mail = self._mail(step, order, topology, signatures, send_microbatches)
+        factory, sizes = self._mail(step, order, topology, signatures, send_microbatches)
+        if id(factory) not in self._rows:
+            core, compiled = self.run.compile_core(step, order, dynamic=True)
+            core.mail = factory
+            self._rows[id(factory)] = core, compiled
+        core, compiled = self._rows[id(factory)]
+        random_seeds = Keys(key, replica=topology.replica).seeds(step.num_stages, order.program.num_microbatches)
         timeout = timedelta(seconds=step.timeout)
         agreed: list[bool] = []  # (once the ranks agreed in this call)
         timer = _Timer(topology, step.timeout, lambda: traced() and not agreed)
@@ -304,11 +349,21 @@ class CompiledRows:
             timer.start()  # (the graph starts now)
             return agreed[-1]
 
+        def attempt(core: Callable[..., Any]) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]] | None:
+            return self.run.attempt(core, step, order, params, microbatches, weights, random_seeds, agree, sizes)
+
+        fitted = id(factory) in self._fitted
         try:
             with waiting(topology.board):
-                keys = Keys(key, replica=topology.replica)
-                random_seeds = keys.seeds(step.num_stages, order.program.num_microbatches)
-                out = self.run.attempt(self._compiled, step, order, params, microbatches, weights, random_seeds, agree)
+                try:
+                    # A graph compiled for these slots does not recompile on one rank alone (point 1).
+                    with torch.compiler.set_stance("fail_on_recompile") if fitted else contextlib.nullcontext():
+                        out = attempt(compiled)
+                except (RuntimeError, torch._dynamo.exc.RecompileError) as error:
+                    if not str(error).startswith(_RECOMPILE):
+                        raise
+                    self.run.warn(_unfit(error))
+                    out = attempt(core)  # (the same operations and messages, without a graph)
         except PipelineError as error:
             mark_broken(topology, error)
             raise
@@ -328,15 +383,26 @@ class CompiledRows:
         if timer.fired:  # (as the graph returned: the groups are aborted all the same)
             mark_broken(topology, RuntimeError("timed out"))
             raise lost(topology.board, RuntimeError("timed out"), topology.rank, "its compiled row", None, timeout)
+        if out is not None:
+            self._fitted.add(id(factory))
         return out
 
     def _mail(
         self, step: StepView, order: Order, topology: Topology, signatures: Signatures, send_microbatches: bool
-    ) -> Callable[[], Mail]:
-        """The mail factory of ``signatures``' layouts: one object per tuple of signatures, which
-        every rank's dynamo guards on, so that a new tuple is a new graph on every rank at once
-        (NOTE [compiled rows], point 2)."""
-        factory = self._mails.get(signatures)
+    ) -> tuple[MailFactory, list[int]]:
+        """The mail factory of ``signatures``' layouts and the ``sizes`` it reads. The factory is
+        one object per tuple of every rank's slots (agreed in one all-gather, the first time a
+        tuple of signatures runs compiled), which every rank's dynamo guards on: new slots on any
+        rank are a new graph on every rank at once; new sizes are none (NOTE [compiled rows], point 1)."""
+        known = self._mails.get(signatures)
+        if known is not None:
+            return known
+        slots, sizes = slots_of(self._layouts[signatures])
+        what = "the other pipeline ranks as they agreed on their messages' slots"
+        every = all_gather_ints(topology, topology.group, [_digest((sorted(slots.items()), send_microbatches))],
+                                step.timeout, what)  # fmt: skip
+        agreed = tuple(word for (word,) in every)
+        factory = self._factories.get(agreed)
         if factory is None:
             program, me = order.program, topology.rank
             s, m = program.num_stages, program.num_microbatches
@@ -346,18 +412,37 @@ class CompiledRows:
                     if key[0] in ("act", "cot", "mb"):
                         routes[key] = (route.peer, _tag(key, s, m))
             holder = program.holders(s - 1)[0]
-            layouts = self._layouts[signatures]
             wire = RowWire(
                 group=topology.group.group_name,
                 device=topology.device,
                 routes=routes,
-                layouts=layouts,
+                slots=slots,
                 result_to=tuple(r for r in range(program.num_ranks) if r != me) if me == holder else (),
                 result_from=None if me == holder else holder,
                 result_tag=_tag(("result", 0, 0), s, m),
             )
-            factory = self._mails[signatures] = lambda: RowMail(wire)
-        return factory
+            factory = self._factories[agreed] = _factory(wire)
+        self._mails[signatures] = (factory, sizes)
+        return factory, sizes
+
+
+def _factory(wire: RowWire) -> MailFactory:
+    """The mail factory of ``wire``."""
+    return lambda sizes: RowMail(wire, sizes)
+
+
+# What dynamo raises at a call that its stance ``fail_on_recompile`` keeps from recompiling.
+_RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+
+
+def _unfit(error: Exception) -> str:
+    """Why this rank's graph did not fit this call (a guard failed), and what runs instead."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    failed = [line.strip(" -").split("#")[0].strip() for line in lines if line.startswith("- ")]
+    return (
+        f"this pipeline rank's graph does not fit this step's shapes ({failed[0] if failed else 'a guard failed'}), "
+        f"and a new graph on one rank alone would leave the others waiting: its row runs without a graph"
+    )
 
 
 class _Timer:
