@@ -112,9 +112,10 @@ def pipeline(
             gradient sums are traced once per batch structure (in one process a changed
             sequence length compiles once more, with a dynamic dimension). On a pipeline group
             each rank's row is one graph with its sends and receives inside it, its shapes
-            dynamic (NOTE [compiled rows] in ``fpipe/_distributed/_compiled.py``); replicas
-            reduce after it; tensor and
-            expert parallelism and sharded parameters raise ``NotImplementedError``. Random
+            dynamic (NOTE [compiled rows] in ``fpipe/_distributed/_compiled.py``); sharded
+            parameters are gathered before it, and replicas reduce (or reduce-scatter) after
+            it; tensor and expert parallelism, ``regather`` and DualPipe's shared stages raise
+            ``NotImplementedError``. Random
             draws are counted from the key, stage and microbatch (NOTE [counted draws] in
             ``fpipe/_random.py``: not the eager step's numbers). A step that cannot be traced
             (``.item()``, control flow on data in a stage, ``rand_like``) warns, naming the
@@ -284,7 +285,7 @@ def _distributed_parts(topology: Topology | None, parallel: Parallelism, program
     parts = [
         name
         for name, present in (
-            ("sharded data parallelism", topology.data_group is not None and parallel.shard_params),
+            ("regathered sharded parameters", topology.data_group is not None and parallel.regather),
             ("tensor parallelism", topology.tensor_group is not None),
             ("expert parallelism", topology.expert_group is not None),
             ("a stage on several ranks (DualPipe)", shared),

@@ -44,7 +44,9 @@ from ._sharding import (
     check_shards,
     data_parallel,
     gather_stages,
+    gathered,
     norm_leaves,
+    reduce_scattered,
     shard_stages,
 )
 from ._stage import StageRun
@@ -112,21 +114,6 @@ class Strategy:
         def make_run(s: int, stage_params: PyTree) -> StageRun:
             return stage_run(step, s, stage_params)
 
-        grad_layouts = None
-        if self.precision is not None:  # the sums' dtypes (NOTE [precision of a leaf])
-            precision = self.precision
-            grad_layouts = {
-                s: StageLayout(
-                    layout.spec,
-                    layout.paths,
-                    tuple(
-                        None if leaf is None else replace(leaf, dtype=precision.accumulate_dtype(leaf.dtype))
-                        for leaf in layout.leaves
-                    ),
-                    layout.num_shards,
-                )
-                for s, layout in self.layouts.items()
-            }
         dp = data_parallel(topology, self.timeout)
         return ShardedStages(
             dp,
@@ -135,18 +122,50 @@ class Strategy:
             self.layouts,
             order.actions,
             regather=self.parallel.regather,
-            grad_layouts=grad_layouts,
+            grad_layouts=self._grad_layouts(),
             divide=self.divide,
         )
 
+    def _grad_layouts(self) -> Mapping[int, StageLayout]:
+        """The sharded gradients' layouts: the parameters', in the dtypes the sums are kept in
+        (NOTE [precision of a leaf])."""
+        precision = self.precision
+        if precision is None:
+            return self.layouts
+        return {
+            s: StageLayout(
+                layout.spec,
+                layout.paths,
+                tuple(
+                    None if leaf is None else replace(leaf, dtype=precision.accumulate_dtype(leaf.dtype))
+                    for leaf in layout.leaves
+                ),
+                layout.num_shards,
+            )
+            for s, layout in self.layouts.items()
+        }
+
+    def full_params(self, order: Order, params: Sequence[PyTree]) -> list[PyTree]:
+        """The held stages' full parameters for a compiled row (NOTE [compiled rows] in
+        fpipe/_distributed/_compiled.py): ``params`` themselves, or, with ``shard_params``, their
+        shards gathered as the eager row gathers them (NOTE [gather overlap])."""
+        if not self.shard_params:
+            return list(params)
+        assert self.topology is not None
+        return gathered(data_parallel(self.topology, self.timeout), params, self.layouts, order.actions)
+
     def reduce_grads(self, order: Order, grads: list[PyTree]) -> list[PyTree]:
-        """Replicated ``grads`` (a compiled row's: NOTE [compiled rows] in
-        fpipe/_distributed/_compiled.py) reduced over the replicas in place, each stage's as the
-        eager row posts it (at its last action: NOTE [reduction overlap]), so that replicas that
-        ran eagerly and replicas that ran compiled post the same reductions in the same order."""
+        """A compiled row's full ``grads`` (NOTE [compiled rows] in fpipe/_distributed/_compiled.py)
+        reduced over the replicas, each stage's as the eager row posts it (at its last action: NOTE
+        [reduction overlap]), so that replicas that ran eagerly and replicas that ran compiled post
+        the same reductions in the same order: averaged in place, or, with ``shard_params``,
+        reduce-scattered into averaged shards."""
         topology = self.topology
         if topology is None or topology.data_group is None:
             return grads
+        if self.shard_params:
+            dp = data_parallel(topology, self.timeout)
+            return reduce_scattered(dp, grads, self._grad_layouts(), order.actions, divide=self.divide)
         reduce = replica_mean(topology, self.timeout, divide=self.divide)
         pending = [
             reduce(s, [g for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)])

@@ -304,6 +304,19 @@ class CompiledRows:
 
         return record
 
+    def ready(self, order: Order, signatures: Signatures, every_usable: bool) -> bool:
+        """Whether this call runs the compiled row; else the eager row runs (to learn the layouts,
+        or for good once a row did not compile, with a warning). ``every_usable``: whether every
+        rank's handshake said ``usable``."""
+        if order.forward_only:
+            return False
+        if not every_usable:
+            self.run.fail("another pipeline rank cannot compile its row (its own warning says why)")
+        if self.run.failed is not None:
+            self.run.warn(self.run.failed)
+            return False
+        return signatures in self._layouts
+
     def __call__(
         self,
         step: StepView,
@@ -315,21 +328,10 @@ class CompiledRows:
         key: int,
         signatures: Signatures,
         send_microbatches: bool,
-        every_usable: bool,
     ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]] | None:
-        """This step's ``((loss, aux, None), grads)`` from the compiled row, or ``None``: run the
-        eager row (to learn the layouts, or for good once a row did not compile, with a warning).
-        ``key``: the step's (its draws', NOTE [counted draws] in fpipe/_random.py);
-        ``every_usable``: whether every rank's handshake said ``usable``."""
-        if order.forward_only:
-            return None
-        if not every_usable:
-            self.run.fail("another pipeline rank cannot compile its row (its own warning says why)")
-        if self.run.failed is not None:
-            self.run.warn(self.run.failed)
-            return None
-        if signatures not in self._layouts:
-            return None
+        """A ``ready`` call's ``((loss, aux, None), grads)`` from the compiled row, on the full
+        ``params``; ``None`` when it did not trace or compile (warned: run the eager row).
+        ``key``: the step's (its draws', NOTE [counted draws] in fpipe/_random.py)."""
         factory, sizes = self._mail(step, order, topology, signatures, send_microbatches)
         if id(factory) not in self._rows:
             core, compiled = self.run.compile_core(step, order, dynamic=True)

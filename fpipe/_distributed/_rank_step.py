@@ -31,7 +31,18 @@ from .._microbatch import Microbatches
 from .._plural import plural
 from .._pytree import PyTree, leaves_with_paths
 from .._record import active
-from .._run import HeldStages, Order, Pending, Reduce, StepView, StrategyView, loss_weights, run, split_batch
+from .._run import (
+    HeldStages,
+    Order,
+    Pending,
+    Reduce,
+    ReplicatedStages,
+    StepView,
+    StrategyView,
+    loss_weights,
+    run,
+    split_batch,
+)
 from .._tensor_parallel import check_mesh, is_dtensor, local
 from ..schedules import Program, ScheduleError
 from ._collectives import (
@@ -93,7 +104,7 @@ def run_distributed(
         agreed = _agree(step, order, topology, params, batch, strategy, key, rejected, compiled)
         out = None
         if compiled is not None and not keep_outputs:
-            out = _compiled_row(step, order, topology, strategy, compiled, params, agreed)
+            out = _compiled_row(step, order, topology, wire, strategy, compiled, params, agreed)
         if out is not None:
             standing(topology, "the end of the step")
             return out
@@ -359,21 +370,30 @@ def _compiled_row(
     step: StepView,
     order: Order,
     topology: Topology,
+    wire: WireState,
     strategy: StrategyView,
     compiled: CompiledRows,
     params: Sequence[PyTree],
     agreed: _Agreed,
 ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]] | None:
-    """This rank's row compiled (NOTE [compiled rows] in fpipe/_distributed/_compiled.py), its
-    gradients and loss then reduced over the replicas as the eager row's are; ``None``: run it eagerly."""
+    """This rank's row compiled (NOTE [compiled rows] in fpipe/_distributed/_compiled.py), on its
+    stages' full parameters (gathered first when they are shards), its gradients and loss then
+    reduced over the replicas as the eager row's are; ``None``: run the eager row."""
     if agreed.recording:
         compiled.run.warn(RECORDING)
         return None
+    if not compiled.ready(order, agreed.signatures, agreed.compiling):
+        return None
+    full = strategy.full_params(order, params)  # (the gathers the eager row would post, in its order)
     out = compiled(
-        step, order, topology, params, agreed.microbatches, agreed.weights, agreed.key, agreed.signatures,
-        agreed.send_microbatches, agreed.compiling,
+        step, order, topology, full, agreed.microbatches, agreed.weights, agreed.key, agreed.signatures,
+        agreed.send_microbatches,
     )  # fmt: skip
-    if out is None or topology.data_group is None:
+    if out is None:  # (it did not compile, warned) this call's row eagerly, on the gathered parameters
+        runs = ReplicatedStages(step, full)
+        loss, aux, outputs = _run_row(step, order, topology, wire, runs, agreed, False)
+        out = (loss, aux, outputs), runs.grads(step.num_stages)
+    if topology.data_group is None:
         return out
     (loss, aux, outputs), grads = out
     grads = strategy.reduce_grads(order, grads)  # (then the loss, as the eager step: the same collectives)

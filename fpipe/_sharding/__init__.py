@@ -14,6 +14,8 @@ from ._public import gather as gather
 from ._public import shard as shard
 from ._stages import ShardedStages as ShardedStages
 from ._stages import gather_stages as gather_stages
+from ._stages import gathered as gathered
+from ._stages import reduce_scattered as reduce_scattered
 from ._stages import shard_stages as shard_stages
 
 __all__ = [
@@ -25,7 +27,9 @@ __all__ = [
     "data_parallel",
     "gather",
     "gather_stages",
+    "gathered",
     "norm_leaves",
+    "reduce_scattered",
     "shard",
     "shard_stages",
 ]

@@ -111,7 +111,7 @@ class ShardedStages(Mapping[int, StageRun]):
         self._shards = shards
         self._regather = regather
         self._divide = divide  # average the replicas' gradients (else sum them: weight_fn)
-        first_use = list(dict.fromkeys(action.stage for _, action in order))
+        first_use = _first_use(order)
         self._reduction_order = [s for _, done in segments(order) for s in done]
         # With regather, a gather is posted only when its stage is needed (NOTE [regather]).
         self._gathers = {} if regather else {s: self._gather(s) for s in first_use}
@@ -185,6 +185,43 @@ class ShardedStages(Mapping[int, StageRun]):
     def grads(self, num_stages: int) -> list[PyTree]:
         """The averaged gradient shards, one pytree per stage (``None`` for stages held elsewhere)."""
         return [self._grads.get(s) for s in range(num_stages)]
+
+
+def gathered(
+    dp: DataParallel, shards: Sequence[PyTree], layouts: Mapping[int, StageLayout], order: Sequence[tuple[int, Action]]
+) -> list[PyTree]:
+    """The held stages' full parameters, gathered as ``ShardedStages`` gathers them (every gather
+    posted at once, in the order the rank first uses its stages: NOTE [gather overlap]), for a
+    compiled row (NOTE [compiled rows] in fpipe/_distributed/_compiled.py); ``None`` elsewhere."""
+    posted = [(s, Gather(dp, f"stage {s}'s parameter shards", shards[s], layouts[s])) for s in _first_use(order)]
+    full: list[PyTree] = [None] * len(shards)
+    for s, gather in posted:
+        full[s] = gather.wait()
+    return full
+
+
+def reduce_scattered(
+    dp: DataParallel,
+    grads: Sequence[PyTree],
+    layouts: Mapping[int, StageLayout],
+    order: Sequence[tuple[int, Action]],
+    *,
+    divide: bool = True,
+) -> list[PyTree]:
+    """A compiled row's full ``grads`` reduce-scattered into averaged shards (summed without
+    ``divide``), posted in the order ``ShardedStages`` posts them (each stage at its last
+    action), so that replicas that ran eagerly and compiled post the same collectives."""
+    ends = [s for _, done in segments(order) for s in done]
+    posted = [(s, ReduceScatter(dp, s, grads[s], layouts[s], divide=divide)) for s in ends]
+    out: list[PyTree] = [None] * len(grads)
+    for s, reduction in posted:
+        out[s] = reduction.wait()
+    return out
+
+
+def _first_use(order: Sequence[tuple[int, Action]]) -> list[int]:
+    """The stages of ``order``, in the order it first uses them."""
+    return list(dict.fromkeys(action.stage for _, action in order))
 
 
 def _pieces(params: PyTree) -> list[torch.Tensor]:

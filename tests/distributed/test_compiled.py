@@ -63,20 +63,19 @@ def _steps(rank, world, names):
                 warnings.simplefilter("always")
                 result = compiled(params, batch)
             calls.append((result, eager(params, batch), [str(w.message) for w in caught], counter.frame_count))
-        out[name] = calls
+        # (a new graph when the batch moves to the last stage's rank, unless it holds the first stage)
+        out[name] = calls, 1 if placement[-1] == placement[0] else 2
     return out
 
 
 def _check(names):
     for rank, results in enumerate(run_ranks(2, _steps, names, timeout=280)):
         for name in names:
-            for call, (compiled, eager, caught, _) in enumerate(results[name]):
+            calls, more = results[name]
+            for call, (compiled, eager, caught, _) in enumerate(calls):
                 assert_bitwise(compiled, eager, f"{name}, rank {rank}, call {call}")
                 assert caught == [], (name, rank, call, caught)
-            frames = [frames for *_, frames in results[name]]
-            schedule, num_stages = TWO_RANKS[name]
-            placement = schedule.program(num_stages).placement()  # (the last stage's rank: a new graph?)
-            more = 1 if placement[-1] == placement[0] else 2
+            frames = [frames for *_, frames in calls]
             assert frames == [0, 1, 1, 1, 1, more, more], (name, rank, frames)
 
 
@@ -200,8 +199,9 @@ def test_a_rank_killed_or_frozen_in_its_graph_fails_the_other_naming_it(fault, t
 
 
 def test_compile_names_what_a_distributed_step_cannot_compile_yet():
-    with pytest.raises(NotImplementedError, match="not yet a step with sharded data parallelism or tensor parallelism"):
-        compile_option(True, ["sharded data parallelism", "tensor parallelism"])
+    parts = ["regathered sharded parameters", "tensor parallelism"]
+    with pytest.raises(NotImplementedError, match="not yet a step with regathered sharded parameters or tensor"):
+        compile_option(True, parts)
     assert compile_option("aot_eager", ["nothing"]) is not None and compile_option(False, ["x"]) is None
 
 
@@ -294,28 +294,36 @@ def test_compiled_rows_compose_with_aux_token_weights_recompute_precision_and_dr
 def _replicas(rank, world):
     """dp 2 x pp 1, two stages on each replica's one pipeline rank: replica 1's sequence length
     changes at the second call, so that one replica runs compiled while the other learns its
-    layouts eagerly; with and without ``weight_fn`` (replicas summed, or averaged)."""
+    layouts eagerly; with and without ``weight_fn`` (replicas summed, or averaged), and with
+    sharded parameters (gathered before the graph, reduce-scattered after it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_default_dtype(torch.float64)
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
     parallel = fpipe.Parallelism(mesh=mesh, timeout=60)
     stages, params = mixed_model(2)
+    sharded = fpipe.Parallelism(mesh=mesh, shard_params=True, timeout=60)
     out = []
-    for weight_fn in (None, lambda mb: (mb["tokens"] % 2).sum()):
-        options = {"batch_dims": MIXED_BATCH_DIMS, "parallel": parallel, "weight_fn": weight_fn}
+    for weight_fn, how in (
+        (None, parallel),
+        (lambda mb: (mb["tokens"] % 2).sum(), parallel),
+        (None, sharded),  # shards gathered before the graph, the gradients reduce-scattered after it
+    ):
+        options = {"batch_dims": MIXED_BATCH_DIMS, "parallel": how, "weight_fn": weight_fn}
         compiled = fpipe.pipeline(mixed_loss, stages, OneFOneB(2), compile="aot_eager", **options)
         eager = fpipe.pipeline(mixed_loss, stages, OneFOneB(2), **options)
+        mine = compiled.shard(params) if how.shard_params else params
+        assert_bitwise(eager.shard(params) if how.shard_params else params, mine)
         for length in (5, 5, 5) if rank == 0 else (5, 7, 7):
             batch = mixed_batch(length, seed=rank + 1)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                result = compiled(params, batch)
-            out.append((result, eager(params, batch), [str(w.message) for w in caught]))
+                result = compiled(mine, batch)
+            out.append((result, eager(mine, batch), [str(w.message) for w in caught]))
     return out
 
 
-def test_replicas_reduce_compiled_rows_as_the_eager_step_does():
+def test_replicas_reduce_compiled_rows_as_the_eager_step_does_replicated_or_sharded():
     for rank, calls in enumerate(run_ranks(2, _replicas, timeout=200)):
         for call, (compiled, eager, caught) in enumerate(calls):
             assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
