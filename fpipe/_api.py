@@ -115,12 +115,11 @@ def pipeline(
             dynamic (NOTE [compiled rows] in ``fpipe/_distributed/_compiled.py``); sharded
             parameters are gathered before it, and replicas reduce (or reduce-scatter) after
             it; tensor and expert parallelism, ``regather`` and DualPipe's shared stages raise
-            ``NotImplementedError``. Random
-            draws are counted from the key, stage and microbatch (NOTE [counted draws] in
-            ``fpipe/_random.py``: not the eager step's numbers). A step that cannot be traced
-            (``.item()``, control flow on data in a stage, ``rand_like``) warns, naming the
-            action, and runs eagerly (NOTE [the compiled step] in ``fpipe/_compile.py``;
-            notes/compile.md).
+            ``NotImplementedError``. Random draws are counted from the key, stage and
+            microbatch (NOTE [counted draws] in ``fpipe/_random.py``: not the eager step's
+            numbers). A step that cannot be traced (``.item()``, control flow on data in a
+            stage, ``rand_like``) warns, naming the action, and runs eagerly (NOTE [the
+            compiled step] in ``fpipe/_compile.py``; notes/compile.md).
         mesh: deprecated, the field of ``parallel``: accepted for one release with a
             ``DeprecationWarning`` (``parallel=fpipe.Parallelism(mesh=mesh, shard_params=True)``
             for ``mesh=mesh, shard_params=True``), as are the four below.

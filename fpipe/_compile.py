@@ -194,12 +194,12 @@ class CompiledRun:
         weights: Sequence[float],
         random_seeds: torch.Tensor,
         agree: Callable[[bool], bool] | None = None,
-        sizes: Sequence[int] = (),
+        shapes: Sequence[torch.Tensor] = (),
     ) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]] | None:
         """``((loss, aux, None), grads)`` from the compiled ``core``, or ``None`` (with a warning,
         the step then eager for good) when it did not trace or compile. ``random_seeds``: each
-        stage call's (``Keys.seeds``; NOTE [counted draws] in fpipe/_random.py); ``sizes``: the
-        dims of the tensors a pipeline rank receives (its mail's).
+        stage call's (``Keys.seeds``; NOTE [counted draws] in fpipe/_random.py); ``shapes``: the
+        shapes of the tensors a pipeline rank receives (its mail's, NOTE [compiled rows]).
 
         ``agree`` (a pipeline rank's): called with whether this rank compiled its row, once it
         traced one in this call, before the graph runs; it says whether every rank did (NOTE
@@ -231,7 +231,7 @@ class CompiledRun:
                     torch.tensor(scaled, dtype=torch.float64),
                     random_seeds,
                     len(set(weights)) == 1,
-                    list(sizes),
+                    list(shapes),
                 )
         except Exception as error:  # dynamo's, the backend's, or the stages' own (which the eager step raises)
             if agree is not None:

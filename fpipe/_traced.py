@@ -174,9 +174,9 @@ class Mail(Protocol):
 
 
 class LocalMail:
-    """Every stage in this process: values handed over in a dict (``sizes``: none to read)."""
+    """Every stage in this process: values handed over in a dict (``shapes``: none to read)."""
 
-    def __init__(self, sizes: Sequence[int] = ()) -> None:
+    def __init__(self, shapes: Sequence[torch.Tensor] = ()) -> None:
         self.held: dict[Key, PyTree] = {}
 
     def put(self, key: Key, value: PyTree) -> None:
@@ -195,7 +195,7 @@ class Core:
     """The order's actions as one straight line for dynamo (NOTE [the compiled step])."""
 
     def __init__(self, step: StepView, order: Order) -> None:
-        self.mail: Callable[[list[int]], Mail] = LocalMail  # called with the call's ``sizes``
+        self.mail: Callable[[list[torch.Tensor]], Mail] = LocalMail  # called with the call's ``shapes``
         self.num_microbatches = order.program.num_microbatches
         self.holds_last = step.num_stages - 1 in step.local_stages
         self.stages: tuple[StageFn, ...] = step.stages
@@ -214,9 +214,9 @@ class Core:
         scaled: torch.Tensor,
         random_seeds: torch.Tensor,
         one_weight: bool,
-        sizes: list[int],
+        shapes: list[torch.Tensor],
     ) -> tuple[torch.Tensor, Any, list[list[torch.Tensor | None]]]:
-        last, mail = self.last, self.mail(sizes)  # (``sizes``: the received tensors' dims, on a rank)
+        last, mail = self.last, self.mail(shapes)  # (``shapes``: of the tensors received, on a rank)
         # The stages' own leaves (NOTE [differentiable leaves] in fpipe/_stage.py).
         # With a precision policy, differentiable leaves are cast to the compute dtype and their
         # gradients summed in the accumulate dtype (NOTE [precision of a leaf] in fpipe/_precision.py).

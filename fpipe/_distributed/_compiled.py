@@ -15,9 +15,11 @@ What must hold:
    ``requires_grad`` of its local stages' parameters and of its microbatches: what the messages'
    layouts follow from), and the first step with a new tuple of signatures runs eagerly,
    recording the layout of each message this rank receives; the next ones run the graph. A
-   layout is *slots* (structure, dtypes, ``requires_grad``, dims per tensor) and *sizes* (the
-   dims, ints passed to the graph, which is compiled with ``dynamic=True``): a new sequence
-   length costs one eager step and no compile. The first compiled call of a tuple of signatures
+   layout is *slots* (structure, dtypes, ``requires_grad``) and *shapes*, passed to the graph
+   as empty tensors of shape ``(0, *shape)`` whose dims, and every dim of the microbatches, are
+   marked dynamic: a new sequence length costs one eager step and no compile. (Not ints with
+   ``dynamic=True``: that makes every int of the stages' code symbolic too, and an f-string of
+   one does not trace.) The first compiled call of a tuple of signatures
    all-gathers every rank's hash of its slots; each tuple of hashes is a mail factory with a
    compiled core of its own (a code object of its own: no graph of other slots can match it),
    so new slots are a new graph on every rank in the same call. A graph's guards may still fail
@@ -88,11 +90,11 @@ Leaf = tuple[tuple[int, ...], torch.dtype, bool] | tuple[str, Any]
 _VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 Layout = tuple[Any, tuple[Leaf, ...]]  # the value's structure (``_recipe``) and its leaves
 Signatures = tuple[int, ...]  # every pipeline rank's ``signature``, by rank
-# A received tensor leaf in a graph: where its dims start in the call's ``sizes``, how many, its
-# dtype and requires_grad; or ("value", v) (NOTE [compiled rows], point 1).
-Slot = tuple[int, int, torch.dtype, bool] | tuple[str, Any]
+# A received tensor leaf in a graph: its index among the call's ``shapes``, its dtype and
+# requires_grad; or ("value", v) (NOTE [compiled rows], point 1).
+Slot = tuple[int, torch.dtype, bool] | tuple[str, Any]
 Slots = tuple[Any, tuple[Slot, ...]]  # a received message's structure and its leaves' slots
-MailFactory = Callable[[list[int]], Mail]
+MailFactory = Callable[[list[torch.Tensor]], Mail]
 
 _KINDS = {"act": 1, "cot": 2, "mb": 3, "result": 4}
 _TENSORS = 1 << 10  # the most tensors a message may have in a compiled row (``_tag``)
@@ -145,10 +147,10 @@ def _build(recipe: Any, leaves: Sequence[Any]) -> Any:
     return kind(built) if kind in (list, tuple) else kind(*built)
 
 
-def slots_of(layouts: Mapping[Key, Layout]) -> tuple[dict[Key, Slots], list[int]]:
-    """``layouts`` as slots, and the ``sizes`` those slots read (NOTE [compiled rows], point 1)."""
+def slots_of(layouts: Mapping[Key, Layout]) -> tuple[dict[Key, Slots], list[tuple[int, ...]]]:
+    """``layouts`` as slots, and the shapes those slots read (NOTE [compiled rows], point 1)."""
     slots: dict[Key, Slots] = {}
-    sizes: list[int] = []
+    shapes: list[tuple[int, ...]] = []
     for key in sorted(layouts):
         recipe, leaves = layouts[key]
         mine: list[Slot] = []
@@ -157,10 +159,26 @@ def slots_of(layouts: Mapping[Key, Layout]) -> tuple[dict[Key, Slots], list[int]
                 mine.append(leaf)  # type: ignore[arg-type]
             else:
                 shape, dtype, requires_grad = leaf
-                mine.append((len(sizes), len(shape), dtype, requires_grad))
-                sizes.extend(shape)
+                mine.append((len(shapes), dtype, requires_grad))
+                shapes.append(shape)  # type: ignore[arg-type]
         slots[key] = (recipe, tuple(mine))
-    return slots, sizes
+    return slots, shapes
+
+
+def dynamic_inputs(
+    shapes: Sequence[tuple[int, ...]], microbatches: Sequence[PyTree] | None, device: torch.device
+) -> list[torch.Tensor]:
+    """The graph's carriers of ``shapes`` (empty tensors of shape ``(0, *shape)``), each of their
+    dims and each dim of ``microbatches``' tensors marked dynamic (NOTE [compiled rows], point 1)."""
+    carriers = [torch.empty((0, *shape), device=device) for shape in shapes]
+    tensors = [t for mb in microbatches or () for t in flatten(mb)[0] if isinstance(t, torch.Tensor)]
+    for carrier in carriers:
+        for d in range(1, carrier.dim()):
+            torch._dynamo.maybe_mark_dynamic(carrier, d)
+    for t in tensors:
+        for d in range(t.dim()):
+            torch._dynamo.maybe_mark_dynamic(t, d)
+    return carriers
 
 
 def _digest(words: object) -> int:
@@ -191,7 +209,7 @@ class RowWire:
     # A message crossing ranks: (the peer's rank in the pipeline group, which the functional ops
     # take, not its global rank: a subgroup's pair is not connected otherwise; its tag).
     routes: Mapping[Key, tuple[int, int]]
-    slots: Mapping[Key, Slots]  # each received message's (its dims are the call's ``sizes``)
+    slots: Mapping[Key, Slots]  # each received message's (its shapes are the call's ``shapes``)
     result_to: tuple[int, ...]  # the pipeline ranks the last stage's rank sends the result to
     result_from: int | None  # the pipeline rank the result comes from (None: this rank makes it)
     result_tag: int
@@ -199,11 +217,11 @@ class RowWire:
 
 class RowMail:
     """``Mail`` for a rank's compiled row: messages to other ranks sent and received inside the
-    graph, into buffers whose dims are ``sizes`` (the graph's inputs: one graph for many shapes)."""
+    graph, into buffers shaped as ``shapes`` (the graph's inputs: one graph for many shapes)."""
 
-    def __init__(self, wire: RowWire, sizes: Sequence[int]) -> None:
+    def __init__(self, wire: RowWire, shapes: Sequence[torch.Tensor]) -> None:
         self.wire = wire
-        self.sizes = sizes
+        self.shapes = shapes
         self.held: dict[Key, PyTree] = {}
         self.sends: dict[Key, list[torch.Tensor]] = {}
 
@@ -252,8 +270,8 @@ class RowMail:
             if len(leaf) == 2:  # a plain value: ("value", v)
                 out.append(leaf[1])
                 continue
-            start, ndim, dtype, requires_grad = leaf
-            shape = self.sizes[start : start + ndim]
+            index, dtype, requires_grad = leaf
+            shape = self.shapes[index].shape[1:]
             buffer = torch.empty(shape, dtype=dtype, device=self.wire.device)
             received = torch.ops._c10d_functional.irecv(buffer, peer, tag + n, self.wire.group)
             n += 1
@@ -276,7 +294,7 @@ class CompiledRows:
     def __init__(self, option: Compile) -> None:
         self.run = CompiledRun(option)
         self._layouts: dict[Signatures, dict[Key, Layout]] = {}
-        self._mails: dict[Signatures, tuple[MailFactory, list[int]]] = {}  # and its ``sizes``
+        self._mails: dict[Signatures, tuple[MailFactory, list[tuple[int, ...]]]] = {}  # and its shapes
         self._factories: dict[tuple[int, ...], MailFactory] = {}  # by every rank's slots' hash
         # Per factory (``id``): its core and the core compiled (a code object of its own, so that
         # no graph of other slots can match its call), and whether a graph ran.
@@ -332,9 +350,10 @@ class CompiledRows:
         """A ``ready`` call's ``((loss, aux, None), grads)`` from the compiled row, on the full
         ``params``; ``None`` when it did not trace or compile (warned: run the eager row).
         ``key``: the step's (its draws', NOTE [counted draws] in fpipe/_random.py)."""
-        factory, sizes = self._mail(step, order, topology, signatures, send_microbatches)
+        factory, shapes = self._mail(step, order, topology, signatures, send_microbatches)
+        carriers = dynamic_inputs(shapes, microbatches, topology.device)
         if id(factory) not in self._rows:
-            core, compiled = self.run.compile_core(step, order, dynamic=True)
+            core, compiled = self.run.compile_core(step, order)
             core.mail = factory
             self._rows[id(factory)] = core, compiled
         core, compiled = self._rows[id(factory)]
@@ -352,7 +371,7 @@ class CompiledRows:
             return agreed[-1]
 
         def attempt(core: Callable[..., Any]) -> tuple[tuple[torch.Tensor, Any, Any], list[PyTree]] | None:
-            return self.run.attempt(core, step, order, params, microbatches, weights, random_seeds, agree, sizes)
+            return self.run.attempt(core, step, order, params, microbatches, weights, random_seeds, agree, carriers)
 
         fitted = id(factory) in self._fitted
         try:
@@ -391,15 +410,15 @@ class CompiledRows:
 
     def _mail(
         self, step: StepView, order: Order, topology: Topology, signatures: Signatures, send_microbatches: bool
-    ) -> tuple[MailFactory, list[int]]:
-        """The mail factory of ``signatures``' layouts and the ``sizes`` it reads. The factory is
+    ) -> tuple[MailFactory, list[tuple[int, ...]]]:
+        """The mail factory of ``signatures``' layouts and the shapes it reads. The factory is
         one object per tuple of every rank's slots (agreed in one all-gather, the first time a
         tuple of signatures runs compiled), which every rank's dynamo guards on: new slots on any
-        rank are a new graph on every rank at once; new sizes are none (NOTE [compiled rows], point 1)."""
+        rank are a new graph on every rank at once; new shapes are none (NOTE [compiled rows], point 1)."""
         known = self._mails.get(signatures)
         if known is not None:
             return known
-        slots, sizes = slots_of(self._layouts[signatures])
+        slots, shapes = slots_of(self._layouts[signatures])
         what = "the other pipeline ranks as they agreed on their messages' slots"
         every = all_gather_ints(topology, topology.group, [_digest((sorted(slots.items()), send_microbatches))],
                                 step.timeout, what)  # fmt: skip
@@ -424,13 +443,13 @@ class CompiledRows:
                 result_tag=_tag(("result", 0, 0), s, m),
             )
             factory = self._factories[agreed] = _factory(wire)
-        self._mails[signatures] = (factory, sizes)
-        return factory, sizes
+        self._mails[signatures] = (factory, shapes)
+        return factory, shapes
 
 
 def _factory(wire: RowWire) -> MailFactory:
     """The mail factory of ``wire``."""
-    return lambda sizes: RowMail(wire, sizes)
+    return lambda shapes: RowMail(wire, shapes)
 
 
 # What dynamo raises at a call that its stance ``fail_on_recompile`` keeps from recompiling.
