@@ -280,14 +280,12 @@ def _distributed_parts(topology: Topology | None, parallel: Parallelism, program
     in one process, ``["nothing"]`` for a plain pipeline over a group."""
     if topology is None:
         return []
-    shared = any(len(program.holders(s)) > 1 for s in range(program.num_stages))
     parts = [
         name
         for name, present in (
             ("regathered sharded parameters", topology.data_group is not None and parallel.regather),
             ("tensor parallelism", topology.tensor_group is not None),
             ("expert parallelism", topology.expert_group is not None),
-            ("a stage on several ranks (DualPipe)", shared),
         )
         if present
     ]

@@ -163,15 +163,14 @@ class Strategy:
         topology = self.topology
         if topology is None or topology.data_group is None:
             return grads
+        # Each stage at its last action; a stage on several ranks once its holders' sums are added.
+        shared = sorted({s for _, done in order.segments for s in done if len(order.program.holders(s)) > 1})
+        ends = [s for _, done in order.segments for s in done if s not in shared] + shared
         if self.shard_params:
             dp = data_parallel(topology, self.timeout)
-            return reduce_scattered(dp, grads, self._grad_layouts(), order.actions, divide=self.divide)
+            return reduce_scattered(dp, grads, self._grad_layouts(), ends, divide=self.divide)
         reduce = replica_mean(topology, self.timeout, divide=self.divide)
-        pending = [
-            reduce(s, [g for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)])
-            for _, finished in order.segments
-            for s in finished
-        ]
+        pending = [reduce(s, [g for g in flatten(grads[s])[0] if isinstance(g, torch.Tensor)]) for s in ends]
         for posted in pending:
             posted.wait()
         return grads

@@ -152,7 +152,8 @@ def graph_outputs(y: PyTree) -> tuple[list[torch.Tensor], list[int]]:
     return [ys[n] for n in index], index
 
 
-Key = tuple[str, int, int]  # ("act" | "cot" | "mb" | "result", stage, microbatch): a message
+Key = tuple[str, int, int]  # ("act" | "cot" | "mb" | "grad" | "losses" | "result", stage, microbatch): a message
+Losses = tuple[dict[int, torch.Tensor], dict[int, Any], dict[int, Any]]  # a last stage holder's, by microbatch
 
 
 class Mail(Protocol):
@@ -165,6 +166,16 @@ class Mail(Protocol):
 
     def take(self, key: Key) -> PyTree:
         """The value handed over as ``key``."""
+        ...
+
+    def share(self, stage: int, partial: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Every holder's ``partial`` gradient sums of ``stage``, a stage on several ranks, in
+        holder order (NOTE [a stage on several ranks] in fpipe/schedules/_program.py)."""
+        ...
+
+    def gather_losses(self, losses: Losses) -> Losses | None:
+        """Every last stage holder's losses and aux, merged, on the first holder; ``None`` on the
+        others, which send theirs there."""
         ...
 
     def result(self, result: tuple[torch.Tensor, Any, Any] | None) -> tuple[torch.Tensor, Any, Any]:
@@ -186,6 +197,12 @@ class LocalMail:
     def take(self, key: Key) -> PyTree:
         return self.held.pop(key)
 
+    def share(self, stage: int, partial: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        return [partial]
+
+    def gather_losses(self, losses: Losses) -> Losses | None:
+        return losses
+
     def result(self, result: tuple[torch.Tensor, Any, Any] | None) -> tuple[torch.Tensor, Any, Any]:
         assert result is not None
         return result
@@ -198,11 +215,26 @@ class Core:
         self.mail: Callable[[list[torch.Tensor]], Mail] = LocalMail  # called with the call's ``shapes``
         self.num_microbatches = order.program.num_microbatches
         self.holds_last = step.num_stages - 1 in step.local_stages
+        program = order.program
+        # The stages this rank holds with other ranks (DualPipe's; none in one process), whose sums
+        # are added over their holders at the end (NOTE [a stage on several ranks]).
+        held = sorted(step.local_stages) if step.rank is not None else []
+        self.shared = tuple(s for s in held if len(program.holders(s)) > 1)
+        self.shares_last = step.num_stages - 1 in self.shared
         self.stages: tuple[StageFn, ...] = step.stages
         self.loss_fn = step.loss_fn
         self.has_aux = step.has_aux
         self.last = step.num_stages - 1
         self.actions: tuple[Action, ...] = tuple(a for _, a in order.actions)
+        # Each stage's microbatches in this row, in the order their sums are added (NOTE [fixed
+        # accumulation order]: a holder of a stage on several ranks adds its own, in order).
+        # The microbatches whose stage 0 another rank runs (DualPipe's second half): handed over
+        # first, by the batch's rank (``ahead`` in fpipe/_distributed/_messages.py).
+        self.ahead = tuple(i for i in range(self.num_microbatches) if Action(0, FORWARD, i) not in self.actions)
+        self.sum_order = {
+            s: sorted({a.microbatch for a in self.actions if a.stage == s and a.kind == FORWARD})
+            for s in step.local_stages
+        }
         self.precision = step.precision
         self.recompute = step.recompute
 
@@ -251,8 +283,9 @@ class Core:
         def add(s: int, i: int, grads: Sequence[torch.Tensor | None]) -> None:
             """NOTE [fixed accumulation order]: microbatch ``i``'s gradients, once its predecessors' are in."""
             pending[s][i] = grads
-            while added[s] in pending[s]:
-                for n, g in enumerate(pending[s].pop(added[s])):
+            order = self.sum_order[s]
+            while added[s] < len(order) and order[added[s]] in pending[s]:
+                for n, g in enumerate(pending[s].pop(order[added[s]])):
                     if g is not None:
                         total = sums[s][n]
                         sums[s][n] = g.to(dtypes[s][n], copy=True) if total is None else total.add_(g)
@@ -275,6 +308,9 @@ class Core:
             loss, aux = result if self.has_aux else (result, None)
             return (loss if loss.dim() == 0 else loss.reshape(())), aux
 
+        if microbatches is not None:
+            for i in self.ahead:
+                mail.put(("mb", 0, i), microbatches[i])
         for k, action in enumerate(self.actions):  # noqa: B007 (``k`` is read by ``_note_action``)
             comptime(_note_action)
             s, kind, i = action
@@ -338,8 +374,24 @@ class Core:
                         to_send[n] = None if g is None else g.contiguous()
                     mail.put(("cot", s, i), to_send)
         comptime(_traced)
+        for s in self.shared:  # every holder's sums added in holder order, as the eager row's
+            mine = [
+                torch.zeros(w.shape, dtype=d, device=w.device) if g is None else g
+                for g, w, d in zip(sums[s], wrt[s], dtypes[s])
+            ]
+            parts = mail.share(s, mine)
+            totals = parts[0]
+            for other in parts[1:]:
+                totals = [a + b for a, b in zip(totals, other)]
+            sums[s] = list(totals)
         result = None
-        if self.holds_last:
+        if self.shares_last:  # the last stage's holders' losses, merged on its first holder
+            ran = [a.microbatch for a in self.actions if a.stage == last and a.kind == FORWARD]
+            merged = mail.gather_losses(({i: losses[i] for i in ran}, {i: auxes[i] for i in ran}, {}))
+            if merged is not None:
+                losses = [merged[0][i] for i in range(self.num_microbatches)]
+                auxes = [merged[1][i] for i in range(self.num_microbatches)]
+        if self.holds_last and all(loss is not None for loss in losses):
             if one_weight and all(loss.dtype == losses[0].dtype for loss in losses):
                 loss = torch.stack(losses).mul_(weight[0])  # NOTE [the step's loss] in fpipe/_run.py
             else:

@@ -77,7 +77,7 @@ from .._errors import PipelineError
 from .._pytree import PyTree, flatten, unflatten
 from .._random import Keys
 from .._run import Order, StepView
-from .._traced import Core, Key, Mail, traced
+from .._traced import Core, Key, Losses, Mail, traced
 from ._board import RAISED, waiting
 from ._collectives import all_gather_ints, lost, mark_broken
 from ._faults import WATCHDOG, abort_job
@@ -96,7 +96,7 @@ Slot = tuple[int, torch.dtype, bool] | tuple[str, Any]
 Slots = tuple[Any, tuple[Slot, ...]]  # a received message's structure and its leaves' slots
 MailFactory = Callable[[list[torch.Tensor]], Mail]
 
-_KINDS = {"act": 1, "cot": 2, "mb": 3, "result": 4}
+_KINDS = {"act": 1, "cot": 2, "mb": 3, "result": 4, "grad": 5, "losses": 6}
 _TENSORS = 1 << 10  # the most tensors a message may have in a compiled row (``_tag``)
 
 
@@ -213,6 +213,10 @@ class RowWire:
     result_to: tuple[int, ...]  # the pipeline ranks the last stage's rank sends the result to
     result_from: int | None  # the pipeline rank the result comes from (None: this rank makes it)
     result_tag: int
+    me: int  # this rank, in the pipeline group
+    # The stages on several ranks this rank holds: their holders, and the tag of their sums.
+    shared: Mapping[int, tuple[tuple[int, ...], int]]
+    losses_tag: int  # of the last stage's holders' losses (when it is on several ranks)
 
 
 class RowMail:
@@ -240,6 +244,38 @@ class RowMail:
             for handle in self.sends.pop(("act", key[1] - 1, key[2]), []):
                 torch.ops._c10d_functional.wait_tensor(handle)
         return value
+
+    def share(self, stage: int, partial: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        holders, tag = self.wire.shared[stage]
+        parts: list[list[torch.Tensor]] = []
+        for r in holders:
+            if r == self.wire.me:
+                parts.append(partial)
+                continue
+            self.sends["grad", stage, r] = self._send(partial, r, tag)
+            group = self.wire.group
+            received = [
+                torch.ops._c10d_functional.irecv(torch.empty_like(t), r, tag + n, group) for n, t in enumerate(partial)
+            ]
+            parts.append([torch.ops._c10d_functional.wait_tensor(t) for t in received])
+        return parts
+
+    def gather_losses(self, losses: Losses) -> Losses | None:
+        wire = self.wire
+        holders = wire.shared[max(wire.shared)][0]  # (the last stage's)
+        if wire.me != holders[0]:
+            # Its leaves as the eager message's flatten orders them (a dict's keys sorted): dynamo
+            # does not flatten a dict of int keys (optree's ``DictMetaData``).
+            leaves = [losses[0][i] for i in sorted(losses[0])]
+            leaves += [leaf for i in sorted(losses[1]) for leaf in flatten(losses[1][i])[0]]
+            self.sends["losses", 0, 0] = self._send(leaves, holders[0], wire.losses_tag)
+            return None
+        merged = tuple(dict(part) for part in losses)
+        for r in holders[1:]:
+            theirs = self._receive(wire.slots[("losses", max(wire.shared), 0)], r, wire.losses_tag)
+            for part, other in zip(merged, theirs):
+                part.update(other)
+        return merged  # type: ignore[return-value]
 
     def result(self, result: tuple[torch.Tensor, Any, Any] | None) -> tuple[torch.Tensor, Any, Any]:
         wire = self.wire
@@ -441,6 +477,13 @@ class CompiledRows:
                 result_to=tuple(r for r in range(program.num_ranks) if r != me) if me == holder else (),
                 result_from=None if me == holder else holder,
                 result_tag=_tag(("result", 0, 0), s, m),
+                me=me,
+                shared={
+                    t: (program.holders(t), _tag(("grad", t, 0), s, m))
+                    for t in program.stages_of(me)
+                    if len(program.holders(t)) > 1
+                },
+                losses_tag=_tag(("losses", s - 1, 0), s, m),
             )
             factory = self._factories[agreed] = _factory(wire)
         self._mails[signatures] = (factory, shapes)

@@ -204,15 +204,15 @@ def reduce_scattered(
     dp: DataParallel,
     grads: Sequence[PyTree],
     layouts: Mapping[int, StageLayout],
-    order: Sequence[tuple[int, Action]],
+    stages: Sequence[int],
     *,
     divide: bool = True,
 ) -> list[PyTree]:
     """A compiled row's full ``grads`` reduce-scattered into averaged shards (summed without
-    ``divide``), posted in the order ``ShardedStages`` posts them (each stage at its last
-    action), so that replicas that ran eagerly and compiled post the same collectives."""
-    ends = [s for _, done in segments(order) for s in done]
-    posted = [(s, ReduceScatter(dp, s, grads[s], layouts[s], divide=divide)) for s in ends]
+    ``divide``), posted for ``stages`` in the order given: the order ``ShardedStages`` posts them
+    (each stage at its last action), so that replicas that ran eagerly and compiled post the
+    same collectives."""
+    posted = [(s, ReduceScatter(dp, s, grads[s], layouts[s], divide=divide)) for s in stages]
     out: list[PyTree] = [None] * len(grads)
     for s, reduction in posted:
         out[s] = reduction.wait()

@@ -19,20 +19,15 @@ import fpipe
 from fpipe._compile import CompiledRun, compile_option
 from fpipe.schedules import Interleaved1F1B, OneFOneB
 from tests._multiprocess import run_ranks
-from tests.conformance import CONFORMANCE, shares_stages
+from tests.conformance import CONFORMANCE
 from tests.distributed._faults import SLACK
 from tests.helpers import MIXED_BATCH_DIMS, assert_bitwise, mixed_batch, mixed_loss, mixed_model
 
 pytestmark = pytest.mark.timeout(300)
 
-# Every 2-rank size of the conformance list whose stages each live on one rank.
-TWO_RANKS = {
-    f"{e.name}-{S}x{M}": (e.make(S, M), S)
-    for e in CONFORMANCE
-    for p, S, M in e.ranks
-    if p == 2 and not shares_stages(e.make(S, M), S)
-}
-QUICK = ("OneFOneB-2x5", "Interleaved1F1B-2-4x4", "ZeroBubbleV-4x4")  # (ZB-V: split backwards)
+# Every 2-rank size of the conformance list (DualPipe's stages each on both ranks).
+TWO_RANKS = {f"{e.name}-{S}x{M}": (e.make(S, M), S) for e in CONFORMANCE for p, S, M in e.ranks if p == 2}
+QUICK = ("OneFOneB-2x5", "Interleaved1F1B-2-4x4", "ZeroBubbleV-4x4", "DualPipe-2x4")  # (ZB-V: split backwards)
 # (sequence length, batch also on the last rank): the first call of each signature runs eagerly
 # and learns the layouts, the next ones are compiled; a new length is no new graph, the batch on
 # the last rank is (other messages) unless that rank holds the first stage too; the last call
@@ -258,7 +253,7 @@ def _composed(rank, world):
     # A stage that branches on its microbatch's size: rank 1's graph does not fit a larger batch
     # (a guard fails), so that call runs rank 1's row without a graph, with a warning, while
     # rank 0 runs its graph: the messages are the same (NOTE [compiled rows], point 1).
-    stages = [_first, _sized]
+    stages = [_first, _sized_stage([1])]
     compiled = fpipe.pipeline(_square, stages, OneFOneB(3), parallel=parallel, compile="aot_eager")
     eager = fpipe.pipeline(_square, stages, OneFOneB(3), parallel=parallel)
     for size in (6, 6, 12, 12):
@@ -272,9 +267,17 @@ def _composed(rank, world):
     return out
 
 
-def _sized(p, x):
-    y = torch.tanh(x @ p["w"])
-    return y * 2 if y.shape[0] > 2 else y
+def _sized_stage(layers):
+    """A stage over the parameters named by ``layers`` (ints in an f-string, as models name
+    theirs: constants in the graph, not dynamic ints) that branches on its microbatch's size."""
+
+    def sized(p, x):
+        y = x
+        for layer in layers:
+            y = torch.tanh(y @ p[f"w{layer}"[:1]])
+        return y * 2 if y.shape[0] > 2 else y
+
+    return sized
 
 
 def test_compiled_rows_compose_with_aux_token_weights_recompute_precision_and_draws():
