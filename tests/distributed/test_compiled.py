@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounter
 
 import fpipe
 from fpipe._compile import CompiledRun, compile_option
-from fpipe.schedules import Interleaved1F1B, OneFOneB
+from fpipe.schedules import DualPipe, Interleaved1F1B, OneFOneB
 from tests._multiprocess import run_ranks
 from tests.conformance import CONFORMANCE
 from tests.distributed._faults import SLACK
@@ -357,19 +357,27 @@ def test_compiled_rows_on_a_subgroup_address_pipeline_ranks():
 
 
 def _mesh(rank, world):
-    """dp 2 x pp 2: each replica's pipeline group a subgroup, replicas reducing after the graph."""
+    """dp 2 x pp 2: each replica's pipeline group a subgroup, replicas reducing after the graph:
+    interleaved 1F1B, and DualPipe (its stages on both pipeline ranks, their sums added before
+    the replicas' reduction) with replicated and with sharded parameters."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_default_dtype(torch.float64)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    stages, params = mixed_model(4)
-    options = {"batch_dims": MIXED_BATCH_DIMS, "parallel": fpipe.Parallelism(mesh=mesh, timeout=60)}
-    schedule = Interleaved1F1B(4)
-    compiled = fpipe.pipeline(mixed_loss, stages, schedule, compile="aot_eager", **options)
-    eager = fpipe.pipeline(mixed_loss, stages, schedule, **options)
-    params = [p if s in eager.local_stages else None for s, p in enumerate(params)]
-    batch = mixed_batch(5, seed=rank // 2 + 1) if 0 in eager.local_stages else None
-    return [(compiled(params, batch), eager(params, batch)) for _ in range(2)]
+    out = []
+    setups = ((Interleaved1F1B(4), 4, False), (DualPipe(4), 2, False), (DualPipe(4), 2, True))
+    for schedule, num_stages, shard in setups:
+        stages, params = mixed_model(num_stages)
+        parallel = fpipe.Parallelism(mesh=mesh, timeout=60, shard_params=shard)
+        options = {"batch_dims": MIXED_BATCH_DIMS, "parallel": parallel}
+        compiled = fpipe.pipeline(mixed_loss, stages, schedule, compile="aot_eager", **options)
+        eager = fpipe.pipeline(mixed_loss, stages, schedule, **options)
+        params = [p if s in eager.local_stages else None for s, p in enumerate(params)]
+        if shard:
+            params, _ = compiled.shard(params), eager.shard(params)
+        batch = mixed_batch(5, seed=rank // 2 + 1) if 0 in eager.local_stages else None
+        out += [(compiled(params, batch), eager(params, batch)) for _ in range(2)]
+    return out
 
 
 @pytest.mark.slow
