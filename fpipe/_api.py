@@ -114,8 +114,7 @@ def pipeline(
             each rank's row is one graph with its sends and receives inside it, its shapes
             dynamic (NOTE [compiled rows] in ``fpipe/_distributed/_compiled.py``); sharded
             parameters are gathered before it, and replicas reduce (or reduce-scatter) after
-            it; tensor and expert parallelism, ``regather`` and DualPipe's shared stages raise
-            ``NotImplementedError``. Random draws are counted from the key, stage and
+            it; tensor and expert parallelism and ``regather`` raise ``NotImplementedError``. Random draws are counted from the key, stage and
             microbatch (NOTE [counted draws] in ``fpipe/_random.py``: not the eager step's
             numbers). A step that cannot be traced (``.item()``, control flow on data in a
             stage, ``rand_like``) warns, naming the action, and runs eagerly (NOTE [the
