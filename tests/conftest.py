@@ -32,12 +32,12 @@ OPT_IN = {"slow": "--slow", "bench": "--bench"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (8 processes)")
+    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (many processes, Inductor)")
     parser.addoption("--bench", action="store_true", help="also run the benchmarks' smoke tests (marked bench)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the tests marked slow (more processes than CI's 4) unless pytest runs with --slow, and
+    """Skip the tests marked slow (many processes, Inductor's compiles, long runs) unless pytest runs with --slow, and
     those marked bench (the benchmarks run end to end in quick mode) unless it runs with --bench."""
     for marker, option in OPT_IN.items():
         if config.getoption(option):

@@ -212,6 +212,7 @@ def test_train_gpt_runs_unchanged_under_torchrun(gpt: ModuleType, tmp_path: Path
     assert f"loss {local[0]:.3f} -> {local[-1]:.3f}" in run.stdout, run.stdout
 
 
+@pytest.mark.slow  # (three 4-process torchrun runs: 30 s of the first command's 12 minutes)
 @pytest.mark.timeout(240)
 def test_train_gpt_tensor_parallel_under_torchrun_resumes_exactly(gpt: ModuleType, tmp_path: Path) -> None:
     """``torchrun --nproc-per-node 4 ... --tp 2`` (pp 2 x tp 2, bf16 on float32 master weights):
