@@ -114,11 +114,13 @@ def pipeline(
             each rank's row is one graph with its sends and receives inside it, its shapes
             dynamic (NOTE [compiled rows] in ``fpipe/_distributed/_compiled.py``); sharded
             parameters are gathered before it, and replicas reduce (or reduce-scatter) after
-            it; tensor and expert parallelism and ``regather`` raise ``NotImplementedError``. Random draws are counted from the key, stage and
-            microbatch (NOTE [counted draws] in ``fpipe/_random.py``: not the eager step's
-            numbers). A step that cannot be traced (``.item()``, control flow on data in a
-            stage, ``rand_like``) warns, naming the action, and runs eagerly (NOTE [the
-            compiled step] in ``fpipe/_compile.py``; notes/compile.md).
+            it; tensor-parallel stages compile where dynamo traces their DTensor code; expert
+            parallelism and ``regather`` raise ``NotImplementedError``. Random draws are
+            counted from the key, stage and microbatch (NOTE [counted draws] in
+            ``fpipe/_random.py``: not the eager step's numbers). A step that cannot be traced
+            (``.item()``, control flow on data in a stage, ``rand_like``) warns, naming the
+            action, and runs eagerly (NOTE [the compiled step] in ``fpipe/_compile.py``;
+            notes/compile.md).
         mesh: deprecated, the field of ``parallel``: accepted for one release with a
             ``DeprecationWarning`` (``parallel=fpipe.Parallelism(mesh=mesh, shard_params=True)``
             for ``mesh=mesh, shard_params=True``), as are the four below.
@@ -283,7 +285,6 @@ def _distributed_parts(topology: Topology | None, parallel: Parallelism, program
         name
         for name, present in (
             ("regathered sharded parameters", topology.data_group is not None and parallel.regather),
-            ("tensor parallelism", topology.tensor_group is not None),
             ("expert parallelism", topology.expert_group is not None),
         )
         if present

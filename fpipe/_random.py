@@ -258,8 +258,9 @@ class CountedDraws(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         counted = _COUNTED.get(func)
-        if counted is None or "generator" in kwargs or "out" in kwargs:  # (another's numbers: not ours to replace)
-            return func(*args, **kwargs)
+        subclass = bool(args) and type(args[0]) not in (torch.Tensor, torch.nn.Parameter) and torch.is_tensor(args[0])
+        if counted is None or subclass or "generator" in kwargs or "out" in kwargs:
+            return func(*args, **kwargs)  # (a DTensor's draws, or another's numbers: not ours to replace)
         self.draws += 1
         return counted(self, *args, **kwargs)
 

@@ -24,6 +24,7 @@ from ._pytree import PyTree, flatten, is_differentiable, unflatten
 from ._random import CountedDraws
 from ._run import Order, StepView
 from ._stage import StageFn
+from ._tensor_parallel import like_param
 from .schedules import Action
 from .schedules._action import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 
@@ -134,13 +135,14 @@ def first_draw() -> tuple[int, str] | None:
 
 def grads_like(params: Sequence[PyTree], sums: Sequence[Sequence[torch.Tensor | None]]) -> list[PyTree]:
     """Gradients shaped like ``params``: zeros where no microbatch reached a differentiable leaf,
-    ``None`` for other leaves (as ``StageRun.grads``)."""
+    ``None`` for other leaves, a DTensor's with its parameter's placements (as ``StageRun.grads``:
+    a replicated weight's partial sums are summed over the tensor-parallel ranks here)."""
     out = []
     for p, total in zip(params, sums):
         leaves, spec = flatten(p)
         grads: list[Any] = [None] * len(leaves)
         for k, g in zip([k for k, x in enumerate(leaves) if is_differentiable(x)], total):
-            grads[k] = torch.zeros_like(leaves[k]) if g is None else g
+            grads[k] = torch.zeros_like(leaves[k]) if g is None else like_param(g, leaves[k])
         out.append(unflatten(spec, grads))
     return out
 

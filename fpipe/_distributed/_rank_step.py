@@ -106,6 +106,9 @@ def run_distributed(
         if compiled is not None and not keep_outputs:
             out = _compiled_row(step, order, topology, wire, strategy, compiled, params, agreed)
         if out is not None:
+            if topology.tensor_group is not None:  # NOTE [a step ends together]
+                what = "the other tensor-parallel ranks at the end of the step"
+                meet(topology, topology.tensor_group, step.timeout, what)
             standing(topology, "the end of the step")
             return out
         record = None if compiled is None or keep_outputs else compiled.recorder(agreed.signatures, order)

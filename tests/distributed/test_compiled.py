@@ -332,6 +332,56 @@ def test_replicas_reduce_compiled_rows_as_the_eager_step_does_replicated_or_shar
             assert caught == [], caught
 
 
+def _tensor_parallel(rank, world):
+    """pp 1 x tp 2: column- then row-parallel weights and a replicated bias (its gradient a
+    ``Partial`` sum until the step's epilogue), compiled and eager, with the DTensor code inside
+    the graph; a stage that makes its DTensor with ``distribute_tensor`` cannot be traced (dynamo:
+    a pybind11 constructor) and warns."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    torch.set_default_dtype(torch.float64)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    full = {"w1": torch.randn(8, 8, generator=g), "w2": torch.randn(8, 8, generator=g)}
+    full["b"] = torch.randn(8, generator=g)
+    placements = {"w1": [Shard(1)], "w2": [Shard(0)], "b": [Replicate()]}
+    params = [{k: distribute_tensor(v, mesh["tp"], placements[k]) for k, v in full.items()}]
+
+    def stage(p, x, make=DTensor.from_local):
+        h = make(x["x"], p["w1"].device_mesh, [Replicate()])
+        y = torch.tanh(h @ p["w1"]) @ p["w2"] + p["b"]
+        return y.redistribute(placements=[Replicate()]).to_local()
+
+    def made(p, x):
+        return stage(p, x, make=distribute_tensor)
+
+    parallel = fpipe.Parallelism(mesh=mesh, timeout=60)
+    out = []
+    for fn in (stage, made):
+        compiled = fpipe.pipeline(_square, [fn], OneFOneB(2), parallel=parallel, compile="aot_eager")
+        eager = fpipe.pipeline(_square, [fn], OneFOneB(2), parallel=parallel)
+        for seed in (1, 2, 3):
+            h = torch.Generator().manual_seed(seed)
+            batch = {"x": torch.randn(4, 8, generator=h), "t": torch.randn(4, 8, generator=h)}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = compiled(params, batch)
+            out.append((result, eager(params, batch), [str(w.message) for w in caught]))
+    return out
+
+
+def test_tensor_parallel_stages_compile_where_dynamo_traces_their_dtensors():
+    for rank, calls in enumerate(run_ranks(2, _tensor_parallel, timeout=200)):
+        for call, (compiled, eager, caught) in enumerate(calls):
+            assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
+            if call < 3:
+                assert caught == [], caught
+            elif call > 3:  # (the first call learns the layouts, eagerly; dynamo warns too)
+                ours = [w for w in caught if w.startswith("fpipe")]
+                assert len(ours) == 1 and "action 0F0 (stage 0, microbatch 0) cannot be traced" in ours[0], caught
+
+
 def _subgroup(rank, world):
     """A pipeline over global ranks 1 and 2 (pipeline ranks 0 and 1): the graphs' sends and
     receives name pipeline ranks, not global ones; rank 0 only joins the group's creation."""
