@@ -114,8 +114,8 @@ def pipeline(
             each rank's row is one graph with its sends and receives inside it, its shapes
             dynamic (NOTE [compiled rows] in ``fpipe/_distributed/_compiled.py``); sharded
             parameters are gathered before it, and replicas reduce (or reduce-scatter) after
-            it; tensor-parallel stages compile where dynamo traces their DTensor code; expert
-            parallelism and ``regather`` raise ``NotImplementedError``. Random draws are
+            it; tensor- and expert-parallel stages compile where dynamo traces their code;
+            ``regather`` raises ``NotImplementedError``. Random draws are
             counted from the key, stage and microbatch (NOTE [counted draws] in
             ``fpipe/_random.py``: not the eager step's numbers). A step that cannot be traced
             (``.item()``, control flow on data in a stage, ``rand_like``) warns, naming the
@@ -281,15 +281,8 @@ def _distributed_parts(topology: Topology | None, parallel: Parallelism, program
     in one process, ``["nothing"]`` for a plain pipeline over a group."""
     if topology is None:
         return []
-    parts = [
-        name
-        for name, present in (
-            ("regathered sharded parameters", topology.data_group is not None and parallel.regather),
-            ("expert parallelism", topology.expert_group is not None),
-        )
-        if present
-    ]
-    return parts or ["nothing"]
+    regathered = topology.data_group is not None and parallel.regather
+    return ["regathered sharded parameters"] if regathered else ["nothing"]
 
 
 def _program(

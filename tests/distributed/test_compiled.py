@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from torch._dynamo.testing import CompileCounter
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import fpipe
 from fpipe._compile import CompiledRun, compile_option
@@ -21,7 +21,17 @@ from fpipe.schedules import DualPipe, Interleaved1F1B, OneFOneB
 from tests._multiprocess import run_ranks
 from tests.conformance import CONFORMANCE
 from tests.distributed._faults import SLACK
-from tests.helpers import MIXED_BATCH_DIMS, assert_bitwise, mixed_batch, mixed_loss, mixed_model
+from tests.helpers import (
+    MIXED_BATCH_DIMS,
+    assert_bitwise,
+    expert_batch,
+    expert_layer,
+    expert_loss,
+    expert_params,
+    mixed_batch,
+    mixed_loss,
+    mixed_model,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -380,6 +390,44 @@ def test_tensor_parallel_stages_compile_where_dynamo_traces_their_dtensors():
             elif call > 3:  # (the first call learns the layouts, eagerly; dynamo warns too)
                 ours = [w for w in caught if w.startswith("fpipe")]
                 assert len(ours) == 1 and "action 0F0 (stage 0, microbatch 0) cannot be traced" in ours[0], caught
+
+
+def _experts(rank, world):
+    """pp 1 x ep 2: ``fpipe.moe``'s expert layers, their all-to-alls (counts first, then rows)
+    inside the graph; each call's frames counted."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_default_dtype(torch.float64)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "ep"))
+
+    def run(p, x):
+        h = x["x"]
+        for layer in p:
+            h = expert_layer(layer, h)
+        return h
+
+    params = [[{"dense": p["dense"], "w": distribute_tensor(p["w"], mesh["ep"], [Shard(0)])} for p in expert_params(2)]]
+    parallel = fpipe.Parallelism(mesh=mesh, timeout=60)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = fpipe.pipeline(expert_loss, [run], OneFOneB(2), parallel=parallel, compile=counter)
+    eager = fpipe.pipeline(expert_loss, [run], OneFOneB(2), parallel=parallel)
+    out = []
+    for seed in (0, 1, 2):
+        batch = expert_batch(2 * seed + rank, 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = compiled(params, batch)
+        out.append((result, eager(params, batch), [str(w.message) for w in caught], counter.frame_count))
+    return out
+
+
+def test_expert_parallel_stages_compile_their_all_to_alls_into_the_graph():
+    for rank, calls in enumerate(run_ranks(2, _experts, timeout=200)):
+        for call, (compiled, eager, caught, frames) in enumerate(calls):
+            assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
+            assert caught == [], caught
+            assert frames == (0 if call == 0 else 1), frames  # (the first call learns the layouts)
 
 
 def _subgroup(rank, world):
