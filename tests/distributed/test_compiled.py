@@ -430,6 +430,62 @@ def test_expert_parallel_stages_compile_their_all_to_alls_into_the_graph():
             assert frames == (0 if call == 0 else 1), frames  # (the first call learns the layouts)
 
 
+def _wide(rank, world):
+    """pp 2 x tp 2 and pp 2 x ep 2: tensor- and expert-parallel stages on both pipeline ranks,
+    compiled and eager, the first call learning the layouts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    torch.set_default_dtype(torch.float64)
+    out = []
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    placements = {"w1": [Shard(1)], "w2": [Shard(0)], "b": [Replicate()]}
+    shapes = {"w1": (8, 8), "w2": (8, 8), "b": (8,)}
+    full = [{k: torch.randn(*shape, generator=g) for k, shape in shapes.items()} for _ in "ab"]
+
+    def parallel_mlp(p, x):
+        h = DTensor.from_local(x["x"] if isinstance(x, dict) else x, p["w1"].device_mesh, [Replicate()])
+        return (torch.tanh(h @ p["w1"]) @ p["w2"] + p["b"]).redistribute(placements=[Replicate()]).to_local()
+
+    parallel = fpipe.Parallelism(mesh=mesh, timeout=60)
+    compiled = fpipe.pipeline(_square, [parallel_mlp] * 2, OneFOneB(2), parallel=parallel, compile="aot_eager")
+    eager = fpipe.pipeline(_square, [parallel_mlp] * 2, OneFOneB(2), parallel=parallel)
+    params = [
+        {k: distribute_tensor(v, mesh["tp"], placements[k]) for k, v in p.items()} if s in eager.local_stages else None
+        for s, p in enumerate(full)
+    ]
+    for seed in (1, 2):
+        h = torch.Generator().manual_seed(seed)
+        batch = {"x": torch.randn(4, 8, generator=h), "t": torch.randn(4, 8, generator=h)}
+        out.append((compiled(params, batch if 0 in eager.local_stages else None), eager(params, batch)))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+
+    def experts(p, x):
+        h = x["x"] if isinstance(x, dict) else x
+        for layer in p:
+            h = expert_layer(layer, h)
+        return h
+
+    parallel = fpipe.Parallelism(mesh=mesh, timeout=60)
+    compiled = fpipe.pipeline(expert_loss, [experts] * 2, OneFOneB(2), parallel=parallel, compile="aot_eager")
+    eager = fpipe.pipeline(expert_loss, [experts] * 2, OneFOneB(2), parallel=parallel)
+    layers = expert_params(4)
+    held = [{"dense": p["dense"], "w": distribute_tensor(p["w"], mesh["ep"], [Shard(0)])} for p in layers]
+    params = [held[2 * s : 2 * s + 2] if s in eager.local_stages else None for s in range(2)]
+    for seed in (0, 1):
+        batch = expert_batch(2 * seed + mesh.get_coordinate()[1], 2) if 0 in eager.local_stages else None
+        out.append((compiled(params, batch), eager(params, batch)))
+    return out
+
+
+@pytest.mark.slow
+def test_tensor_and_expert_parallel_stages_compile_on_two_pipeline_ranks():
+    for rank, calls in enumerate(run_ranks(4, _wide, timeout=280)):
+        for call, (compiled, eager) in enumerate(calls):
+            assert_bitwise(compiled, eager, f"rank {rank}, call {call}")
+
+
 def _subgroup(rank, world):
     """A pipeline over global ranks 1 and 2 (pipeline ranks 0 and 1): the graphs' sends and
     receives name pipeline ranks, not global ones; rank 0 only joins the group's creation."""
